@@ -1,0 +1,161 @@
+"""Configuration of each pipeline stage, as small frozen dataclasses with the paper's defaults.
+
+The stages run in one direction — fit curvature → fit projection → ingest → query — and each
+takes only its own config. Values are validated in ``__post_init__`` so a bad value fails where
+it is set, with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Tuple
+
+from .errors import ConfigError
+
+SecondStage = Literal["pca", "srht", "none"]
+Precision = Literal["1bit", "fp16", "fp32"]
+
+#: Variant names used in the manifest and the CLI, mapped to the second stage they use.
+VARIANTS = {"eogp": "pca", "eogp-r": "srht", "ekfac-topk": "none"}
+
+
+def _positive(name: str, value: Optional[float], *, allow_none: bool = True) -> None:
+    if value is None:
+        if not allow_none:
+            raise ConfigError(f"{name} is required")
+        return
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CurvatureConfig:
+    """EK-FAC fitting (done by kronfluence) on a sample of the corpus.
+
+    Fisher statistics use labels sampled from the model's next-token distribution
+    (``sample=True`` in kronfluence's task), as the paper's Appendix C.2 prescribes.
+    """
+
+    num_examples: int = field(default=1000, metadata={"help": "Corpus examples used to fit the factors."})
+    batch_size: int = field(default=8, metadata={"help": "Examples per batch while fitting."})
+    damping_ratio: float = field(
+        default=0.1,
+        metadata={"help": "λ_u = damping_ratio · tr(Λ_u)/d_u (kronfluence's heuristic damping when 0.1)."},
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the example sample and the sampled labels."})
+
+    def __post_init__(self) -> None:
+        _positive("CurvatureConfig.num_examples", self.num_examples, allow_none=False)
+        _positive("CurvatureConfig.batch_size", self.batch_size, allow_none=False)
+        _positive("CurvatureConfig.damping_ratio", self.damping_ratio, allow_none=False)
+
+
+@dataclass(frozen=True)
+class ProjectionConfig:
+    """The two-stage projection of Section 3.2 and its output size per module.
+
+    Give either ``k`` (coordinates per module) or ``budget_kb`` (per-example storage in KiB,
+    split evenly over the modules). ``m`` is the first-stage width; ``None`` keeps
+    ``min(d_u, m_factor · k_u)`` EK-FAC axes.
+    """
+
+    variant: Literal["eogp", "eogp-r", "ekfac-topk"] = field(
+        default="eogp",
+        metadata={"help": "eogp: PCA second stage; eogp-r: SRHT; ekfac-topk: top-k EK-FAC axes (ablation)."},
+    )
+    k: Optional[int] = field(default=None, metadata={"help": "Output coordinates per module."})
+    budget_kb: Optional[float] = field(default=None, metadata={"help": "Per-example storage budget in KiB."})
+    m: Optional[int] = field(default=None, metadata={"help": "First-stage width per module (capped at d_u)."})
+    m_factor: int = field(default=8, metadata={"help": "m_u = min(d_u, m_factor·k_u) when m is not given."})
+    num_fit_examples: int = field(default=1000, metadata={"help": "Examples in the PCA fitting set."})
+    seed: int = field(default=0, metadata={"help": "Seed of the PCA fitting sample and the SRHT."})
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"ProjectionConfig.variant must be one of {sorted(VARIANTS)}, got {self.variant!r}")
+        if (self.k is None) == (self.budget_kb is None):
+            raise ConfigError("ProjectionConfig: give exactly one of k (coordinates per module) or budget_kb")
+        _positive("ProjectionConfig.k", self.k)
+        _positive("ProjectionConfig.budget_kb", self.budget_kb)
+        _positive("ProjectionConfig.m", self.m)
+        _positive("ProjectionConfig.m_factor", self.m_factor, allow_none=False)
+        _positive("ProjectionConfig.num_fit_examples", self.num_fit_examples, allow_none=False)
+
+    @property
+    def second_stage(self) -> SecondStage:
+        return VARIANTS[self.variant]  # type: ignore[return-value]
+
+    def dims(self, d: int, num_modules: int, precision: Precision) -> Tuple[int, int]:
+        """``(m_u, k_u)`` for a module of ``d`` parameters among ``num_modules``.
+
+        A budget is split evenly; a module too small for its share keeps ``k_u = d``
+        (the rest of its share is not moved to other modules).
+        """
+        k = self.k if self.k is not None else k_for_budget(self.budget_kb, num_modules, precision)
+        k = min(k, d)
+        if self.second_stage == "none":
+            m = k  # the ablation keeps the top-k EK-FAC axes themselves
+        elif self.m is not None:
+            m = min(self.m, d)
+        else:
+            m = min(d, self.m_factor * k)
+        if m < k:
+            raise ConfigError(f"ProjectionConfig: m={m} is smaller than k={k}; the first stage must keep m >= k axes")
+        return m, k
+
+
+def bytes_per_module(k: int, precision: Precision) -> int:
+    """Per-example bytes of one module: ⌈k/8⌉ + 2 in 1-bit mode (signs + FP16 scale)."""
+    if precision == "1bit":
+        return math.ceil(k / 8) + 2
+    return k * (2 if precision == "fp16" else 4)
+
+
+def k_for_budget(budget_kb: float, num_modules: int, precision: Precision) -> int:
+    """The largest uniform ``k`` whose per-example payload fits ``budget_kb`` KiB."""
+    per_module = int(budget_kb * 1024) // num_modules
+    if precision == "1bit":
+        k = 8 * (per_module - 2)
+    else:
+        k = per_module // (2 if precision == "fp16" else 4)
+    if k < 1:
+        raise ConfigError(
+            f"a budget of {budget_kb} KiB over {num_modules} modules leaves {per_module} bytes per module, "
+            f"too few for one coordinate in {precision} mode; raise --budget-kb or attribute fewer modules"
+        )
+    return k
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """How projected training coordinates are stored per example."""
+
+    precision: Precision = field(
+        default="1bit",
+        metadata={"help": "1bit: packed signs + FP16 scale (EOGP); fp16/fp32: unquantized, for comparisons."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("1bit", "fp16", "fp32"):
+            raise ConfigError(f"StorageConfig.precision must be '1bit', 'fp16' or 'fp32', got {self.precision!r}")
+
+
+@dataclass(frozen=True)
+class GradientConfig:
+    """Per-example gradient computation (training examples and queries alike)."""
+
+    batch_size: int = field(default=8, metadata={"help": "Examples per forward/backward pass."})
+    max_tokens: Optional[int] = field(default=None, metadata={"help": "Truncate examples to this many tokens."})
+    device: str = field(default="auto", metadata={"help": "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1'…"})
+
+    def __post_init__(self) -> None:
+        _positive("GradientConfig.batch_size", self.batch_size, allow_none=False)
+        _positive("GradientConfig.max_tokens", self.max_tokens)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,42 @@
+"""The errors eogp-index raises.
+
+Every message says what went wrong, where (a file, a line, a field, a module name) and how
+to fix it. Catch :class:`EOGPError` to handle all of them.
+"""
+
+from __future__ import annotations
+
+
+class EOGPError(Exception):
+    """Base class of every error eogp-index raises on purpose."""
+
+
+class ConfigError(EOGPError, ValueError):
+    """A configuration value is out of range or inconsistent with another."""
+
+
+class InputError(EOGPError, ValueError):
+    """Bad user data: a malformed record, a missing or mistyped field, an empty document.
+
+    ``location`` names the shard and line or row (``"data/train.jsonl:17"``) when known.
+    """
+
+    def __init__(self, message: str, *, location: str | None = None, reason: str | None = None):
+        self.location = location
+        self.reason = reason or message
+        super().__init__(f"{location}: {message}" if location else message)
+
+
+class ModelError(EOGPError):
+    """The model cannot be attributed as asked (no matching modules, unsupported layer)."""
+
+
+class IndexNotFoundError(EOGPError, FileNotFoundError):
+    """The index directory or one of its artifacts is missing."""
+
+
+class IncompatibleIndexError(EOGPError):
+    """The index was built for another model, projection or format version.
+
+    Scoring against it would return wrong numbers, so eogp-index refuses instead.
+    """

@@ -1,0 +1,112 @@
+"""Per-example gradients of the attributed modules, as Kronecker factors.
+
+For a linear module with input activations ``a_b`` ``(T, d_in')`` and output gradients
+``g_b`` ``(T, d_out)`` of example ``b``, the per-example weight gradient is
+``G_b = g_b^T a_b`` ``(d_out, d_in')``; ``d_in' = d_in + 1`` when the layer has a bias, whose
+gradient is the column of ones appended to ``a`` (kronfluence's convention). The dense ``G_b``
+is never needed: the projection consumes ``(a, g)`` directly.
+
+One backward pass of the batch's summed loss gives every example's own gradient, because in
+evaluation mode examples do not interact. Padding positions are masked out of ``a``; their
+output gradients are zero because no counted label depends on them.
+
+Module outputs are processed in backward hooks, as soon as their gradient exists, so only the
+projected coordinates of all modules are alive at once — not every module's activations.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .errors import ModelError
+from .task import per_example_loss
+
+#: ``transform(module_name, a (B, T, d_in') float32, g (B, T, d_out) float32) -> (B, ...)``
+Transform = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def dense_gradient(name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The per-example gradient itself, ``(B, d_out, d_in')``: a :data:`Transform` for tests."""
+    del name
+    return torch.einsum("bto,bti->boi", g, a)
+
+
+class GradientCapture:
+    """Hooks that hand each attributed module's ``(a, g)`` of a batch to a transform.
+
+    Example:
+        >>> capture = GradientCapture(model, ["transformer.h.0.mlp.c_fc"], dense_gradient)  # doctest: +SKIP
+        >>> outputs, losses = capture.run(batch)  # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module, modules: Sequence[str], transform: Transform):
+        self.model = model
+        self.modules = list(modules)
+        self.transform = transform
+        self._linears: Dict[str, nn.Linear] = {}
+        for name in self.modules:
+            module = model.get_submodule(name)
+            if not isinstance(module, nn.Linear):
+                raise ModelError(f"attributed module {name!r} is a {type(module).__name__}, not nn.Linear")
+            self._linears[name] = module
+
+    def run(self, batch: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+        """Forward and backward one batch.
+
+        Returns:
+            ``{module: transform(...)}`` and the per-example losses ``(B,)`` float32.
+        """
+        model = self.model
+        model.eval()
+        mask = batch["attention_mask"].unsqueeze(-1)
+        activations: Dict[str, torch.Tensor] = {}
+        results: Dict[str, torch.Tensor] = {}
+        handles: List[torch.utils.hooks.RemovableHandle] = []
+
+        def on_backward(name: str):
+            def hook(grad_output: torch.Tensor) -> None:
+                a = activations.pop(name)
+                g = grad_output.detach().float() * mask.to(grad_output.device, torch.float32)
+                results[name] = self.transform(name, a, g)
+
+            return hook
+
+        def on_forward(name: str):
+            def hook(module: nn.Linear, inputs, output: torch.Tensor) -> None:
+                a = inputs[0].detach().float() * mask.to(inputs[0].device, torch.float32)
+                if module.bias is not None:
+                    a = torch.cat([a, mask.to(a.device, a.dtype).expand(*a.shape[:-1], 1)], dim=-1)
+                activations[name] = a
+                if output.requires_grad:
+                    output.register_hook(on_backward(name))
+
+            return hook
+
+        def require_grad(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+            # Parameters stay frozen: the graph is rooted at the embeddings' output instead, so
+            # backward computes module-output gradients but no weight gradients.
+            return output.detach().requires_grad_(True)
+
+        embeddings = model.get_input_embeddings()
+        handles.append(embeddings.register_forward_hook(require_grad))
+        for name, module in self._linears.items():
+            handles.append(module.register_forward_hook(on_forward(name)))
+        try:
+            with torch.enable_grad():
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                losses = per_example_loss(logits, batch["labels"])
+                losses.sum().backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+            activations.clear()
+        missing = [n for n in self.modules if n not in results]
+        if missing:
+            raise ModelError(
+                f"modules {missing[:4]} received no gradient: they do not influence the loss "
+                "(check the module names and that the batch has counted labels)"
+            )
+        return {n: results[n] for n in self.modules}, losses.detach()

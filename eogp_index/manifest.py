@@ -1,0 +1,142 @@
+"""The index manifest: what the stored rows mean, versioned and validated (schemas/).
+
+An index answers queries only from the model and projection it was built with: the manifest
+records the model's weight hash and the projection file's hash, and :func:`check_compatible`
+refuses anything else rather than return wrong scores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .errors import IncompatibleIndexError, IndexNotFoundError
+
+FORMAT = "eogp-index"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+PROJECTION_FILE = "projection.safetensors"
+TABLE_NAME = "examples"
+
+
+def model_sha256(model: nn.Module) -> str:
+    """SHA-256 over the state dict as loaded: sorted names, dtypes, shapes and bytes.
+
+    Computed before eogp-index swaps GPT-2's ``Conv1D`` layers, so the same checkpoint always
+    hashes the same.
+    """
+    digest = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ModuleEntry:
+    name: str
+    d_out: int
+    d_in: int
+    m: int
+    k: int
+    damping: float
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed ``manifest.json`` (see ``schemas/manifest.schema.json``)."""
+
+    model: Dict[str, Any]
+    projection: Dict[str, Any]
+    modules: List[ModuleEntry]
+    precision: str
+    damping_ratio: float
+    bytes_per_example: int
+    curvature: Dict[str, Any]
+    max_tokens: Optional[int] = None
+    table: str = TABLE_NAME
+    created_by: str = ""
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def k(self) -> tuple[int, ...]:
+        return tuple(m.k for m in self.modules)
+
+    @property
+    def module_names(self) -> List[str]:
+        return [m.name for m in self.modules]
+
+    def to_json(self) -> Dict[str, Any]:
+        data = asdict(self)
+        data["modules"] = [asdict(m) for m in self.modules]
+        return data
+
+    def save(self, index_dir: Path) -> None:
+        data = self.to_json()
+        validate(data, source=Path(index_dir) / MANIFEST_FILE)
+        path = Path(index_dir) / MANIFEST_FILE
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(path)  # atomic: a reader never sees half a manifest
+
+    @classmethod
+    def load(cls, index_dir: Path) -> "Manifest":
+        path = Path(index_dir) / MANIFEST_FILE
+        if not path.exists():
+            raise IndexNotFoundError(
+                f"{path} not found: {index_dir} is not an eogp index (create one with `eogp fit`)"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise IncompatibleIndexError(f"{path}: not valid JSON ({exc})") from exc
+        if data.get("format") != FORMAT:
+            raise IncompatibleIndexError(f"{path}: not an eogp-index manifest (format={data.get('format')!r})")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise IncompatibleIndexError(
+                f"{path}: format version {data.get('format_version')} but this eogp-index reads version "
+                f"{FORMAT_VERSION}; rebuild the index or install a matching eogp-index"
+            )
+        validate(data, source=path)
+        data = dict(data)
+        data["modules"] = [ModuleEntry(**m) for m in data["modules"]]
+        return cls(**data)
+
+
+def validate(data: Dict[str, Any], *, source: Path) -> None:
+    """Validate a manifest dict against the JSON Schema shipped in ``schemas/``."""
+    import jsonschema
+
+    schema = json.loads(resources.files("eogp_index.schemas").joinpath("manifest.schema.json").read_text())
+    try:
+        jsonschema.validate(data, schema)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise IncompatibleIndexError(f"{source}: manifest field {where}: {exc.message}") from exc
+
+
+def check_compatible(manifest: Manifest, *, model_hash: Optional[str] = None, projection_hash: Optional[str] = None,
+                     where: str = "this index") -> None:
+    """Refuse a model or projection other than the one the index was built with."""
+    if model_hash is not None and model_hash != manifest.model["weights_sha256"]:
+        raise IncompatibleIndexError(
+            f"{where} was built for model {manifest.model['name']!r} (weights sha256 "
+            f"{manifest.model['weights_sha256'][:12]}…) but the model given hashes to {model_hash[:12]}…; "
+            "scores would be wrong. Load the model the index was built with, or build a new index."
+        )
+    if projection_hash is not None and projection_hash != manifest.projection["sha256"]:
+        raise IncompatibleIndexError(
+            f"{where}: the projection file's sha256 {projection_hash[:12]}… differs from the manifest's "
+            f"{manifest.projection['sha256'][:12]}…; the projection was changed after the rows were stored. "
+            "Rebuild the index."
+        )

@@ -1,0 +1,96 @@
+"""Which layers are attributed, and how they are made trackable.
+
+The paper attributes the attention and MLP linear layers (biases included) and excludes
+embeddings, the LM head and normalisation layers. kronfluence tracks ``nn.Linear`` only, so
+GPT-2's ``Conv1D`` layers (a linear layer with a transposed weight) are swapped for
+``nn.Linear`` layers holding the same numbers: the model's outputs do not change.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .errors import ModelError
+
+# Llama / OLMo / Mistral / Qwen projections, GPT-2 / GPT-J / GPT-NeoX names.
+_DEFAULT_LEAF_NAMES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "c_attn", "c_proj", "c_fc", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
+    "fc_in", "fc_out", "out_proj", "qkv_proj", "gate_up_proj", "fc1", "fc2", "wq", "wk", "wv", "wo",
+)
+
+
+def replace_conv1d(model: nn.Module) -> int:
+    """Swap every transformers ``Conv1D`` for an equivalent ``nn.Linear`` in place.
+
+    ``Conv1D`` computes ``x @ W + b`` with ``W`` of shape ``(in, out)``; ``nn.Linear`` holds
+    ``W.T``. Returns the number of layers swapped.
+    """
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return 0
+    swapped = 0
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, Conv1D):
+                in_features, out_features = child.weight.shape
+                linear = nn.Linear(in_features, out_features, bias=child.bias is not None)
+                linear.to(device=child.weight.device, dtype=child.weight.dtype)
+                with torch.no_grad():
+                    linear.weight.copy_(child.weight.t())
+                    if child.bias is not None:
+                        linear.bias.copy_(child.bias)
+                setattr(parent, child_name, linear)
+                swapped += 1
+    return swapped
+
+
+def find_attributed_modules(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> List[str]:
+    """Names of the linear layers to attribute, in model order.
+
+    Args:
+        model: a model whose ``Conv1D`` layers were already replaced (:func:`replace_conv1d`).
+        patterns: optional module names or shell-style patterns (``"*.mlp.*"``); ``None`` picks
+            the attention and MLP linear layers inside the model's blocks.
+
+    Raises:
+        ModelError: no linear layer matches.
+    """
+    output_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear_names = [
+        name for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not output_head
+    ]
+    if patterns:
+        chosen = [n for n in linear_names if any(n == p or fnmatch.fnmatchcase(n, p) for p in patterns)]
+        missing = [p for p in patterns if not any(n == p or fnmatch.fnmatchcase(n, p) for n in linear_names)]
+        if missing:
+            raise ModelError(
+                f"no nn.Linear module matches {missing}; the model's linear modules are "
+                f"{linear_names[:8]}{' …' if len(linear_names) > 8 else ''}"
+            )
+        return chosen
+    # Default: linear layers inside a repeated block (…​.h.3.… / ….layers.3.…) whose leaf name is a
+    # known attention/MLP projection. The numeric path component is what marks a block.
+    block = re.compile(r"\.\d+\.")
+    chosen = [n for n in linear_names if block.search(n) and n.rsplit(".", 1)[-1] in _DEFAULT_LEAF_NAMES]
+    if not chosen:
+        raise ModelError(
+            "found no attention/MLP linear layers to attribute; name them explicitly "
+            f"(--module / modules=[...]); the model's linear modules are {linear_names[:8]}"
+        )
+    return chosen
+
+
+def module_shape(model: nn.Module, name: str) -> tuple[int, int]:
+    """``(d_out, d_in')`` of a module's gradient: ``d_in' = in_features + 1`` with a bias."""
+    module = model.get_submodule(name)
+    if not isinstance(module, nn.Linear):
+        raise ModelError(f"module {name!r} is a {type(module).__name__}, not nn.Linear")
+    return module.out_features, module.in_features + (1 if module.bias is not None else 0)

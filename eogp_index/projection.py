@@ -1,0 +1,311 @@
+"""Stage 2: the two-stage projection of Section 3.2 (and Appendix B).
+
+First stage, per module ``u``: the gradient in the Kronecker eigenbasis ``Q_S^T G Q_A``,
+restricted to the ``m_u`` coordinates with the largest corrected eigenvalues and half-whitened
+by ``(Λ + λ_u)^{-1/2}``. It is computed from the factors ``(a, g)`` as
+``(g Q_S)[:, rows]^T (a Q_A)[:, cols]`` over only the rows and columns the kept coordinates
+touch: no dense ``d × m`` matrix, no dense per-example gradient when ``m_u < d_u``.
+
+Second stage: ``P^T z`` with ``P`` the top-``k_u`` uncentered principal directions of the
+first-stage coordinates of a fitting set (EOGP); an SRHT (EOGP-R); or nothing (the
+``ekfac-topk`` ablation, ``k_u = m_u``).
+
+Everything shared across examples and queries is saved in one safetensors file whose SHA-256
+identifies the projection in the index manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import ProjectionConfig, SecondStage, StorageConfig
+from .curvature import ModuleCurvature
+from .errors import ConfigError, IncompatibleIndexError, IndexNotFoundError
+
+PROJECTION_FORMAT_VERSION = 1
+
+
+@dataclass
+class ModuleProjection:
+    """The fitted projection of one module.
+
+    Attributes:
+        shape: ``(d_out, d_in')`` of the module's gradient.
+        activation_eigenvectors: ``Q_A[:, cols]``, ``(d_in', c)`` float32 — only the columns used.
+        gradient_eigenvectors: ``Q_S[:, rows]``, ``(d_out, r)`` float32 — only the columns used.
+        local_index: ``(m,)`` int64 positions of the kept coordinates in the ``(r, c)`` block,
+            ordered by decreasing corrected eigenvalue.
+        whiten: ``(m,)`` float32, ``(Λ_m + λ_u)^{-1/2}``.
+        second_stage: ``"pca"`` (``pca`` is ``(m, k)``), ``"srht"`` (``srht_signs`` ``(m,)``,
+            ``srht_rows`` ``(k,)``) or ``"none"``.
+        damping: ``λ_u``.
+    """
+
+    shape: tuple[int, int]
+    activation_eigenvectors: torch.Tensor
+    gradient_eigenvectors: torch.Tensor
+    local_index: torch.Tensor
+    whiten: torch.Tensor
+    damping: float
+    second_stage: SecondStage
+    k: int
+    pca: Optional[torch.Tensor] = None
+    srht_signs: Optional[torch.Tensor] = None
+    srht_rows: Optional[torch.Tensor] = None
+
+    @property
+    def m(self) -> int:
+        return int(self.local_index.numel())
+
+    def first_stage(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Half-whitened top-``m`` EK-FAC coordinates, ``(B, m)`` float32.
+
+        Args:
+            a: ``(B, T, d_in')`` activations; g: ``(B, T, d_out)`` output gradients.
+        """
+        q_a = self.activation_eigenvectors.to(a.device)
+        q_s = self.gradient_eigenvectors.to(g.device)
+        block = torch.einsum("btr,btc->brc", g @ q_s, a @ q_a)  # (B, r, c) in the eigenbasis
+        kept = block.reshape(block.shape[0], -1)[:, self.local_index.to(a.device)]
+        return kept * self.whiten.to(a.device)
+
+    def half_whiten(self, rotated: torch.Tensor) -> torch.Tensor:
+        """Select and whiten from a dense eigenbasis gradient ``(B, r, c)`` (reference path)."""
+        return rotated.reshape(rotated.shape[0], -1)[:, self.local_index] * self.whiten
+
+    def second(self, z: torch.Tensor) -> torch.Tensor:
+        """``(B, m)`` first-stage coordinates → ``(B, k)`` final coordinates."""
+        if self.second_stage == "pca":
+            return z @ self.pca.to(z.device)
+        if self.second_stage == "srht":
+            return srht_apply(z, self.srht_signs.to(z.device), self.srht_rows.to(z.device))
+        return z
+
+    def project(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``(B, k)`` float32 coordinates of a batch."""
+        return self.second(self.first_stage(a, g))
+
+
+def first_stage_from_curvature(curvature: ModuleCurvature, m: int, damping_ratio: float) -> ModuleProjection:
+    """Keep the ``m`` EK-FAC directions with the largest corrected eigenvalues.
+
+    Ties are broken by position (a stable sort) so that the same factors always give the same
+    projection.
+    """
+    d_out, d_in = curvature.shape
+    eigenvalues = curvature.eigenvalues.reshape(-1)
+    order = torch.sort(eigenvalues, descending=True, stable=True).indices[:m]
+    rows_of, cols_of = order // d_in, order % d_in
+    rows, row_pos = torch.unique(rows_of, return_inverse=True)
+    cols, col_pos = torch.unique(cols_of, return_inverse=True)
+    damping = curvature.damping(damping_ratio)
+    whiten = (eigenvalues[order].double() + damping).rsqrt().float()
+    return ModuleProjection(
+        shape=(d_out, d_in),
+        activation_eigenvectors=curvature.activation_eigenvectors[:, cols].contiguous(),
+        gradient_eigenvectors=curvature.gradient_eigenvectors[:, rows].contiguous(),
+        local_index=(row_pos * cols.numel() + col_pos).long(),
+        whiten=whiten,
+        damping=damping,
+        second_stage="none",
+        k=m,
+    )
+
+
+def fit_pca(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-``k`` uncentered principal directions of the rows of ``z``, ``(m, k)`` float32.
+
+    With fewer rows than columns the directions come from the ``n × n`` Gram matrix
+    (``Z Z^T = U W U^T`` ⇒ ``P = Z^T U W^{-1/2}``), never an ``m × m`` matrix.
+
+    Raises:
+        ConfigError: the fitting set spans fewer than ``k`` directions.
+    """
+    z = z.double()
+    n, m = z.shape
+    if n < m:
+        weights, vectors = torch.linalg.eigh(z @ z.T)
+        weights, vectors = weights.flip(0)[:k], vectors.flip(1)[:, :k]
+        rank = int((weights > weights[0] * 1e-10).sum()) if weights.numel() else 0
+        if rank < k:
+            raise ConfigError(
+                f"the PCA fitting set spans only {rank} directions but k={k} were asked for; "
+                "fit on more examples (num_fit_examples) or lower k"
+            )
+        directions = (z.T @ vectors) / weights.sqrt()
+    else:
+        weights, vectors = torch.linalg.eigh(z.T @ z)
+        directions = vectors.flip(1)[:, :k]
+    return directions.float().contiguous()
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised Walsh–Hadamard transform over the last axis (length a power of two)."""
+    *batch, p = x.shape
+    h = 1
+    y = x.reshape(-1, p)
+    while h < p:
+        y = y.view(-1, p // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        h *= 2
+    return y.reshape(*batch, p)
+
+
+def srht_apply(z: torch.Tensor, signs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``S z`` with ``S = sqrt(p/k) R H_p D J`` and ``H_p`` orthonormal (Appendix B.2)."""
+    m = z.shape[-1]
+    p = 1 << max(0, math.ceil(math.log2(m)))
+    padded = torch.nn.functional.pad(z * signs, (0, p - m))
+    # sqrt(p/k) · (1/sqrt(p)) · H_unnormalised = H_unnormalised / sqrt(k)
+    return fwht(padded)[..., rows] / math.sqrt(rows.numel())
+
+
+def make_srht(m: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random signs ``(m,)`` and ``k`` sorted distinct rows of the padded width."""
+    p = 1 << max(0, math.ceil(math.log2(m)))
+    if k > p:
+        raise ConfigError(f"SRHT cannot output k={k} coordinates from a padded width of {p}; lower k")
+    signs = torch.randint(0, 2, (m,), generator=generator).float() * 2 - 1
+    rows = torch.randperm(p, generator=generator)[:k].sort().values
+    return signs, rows
+
+
+class Projection:
+    """The ordered per-module projections of an index, with their on-disk format."""
+
+    def __init__(self, modules: Dict[str, ModuleProjection], *, config: ProjectionConfig, damping_ratio: float):
+        self.modules = modules
+        self.config = config
+        self.damping_ratio = damping_ratio
+
+    @property
+    def names(self) -> List[str]:
+        return list(self.modules)
+
+    @property
+    def k(self) -> tuple[int, ...]:
+        return tuple(p.k for p in self.modules.values())
+
+    @property
+    def m(self) -> tuple[int, ...]:
+        return tuple(p.m for p in self.modules.values())
+
+    def transform(self, name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """A :data:`~eogp_index.gradients.Transform` giving the final coordinates."""
+        return self.modules[name].project(a, g)
+
+    def first_stage_transform(self, name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return self.modules[name].first_stage(a, g)
+
+    # -- on disk -----------------------------------------------------------------------------
+    def save(self, path: Path) -> str:
+        """Write the projection as safetensors; return the file's SHA-256 (its identity)."""
+        tensors: Dict[str, torch.Tensor] = {}
+        modules_meta = []
+        for name, p in self.modules.items():
+            tensors[f"{name}/activation_eigenvectors"] = p.activation_eigenvectors.contiguous()
+            tensors[f"{name}/gradient_eigenvectors"] = p.gradient_eigenvectors.contiguous()
+            tensors[f"{name}/local_index"] = p.local_index.contiguous()
+            tensors[f"{name}/whiten"] = p.whiten.contiguous()
+            if p.pca is not None:
+                tensors[f"{name}/pca"] = p.pca.contiguous()
+            if p.srht_signs is not None:
+                tensors[f"{name}/srht_signs"] = p.srht_signs.contiguous()
+                tensors[f"{name}/srht_rows"] = p.srht_rows.contiguous()
+            modules_meta.append({"name": name, "shape": list(p.shape), "m": p.m, "k": p.k, "damping": p.damping,
+                                 "second_stage": p.second_stage})
+        metadata = {
+            "format": "eogp-projection",
+            "format_version": str(PROJECTION_FORMAT_VERSION),
+            "variant": self.config.variant,
+            "damping_ratio": repr(self.damping_ratio),
+            "config": json.dumps(self.config.__dict__),
+            "modules": json.dumps(modules_meta),
+        }
+        save_file(tensors, str(path), metadata=metadata)
+        return file_sha256(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "Projection":
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.exists():
+            raise IndexNotFoundError(f"projection file {path} is missing; the index was not fitted (eogp fit)")
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        if metadata.get("format") != "eogp-projection":
+            raise IncompatibleIndexError(f"{path} is not an eogp projection file")
+        version = int(metadata.get("format_version", "0"))
+        if version != PROJECTION_FORMAT_VERSION:
+            raise IncompatibleIndexError(
+                f"{path} has projection format version {version}; this eogp-index reads version "
+                f"{PROJECTION_FORMAT_VERSION}. Refit the index with this version."
+            )
+        tensors = load_file(str(path))
+        modules = {}
+        for meta in json.loads(metadata["modules"]):
+            name = meta["name"]
+            modules[name] = ModuleProjection(
+                shape=tuple(meta["shape"]),
+                activation_eigenvectors=tensors[f"{name}/activation_eigenvectors"],
+                gradient_eigenvectors=tensors[f"{name}/gradient_eigenvectors"],
+                local_index=tensors[f"{name}/local_index"],
+                whiten=tensors[f"{name}/whiten"],
+                damping=float(meta["damping"]),
+                second_stage=meta["second_stage"],
+                k=int(meta["k"]),
+                pca=tensors.get(f"{name}/pca"),
+                srht_signs=tensors.get(f"{name}/srht_signs"),
+                srht_rows=tensors.get(f"{name}/srht_rows"),
+            )
+        config = ProjectionConfig(**json.loads(metadata["config"]))
+        return cls(modules, config=config, damping_ratio=float(metadata["damping_ratio"]))
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build_projection(
+    curvature: Dict[str, ModuleCurvature],
+    config: ProjectionConfig,
+    storage: StorageConfig,
+    *,
+    damping_ratio: float = 0.1,
+) -> Projection:
+    """Choose ``(m_u, k_u)`` per module, build the first stages and draw the SRHTs.
+
+    For EOGP the PCA matrices are fitted afterwards by :func:`fit_second_stage_pca`, from
+    first-stage coordinates computed with the stages built here.
+    """
+    modules = {}
+    generator = torch.Generator().manual_seed(config.seed)
+    for name, curv in curvature.items():
+        m, k = config.dims(curv.num_params, len(curvature), storage.precision)
+        proj = first_stage_from_curvature(curv, m, damping_ratio)
+        proj.k = k
+        proj.second_stage = config.second_stage
+        if config.second_stage == "srht":
+            proj.srht_signs, proj.srht_rows = make_srht(m, k, generator)
+        modules[name] = proj
+    return Projection(modules, config=config, damping_ratio=damping_ratio)
+
+
+def fit_second_stage_pca(projection: Projection, first_stage: Dict[str, Sequence[torch.Tensor]]) -> None:
+    """Fit every module's ``P`` from its cached first-stage coordinates (list of ``(B, m)``)."""
+    for name, proj in projection.modules.items():
+        z = torch.cat([t.cpu() for t in first_stage[name]], dim=0)
+        proj.pca = fit_pca(z, proj.k)

@@ -1,0 +1,178 @@
+"""Stage 4: the LanceDB table of stored examples (the system of record).
+
+One row per training example (schemas/store.md):
+
+=================  ==========================================  =================================
+column             type                                        meaning
+=================  ==========================================  =================================
+id                 string                                      unique example id
+signs              fixed_size_list<uint8>[Σ⌈k_u/8⌉]             packed signs (1-bit precision)
+scales             fixed_size_list<float16>[U]                 per-module scales (1-bit)
+coords             fixed_size_list<float16|float32>[Σk_u]      coordinates (fp16/fp32 precision)
+shard              string                                      source shard name
+position           int64                                       line/row in the shard
+num_tokens         int32                                       tokens after truncation
+num_loss_tokens    int32                                       tokens that count in the loss
+truncated          bool                                        cut to ``max_tokens``
+(metadata)         as brought by the user                      typed, usable in SQL filters
+=================  ==========================================  =================================
+
+Each :meth:`Store.add` is one Lance commit, so a reader sees a batch entirely or not at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import InputError
+from .quantization import Encoded, SignLayout
+
+RESERVED_COLUMNS = ("id", "signs", "scales", "coords", "shard", "position", "num_tokens", "num_loss_tokens",
+                    "truncated")
+CODE_COLUMNS = ("signs", "scales", "coords")
+
+
+@dataclass(frozen=True)
+class RowInfo:
+    """Bookkeeping columns of a batch of examples, in row order."""
+
+    ids: Sequence[str]
+    shards: Sequence[str]
+    positions: Sequence[int]
+    num_tokens: Sequence[int]
+    num_loss_tokens: Sequence[int]
+    truncated: Sequence[bool]
+    metadata: Sequence[Dict[str, Any]]
+
+
+def fixed_size_list(values: np.ndarray) -> pa.FixedSizeListArray:
+    """``(n, w)`` array → ``fixed_size_list<dtype>[w]`` without copying row by row."""
+    values = np.ascontiguousarray(values)
+    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
+
+
+def list_column_to_numpy(column: pa.ChunkedArray | pa.Array, width: int, dtype) -> np.ndarray:
+    """A ``fixed_size_list`` column → ``(n, width)`` numpy array (one copy at most)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    flat = column.flatten() if column.offset else column.values
+    return flat.to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(-1, width)
+
+
+def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] = None) -> pa.Table:
+    """Assemble an Arrow table for :meth:`Store.add`.
+
+    Metadata values become typed columns; with ``schema`` (the table's, once it exists) they are
+    cast to it, and a value that does not fit raises :class:`InputError` naming the field.
+    """
+    columns: Dict[str, pa.Array] = {"id": pa.array(list(info.ids), pa.string())}
+    if encoded.signs is not None:
+        columns["signs"] = fixed_size_list(encoded.signs.astype(np.uint8, copy=False))
+        columns["scales"] = fixed_size_list(encoded.scales.astype(np.float16, copy=False))
+    else:
+        columns["coords"] = fixed_size_list(encoded.coords)
+    columns["shard"] = pa.array(list(info.shards), pa.string())
+    columns["position"] = pa.array(list(info.positions), pa.int64())
+    columns["num_tokens"] = pa.array(list(info.num_tokens), pa.int32())
+    columns["num_loss_tokens"] = pa.array(list(info.num_loss_tokens), pa.int32())
+    columns["truncated"] = pa.array(list(info.truncated), pa.bool_())
+    fields = sorted({key for row in info.metadata for key in row})
+    for name in fields:
+        if name in RESERVED_COLUMNS:
+            raise InputError(f"metadata field {name!r} clashes with a reserved column; rename it", reason="reserved")
+        values = [row.get(name) for row in info.metadata]
+        target = schema.field(name).type if schema is not None and name in schema.names else None
+        try:
+            columns[name] = pa.array(values, type=target)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise InputError(
+                f"metadata field {name!r} has values that do not fit column type {target or 'inferred'}: {exc}",
+                reason=f"metadata type mismatch in {name!r}",
+            ) from exc
+    table = pa.table(columns)
+    if schema is not None:
+        missing = [f.name for f in schema if f.name not in table.column_names]
+        for name in missing:  # a metadata column absent from this batch: null, typed as the table's
+            table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
+        extra = [n for n in table.column_names if n not in schema.names]
+        if extra:
+            raise InputError(
+                f"metadata fields {extra} are not columns of the existing table (its columns: {schema.names}); "
+                "ingest with the same metadata fields as before",
+                reason="new metadata fields",
+            )
+        table = table.select(schema.names)
+    return table
+
+
+class Store:
+    """The LanceDB table of an index.
+
+    Args:
+        uri: a LanceDB URI (a local directory or an object-store URI LanceDB supports).
+        table_name: the table's name inside it.
+    """
+
+    def __init__(self, uri: str | Path, table_name: str = "examples"):
+        import lancedb
+
+        self.uri = str(uri)
+        self.table_name = table_name
+        self._db = lancedb.connect(self.uri)
+        self._table = None
+
+    @property
+    def table(self):
+        """The LanceDB table, or ``None`` before the first row is stored."""
+        if self._table is None and self.table_name in self._db.table_names():
+            self._table = self._db.open_table(self.table_name)
+        return self._table
+
+    def add(self, rows: pa.Table) -> int:
+        """Append rows in one commit; returns the table version after it."""
+        if self.table is None:
+            self._table = self._db.create_table(self.table_name, rows, mode="create", exist_ok=False)
+        else:
+            self._table.add(rows)
+        return self._table.version
+
+    @property
+    def schema(self) -> Optional[pa.Schema]:
+        return self.table.schema if self.table is not None else None
+
+    def count(self, where: Optional[str] = None) -> int:
+        if self.table is None:
+            return 0
+        return self.table.count_rows(where) if where else self.table.count_rows()
+
+    @property
+    def version(self) -> int:
+        return self.table.version if self.table is not None else 0
+
+    def metadata_columns(self) -> List[str]:
+        if self.table is None:
+            return []
+        return [name for name in self.table.schema.names if name not in CODE_COLUMNS]
+
+    def existing_ids(self, where: Optional[str] = None) -> set[str]:
+        """Ids already stored (optionally of the rows matching ``where``)."""
+        if self.table is None:
+            return set()
+        ids = self.dataset().to_table(columns=["id"], filter=where).column("id")
+        return set(ids.to_pylist())
+
+    def dataset(self):
+        """The pylance dataset behind the table, at its latest version."""
+        self.table.checkout_latest()
+        return self.table.to_lance()
+
+    def read(self, columns: Sequence[str], where: Optional[str] = None) -> pa.Table:
+        """Read ``columns`` of the rows matching the SQL filter ``where`` (all rows if None)."""
+        if self.table is None:
+            return pa.table({c: pa.array([]) for c in columns})
+        return self.dataset().to_table(columns=list(columns), filter=where)

@@ -1,0 +1,392 @@
+"""Shard readers: find corpus shards and read their raw records, one at a time.
+
+A *shard* is one file or one dataset directory of training documents. This module turns the
+shard patterns a user passes into concrete paths (:func:`expand_shards`), names them in a way
+that is stable across machines (:func:`shard_names`), and streams their records
+(:func:`iter_raw_records`) without loading a whole shard into memory. Turning records into
+token ids is :mod:`ingest.records`' job.
+
+Supported formats (decided by the file name, see :func:`detect_format`):
+
+* JSON Lines: ``.jsonl``, ``.json`` (one JSON object per line, *not* a JSON array), ``.ndjson``,
+  each optionally compressed: ``.gz`` (gzip) or ``.zst`` / ``.zstd`` (Zstandard, multi-frame ok).
+* Parquet: ``.parquet``, read with pyarrow one record batch at a time.
+* A directory written by Hugging Face ``datasets.Dataset.save_to_disk``. A directory written
+  by ``DatasetDict.save_to_disk`` must be given with a split: ``path/to/dir::train``.
+
+Positions and locations:
+
+* ``position`` is 0-based: the line index for JSON Lines (blank lines are skipped but still
+  counted, so ``position`` is always the physical line index), the row index for Parquet and
+  Hugging Face datasets.
+* A *location* (what error messages show, :func:`location_of`) is ``"<shard>:<line>"`` with a
+  **1-based** line number for JSON Lines, as editors and ``sed -n`` show it, and
+  ``"<shard>:row <position>"`` with the 0-based row index for Parquet and datasets directories,
+  as pyarrow and ``datasets`` index them.
+
+Errors: a malformed JSON line (invalid JSON, invalid UTF-8, a JSON value that is not an
+object) does not stop reading: the reader yields a :class:`ParseError` for that position and
+goes on. Problems with a whole shard (missing, unsupported format, corrupt compression,
+unreadable Parquet, a ``DatasetDict`` without a split) raise :class:`~eogp_index.errors.InputError`.
+
+Fields whose value is JSON ``null`` / Arrow null are passed through as ``None``; the record
+layer treats them as absent (a Parquet file mixing text and chat rows has nulls in the
+columns a row does not use).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal, NamedTuple
+
+from eogp_index.errors import InputError
+
+__all__ = [
+    "ShardFormat",
+    "ParseError",
+    "RawRecord",
+    "detect_format",
+    "expand_shards",
+    "iter_raw_records",
+    "location_of",
+    "shard_names",
+    "split_shard_spec",
+]
+
+ShardFormat = Literal["jsonl", "parquet", "hf"]
+
+#: Separates a ``DatasetDict`` directory from the split to read: ``data/dd::train``.
+SPLIT_SEPARATOR = "::"
+
+_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_COMPRESSION_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+_PARQUET_BATCH_ROWS = 1024
+_HF_BATCH_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class ParseError:
+    """A record that could not be read (not an exception: readers yield it and go on).
+
+    ``location`` is ``"<shard>:<line>"`` (1-based line); ``reason`` says what is wrong with it.
+    """
+
+    location: str
+    reason: str
+
+    def to_error(self) -> InputError:
+        """The :class:`InputError` to raise for this record."""
+        return InputError(self.reason, location=self.location, reason=self.reason)
+
+
+class RawRecord(NamedTuple):
+    """One record as read from a shard, before tokenization.
+
+    shard: the shard name (see :func:`shard_names`; by default the file or directory name).
+    position: 0-based line index (JSON Lines) or row index (Parquet, datasets directory).
+    record: the decoded JSON object / row as a ``dict``, or a :class:`ParseError`.
+    """
+
+    shard: str
+    position: int
+    record: dict[str, Any] | ParseError
+
+
+def split_shard_spec(path: str | Path) -> tuple[Path, str | None]:
+    """Split ``"dir::split"`` into ``(Path("dir"), "split")``; ``(path, None)`` without a split."""
+    text = os.fspath(path)
+    base, sep, split = text.rpartition(SPLIT_SEPARATOR)
+    if not sep:
+        return Path(text), None
+    if not base or not split:
+        raise InputError(
+            f"bad shard {text!r}: write a datasets directory with its split as 'path/to/dir::train'",
+            location=text,
+        )
+    return Path(base), split
+
+
+def detect_format(path: str | Path) -> tuple[ShardFormat, Literal["gzip", "zstd"] | None]:
+    """The format and compression of a shard, from its name (and, for directories, contents).
+
+    Returns ``(format, compression)``; compression is only ever set for ``"jsonl"``.
+    Raises :class:`InputError` for a missing path or an unsupported name.
+    """
+    base, split = split_shard_spec(path)
+    shown = os.fspath(path)
+    if base.is_dir():
+        if (base / "dataset_dict.json").is_file():
+            return "hf", None
+        if (base / "state.json").is_file() and (base / "dataset_info.json").is_file():
+            if split is not None:
+                raise InputError(
+                    f"{base} holds a single Dataset, not a DatasetDict; drop the '::{split}' suffix",
+                    location=shown,
+                )
+            return "hf", None
+        raise InputError(
+            "is a directory but not one written by datasets' save_to_disk (no state.json or "
+            "dataset_dict.json); to read the files in it pass a glob such as "
+            f"'{base}/*.jsonl'",
+            location=shown,
+        )
+    if split is not None:
+        raise InputError(
+            "the '::split' suffix is only for directories written by DatasetDict.save_to_disk",
+            location=shown,
+        )
+    if not base.exists():
+        raise InputError("no such file or directory", location=shown)
+    name = base.name.lower()
+    compression = None
+    for suffix, kind in _COMPRESSION_SUFFIXES.items():
+        if name.endswith(suffix):
+            compression = kind
+            name = name[: -len(suffix)]
+            break
+    if name.endswith(_JSONL_SUFFIXES):
+        return "jsonl", compression  # type: ignore[return-value]
+    if name.endswith(".parquet") and compression is None:
+        return "parquet", None
+    raise InputError(
+        "unsupported shard format; expected .jsonl/.json/.ndjson (optionally .gz or .zst), "
+        ".parquet, or a directory written by datasets' save_to_disk",
+        location=shown,
+    )
+
+
+def expand_shards(patterns: Sequence[str | Path]) -> list[Path]:
+    """Resolve shard paths and glob patterns into a sorted, deduplicated list of shards.
+
+    patterns: file or directory paths, or globs (``*``, ``?``, ``[...]``, ``**`` recursive).
+        A ``::split`` suffix selects a split of a ``DatasetDict`` directory and is kept on the
+        returned path (``Path("data/dd::train")``).
+    Returns the shards sorted by their path string, each listed once (duplicates found through
+    different patterns or spellings of the same file are dropped). Every shard's format is
+    checked here, so a stray file fails before any reading starts.
+    Raises :class:`InputError` naming a pattern that matches nothing, or an unsupported file.
+    """
+    if isinstance(patterns, (str, Path)):
+        patterns = [patterns]
+    if not patterns:
+        raise InputError("no shards given: pass at least one shard path or glob pattern")
+    found: dict[tuple[str, str | None], Path] = {}
+    for pattern in patterns:
+        base, split = split_shard_spec(pattern)
+        base_text = os.fspath(base)
+        if glob.has_magic(base_text):
+            matches = sorted(glob.glob(base_text, recursive=True))
+            if not matches:
+                raise InputError(f"shard pattern {os.fspath(pattern)!r} matches no file")
+        else:
+            if not base.exists():
+                raise InputError(f"shard {os.fspath(pattern)!r} does not exist")
+            matches = [base_text]
+        for match in matches:
+            shard = Path(match if split is None else f"{match}{SPLIT_SEPARATOR}{split}")
+            detect_format(shard)
+            key = (os.path.realpath(match), split)
+            found.setdefault(key, shard)
+    return sorted(found.values(), key=os.fspath)
+
+
+def shard_names(paths: Sequence[str | Path], *, root: str | Path | None = None) -> list[str]:
+    """Stable names for shards: what ids, locations and the store record instead of full paths.
+
+    root None: each shard is named by its file or directory name (plus ``::split``), e.g.
+        ``"train-00001.jsonl.zst"``, so the same data gives the same names (and ids) on every
+        machine. Two shards with the same name in one run raise :class:`InputError`: pass root.
+    root given: each shard is named by its POSIX path relative to root
+        (``"web/train-00001.jsonl"``); every shard must lie under root.
+    """
+    names: list[str] = []
+    root_path = Path(root).resolve() if root is not None else None
+    for path in paths:
+        base, split = split_shard_spec(path)
+        if root_path is None:
+            name = base.name
+        else:
+            try:
+                name = str(PurePosixPath(*base.resolve().relative_to(root_path).parts))
+            except ValueError:
+                raise InputError(
+                    f"shard {os.fspath(path)!r} is not under the shard root {os.fspath(root)!r}"
+                ) from None
+        names.append(name if split is None else f"{name}{SPLIT_SEPARATOR}{split}")
+    seen: dict[str, str] = {}
+    for path, name in zip(paths, names):
+        other = seen.setdefault(name, os.fspath(path))
+        if other != os.fspath(path):
+            raise InputError(
+                f"shards {other!r} and {os.fspath(path)!r} have the same name {name!r}; "
+                "shard names must be unique in a run (they go into example ids): pass a shard "
+                "root so that they are named by their path relative to it"
+            )
+    return names
+
+
+def location_of(shard: str, position: int) -> str:
+    """The human location of a record: ``"a.jsonl:18"`` (1-based line) or ``"b.parquet:row 17"``."""
+    name = shard.rsplit(SPLIT_SEPARATOR, 1)[0].lower()
+    for suffix in _COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    if name.endswith(_JSONL_SUFFIXES):
+        return f"{shard}:{position + 1}"
+    return f"{shard}:row {position}"
+
+
+def iter_raw_records(path: str | Path, *, shard: str | None = None) -> Iterator[RawRecord]:
+    """Stream the records of one shard, in file order.
+
+    path: a shard file, a ``save_to_disk`` directory, or ``dir::split`` for a ``DatasetDict``.
+    shard: the name to report (default: the file or directory name, see :func:`shard_names`).
+    Yields :class:`RawRecord` ``(shard, position, record)``; ``record`` is a ``dict`` or, for a
+    malformed JSON line, a :class:`ParseError`.
+    Raises :class:`InputError` for problems with the shard as a whole.
+    """
+    fmt, compression = detect_format(path)
+    if shard is None:
+        shard = shard_names([path])[0]
+    if fmt == "jsonl":
+        yield from _iter_jsonl(Path(path), shard, compression)
+    elif fmt == "parquet":
+        yield from _iter_parquet(Path(path), shard)
+    else:
+        yield from _iter_hf(path, shard)
+
+
+def _open_binary(path: Path, compression: str | None) -> io.BufferedIOBase:
+    if compression == "gzip":
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    if compression == "zstd":
+        import zstandard
+
+        raw = open(path, "rb")
+        # read_across_frames: files written by concatenating compressed chunks (a common way
+        # to append to .zst shards) hold several frames; without it reading stops at the first.
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+        return io.BufferedReader(reader)  # type: ignore[arg-type]
+    return open(path, "rb")
+
+
+def _iter_jsonl(path: Path, shard: str, compression: str | None) -> Iterator[RawRecord]:
+    try:
+        handle = _open_binary(path, compression)
+    except OSError as exc:
+        raise InputError(f"cannot open: {exc}", location=shard) from exc
+    with handle:
+        position = -1
+        lines = iter(handle)
+        while True:
+            try:
+                # Binary lines split on b"\n" only, unlike str.splitlines, which would also split
+                # on U+2028 and friends inside a JSON string.
+                line = next(lines)
+            except StopIteration:
+                return
+            except Exception as exc:
+                # A truncated or corrupt compressed stream (OSError, EOFError, zlib.error,
+                # zstandard.ZstdError): the rest of the shard is unreadable.
+                raise InputError(
+                    f"cannot read past line {position + 1}: {type(exc).__name__}: {exc} "
+                    f"(is the {compression or 'file'} stream truncated or corrupt?)",
+                    location=shard,
+                ) from exc
+            position += 1
+            if position == 0 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]  # a UTF-8 byte order mark, as some Windows tools write
+            if not line.strip():
+                continue  # blank lines are skipped but still counted in positions
+            location = f"{shard}:{position + 1}"
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield RawRecord(shard, position, ParseError(location, f"line is not valid UTF-8: {exc}"))
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield RawRecord(
+                    shard,
+                    position,
+                    ParseError(location, f"malformed JSON: {exc.msg} at column {exc.colno}"),
+                )
+                continue
+            if not isinstance(value, dict):
+                yield RawRecord(
+                    shard,
+                    position,
+                    ParseError(
+                        location,
+                        f"line is a JSON {type(value).__name__}, not an object; JSON Lines "
+                        "shards need one object per line (a .json file holding one array "
+                        "must be converted to JSON Lines)",
+                    ),
+                )
+                continue
+            yield RawRecord(shard, position, value)
+
+
+def _iter_parquet(path: Path, shard: str) -> Iterator[RawRecord]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"cannot read Parquet file: {exc}", location=shard) from exc
+    position = 0
+    with parquet:
+        batches = parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except (OSError, pa.ArrowException) as exc:
+                raise InputError(
+                    f"cannot read Parquet rows from row {position}: {exc}", location=shard
+                ) from exc
+            for row in batch.to_pylist():
+                yield RawRecord(shard, position, row)
+                position += 1
+
+
+def _iter_hf(path: str | Path, shard: str) -> Iterator[RawRecord]:
+    import datasets
+
+    base, split = split_shard_spec(path)
+    try:
+        loaded = datasets.load_from_disk(os.fspath(base))
+    except Exception as exc:  # datasets raises FileNotFoundError, ValueError, pyarrow errors
+        raise InputError(f"cannot load datasets directory: {exc}", location=shard) from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = ", ".join(loaded.keys())
+        if split is None:
+            raise InputError(
+                f"is a DatasetDict with splits [{splits}]; pick one by passing "
+                f"'{os.fspath(base)}::<split>'",
+                location=shard,
+            )
+        if split not in loaded:
+            raise InputError(f"has no split {split!r}; its splits are [{splits}]", location=shard)
+        dataset = loaded[split]
+    else:
+        dataset = loaded
+    # A saved format (torch, numpy) would hand out tensors; records must be plain Python.
+    dataset = dataset.with_format(None)
+    position = 0
+    for batch in dataset.iter(batch_size=_HF_BATCH_ROWS):
+        columns = list(batch.keys())
+        for values in zip(*(batch[c] for c in columns)):
+            yield RawRecord(shard, position, dict(zip(columns, values)))
+            position += 1
