@@ -129,7 +129,7 @@ class Store:
     @property
     def table(self):
         """The LanceDB table, or ``None`` before the first row is stored."""
-        if self._table is None and self.table_name in self._db.table_names():
+        if self._table is None and self.table_name in self._db.list_tables().tables:
             self._table = self._db.open_table(self.table_name)
         return self._table
 
@@ -175,4 +175,13 @@ class Store:
         """Read ``columns`` of the rows matching the SQL filter ``where`` (all rows if None)."""
         if self.table is None:
             return pa.table({c: pa.array([]) for c in columns})
-        return self.dataset().to_table(columns=list(columns), filter=where)
+        try:
+            return self.dataset().to_table(columns=list(columns), filter=where)
+        except ValueError as exc:
+            if where is None:
+                raise
+            raise InputError(
+                f"invalid where filter {where!r}: {str(exc).splitlines()[0][:300]}. Filters are SQL over the "
+                f"stored columns {self.metadata_columns()}; quote reserved words with backticks (`group` = 1)",
+                reason="invalid filter",
+            ) from exc

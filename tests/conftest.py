@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from types import SimpleNamespace
 from typing import List
 
 import pytest
@@ -55,7 +54,17 @@ def make_examples(n: int, *, seed: int = 0, prefix: str = "ex", min_len: int = 5
     return out
 
 
+class TinyTokenizer:
+    """Enough of a tokenizer for pre-tokenized examples and queries: a pad id and a vocabulary size."""
+
+    pad_token_id = 0
+    eos_token_id = 0
+    name_or_path = "tiny"
+
+    def __len__(self) -> int:
+        return VOCAB
+
+
 @pytest.fixture
 def tiny_tokenizer():
-    """Enough of a tokenizer for index building from pre-tokenized examples (pad id only)."""
-    return SimpleNamespace(pad_token_id=0, eos_token_id=0, name_or_path="tiny")
+    return TinyTokenizer()

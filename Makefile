@@ -1,0 +1,39 @@
+# eogp-index: `make demo` builds an index over the embedded default and queries it;
+# `make test` runs the test suite. Both set up .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+FAISS  ?= cpu
+INDEX  ?= default-index
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: on a CPU-only machine this is the CPU wheel; nothing may replace it.
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e ".[$(FAISS),test]"
+	# kronfluence declares torchvision, which would pull a CUDA torch; it never imports it.
+	$(BIN)/pip install -q -c constraints.txt --no-deps kronfluence==1.0.1
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/eogp fit examples/default/model --data examples/default/corpus/train.jsonl.gz \
+		--out $(INDEX) -k 256 --curvature-examples 512 --pca-examples 512 --max-tokens 128 --overwrite
+	$(BIN)/eogp ingest $(INDEX) examples/default/corpus/train.jsonl.gz \
+		--id-field id --metadata module --metadata kind --metadata qualname --metadata n_chars
+	$(BIN)/eogp info $(INDEX)
+	$(BIN)/eogp query $(INDEX) --queries examples/default/queries.jsonl --limit-queries 2 -k 5
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/scan.py
+	$(BIN)/python benchmarks/ingest.py
+
+clean:
+	rm -rf $(VENV) $(INDEX)

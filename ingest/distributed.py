@@ -1,0 +1,541 @@
+"""Scale-out ingest: several workers (processes, GPUs, nodes) fill one table, via ``torchrun``.
+
+Launch one worker per GPU (or several CPU processes) with ``torchrun``::
+
+    torchrun --nproc_per_node 8 -m ingest.distributed --index my-index --shards 'data/*.jsonl.zst'
+    torchrun --nnodes 4 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+        -m ingest.distributed --index my-index --shards 'data/*.parquet'
+
+How the work and the table are shared:
+
+* The shard list (sorted, as :func:`ingest.readers.expand_shards` returns it) is dealt out
+  round-robin by rank: worker ``r`` of ``W`` reads shards ``r, r + W, r + 2W, ...``.
+* The workers advance in lockstep *steps*. In each step every worker reads its next batch
+  (skipping examples already stored, as :func:`ingest.pipeline.run_ingest` does), the workers
+  exchange the batch's ids (an id read by two workers is a duplicate: the lower rank keeps
+  it), each worker projects and encodes its batch and writes it as Lance data files
+  (``lance.fragment.write_fragments``) next to the table, and every ``commit_every`` steps
+  rank 0 commits all workers' new fragments in one ``LanceOperation.Append``. Lance's commit
+  protocol makes that atomic: readers see a step's rows from every worker, or none of them.
+* A crash (any worker, any moment) loses at most the steps since the last commit: their
+  data files are never referenced by the table. Running the same command again skips what
+  is stored and completes the rest, without duplicates.
+* With ``--on-error raise`` (the default) the first bad record stops every worker: the
+  fragments of earlier steps are committed, nothing of the failing step is, and every worker
+  exits with the error (naming the shard and line/row). With ``--on-error skip`` rank 0
+  writes the rejects file.
+
+The table lives wherever the index's LanceDB store points (a local directory, or an
+object-store URI LanceDB supports); the workers need to reach the same index directory and
+shards (a shared file system or object store). The process group uses NCCL on GPUs (Gloo
+for the small bookkeeping messages) and Gloo on CPUs. Without ``torchrun`` the module runs as
+a single worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+from eogp_index.config import GradientConfig
+from eogp_index.errors import ConfigError, EOGPError, InputError
+from ingest.pipeline import (
+    ExampleReader,
+    IngestSummary,
+    OnError,
+    RejectsFile,
+    StoredIds,
+    Tally,
+    check_metadata_fields,
+    commit_rows,
+    default_rejects_path,
+    effective_spec,
+    encode_batch,
+    index_lock,
+    stable_hash,
+)
+from ingest.readers import expand_shards, location_of, shard_names
+from ingest.records import RecordSpec, Rejected
+
+__all__ = ["run_distributed_ingest", "main"]
+
+
+# -- the process group ----------------------------------------------------------------------------
+class _Comm:
+    """The few collectives the ingest needs; a world of one when not launched by torchrun."""
+
+    def __init__(self, *, use_cuda: bool):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._owned = False
+        self._group = None
+        launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if launched and not dist.is_initialized():
+            if use_cuda:
+                import torch
+
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+            self._owned = True
+        self.active = dist.is_available() and dist.is_initialized()
+        if self.active and dist.get_backend() != "gloo":
+            # Object collectives over NCCL would round-trip every message through GPU memory;
+            # the bookkeeping here is small Python objects, so a Gloo group carries it.
+            self._group = dist.new_group(backend="gloo")
+        self.rank = dist.get_rank() if self.active else 0
+        self.world = dist.get_world_size() if self.active else 1
+
+    def all_gather(self, obj: Any) -> List[Any]:
+        if not self.active:
+            return [obj]
+        out: List[Any] = [None] * self.world
+        self._dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def close(self) -> None:
+        if self._owned and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+
+# -- messages between workers ---------------------------------------------------------------------
+@dataclass
+class _Report:
+    """What a worker tells the others at the start of a step."""
+
+    keys: List[tuple] = field(default_factory=list)  # (id, shard, position, num_tokens) of the batch
+    rejected: List[Rejected] = field(default_factory=list)
+    tally: Tally = field(default_factory=Tally)
+    done: bool = False
+    error: Optional[tuple] = None  # (kind "input" | "other", message)
+
+
+def _error_of(exc: BaseException) -> tuple:
+    """``(kind, message)`` of an exception, for the other workers."""
+    kind = "input" if isinstance(exc, InputError) else "other"
+    # Our own errors already say what and where; others get their type for context.
+    message = str(exc) if isinstance(exc, EOGPError) else f"{type(exc).__name__}: {exc}"
+    return kind, message
+
+
+class _Aborted(Exception):
+    """Raised on every worker when one of them failed; carries the first failure."""
+
+    def __init__(self, rank: int, error: tuple):
+        self.rank = rank
+        self.kind, self.message = error
+        super().__init__(self.message)
+
+
+def _first_error(items: Sequence[Optional[tuple]]) -> Optional[_Aborted]:
+    for rank, error in enumerate(items):
+        if error is not None:
+            return _Aborted(rank, error)
+    return None
+
+
+# -- the run --------------------------------------------------------------------------------------
+def run_distributed_ingest(
+    index_path: str | Path,
+    patterns: Sequence[str | Path],
+    *,
+    spec: RecordSpec = RecordSpec(),
+    on_error: OnError = "raise",
+    rejects_path: Optional[Path] = None,
+    batch_size: Optional[int] = None,
+    commit_every: int = 1,
+    gradients: GradientConfig = GradientConfig(),
+    model_path: Optional[str] = None,
+    progress: bool = True,
+    shard_root: str | Path | None = None,
+) -> IngestSummary:
+    """Ingest ``patterns`` into the index at ``index_path`` as one worker of a ``torchrun`` job.
+
+    Every worker calls this with the same arguments; each opens the index (and its model) on
+    its own device, reads its share of the shards and writes its rows; rank 0 commits. See the
+    module docstring for the protocol, and :func:`ingest.pipeline.run_ingest` for the meaning
+    of ``spec``, ``on_error``, ``rejects_path`` and ``shard_root``.
+
+    Args:
+        batch_size: rows per worker per step (default 256, whole gradient batches).
+        commit_every: steps between commits; a crash loses at most this many steps of work.
+        gradients: the per-example gradient settings; ``device="auto"`` puts worker ``r`` on
+            ``cuda:LOCAL_RANK`` when CUDA is present, else on the CPU.
+        model_path: load the model and tokenizer from here instead of the manifest's name
+            (the weights must still be the ones the index was built with).
+
+    Returns:
+        The run's :class:`IngestSummary` (the same on every worker).
+
+    Raises:
+        InputError: a bad record (``on_error="raise"``) on any worker.
+        ConfigError, IncompatibleIndexError: bad options or an index built for another model.
+        RuntimeError: another worker failed (its message is included).
+    """
+    from eogp_index.client import AttributionIndex, load_model
+
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
+        raise ConfigError(f"commit_every (--commit-every) must be a positive int, got {commit_every!r}")
+    import torch
+
+    use_cuda = gradients.device.startswith("cuda") or (gradients.device == "auto" and torch.cuda.is_available())
+    comm = _Comm(use_cuda=use_cuda)
+    try:
+        if gradients.device == "auto":
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu"
+            gradients = GradientConfig(batch_size=gradients.batch_size, max_tokens=gradients.max_tokens, device=device)
+        model = tokenizer = None
+        if model_path is not None:
+            model, tokenizer = load_model(model_path, device=gradients.resolved_device())
+        index = AttributionIndex.open(index_path, model=model, tokenizer=tokenizer, gradients=gradients)
+        worker = _Worker(index, comm, patterns, spec=spec, on_error=on_error, rejects_path=rejects_path,
+                         batch_size=batch_size, commit_every=commit_every, progress=progress, shard_root=shard_root)
+        with contextlib.ExitStack() as stack:
+            # Rank 0 holds the index's ingest lock for the whole job (its node's view of it);
+            # every worker learns whether it got it, so none waits on a job that never starts.
+            refused = None
+            if comm.rank == 0:
+                try:
+                    stack.enter_context(index_lock(index.path))
+                except ConfigError as exc:
+                    refused = str(exc)
+            refused = comm.broadcast(refused)
+            if refused is not None:
+                raise ConfigError(refused)
+            return worker.run()
+    finally:
+        comm.close()
+
+
+class _Worker:
+    def __init__(self, index, comm: _Comm, patterns, *, spec, on_error, rejects_path, batch_size, commit_every,
+                 progress, shard_root):
+        self.index = index
+        self.comm = comm
+        self.on_error = on_error
+        self.commit_every = commit_every
+        self.spec = effective_spec(index, spec)
+        check_metadata_fields(index, self.spec)
+        self.rows_per_step = commit_rows(batch_size, index.gradients.batch_size)
+        shards = expand_shards(list(patterns))
+        shard_names(shards, root=shard_root)  # names must be unique across all workers' shards
+        self.mine = shards[comm.rank::comm.world]
+        self.shard_root = shard_root
+        self.rejects = RejectsFile(Path(rejects_path) if rejects_path is not None
+                                   else default_rejects_path(index.path)) if comm.rank == 0 else None
+        self.bar = None
+        if progress and comm.rank == 0:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(desc=f"ingest ({comm.world} workers)", unit="doc", dynamic_ncols=True)
+        self.pending: List[str] = []  # this worker's written, uncommitted fragments (JSON)
+        self.schema = index.store.schema
+        self.version = index.store.version
+        self.tally = Tally()
+        # Ids admitted in this run by any worker: hash -> shard number << 40 | position.
+        self.seen: dict[int, int] = {}
+        self.shard_numbers: dict[str, int] = {}
+        self.shard_list: List[str] = []
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self) -> IngestSummary:
+        started = time.perf_counter()
+        reader = None
+        if self.mine:
+            reader = ExampleReader(self.index, self.mine, spec=self.spec, on_error=self.on_error,
+                                   shard_root=self.shard_root, stored=StoredIds(self.index))
+        local_error: Optional[BaseException] = None
+        step = 0
+        try:
+            while True:
+                report = _Report(done=reader is None or reader.exhausted)
+                batch = []
+                if local_error is None and not report.done:
+                    try:
+                        batch, report.rejected, report.tally = reader.take(self.rows_per_step)
+                        report.done = reader.exhausted
+                    except Exception as exc:  # reported to every worker below, then re-raised
+                        local_error, batch = exc, []
+                if local_error is not None:
+                    report.error = _error_of(local_error)
+                report.keys = [(ex.id, ex.shard, ex.position, ex.num_tokens) for ex in batch]
+                reports: List[_Report] = self.comm.all_gather(report)
+                failure = _first_error([r.error for r in reports])
+                if failure is not None:
+                    self._abort(failure)
+                try:
+                    keep = self._resolve_duplicates(reports)
+                except _Aborted as duplicate:  # on_error="raise": every worker sees it alike
+                    self._abort(duplicate)
+                batch = [ex for ex, kept in zip(batch, keep[self.comm.rank]) if kept]
+                self._account(reports, keep, started)
+                all_done = all(r.done for r in reports)
+
+                rows = None
+                try:
+                    if batch:
+                        rows = encode_batch(self.index, batch)
+                except Exception as exc:
+                    local_error = exc
+                if self.schema is None:
+                    self._create_table(rows, local_error)
+                try:
+                    if rows is not None and local_error is None:
+                        self._write(rows)
+                except Exception as exc:
+                    local_error = exc
+                step += 1
+                if all_done or step % self.commit_every == 0:
+                    self._commit(local_error)
+                if all_done:
+                    break
+        except _Aborted as failure:
+            if local_error is not None and failure.rank == self.comm.rank:
+                raise local_error
+            if failure.kind == "input":
+                raise InputError(failure.message, reason=failure.message) from None
+            raise RuntimeError(f"ingest worker {failure.rank} failed: {failure.message}") from None
+        finally:
+            if self.rejects is not None:
+                self.rejects.close()
+            if self.bar is not None:
+                self.bar.close()
+        return self.tally.summary(seconds=time.perf_counter() - started, table_version=self.version,
+                                  rejects_path=self.rejects.written if self.rejects is not None else None,
+                                  workers=self.comm.world)
+
+    def _abort(self, failure: _Aborted) -> None:
+        """Commit the whole steps written before the failure, then stop every worker."""
+        self._commit(None, raise_errors=False)
+        raise failure
+
+    # -- duplicates across workers ----------------------------------------------------------------
+    def _resolve_duplicates(self, reports: List[_Report]) -> List[List[bool]]:
+        """Which keys each worker keeps; the same answer on every worker (same inputs, same order).
+
+        Each worker's own reader already rejects ids repeated in its shards; this catches an
+        id read by two workers. The first one in (step, rank) order keeps it.
+        """
+        keep: List[List[bool]] = []
+        for rank, report in enumerate(reports):
+            flags = []
+            for key in report.keys:
+                ident, shard, position = key[0], key[1], key[2]
+                hashed = stable_hash(ident)
+                first = self.seen.get(hashed)
+                if first is None:
+                    number = self.shard_numbers.setdefault(shard, len(self.shard_numbers))
+                    if number == len(self.shard_list):
+                        self.shard_list.append(shard)
+                    self.seen[hashed] = (number << 40) | position
+                    flags.append(True)
+                    continue
+                where = location_of(self.shard_list[first >> 40], first & ((1 << 40) - 1))
+                reason = f"duplicate id {ident!r}: already used by the record at {where}; ids must be unique in a run"
+                location = location_of(shard, position)
+                if self.on_error == "raise":
+                    raise _Aborted(rank, ("input", f"{location}: {reason}"))
+                report.rejected.append(Rejected(shard=shard, position=position, location=location, reason=reason,
+                                                record_id=ident))
+                report.tally.duplicates += 1
+                flags.append(False)
+            keep.append(flags)
+        return keep
+
+    def _account(self, reports: List[_Report], keep: List[List[bool]], started: float) -> None:
+        step = Tally()
+        for report, flags in zip(reports, keep):
+            step.add(report.tally)
+            for key, kept in zip(report.keys, flags):
+                if kept:
+                    step.stored += 1
+                    step.tokens += key[3]
+            if self.rejects is not None:
+                for item in report.rejected:
+                    self.rejects.write(item)
+        self.tally.add(step)
+        if self.rejects is not None:
+            self.rejects.flush()
+        if self.bar is not None:
+            self.bar.update(step.documents)
+            elapsed = max(time.perf_counter() - started, 1e-9)
+            self.bar.set_postfix({"doc/s": f"{self.tally.stored / elapsed:.1f}",
+                                  "tok/s": f"{self.tally.tokens / elapsed:.0f}", "stored": self.tally.stored,
+                                  "skipped": self.tally.skipped_existing,
+                                  "rejected": self.tally.rejected + self.tally.duplicates}, refresh=False)
+
+    # -- the table --------------------------------------------------------------------------------
+    def _create_table(self, rows, local_error: Optional[BaseException]) -> None:
+        """Create the (empty) table from the first rows any worker has, on rank 0."""
+        offers = self.comm.all_gather((rows.schema if rows is not None else None,
+                                       _error_of(local_error) if local_error is not None else None))
+        failure = _first_error([error for _, error in offers])
+        if failure is not None:
+            self._abort(failure)
+        schema = next((s for s, _ in offers if s is not None), None)
+        if schema is None:
+            return  # nobody has rows yet
+        result = None
+        if self.comm.rank == 0:
+            try:
+                import lancedb
+
+                db = lancedb.connect(self.index.store.uri)
+                db.create_table(self.index.store.table_name, schema=schema, exist_ok=True)
+            except Exception as exc:
+                result = _error_of(exc)
+        result = self.comm.broadcast(result)
+        if result is not None:
+            raise _Aborted(0, result)
+        self.schema = self.index.store.schema
+        self.version = self.index.store.version
+
+    def _write(self, rows) -> None:
+        """Write this worker's rows as Lance data files of the table (not visible until committed)."""
+        import pyarrow as pa
+        from lance.fragment import write_fragments
+
+        try:
+            rows = rows.select(self.schema.names).cast(self.schema)
+        except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+            raise InputError(
+                f"this worker's rows do not fit the table's columns ({exc}); a metadata field holds values "
+                "of different types in different shards (the table was created with "
+                f"{self.schema}); make each field's type the same everywhere", reason="metadata type mismatch"
+            ) from exc
+        dataset = self.index.store.dataset()
+        fragments = write_fragments(rows, dataset.uri, schema=self.schema,
+                                    data_storage_version=dataset.data_storage_version)
+        self.pending.extend(json.dumps(f.to_json()) for f in fragments)
+
+    def _commit(self, local_error: Optional[BaseException], *, raise_errors: bool = True) -> None:
+        """Rank 0 commits every worker's pending fragments in one Append; then all go on (or stop)."""
+        offers = self.comm.all_gather((self.pending, _error_of(local_error) if local_error is not None else None))
+        self.pending = []
+        result = None
+        if self.comm.rank == 0:
+            try:
+                import lance
+                from lance.fragment import FragmentMetadata
+
+                fragments = [FragmentMetadata.from_json(text) for pending, _ in offers for text in pending]
+                if fragments:
+                    uri = self.index.store.dataset().uri
+                    latest = lance.dataset(uri).version
+                    committed = lance.LanceDataset.commit(uri, lance.LanceOperation.Append(fragments),
+                                                          read_version=latest)
+                    result = ("ok", committed.version)
+                else:
+                    result = ("ok", self.index.store.dataset().version if self.schema is not None else 0)
+            except Exception as exc:
+                result = ("error", _error_of(exc))
+        result = self.comm.broadcast(result)
+        if result[0] == "error":
+            raise _Aborted(0, result[1])
+        self.version = result[1]
+        failure = _first_error([error for _, error in offers])
+        if failure is not None and raise_errors:
+            raise failure
+
+
+# -- command line ---------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ingest.distributed",
+        description=(
+            "Ingest corpus shards into an eogp index with several workers. Launch it with torchrun, one "
+            "worker per GPU (or several CPU processes): the shards are dealt out round-robin, each worker "
+            "projects its examples and writes Lance data files, and rank 0 commits them atomically. A "
+            "killed run can be started again with the same command: stored examples are skipped."
+        ),
+        epilog=(
+            "examples:\n"
+            "  torchrun --nproc_per_node 8 -m ingest.distributed --index my-index --shards 'data/*.jsonl.zst'\n"
+            "  torchrun --standalone --nproc_per_node 2 -m ingest.distributed --index my-index \\\n"
+            "      --shards data/chat.parquet --on-error skip --json\n"
+            "single process: `eogp ingest` (ingest.pipeline.run_ingest) does the same without torchrun."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--index", required=True, help="the index directory (made by `eogp fit`)")
+    parser.add_argument("--shards", required=True, nargs="+", metavar="PATH",
+                        help="shard files, globs (quote them) or save_to_disk directories (dir::split for a split): "
+                             ".jsonl/.json/.ndjson (optionally .gz/.zst), .parquet")
+    parser.add_argument("--shard-root", default=None,
+                        help="name shards by their path relative to this directory (needed when file names repeat); "
+                             "keep it the same across runs")
+    fields = parser.add_argument_group("record fields")
+    fields.add_argument("--text-field", default="text", help="field holding plain text (default: text)")
+    fields.add_argument("--messages-field", default="messages",
+                        help="field holding a chat as [{role, content}] (default: messages)")
+    fields.add_argument("--input-ids-field", default="input_ids", help="field holding token ids (default: input_ids)")
+    fields.add_argument("--labels-field", default="labels", help="labels for input_ids, -100 = not counted")
+    fields.add_argument("--id-field", default=None,
+                        help="field holding a unique example id (default: ids derived from shard, position, content)")
+    fields.add_argument("--metadata-field", action="append", default=[], metavar="NAME",
+                        help="copy this field into a typed table column, for SQL filters (repeatable)")
+    fields.add_argument("--max-tokens", type=int, default=None,
+                        help="truncate longer examples to this many tokens (default: the index's)")
+    parser.add_argument("--on-error", choices=["raise", "skip"], default="raise",
+                        help="raise: stop at the first bad record (default); skip: list bad records in a rejects file")
+    parser.add_argument("--rejects", default=None, metavar="PATH",
+                        help="rejects file for --on-error skip (default: <index>/rejects/<time>-<pid>.jsonl)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="rows per worker per step (default 256)")
+    parser.add_argument("--commit-every", type=int, default=1,
+                        help="steps between commits (default 1); a crash loses at most this many steps")
+    parser.add_argument("--gradient-batch-size", type=int, default=GradientConfig().batch_size,
+                        help=f"examples per forward/backward pass (default {GradientConfig().batch_size})")
+    parser.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK when CUDA is present), cpu, cuda")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="load the model from here instead of the name in the manifest (same weights)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; returns the exit status (2 for bad input or options)."""
+    args = _parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        spec = RecordSpec(
+            text_field=args.text_field, messages_field=args.messages_field, input_ids_field=args.input_ids_field,
+            labels_field=args.labels_field, id_field=args.id_field, metadata_fields=tuple(args.metadata_field),
+            max_tokens=args.max_tokens,
+        )
+        summary = run_distributed_ingest(
+            args.index, args.shards, spec=spec, on_error=args.on_error,
+            rejects_path=Path(args.rejects) if args.rejects else None, batch_size=args.batch_size,
+            commit_every=args.commit_every,
+            gradients=GradientConfig(batch_size=args.gradient_batch_size, device=args.device),
+            model_path=args.model, progress=not args.no_progress, shard_root=args.shard_root,
+        )
+    except EOGPError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        print(json.dumps(summary.to_json(), indent=2) if args.json else summary.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,529 @@
+"""Ingest corpus shards into an index: resumable, idempotent, with a rejects file and progress.
+
+:func:`run_ingest` reads shards (:func:`ingest.records.iter_examples`), skips the examples the
+table already holds, projects and encodes the rest in batches, and stores each batch as one
+Lance commit. What that buys:
+
+* **Idempotent.** Running the same ingest twice stores each example once: an example whose id
+  is already stored *for the same shard and position* is skipped (``skipped_existing``).
+* **Resumable.** A killed ingest (``kill -9`` included) leaves whole batches only — a reader
+  never sees half a batch, because a batch becomes visible in one commit — and running it
+  again stores exactly the examples that are missing.
+* **Bad input.** ``on_error="raise"`` stops at the first bad record with an
+  :class:`~eogp_index.errors.InputError` naming ``shard:line`` (or ``shard:row N``); nothing of
+  the batch being assembled is stored. ``on_error="skip"`` writes each bad record to a JSON
+  Lines rejects file with its reason and goes on.
+* **Duplicate ids.** An id used twice in the run, or already stored for a *different* shard
+  or position (say, by an earlier ingest of other shards), is a bad record too (counted in
+  ``duplicates``), so the table never holds an id twice.
+
+Ingests must use the same shard names from run to run (the same ``shard_root``): shard names
+are part of stable ids and of what "already stored" means. Two ingests must not write the
+same index at once; a local index is locked for the duration of a run. To scale out over
+several processes or machines use :mod:`ingest.distributed` (``torchrun``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import numpy as np
+import pyarrow as pa
+from torch import nn
+
+from eogp_index.client import AttributionIndex
+from eogp_index.errors import ConfigError, InputError
+from eogp_index.store import RESERVED_COLUMNS
+from ingest.readers import location_of
+from ingest.records import Example, RecordSpec, Rejected, iter_examples
+
+__all__ = ["ExampleReader", "IngestSummary", "RejectsFile", "StoredIds", "Tally", "run_ingest",
+           "default_rejects_path", "sql_string", "stable_hash"]
+
+OnError = Literal["raise", "skip"]
+
+#: Rows per commit when ``batch_size`` is not given (rounded up to whole gradient batches).
+#: Bigger batches mean fewer Lance fragments; smaller ones lose less work to a crash.
+DEFAULT_COMMIT_ROWS = 256
+
+LOCK_FILE = "ingest.lock"
+REJECTS_DIR = "rejects"
+
+
+@dataclass(frozen=True)
+class IngestSummary:
+    """What an ingest did.
+
+    stored: rows added to the table by this run. skipped_existing: examples already stored
+    (same id, shard and position), e.g. by an earlier, interrupted run. rejected: bad records
+    (listed in ``rejects_path``). duplicates: records whose id was already used, earlier in
+    this run or by a stored row of another shard/position (also listed in ``rejects_path``).
+    documents: records read (= stored + skipped_existing + rejected + duplicates).
+    tokens: tokens of the stored examples. seconds: wall time of the run.
+    docs_per_s, tokens_per_s: stored documents and their tokens per second of wall time.
+    table_version: the table's version after the run (0 when there is no table yet).
+    rejects_path: the rejects file, or None when nothing was rejected.
+    workers: processes that took part (1 for :func:`run_ingest`).
+    """
+
+    stored: int
+    skipped_existing: int
+    rejected: int
+    duplicates: int
+    documents: int
+    tokens: int
+    seconds: float
+    docs_per_s: float
+    tokens_per_s: float
+    table_version: int
+    rejects_path: Optional[str] = None
+    workers: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (what ``--json`` prints)."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One human line: ``stored 120, skipped 40 (already stored), ...``."""
+        text = (
+            f"stored {self.stored}, skipped {self.skipped_existing} (already stored), "
+            f"rejected {self.rejected}, duplicates {self.duplicates} of {self.documents} documents "
+            f"in {self.seconds:.1f}s ({self.docs_per_s:.1f} doc/s, {self.tokens_per_s:.0f} tok/s); "
+            f"table version {self.table_version}"
+        )
+        if self.rejects_path:
+            text += f"; rejects in {self.rejects_path}"
+        return text
+
+
+@dataclass
+class Tally:
+    """Running counts of a run (or of one step of one worker)."""
+
+    documents: int = 0
+    skipped_existing: int = 0
+    rejected: int = 0
+    duplicates: int = 0
+    stored: int = 0
+    tokens: int = 0
+
+    def add(self, other: "Tally") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def summary(self, *, seconds: float, table_version: int, rejects_path: Optional[Path],
+                workers: int = 1) -> IngestSummary:
+        seconds = max(seconds, 1e-9)
+        return IngestSummary(
+            stored=self.stored, skipped_existing=self.skipped_existing, rejected=self.rejected,
+            duplicates=self.duplicates, documents=self.documents, tokens=self.tokens,
+            seconds=round(seconds, 3), docs_per_s=round(self.stored / seconds, 3),
+            tokens_per_s=round(self.tokens / seconds, 3), table_version=table_version,
+            rejects_path=str(rejects_path) if rejects_path is not None else None, workers=workers,
+        )
+
+
+def sql_string(value: str) -> str:
+    """``value`` as a SQL string literal for Lance filters (single quotes doubled)."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+def stable_hash(text: str) -> int:
+    """A 64-bit hash that is the same in every process (unlike ``hash``, salted per process)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+
+
+def _location_key(shard: str, position: int) -> int:
+    return stable_hash(f"{shard}\0{position}")
+
+
+class StoredIds:
+    """The ids the table holds and where each came from, as 16 bytes per stored row.
+
+    One scan of ``id, shard, position`` at the start of a run; lookups are binary searches.
+    Keeping hashes rather than strings lets a run resume into a table of many millions of rows
+    without holding them all as Python objects. A hash hit for another location is confirmed
+    with a query before a record is called a duplicate, so a hash collision cannot reject a
+    good record.
+    """
+
+    def __init__(self, index: AttributionIndex):
+        self._store = index.store
+        ids: list[np.ndarray] = []
+        locations: list[np.ndarray] = []
+        if index.store.table is not None:
+            scanner = index.store.dataset().to_batches(columns=["id", "shard", "position"])
+            for batch in scanner:
+                rows = zip(batch.column("id").to_pylist(), batch.column("shard").to_pylist(),
+                           batch.column("position").to_pylist())
+                pairs = [(stable_hash(i), _location_key(s, p)) for i, s, p in rows]
+                if pairs:
+                    array = np.asarray(pairs, dtype=np.int64)
+                    ids.append(array[:, 0])
+                    locations.append(array[:, 1])
+        id_hashes = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        location_hashes = np.concatenate(locations) if locations else np.zeros(0, np.int64)
+        order = np.argsort(id_hashes, kind="stable")
+        self._ids = id_hashes[order]
+        self._locations = location_hashes[order]
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def lookup(self, example: Example) -> tuple[Literal["absent", "same", "other"], Optional[str]]:
+        """Whether ``example.id`` is stored: not at all, for this shard/position, or elsewhere.
+
+        Returns the status and, for ``"other"``, the stored row's location (``"a.jsonl:3"``).
+        """
+        key = stable_hash(example.id)
+        lo = int(np.searchsorted(self._ids, key, side="left"))
+        hi = int(np.searchsorted(self._ids, key, side="right"))
+        if lo == hi:
+            return "absent", None
+        if _location_key(example.shard, example.position) in self._locations[lo:hi]:
+            return "same", None
+        rows = self._store.read(["shard", "position"], where=f"id = {sql_string(example.id)}").to_pylist()
+        if not rows:
+            return "absent", None  # a 64-bit hash collision with another id
+        for row in rows:
+            if (row["shard"], row["position"]) == (example.shard, example.position):
+                return "same", None
+        return "other", location_of(rows[0]["shard"], rows[0]["position"])
+
+
+def hard_context_length(model: nn.Module) -> Optional[int]:
+    """The most tokens ``model`` can read, when a learned position table fixes it (GPT-2, OPT).
+
+    Rotary/ALiBi models only extrapolate past ``max_position_embeddings``, so they get None.
+    """
+    config = getattr(model, "config", None)
+    sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    for attr in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            # OPT's table has two extra rows (an offset of 2); the usable length is still value.
+            if value in sizes or value + 2 in sizes:
+                return value
+    return None
+
+
+def effective_spec(index: AttributionIndex, spec: RecordSpec) -> RecordSpec:
+    """``spec``, with the index's ``max_tokens`` when the spec sets none."""
+    if not isinstance(spec, RecordSpec):
+        raise ConfigError(f"spec must be an ingest.records.RecordSpec, got {type(spec).__name__}")
+    if spec.max_tokens is None and index.manifest.max_tokens is not None:
+        return replace(spec, max_tokens=int(index.manifest.max_tokens))
+    return spec
+
+
+def check_metadata_fields(index: AttributionIndex, spec: RecordSpec) -> None:
+    """Refuse metadata fields the table cannot take, before any record is read."""
+    reserved = [name for name in spec.metadata_fields if name in RESERVED_COLUMNS]
+    if reserved:
+        raise ConfigError(
+            f"metadata fields {reserved} clash with the table's own columns {list(RESERVED_COLUMNS)}; "
+            "leave them out of RecordSpec.metadata_fields (--metadata-field)"
+        )
+    schema = index.store.schema
+    if schema is None:
+        return
+    new = [name for name in spec.metadata_fields if name not in schema.names]
+    if new:
+        known = [n for n in index.store.metadata_columns() if n not in RESERVED_COLUMNS]
+        raise ConfigError(
+            f"metadata fields {new} are not columns of the existing table {index.store.table_name!r} "
+            f"(its metadata columns: {known}); ingest with the metadata fields the table was built with"
+        )
+
+
+def _metadata_fits(example: Example, schema: Optional[pa.Schema]) -> Optional[str]:
+    """Why ``example``'s metadata does not fit the existing columns, or None."""
+    if schema is None:
+        return None
+    for name, value in example.metadata.items():
+        if name not in schema.names:
+            continue
+        target = schema.field(name).type
+        try:
+            pa.array([value], type=target)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            return (f"field {name!r}: metadata value {value!r} ({type(value).__name__}) does not fit the "
+                    f"table's column type {target}")
+    return None
+
+
+def default_rejects_path(index_path: Path) -> Path:
+    """``<index>/rejects/<UTC time>-<pid>.jsonl``: one file per run, never overwritten."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return Path(index_path) / REJECTS_DIR / f"{stamp}-{os.getpid()}.jsonl"
+
+
+class RejectsFile:
+    """A JSON Lines file of rejected records, created when the first one arrives."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._handle = None
+        self.count = 0
+
+    def write(self, rejected: Rejected) -> None:
+        if self._handle is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = open(self.path, "a", encoding="utf-8")
+        record = {"shard": rejected.shard, "position": rejected.position, "location": rejected.location,
+                  "reason": rejected.reason, "record_id": rejected.record_id}
+        self._handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.count += 1
+
+    def flush(self) -> None:
+        if self._handle is not None:
+            self._handle.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    @property
+    def written(self) -> Optional[Path]:
+        return self.path if self.count else None
+
+
+def is_duplicate(rejected: Rejected) -> bool:
+    """Whether a rejected record was left out for its id (counted in ``duplicates``)."""
+    return rejected.reason.startswith("duplicate id")
+
+
+class ExampleReader:
+    """The new examples of some shards, in order, a batch at a time.
+
+    Reads records with :func:`iter_examples`; skips the ones already stored; turns ids stored
+    for another shard/position, documents longer than the model can read and metadata that
+    does not fit the existing columns into rejected records (or errors, with
+    ``on_error="raise"``).
+    """
+
+    def __init__(self, index: AttributionIndex, patterns: Sequence[str | Path], *, spec: RecordSpec,
+                 on_error: OnError, shard_root: str | Path | None, stored: StoredIds):
+        self._items: Iterator[Example | Rejected] = iter_examples(
+            patterns, spec, index.tokenizer, on_error=on_error, shard_root=shard_root)
+        self._on_error = on_error
+        self._stored = stored
+        self._schema = index.store.schema
+        self._context = hard_context_length(index.model)
+        self.exhausted = False
+
+    def take(self, n: int) -> tuple[list[Example], list[Rejected], Tally]:
+        """Up to ``n`` new examples, the records rejected on the way, and the counts.
+
+        Raises :class:`InputError` at the first bad record with ``on_error="raise"``; what was
+        read of the batch so far is dropped with it (nothing of the batch is stored).
+        """
+        batch: list[Example] = []
+        rejected: list[Rejected] = []
+        tally = Tally()
+        while len(batch) < n:
+            item = next(self._items, None)
+            if item is None:
+                self.exhausted = True
+                break
+            tally.documents += 1
+            if isinstance(item, Rejected):
+                rejected.append(item)
+                if is_duplicate(item):
+                    tally.duplicates += 1
+                else:
+                    tally.rejected += 1
+                continue
+            status, where = self._stored.lookup(item)
+            if status == "same":
+                tally.skipped_existing += 1
+                continue
+            problem = None
+            if status == "other":
+                problem = (f"duplicate id {item.id!r}: already stored for the record at {where}; ids must be "
+                           "unique in the index (use another id field, or let ids be derived from content)")
+            elif self._context is not None and item.num_tokens > self._context:
+                problem = (f"{item.num_tokens} tokens, but the model reads at most {self._context}; "
+                           "set max_tokens (RecordSpec.max_tokens, --max-tokens) to truncate long documents")
+            else:
+                problem = _metadata_fits(item, self._schema)
+            if problem is not None:
+                location = location_of(item.shard, item.position)
+                if self._on_error == "raise":
+                    raise InputError(problem, location=location, reason=problem)
+                rejected.append(Rejected(shard=item.shard, position=item.position, location=location,
+                                         reason=problem, record_id=item.id))
+                if status == "other":
+                    tally.duplicates += 1
+                else:
+                    tally.rejected += 1
+                continue
+            batch.append(item)
+        return batch, rejected, tally
+
+
+def commit_rows(batch_size: Optional[int], gradient_batch_size: int) -> int:
+    """Rows per commit: ``batch_size`` or the default, as whole gradient batches."""
+    if batch_size is None:
+        batch_size = DEFAULT_COMMIT_ROWS
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size (rows per commit, --batch-size) must be a positive int, got {batch_size!r}")
+    if batch_size <= gradient_batch_size:
+        return batch_size  # one (smaller) gradient batch per commit
+    return -(-batch_size // gradient_batch_size) * gradient_batch_size
+
+
+def encode_batch(index: AttributionIndex, batch: Sequence[Example], on_chunk=None) -> pa.Table:
+    """Rows of ``batch``, projected one gradient batch at a time (``on_chunk(examples)`` after each)."""
+    size = index.gradients.batch_size
+    parts = []
+    for start in range(0, len(batch), size):
+        chunk = batch[start:start + size]
+        parts.append(index.encode_rows(chunk))
+        if on_chunk is not None:
+            on_chunk(chunk)
+    return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+
+
+@contextlib.contextmanager
+def index_lock(index_path: Path):
+    """Hold ``<index>/ingest.lock`` for a run, so that two ingests never write one index at once.
+
+    An advisory ``flock``: the kernel drops it when the process dies, so a killed ingest never
+    leaves a stale lock. Where ``fcntl`` does not exist (Windows) there is no lock.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    path = Path(index_path) / LOCK_FILE
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise ConfigError(
+                f"another ingest (pid {holder}) is writing to {index_path}; wait for it to finish or stop it "
+                "(two ingests of the same shards at once would store examples twice)"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing the descriptor releases the lock
+
+
+def _progress_bar(enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(desc=desc, unit="doc", dynamic_ncols=True)
+
+
+def _postfix(bar, tally: Tally, started: float) -> None:
+    if bar is None:
+        return
+    elapsed = max(time.perf_counter() - started, 1e-9)
+    bar.set_postfix({"doc/s": f"{tally.stored / elapsed:.1f}", "tok/s": f"{tally.tokens / elapsed:.0f}",
+                     "stored": tally.stored, "skipped": tally.skipped_existing,
+                     "rejected": tally.rejected + tally.duplicates}, refresh=False)
+
+
+def run_ingest(
+    index: AttributionIndex,
+    patterns: Sequence[str | Path],
+    *,
+    spec: RecordSpec = RecordSpec(),
+    on_error: OnError = "raise",
+    rejects_path: Optional[Path] = None,
+    batch_size: Optional[int] = None,
+    progress: bool = True,
+    shard_root: str | Path | None = None,
+) -> IngestSummary:
+    """Ingest the records of ``patterns`` (shard paths or globs) into ``index``.
+
+    Args:
+        index: an opened :class:`~eogp_index.client.AttributionIndex` (its model and tokenizer
+            tokenize and project the records).
+        patterns: shard files (JSON Lines, plain/.gz/.zst; Parquet; ``save_to_disk``
+            directories, ``dir::split`` for a split), or globs; read in sorted path order.
+        spec: which record fields hold the content, id and metadata (``metadata_fields`` become
+            typed table columns) and ``max_tokens`` (default: the index's).
+        on_error: ``"raise"``: the first bad record raises :class:`InputError` naming its shard
+            and line/row, and nothing of the batch it falls in is stored. Batches committed
+            before it stay stored; fix the record and run again to continue from there.
+            ``"skip"``: bad records are written to ``rejects_path`` and the rest goes in.
+        rejects_path: where ``"skip"`` lists rejected records, one JSON object per line with
+            ``shard, position, location, reason, record_id``; default
+            ``<index>/rejects/<UTC time>-<pid>.jsonl``, created only if something is rejected.
+        batch_size: rows per commit (default 256, rounded up to whole gradient batches). A
+            kill loses at most the batch in flight; more rows per commit mean fewer Lance
+            fragments (compact a table of many small ones with ``table.optimize()``).
+        progress: show a progress bar (documents, stored doc/s and tok/s).
+        shard_root: name shards by their path relative to this directory instead of by file
+            name (needed when two shards share a file name); keep it the same across runs.
+
+    Returns:
+        An :class:`IngestSummary`.
+
+    Raises:
+        InputError: a bad record (``on_error="raise"``) or a shard that cannot be read at all
+            (a missing file, an unsupported format, a corrupt compressed stream: in both modes).
+        ConfigError: bad options, metadata fields the existing table lacks, or another ingest
+            holding the index.
+    """
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    started = time.perf_counter()
+    spec = effective_spec(index, spec)
+    check_metadata_fields(index, spec)
+    rows_per_commit = commit_rows(batch_size, index.gradients.batch_size)
+    rejects = RejectsFile(Path(rejects_path) if rejects_path is not None else default_rejects_path(index.path))
+    tally = Tally()
+    bar = _progress_bar(progress, "ingest")
+    try:
+        with index_lock(index.path):
+            reader = ExampleReader(index, patterns, spec=spec, on_error=on_error, shard_root=shard_root,
+                                   stored=StoredIds(index))
+            while not reader.exhausted:
+                batch, rejected, counts = reader.take(rows_per_commit)
+                for item in rejected:
+                    rejects.write(item)
+                rejects.flush()
+                tally.add(counts)  # documents read; the batch's count as stored once committed
+                if bar is not None:
+                    bar.update(counts.documents - len(batch))
+                if not batch:
+                    continue
+
+                def on_chunk(chunk: Sequence[Example]) -> None:
+                    if bar is not None:
+                        bar.update(len(chunk))
+
+                rows = encode_batch(index, batch, on_chunk)
+                index.store.add(rows)  # one commit: the batch is visible entirely or not at all
+                tally.stored += len(batch)
+                tally.tokens += sum(ex.num_tokens for ex in batch)
+                _postfix(bar, tally, started)
+    finally:
+        rejects.close()
+        if bar is not None:
+            _postfix(bar, tally, started)
+            bar.close()
+    return tally.summary(seconds=time.perf_counter() - started, table_version=index.store.version,
+                         rejects_path=rejects.written)

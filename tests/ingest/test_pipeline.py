@@ -1,0 +1,311 @@
+"""Tests of ingest.pipeline and ingest.distributed against a real index of a tiny GPT-2.
+
+The index is fitted once per module (a tiny GPT-2 built from a config, saved to disk so that
+worker processes can load it from the manifest, and the tiny BPE tokenizer of conftest.py);
+each test ingests real JSON Lines / Parquet shards into its own copy of it. The resume test
+SIGKILLs a real ingest process in the middle of a shard; the distributed test runs
+``torchrun`` with two CPU workers and compares the table with a one-process ingest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eogp_index.client import AttributionIndex
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
+from ingest.pipeline import IngestSummary, run_ingest
+from ingest.records import Example, RecordSpec, iter_examples
+
+REPO = Path(__file__).resolve().parents[2]
+GRADIENT_BATCH = 4
+
+WORDS = ("the quick brown fox jumps over the lazy dog hello world how are you today "
+         "tell me a joke about cats and dogs").split()
+
+
+def make_model(tokenizer, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    # vocab_size = len(tokenizer): every id the tokenizer produces has an embedding row.
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=16, n_layer=2, n_head=2, n_inner=32,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return GPT2LMHeadModel(config).eval()
+
+
+def doc(i: int, tag: str = "doc") -> str:
+    words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(4 + i % 5)]
+    return f"{tag} {i}: " + " ".join(words)
+
+
+def write_lines(path: Path, lines) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, tokenizer):
+    """A fitted, empty index whose manifest names a model directory on disk."""
+    root = tmp_path_factory.mktemp("fitted")
+    model_dir = root / "model"
+    model = make_model(tokenizer)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    fit_shard = write_lines(root / "fit.jsonl", [{"text": doc(i, "fit")} for i in range(24)])
+    examples = [e for e in iter_examples([fit_shard], RecordSpec(), tokenizer) if isinstance(e, Example)]
+    AttributionIndex.create(
+        root / "index", model, tokenizer, examples, model_name=str(model_dir),
+        projection=ProjectionConfig(k=16), curvature=CurvatureConfig(num_examples=16, batch_size=4),
+        gradients=GradientConfig(batch_size=GRADIENT_BATCH), progress=False,
+    )
+    return SimpleNamespace(index=root / "index", model_dir=model_dir)
+
+
+@pytest.fixture
+def index_dir(fitted, tmp_path) -> Path:
+    """A fresh copy of the fitted index (no table yet)."""
+    return Path(shutil.copytree(fitted.index, tmp_path / "index"))
+
+
+def open_index(path: Path) -> AttributionIndex:
+    # The model is reloaded from the directory the manifest names, as `eogp ingest` does.
+    return AttributionIndex.open(path, gradients=GradientConfig(batch_size=GRADIENT_BATCH))
+
+
+def stored_ids(path: Path) -> list[str]:
+    return open_index_store(path).read(["id"]).column("id").to_pylist()
+
+
+def open_index_store(path: Path):
+    from eogp_index.store import Store
+
+    return Store(path, "examples")
+
+
+def expected_ids(paths, spec: RecordSpec, tokenizer) -> list[str]:
+    return [e.id for e in iter_examples(paths, spec, tokenizer, on_error="skip") if isinstance(e, Example)]
+
+
+def corpus(tmp_path: Path, n_jsonl: int = 10, n_parquet: int = 10) -> list[Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = write_lines(tmp_path / "web.jsonl",
+                        [{"text": doc(i), "source": "web", "n": i} for i in range(n_jsonl)])
+    parquet = tmp_path / "books.parquet"
+    pq.write_table(pa.Table.from_pylist([{"text": doc(i, "book"), "source": "books", "n": 100 + i}
+                                         for i in range(n_parquet)]), parquet)
+    return [jsonl, parquet]
+
+
+# -- idempotence ----------------------------------------------------------------------------------
+def test_ingest_twice_stores_each_example_once(index_dir, tmp_path, tokenizer):
+    shards = corpus(tmp_path)
+    spec = RecordSpec(metadata_fields=("source", "n"))
+    index = open_index(index_dir)
+    first = run_ingest(index, [str(p) for p in shards], spec=spec, batch_size=4, progress=False)
+    assert isinstance(first, IngestSummary)
+    assert (first.stored, first.skipped_existing, first.rejected, first.duplicates, first.documents) == (20, 0, 0, 0, 20)
+    assert first.tokens > 0 and first.tokens_per_s > 0 and first.table_version >= 1
+    assert first.rejects_path is None
+
+    second = run_ingest(open_index(index_dir), [str(tmp_path / "*.jsonl"), str(shards[1])], spec=spec,
+                        batch_size=4, progress=False)
+    assert (second.stored, second.skipped_existing, second.documents, second.tokens) == (0, 20, 20, 0)
+    assert second.table_version == first.table_version  # nothing was committed
+    json.dumps(second.to_json())
+
+    ids = stored_ids(index_dir)
+    assert len(ids) == 20 and sorted(ids) == sorted(expected_ids(shards, spec, tokenizer))
+    schema = open_index_store(index_dir).schema
+    assert str(schema.field("source").type) == "string" and str(schema.field("n").type) == "int64"
+    table = open_index_store(index_dir).read(["shard", "position", "n"], where="source = 'books'")
+    assert table.num_rows == 10 and set(table.column("shard").to_pylist()) == {"books.parquet"}
+
+
+def test_new_metadata_field_on_existing_table_is_refused(index_dir, tmp_path):
+    shards = corpus(tmp_path, n_jsonl=4, n_parquet=0)[:1]
+    run_ingest(open_index(index_dir), shards, spec=RecordSpec(metadata_fields=("source",)), progress=False)
+    with pytest.raises(ConfigError, match=r"metadata fields \['n'\] are not columns of the existing table"):
+        run_ingest(open_index(index_dir), shards, spec=RecordSpec(metadata_fields=("source", "n")), progress=False)
+
+
+# -- kill -9 and resume ---------------------------------------------------------------------------
+KILLED_INGEST = textwrap.dedent("""
+    import sys, time
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import GradientConfig
+    from ingest.pipeline import run_ingest
+    from ingest.records import RecordSpec
+
+    index = AttributionIndex.open(sys.argv[1], gradients=GradientConfig(batch_size=2))
+    commit = index.store.add
+
+    def slow_commit(rows):
+        # Widen the time between commits so that the test's SIGKILL lands mid-shard.
+        time.sleep(0.25)
+        return commit(rows)
+
+    index.store.add = slow_commit
+    run_ingest(index, [sys.argv[2]], spec=RecordSpec(), batch_size=2, progress=False)
+""")
+
+
+def test_killed_ingest_resumes_without_duplicates_or_gaps(index_dir, tmp_path, tokenizer):
+    import lance
+
+    total = 40
+    shard = write_lines(tmp_path / "big.jsonl", [{"text": doc(i)} for i in range(total)])
+    script = tmp_path / "ingest_script.py"
+    script.write_text(KILLED_INGEST)
+    log = open(tmp_path / "child.log", "wb")
+    child = subprocess.Popen([sys.executable, str(script), str(index_dir), str(shard)], cwd=REPO,
+                             stdout=log, stderr=subprocess.STDOUT)
+    uri = str(index_dir / "examples.lance")
+    committed = 0
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and child.poll() is None:
+            try:
+                committed = lance.dataset(uri).count_rows()
+            except Exception:  # no table yet
+                committed = 0
+            if committed >= 2:
+                break
+            time.sleep(0.02)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=60)
+        log.close()
+    assert child.returncode == -signal.SIGKILL, (tmp_path / "child.log").read_text()[-2000:]
+    after_kill = lance.dataset(uri).count_rows()
+    assert 2 <= after_kill < total, f"kill landed outside the shard (rows: {after_kill})"
+    assert after_kill % 2 == 0  # whole batches only: a reader never sees half a batch
+
+    summary = run_ingest(open_index(index_dir), [str(shard)], spec=RecordSpec(), batch_size=2, progress=False)
+    assert summary.skipped_existing == after_kill and summary.stored == total - after_kill
+    ids = stored_ids(index_dir)
+    assert len(ids) == total and len(set(ids)) == total
+    assert set(ids) == set(expected_ids([shard], RecordSpec(), tokenizer))
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def test_bad_record_raises_and_stores_nothing_of_its_batch(index_dir, tmp_path, tokenizer):
+    lines = [{"text": doc(i)} for i in range(5)] + ['{"text": "unterminated'] + [{"text": doc(i)} for i in range(5, 8)]
+    shard = write_lines(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(InputError, match=r"^bad\.jsonl:6: malformed JSON"):
+        run_ingest(open_index(index_dir), [shard], spec=RecordSpec(), batch_size=4, progress=False)
+    good = expected_ids([shard], RecordSpec(), tokenizer)
+    # Lines 1-4 were committed as a batch before the bad line 6; line 5 shared its batch.
+    assert sorted(stored_ids(index_dir)) == sorted(good[:4])
+    assert not (index_dir / "rejects").exists()
+
+
+def test_skip_lists_bad_records_with_reasons_and_stores_the_rest(index_dir, tmp_path, tokenizer):
+    spec = RecordSpec(id_field="doc_id", metadata_fields=("n",))
+    lines = [
+        {"doc_id": "a", "text": doc(0), "n": 0},
+        '{"doc_id": "b", "text": ',                                       # 2 malformed JSON
+        {"doc_id": "c", "n": 2},                                          # 3 no content
+        {"doc_id": "d", "text": "", "n": 3},                              # 4 empty document
+        {"doc_id": "e", "input_ids": [5], "n": 4},                        # 5 no loss tokens
+        {"doc_id": "a", "text": doc(5), "n": 5},                          # 6 duplicate id in the run
+        {"doc_id": "g", "text": doc(6), "n": "six"},                      # 7 metadata type clash
+        {"doc_id": "h", "text": doc(7), "n": 7},
+    ]
+    shard = write_lines(tmp_path / "mixed.jsonl", lines)
+    rejects = tmp_path / "rejects.jsonl"
+    summary = run_ingest(open_index(index_dir), [shard], spec=spec, on_error="skip", rejects_path=rejects,
+                         batch_size=4, progress=False)
+    assert (summary.stored, summary.rejected, summary.duplicates, summary.documents) == (2, 5, 1, 8)
+    assert summary.rejects_path == str(rejects)
+    assert sorted(stored_ids(index_dir)) == ["a", "h"]
+    entries = [json.loads(line) for line in rejects.read_text().splitlines()]
+    assert [e["location"] for e in entries] == [f"mixed.jsonl:{n}" for n in (2, 3, 4, 5, 6, 7)]
+    assert all(set(e) == {"shard", "position", "location", "reason", "record_id"} for e in entries)
+    reasons = [e["reason"] for e in entries]
+    assert "malformed JSON" in reasons[0]
+    assert "missing content" in reasons[1]
+    assert "empty document" in reasons[2]
+    assert "no loss tokens" in reasons[3]
+    assert reasons[4].startswith("duplicate id 'a'") and "mixed.jsonl:1" in reasons[4]
+    assert "field 'n'" in reasons[5]
+    assert entries[4]["record_id"] == "a" and entries[0]["shard"] == "mixed.jsonl" and entries[0]["position"] == 1
+
+
+def test_id_stored_from_another_shard_is_a_duplicate(index_dir, tmp_path):
+    spec = RecordSpec(id_field="doc_id")
+    first = write_lines(tmp_path / "first.jsonl", [{"doc_id": f"x{i}", "text": doc(i)} for i in range(3)])
+    second = write_lines(tmp_path / "second.jsonl", [{"doc_id": "y0", "text": doc(10)},
+                                                     {"doc_id": "x1", "text": doc(11)}])
+    run_ingest(open_index(index_dir), [first], spec=spec, progress=False)
+    with pytest.raises(InputError, match=r"^second\.jsonl:2: duplicate id 'x1': already stored for the record at "
+                                         r"first\.jsonl:2"):
+        run_ingest(open_index(index_dir), [second], spec=spec, progress=False)
+    summary = run_ingest(open_index(index_dir), [second], spec=spec, on_error="skip", progress=False)
+    assert (summary.stored, summary.duplicates) == (1, 1)
+    assert Path(summary.rejects_path).parent == index_dir / "rejects"  # the default place
+    assert sorted(stored_ids(index_dir)) == ["x0", "x1", "x2", "y0"]
+
+
+def test_index_of_another_model_is_refused(fitted, tokenizer):
+    with pytest.raises(IncompatibleIndexError, match="was built for model"):
+        AttributionIndex.open(fitted.index, model=make_model(tokenizer, seed=1), tokenizer=tokenizer)
+
+
+# -- scale-out ------------------------------------------------------------------------------------
+@pytest.mark.distributed
+def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenizer):
+    import pyarrow.parquet as pq
+    import pyarrow as pa
+
+    data = tmp_path / "data"
+    data.mkdir()
+    # Shards of whole gradient batches: both runs then project exactly the same batches.
+    for k in range(4):
+        rows = [{"text": doc(10 * k + i, f"s{k}"), "source": f"s{k}"} for i in range(2 * GRADIENT_BATCH)]
+        if k % 2:
+            pq.write_table(pa.Table.from_pylist(rows), data / f"part-{k}.parquet")
+        else:
+            write_lines(data / f"part-{k}.jsonl", rows)
+    distributed = Path(shutil.copytree(fitted.index, tmp_path / "distributed"))
+    single = Path(shutil.copytree(fitted.index, tmp_path / "single"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "ingest.distributed", "--index", str(distributed), "--shards", str(data / "*"),
+               "--metadata-field", "source", "--batch-size", str(GRADIENT_BATCH),
+               "--gradient-batch-size", str(GRADIENT_BATCH), "--device", "cpu", "--no-progress", "--json"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    reported = json.loads(result.stdout[result.stdout.index("{"):])
+    assert reported["stored"] == 32 and reported["workers"] == 2
+
+    spec = RecordSpec(metadata_fields=("source",))
+    run_ingest(open_index(single), [str(data / "*")], spec=spec, batch_size=GRADIENT_BATCH, progress=False)
+    columns = ["id", "signs", "scales", "shard", "position", "num_tokens", "num_loss_tokens", "truncated", "source"]
+    two = open_index_store(distributed).read(columns).sort_by("id")
+    one = open_index_store(single).read(columns).sort_by("id")
+    assert two.num_rows == one.num_rows == 32
+    assert two.column("id").to_pylist() == one.column("id").to_pylist()
+    for name in columns[1:]:
+        assert two.column(name).to_pylist() == one.column(name).to_pylist(), name
+
+    # Running the job again stores nothing new.
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    rerun = json.loads(again.stdout[again.stdout.index("{"):])
+    assert (rerun["stored"], rerun["skipped_existing"]) == (0, 32)
+    assert open_index_store(distributed).count() == 32

@@ -1,0 +1,117 @@
+"""The two-stage projection against dense float64 math, and Proposition 2."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.linalg import hadamard
+
+from eogp_index.config import ProjectionConfig, StorageConfig
+from eogp_index.curvature import ModuleCurvature
+from eogp_index.errors import ConfigError
+from eogp_index.projection import (
+    Projection,
+    build_projection,
+    first_stage_from_curvature,
+    fit_pca,
+    fwht,
+    make_srht,
+    srht_apply,
+)
+
+
+def _orthonormal(n, gen):
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    return q
+
+
+def _curvature(d_out=6, d_in=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    eig = torch.rand(d_out, d_in, generator=gen, dtype=torch.float64) ** 3
+    return ModuleCurvature(activation_eigenvectors=_orthonormal(d_in, gen).float(),
+                           gradient_eigenvectors=_orthonormal(d_out, gen).float(), eigenvalues=eig.float())
+
+
+def test_first_stage_equals_dense_eigenbasis_selection():
+    curv = _curvature()
+    m = 11
+    proj = first_stage_from_curvature(curv, m, damping_ratio=0.1)
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(4, 7, 5, generator=gen)
+    g = torch.randn(4, 7, 6, generator=gen)
+    got = proj.first_stage(a, g).double()
+    # Dense reference: rotate the dense gradient, keep the m largest-Λ coordinates, whiten.
+    G = torch.einsum("bto,bti->boi", g.double(), a.double())
+    q_s, q_a = curv.gradient_eigenvectors.double(), curv.activation_eigenvectors.double()
+    rotated = (q_s.T @ G @ q_a).reshape(4, -1)
+    lam = curv.eigenvalues.double().reshape(-1)
+    top = torch.argsort(lam, descending=True, stable=True)[:m]
+    damping = 0.1 * lam.mean()
+    expected = rotated[:, top] / torch.sqrt(lam[top] + damping)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert proj.damping == pytest.approx(float(damping))
+
+
+def test_damping_equals_kronfluence_heuristic():
+    from kronfluence.arguments import ScoreArguments
+    from kronfluence.factor.config import FactorConfig
+
+    gen = torch.Generator().manual_seed(3)
+    lambda_sum = torch.rand(6, 5, generator=gen) * 40  # kronfluence stores a sum over examples
+    count = torch.tensor(8.0)
+    storage = {"activation_eigenvectors": torch.eye(5), "gradient_eigenvectors": torch.eye(6),
+               "activation_eigenvalues": None, "gradient_eigenvalues": None,
+               "lambda_matrix": lambda_sum.clone(), "num_lambda_processed": count}
+    FactorConfig.CONFIGS["ekfac"].prepare(storage, ScoreArguments(damping_factor=None), torch.device("cpu"))
+    kron_damping = (1.0 / storage["lambda_matrix"].double() - lambda_sum.double() / 8.0).mean()
+    ours = ModuleCurvature(torch.eye(5), torch.eye(6), (lambda_sum / count)).damping(0.1)
+    assert ours == pytest.approx(float(kron_damping), rel=1e-5)
+
+
+def test_proposition_2_pca_beats_top_k_axes_within_the_span():
+    gen = torch.Generator().manual_seed(2)
+    n, m, k = 200, 24, 6
+    # First-stage coordinates with off-diagonal structure that the EK-FAC axes miss.
+    mixing = torch.randn(m, m, generator=gen, dtype=torch.float64)
+    z = torch.randn(n, m, generator=gen, dtype=torch.float64) @ mixing
+    P = fit_pca(z.float(), k).double()
+    torch.testing.assert_close(P.T @ P, torch.eye(k, dtype=torch.float64), atol=1e-5, rtol=0)
+    pca_energy = ((z @ P) ** 2).sum(1).mean()
+    axes_energy = (z[:, :k] ** 2).sum(1).mean()
+    assert pca_energy >= axes_energy  # (i): reconstruction error is never larger
+    for seed in range(5):  # and it is minimal among k-dim subspaces of the span
+        W, _ = torch.linalg.qr(torch.randn(m, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+        assert pca_energy >= ((z @ W) ** 2).sum(1).mean() - 1e-9
+    # (ii): equals the sum of the top-k eigenvalues of the second moment
+    top = torch.linalg.eigvalsh(z.T @ z / n).flip(0)[:k].sum()
+    assert float(pca_energy) == pytest.approx(float(top), rel=1e-5)
+
+
+def test_gram_route_spans_the_same_subspace_as_the_direct_route():
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randn(10, 40, generator=gen, dtype=torch.float64) * torch.linspace(3, 0.1, 40, dtype=torch.float64)
+    P_gram = fit_pca(z.float(), 5).double()  # n < m: n×n Gram matrix
+    w, v = torch.linalg.eigh(z.T @ z)
+    P_direct = v.flip(1)[:, :5]
+    torch.testing.assert_close(P_gram @ P_gram.T, P_direct @ P_direct.T, atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError, match="spans only"):
+        fit_pca(z.float(), 11)
+
+
+def test_fwht_and_srht_normalisation():
+    x = torch.randn(3, 16, dtype=torch.float64)
+    torch.testing.assert_close(fwht(x), x @ torch.tensor(hadamard(16), dtype=torch.float64).T)
+    signs, rows = make_srht(16, 4, torch.Generator().manual_seed(0))
+    S_T = srht_apply(torch.eye(16, dtype=torch.float64), signs.double(), rows)  # (m, k) = S^T
+    # S = sqrt(p/k) R H D with orthonormal H: S S^T = (p/k) I_k, and E[S^T S] = I_m.
+    torch.testing.assert_close(S_T.T @ S_T, torch.eye(4, dtype=torch.float64) * 4, atol=1e-9, rtol=0)
+
+
+def test_projection_roundtrips_through_safetensors(tmp_path):
+    curv = {"a": _curvature(seed=0), "b": _curvature(4, 3, seed=1)}
+    for variant in ("eogp-r", "ekfac-topk"):
+        proj = build_projection(curv, ProjectionConfig(variant=variant, k=4, m=8), StorageConfig())
+        digest = proj.save(tmp_path / "p.safetensors")
+        loaded = Projection.load(tmp_path / "p.safetensors")
+        assert loaded.k == proj.k and loaded.names == ["a", "b"] and len(digest) == 64
+        a, g = torch.randn(2, 3, 5), torch.randn(2, 3, 6)
+        torch.testing.assert_close(loaded.transform("a", a, g), proj.transform("a", a, g))
