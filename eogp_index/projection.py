@@ -73,8 +73,20 @@ class ModuleProjection:
         """
         q_a = self.activation_eigenvectors.to(a.device)
         q_s = self.gradient_eigenvectors.to(g.device)
-        block = torch.einsum("btr,btc->brc", g @ q_s, a @ q_a)  # (B, r, c) in the eigenbasis
-        kept = block.reshape(block.shape[0], -1)[:, self.local_index.to(a.device)]
+        gs, aa = g @ q_s, a @ q_a  # (B, T, r), (B, T, c): both factors in the eigenbasis
+        r, c = gs.shape[-1], aa.shape[-1]
+        index = self.local_index.to(a.device)
+        if r * c <= 256 * self.m:
+            # A fair share of the (r, c) block is kept: one batched matmul, then gather. Measured
+            # on CPU, the matmul wins until the block is a few hundred times larger than m.
+            kept = torch.einsum("btr,btc->brc", gs, aa).reshape(gs.shape[0], -1)[:, index]
+        else:
+            # Few coordinates kept: sum over tokens of products of only the needed entries,
+            # in chunks of coordinates so that (B, T, chunk) stays small.
+            rows, cols = index // c, index % c
+            chunk = max(1, (1 << 24) // max(1, gs.shape[0] * gs.shape[1]))
+            kept = torch.cat([(gs[:, :, rows[i:i + chunk]] * aa[:, :, cols[i:i + chunk]]).sum(dim=1)
+                              for i in range(0, self.m, chunk)], dim=1)
         return kept * self.whiten.to(a.device)
 
     def half_whiten(self, rotated: torch.Tensor) -> torch.Tensor:

@@ -171,12 +171,19 @@ class Store:
         self.table.checkout_latest()
         return self.table.to_lance()
 
-    def read(self, columns: Sequence[str], where: Optional[str] = None) -> pa.Table:
-        """Read ``columns`` of the rows matching the SQL filter ``where`` (all rows if None)."""
+    def read(self, columns: Sequence[str], where: Optional[str] = None, *, with_row_address: bool = False) -> pa.Table:
+        """Read ``columns`` of the rows matching the SQL filter ``where`` (all rows if None).
+
+        With ``with_row_address`` a ``_rowaddr`` uint64 column is added (Lance row addresses:
+        stable until the table is compacted).
+        """
         if self.table is None:
-            return pa.table({c: pa.array([]) for c in columns})
+            empty = {c: pa.array([]) for c in columns}
+            if with_row_address:
+                empty["_rowaddr"] = pa.array([], pa.uint64())
+            return pa.table(empty)
         try:
-            return self.dataset().to_table(columns=list(columns), filter=where)
+            return self.dataset().to_table(columns=list(columns), filter=where, with_row_address=with_row_address)
         except ValueError as exc:
             if where is None:
                 raise
@@ -185,3 +192,28 @@ class Store:
                 f"stored columns {self.metadata_columns()}; quote reserved words with backticks (`group` = 1)",
                 reason="invalid filter",
             ) from exc
+
+    def take_rows(self, rowaddr: Sequence[int], columns: Sequence[str]) -> pa.Table:
+        """Rows by Lance row address, in the order given."""
+        if len(rowaddr) == 0:
+            return self.read(columns, "false")
+        return self.dataset()._take_rows(pa.array(list(rowaddr), pa.uint64()), columns=list(columns))
+
+    def create_scalar_index(self, column: str, kind: str = "BTREE") -> None:
+        """Index a filter column (``BTREE`` for ranges and many distinct values, ``BITMAP`` for few).
+
+        Lance uses the index for ``where`` filters on that column; see :meth:`explain`.
+        """
+        import warnings
+
+        if self.table is None:
+            raise InputError("the index has no rows yet; ingest before indexing columns")
+        if column not in self.metadata_columns() or column in RESERVED_COLUMNS[:4]:
+            raise InputError(f"no filterable column {column!r}; the table's columns are {self.metadata_columns()}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # create_scalar_index is the documented call for this in lancedb 0.4x
+            self.table.create_scalar_index(column, index_type=kind, replace=True)
+
+    def explain(self, where: str) -> str:
+        """Lance's plan for a filter: shows ``ScalarIndexQuery`` when a scalar index is used."""
+        return self.dataset().scanner(columns=[], filter=where, with_row_address=True).explain_plan()

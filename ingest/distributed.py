@@ -247,6 +247,7 @@ class _Worker:
             self.bar = tqdm(desc=f"ingest ({comm.world} workers)", unit="doc", dynamic_ncols=True)
         self.pending: List[str] = []  # this worker's written, uncommitted fragments (JSON)
         self.schema = index.store.schema
+        self._target: Optional[tuple] = None
         self.version = index.store.version
         self.tally = Tally()
         # Ids admitted in this run by any worker: hash -> shard number << 40 | position.
@@ -333,6 +334,8 @@ class _Worker:
         Each worker's own reader already rejects ids repeated in its shards; this catches an
         id read by two workers. The first one in (step, rank) order keeps it.
         """
+        if self.comm.world == 1:
+            return [[True] * len(report.keys) for report in reports]  # the reader's RunState saw them all
         keep: List[List[bool]] = []
         for rank, report in enumerate(reports):
             flags = []
@@ -420,9 +423,11 @@ class _Worker:
                 "of different types in different shards (the table was created with "
                 f"{self.schema}); make each field's type the same everywhere", reason="metadata type mismatch"
             ) from exc
-        dataset = self.index.store.dataset()
-        fragments = write_fragments(rows, dataset.uri, schema=self.schema,
-                                    data_storage_version=dataset.data_storage_version)
+        if self._target is None:  # the table's URI and file format, fixed once it exists
+            dataset = self.index.store.dataset()
+            self._target = (dataset.uri, dataset.data_storage_version)
+        uri, storage_version = self._target
+        fragments = write_fragments(rows, uri, schema=self.schema, data_storage_version=storage_version)
         self.pending.extend(json.dumps(f.to_json()) for f in fragments)
 
     def _commit(self, local_error: Optional[BaseException], *, raise_errors: bool = True) -> None:

@@ -353,7 +353,8 @@ class ExampleReader:
                            "unique in the index (use another id field, or let ids be derived from content)")
             elif self._context is not None and item.num_tokens > self._context:
                 problem = (f"{item.num_tokens} tokens, but the model reads at most {self._context}; "
-                           "set max_tokens (RecordSpec.max_tokens, --max-tokens) to truncate long documents")
+                           "set max_tokens (RecordSpec.max_tokens; --max-tokens of `eogp fit` or ingest.distributed) "
+                           "to truncate long documents")
             else:
                 problem = _metadata_fits(item, self._schema)
             if problem is not None:

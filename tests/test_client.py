@@ -148,3 +148,18 @@ def test_srht_variant_and_budget(tmp_path):
     index.ingest(TRAIN[:6], progress=False)
     top = index.top_influential({"input_ids": list(QUERIES[1].input_ids)}, k=2, direction="negative")
     assert top.num_rows == 2 and top.column("score").to_pylist() == sorted(top.column("score").to_pylist())
+
+
+def test_proposition_2_on_real_gradients(eogp_index):
+    """On the fitting set, PCA keeps at least as much half-whitened energy as the top-k axes."""
+    from eogp_index.gradients import GradientCapture
+    from eogp_index.task import collate
+
+    index = eogp_index
+    capture = GradientCapture(index.model, index.manifest.module_names, index.projection.first_stage_transform)
+    first, _ = capture.run(collate([(e.input_ids, e.labels) for e in TRAIN]))
+    for name, proj in index.projection.modules.items():
+        z = first[name].double()
+        pca_energy = ((z @ proj.pca.double()) ** 2).sum()
+        axes_energy = (z[:, : proj.k] ** 2).sum()  # first-stage coords are ordered by eigenvalue
+        assert pca_energy >= axes_energy * (1 - 1e-6), name

@@ -31,18 +31,18 @@ def _curvature(d_out=6, d_in=5, seed=0):
                            gradient_eigenvectors=_orthonormal(d_out, gen).float(), eigenvalues=eig.float())
 
 
-def test_first_stage_equals_dense_eigenbasis_selection():
-    curv = _curvature()
-    m = 11
+@pytest.mark.parametrize("d_out,d_in,m", [(6, 5, 11), (48, 40, 5)], ids=["matmul-path", "gather-path"])
+def test_first_stage_equals_dense_eigenbasis_selection(d_out, d_in, m):
+    curv = _curvature(d_out, d_in)
     proj = first_stage_from_curvature(curv, m, damping_ratio=0.1)
     gen = torch.Generator().manual_seed(1)
-    a = torch.randn(4, 7, 5, generator=gen)
-    g = torch.randn(4, 7, 6, generator=gen)
+    a = torch.randn(4, 7, d_in, generator=gen)
+    g = torch.randn(4, 7, d_out, generator=gen)
     got = proj.first_stage(a, g).double()
     # Dense reference: rotate the dense gradient, keep the m largest-Λ coordinates, whiten.
     G = torch.einsum("bto,bti->boi", g.double(), a.double())
     q_s, q_a = curv.gradient_eigenvectors.double(), curv.activation_eigenvectors.double()
-    rotated = (q_s.T @ G @ q_a).reshape(4, -1)
+    rotated = (q_s.T @ G @ q_a).reshape(4, -1)  # never formed by the projection itself
     lam = curv.eigenvalues.double().reshape(-1)
     top = torch.argsort(lam, descending=True, stable=True)[:m]
     damping = 0.1 * lam.mean()

@@ -355,7 +355,7 @@ def finetune(
             sched.step()
             step += 1
             if callback is not None:
-                callback(step, float(loss))
+                callback(step, loss.item())
     return model.eval()
 
 
@@ -415,7 +415,7 @@ def pretrain(
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
         opt.step()
         sched.step()
-        running.append(float(loss))
+        running.append(loss.item())
         if log is not None and ((step + 1) % log_every == 0 or step + 1 == recipe.steps):
             recent = running[-log_every:]
             log(f"pretrain step {step + 1}/{recipe.steps}  loss {sum(recent) / len(recent):.4f}  "

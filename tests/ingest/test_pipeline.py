@@ -262,12 +262,44 @@ def test_id_stored_from_another_shard_is_a_duplicate(index_dir, tmp_path):
     assert sorted(stored_ids(index_dir)) == ["x0", "x1", "x2", "y0"]
 
 
+def test_document_longer_than_the_model_reads_needs_max_tokens(index_dir, tmp_path):
+    long_text = " ".join(WORDS * 20)  # far more than the tiny GPT-2's 128 positions
+    shard = write_lines(tmp_path / "long.jsonl", [{"text": doc(0)}, {"text": long_text}])
+    with pytest.raises(InputError, match=r"^long\.jsonl:2: \d+ tokens, but the model reads at most 128; set max_tokens"):
+        run_ingest(open_index(index_dir), [shard], spec=RecordSpec(), progress=False)
+    summary = run_ingest(open_index(index_dir), [shard], spec=RecordSpec(max_tokens=128), progress=False)
+    assert summary.stored == 2
+    truncated = open_index_store(index_dir).read(["truncated", "num_tokens"]).to_pylist()
+    assert sorted((r["truncated"], r["num_tokens"]) for r in truncated)[-1] == (True, 128)
+
+
 def test_index_of_another_model_is_refused(fitted, tokenizer):
     with pytest.raises(IncompatibleIndexError, match="was built for model"):
         AttributionIndex.open(fitted.index, model=make_model(tokenizer, seed=1), tokenizer=tokenizer)
 
 
 # -- scale-out ------------------------------------------------------------------------------------
+def test_distributed_worker_alone_commits_whole_steps_and_resumes(index_dir, tmp_path, tokenizer):
+    """The torchrun entry point in one process: fragments, Append commits, abort and rerun."""
+    from ingest.distributed import run_distributed_ingest
+
+    lines = [{"text": doc(i)} for i in range(6)] + [{"text": 5}] + [{"text": doc(i)} for i in range(6, 9)]
+    shard = write_lines(tmp_path / "part.jsonl", lines)
+    options = dict(spec=RecordSpec(), batch_size=2, commit_every=2, progress=False,
+                   gradients=GradientConfig(batch_size=GRADIENT_BATCH, device="cpu"))
+    with pytest.raises(InputError, match=r"^part\.jsonl:7: field 'text': expected a string"):
+        run_distributed_ingest(index_dir, [shard], **options)
+    good = expected_ids([shard], RecordSpec(), tokenizer)
+    # Steps 1-2 were committed together, step 3 when the failure stopped the run; nothing of step 4.
+    assert sorted(stored_ids(index_dir)) == sorted(good[:6])
+
+    summary = run_distributed_ingest(index_dir, [shard], on_error="skip", **options)
+    assert (summary.stored, summary.skipped_existing, summary.rejected, summary.workers) == (3, 6, 1, 1)
+    assert json.loads(Path(summary.rejects_path).read_text())["location"] == "part.jsonl:7"
+    ids = stored_ids(index_dir)
+    assert len(ids) == len(set(ids)) == 9 and set(ids) == set(good)
+
+
 @pytest.mark.distributed
 def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenizer):
     import pyarrow.parquet as pq

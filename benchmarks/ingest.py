@@ -1,0 +1,297 @@
+#!/usr/bin/env python
+"""Ingest throughput: EOGP against the bare gradient computation and a LoGra-style FP16 store.
+
+Three ways to turn the same batches of tokenized documents into something stored, timed side
+by side in one run (each batch goes through all three, in a rotating order, so that machine
+load hits them alike):
+
+* **bare gradient** — what any gradient-based index must pay: the forward and backward pass
+  of the batch's summed loss with the per-module hooks of :class:`GradientCapture`, and a
+  transform that only takes a tiny reduction of each module's ``(a, g)``. Nothing is stored.
+* **EOGP ingest** — project, 1-bit encode and store a batch in one Lance commit
+  (``AttributionIndex.encode_rows`` + ``Store.add``, what ``run_ingest`` does per batch).
+* **LoGra-style store** — the same hooks with a Kronecker random projection
+  (:class:`~eogp_index.evaluation.baselines.LoGraProjector`, rank ``r`` per module with
+  ``2 r² ≈`` EOGP's bytes per module), FP16 coordinates stored in a separate LanceDB table.
+
+Reading and tokenizing shards is left out: it is the same for all three.
+Targets: EOGP time / bare gradient time <= 1.25; EOGP time / LoGra time <= 1.0.
+
+Default workload: ``examples/default/model`` and its training corpus when they exist, else a
+randomly initialized GPT-2 of the same shape (``tinylm.default_config``) on random token
+documents. Runs in well under two minutes on two CPU cores::
+
+    python benchmarks/ingest.py                 # table
+    python benchmarks/ingest.py --json          # machine-readable
+    python benchmarks/ingest.py --model DIR --corpus 'data/*.jsonl' --device cuda --docs 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, List, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from eogp_index.client import AttributionIndex, TokenizedExample, load_model  # noqa: E402
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig  # noqa: E402
+from eogp_index.evaluation.baselines import LoGraProjector, rank_for_bytes  # noqa: E402
+from eogp_index.gradients import GradientCapture  # noqa: E402
+from eogp_index.quantization import Encoded  # noqa: E402
+from eogp_index.store import RowInfo, Store, build_rows  # noqa: E402
+from eogp_index.task import collate  # noqa: E402
+
+TARGET_VS_BARE = 1.25
+TARGET_VS_LOGRA = 1.0
+DEFAULT_ROOT = REPO / "examples" / "default"
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: Any
+    tokenizer: Any
+    examples: List[TokenizedExample]
+    source: str
+
+
+def load_workload(args) -> Workload:
+    """The model, tokenizer and documents to time (see the module docstring for the default)."""
+    model_dir = Path(args.model) if args.model else DEFAULT_ROOT / "model"
+    corpus = args.corpus or (str(DEFAULT_ROOT / "corpus" / "train.jsonl.gz") if args.model is None else None)
+    if (model_dir / "config.json").is_file():
+        model, tokenizer = load_model(str(model_dir))
+        context = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 512)
+        max_tokens = min(args.max_tokens, context)
+        if corpus is None:
+            raise SystemExit(f"no corpus: pass --corpus with shards to read documents from for {model_dir}")
+        from ingest.records import Example, RecordSpec, iter_examples
+
+        examples = []
+        for item in iter_examples([corpus], RecordSpec(max_tokens=max_tokens), tokenizer, on_error="skip"):
+            if isinstance(item, Example):
+                examples.append(item)
+            if len(examples) >= args.docs + args.fit_examples:
+                break
+        return Workload(model, tokenizer, examples, f"{model_dir} on {corpus}")
+    if args.model:
+        raise SystemExit(f"{model_dir}: no config.json (expected a HuggingFace model directory)")
+    from transformers import GPT2LMHeadModel
+
+    from eogp_index.evaluation.tinylm import default_config
+
+    torch.manual_seed(0)
+    config = default_config()
+    model = GPT2LMHeadModel(config).eval()
+    rng = random.Random(0)
+    examples = []
+    for i in range(args.docs + args.fit_examples):
+        n = rng.randint(args.max_tokens // 4, args.max_tokens)
+        ids = [rng.randrange(1, config.vocab_size) for _ in range(n)]
+        examples.append(TokenizedExample(id=f"doc-{i}", input_ids=ids, labels=ids, shard="random", position=i,
+                                         num_tokens=n))
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0, name_or_path="random")
+    return Workload(model, tokenizer, examples, "random-init GPT-2 (tinylm.default_config) on random tokens")
+
+
+def _row_info(batch: Sequence[TokenizedExample]) -> RowInfo:
+    return RowInfo(
+        ids=[ex.id for ex in batch], shards=[ex.shard for ex in batch], positions=[ex.position for ex in batch],
+        num_tokens=[len(ex.input_ids) for ex in batch],
+        num_loss_tokens=[sum(1 for x in list(ex.labels)[1:] if x != -100) for ex in batch],
+        truncated=[False] * len(batch), metadata=[{} for _ in batch],
+    )
+
+
+class Methods:
+    """The three ways of processing a batch, sharing one model and one set of hooks' modules."""
+
+    def __init__(self, index: AttributionIndex, workdir: Path, device: str):
+        self.index = index
+        self.device = device
+        self.pad_id = int(getattr(index.tokenizer, "pad_token_id", None) or 0)
+        names = index.manifest.module_names
+
+        def tiny_reduction(name, a, g):
+            del name
+            return (a[..., :1] * g[..., :1]).sum(dim=(1, 2))  # (B,): touches a and g, costs nothing
+
+        self.bare = GradientCapture(index.model, names, tiny_reduction)
+        self.projectors: Dict[str, LoGraProjector] = {}
+        self.logra_bytes = 0
+        for entry in index.manifest.modules:
+            module_bytes = math.ceil(entry.k / 8) + 2  # EOGP's bytes for this module: signs + fp16 scale
+            rank = max(1, min(rank_for_bytes(module_bytes, "fp16"), entry.d_in, entry.d_out))
+            projector = LoGraProjector(entry.d_in, entry.d_out, rank, seed=len(self.projectors))
+            projector.P_a, projector.P_g = projector.P_a.to(device), projector.P_g.to(device)
+            self.projectors[entry.name] = projector
+            self.logra_bytes += 2 * rank * rank
+        self.logra = GradientCapture(index.model, names, lambda name, a, g: self.projectors[name].project(a, g))
+        self.logra_store = Store(workdir / "logra", "logra")
+
+    def _batch(self, batch):
+        tensors = collate([(ex.input_ids, ex.labels) for ex in batch], self.pad_id)
+        return {k: v.to(self.device) for k, v in tensors.items()}
+
+    def bare_gradient(self, batch) -> None:
+        outputs, _ = self.bare.run(self._batch(batch))
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def eogp(self, batch) -> None:
+        self.index.store.add(self.index.encode_rows(batch))
+
+    def logra_store_batch(self, batch) -> None:
+        outputs, _ = self.logra.run(self._batch(batch))
+        coords = torch.cat([outputs[n] for n in self.index.manifest.module_names], dim=1)
+        encoded = Encoded(coords=coords.to(torch.float16).cpu().numpy())
+        self.logra_store.add(build_rows(_row_info(batch), encoded, schema=self.logra_store.schema))
+
+
+def run(args) -> Dict[str, Any]:
+    started = time.perf_counter()
+    device = GradientConfig(device=args.device).resolved_device()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    workload = load_workload(args)
+    examples = workload.examples
+    if len(examples) < args.fit_examples + 2 * args.batch_size:
+        raise SystemExit(f"only {len(examples)} documents; need at least {args.fit_examples + 2 * args.batch_size}")
+    fit, timed = examples[: args.fit_examples], examples[args.fit_examples:]
+    with tempfile.TemporaryDirectory(prefix="eogp-bench-") as tmp:
+        workdir = Path(tmp)
+        fit_started = time.perf_counter()
+        index = AttributionIndex.create(
+            workdir / "index", workload.model, workload.tokenizer, fit, model_name=workload.source,
+            projection=ProjectionConfig(k=args.k, num_fit_examples=len(fit)),
+            curvature=CurvatureConfig(num_examples=min(args.curvature_examples, len(fit)), batch_size=args.batch_size),
+            gradients=GradientConfig(batch_size=args.batch_size, device=device), progress=False,
+        )
+        fit_seconds = time.perf_counter() - fit_started
+        methods = Methods(index, workdir, device)
+        batches = [timed[i:i + args.batch_size] for i in range(0, len(timed), args.batch_size)]
+        batches = [b for b in batches if len(b) == args.batch_size]
+        warmup, batches = batches[0], batches[1:]
+        order = [("bare_gradient", methods.bare_gradient), ("eogp", methods.eogp),
+                 ("logra_fp16", methods.logra_store_batch)]
+        for _, fn in order:  # first calls pay for allocations and table creation: not timed
+            fn(warmup)
+        seconds = {name: 0.0 for name, _ in order}
+        per_batch: Dict[str, List[float]] = {name: [] for name, _ in order}
+        for i, batch in enumerate(batches):
+            for name, fn in order[i % 3:] + order[: i % 3]:
+                t0 = time.perf_counter()
+                fn(batch)
+                elapsed = time.perf_counter() - t0
+                seconds[name] += elapsed
+                per_batch[name].append(elapsed)
+        docs = sum(len(b) for b in batches)
+        tokens = sum(len(ex.input_ids) for b in batches for ex in b)
+        bytes_per_example = {"bare_gradient": 0, "eogp": index.manifest.bytes_per_example,
+                             "logra_fp16": methods.logra_bytes}
+        assert index.store.count() == docs + len(warmup) == methods.logra_store.count()
+    result: Dict[str, Any] = {
+        "workload": workload.source,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "documents": docs,
+        "tokens": tokens,
+        "batch_size": args.batch_size,
+        "batches": len(batches),
+        "k_per_module": args.k,
+        "modules": len(index.manifest.modules),
+        "fit_seconds": round(fit_seconds, 2),
+        "methods": {
+            name: {
+                "seconds": round(seconds[name], 4),
+                "docs_per_s": round(docs / seconds[name], 2),
+                "tokens_per_s": round(tokens / seconds[name], 1),
+                "bytes_per_example": bytes_per_example[name],
+            }
+            for name, _ in order
+        },
+        "ratios": {
+            "eogp_over_bare_gradient": round(seconds["eogp"] / seconds["bare_gradient"], 3),
+            "eogp_over_logra": round(seconds["eogp"] / seconds["logra_fp16"], 3),
+            # Medians of per-batch ratios: less sensitive to a load spike on a shared machine.
+            "median_batch_eogp_over_bare_gradient": round(float(np.median(
+                np.array(per_batch["eogp"]) / np.array(per_batch["bare_gradient"]))), 3),
+            "median_batch_eogp_over_logra": round(float(np.median(
+                np.array(per_batch["eogp"]) / np.array(per_batch["logra_fp16"]))), 3),
+        },
+        "targets": {"eogp_over_bare_gradient": TARGET_VS_BARE, "eogp_over_logra": TARGET_VS_LOGRA},
+    }
+    result["meets_targets"] = {
+        key: result["ratios"][key] <= target for key, target in result["targets"].items()
+    }
+    result["total_seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def render(result: Dict[str, Any]) -> str:
+    labels = {"bare_gradient": "bare gradient (fwd+bwd)", "eogp": "EOGP ingest (1-bit)",
+              "logra_fp16": "LoGra-style store (fp16)"}
+    lines = [
+        f"workload: {result['workload']}",
+        f"device: {result['device']} ({result['threads']} threads); {result['documents']} documents, "
+        f"{result['tokens']} tokens in {result['batches']} batches of {result['batch_size']}; "
+        f"k={result['k_per_module']} x {result['modules']} modules",
+        "",
+        f"{'method':<27}{'docs/s':>10}{'tokens/s':>12}{'seconds':>10}{'bytes/example':>15}",
+    ]
+    for name, row in result["methods"].items():
+        lines.append(f"{labels[name]:<27}{row['docs_per_s']:>10.1f}{row['tokens_per_s']:>12.0f}"
+                     f"{row['seconds']:>10.2f}{row['bytes_per_example']:>15}")
+    ratios, targets, ok = result["ratios"], result["targets"], result["meets_targets"]
+    lines += [
+        "",
+        f"EOGP / bare gradient: {ratios['eogp_over_bare_gradient']:.3f} (per-batch median "
+        f"{ratios['median_batch_eogp_over_bare_gradient']:.3f}; target <= {targets['eogp_over_bare_gradient']}) "
+        f"{'ok' if ok['eogp_over_bare_gradient'] else 'MISSED'}",
+        f"EOGP / LoGra store:   {ratios['eogp_over_logra']:.3f} (per-batch median "
+        f"{ratios['median_batch_eogp_over_logra']:.3f}; target <= {targets['eogp_over_logra']}) "
+        f"{'ok' if ok['eogp_over_logra'] else 'MISSED'}",
+        f"(index fitting {result['fit_seconds']}s, total {result['total_seconds']}s)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HuggingFace model directory (default: examples/default/model)")
+    parser.add_argument("--corpus", default=None, help="shard path or glob to read documents from")
+    parser.add_argument("--docs", type=int, default=200, help="documents timed (default 200)")
+    parser.add_argument("--fit-examples", type=int, default=160,
+                        help="documents the PCA is fitted on (default 160; at least --k)")
+    parser.add_argument("--curvature-examples", type=int, default=32,
+                        help="documents (of the fitting ones) the EK-FAC factors are fitted on (default 32)")
+    parser.add_argument("--batch-size", type=int, default=8, help="documents per batch (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per document at most (default 128)")
+    parser.add_argument("--k", type=int, default=128,
+                        help="EOGP coordinates per module (default 128: 18 bytes, = LoGra rank 3 in fp16)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 1 if args.check and not all(result["meets_targets"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Throughput of the exact scaled-sign scan (eogp_index.scan) on a warm in-memory store.
+
+Builds a random store of ``--gb`` GB of packed codes (default 64 modules x k=512 bits, i.e.
+4096 bytes per row, ~244k rows per GB), then measures, in the same process:
+
+* memory-read bandwidth: ``numpy.sum`` over a uint64 view of the same bytes (best of 3);
+* single-query ``scan_scores`` (exact, every row) and single-query ``scan_top_k``;
+* a batch of ``--nq`` queries for both (one pass over the codes per call);
+* ``scan_scores`` and ``scan_top_k`` restricted to a random 1% of the rows.
+
+Each line prints the time and its ratio against the target:
+single-query throughput >= 0.5 x bandwidth, batch time <= 8 x single, 1% subset <= 5% of the
+full scan. Targets are reported, never asserted. ``--json`` prints the numbers as one JSON object.
+
+Usage: python benchmarks/scan.py --gb 1.0 [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from eogp_index.scan import SignLayout, scan_scores, scan_top_k  # noqa: E402
+
+
+def best_of(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, default=1.0, help="size of the packed codes in GB (1e9 bytes)")
+    ap.add_argument("--modules", type=int, default=64)
+    ap.add_argument("--k", type=int, default=512, help="coordinates (bits) per module")
+    ap.add_argument("--nq", type=int, default=64, help="queries in the batch measurement")
+    ap.add_argument("--topk", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=3, help="best of this many runs (single-query lines)")
+    ap.add_argument("--subset", type=float, default=0.01, help="fraction of rows for the filtered scan")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="also print all numbers as one JSON object")
+    args = ap.parse_args(argv)
+
+    layout = SignLayout((args.k,) * args.modules)
+    n = max(1, int(args.gb * 1e9 // layout.nbytes))
+    rng = np.random.default_rng(args.seed)
+    codes = rng.integers(0, 256, size=(n, layout.nbytes), dtype=np.uint8)
+    scales = rng.uniform(0.5, 1.5, size=(n, layout.num_modules)).astype(np.float16)
+    y1 = rng.standard_normal((1, layout.num_coords)).astype(np.float32)
+    yb = rng.standard_normal((args.nq, layout.num_coords)).astype(np.float32)
+    subset = np.sort(rng.choice(n, size=max(1, int(n * args.subset)), replace=False)).astype(np.int64)
+    gb = codes.nbytes / 1e9
+
+    # Warm-up: compile (or load from cache) every kernel variant used below, on a few rows.
+    few = codes[:256], scales[:256]
+    scan_scores(*few, y1, layout)
+    scan_scores(*few, yb, layout)
+    scan_top_k(*few, y1, layout, args.topk)
+    scan_top_k(*few, yb[:2], layout, args.topk)
+
+    words = codes.reshape(-1).view(np.uint64)
+    bw_t = best_of(words.sum, 3)
+    bandwidth = gb / bw_t
+
+    res: dict = {"gb": gb, "rows": n, "nbytes_per_row": layout.nbytes, "modules": args.modules, "k": args.k,
+                 "threads": int(__import__("numba").get_num_threads()), "bandwidth_gbps": bandwidth,
+                 "bandwidth_s": bw_t}
+    lines = [f"store: {n} rows x {layout.nbytes} B = {gb:.3f} GB ({args.modules} modules x k={args.k}), "
+             f"{res['threads']} threads",
+             f"memory read (numpy sum, uint64): {bw_t:.3f} s  {bandwidth:.2f} GB/s"]
+
+    def report(name, seconds, target_text, ratio, ok, **extra):
+        res[name] = {"seconds": seconds, "ratio": ratio, "target_met": ok, **extra}
+        lines.append(f"{name}: {seconds:.3f} s  {target_text}  [{'ok' if ok else 'MISSED'}]")
+
+    t1 = best_of(lambda: scan_scores(codes, scales, y1, layout), args.repeat)
+    r = (gb / t1) / bandwidth
+    report("scan_scores_1q", t1, f"{gb / t1:.2f} GB/s = {r:.3f} x bandwidth (target >= 0.5)", r, r >= 0.5)
+
+    tk1 = best_of(lambda: scan_top_k(codes, scales, y1, layout, args.topk), args.repeat)
+    r = (gb / tk1) / bandwidth
+    report(f"scan_top_k_1q_k{args.topk}", tk1, f"{gb / tk1:.2f} GB/s = {r:.3f} x bandwidth (target >= 0.5)",
+           r, r >= 0.5)
+
+    tb = best_of(lambda: scan_scores(codes, scales, yb, layout), 1)
+    r = tb / t1
+    report(f"scan_scores_{args.nq}q", tb, f"= {r:.2f} x one query's (target <= 8)", r, r <= 8)
+
+    tkb = best_of(lambda: scan_top_k(codes, scales, yb, layout, args.topk), 1)
+    r = tkb / tk1
+    report(f"scan_top_k_{args.nq}q_k{args.topk}", tkb, f"= {r:.2f} x one query's (target <= 8)", r, r <= 8)
+
+    ts = best_of(lambda: scan_scores(codes, scales, y1, layout, rows=subset), args.repeat)
+    r = ts / t1
+    report("scan_scores_1q_subset", ts, f"({subset.size} rows) = {r:.4f} x full scan (target <= 0.05)", r,
+           r <= 0.05, rows=int(subset.size))
+
+    tks = best_of(lambda: scan_top_k(codes, scales, y1, layout, args.topk, rows=subset), args.repeat)
+    r = tks / tk1
+    report(f"scan_top_k_1q_k{args.topk}_subset", tks, f"({subset.size} rows) = {r:.4f} x full top-k (target <= 0.05)",
+           r, r <= 0.05, rows=int(subset.size))
+
+    print("\n".join(lines))
+    if args.json:
+        print(json.dumps(res, indent=None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

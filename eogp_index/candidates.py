@@ -1,0 +1,742 @@
+"""FAISS first pass: C candidates by Hamming distance on the stored signs, then exact rescoring.
+
+The exact scan reads every stored row. For a store of millions of rows a cheaper first pass can
+pick ``C`` candidates and only those are rescored exactly with ``Σ_u s_iu⟨y_u, b_iu⟩``:
+
+* **Binary vectors.** A row's binary vector is its ``signs`` column as stored, the per-module
+  sign bytes concatenated (``d = nbytes·8`` bits, bit 0 of a byte least significant, which is
+  FAISS's convention too). Padding bits are 0 in every row, so they never change a Hamming
+  distance. The query's vector is ``pack_signs(y)``; the Hamming-nearest rows are the rows whose
+  signs agree most with the query's, an unweighted proxy of the score (it ignores ``|y|`` and the
+  scales). The most negative influences are the nearest rows to ``pack_signs(-y)``.
+* **Indexes.** ``flat`` (exhaustive Hamming, ``IndexBinaryFlat``; on a machine with a GPU and a
+  GPU build of FAISS the search runs on ``GpuIndexBinaryFlat``), ``ivf`` (``IndexBinaryIVF``,
+  k-means trained on a sample of the rows) and ``hnsw`` (``IndexBinaryHNSW``).
+* **Keys.** FAISS ids are not Lance row addresses (those change on compaction): they are a
+  stable 63-bit hash of the example id (first 8 bytes of BLAKE2b of its UTF-8, little endian,
+  top bit cleared); collisions are detected and refused. The key → id mapping is saved next to
+  the FAISS index, in FAISS insertion order.
+* **Files.** ``<index_dir>/faiss/<name>.faissindex`` (``faiss.write_index_binary``),
+  ``<name>.ids.parquet`` (``key`` int64, ``id`` string; row ``p`` = FAISS position ``p``) and
+  ``<name>.json`` (format version, kind, parameters, the table version and rows covered, and the
+  hashes of the projection and model the codes were made with). The JSON is written last: it is
+  the commit of a build or an extension.
+* **Freshness.** :meth:`CandidateIndex.extend` adds the rows whose ids are not covered yet,
+  without rebuilding; :func:`top_influential_with_candidates` calls it when the table has a
+  newer version than the one recorded, so a query never silently misses ingested rows.
+
+Rows are streamed from Lance in record batches sized in bytes (``BATCH_BYTES``), reading only
+``id`` and ``signs``; the whole table is never held at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import __version__
+from .errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, InputError
+from .quantization import SignLayout, pack_signs, unpack_signs
+from .store import list_column_to_numpy
+
+FORMAT = "eogp-faiss"
+FORMAT_VERSION = 1
+FAISS_DIR = "faiss"
+KEY_SCHEME = "blake2b-64le-of-utf8-id, top bit cleared"
+#: Bytes of ``id`` + ``signs`` per record batch read from Lance.
+BATCH_BYTES = 64 << 20
+#: Rows added to FAISS per ``add`` call (HNSW and IVF parallelize within one call).
+_ADD_ROWS = 1 << 16
+#: GPU binary flat search keeps at most this many neighbours per query (FAISS's GPU k-select).
+_GPU_MAX_K = 2048
+_KEY_MASK = np.int64(0x7FFF_FFFF_FFFF_FFFF)
+
+Kind = Literal["flat", "ivf", "hnsw"]
+Direction = Literal["positive", "negative", "both"]
+
+
+@dataclass(frozen=True)
+class FaissConfig:
+    """Which FAISS binary index to build and how to search it.
+
+    Attributes:
+        kind: ``flat`` (exhaustive, exact Hamming), ``ivf`` (inverted lists) or ``hnsw`` (graph).
+        nlist: IVF lists; ``None`` = ``round(4·sqrt(n))`` for the ``n`` rows at build time.
+        nprobe: IVF lists visited per query (search time; more = better recall, slower).
+        hnsw_m: HNSW neighbours per node (build time).
+        ef_search: HNSW search beam (search time; raised to ``C`` when ``C`` is larger).
+        ef_construction: HNSW build beam (build time; lower = faster build, worse graph).
+        train_points_per_list: IVF k-means sample size per list (FAISS warns below 39).
+        train_iters: IVF k-means iterations.
+        use_gpu: ``auto`` searches a flat index on ``GpuIndexBinaryFlat`` when
+            ``faiss.get_num_gpus() > 0`` and FAISS is a GPU build; ``never`` stays on the CPU.
+    """
+
+    kind: Kind = "flat"
+    nlist: Optional[int] = None
+    nprobe: int = 16
+    hnsw_m: int = 32
+    ef_search: int = 128
+    ef_construction: int = 40
+    train_points_per_list: int = 64
+    train_iters: int = 10
+    use_gpu: Literal["auto", "never"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("flat", "ivf", "hnsw"):
+            raise ConfigError(f"FaissConfig.kind must be 'flat', 'ivf' or 'hnsw', got {self.kind!r}")
+        if self.use_gpu not in ("auto", "never"):
+            raise ConfigError(f"FaissConfig.use_gpu must be 'auto' or 'never', got {self.use_gpu!r}")
+        for name in ("nprobe", "hnsw_m", "ef_search", "ef_construction", "train_points_per_list", "train_iters"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"FaissConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.nlist is not None and int(self.nlist) < 1:
+            raise ConfigError(f"FaissConfig.nlist must be >= 1 (or None for 4·sqrt(n)), got {self.nlist!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# keys
+# ---------------------------------------------------------------------------------------------
+
+
+def id_keys(ids: Sequence[str]) -> np.ndarray:
+    """Stable FAISS keys of example ids: ``(n,)`` int64, non-negative (see the module docstring)."""
+    digest = b"".join(hashlib.blake2b(str(i).encode("utf-8"), digest_size=8).digest() for i in ids)
+    return np.frombuffer(digest, dtype="<i8").astype(np.int64) & _KEY_MASK
+
+
+def _check_unique(keys: np.ndarray, ids: pa.Array, where: str) -> None:
+    """Refuse duplicate keys: the same id stored twice, or two ids hashing alike."""
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    dup = np.flatnonzero(sorted_keys[1:] == sorted_keys[:-1])
+    if dup.size == 0:
+        return
+    a, b = ids[int(order[dup[0]])].as_py(), ids[int(order[dup[0] + 1])].as_py()
+    if a == b:
+        raise InputError(
+            f"example id {a!r} is stored more than once in {where}; FAISS candidates need unique ids. "
+            "Delete the duplicate rows (or re-ingest into a fresh index) and build again",
+            reason="duplicate example id",
+        )
+    raise IncompatibleIndexError(
+        f"example ids {a!r} and {b!r} have the same 63-bit FAISS key ({int(sorted_keys[dup[0]])}) in {where}; "
+        "this is a hash collision (about 1 in 10^19 per pair). Rename one of the two examples and rebuild"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the table
+# ---------------------------------------------------------------------------------------------
+
+
+def _require_signs(index) -> None:
+    if index.manifest.precision != "1bit":
+        raise IncompatibleIndexError(
+            f"{index.path}: FAISS candidates need stored signs, but this index stores precision "
+            f"{index.manifest.precision!r} coordinates. Use the exact scan (top_influential without "
+            "candidates) or build a 1-bit index (--precision 1bit)"
+        )
+
+
+def _rows_per_batch(nbytes: int) -> int:
+    return max(1, BATCH_BYTES // (nbytes + 64))  # + 64: an id string and its offset, roughly
+
+
+def _stream(dataset, nbytes: int, *, offsets: Optional[np.ndarray] = None) -> Iterator[Tuple[pa.Array, np.ndarray]]:
+    """``(ids, signs (b, nbytes) uint8)`` record batches of the whole table or of ``offsets``."""
+    rows = _rows_per_batch(nbytes)
+    if offsets is None:
+        for batch in dataset.to_batches(columns=["id", "signs"], batch_size=rows, scan_in_order=True):
+            if batch.num_rows:
+                yield batch.column("id"), list_column_to_numpy(batch.column("signs"), nbytes, np.uint8)
+        return
+    for start in range(0, len(offsets), rows):
+        table = dataset.take(offsets[start:start + rows], columns=["id", "signs"])
+        yield table.column("id").combine_chunks(), list_column_to_numpy(table.column("signs"), nbytes, np.uint8)
+
+
+def _progress(iterable, enabled: bool, desc: str, total: Optional[int] = None):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, unit="batch")
+
+
+# ---------------------------------------------------------------------------------------------
+# the index
+# ---------------------------------------------------------------------------------------------
+
+
+def _new_faiss_index(config: FaissConfig, d: int, n: int, sample: Callable[[np.ndarray], np.ndarray]):
+    """An empty (IVF: trained) FAISS binary index for ``n`` rows of ``d`` bits, and its parameters.
+
+    ``sample(offsets)`` returns the ``(len(offsets), d/8)`` uint8 codes of the given rows (IVF training).
+    """
+    faiss = _faiss()
+    params: Dict[str, Any] = {}
+    if config.kind == "flat":
+        return faiss.IndexBinaryIDMap(faiss.IndexBinaryFlat(d)), params
+    if config.kind == "hnsw":
+        inner = faiss.IndexBinaryHNSW(d, int(config.hnsw_m))
+        inner.hnsw.efConstruction = int(config.ef_construction)
+        params.update(hnsw_m=int(config.hnsw_m), ef_construction=int(config.ef_construction))
+        return faiss.IndexBinaryIDMap(inner), params
+    nlist = min(n, int(config.nlist or max(1, round(4 * math.sqrt(n)))))
+    ivf = faiss.IndexBinaryIVF(faiss.IndexBinaryFlat(d), d, nlist)  # add_with_ids natively: no IDMap
+    ivf.cp.niter = int(config.train_iters)
+    n_train = min(n, max(nlist, nlist * int(config.train_points_per_list)))
+    ivf.cp.max_points_per_centroid = max(1, -(-n_train // nlist))  # FAISS would subsample otherwise
+    offsets = np.sort(np.random.default_rng(0).choice(n, size=n_train, replace=False)).astype(np.int64)
+    ivf.train(np.ascontiguousarray(sample(offsets), dtype=np.uint8))
+    params.update(nlist=nlist, train_rows=int(n_train), train_iters=int(config.train_iters))
+    return ivf, params
+
+
+def _faiss():
+    try:
+        import faiss
+    except ImportError as exc:  # pragma: no cover - faiss is a dependency of the cpu/gpu extras
+        raise ConfigError("FAISS is not installed: pip install 'eogp-index[cpu]' (or [gpu])") from exc
+    return faiss
+
+
+def _paths(index_dir: Union[str, Path], name: str) -> Dict[str, Path]:
+    if not name or "/" in name or name.startswith("."):
+        raise ConfigError(f"FAISS index name must be a plain file name, got {name!r}")
+    base = Path(index_dir) / FAISS_DIR
+    return {"dir": base, "index": base / f"{name}.faissindex", "ids": base / f"{name}.ids.parquet",
+            "meta": base / f"{name}.json"}
+
+
+class CandidateIndex:
+    """A FAISS binary index over the stored signs of an :class:`~eogp_index.client.AttributionIndex`.
+
+    Build with :func:`build` (or :meth:`build`), reopen with :meth:`load`, keep current with
+    :meth:`extend`, query with :meth:`search`.
+
+    Attributes:
+        config: the :class:`FaissConfig` (search parameters can be changed with :meth:`set_search`).
+        meta: the ``<name>.json`` contents (kind, parameters, table version, rows covered, hashes).
+        ntotal: rows covered.
+    """
+
+    def __init__(self, index_dir: Path, name: str, config: FaissConfig, faiss_index, keys: np.ndarray,
+                 ids: pa.Array, meta: Dict[str, Any]):
+        self.index_dir = Path(index_dir)
+        self.name = name
+        self.config = config
+        self.meta = meta
+        self._index = faiss_index
+        self._keys = np.ascontiguousarray(keys, dtype=np.int64)
+        self._ids = ids
+        self._gpu = None  # lazily built GPU copy of a flat index; False once known unavailable
+        self._lock = threading.Lock()
+        self._reindex_keys()
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def build(cls, index, name: str = "default", config: FaissConfig = FaissConfig(), *,
+              progress: bool = True) -> "CandidateIndex":
+        """See :func:`build`."""
+        faiss = _faiss()
+        _require_signs(index)
+        layout: SignLayout = index.layout
+        nbytes, d = layout.nbytes, layout.nbytes * 8
+        if index.store.table is None:
+            raise InputError(f"{index.path}: no rows stored yet; ingest examples before building a FAISS index")
+        dataset = index.store.dataset()
+        n = dataset.count_rows()
+        if n == 0:
+            raise InputError(f"{index.path}: no rows stored yet; ingest examples before building a FAISS index")
+        # Train on a uniform sample (random access by offset), not the first rows: tables are
+        # usually ordered by shard, and the first shard is no sample of the corpus.
+        faiss_index, params = _new_faiss_index(
+            config, d, n, lambda offsets: np.concatenate([s for _, s in _stream(dataset, nbytes, offsets=offsets)]))
+        config = replace(config, nlist=params.get("nlist", config.nlist))
+        meta = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "kind": config.kind,
+            "params": params, "d_bits": d, "nbytes": nbytes, "k": list(layout.k), "key": KEY_SCHEME,
+            "table": index.manifest.table, "table_version": int(dataset.version), "rows": 0,
+            "projection_sha256": index.manifest.projection["sha256"],
+            "weights_sha256": index.manifest.model.get("weights_sha256"),
+            "faiss_version": getattr(faiss, "__version__", "?"), "created_by": f"eogp-index {__version__}",
+        }
+        built = cls(index.path, name, config, faiss_index, np.zeros(0, np.int64), pa.array([], pa.string()), meta)
+        built._add_rows(_stream(dataset, nbytes), progress=progress, total=-(-n // _rows_per_batch(nbytes)),
+                        where=str(index.path))
+        built.meta["table_version"] = int(dataset.version)
+        built.save()
+        return built
+
+    @classmethod
+    def from_codes(cls, codes: np.ndarray, ids: Sequence[str], config: FaissConfig = FaissConfig(), *,
+                   index_dir: Union[str, Path] = ".", name: str = "in-memory") -> "CandidateIndex":
+        """An index over codes held in memory, built exactly as :meth:`build` builds (benchmarks).
+
+        Args:
+            codes: ``(n, nbytes)`` uint8 packed signs; row ``i`` gets FAISS position ``i``.
+            ids: ``n`` example ids.
+
+        Not tied to a table: :meth:`check_compatible` refuses every index, and :meth:`save`
+        writes under ``index_dir`` only when called.
+        """
+        codes = np.ascontiguousarray(codes, dtype=np.uint8)
+        if codes.ndim != 2 or codes.shape[0] != len(ids) or codes.shape[0] == 0:
+            raise ConfigError(f"from_codes needs (n, nbytes) codes and n ids, n >= 1; got {codes.shape} and {len(ids)}")
+        n, nbytes = codes.shape
+        faiss_index, params = _new_faiss_index(config, nbytes * 8, n, lambda offsets: codes[offsets])
+        config = replace(config, nlist=params.get("nlist", config.nlist))
+        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "kind": config.kind,
+                "params": params, "d_bits": nbytes * 8, "nbytes": nbytes, "k": [], "key": KEY_SCHEME,
+                "table": None, "table_version": -1, "rows": 0, "projection_sha256": None, "weights_sha256": None}
+        built = cls(Path(index_dir), name, config, faiss_index, np.zeros(0, np.int64), pa.array([], pa.string()), meta)
+        id_array = pa.array(list(ids), pa.string())
+        step = _rows_per_batch(nbytes)
+        built._add_rows(((id_array[i:i + step], codes[i:i + step]) for i in range(0, n, step)), progress=False,
+                        total=0, where=name)
+        return built
+
+    @classmethod
+    def load(cls, index_dir: Union[str, Path], name: str = "default", *,
+             config: Optional[FaissConfig] = None) -> "CandidateIndex":
+        """Open ``<index_dir>/faiss/<name>.*``.
+
+        Args:
+            config: search parameters to use (``nprobe``, ``ef_search``, ``use_gpu``); build
+                parameters and ``kind`` always come from the saved index.
+
+        Raises:
+            IndexNotFoundError: no such FAISS index (build it with :func:`build` / ``eogp build-faiss``).
+            IncompatibleIndexError: unknown format version, or the three files disagree.
+        """
+        faiss = _faiss()
+        paths = _paths(index_dir, name)
+        if not paths["meta"].exists():
+            raise IndexNotFoundError(
+                f"{paths['meta']} not found: no FAISS index named {name!r} in {index_dir}; "
+                f"build one with `eogp build-faiss {index_dir} --name {name}`"
+            )
+        meta = json.loads(paths["meta"].read_text())
+        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+            raise IncompatibleIndexError(
+                f"{paths['meta']}: format {meta.get('format')!r} version {meta.get('format_version')!r}, but this "
+                f"eogp-index reads {FORMAT!r} version {FORMAT_VERSION}; rebuild it with `eogp build-faiss`"
+            )
+        import pyarrow.parquet as pq
+
+        # read_index_binary returns the concrete class already; downcasting again would make a
+        # non-owning proxy and let the owning one free the index.
+        faiss_index = faiss.read_index_binary(str(paths["index"]))
+        table = pq.read_table(paths["ids"])
+        keys = table.column("key").to_numpy()
+        ids = table.column("id").combine_chunks()
+        if not (faiss_index.ntotal == len(keys) == meta["rows"]):
+            raise IncompatibleIndexError(
+                f"{paths['dir']}: {name}.faissindex holds {faiss_index.ntotal} rows, {name}.ids.parquet "
+                f"{len(keys)} and {name}.json says {meta['rows']} (an interrupted write?); rebuild it with "
+                f"`eogp build-faiss {index_dir} --name {name}`"
+            )
+        params = meta.get("params", {})
+        base = config or FaissConfig()
+        config = replace(base, kind=meta["kind"], nlist=params.get("nlist"),
+                         hnsw_m=params.get("hnsw_m", base.hnsw_m),
+                         ef_construction=params.get("ef_construction", base.ef_construction))
+        return cls(index_dir, name, config, faiss_index, keys, ids, meta)
+
+    def save(self) -> None:
+        """Write the three files atomically each (the JSON last: it commits the others)."""
+        faiss = _faiss()
+        import pyarrow.parquet as pq
+
+        paths = _paths(self.index_dir, self.name)
+        paths["dir"].mkdir(parents=True, exist_ok=True)
+        suffix = f".tmp-{os.getpid()}"
+        tmp_index = paths["index"].with_name(paths["index"].name + suffix)
+        faiss.write_index_binary(self._index, str(tmp_index))
+        tmp_ids = paths["ids"].with_name(paths["ids"].name + suffix)
+        pq.write_table(pa.table({"key": pa.array(self._keys, pa.int64()), "id": self._ids}), tmp_ids)
+        tmp_meta = paths["meta"].with_name(paths["meta"].name + suffix)
+        tmp_meta.write_text(json.dumps(self.meta, indent=2) + "\n")
+        tmp_index.replace(paths["index"])
+        tmp_ids.replace(paths["ids"])
+        tmp_meta.replace(paths["meta"])
+
+    # -- keeping current ---------------------------------------------------------------------
+    def check_compatible(self, index) -> None:
+        """Refuse an index whose codes are not the ones this FAISS index was built from.
+
+        Raises:
+            IncompatibleIndexError: other projection, model, layout or table; or not 1-bit.
+        """
+        _require_signs(index)
+        where = _paths(self.index_dir, self.name)["meta"]
+        checks = [
+            ("projection sha256", self.meta.get("projection_sha256"), index.manifest.projection.get("sha256")),
+            ("model weights sha256", self.meta.get("weights_sha256"), index.manifest.model.get("weights_sha256")),
+            ("sign layout k", list(self.meta.get("k", [])), list(index.layout.k)),
+            ("table", self.meta.get("table"), index.manifest.table),
+        ]
+        for what, ours, theirs in checks:
+            if ours != theirs:
+                raise IncompatibleIndexError(
+                    f"{where} was built from another index ({what}: {ours!r} here, {theirs!r} in {index.path}); "
+                    f"its candidates would not match these rows. Rebuild it with `eogp build-faiss {index.path} "
+                    f"--name {self.name}`"
+                )
+
+    @property
+    def ntotal(self) -> int:
+        return int(self._keys.shape[0])
+
+    @property
+    def table_version(self) -> int:
+        return int(self.meta["table_version"])
+
+    def extend(self, index, *, progress: bool = False, save: bool = True) -> int:
+        """Add the stored rows whose ids are not covered yet; returns how many were added.
+
+        Flat and HNSW add to the existing structure, IVF assigns new rows to its trained lists
+        (no retraining: rebuild after the corpus has changed a lot). Reads the ``id`` column of the
+        table, then only the new rows' signs.
+        """
+        self.check_compatible(index)
+        dataset = index.store.dataset()
+        nbytes = index.layout.nbytes
+        new_offsets: List[np.ndarray] = []
+        start = 0
+        for batch in dataset.to_batches(columns=["id"], batch_size=max(1, BATCH_BYTES // 64), scan_in_order=True):
+            ids = batch.column("id")
+            keys = id_keys(ids.to_pylist())
+            pos = self._positions(keys)
+            known = pos >= 0
+            if known.any():
+                # A known key must belong to the same id; otherwise two ids collide.
+                same = pc.equal(ids.filter(pa.array(known)), self._ids.take(pa.array(pos[known])))
+                if not pc.all(same).as_py():
+                    bad = np.flatnonzero(known)[np.flatnonzero(~same.to_numpy(zero_copy_only=False))[0]]
+                    other = self._ids[int(pos[bad])].as_py()
+                    raise IncompatibleIndexError(
+                        f"example ids {ids[int(bad)].as_py()!r} and {other!r} have the same 63-bit FAISS key "
+                        f"({int(keys[bad])}) in {index.path}; rename one of the two examples and rebuild"
+                    )
+            new_offsets.append(start + np.flatnonzero(~known))
+            start += batch.num_rows
+        offsets = np.concatenate(new_offsets) if new_offsets else np.zeros(0, np.int64)
+        before = self.ntotal
+        if offsets.size:
+            self._add_rows(_stream(dataset, nbytes, offsets=offsets.astype(np.int64)), progress=progress,
+                           total=-(-offsets.size // _rows_per_batch(nbytes)), where=str(index.path))
+        self.meta["table_version"] = int(dataset.version)
+        if save:
+            self.save()
+        return self.ntotal - before
+
+    def _add_rows(self, batches, *, progress: bool, total: int, where: str) -> None:
+        keys_parts, id_parts = [self._keys], [self._ids]
+        for ids, signs in _progress(batches, progress, "FAISS add", total=total):
+            keys = id_keys(ids.to_pylist())
+            for start in range(0, len(keys), _ADD_ROWS):
+                chunk = slice(start, start + _ADD_ROWS)
+                self._index.add_with_ids(np.ascontiguousarray(signs[chunk]), keys[chunk])
+            keys_parts.append(keys)
+            id_parts.append(ids)
+        keys = np.concatenate(keys_parts)
+        ids = pa.concat_arrays([a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a for a in id_parts])
+        _check_unique(keys, ids, where)  # raised before save(): a bad build is never committed
+        self._keys, self._ids = keys, ids
+        self.meta["rows"] = int(len(keys))
+        self._gpu = None
+        self._reindex_keys()
+
+    def _reindex_keys(self) -> None:
+        self._order = np.argsort(self._keys, kind="stable")
+        self._sorted_keys = self._keys[self._order]
+
+    def _positions(self, keys: np.ndarray) -> np.ndarray:
+        """FAISS keys → insertion positions ``(…,)`` int64, ``-1`` for unknown keys and ``-1`` labels."""
+        keys = np.asarray(keys, dtype=np.int64)
+        if self._sorted_keys.size == 0:
+            return np.full(keys.shape, -1, np.int64)
+        idx = np.clip(np.searchsorted(self._sorted_keys, keys), 0, self._sorted_keys.size - 1)
+        found = (self._sorted_keys[idx] == keys) & (keys >= 0)
+        return np.where(found, self._order[idx], -1).astype(np.int64)
+
+    # -- searching ---------------------------------------------------------------------------
+    def set_search(self, *, nprobe: Optional[int] = None, ef_search: Optional[int] = None) -> None:
+        """Change search-time parameters (IVF ``nprobe``, HNSW ``ef_search``)."""
+        self.config = replace(self.config, nprobe=nprobe or self.config.nprobe,
+                              ef_search=ef_search or self.config.ef_search)
+
+    def _gpu_index(self):
+        """A ``GpuIndexBinaryFlat`` copy of a flat index (positions as labels), or None."""
+        if self._gpu is False or self.config.kind != "flat" or self.config.use_gpu == "never":
+            return None
+        if self._gpu is None:
+            faiss = _faiss()
+            try:
+                if not (hasattr(faiss, "GpuIndexBinaryFlat") and faiss.get_num_gpus() > 0):
+                    self._gpu = False
+                    return None
+                resources = faiss.StandardGpuResources()
+                flat = faiss.downcast_IndexBinary(self._index.index)
+                gpu = faiss.GpuIndexBinaryFlat(resources, flat)  # copies the codes; labels = positions
+                self._gpu = (resources, gpu)  # keep the resources alive as long as the index
+            except Exception:  # a GPU build without a usable device: search on the CPU
+                self._gpu = False
+                return None
+        return self._gpu[1]
+
+    def search_with_distances(self, query_codes: np.ndarray, C: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The ``C`` Hamming-nearest rows per query.
+
+        Args:
+            query_codes: ``(nq, nbytes)`` uint8 packed signs (``pack_signs(y, layout)``).
+            C: candidates per query (``>= 1``; at most ``ntotal`` are found).
+
+        Returns:
+            ``distances`` ``(nq, C)`` int32 Hamming distances (``-1`` where fewer than ``C`` were
+            found) and ``positions`` ``(nq, C)`` int64 FAISS insertion positions (``-1`` likewise),
+            nearest first.
+        """
+        codes = np.ascontiguousarray(query_codes, dtype=np.uint8)
+        nbytes = int(self.meta["nbytes"])
+        if codes.ndim != 2 or codes.shape[1] != nbytes:
+            raise ConfigError(f"query codes must have shape (nq, {nbytes}) uint8, got {codes.shape}")
+        C = int(C)
+        if C < 1:
+            raise ConfigError(f"C (candidates) must be >= 1, got {C}")
+        nq = codes.shape[0]
+        distances = np.full((nq, C), -1, np.int32)
+        positions = np.full((nq, C), -1, np.int64)
+        k = min(C, self.ntotal)
+        if k == 0 or nq == 0:
+            return distances, positions
+        with self._lock:  # search parameters live on the shared FAISS object
+            gpu = self._gpu_index() if k <= _GPU_MAX_K else None
+            if gpu is not None:
+                D, P = gpu.search(codes, k)
+            else:
+                if self.config.kind == "ivf":
+                    self._index.nprobe = min(int(self.config.nprobe), int(self._index.nlist))
+                elif self.config.kind == "hnsw":
+                    # HNSW returns at most efSearch results: the beam must hold C of them.
+                    faiss = _faiss()
+                    faiss.downcast_IndexBinary(self._index.index).hnsw.efSearch = max(int(self.config.ef_search), k)
+                D, labels = self._index.search(codes, k)
+                P = self._positions(labels)
+        D = np.where(P >= 0, D, -1)
+        distances[:, :k], positions[:, :k] = D, P
+        return distances, positions
+
+    def ids_at(self, positions: np.ndarray) -> np.ndarray:
+        """Insertion positions → example ids, same shape, ``object`` dtype (``None`` for ``-1``)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        out = np.full(positions.shape, None, dtype=object)
+        valid = positions >= 0
+        out[valid] = np.array(self._ids.take(pa.array(positions[valid])).to_pylist(), dtype=object)
+        return out
+
+    def search(self, query_codes: np.ndarray, C: int) -> np.ndarray:
+        """Example ids of the ``C`` Hamming-nearest rows: ``(nq, C)`` ``object`` array, nearest first.
+
+        ``None`` fills the tail where fewer than ``C`` rows were found (IVF with few probes, or
+        ``C`` above the rows covered).
+        """
+        return self.ids_at(self.search_with_distances(query_codes, C)[1])
+
+
+def build(index, name: str = "default", config: FaissConfig = FaissConfig(), *,
+          progress: bool = True) -> CandidateIndex:
+    """Build (or replace) the FAISS binary index ``name`` over every stored row of ``index``.
+
+    Args:
+        index: an :class:`~eogp_index.client.AttributionIndex` with ``precision="1bit"``.
+        name: saved as ``<index>/faiss/<name>.*``.
+        config: which index (:class:`FaissConfig`).
+
+    Raises:
+        IncompatibleIndexError: the index stores coordinates, not signs.
+        InputError: no rows stored yet, or an example id stored twice.
+    """
+    return CandidateIndex.build(index, name, config, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------
+# exact rescoring and the query path
+# ---------------------------------------------------------------------------------------------
+
+
+def rescore(signs: np.ndarray, scales: np.ndarray, y: np.ndarray, layout: SignLayout, *,
+            rows: Optional[np.ndarray] = None) -> np.ndarray:
+    """Exact scores ``Σ_u s_iu⟨y_u, b_iu⟩`` ``(nq, m)`` float32 of rows ``rows`` (all if None).
+
+    Args:
+        signs: ``(n, nbytes)`` uint8. scales: ``(n, U)`` float16. y: ``(nq, K)`` float32.
+        rows: ``(m,)`` int64 row indices into ``signs``.
+
+    Uses the packed-bit kernel of :mod:`eogp_index.scan` when present, else unpack + matmul.
+    """
+    try:
+        from .scan import scan_scores
+    except ImportError:
+        scan_scores = None
+    if scan_scores is not None:
+        return scan_scores(signs, scales, np.asarray(y, np.float32), layout, rows=rows)
+    if rows is not None:
+        signs, scales = signs[rows], scales[rows]
+    y = np.asarray(y, np.float32)
+    out = np.empty((y.shape[0], signs.shape[0]), np.float32)
+    step = 1 << 14  # bounds the decoded ±1 block to step·K floats
+    for start in range(0, signs.shape[0], step):
+        block = unpack_signs(signs[start:start + step], layout)
+        block *= np.repeat(scales[start:start + step].astype(np.float32), layout.k, axis=1)
+        out[:, start:start + step] = y @ block.T
+    return out
+
+
+_CACHE: Dict[Tuple[str, str], Tuple[Tuple[int, int], CandidateIndex]] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def open_candidates(index, name: str = "default", *, refresh: bool = True) -> CandidateIndex:
+    """The FAISS index ``name`` of ``index``, checked compatible and covering every stored row.
+
+    Loaded once per process and reused while its JSON is unchanged. With ``refresh`` and a table
+    newer than the recorded version, :meth:`CandidateIndex.extend` adds the new rows (and saves).
+    """
+    meta_path = _paths(index.path, name)["meta"]
+    try:
+        stat = meta_path.stat()
+        stamp = (stat.st_mtime_ns, stat.st_size)
+    except FileNotFoundError:
+        stamp = None
+    key = (str(Path(index.path).resolve()), name)
+    with _CACHE_LOCK:
+        cached = _CACHE.get(key)
+        if cached is None or stamp is None or cached[0] != stamp:
+            cand = CandidateIndex.load(index.path, name)
+            stat = meta_path.stat()
+            _CACHE[key] = ((stat.st_mtime_ns, stat.st_size), cand)
+        cand = _CACHE[key][1]
+    cand.check_compatible(index)
+    # The dataset's version, not the cached table handle's: another process may have ingested.
+    if refresh and index.store.table is not None and index.store.dataset().version != cand.table_version:
+        cand.extend(index)
+        stat = meta_path.stat()
+        with _CACHE_LOCK:
+            _CACHE[key] = ((stat.st_mtime_ns, stat.st_size), cand)
+    return cand
+
+
+def candidate_ids(cand: CandidateIndex, y: np.ndarray, layout: SignLayout, C: int,
+                  direction: Direction = "positive") -> List[str]:
+    """Ids of the FAISS candidates of one query ``y`` ``(K,)`` or ``(1, K)``, no duplicates.
+
+    ``positive`` uses ``pack_signs(y)``, ``negative`` ``pack_signs(-y)``, ``both`` the union.
+    """
+    y = np.asarray(y, np.float32).reshape(1, -1)
+    out: Dict[str, None] = {}
+    for side in (("positive", "negative") if direction == "both" else (direction,)):
+        codes = pack_signs(y if side == "positive" else -y, layout)
+        for i in cand.search(codes, C)[0]:
+            if i is not None:
+                out[i] = None
+    return list(out)
+
+
+def _read_candidates(index, dataset, columns: List[str], ids: Sequence[str], where: Optional[str]) -> pa.Table:
+    """Rows of ``ids`` (that also match ``where``), in table order, from one dataset version."""
+    try:
+        all_ids = dataset.to_table(columns=["id"]).column("id")
+        mask = pc.is_in(all_ids, value_set=pa.array(list(ids), pa.string()))
+        if where:
+            allowed = dataset.to_table(columns=["id"], filter=where).column("id")
+            mask = pc.and_(mask, pc.is_in(all_ids, value_set=allowed.combine_chunks()))
+    except (ValueError, OSError):  # pylance reports bad filters as either
+        index.store.read(["id"], where)  # raises the InputError that explains a bad filter
+        raise
+    offsets = np.flatnonzero(mask.to_numpy(zero_copy_only=False)).astype(np.int64)
+    # Table order (ascending offsets) keeps ties ordered as the exact scan orders them.
+    return dataset.take(offsets, columns=columns)
+
+
+def top_influential_with_candidates(
+    index,
+    query,
+    k: int = 20,
+    C: int = 1000,
+    *,
+    where: Optional[str] = None,
+    direction: Direction = "positive",
+    faiss_name: str = "default",
+) -> pa.Table:
+    """:meth:`AttributionIndex.top_influential` over ``C`` FAISS candidates, rescored exactly.
+
+    The query is projected, its signs (``-y``'s for the negative side) pick ``C`` Hamming-nearest
+    rows from FAISS, the ``where`` filter is applied to them, and the survivors are scored
+    exactly; the result equals the exact scan restricted to (candidates ∩ filter). For
+    ``direction="both"`` the candidate set is the union of both sides' candidates. When the
+    filter matches at most ``C`` rows, all of them are rescored instead (exact, and no more work).
+
+    Returns:
+        The same columns as ``top_influential``: ``rank``, ``id``, ``score``, metadata (and
+        ``direction`` for ``both``), best first; fewer than ``k`` rows when fewer candidates
+        survive the filter.
+
+    Raises:
+        IncompatibleIndexError: not a 1-bit index, or the FAISS index was built from other codes.
+        IndexNotFoundError: no FAISS index ``faiss_name`` (build it first).
+        ConfigError: ``k < 1`` or ``C < k``.
+    """
+    if direction not in ("positive", "negative", "both"):
+        raise ConfigError(f"direction must be 'positive', 'negative' or 'both', got {direction!r}")
+    if k < 1:
+        raise ConfigError(f"k must be at least 1, got {k}")
+    if C < k:
+        raise ConfigError(f"candidates C={C} must be at least k={k}")
+    _require_signs(index)
+    cand = open_candidates(index, faiss_name)
+    y = index.query_coordinates([query])
+    layout: SignLayout = index.layout
+    meta_cols = index.store.metadata_columns()
+    columns = list(dict.fromkeys(meta_cols + ["signs", "scales"]))
+    dataset = index.store.dataset()
+    small_filter = False
+    if where:
+        try:
+            small_filter = dataset.count_rows(filter=where) <= C
+        except (ValueError, OSError):  # pylance reports bad filters as either
+            index.store.read(["id"], where)  # raises the InputError that explains a bad filter
+            raise
+    if small_filter:
+        table = index.store.read(columns, where)
+    else:
+        table = _read_candidates(index, dataset, columns, candidate_ids(cand, y, layout, C, direction), where)
+    signs = list_column_to_numpy(table.column("signs"), layout.nbytes, np.uint8)
+    scales = list_column_to_numpy(table.column("scales"), layout.num_modules, np.float16)
+    scores = rescore(signs, scales, y, layout)[0] if table.num_rows else np.zeros(0, np.float32)
+    info = table.select(meta_cols)
+    parts = []
+    for side in (("positive", "negative") if direction == "both" else (direction,)):
+        order = np.argsort(-scores if side == "positive" else scores, kind="stable")[:k]
+        part = info.take(pa.array(order, pa.int64()))
+        part = part.add_column(0, "score", pa.array(scores[order], pa.float32()))
+        part = part.add_column(0, "rank", pa.array(np.arange(1, len(order) + 1), pa.int32()))
+        if direction == "both":
+            part = part.add_column(0, "direction", pa.array([side] * len(order), pa.string()))
+        parts.append(part)
+    result = pa.concat_tables(parts)
+    front = [c for c in ("direction", "rank", "id", "score") if c in result.column_names]
+    return result.select(front + [c for c in result.column_names if c not in front])

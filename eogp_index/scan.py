@@ -1,0 +1,979 @@
+"""Exact scan of scaled-sign codes (Section 3.3 and Appendix B, "Query scoring").
+
+A store holds ``n`` rows. Row ``i`` keeps, for each of the ``U`` modules, the signs ``b_iu`` of
+its ``k_u`` projected coordinates (one bit each) and one FP16 scale ``s_iu = ‖x_iu‖₁ / k_u``.
+A query batch ``y`` ``(nq, K)`` (``K = Σ_u k_u``, unquantized) is scored against every row as
+
+    score[q, i] = Σ_u s_iu · Σ_j y[q, cum_k_u + j] · b_iuj,        b ∈ {+1, -1}
+
+(positive = helpful; no sign flips). This module computes that sum exactly, straight from the
+packed bits.
+
+Bit layout (fixed, also ``schemas/store.md``): module ``u``'s bits start at a fresh byte
+``off_u = Σ_{v<u} ⌈k_v/8⌉``; coordinate ``j`` is bit ``j % 8`` of byte ``off_u + j // 8``,
+least significant bit first (``np.packbits(..., bitorder="little")``, FAISS's convention);
+bit 1 is ``+1`` (coordinate ``>= 0``), bit 0 is ``-1``. The padding bits at the end of a
+module's last byte are written as 0 by :func:`pack_signs`, and every kernel here *masks* them
+as well, so garbage in padding bits never changes a score.
+
+Kernels (CPU, numba; the first call compiles for a few seconds, later processes load the cache):
+
+* **Exact scan** (:func:`scan_scores`): for each query a lookup table gives, for every byte
+  position ``p`` of a row and each of the 256 values that byte can take, the signed partial sum
+  ``Σ_t ±y`` of the (at most 8) query coordinates that byte covers. Padding coordinates are
+  given weight 0 in the table, which is how padding bits are masked. A module's inner product
+  is then one table lookup and one add per byte. Table entries are computed in float64 and
+  rounded once to float32; per-module sums run in float32 with 8 independent accumulators and
+  are combined with the scales in float64. The result equals the float64 reference up to
+  float32 rounding and reassociation (relative error ~1e-6 of ``Σ_u s_iu ‖y_u‖₁``).
+* **Bounded pre-scan** (inside :func:`scan_top_k`): the query is quantized per module to 8-bit
+  integers ``ŷ_u = Δ_u · q_u``; ``⟨q_u, b⟩`` is then 8 AND+popcount passes over the bit planes
+  of ``q_u`` (two's complement), which is several times cheaper than the table walk. Each row
+  gets the approximate score and the deterministic bound ``Σ_u s_iu · (‖y_u - ŷ_u‖₁ + ε_u)``,
+  ``ε_u`` covering the float32 rounding of the exact kernel. Every row whose interval can reach
+  the running k-th best is rescored by the exact kernel, so :func:`scan_top_k` returns exactly
+  the rows and the float32 scores that sorting :func:`scan_scores` would (ties aside).
+
+Both kernels read each row's codes once for the whole query batch and parallelize over blocks
+of rows (``numba.prange``); :func:`scan_top_k` walks the store in chunks and keeps a running
+top-k, so it never holds ``(nq, n)`` scores. :func:`scan_scores_torch` is a torch path for GPUs
+(unpack on the device in chunks, one matmul per chunk).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import numba
+import numpy as np
+from llvmlite import ir as llvm_ir
+from numba import float32, float64, int64, njit, prange, types, uint64
+from numba.extending import intrinsic
+
+from .errors import ConfigError, InputError
+
+__all__ = [
+    "SignLayout",
+    "TopK",
+    "pack_signs",
+    "unpack_signs",
+    "scales_of",
+    "score_reference",
+    "scan_scores",
+    "scan_top_k",
+    "scan_scores_torch",
+]
+
+# numba's "workqueue" threading layer aborts the process when two threads launch parallel
+# kernels at once; scans from several Python threads take turns instead (they would compete for
+# the same cores anyway).
+_KERNEL_LOCK = threading.Lock()
+# Rows per parallel work item. Small enough that a filtered scan of a few thousand rows still
+# splits over the cores, large enough that the per-block overhead does not show.
+_ROW_BLOCK = 64
+# Rows per chunk of scan_top_k (before dividing by the number of queries): bounds the
+# (nq, chunk) float64 intervals held at once to ~64 MiB.
+_TOPK_CHUNK_ELEMS = 1 << 22
+# Bits of the quantized query in the bounded pre-scan (two's complement, one plane per bit).
+_QUERY_BITS = 8
+_QMAX = (1 << (_QUERY_BITS - 1)) - 1
+# Byte-position lookup tables (256 entries per byte) are used while one query's table is at most
+# this large; beyond it nibble tables (2 × 16 entries per byte, 8x smaller) stay in cache better.
+_BYTE_LUT_MAX_BYTES = 8 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# Layout
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SignLayout:
+    """Where each module's coordinates and sign bits sit in a row.
+
+    Attributes:
+        k: coordinates per module ``(k_1, …, k_U)``, in module order; every ``k_u >= 1``.
+    """
+
+    k: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        try:
+            k = tuple(int(v) for v in self.k)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"SignLayout.k must be a sequence of positive integers (coordinates per module), got {self.k!r}"
+            ) from None
+        if not k:
+            raise ConfigError("SignLayout.k is empty: a layout needs at least one module; pass e.g. k=(512,)")
+        bad = [(u, v) for u, v in enumerate(k) if v < 1]
+        if bad:
+            raise ConfigError(
+                f"SignLayout.k must be positive, but module(s) {', '.join(f'{u} (k={v})' for u, v in bad)} "
+                "are not; drop empty modules from the layout"
+            )
+        object.__setattr__(self, "k", k)
+
+    @property
+    def num_modules(self) -> int:
+        """``U``, the number of modules."""
+        return len(self.k)
+
+    @property
+    def num_coords(self) -> int:
+        """``K = Σ_u k_u``, the width of a query row."""
+        return int(sum(self.k))
+
+    @property
+    def module_bytes(self) -> tuple[int, ...]:
+        """``⌈k_u/8⌉`` packed bytes per module."""
+        return tuple((v + 7) // 8 for v in self.k)
+
+    @property
+    def nbytes(self) -> int:
+        """Packed sign bytes per row, ``Σ_u ⌈k_u/8⌉``."""
+        return int(sum(self.module_bytes))
+
+    @property
+    def byte_offsets(self) -> tuple[int, ...]:
+        """First byte of each module in a row, ``off_u = Σ_{v<u} ⌈k_v/8⌉`` (length ``U``)."""
+        return tuple(int(v) for v in np.cumsum((0,) + self.module_bytes[:-1]))
+
+    @property
+    def coord_offsets(self) -> tuple[int, ...]:
+        """First column of each module in a query row, ``cum_k_u = Σ_{v<u} k_v`` (length ``U``)."""
+        return tuple(int(v) for v in np.cumsum((0,) + self.k[:-1]))
+
+
+def _as_layout(layout: Any) -> SignLayout:
+    """Accept this module's :class:`SignLayout` or any object with a ``k`` sequence."""
+    if isinstance(layout, SignLayout):
+        return layout
+    k = getattr(layout, "k", None)
+    if k is None:
+        raise ConfigError(f"expected a SignLayout (an object with per-module sizes .k), got {type(layout).__name__}")
+    return SignLayout(tuple(k))
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Index arrays derived from a layout (cached per layout)."""
+
+    boff: np.ndarray  # (U+1,) uint64 byte offsets of the modules, plus nbytes
+    pad_index: np.ndarray  # (K,) int64: column j of a query → bit position 8*off_u + (j - cum_k_u)
+    module_of_coord: np.ndarray  # (K,) int64
+    word_start: np.ndarray  # (U+1,) int64 first 64-bit word of each module in a padded row
+    word_start_u64: np.ndarray  # the same as uint64, for the kernels
+    direct_words: bool  # every module is a whole number of 64-bit words: rows can be read in place
+
+
+@functools.lru_cache(maxsize=64)
+def _geometry(layout: SignLayout) -> _Geometry:
+    k = np.asarray(layout.k, dtype=np.int64)
+    mb = (k + 7) // 8
+    boff = np.concatenate([[0], np.cumsum(mb)]).astype(np.uint64)
+    coff = np.concatenate([[0], np.cumsum(k)[:-1]])
+    module_of_coord = np.repeat(np.arange(len(k), dtype=np.int64), k)
+    pad_index = 8 * boff[:-1].astype(np.int64)[module_of_coord] + (np.arange(int(k.sum())) - coff[module_of_coord])
+    mw = (mb + 7) // 8
+    word_start = np.concatenate([[0], np.cumsum(mw)]).astype(np.int64)
+    direct = bool(np.all(mb % 8 == 0))
+    ws64 = word_start.astype(np.uint64)
+    for a in (boff, pad_index, module_of_coord, word_start, ws64):
+        a.setflags(write=False)
+    return _Geometry(boff, pad_index, module_of_coord, word_start, ws64, direct)
+
+
+# --------------------------------------------------------------------------------------------
+# Input checking
+# --------------------------------------------------------------------------------------------
+
+
+def _check_codes(codes: Any, layout: SignLayout) -> np.ndarray:
+    codes = np.asarray(codes)
+    if codes.dtype != np.uint8:
+        raise InputError(f"codes must be uint8 packed sign bits, got dtype {codes.dtype}")
+    if codes.ndim != 2 or codes.shape[1] != layout.nbytes:
+        raise ConfigError(
+            f"codes must have shape (n, {layout.nbytes}) (layout.nbytes = Σ_u ⌈k_u/8⌉ for k={_short(layout.k)}), "
+            f"got {codes.shape}; check that the store and the layout belong together"
+        )
+    return np.ascontiguousarray(codes)
+
+
+def _check_scales(scales: Any, n: int, layout: SignLayout) -> np.ndarray:
+    scales = np.asarray(scales)
+    if scales.ndim != 2 or scales.shape != (n, layout.num_modules):
+        raise ConfigError(
+            f"scales must have shape (n, U) = ({n}, {layout.num_modules}) to match codes and the layout, "
+            f"got {scales.shape}"
+        )
+    if scales.dtype == np.float16:
+        return np.ascontiguousarray(scales)
+    if not np.issubdtype(scales.dtype, np.floating):
+        raise InputError(f"scales must be float16 (or another float dtype), got {scales.dtype}")
+    return np.ascontiguousarray(scales, dtype=np.float32)
+
+
+def _check_queries(y: Any, layout: SignLayout) -> np.ndarray:
+    y = np.asarray(y)
+    if y.ndim == 1:
+        y = y[None, :]
+    if y.ndim != 2 or y.shape[1] != layout.num_coords:
+        raise ConfigError(
+            f"queries y must have shape (nq, K) with K = Σ_u k_u = {layout.num_coords}, got {np.shape(y)}"
+        )
+    if not np.issubdtype(y.dtype, np.floating) and not np.issubdtype(y.dtype, np.integer):
+        raise InputError(f"queries y must be float32, got dtype {y.dtype}")
+    y = np.ascontiguousarray(y, dtype=np.float32)
+    if not np.isfinite(y).all():
+        bad = np.argwhere(~np.isfinite(y))[0]
+        raise InputError(f"queries y contain NaN/inf (first at query {bad[0]}, column {bad[1]}); scores would be NaN")
+    return y
+
+
+def _check_rows(rows: Any, n: int) -> Optional[np.ndarray]:
+    if rows is None:
+        return None
+    rows = np.asarray(rows)
+    if rows.ndim != 1 or not (np.issubdtype(rows.dtype, np.integer) or rows.size == 0):
+        raise InputError(f"rows must be a 1-D array of integer row indices, got shape {rows.shape} dtype {rows.dtype}")
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    if rows.size and (rows.min() < 0 or rows.max() >= n):
+        bad = rows[(rows < 0) | (rows >= n)][0]
+        raise InputError(f"rows contains index {bad}, outside the store's 0..{n - 1}")
+    return rows
+
+
+def _short(k: tuple[int, ...]) -> str:
+    return str(k) if len(k) <= 6 else f"({k[0]}, {k[1]}, …, {k[-1]}) [{len(k)} modules]"
+
+
+def _scale_args(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Kernel arguments ``(half_bits, floats, half)`` for the scales.
+
+    numba has no float16 arrays, so FP16 scales travel as their uint16 bits and are decoded in
+    the kernel. Float32 scales go in the second slot. Both slots always hold a 2-D array (the
+    unused one a dummy) so that every kernel is compiled once, not once per scale dtype.
+    """
+    if scales.dtype == np.float16:
+        return scales.view(np.uint16), np.zeros((1, 1), dtype=np.float32), True
+    return np.zeros((1, 1), dtype=np.uint16), scales, False
+
+
+# --------------------------------------------------------------------------------------------
+# Packing helpers
+# --------------------------------------------------------------------------------------------
+
+
+def pack_signs(x: np.ndarray, layout: SignLayout) -> np.ndarray:
+    """Sign bits of coordinates.
+
+    Args:
+        x: ``(n, K)`` float coordinates, module ``u`` at columns ``[cum_k_u, cum_k_u + k_u)``.
+        layout: the module sizes.
+
+    Returns:
+        ``(n, nbytes)`` uint8 codes: bit 1 where ``x >= 0``; padding bits 0.
+    """
+    layout = _as_layout(layout)
+    x = np.asarray(x)
+    if x.ndim != 2 or x.shape[1] != layout.num_coords:
+        raise ConfigError(f"x must have shape (n, {layout.num_coords}) for this layout, got {x.shape}")
+    if not np.isfinite(x).all():
+        raise InputError("x contains NaN/inf; its sign is undefined (check the gradients/projection upstream)")
+    g = _geometry(layout)
+    n = x.shape[0]
+    out = np.empty((n, layout.nbytes), dtype=np.uint8)
+    step = max(1, (1 << 24) // max(1, layout.nbytes * 8))  # ~16 MiB of bools at a time
+    for r0 in range(0, n, step):
+        xs = x[r0 : r0 + step]
+        bits = np.zeros((xs.shape[0], layout.nbytes * 8), dtype=bool)
+        bits[:, g.pad_index] = xs >= 0
+        out[r0 : r0 + step] = np.packbits(bits, axis=1, bitorder="little")
+    return out
+
+
+def unpack_signs(codes: np.ndarray, layout: SignLayout) -> np.ndarray:
+    """Inverse of :func:`pack_signs`.
+
+    Args:
+        codes: ``(n, nbytes)`` uint8.
+
+    Returns:
+        ``(n, K)`` float32 of ±1 (padding bits dropped).
+    """
+    layout = _as_layout(layout)
+    codes = _check_codes(codes, layout)
+    bits = np.unpackbits(codes, axis=1, bitorder="little")[:, _geometry(layout).pad_index]
+    return bits.astype(np.float32) * 2 - 1
+
+
+def scales_of(x: np.ndarray, layout: SignLayout) -> np.ndarray:
+    """Per-module scales ``s_u = ‖x_u‖₁ / k_u``.
+
+    Args:
+        x: ``(n, K)`` float coordinates.
+
+    Returns:
+        ``(n, U)`` float16 (the mean absolute value, computed in float32, then rounded).
+    """
+    layout = _as_layout(layout)
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != layout.num_coords:
+        raise ConfigError(f"x must have shape (n, {layout.num_coords}) for this layout, got {x.shape}")
+    starts = np.asarray(layout.coord_offsets, dtype=np.int64)
+    sums = np.add.reduceat(np.abs(x), starts, axis=1) if x.shape[0] else np.zeros((0, len(starts)), np.float32)
+    s = (sums / np.asarray(layout.k, dtype=np.float32)).astype(np.float32)
+    if not np.isfinite(s).all():
+        raise InputError("x contains NaN/inf; scales would not be finite")
+    if s.size and s.max() > float(np.finfo(np.float16).max):
+        raise InputError(
+            f"a scale ({s.max():.4g}) exceeds the float16 range (65504); rescale the projected coordinates"
+        )
+    return s.astype(np.float16)
+
+
+def score_reference(codes: np.ndarray, scales: np.ndarray, y: np.ndarray, layout: SignLayout) -> np.ndarray:
+    """Plain float64 reference (unpack + matmul), for tests.
+
+    Args:
+        codes: ``(n, nbytes)`` uint8. scales: ``(n, U)`` float16. y: ``(nq, K)`` float32.
+
+    Returns:
+        ``(nq, n)`` float64 ``Σ_u s_iu ⟨y_u, b_iu⟩``.
+    """
+    layout = _as_layout(layout)
+    codes = _check_codes(codes, layout)
+    scales = _check_scales(scales, codes.shape[0], layout).astype(np.float64)
+    y = _check_queries(y, layout).astype(np.float64)
+    b = unpack_signs(codes, layout).astype(np.float64)
+    out = np.zeros((y.shape[0], codes.shape[0]), dtype=np.float64)
+    for u, (c0, k) in enumerate(zip(layout.coord_offsets, layout.k)):
+        out += (y[:, c0 : c0 + k] @ b[:, c0 : c0 + k].T) * scales[:, u][None, :]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# numba kernels
+# --------------------------------------------------------------------------------------------
+# Hot loops index with uint64: numba adds a negative-index wraparound check to signed indices,
+# which costs a few instructions per lookup and blocks vectorization. (Mixing int64 and uint64
+# in one expression gives float64 in numba, so each loop sticks to one of them.)
+
+
+@intrinsic
+def _popcount(typingctx, x):
+    """``llvm.ctpop.i64``: one POPCNT, or VPOPCNTQ once LLVM vectorizes the loop."""
+    if not isinstance(x, types.Integer) or x.bitwidth != 64 or x.signed:
+        return None
+    sig = types.uint64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        fn = builder.module.declare_intrinsic("llvm.ctpop", [llvm_ir.IntType(64)])
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+# 2^(e-25) for the FP16 exponent field e (index 0 holds 2^-24, the subnormal step).
+_HALF_POW2 = np.array([2.0 ** (max(e, 1) - 25) for e in range(32)], dtype=np.float64)
+
+
+@njit(cache=True)
+def _half_to_f64(h):
+    """IEEE binary16 bits (uint16) → float64, exactly (subnormals, inf, NaN included)."""
+    hi = int64(h)
+    e = (hi >> 10) & 0x1F
+    m = hi & 0x3FF
+    if e == 31:
+        v = np.inf if m == 0 else np.nan
+    else:
+        v = float64(m + (1024 if e > 0 else 0)) * _HALF_POW2[e]
+    return -v if (hi >> 15) & 1 else v
+
+
+@njit(cache=True, inline="always")
+def _scale_at(s16, s32, half, r, u):
+    if half:
+        return _half_to_f64(s16[r, u])
+    return float64(s32[r, u])
+
+
+@njit(cache=True, boundscheck=False, inline="always")
+def _lut8_module(cr, lut, p, p1):
+    """``Σ_{p ≤ j < p1} lut[256 j + cr[j]]`` over one module's bytes, in float32.
+
+    Eight accumulators: without fastmath LLVM keeps the additions in program order, so a single
+    accumulator would make every add wait for the previous one.
+    """
+    a0 = float32(0.0)
+    a1 = float32(0.0)
+    a2 = float32(0.0)
+    a3 = float32(0.0)
+    a4 = float32(0.0)
+    a5 = float32(0.0)
+    a6 = float32(0.0)
+    a7 = float32(0.0)
+    one = uint64(1)
+    s = uint64(256)
+    while p + uint64(8) <= p1:
+        b = p * s
+        a0 += lut[b + uint64(cr[p])]
+        a1 += lut[b + s + uint64(cr[p + one])]
+        a2 += lut[b + uint64(512) + uint64(cr[p + uint64(2)])]
+        a3 += lut[b + uint64(768) + uint64(cr[p + uint64(3)])]
+        a4 += lut[b + uint64(1024) + uint64(cr[p + uint64(4)])]
+        a5 += lut[b + uint64(1280) + uint64(cr[p + uint64(5)])]
+        a6 += lut[b + uint64(1536) + uint64(cr[p + uint64(6)])]
+        a7 += lut[b + uint64(1792) + uint64(cr[p + uint64(7)])]
+        p += uint64(8)
+    while p < p1:
+        a0 += lut[p * s + uint64(cr[p])]
+        p += one
+    return float64(((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)))
+
+
+@njit(cache=True, boundscheck=False, inline="always")
+def _lut4_module(cr, lut, p, p1):
+    """Like :func:`_lut8_module` with two 16-entry nibble tables per byte (``lut[16 (2j + h) + v]``)."""
+    a0 = float32(0.0)
+    a1 = float32(0.0)
+    a2 = float32(0.0)
+    a3 = float32(0.0)
+    a4 = float32(0.0)
+    a5 = float32(0.0)
+    a6 = float32(0.0)
+    a7 = float32(0.0)
+    m4 = uint64(15)
+    f4 = uint64(4)
+    while p + uint64(4) <= p1:
+        b = p * uint64(32)
+        c0 = uint64(cr[p])
+        c1 = uint64(cr[p + uint64(1)])
+        c2 = uint64(cr[p + uint64(2)])
+        c3 = uint64(cr[p + uint64(3)])
+        a0 += lut[b + (c0 & m4)]
+        a1 += lut[b + uint64(16) + (c0 >> f4)]
+        a2 += lut[b + uint64(32) + (c1 & m4)]
+        a3 += lut[b + uint64(48) + (c1 >> f4)]
+        a4 += lut[b + uint64(64) + (c2 & m4)]
+        a5 += lut[b + uint64(80) + (c2 >> f4)]
+        a6 += lut[b + uint64(96) + (c3 & m4)]
+        a7 += lut[b + uint64(112) + (c3 >> f4)]
+        p += uint64(4)
+    while p < p1:
+        b = p * uint64(32)
+        c0 = uint64(cr[p])
+        a0 += lut[b + (c0 & m4)]
+        a1 += lut[b + uint64(16) + (c0 >> f4)]
+        p += uint64(1)
+    return float64(((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)))
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def _exact_kernel(codes, s16, s32, half, lut, nibble, boff, rows, out):
+    """Exact scores from per-query lookup tables.
+
+    Args:
+        codes: ``(n, nbytes)`` uint8. s16, s32: ``(n, U)`` scales as uint16 FP16 bits (``half``)
+            or float32 (see :func:`_scale_args`).
+        lut: ``(nq, nbytes·256)`` float32 byte tables, or ``(nq, nbytes·32)`` nibble tables
+            (``nibble``); entry = signed sum of the query coordinates a byte (nibble) covers.
+        boff: ``(U+1,)`` uint64 module byte offsets. rows: ``(m,)`` int64 rows to score.
+        out: ``(nq, m)`` float32, written.
+    """
+    m = rows.shape[0]
+    nq = lut.shape[0]
+    nmod = boff.shape[0] - 1
+    nblocks = (m + _ROW_BLOCK - 1) // _ROW_BLOCK
+    for blk in prange(nblocks):
+        i0 = blk * _ROW_BLOCK
+        i1 = min(m, i0 + _ROW_BLOCK)
+        # Query-outer inside a block: the block's codes stay in L2 while each query's table is hot.
+        for q in range(nq):
+            lq = lut[q]
+            for i in range(i0, i1):
+                r = rows[i]
+                cr = codes[r]
+                acc = 0.0
+                for u in range(nmod):
+                    if nibble:
+                        t = _lut4_module(cr, lq, boff[u], boff[u + 1])
+                    else:
+                        t = _lut8_module(cr, lq, boff[u], boff[u + 1])
+                    acc += _scale_at(s16, s32, half, r, u) * t
+                out[q, i] = float32(acc)
+
+
+@njit(cache=True, boundscheck=False, inline="always")
+def _planes_module(cw, pq, w0, w1):
+    """``Σ_{w0 ≤ w < w1} Σ_b weight_b · popcount(cw[w] & pq[b, w])`` over one module's words.
+
+    ``pq`` ``(8, W)`` holds the bit planes of the 8-bit two's complement query integers, so the
+    weights are ``1, 2, …, 64`` and ``-128`` for the sign plane. Integer sums: reassociation is
+    exact, and LLVM vectorizes the loop (VPOPCNTQ on AVX-512) without any fastmath flag.
+    """
+    pos = uint64(0)
+    neg = uint64(0)
+    for w in range(w0, w1):
+        c = cw[w]
+        pos += (
+            _popcount(c & pq[0, w])
+            + (_popcount(c & pq[1, w]) << uint64(1))
+            + (_popcount(c & pq[2, w]) << uint64(2))
+            + (_popcount(c & pq[3, w]) << uint64(3))
+            + (_popcount(c & pq[4, w]) << uint64(4))
+            + (_popcount(c & pq[5, w]) << uint64(5))
+            + (_popcount(c & pq[6, w]) << uint64(6))
+        )
+        neg += _popcount(c & pq[7, w])
+    return int64(pos) - int64(neg) * 128
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def _bounded_kernel(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows, approx, bound):
+    """Scores of an 8-bit quantized query ``ŷ = Δ q`` with a per-row error bound.
+
+    Args:
+        codes: ``(n, nbytes)`` uint8. words: ``(n, W)`` uint64 view of ``codes`` when ``direct``
+            (every module a whole number of words), else a dummy; then each row is first copied
+            into a zeroed scratch row with every module starting at a fresh word.
+        s16, s32, half: the scales (see :func:`_scale_args`).
+        planes: ``(nq, 8, W)`` uint64 bit planes of the integers ``q``, zero outside modules.
+        wstart: ``(U+1,)`` uint64 first word of each module. boff: ``(U+1,)`` uint64 byte offsets.
+        delta: ``(nq, U)`` float64 steps Δ. qsum: ``(nq, U)`` int64 ``Σ_j q_uj``.
+        err: ``(nq, U)`` float64 per-module error allowance (see :func:`_quantize_queries`).
+        rows: ``(m,)`` int64.
+        approx, bound: ``(nq, m)`` float64, written: ``Σ_u s_iu ⟨ŷ_u, b_iu⟩`` and ``Σ_u s_iu err_u``.
+    """
+    m = rows.shape[0]
+    nq = planes.shape[0]
+    nmod = wstart.shape[0] - 1
+    nw = wstart[nmod]
+    nblocks = (m + _ROW_BLOCK - 1) // _ROW_BLOCK
+    for blk in prange(nblocks):
+        scratch = np.zeros(nw, dtype=np.uint64)
+        sbytes = scratch.view(np.uint8)
+        i0 = blk * _ROW_BLOCK
+        i1 = min(m, i0 + _ROW_BLOCK)
+        for i in range(i0, i1):
+            r = rows[i]
+            if direct:
+                cw = words[r]
+            else:
+                cr = codes[r]
+                for u in range(nmod):
+                    b0 = boff[u]
+                    nb = boff[u + 1] - b0
+                    d0 = wstart[u] * uint64(8)
+                    sbytes[d0 : d0 + nb] = cr[b0 : b0 + nb]
+                cw = scratch
+            for q in range(nq):
+                pq = planes[q]
+                a = 0.0
+                e = 0.0
+                for u in range(nmod):
+                    dot = _planes_module(cw, pq, wstart[u], wstart[u + 1])
+                    s = _scale_at(s16, s32, half, r, u)
+                    # ⟨q_u, b⟩ = 2 Σ_j q_j c_j - Σ_j q_j for bits c ∈ {0,1}; exact in int64.
+                    a += s * (delta[q, u] * float64(2 * dot - qsum[q, u]))
+                    e += s * err[q, u]
+                approx[q, i] = a
+                bound[q, i] = e
+
+
+# --------------------------------------------------------------------------------------------
+# Query preparation
+# --------------------------------------------------------------------------------------------
+
+
+def _padded_queries(y: np.ndarray, layout: SignLayout) -> np.ndarray:
+    """``(nq, K)`` → ``(nq, nbytes·8)`` float64 with padding coordinates set to 0."""
+    g = _geometry(layout)
+    yp = np.zeros((y.shape[0], layout.nbytes * 8), dtype=np.float64)
+    yp[:, g.pad_index] = y
+    return yp
+
+
+_BYTE_SIGNS = ((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1).astype(np.float64) * 2 - 1  # (256, 8)
+_NIBBLE_SIGNS = _BYTE_SIGNS[:16, :4].copy()  # (16, 4)
+
+
+def _use_nibbles(layout: SignLayout, nq: int) -> bool:
+    """Nibble tables once the byte tables of the batch would not stay in cache."""
+    return nq * layout.nbytes * 256 * 4 > _BYTE_LUT_MAX_BYTES
+
+
+def _lookup_tables(y: np.ndarray, layout: SignLayout, nibble: bool) -> np.ndarray:
+    """Signed partial-sum tables ``(nq, nbytes·256)`` (or ``(nq, nbytes·32)`` for nibbles), float32.
+
+    Entry ``[q, 256 p + v]`` = Σ over the valid coordinates t of byte p of ``±y`` (``+`` where bit
+    t of v is set). Padding coordinates are 0 in the padded query, so padding bits add nothing.
+    Each entry is computed in float64 and rounded once.
+    """
+    yp = _padded_queries(y, layout)
+    nq = y.shape[0]
+    if nibble:
+        tab = np.empty((nq, layout.nbytes * 2, 16), dtype=np.float32)
+        for q in range(nq):
+            tab[q] = yp[q].reshape(-1, 4) @ _NIBBLE_SIGNS.T
+    else:
+        tab = np.empty((nq, layout.nbytes, 256), dtype=np.float32)
+        for q in range(nq):
+            tab[q] = yp[q].reshape(-1, 8) @ _BYTE_SIGNS.T
+    return tab.reshape(nq, -1)
+
+
+@dataclass(frozen=True)
+class _QuantLevel:
+    """One 8-bit quantization level of a query batch (inputs of :func:`_bounded_kernel`)."""
+
+    planes: np.ndarray  # (nq, 8, W) uint64
+    delta: np.ndarray  # (nq, U) float64
+    qsum: np.ndarray  # (nq, U) int64
+    err: np.ndarray  # (nq, U) float64: ‖y_u - (ŷ of this level and the ones before)‖₁ + ε_u
+
+    def query(self, q: int) -> "_QuantLevel":
+        sl = slice(q, q + 1)
+        return _QuantLevel(self.planes[sl], self.delta[sl], self.qsum[sl], self.err[sl])
+
+
+def _quantize_level(target: np.ndarray, layout: SignLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-module ``target_u ≈ Δ_u q_u`` with integers ``|q| <= 127``: returns ``(q, Δ, planes)``.
+
+    ``target`` ``(nq, K)`` float64. ``Δ_u = max|target_u| / 127`` (0 for an all-zero module, whose
+    ``q`` is then 0). ``planes`` ``(nq, 8, W)``: bit b of the two's complement byte of ``q``, at
+    bit ``64 · word_start[u] + j`` for module ``u``'s coordinate ``j``.
+    """
+    g = _geometry(layout)
+    nq = target.shape[0]
+    starts = np.asarray(layout.coord_offsets, dtype=np.int64)
+    amax = np.maximum.reduceat(np.abs(target), starts, axis=1)  # (nq, U)
+    delta = np.where(amax > 0, amax / _QMAX, 0.0)
+    step = np.where(delta > 0, delta, 1.0)[:, g.module_of_coord]
+    qv = np.clip(np.rint(target / step), -_QMAX, _QMAX)  # |target| <= 127 Δ: the clip only guards rounding
+    nw = int(g.word_start[-1])
+    pos = 64 * g.word_start[:-1][g.module_of_coord] + (np.arange(layout.num_coords) - starts[g.module_of_coord])
+    q8 = np.zeros((nq, nw * 64), dtype=np.uint8)
+    q8[:, pos] = qv.astype(np.int64).astype(np.uint8)  # two's complement bytes
+    planes = np.empty((nq, _QUERY_BITS, nw), dtype=np.uint64)
+    for b in range(_QUERY_BITS):
+        planes[:, b, :] = np.packbits((q8 >> b) & 1, axis=1, bitorder="little").view("<u8").reshape(nq, nw)
+    return qv, delta, planes
+
+
+def _quantize_queries(y: np.ndarray, layout: SignLayout, levels: int = 2) -> list[_QuantLevel]:
+    """Successive 8-bit quantizations of the queries: level 1 quantizes ``y``, level 2 the residual.
+
+    Level ``l``'s ``err`` is ``‖y_u - Σ_{l' <= l} ŷ_u^(l')‖₁ + ε_u`` with
+    ``ε_u = (⌈k_u/8⌉ + 8) · 2⁻²³ · ‖y_u‖₁``, which bounds the float32 rounding of
+    :func:`_exact_kernel` (table entries rounded once, then ⌈k_u/8⌉ float32 additions of terms
+    whose magnitudes sum to at most ``‖y_u‖₁``, float64 after that, one final rounding) and the
+    float64 rounding of the approximate sums. So ``|exact32 - Σ_l approx_l| <= bound_l`` of the
+    last level used: a row outside the candidate set cannot beat a rescored one.
+    """
+    g = _geometry(layout)
+    starts = np.asarray(layout.coord_offsets, dtype=np.int64)
+    y64 = y.astype(np.float64)
+    l1 = np.add.reduceat(np.abs(y64), starts, axis=1)
+    eps = (np.asarray(layout.module_bytes, dtype=np.float64)[None, :] + 8.0) * 2.0**-23 * l1
+    out = []
+    resid = y64
+    for _ in range(levels):
+        qv, delta, planes = _quantize_level(resid, layout)
+        resid = resid - qv * delta[:, g.module_of_coord]
+        err = np.add.reduceat(np.abs(resid), starts, axis=1) + eps
+        qsum = np.add.reduceat(qv, starts, axis=1).astype(np.int64)
+        out.append(_QuantLevel(planes, delta, qsum, err))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Public scans
+# --------------------------------------------------------------------------------------------
+
+
+def _prepare(codes, scales, y, layout):
+    layout = _as_layout(layout)
+    codes = _check_codes(codes, layout)
+    scales = _check_scales(scales, codes.shape[0], layout)
+    y = _check_queries(y, layout)
+    return codes, scales, y, layout
+
+
+def _exact_scores(codes, scales, lut, nibble, layout, rows) -> np.ndarray:
+    s16, s32, half = _scale_args(scales)
+    out = np.empty((lut.shape[0], rows.shape[0]), dtype=np.float32)
+    if rows.shape[0]:
+        with _KERNEL_LOCK:
+            _exact_kernel(codes, s16, s32, half, lut, nibble, _geometry(layout).boff, rows, out)
+    return out
+
+
+def scan_scores(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    y: np.ndarray,
+    layout: SignLayout,
+    *,
+    rows: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """Exact scores of every query against every (or every selected) row.
+
+    Args:
+        codes: ``(n, nbytes)`` uint8 packed signs.
+        scales: ``(n, U)`` float16 (float32 accepted).
+        y: ``(nq, K)`` float32 queries (a 1-D ``(K,)`` query is treated as ``nq = 1``).
+        layout: module sizes.
+        rows: optional ``(m,)`` int64 row indices to score (a filter), in the order wanted.
+
+    Returns:
+        ``(nq, m)`` float32 (``m = n`` without ``rows``); column ``i`` belongs to row ``rows[i]``.
+    """
+    codes, scales, y, layout = _prepare(codes, scales, y, layout)
+    rows = _check_rows(rows, codes.shape[0])
+    if rows is None:
+        rows = np.arange(codes.shape[0], dtype=np.int64)
+    nibble = _use_nibbles(layout, y.shape[0])
+    return _exact_scores(codes, scales, _lookup_tables(y, layout, nibble), nibble, layout, rows)
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Best rows per query.
+
+    Attributes:
+        largest_indices: ``(nq, k)`` int64 row indices (into ``codes``) of the most positive
+            scores, best first; ``None`` if not requested.
+        largest_scores: ``(nq, k)`` float32 their exact scores (descending).
+        smallest_indices: ``(nq, k)`` int64 rows of the most negative scores, most negative first.
+        smallest_scores: ``(nq, k)`` float32 (ascending).
+
+    ``k`` is clipped to the number of scanned rows. Equal scores are ordered by row index.
+    """
+
+    largest_indices: Optional[np.ndarray]
+    largest_scores: Optional[np.ndarray]
+    smallest_indices: Optional[np.ndarray]
+    smallest_scores: Optional[np.ndarray]
+
+
+class _Running:
+    """Running top-k of one query in one direction (exact scores only)."""
+
+    def __init__(self, k: int, largest: bool):
+        self.k = k
+        self.sign = 1.0 if largest else -1.0  # work on sign·score, bigger is better
+        self.idx = np.empty(0, dtype=np.int64)
+        self.val = np.empty(0, dtype=np.float32)
+
+    def threshold(self) -> float:
+        """Best-direction value a new row must reach (``-inf`` until k rows are held)."""
+        if self.val.size < self.k:
+            return -np.inf
+        return float((self.sign * self.val.astype(np.float64)).min())
+
+    def merge(self, idx: np.ndarray, val: np.ndarray) -> None:
+        idx = np.concatenate([self.idx, idx])
+        val = np.concatenate([self.val, val])
+        key = self.sign * val.astype(np.float64)
+        if idx.size > self.k:
+            keep = np.argpartition(-key, self.k - 1)[: self.k]
+            # argpartition cuts ties arbitrarily; take every row tied with the cut, then sort.
+            cut = key[keep].min()
+            keep = np.nonzero(key >= cut)[0]
+            idx, val, key = idx[keep], val[keep], key[keep]
+        order = np.lexsort((idx, -key))[: self.k]
+        self.idx, self.val = idx[order], val[order]
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.idx, self.val
+
+
+def scan_top_k(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    y: np.ndarray,
+    layout: SignLayout,
+    k: int,
+    *,
+    rows: Optional[np.ndarray] = None,
+    largest: bool = True,
+    smallest: bool = True,
+    chunk_rows: Optional[int] = None,
+) -> TopK:
+    """The ``k`` most positive and most negative rows per query, with their exact scores.
+
+    The store is walked in chunks (``chunk_rows`` rows, default ``~4M / nq``); per chunk a bounded
+    8-bit pre-scan gives every row an interval that contains its exact score, and only rows
+    whose interval reaches the running k-th best are rescored exactly. The result is the same
+    as sorting :func:`scan_scores` (rows and float32 scores; ties ordered by row index).
+
+    Args:
+        codes: ``(n, nbytes)`` uint8. scales: ``(n, U)`` float16. y: ``(nq, K)`` float32.
+        layout: module sizes. k: rows per query and direction (``>= 1``).
+        rows: optional ``(m,)`` int64 row indices to consider (a filter); duplicates are ignored.
+        largest, smallest: which directions to return.
+        chunk_rows: rows per chunk (tests use small values to exercise the merging).
+
+    Returns:
+        :class:`TopK` with ``(nq, min(k, m))`` arrays; indices refer to rows of ``codes``.
+    """
+    codes, scales, y, layout = _prepare(codes, scales, y, layout)
+    k = int(k)
+    if k < 1:
+        raise ConfigError(f"k must be >= 1, got {k}")
+    if not (largest or smallest):
+        raise ConfigError("scan_top_k needs largest=True or smallest=True (both False asks for nothing)")
+    n = codes.shape[0]
+    rows = _check_rows(rows, n)
+    if rows is not None:
+        rows = np.unique(rows)
+    m = n if rows is None else rows.shape[0]
+    nq = y.shape[0]
+    if chunk_rows is None:
+        chunk_rows = max(_ROW_BLOCK * 16, _TOPK_CHUNK_ELEMS // nq)
+    chunk_rows = int(chunk_rows)
+    if chunk_rows < 1:
+        raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
+
+    g = _geometry(layout)
+    s16, s32, half = _scale_args(scales)
+    nibble = _use_nibbles(layout, 1)  # rescoring runs one query at a time
+    lut = _lookup_tables(y, layout, nibble)
+    level1, level2 = _quantize_queries(y, layout, levels=2)
+    if g.direct_words and codes.ctypes.data % 8 == 0:
+        words = codes.view(np.uint64)  # rows are read in place, no per-row copy
+        direct = True
+    else:
+        words = np.zeros((1, 1), dtype=np.uint64)
+        direct = False
+
+    def bounded(level: _QuantLevel, crow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        approx = np.empty((level.planes.shape[0], crow.shape[0]), dtype=np.float64)
+        bound = np.empty_like(approx)
+        if crow.shape[0]:
+            with _KERNEL_LOCK:
+                _bounded_kernel(codes, words, direct, s16, s32, half, level.planes, g.word_start_u64, g.boff,
+                                level.delta, level.qsum, level.err, crow, approx, bound)
+        return approx, bound
+
+    def survivors(run: _Running, sign: float, approx: np.ndarray, bound: np.ndarray, thr: float):
+        """Positions whose interval reaches the threshold, and the raised threshold.
+
+        Works on ``sign · score`` (bigger is better). The threshold only ever rises to a value
+        that ``kk`` rows are guaranteed to reach, and those rows stay among the survivors.
+        """
+        guaranteed = sign * approx - bound
+        thr = max(thr, run.threshold())
+        if guaranteed.shape[0] >= kk:
+            thr = max(thr, float(np.partition(guaranteed, guaranteed.shape[0] - kk)[guaranteed.shape[0] - kk]))
+        return np.nonzero(sign * approx + bound >= thr)[0], thr
+
+    dirs = [d for d, want in ((1.0, largest), (-1.0, smallest)) if want]
+    running = {(q, d): _Running(k, d > 0) for q in range(nq) for d in dirs}
+    kk = min(k, m)
+    for c0 in range(0, m, chunk_rows):
+        c1 = min(m, c0 + chunk_rows)
+        crow = np.arange(c0, c1, dtype=np.int64) if rows is None else rows[c0:c1]
+        approx1, bound1 = bounded(level1, crow)
+        for q in range(nq):
+            # Level 1 (every row of the chunk): 8-bit query.
+            stage1 = {d: survivors(running[(q, d)], d, approx1[q], bound1[q], -np.inf) for d in dirs}
+            union = np.unique(np.concatenate([pos for pos, _ in stage1.values()]))
+            if union.size == 0:
+                continue
+            # Level 2 (survivors only): add the 8-bit quantized residual, ~127x tighter bound.
+            approx2, bound2 = bounded(level2.query(q), crow[union])
+            approx12 = approx1[q, union] + approx2[0]
+            final = []
+            for d in dirs:
+                pos, thr = stage1[d]
+                inside = np.isin(union, pos, assume_unique=True)
+                keep, _ = survivors(running[(q, d)], d, approx12[inside], bound2[0, inside], thr)
+                final.append(union[inside][keep])
+            # Exact rescoring of what is left, one pass for both directions.
+            todo = np.unique(np.concatenate(final))
+            if todo.size == 0:
+                continue
+            exact = _exact_scores(codes, scales, lut[q : q + 1], nibble, layout, crow[todo])[0]
+            for d, pos in zip(dirs, final):
+                sel = np.searchsorted(todo, pos)
+                running[(q, d)].merge(crow[pos], exact[sel])
+
+    def collect(d: float):
+        idx = np.empty((nq, kk), dtype=np.int64)
+        val = np.empty((nq, kk), dtype=np.float32)
+        for q in range(nq):
+            i, v = running[(q, d)].result()
+            idx[q], val[q] = i[:kk], v[:kk]
+        return idx, val
+
+    li, ls = collect(1.0) if largest else (None, None)
+    si, ss = collect(-1.0) if smallest else (None, None)
+    return TopK(li, ls, si, ss)
+
+
+# --------------------------------------------------------------------------------------------
+# torch path (GPU)
+# --------------------------------------------------------------------------------------------
+
+
+def scan_scores_torch(
+    codes: Union[np.ndarray, "Any"],
+    scales: Union[np.ndarray, "Any"],
+    y: Union[np.ndarray, "Any"],
+    layout: SignLayout,
+    device: Union[str, "Any"] = "cpu",
+    *,
+    chunk_rows: Optional[int] = None,
+):
+    """Scores with torch, e.g. on CUDA: chunks of rows are unpacked on the device and multiplied.
+
+    Per chunk the bits are unpacked with shifts into ``±s_iu`` (scale folded in), giving a
+    ``(rows, K)`` float32 matrix that is multiplied by ``yᵀ``; only one chunk is expanded at a time.
+
+    Args:
+        codes: ``(n, nbytes)`` uint8 (numpy or torch). scales: ``(n, U)`` float16.
+        y: ``(nq, K)`` float32. layout: module sizes. device: e.g. ``"cuda"`` or ``"cpu"``.
+        chunk_rows: rows per chunk (default: ~256 MiB of float32 per chunk).
+
+    Returns:
+        ``(nq, n)`` float32 ``torch.Tensor`` on ``device``.
+    """
+    import torch
+
+    layout = _as_layout(layout)
+    dev = torch.device(device)
+    np_codes = codes.detach().cpu().numpy() if isinstance(codes, torch.Tensor) else codes
+    np_scales = scales.detach().cpu().numpy() if isinstance(scales, torch.Tensor) else scales
+    np_y = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else y
+    np_codes = _check_codes(np_codes, layout)
+    np_scales = _check_scales(np_scales, np_codes.shape[0], layout)
+    np_y = _check_queries(np_y, layout)
+    g = _geometry(layout)
+    n, K = np_codes.shape[0], layout.num_coords
+    if chunk_rows is None:
+        chunk_rows = max(1, (256 << 20) // (4 * K))
+    chunk_rows = int(chunk_rows)
+    if chunk_rows < 1:
+        raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
+
+    pad_index = torch.from_numpy(g.pad_index.copy()).to(dev)  # copies: the cached arrays are read-only
+    module_of_coord = torch.from_numpy(g.module_of_coord.copy()).to(dev)
+    shifts = torch.arange(8, dtype=torch.uint8, device=dev)
+    yt = torch.as_tensor(np_y, device=dev).T.contiguous()  # (K, nq)
+    out = torch.empty((np_y.shape[0], n), dtype=torch.float32, device=dev)
+    for r0 in range(0, n, chunk_rows):
+        r1 = min(n, r0 + chunk_rows)
+        c = torch.as_tensor(np_codes[r0:r1], device=dev)
+        bits = ((c.unsqueeze(-1) >> shifts) & 1).reshape(r1 - r0, -1)[:, pad_index]  # (R, K) uint8
+        s = torch.as_tensor(np_scales[r0:r1], device=dev).to(torch.float32)[:, module_of_coord]  # (R, K)
+        signed = torch.where(bits.bool(), s, -s)
+        out[:, r0:r1] = (signed @ yt).T
+    return out

@@ -1,0 +1,239 @@
+"""FAISS first pass: real FAISS binary indexes over a real LanceDB table of real (tiny GPT-2) codes.
+
+The candidate path must map FAISS results back to the right rows (also after further ingests),
+equal the exact scan when every row is a candidate, apply filters to the candidates, and refuse
+indexes it cannot answer for.
+"""
+
+import copy
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import TinyTokenizer, make_examples, make_tiny_gpt2
+from eogp_index.candidates import (
+    CandidateIndex,
+    FaissConfig,
+    _check_unique,
+    build,
+    candidate_ids,
+    id_keys,
+    open_candidates,
+    top_influential_with_candidates,
+)
+from eogp_index.client import AttributionIndex
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, InputError
+from eogp_index.quantization import pack_signs
+from eogp_index.store import list_column_to_numpy
+
+pa = pytest.importorskip("pyarrow")
+faiss = pytest.importorskip("faiss")
+
+SEED = 3
+TRAIN = make_examples(60, seed=11)
+MORE = make_examples(20, seed=12, prefix="more")
+QUERIES = make_examples(3, seed=13, prefix="q", masked_prompt=True)
+
+
+def _query(i=0):
+    return {"input_ids": list(QUERIES[i].input_ids), "labels": list(QUERIES[i].labels)}
+
+
+def _create(path):
+    index = AttributionIndex.create(
+        path, make_tiny_gpt2(SEED), TinyTokenizer(), TRAIN, model_name="tiny",
+        projection=ProjectionConfig(variant="eogp", k=16, m=64),
+        curvature=CurvatureConfig(num_examples=24, batch_size=4),
+        gradients=GradientConfig(batch_size=8), progress=False)
+    index.ingest(TRAIN, progress=False)
+    return index
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    index = _create(tmp_path_factory.mktemp("cand") / "idx")
+    for kind in ("flat", "ivf", "hnsw"):
+        build(index, kind, FaissConfig(kind=kind, nlist=4 if kind == "ivf" else None), progress=False)
+    return index
+
+
+def _signs_by_id(index):
+    table = index.store.read(["id", "signs"])
+    signs = list_column_to_numpy(table.column("signs"), index.layout.nbytes, np.uint8)
+    return dict(zip(table.column("id").to_pylist(), signs))
+
+
+def _hamming(a, b):
+    return int(np.unpackbits(np.bitwise_xor(a, b)).sum())
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
+def test_build_and_load(index, kind):
+    n = index.store.count()
+    loaded = CandidateIndex.load(index.path, kind)
+    meta = json.loads((index.path / "faiss" / f"{kind}.json").read_text())
+    assert loaded.ntotal == n == meta["rows"] and meta["kind"] == kind and loaded.config.kind == kind
+    assert meta["table_version"] == index.store.version and meta["d_bits"] == index.layout.nbytes * 8
+    for suffix in (".faissindex", ".ids.parquet", ".json"):
+        assert (index.path / "faiss" / f"{kind}{suffix}").is_file()
+    # A stored row's own signs find that row at distance 0 (every kind, after a reload).
+    by_id = _signs_by_id(index)
+    some = list(by_id)[7]
+    dist, pos = loaded.search_with_distances(by_id[some][None, :], 5)
+    assert loaded.ids_at(pos)[0, 0] == some and dist[0, 0] == 0
+    assert sorted(set(loaded.search(by_id[some][None, :], 5)[0]) - {None}) == sorted(
+        set(loaded.search(by_id[some][None, :], 5)[0]) - {None})
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_all_rows_as_candidates_equal_the_exact_scan(index, kind):
+    n = index.store.count()
+    cand = open_candidates(index, kind)
+    cand.set_search(nprobe=1000)  # IVF: every list, so that all n rows are found
+    for direction in ("positive", "negative", "both"):
+        exact = index.top_influential(_query(), k=5, direction=direction)
+        approx = top_influential_with_candidates(index, _query(), k=5, C=n, direction=direction, faiss_name=kind)
+        assert approx.column_names == exact.column_names
+        assert approx.column("id").to_pylist() == exact.column("id").to_pylist()
+        np.testing.assert_allclose(approx.column("score").to_numpy(), exact.column("score").to_numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        if direction == "both":
+            assert approx.column("direction").to_pylist() == exact.column("direction").to_pylist()
+
+
+def test_faiss_ids_map_to_the_right_rows(index):
+    """The Hamming distance FAISS reports for an id is the distance to that id's stored signs."""
+    by_id = _signs_by_id(index)
+    y = index.query_coordinates([_query(1)])
+    for kind in ("flat", "ivf", "hnsw"):
+        cand = open_candidates(index, kind)
+        for sign in (1, -1):
+            code = pack_signs(sign * y, index.layout)
+            dist, pos = cand.search_with_distances(code, 25)
+            ids = cand.ids_at(pos)[0]
+            found = [(d, i) for d, i in zip(dist[0], ids) if i is not None]
+            assert len(found) >= (25 if kind != "ivf" else 1)
+            for d, i in found:
+                assert d == _hamming(code[0], by_id[i]), (kind, i)
+            assert list(dist[0][: len(found)]) == sorted(d for d, _ in found)
+    # flat is exhaustive: its C nearest are the true C nearest.
+    code = pack_signs(y, index.layout)
+    truth = sorted(_hamming(code[0], s) for s in by_id.values())[:25]
+    dist, _ = open_candidates(index, "flat").search_with_distances(code, 25)
+    assert list(dist[0]) == truth
+
+
+def test_extend_after_further_ingests(index, tmp_path):
+    """New rows are covered without a rebuild, found by their own signs, and never duplicated."""
+    path = tmp_path / "copy"
+    shutil.copytree(index.path, path)
+    other = AttributionIndex.open(path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(),
+                                  gradients=GradientConfig(batch_size=8))
+    assert other.ingest(MORE, progress=False) == len(MORE)
+    by_id = _signs_by_id(other)
+    n = len(by_id)
+    for kind in ("flat", "ivf", "hnsw"):
+        cand = CandidateIndex.load(path, kind)
+        assert cand.ntotal == n - len(MORE)
+        assert cand.extend(other) == len(MORE)
+        assert cand.extend(other) == 0  # nothing twice
+        reloaded = CandidateIndex.load(path, kind)
+        assert reloaded.ntotal == n and reloaded.table_version == other.store.version
+        keys = reloaded._keys
+        assert len(np.unique(keys)) == n and set(reloaded._ids.to_pylist()) == set(by_id)
+        reloaded.set_search(nprobe=1000)
+        for ex in MORE[::5]:
+            dist, pos = reloaded.search_with_distances(by_id[ex.id][None, :], 3)
+            assert reloaded.ids_at(pos)[0, 0] == ex.id and dist[0, 0] == 0
+        everything = reloaded.search(pack_signs(other.query_coordinates([_query()]), other.layout), n)[0]
+        if kind != "hnsw":  # flat and IVF with every list probed reach every row exactly once
+            assert sorted(everything) == sorted(by_id)
+        else:
+            found = [i for i in everything if i is not None]
+            assert len(found) == len(set(found))
+
+
+def test_queries_extend_a_stale_faiss_index(index, tmp_path):
+    """A query after an ingest covers the new rows (the FAISS index is extended, not bypassed)."""
+    path = tmp_path / "copy"
+    shutil.copytree(index.path, path)
+    other = AttributionIndex.open(path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(),
+                                  gradients=GradientConfig(batch_size=8))
+    other.ingest(MORE, progress=False)
+    n = other.store.count()
+    exact = other.top_influential(_query(2), k=n, direction="positive")
+    approx = top_influential_with_candidates(other, _query(2), k=n, C=n, faiss_name="flat")
+    assert approx.column("id").to_pylist() == exact.column("id").to_pylist()
+    assert CandidateIndex.load(path, "flat").ntotal == n
+
+
+def test_where_filter_applies_to_the_candidates(index):
+    where = "`group` = 1"
+    matching = index.store.count(where)
+    C, k = 12, 4
+    assert matching > C  # the candidate path, not the small-filter shortcut
+    y = index.query_coordinates([_query()])
+    cand = open_candidates(index, "flat")
+    for direction in ("positive", "negative"):
+        cands = set(candidate_ids(cand, y, index.layout, C, direction))
+        assert len(cands) == C
+        ids, scores = index.scores([_query()], where=where)
+        keep = [j for j, i in enumerate(ids) if i in cands]
+        sub = scores[0, keep]
+        order = np.argsort(-sub if direction == "positive" else sub, kind="stable")[:k]
+        expected = [ids[keep[j]] for j in order]
+        got = top_influential_with_candidates(index, _query(), k=k, C=C, where=where, direction=direction,
+                                              faiss_name="flat")
+        assert got.column("id").to_pylist() == expected
+        np.testing.assert_allclose(got.column("score").to_numpy(), sub[order], rtol=1e-5, atol=1e-6)
+        assert set(got.column("group").to_pylist()) == {1}
+
+
+def test_small_filter_is_rescored_entirely(index):
+    """A filter matching at most C rows: every matching row is rescored, which is exact."""
+    where = "`group` = 2"
+    C = index.store.count(where)
+    exact = index.top_influential(_query(), k=5, where=where, direction="both")
+    got = top_influential_with_candidates(index, _query(), k=5, C=C, where=where, direction="both",
+                                          faiss_name="hnsw")
+    assert got.column("id").to_pylist() == exact.column("id").to_pylist()
+
+
+def test_bad_filter_and_arguments(index):
+    with pytest.raises(InputError, match="invalid where filter"):
+        top_influential_with_candidates(index, _query(), k=3, C=10, where="no_such_column = 1", faiss_name="flat")
+    with pytest.raises(ConfigError, match="at least k"):
+        top_influential_with_candidates(index, _query(), k=10, C=5, faiss_name="flat")
+    with pytest.raises(IndexNotFoundError, match="build-faiss"):
+        top_influential_with_candidates(index, _query(), k=3, C=10, faiss_name="missing")
+    with pytest.raises(ConfigError):
+        FaissConfig(kind="lsh")
+
+
+def test_refuses_other_indexes(index):
+    fp16 = copy.copy(index)
+    fp16.manifest = dataclasses.replace(index.manifest, precision="fp16")
+    with pytest.raises(IncompatibleIndexError, match="precision 'fp16'"):
+        build(fp16, "nope", progress=False)
+    with pytest.raises(IncompatibleIndexError, match="precision 'fp16'"):
+        top_influential_with_candidates(fp16, _query(), k=3, C=10, faiss_name="flat")
+    other = copy.copy(index)
+    other.manifest = dataclasses.replace(index.manifest, projection={**index.manifest.projection, "sha256": "0" * 64})
+    with pytest.raises(IncompatibleIndexError, match="projection sha256"):
+        top_influential_with_candidates(other, _query(), k=3, C=10, faiss_name="flat")
+    with pytest.raises(IncompatibleIndexError, match="projection sha256"):
+        CandidateIndex.load(index.path, "flat").extend(other)
+
+
+def test_keys_are_stable_and_collisions_refused():
+    keys = id_keys(["a", "b", "ex-1"])
+    assert keys.dtype == np.int64 and (keys >= 0).all() and len(set(keys)) == 3
+    assert (id_keys(["ex-1"]) == keys[2]).all()  # the same id always has the same key
+    with pytest.raises(IncompatibleIndexError, match="collision"):
+        _check_unique(np.array([5, 5], np.int64), pa.array(["x", "y"]), "here")
+    with pytest.raises(InputError, match="more than once"):
+        _check_unique(np.array([5, 5], np.int64), pa.array(["x", "x"]), "here")
