@@ -251,6 +251,7 @@ class CandidateIndex:
               progress: bool = True) -> "CandidateIndex":
         """See :func:`build`."""
         faiss = _faiss()
+        _paths(index.path, name)  # a bad name fails now, not after the build
         _require_signs(index)
         layout: SignLayout = index.layout
         nbytes, d = layout.nbytes, layout.nbytes * 8
@@ -451,7 +452,7 @@ class CandidateIndex:
                 chunk = slice(start, start + _ADD_ROWS)
                 self._index.add_with_ids(np.ascontiguousarray(signs[chunk]), keys[chunk])
             keys_parts.append(keys)
-            id_parts.append(ids)
+            id_parts.append(ids.cast(pa.string()))
         keys = np.concatenate(keys_parts)
         ids = pa.concat_arrays([a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a for a in id_parts])
         _check_unique(keys, ids, where)  # raised before save(): a bad build is never committed
@@ -525,9 +526,14 @@ class CandidateIndex:
             return distances, positions
         with self._lock:  # search parameters live on the shared FAISS object
             gpu = self._gpu_index() if k <= _GPU_MAX_K else None
+            D = P = None
             if gpu is not None:
-                D, P = gpu.search(codes, k)
-            else:
+                try:
+                    D, P = gpu.search(codes, k)
+                    P = np.where(P < self.ntotal, P, -1)  # labels are positions on the GPU copy
+                except RuntimeError:  # e.g. a k the GPU build cannot select: the CPU index answers
+                    D = P = None
+            if P is None:
                 if self.config.kind == "ivf":
                     self._index.nprobe = min(int(self.config.nprobe), int(self._index.nlist))
                 elif self.config.kind == "hnsw":
@@ -608,6 +614,12 @@ def rescore(signs: np.ndarray, scales: np.ndarray, y: np.ndarray, layout: SignLa
 
 _CACHE: Dict[Tuple[str, str], Tuple[Tuple[int, int], CandidateIndex]] = {}
 _CACHE_LOCK = threading.Lock()
+
+
+def clear_cache() -> None:
+    """Forget the FAISS indexes :func:`open_candidates` keeps loaded (they hold the codes in memory)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
 
 
 def open_candidates(index, name: str = "default", *, refresh: bool = True) -> CandidateIndex:

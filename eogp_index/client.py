@@ -93,6 +93,7 @@ class AttributionIndex:
         self.layout = SignLayout(manifest.k)
         self.store = Store(self.path, manifest.table)
         self._device = gradients.resolved_device()
+        self._hot = None
 
     # -- building -------------------------------------------------------------------------------
     @classmethod
@@ -285,8 +286,10 @@ class AttributionIndex:
         Positive = training on the example lowers the query's loss (kronfluence's convention).
         """
         y = self.query_coordinates(queries)
-        table = self.store.read(["id", *self._code_columns()], where)
-        return table.column("id").to_pylist(), score_table(table, y, self.layout, self.manifest.precision)
+        matching = self.store.read(["id"], where, with_row_address=True)
+        hot = self.hot_codes()
+        rows = hot.positions(matching.column("_rowaddr").to_numpy())
+        return matching.column("id").to_pylist(), self._scan_scores(hot, y, rows)
 
     def top_influential(
         self,
@@ -295,8 +298,17 @@ class AttributionIndex:
         *,
         where: Optional[str] = None,
         direction: Literal["positive", "negative", "both"] = "positive",
+        candidates: Optional[int] = None,
+        stream: bool = False,
     ) -> pa.Table:
         """The ``k`` stored examples that most help (``positive``) or hurt (``negative``) the query.
+
+        Args:
+            where: SQL filter on the stored columns (LanceDB's); only matching rows are scored.
+            candidates: take this many candidates per direction from the FAISS index built with
+                ``eogp build-faiss`` and rescore them exactly, instead of scanning every row.
+            stream: scan the table batch by batch instead of the in-memory hot copy (for stores
+                larger than memory).
 
         Returns:
             A ``pyarrow.Table`` with ``rank``, ``id``, ``score``, and the stored metadata
@@ -304,23 +316,72 @@ class AttributionIndex:
         """
         if k < 1:
             raise ConfigError(f"k must be at least 1, got {k}")
+        if candidates is not None:
+            from .candidates import top_influential_with_candidates
+
+            return top_influential_with_candidates(self, query, k, candidates, where=where, direction=direction)
+        sides = ("positive", "negative") if direction == "both" else (direction,)
         y = self.query_coordinates([query])
+        if stream:
+            from .sharded import fragment_top_k
+
+            best = fragment_top_k(self.store, self.layout, self.manifest.precision, y, k, directions=sides,
+                                  where=where)[0]
+            found = {side: (best[side].rowaddr, best[side].scores) for side in sides}
+        else:
+            found = self._hot_top_k(y, k, where, sides)
         meta_cols = self.store.metadata_columns()
-        table = self.store.read(list(dict.fromkeys(meta_cols + self._code_columns())), where)
-        scores = score_table(table, y, self.layout, self.manifest.precision)[0]
-        info = table.select(meta_cols)
         parts = []
-        for side in (("positive", "negative") if direction == "both" else (direction,)):
-            order = np.argsort(-scores if side == "positive" else scores, kind="stable")[:k]
-            part = info.take(pa.array(order))
-            part = part.add_column(0, "score", pa.array(scores[order], pa.float32()))
-            part = part.add_column(0, "rank", pa.array(np.arange(1, len(order) + 1), pa.int32()))
+        for side in sides:
+            rowaddr, scores = found[side]
+            part = self.store.take_rows(rowaddr.tolist(), meta_cols)
+            part = part.add_column(0, "score", pa.array(scores, pa.float32()))
+            part = part.add_column(0, "rank", pa.array(np.arange(1, len(scores) + 1), pa.int32()))
             if direction == "both":
-                part = part.add_column(0, "direction", pa.array([side] * len(order), pa.string()))
+                part = part.add_column(0, "direction", pa.array([side] * len(scores), pa.string()))
             parts.append(part)
         result = pa.concat_tables(parts)
         front = [c for c in ("direction", "rank", "id", "score") if c in result.column_names]
         return result.select(front + [c for c in result.column_names if c not in front])
+
+    # -- the scan -------------------------------------------------------------------------------
+    def hot_codes(self):
+        """The in-memory copy of the stored codes, refreshed when the table has changed."""
+        from .hot import load_hot
+
+        if self._hot is None or self._hot.version != self.store.version:
+            self._hot = load_hot(self.store, self.layout, self.manifest.precision, self.path / "hot")
+        return self._hot
+
+    def _scan_scores(self, hot, y: np.ndarray, rows: Optional[np.ndarray]) -> np.ndarray:
+        if self.manifest.precision == "1bit":
+            from .scan import scan_scores
+
+            return scan_scores(hot.codes, hot.scales, y, self.layout, rows=rows)
+        coords = hot.coords if rows is None else hot.coords[rows]
+        return (y.astype(np.float32) @ coords.T).astype(np.float32)
+
+    def _hot_top_k(self, y: np.ndarray, k: int, where: Optional[str], sides) -> Dict[str, tuple]:
+        """``{side: (rowaddr (k,), scores (k,))}`` for the single query ``y`` ``(1, K)``."""
+        hot = self.hot_codes()
+        rows = None
+        if where is not None:
+            rows = hot.positions(self.store.read([], where, with_row_address=True).column("_rowaddr").to_numpy())
+        if self.manifest.precision == "1bit":
+            from .scan import scan_top_k
+
+            top = scan_top_k(hot.codes, hot.scales, y, self.layout, k, rows=rows,
+                             largest="positive" in sides, smallest="negative" in sides)
+            picks = {"positive": (top.largest_indices, top.largest_scores),
+                     "negative": (top.smallest_indices, top.smallest_scores)}
+            return {side: (hot.rowaddr[picks[side][0][0]], picks[side][1][0]) for side in sides}
+        scores = self._scan_scores(hot, y, rows)[0]
+        positions = np.arange(hot.num_rows) if rows is None else rows
+        out = {}
+        for side in sides:
+            order = np.lexsort((positions, -scores if side == "positive" else scores))[:k]
+            out[side] = (hot.rowaddr[positions[order]], scores[order])
+        return out
 
     def _code_columns(self) -> List[str]:
         return ["signs", "scales"] if self.manifest.precision == "1bit" else ["coords"]
@@ -332,19 +393,6 @@ class AttributionIndex:
         data["table_version"] = self.store.version
         data["path"] = str(self.path)
         return data
-
-
-def score_table(table: pa.Table, y: np.ndarray, layout: SignLayout, precision: str) -> np.ndarray:
-    """Exact scores ``(n_queries, n_rows)`` float32 of the code columns of ``table``."""
-    from .quantization import Encoded, decode
-    from .store import list_column_to_numpy
-
-    if precision == "1bit":
-        encoded = Encoded(signs=list_column_to_numpy(table.column("signs"), layout.nbytes, np.uint8),
-                          scales=list_column_to_numpy(table.column("scales"), layout.num_modules, np.float16))
-    else:
-        encoded = Encoded(coords=list_column_to_numpy(table.column("coords"), layout.num_coords, np.float32))
-    return (y.astype(np.float32) @ decode(encoded, layout).T).astype(np.float32)
 
 
 def _pad_id(tokenizer) -> int:

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .config import Precision
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,13 @@ class SignLayout:
     k: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not self.k or any(int(k) < 1 for k in self.k):
-            raise ConfigError(f"SignLayout needs at least one module and k_u >= 1, got k={self.k}")
+        try:
+            k = tuple(int(v) for v in self.k)
+        except (TypeError, ValueError):
+            raise ConfigError(f"SignLayout.k must be positive integers (coordinates per module), got {self.k!r}") from None
+        if not k or min(k) < 1:
+            raise ConfigError(f"SignLayout needs at least one module and every k_u >= 1, got k={k}")
+        object.__setattr__(self, "k", k)  # hashable and canonical: kernels cache per layout
 
     @property
     def num_modules(self) -> int:
@@ -73,6 +78,7 @@ def pack_signs(x: np.ndarray, layout: SignLayout) -> np.ndarray:
     """``(n, K)`` float coordinates → ``(n, nbytes)`` uint8 packed signs (bit 1 = ``x >= 0``)."""
     x = np.asarray(x)
     _check_width(x, layout.num_coords, "coordinates")
+    _check_finite(x)
     parts = [
         np.packbits(x[:, off : off + k] >= 0, axis=1, bitorder="little")
         for off, k in zip(layout.coord_offsets, layout.k)
@@ -94,9 +100,13 @@ def scales_of(x: np.ndarray, layout: SignLayout) -> np.ndarray:
     """``(n, K)`` coordinates → ``(n, U)`` float16 scales ``‖x_u‖₁/k_u`` (computed in float32)."""
     x = np.asarray(x, dtype=np.float32)
     _check_width(x, layout.num_coords, "coordinates")
+    _check_finite(x)
     scales = np.stack(
         [np.abs(x[:, off : off + k]).mean(axis=1) for off, k in zip(layout.coord_offsets, layout.k)], axis=1
     )
+    if scales.size and scales.max() > float(np.finfo(np.float16).max):
+        raise InputError(f"a scale ({scales.max():.4g}) exceeds the float16 range (65504); "
+                         "the projected coordinates are unreasonably large (check the damping)")
     return scales.astype(np.float16)
 
 
@@ -129,6 +139,12 @@ def decode(encoded: Encoded, layout: SignLayout) -> np.ndarray:
     signs = unpack_signs(encoded.signs, layout)
     scale = np.repeat(encoded.scales.astype(np.float32), layout.k, axis=1)
     return signs * scale
+
+
+def _check_finite(x: np.ndarray) -> None:
+    if not np.isfinite(x).all():
+        raise InputError("coordinates contain NaN or inf: their signs are undefined "
+                         "(check the model's loss and the projection upstream)")
 
 
 def _check_width(array: np.ndarray, expected: int, what: str) -> None:

@@ -16,45 +16,54 @@ bit 1 is ``+1`` (coordinate ``>= 0``), bit 0 is ``-1``. The padding bits at the 
 module's last byte are written as 0 by :func:`pack_signs`, and every kernel here *masks* them
 as well, so garbage in padding bits never changes a score.
 
-Kernels (CPU, numba; the first call compiles for a few seconds, later processes load the cache):
+Kernels (CPU, numba; the first call compiles for ~10 s, later processes load the cache):
 
-* **Exact scan** (:func:`scan_scores`): for each query a lookup table gives, for every byte
-  position ``p`` of a row and each of the 256 values that byte can take, the signed partial sum
-  ``Σ_t ±y`` of the (at most 8) query coordinates that byte covers. Padding coordinates are
-  given weight 0 in the table, which is how padding bits are masked. A module's inner product
-  is then one table lookup and one add per byte. Table entries are computed in float64 and
-  rounded once to float32; per-module sums run in float32 with 8 independent accumulators and
-  are combined with the scales in float64. The result equals the float64 reference up to
-  float32 rounding and reassociation (relative error ~1e-6 of ``Σ_u s_iu ‖y_u‖₁``).
+* **Exact scan** (:func:`scan_scores`, and the rescoring inside :func:`scan_top_k`): for each
+  query a lookup table gives, for every byte position ``p`` of a row and each of the 256 values
+  that byte can take, the signed partial sum ``Σ_t ±y`` of the (at most 8) query coordinates
+  that byte covers. Padding coordinates have weight 0 in the table, which is how padding bits
+  are masked. A module's inner product is then one table lookup and one add per byte. Entries
+  are computed in float64 and rounded once to float32; per-module sums run in float32 with 8
+  independent accumulators and are combined with the scales in float64. Results equal the
+  float64 reference up to float32 rounding and reassociation (~1e-7 relative to
+  ``Σ_u s_iu ‖y_u‖₁``). Large batches (``nq >= 16``) use nibble tables laid out query-minor, so
+  that one lookup feeds 64 queries with vector adds (:func:`_exact_batch_kernel`); its float32
+  summation order differs, so its scores can differ from a single-query scan in the last bits.
 * **Bounded pre-scan** (inside :func:`scan_top_k`): the query is quantized per module to 8-bit
   integers ``ŷ_u = Δ_u · q_u``; ``⟨q_u, b⟩`` is then 8 AND+popcount passes over the bit planes
-  of ``q_u`` (two's complement), which is several times cheaper than the table walk. Each row
-  gets the approximate score and the deterministic bound ``Σ_u s_iu · (‖y_u - ŷ_u‖₁ + ε_u)``,
-  ``ε_u`` covering the float32 rounding of the exact kernel. Every row whose interval can reach
-  the running k-th best is rescored by the exact kernel, so :func:`scan_top_k` returns exactly
-  the rows and the float32 scores that sorting :func:`scan_scores` would (ties aside).
+  of ``q_u`` (two's complement; VPOPCNTQ where available), several times cheaper than the
+  table walk. Each row gets the approximate score and the deterministic bound
+  ``Σ_u s_iu · (‖y_u - ŷ_u‖₁ + ε_u)``, ``ε_u`` covering the float32 rounding of the exact kernel.
+  Rows whose interval can reach the running k-th best get a second 8-bit pass over the residual
+  ``y - ŷ`` (bound ~127x tighter), and only the rows still in reach are rescored exactly. So
+  :func:`scan_top_k` returns exactly the rows and float32 scores that sorting the single-query
+  :func:`scan_scores` gives (ties ordered by row index).
 
 Both kernels read each row's codes once for the whole query batch and parallelize over blocks
 of rows (``numba.prange``); :func:`scan_top_k` walks the store in chunks and keeps a running
 top-k, so it never holds ``(nq, n)`` scores. :func:`scan_scores_torch` is a torch path for GPUs
 (unpack on the device in chunks, one matmul per chunk).
+
+Speed (benchmarks/scan.py, 1 GB of codes, 64 modules x k=512): on a 2-core AMD EPYC (Zen 4) VM
+the table walk does ~1 GB/s per core and the pre-scan ~3-4 GB/s per core, both compute-bound,
+so a batch costs roughly ``nq`` times one query (the 64-query kernel ~0.3 ns per byte and
+query, about 4x less than 64 separate scans).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-import numba
 import numpy as np
 from llvmlite import ir as llvm_ir
 from numba import float32, float64, int64, njit, prange, types, uint64
 from numba.extending import intrinsic
 
 from .errors import ConfigError, InputError
+from .quantization import SignLayout, pack_signs, scales_of, unpack_signs
 
 __all__ = [
     "SignLayout",
@@ -75,78 +84,30 @@ _KERNEL_LOCK = threading.Lock()
 # Rows per parallel work item. Small enough that a filtered scan of a few thousand rows still
 # splits over the cores, large enough that the per-block overhead does not show.
 _ROW_BLOCK = 64
+# Jobs of at most this many code bytes x queries (x4 for the cheaper pre-scan) run on the
+# calling thread: a few ms of work, less than what waking the worker threads can cost.
+_SERIAL_MAX_BYTES = 4 << 20
 # Rows per chunk of scan_top_k (before dividing by the number of queries): bounds the
 # (nq, chunk) float64 intervals held at once to ~64 MiB.
 _TOPK_CHUNK_ELEMS = 1 << 22
 # Bits of the quantized query in the bounded pre-scan (two's complement, one plane per bit).
 _QUERY_BITS = 8
 _QMAX = (1 << (_QUERY_BITS - 1)) - 1
-# Byte-position lookup tables (256 entries per byte) are used while one query's table is at most
+# Byte-position lookup tables (256 entries per byte) are used while the batch's tables are at most
 # this large; beyond it nibble tables (2 × 16 entries per byte, 8x smaller) stay in cache better.
 _BYTE_LUT_MAX_BYTES = 8 << 20
+# Batches of at least this many queries go through the query-vectorized kernel, which handles
+# _QUERY_GROUP queries per pass (one zmm register holds 16 of them).
+_BATCH_MIN_QUERIES = 16
+_QUERY_GROUP = 64
+# Rows per work item of the batch kernel: a module's nibble tables for a query group
+# (2·⌈k_u/8⌉·16·64·4 bytes, 512 KiB for k_u = 512) are reused by this many rows.
+_BATCH_ROW_BLOCK = 1024
 
 
 # --------------------------------------------------------------------------------------------
 # Layout
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SignLayout:
-    """Where each module's coordinates and sign bits sit in a row.
-
-    Attributes:
-        k: coordinates per module ``(k_1, …, k_U)``, in module order; every ``k_u >= 1``.
-    """
-
-    k: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        try:
-            k = tuple(int(v) for v in self.k)
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"SignLayout.k must be a sequence of positive integers (coordinates per module), got {self.k!r}"
-            ) from None
-        if not k:
-            raise ConfigError("SignLayout.k is empty: a layout needs at least one module; pass e.g. k=(512,)")
-        bad = [(u, v) for u, v in enumerate(k) if v < 1]
-        if bad:
-            raise ConfigError(
-                f"SignLayout.k must be positive, but module(s) {', '.join(f'{u} (k={v})' for u, v in bad)} "
-                "are not; drop empty modules from the layout"
-            )
-        object.__setattr__(self, "k", k)
-
-    @property
-    def num_modules(self) -> int:
-        """``U``, the number of modules."""
-        return len(self.k)
-
-    @property
-    def num_coords(self) -> int:
-        """``K = Σ_u k_u``, the width of a query row."""
-        return int(sum(self.k))
-
-    @property
-    def module_bytes(self) -> tuple[int, ...]:
-        """``⌈k_u/8⌉`` packed bytes per module."""
-        return tuple((v + 7) // 8 for v in self.k)
-
-    @property
-    def nbytes(self) -> int:
-        """Packed sign bytes per row, ``Σ_u ⌈k_u/8⌉``."""
-        return int(sum(self.module_bytes))
-
-    @property
-    def byte_offsets(self) -> tuple[int, ...]:
-        """First byte of each module in a row, ``off_u = Σ_{v<u} ⌈k_v/8⌉`` (length ``U``)."""
-        return tuple(int(v) for v in np.cumsum((0,) + self.module_bytes[:-1]))
-
-    @property
-    def coord_offsets(self) -> tuple[int, ...]:
-        """First column of each module in a query row, ``cum_k_u = Σ_{v<u} k_v`` (length ``U``)."""
-        return tuple(int(v) for v in np.cumsum((0,) + self.k[:-1]))
 
 
 def _as_layout(layout: Any) -> SignLayout:
@@ -263,79 +224,6 @@ def _scale_args(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
     if scales.dtype == np.float16:
         return scales.view(np.uint16), np.zeros((1, 1), dtype=np.float32), True
     return np.zeros((1, 1), dtype=np.uint16), scales, False
-
-
-# --------------------------------------------------------------------------------------------
-# Packing helpers
-# --------------------------------------------------------------------------------------------
-
-
-def pack_signs(x: np.ndarray, layout: SignLayout) -> np.ndarray:
-    """Sign bits of coordinates.
-
-    Args:
-        x: ``(n, K)`` float coordinates, module ``u`` at columns ``[cum_k_u, cum_k_u + k_u)``.
-        layout: the module sizes.
-
-    Returns:
-        ``(n, nbytes)`` uint8 codes: bit 1 where ``x >= 0``; padding bits 0.
-    """
-    layout = _as_layout(layout)
-    x = np.asarray(x)
-    if x.ndim != 2 or x.shape[1] != layout.num_coords:
-        raise ConfigError(f"x must have shape (n, {layout.num_coords}) for this layout, got {x.shape}")
-    if not np.isfinite(x).all():
-        raise InputError("x contains NaN/inf; its sign is undefined (check the gradients/projection upstream)")
-    g = _geometry(layout)
-    n = x.shape[0]
-    out = np.empty((n, layout.nbytes), dtype=np.uint8)
-    step = max(1, (1 << 24) // max(1, layout.nbytes * 8))  # ~16 MiB of bools at a time
-    for r0 in range(0, n, step):
-        xs = x[r0 : r0 + step]
-        bits = np.zeros((xs.shape[0], layout.nbytes * 8), dtype=bool)
-        bits[:, g.pad_index] = xs >= 0
-        out[r0 : r0 + step] = np.packbits(bits, axis=1, bitorder="little")
-    return out
-
-
-def unpack_signs(codes: np.ndarray, layout: SignLayout) -> np.ndarray:
-    """Inverse of :func:`pack_signs`.
-
-    Args:
-        codes: ``(n, nbytes)`` uint8.
-
-    Returns:
-        ``(n, K)`` float32 of ±1 (padding bits dropped).
-    """
-    layout = _as_layout(layout)
-    codes = _check_codes(codes, layout)
-    bits = np.unpackbits(codes, axis=1, bitorder="little")[:, _geometry(layout).pad_index]
-    return bits.astype(np.float32) * 2 - 1
-
-
-def scales_of(x: np.ndarray, layout: SignLayout) -> np.ndarray:
-    """Per-module scales ``s_u = ‖x_u‖₁ / k_u``.
-
-    Args:
-        x: ``(n, K)`` float coordinates.
-
-    Returns:
-        ``(n, U)`` float16 (the mean absolute value, computed in float32, then rounded).
-    """
-    layout = _as_layout(layout)
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] != layout.num_coords:
-        raise ConfigError(f"x must have shape (n, {layout.num_coords}) for this layout, got {x.shape}")
-    starts = np.asarray(layout.coord_offsets, dtype=np.int64)
-    sums = np.add.reduceat(np.abs(x), starts, axis=1) if x.shape[0] else np.zeros((0, len(starts)), np.float32)
-    s = (sums / np.asarray(layout.k, dtype=np.float32)).astype(np.float32)
-    if not np.isfinite(s).all():
-        raise InputError("x contains NaN/inf; scales would not be finite")
-    if s.size and s.max() > float(np.finfo(np.float16).max):
-        raise InputError(
-            f"a scale ({s.max():.4g}) exceeds the float16 range (65504); rescale the projected coordinates"
-        )
-    return s.astype(np.float16)
 
 
 def score_reference(codes: np.ndarray, scales: np.ndarray, y: np.ndarray, layout: SignLayout) -> np.ndarray:
@@ -475,39 +363,103 @@ def _lut4_module(cr, lut, p, p1):
     return float64(((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)))
 
 
+@njit(cache=True, boundscheck=False, inline="always")
+def _exact_block(codes, s16, s32, half, lut, nibble, boff, rows, out, i0, i1):
+    """Rows ``rows[i0:i1]`` of :func:`_exact_kernel`."""
+    nq = lut.shape[0]
+    nmod = boff.shape[0] - 1
+    # Query-outer inside a block: the block's codes stay in L2 while each query's table is hot.
+    for q in range(nq):
+        lq = lut[q]
+        for i in range(i0, i1):
+            r = rows[i]
+            cr = codes[r]
+            acc = 0.0
+            for u in range(nmod):
+                if nibble:
+                    t = _lut4_module(cr, lq, boff[u], boff[u + 1])
+                else:
+                    t = _lut8_module(cr, lq, boff[u], boff[u + 1])
+                acc += _scale_at(s16, s32, half, r, u) * t
+            out[q, i] = float32(acc)
+
+
 @njit(parallel=True, cache=True, boundscheck=False)
 def _exact_kernel(codes, s16, s32, half, lut, nibble, boff, rows, out):
-    """Exact scores from per-query lookup tables.
+    """Exact scores from per-query lookup tables, blocks of rows in parallel.
 
     Args:
-        codes: ``(n, nbytes)`` uint8. s16, s32: ``(n, U)`` scales as uint16 FP16 bits (``half``)
-            or float32 (see :func:`_scale_args`).
+        codes: ``(n, nbytes)`` uint8. s16, s32, half: the scales (see :func:`_scale_args`).
         lut: ``(nq, nbytes·256)`` float32 byte tables, or ``(nq, nbytes·32)`` nibble tables
             (``nibble``); entry = signed sum of the query coordinates a byte (nibble) covers.
         boff: ``(U+1,)`` uint64 module byte offsets. rows: ``(m,)`` int64 rows to score.
         out: ``(nq, m)`` float32, written.
     """
     m = rows.shape[0]
-    nq = lut.shape[0]
-    nmod = boff.shape[0] - 1
     nblocks = (m + _ROW_BLOCK - 1) // _ROW_BLOCK
     for blk in prange(nblocks):
-        i0 = blk * _ROW_BLOCK
-        i1 = min(m, i0 + _ROW_BLOCK)
-        # Query-outer inside a block: the block's codes stay in L2 while each query's table is hot.
-        for q in range(nq):
-            lq = lut[q]
-            for i in range(i0, i1):
-                r = rows[i]
-                cr = codes[r]
-                acc = 0.0
-                for u in range(nmod):
-                    if nibble:
-                        t = _lut4_module(cr, lq, boff[u], boff[u + 1])
-                    else:
-                        t = _lut8_module(cr, lq, boff[u], boff[u + 1])
-                    acc += _scale_at(s16, s32, half, r, u) * t
-                out[q, i] = float32(acc)
+        _exact_block(codes, s16, s32, half, lut, nibble, boff, rows, out,
+                     blk * _ROW_BLOCK, min(m, (blk + 1) * _ROW_BLOCK))
+
+
+@njit(cache=True, boundscheck=False)
+def _exact_kernel_serial(codes, s16, s32, half, lut, nibble, boff, rows, out):
+    """:func:`_exact_kernel` on the calling thread, for small jobs.
+
+    Waking the worker threads costs ~0.1 ms on an idle machine and several ms on a busy one,
+    more than scoring a few hundred rows.
+    """
+    _exact_block(codes, s16, s32, half, lut, nibble, boff, rows, out, 0, rows.shape[0])
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def _exact_batch_kernel(codes, s16, s32, half, lutv, boff, rows, out):
+    """Exact scores of one group of ``_QUERY_GROUP`` queries, vectorized over the queries.
+
+    Per byte of a row the two nibbles select two table rows of ``_QUERY_GROUP`` floats, added
+    to the row's per-query accumulators with full-width vector adds; the table lookup is shared
+    by the whole group instead of being repeated per query.
+
+    Args:
+        codes: ``(n, nbytes)`` uint8. s16, s32, half: the scales (see :func:`_scale_args`).
+        lutv: ``(2·nbytes·16·_QUERY_GROUP,)`` float32 nibble tables, ``[(2p + h)·16 + v, q]``:
+            signed sum of query ``q``'s coordinates covered by nibble ``h`` of byte ``p`` when it
+            has value ``v``.
+        boff: ``(U+1,)`` uint64 module byte offsets. rows: ``(m,)`` int64.
+        out: ``(_QUERY_GROUP, m)`` float32, written.
+    """
+    m = rows.shape[0]
+    nmod = boff.shape[0] - 1
+    qg = uint64(_QUERY_GROUP)
+    nblocks = (m + _BATCH_ROW_BLOCK - 1) // _BATCH_ROW_BLOCK
+    for blk in prange(nblocks):
+        i0 = blk * _BATCH_ROW_BLOCK
+        nr = min(m, i0 + _BATCH_ROW_BLOCK) - i0
+        acc = np.empty(nr * _QUERY_GROUP, dtype=np.float32)
+        score = np.zeros(nr * _QUERY_GROUP, dtype=np.float64)
+        # Module-outer: the module's tables stay in L2 while all rows of the block use them.
+        for u in range(nmod):
+            acc[:] = 0.0
+            p0 = boff[u]
+            p1 = boff[u + 1]
+            for j in range(nr):
+                cr = codes[rows[i0 + j]]
+                a = acc[uint64(j) * qg : uint64(j + 1) * qg]
+                for p in range(p0, p1):
+                    c = uint64(cr[p])
+                    b0 = (p * uint64(32) + (c & uint64(15))) * qg
+                    b1 = (p * uint64(32) + uint64(16) + (c >> uint64(4))) * qg
+                    l0 = lutv[b0 : b0 + qg]
+                    l1 = lutv[b1 : b1 + qg]
+                    for q in range(_QUERY_GROUP):
+                        a[q] += l0[q] + l1[q]
+            for j in range(nr):
+                s = _scale_at(s16, s32, half, rows[i0 + j], u)
+                for q in range(_QUERY_GROUP):
+                    score[j * _QUERY_GROUP + q] += s * float64(acc[j * _QUERY_GROUP + q])
+        for j in range(nr):
+            for q in range(_QUERY_GROUP):
+                out[q, i0 + j] = float32(score[j * _QUERY_GROUP + q])
 
 
 @njit(cache=True, boundscheck=False, inline="always")
@@ -535,8 +487,44 @@ def _planes_module(cw, pq, w0, w1):
     return int64(pos) - int64(neg) * 128
 
 
+@njit(cache=True, boundscheck=False, inline="always")
+def _bounded_block(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows,
+                   approx, bound, i0, i1):
+    """Rows ``rows[i0:i1]`` of :func:`_bounded_kernel`."""
+    nq = planes.shape[0]
+    nmod = wstart.shape[0] - 1
+    scratch = np.zeros(wstart[nmod], dtype=np.uint64)
+    sbytes = scratch.view(np.uint8)
+    for i in range(i0, i1):
+        r = rows[i]
+        if direct:
+            cw = words[r]
+        else:
+            # Module u's bytes go to word wstart[u]; the bytes after a module stay zero.
+            cr = codes[r]
+            for u in range(nmod):
+                b0 = boff[u]
+                nb = boff[u + 1] - b0
+                d0 = wstart[u] * uint64(8)
+                sbytes[d0 : d0 + nb] = cr[b0 : b0 + nb]
+            cw = scratch
+        for q in range(nq):
+            pq = planes[q]
+            a = 0.0
+            e = 0.0
+            for u in range(nmod):
+                dot = _planes_module(cw, pq, wstart[u], wstart[u + 1])
+                s = _scale_at(s16, s32, half, r, u)
+                # ⟨q_u, b⟩ = 2 Σ_j q_j c_j - Σ_j q_j for bits c ∈ {0,1}; exact in int64.
+                a += s * (delta[q, u] * float64(2 * dot - qsum[q, u]))
+                e += s * err[q, u]
+            approx[q, i] = a
+            bound[q, i] = e
+
+
 @njit(parallel=True, cache=True, boundscheck=False)
-def _bounded_kernel(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows, approx, bound):
+def _bounded_kernel(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows,
+                    approx, bound):
     """Scores of an 8-bit quantized query ``ŷ = Δ q`` with a per-row error bound.
 
     Args:
@@ -552,39 +540,45 @@ def _bounded_kernel(codes, words, direct, s16, s32, half, planes, wstart, boff, 
         approx, bound: ``(nq, m)`` float64, written: ``Σ_u s_iu ⟨ŷ_u, b_iu⟩`` and ``Σ_u s_iu err_u``.
     """
     m = rows.shape[0]
-    nq = planes.shape[0]
-    nmod = wstart.shape[0] - 1
-    nw = wstart[nmod]
     nblocks = (m + _ROW_BLOCK - 1) // _ROW_BLOCK
     for blk in prange(nblocks):
-        scratch = np.zeros(nw, dtype=np.uint64)
-        sbytes = scratch.view(np.uint8)
-        i0 = blk * _ROW_BLOCK
-        i1 = min(m, i0 + _ROW_BLOCK)
-        for i in range(i0, i1):
-            r = rows[i]
-            if direct:
-                cw = words[r]
-            else:
-                cr = codes[r]
-                for u in range(nmod):
-                    b0 = boff[u]
-                    nb = boff[u + 1] - b0
-                    d0 = wstart[u] * uint64(8)
-                    sbytes[d0 : d0 + nb] = cr[b0 : b0 + nb]
-                cw = scratch
-            for q in range(nq):
-                pq = planes[q]
-                a = 0.0
-                e = 0.0
-                for u in range(nmod):
-                    dot = _planes_module(cw, pq, wstart[u], wstart[u + 1])
-                    s = _scale_at(s16, s32, half, r, u)
-                    # ⟨q_u, b⟩ = 2 Σ_j q_j c_j - Σ_j q_j for bits c ∈ {0,1}; exact in int64.
-                    a += s * (delta[q, u] * float64(2 * dot - qsum[q, u]))
-                    e += s * err[q, u]
-                approx[q, i] = a
-                bound[q, i] = e
+        _bounded_block(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows,
+                       approx, bound, blk * _ROW_BLOCK, min(m, (blk + 1) * _ROW_BLOCK))
+
+
+@njit(cache=True, boundscheck=False)
+def _bounded_kernel_serial(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows,
+                           approx, bound):
+    """:func:`_bounded_kernel` on the calling thread, for small jobs."""
+    _bounded_block(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows,
+                   approx, bound, 0, rows.shape[0])
+
+
+_LOWEST_BIT = np.array([0] + [(v & -v).bit_length() - 1 for v in range(1, 256)], dtype=np.int64)
+
+
+@njit(cache=True, boundscheck=False)
+def _byte_tables(yp, out):
+    """Byte lookup tables, ``out[q, 256 p + v] = Σ_t (bit t of v ? +1 : -1) · yp[q, 8 p + t]``.
+
+    ``yp`` ``(nq, nbytes·8)`` float64 (padding coordinates 0), ``out`` ``(nq, nbytes·256)``
+    float32. Each entry is built from the one without its lowest set bit (one float64 add, a
+    fixed order), then rounded once.
+    """
+    nq = yp.shape[0]
+    nb = yp.shape[1] // 8
+    tab = np.empty(256, dtype=np.float64)
+    for q in range(nq):
+        for p in range(nb):
+            base = 0.0
+            for t in range(8):
+                base -= yp[q, 8 * p + t]
+            tab[0] = base
+            out[q, 256 * p] = float32(base)
+            for v in range(1, 256):
+                t = _LOWEST_BIT[v]
+                tab[v] = tab[v ^ (1 << t)] + 2.0 * yp[q, 8 * p + t]
+                out[q, 256 * p + v] = float32(tab[v])
 
 
 # --------------------------------------------------------------------------------------------
@@ -623,10 +617,25 @@ def _lookup_tables(y: np.ndarray, layout: SignLayout, nibble: bool) -> np.ndarra
         for q in range(nq):
             tab[q] = yp[q].reshape(-1, 4) @ _NIBBLE_SIGNS.T
     else:
-        tab = np.empty((nq, layout.nbytes, 256), dtype=np.float32)
-        for q in range(nq):
-            tab[q] = yp[q].reshape(-1, 8) @ _BYTE_SIGNS.T
+        tab = np.empty((nq, layout.nbytes * 256), dtype=np.float32)
+        _byte_tables(yp, tab)
     return tab.reshape(nq, -1)
+
+
+def _group_tables(y: np.ndarray, layout: SignLayout) -> np.ndarray:
+    """Nibble tables of up to ``_QUERY_GROUP`` queries for :func:`_exact_batch_kernel`.
+
+    Returns ``(2·nbytes·16·_QUERY_GROUP,)`` float32, entry ``[(2p + h)·16 + v, q]``; missing queries
+    of a short group are zero. Entries are computed in float64 and rounded once.
+    """
+    yp = np.zeros((_QUERY_GROUP, layout.nbytes * 8), dtype=np.float64)
+    yp[: y.shape[0]] = _padded_queries(y, layout)
+    tab = np.empty((layout.nbytes * 2, 16, _QUERY_GROUP), dtype=np.float32)
+    nib = yp.reshape(_QUERY_GROUP, layout.nbytes * 2, 4)
+    step = 4096  # nibble positions at a time: bounds the float64 temporary to 32 MiB
+    for p0 in range(0, layout.nbytes * 2, step):
+        tab[p0 : p0 + step] = np.einsum("qpt,vt->pvq", nib[:, p0 : p0 + step], _NIBBLE_SIGNS)
+    return tab.reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -709,7 +718,9 @@ def _prepare(codes, scales, y, layout):
 def _exact_scores(codes, scales, lut, nibble, layout, rows) -> np.ndarray:
     s16, s32, half = _scale_args(scales)
     out = np.empty((lut.shape[0], rows.shape[0]), dtype=np.float32)
-    if rows.shape[0]:
+    if rows.shape[0] * layout.nbytes * lut.shape[0] <= _SERIAL_MAX_BYTES:
+        _exact_kernel_serial(codes, s16, s32, half, lut, nibble, _geometry(layout).boff, rows, out)
+    else:
         with _KERNEL_LOCK:
             _exact_kernel(codes, s16, s32, half, lut, nibble, _geometry(layout).boff, rows, out)
     return out
@@ -728,7 +739,8 @@ def scan_scores(
     Args:
         codes: ``(n, nbytes)`` uint8 packed signs.
         scales: ``(n, U)`` float16 (float32 accepted).
-        y: ``(nq, K)`` float32 queries (a 1-D ``(K,)`` query is treated as ``nq = 1``).
+        y: ``(nq, K)`` float32 queries (a 1-D ``(K,)`` query is treated as ``nq = 1``; other
+            float dtypes are converted to float32).
         layout: module sizes.
         rows: optional ``(m,)`` int64 row indices to score (a filter), in the order wanted.
 
@@ -739,8 +751,21 @@ def scan_scores(
     rows = _check_rows(rows, codes.shape[0])
     if rows is None:
         rows = np.arange(codes.shape[0], dtype=np.int64)
-    nibble = _use_nibbles(layout, y.shape[0])
-    return _exact_scores(codes, scales, _lookup_tables(y, layout, nibble), nibble, layout, rows)
+    nq = y.shape[0]
+    if nq < _BATCH_MIN_QUERIES:
+        nibble = _use_nibbles(layout, nq)
+        return _exact_scores(codes, scales, _lookup_tables(y, layout, nibble), nibble, layout, rows)
+    s16, s32, half = _scale_args(scales)
+    out = np.empty((nq, rows.shape[0]), dtype=np.float32)
+    part = np.empty((_QUERY_GROUP, rows.shape[0]), dtype=np.float32)
+    for q0 in range(0, nq, _QUERY_GROUP):
+        q1 = min(nq, q0 + _QUERY_GROUP)
+        if rows.shape[0]:
+            lutv = _group_tables(y[q0:q1], layout)
+            with _KERNEL_LOCK:
+                _exact_batch_kernel(codes, s16, s32, half, lutv, _geometry(layout).boff, rows, part)
+        out[q0:q1] = part[: q1 - q0]
+    return out
 
 
 @dataclass(frozen=True)
@@ -809,10 +834,12 @@ def scan_top_k(
 ) -> TopK:
     """The ``k`` most positive and most negative rows per query, with their exact scores.
 
-    The store is walked in chunks (``chunk_rows`` rows, default ``~4M / nq``); per chunk a bounded
-    8-bit pre-scan gives every row an interval that contains its exact score, and only rows
-    whose interval reaches the running k-th best are rescored exactly. The result is the same
-    as sorting :func:`scan_scores` (rows and float32 scores; ties ordered by row index).
+    The store is walked in chunks (``chunk_rows`` rows, default ``~4M / nq``). Per chunk an 8-bit
+    pre-scan gives every row an interval that contains its exact score; rows whose interval
+    reaches the running k-th best get a second, ~127x tighter interval from the quantized
+    residual; the rows still in reach are rescored exactly. The result is the same as sorting
+    the single-query :func:`scan_scores` of each query (rows and float32 scores), with equal
+    scores ordered by row index. Only ``(nq, chunk)`` intervals are held at a time.
 
     Args:
         codes: ``(n, nbytes)`` uint8. scales: ``(n, U)`` float16. y: ``(nq, K)`` float32.
@@ -845,7 +872,17 @@ def scan_top_k(
     g = _geometry(layout)
     s16, s32, half = _scale_args(scales)
     nibble = _use_nibbles(layout, 1)  # rescoring runs one query at a time
-    lut = _lookup_tables(y, layout, nibble)
+    tables: dict[int, np.ndarray] = {}
+
+    def table(q: int) -> np.ndarray:
+        """Query q's exact lookup table, built when first needed; kept while they fit in 64 MiB."""
+        if q in tables:
+            return tables[q]
+        t = _lookup_tables(y[q : q + 1], layout, nibble)
+        if (len(tables) + 1) * t.nbytes <= 64 << 20:
+            tables[q] = t
+        return t
+
     level1, level2 = _quantize_queries(y, layout, levels=2)
     if g.direct_words and codes.ctypes.data % 8 == 0:
         words = codes.view(np.uint64)  # rows are read in place, no per-row copy
@@ -857,10 +894,13 @@ def scan_top_k(
     def bounded(level: _QuantLevel, crow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         approx = np.empty((level.planes.shape[0], crow.shape[0]), dtype=np.float64)
         bound = np.empty_like(approx)
-        if crow.shape[0]:
+        args = (codes, words, direct, s16, s32, half, level.planes, g.word_start_u64, g.boff,
+                level.delta, level.qsum, level.err, crow, approx, bound)
+        if crow.shape[0] * layout.nbytes * level.planes.shape[0] <= 4 * _SERIAL_MAX_BYTES:
+            _bounded_kernel_serial(*args)
+        else:
             with _KERNEL_LOCK:
-                _bounded_kernel(codes, words, direct, s16, s32, half, level.planes, g.word_start_u64, g.boff,
-                                level.delta, level.qsum, level.err, crow, approx, bound)
+                _bounded_kernel(*args)
         return approx, bound
 
     def survivors(run: _Running, sign: float, approx: np.ndarray, bound: np.ndarray, thr: float):
@@ -901,7 +941,7 @@ def scan_top_k(
             todo = np.unique(np.concatenate(final))
             if todo.size == 0:
                 continue
-            exact = _exact_scores(codes, scales, lut[q : q + 1], nibble, layout, crow[todo])[0]
+            exact = _exact_scores(codes, scales, table(q), nibble, layout, crow[todo])[0]
             for d, pos in zip(dirs, final):
                 sel = np.searchsorted(todo, pos)
                 running[(q, d)].merge(crow[pos], exact[sel])

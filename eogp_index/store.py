@@ -152,7 +152,11 @@ class Store:
 
     @property
     def version(self) -> int:
-        return self.table.version if self.table is not None else 0
+        """The latest committed version (other processes may have committed since we opened)."""
+        if self.table is None:
+            return 0
+        self.table.checkout_latest()
+        return self.table.version
 
     def metadata_columns(self) -> List[str]:
         if self.table is None:

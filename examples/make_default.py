@@ -7,8 +7,8 @@ Everything is made from material already on the machine, with no network access:
   Python standard library: the modules in :data:`MODULES` (imported by name), their classes,
   functions and methods (own docstrings only, cleaned with ``inspect.cleandoc``), at least
   200 characters each, deduplicated by text, sorted by ``(module, qualname)``. A seeded split
-  makes ``queries`` (64) and ``train`` (512) from the documents of 200-480 characters (so that
-  they fit in the 128-token fine-tuning window) and puts every other document in
+  makes ``queries`` (64) and ``train`` (512) from the documents of 200-400 characters (so that
+  nearly all fit in the 128-token fine-tuning window) and puts every other document in
   ``pretrain``. ``corpus/chat.jsonl`` turns 32 training docstrings into Tülu-style chats.
 * **Tokenizer.** Byte-level BPE, 2048 tokens, trained on pretrain + train text.
 * **Models.** ``base/``: a 2-layer GPT-2 pretrained from scratch on ``pretrain``;
@@ -81,7 +81,7 @@ zipapp zipfile zipimport
 """.split())))
 
 MIN_CHARS = 200          # every document
-SHORT_MAX_CHARS = 480    # train and query documents (fit in 128 tokens)
+SHORT_MAX_CHARS = 400    # train and query documents (most fit in 128 tokens)
 N_TRAIN = 512
 N_QUERIES = 64
 N_CHAT = 32
@@ -105,37 +105,42 @@ def _own_doc(obj) -> str | None:
     return doc or None
 
 
+def _collect_module(mod, name: str, min_chars: int, found: list) -> None:
+    """Append (top-level module, qualname, kind, text) of the module, its classes, functions, methods."""
+    top = name.split(".")[0]
+
+    def add(obj, kind: str, qualname: str) -> None:
+        text = _own_doc(obj)
+        if text is not None and len(text) >= min_chars:
+            found.append((top, qualname, kind, text))
+
+    add(mod, "module", name)
+    for attr, value in sorted(vars(mod).items()):
+        if getattr(value, "__module__", None) != mod.__name__:
+            continue  # re-exported from elsewhere
+        if inspect.isclass(value):
+            add(value, "class", f"{name}.{attr}")
+            for meth, member in sorted(vars(value).items()):
+                func = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+                if inspect.isfunction(func):
+                    add(func, "method", f"{name}.{attr}.{meth}")
+        elif inspect.isfunction(value):
+            add(value, "function", f"{name}.{attr}")
+
+
 def collect_docstrings(modules=MODULES, min_chars: int = MIN_CHARS) -> list[dict]:
     """Docstring documents of ``modules``, deduplicated by text, sorted by (module, qualname)."""
     found: list[tuple[str, str, str, str]] = []  # (top-level module, qualname, kind, text)
     missing = []
-    for name in modules:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated modules and attributes (typing.io, ...)
+        for name in modules:
+            try:
                 mod = importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
-            continue
-        top = name.split(".")[0]
-
-        def add(obj, kind: str, qualname: str) -> None:
-            text = _own_doc(obj)
-            if text is not None and len(text) >= min_chars:
-                found.append((top, qualname, kind, text))
-
-        add(mod, "module", name)
-        for attr, value in sorted(vars(mod).items()):
-            if getattr(value, "__module__", None) != mod.__name__:
-                continue  # re-exported from elsewhere
-            if inspect.isclass(value):
-                add(value, "class", f"{name}.{attr}")
-                for meth, member in sorted(vars(value).items()):
-                    func = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
-                    if inspect.isfunction(func):
-                        add(func, "method", f"{name}.{attr}.{meth}")
-            elif inspect.isfunction(value):
-                add(value, "function", f"{name}.{attr}")
+            except ImportError:
+                missing.append(name)
+                continue
+            _collect_module(mod, name, min_chars, found)
     if missing:
         print(f"warning: modules not importable here, skipped: {', '.join(missing)}", file=sys.stderr)
     found.sort(key=lambda r: (r[0], r[1], r[2], r[3]))
@@ -259,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     pre_docs = tinylm.tokenize_documents([d["text"] for d in splits["pretrain"]], tok, max_tokens=10**9)
     train_docs = tinylm.tokenize_documents([d["text"] for d in splits["train"]], tok, FINETUNE.max_tokens)
     query_docs = tinylm.tokenize_documents([d["text"] for d in splits["queries"]], tok, FINETUNE.max_tokens)
-    n_cut = sum(len(tok(d["text"])["input_ids"]) + 1 > FINETUNE.max_tokens
+    n_cut = sum(len(tok(d["text"], verbose=False)["input_ids"]) + 1 > FINETUNE.max_tokens
                 for d in splits["train"] + splits["queries"])
     print(f"tokens: pretrain {sum(map(len, pre_docs))}, train {sum(map(len, train_docs))}, "
           f"queries {sum(map(len, query_docs))}; train/query documents truncated: {n_cut}")
@@ -267,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     # Base model ----------------------------------------------------------------------
     config = tinylm.default_config(len(tok))
     recipe = tinylm.PretrainRecipe(**{**PRETRAIN.to_dict(), "steps": args.pretrain_steps})
-    t0 = time.perf_counter()
-    base = tinylm.pretrain(pre_docs, config, recipe, log=print, log_every=250)
-    t_pretrain = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), time.process_time()
+    base = tinylm.pretrain(pre_docs, config, recipe, log=print, log_every=200)
+    t_pretrain, c_pretrain = time.perf_counter() - t0, time.process_time() - c0
     pre_eval = tinylm.pack_blocks(pre_docs, recipe.block_size)
 
     def mean_token_loss(model, documents) -> float:
@@ -281,20 +286,20 @@ def main(argv: list[str] | None = None) -> int:
         "train_loss": mean_token_loss(base, train_docs),
         "query_loss": mean_token_loss(base, query_docs),
     }
-    print(f"base: {t_pretrain:.1f}s; mean token loss pretrain {base_stats['pretrain_loss']:.4f}, "
+    print(f"base: {recipe.steps} steps in {t_pretrain:.1f}s wall, {c_pretrain:.1f}s CPU; mean token loss pretrain {base_stats['pretrain_loss']:.4f}, "
           f"train {base_stats['train_loss']:.4f}, queries {base_stats['query_loss']:.4f}")
     base.save_pretrained(out / "base")
     tok.save_pretrained(out / "base")
 
     # Fine-tuned model ----------------------------------------------------------------
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model = tinylm.finetune(base, train_docs, FINETUNE)
-    t_finetune = time.perf_counter() - t0
+    t_finetune, c_finetune = time.perf_counter() - t0, time.process_time() - c0
     model_stats = {
         "train_loss": mean_token_loss(model, train_docs),
         "query_loss": mean_token_loss(model, query_docs),
     }
-    print(f"model: fine-tuned on {len(train_docs)} documents x {FINETUNE.epochs} epochs in {t_finetune:.1f}s; "
+    print(f"model: fine-tuned on {len(train_docs)} documents x {FINETUNE.epochs} epochs in {t_finetune:.1f}s wall, {c_finetune:.1f}s CPU; "
           f"mean token loss train {model_stats['train_loss']:.4f}, queries {model_stats['query_loss']:.4f}")
     model.save_pretrained(out / "model")
     tok.save_pretrained(out / "model")

@@ -68,3 +68,46 @@ class TinyTokenizer:
 @pytest.fixture
 def tiny_tokenizer():
     return TinyTokenizer()
+
+
+@pytest.fixture(scope="session")
+def fitted_index_template(tmp_path_factory):
+    """A real index (tiny GPT-2, EOGP k=16, 1 bit) with 40 examples, built once per session."""
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+
+    path = tmp_path_factory.mktemp("template") / "index"
+    index = AttributionIndex.create(
+        path, make_tiny_gpt2(), TinyTokenizer(), make_examples(40, seed=11), model_name="tiny",
+        projection=ProjectionConfig(variant="eogp", k=16, m=64),
+        curvature=CurvatureConfig(num_examples=40, batch_size=8), gradients=GradientConfig(batch_size=8),
+        progress=False)
+    # Several commits, so the table has several fragments.
+    for start in range(0, 40, 10):
+        index.add_batch(make_examples(40, seed=11)[start:start + 10])
+    return path
+
+
+@pytest.fixture
+def fitted_index(fitted_index_template, tmp_path):
+    """A private copy of the session's fitted index, opened."""
+    import shutil
+
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import GradientConfig
+
+    path = tmp_path / "index"
+    shutil.copytree(fitted_index_template, path)
+    return AttributionIndex.open(path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(),
+                                 gradients=GradientConfig(batch_size=8))
+
+
+def make_word_tokenizer():
+    """A real (saveable) tokenizer over the tiny models' vocabulary: tokens ``t0`` … ``t63``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", pad_token="t0", eos_token="t0")

@@ -157,6 +157,39 @@ def test_scan_scores_nibble_tables(monkeypatch):
                  score_scale(scales, y, layout), rtol=1e-5)
 
 
+@pytest.mark.parametrize("k", [(13, 100, 64, 3, 512, 9, 70), (64, 192, 128)])
+def test_large_batches_use_the_query_vectorized_kernel(k):
+    """nq >= 16 goes through groups of 64 queries (the last one padded), one pass per group."""
+    layout = SignLayout(k)
+    rng = np.random.default_rng(19)
+    codes, scales = random_store(layout, 1100, rng)  # more than one block of rows
+    y = rng.standard_normal((70, layout.num_coords)).astype(np.float32)
+    got = scan_scores(codes, scales, y, layout)
+    assert_close(got, score_reference(codes, scales, y, layout), score_scale(scales, y, layout), rtol=1e-5)
+    rows = rng.choice(1100, size=40)
+    np.testing.assert_array_equal(scan_scores(codes, scales, y, layout, rows=rows), got[:, rows])
+    # Each query's scores agree with scoring it alone (another kernel: float32 rounding only).
+    single = scan_scores(codes, scales, y[5], layout)[0]
+    assert_close(got[5], single.astype(np.float64), score_scale(scales, y[5:6], layout), rtol=1e-6)
+
+
+@pytest.mark.parametrize("k", [(13, 100, 64, 3, 512, 9, 70), (64, 192, 128)])
+def test_parallel_and_serial_paths_agree(k, monkeypatch):
+    """Small jobs run on the calling thread; large ones over blocks of rows in parallel."""
+    layout = SignLayout(k)
+    rng = np.random.default_rng(20)
+    codes, scales = random_store(layout, 700, rng)
+    y = rng.standard_normal((2, layout.num_coords)).astype(np.float32)
+    serial_scores = scan_scores(codes, scales, y, layout)
+    serial_top = scan_top_k(codes, scales, y, layout, 6, chunk_rows=300)
+    monkeypatch.setattr(scan_mod, "_SERIAL_MAX_BYTES", 0)
+    np.testing.assert_array_equal(scan_scores(codes, scales, y, layout), serial_scores)
+    top = scan_top_k(codes, scales, y, layout, 6, chunk_rows=300)
+    np.testing.assert_array_equal(top.largest_indices, serial_top.largest_indices)
+    np.testing.assert_array_equal(top.smallest_scores, serial_top.smallest_scores)
+    np.testing.assert_array_equal(top.largest_indices, top_by_exact(serial_scores, 6, True))
+
+
 def test_scan_scores_batch_equals_single_queries():
     layout = SignLayout((13, 100, 64))
     rng = np.random.default_rng(5)
@@ -177,6 +210,22 @@ def test_float32_scales_and_readonly_codes():
     ro = codes.copy()
     ro.setflags(write=False)  # arrays read from Arrow/LanceDB are usually read-only
     np.testing.assert_array_equal(scan_scores(ro, scales, y, layout), ref)
+
+
+def test_misaligned_codes_and_empty_store():
+    layout = SignLayout((64, 192, 128))  # whole 64-bit words: the pre-scan reads aligned rows in place
+    rng = np.random.default_rng(21)
+    codes, scales = random_store(layout, 300, rng)
+    buf = np.zeros(codes.nbytes + 1, dtype=np.uint8)
+    shifted = np.frombuffer(buf.data, dtype=np.uint8, count=codes.nbytes, offset=1).reshape(codes.shape)
+    shifted[...] = codes
+    assert shifted.ctypes.data % 8 != 0
+    y = rng.standard_normal((2, layout.num_coords)).astype(np.float32)
+    a, b = scan_top_k(shifted, scales, y, layout, 5), scan_top_k(codes, scales, y, layout, 5)
+    np.testing.assert_array_equal(a.largest_indices, b.largest_indices)
+    np.testing.assert_array_equal(a.smallest_scores, b.smallest_scores)
+    assert scan_scores(codes[:0], scales[:0], y, layout).shape == (2, 0)
+    assert scan_top_k(codes[:0], scales[:0], y, layout, 5).largest_indices.shape == (2, 0)
 
 
 @pytest.mark.parametrize("k", [(7,), (13, 100, 64, 3, 512, 9, 70), (64, 192, 128)])

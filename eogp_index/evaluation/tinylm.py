@@ -114,7 +114,7 @@ class PretrainRecipe:
     over ``warmup_steps`` then cosine decay to ``lr / 10``.
     """
 
-    steps: int = 1500
+    steps: int = 1200
     lr: float = 2e-3
     warmup_steps: int = 100
     weight_decay: float = 0.01
@@ -204,7 +204,7 @@ def tokenize_documents(texts: Sequence[str], tokenizer, max_tokens: int = 128) -
         raise ValueError("the tokenizer has no eos token")
     out = []
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         out.append(list(ids[: max_tokens - 1]) + [int(eos)])
     return out
 
@@ -227,8 +227,15 @@ def _pad_batch(docs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor
 
 
 def _token_losses(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-document token-summed next-token cross-entropy, shape ``(batch,)``, float32."""
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1, :]
+    """Per-document token-summed next-token cross-entropy, shape ``(batch,)``, float32.
+
+    The batch is right-padded, so under causal attention no real position can see a padded
+    one: an all-ones attention mask gives the real positions exactly the logits the padding
+    mask would, and lets the attention take its fast unmasked causal path. Padded positions
+    are excluded from the loss through ``labels == -100``.
+    """
+    del mask  # right padding: see above
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, :-1, :]
     target = labels[:, 1:]
     ce = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=-100, reduction="none"
@@ -289,7 +296,7 @@ def _load_model(base_dir_or_model):
         path = Path(base_dir_or_model)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
-        return GPT2LMHeadModel.from_pretrained(str(path), local_files_only=True, torch_dtype=torch.float32)
+        return GPT2LMHeadModel.from_pretrained(str(path), local_files_only=True).float()
     if isinstance(base_dir_or_model, torch.nn.Module):
         return copy.deepcopy(base_dir_or_model)
     raise TypeError(f"expected a model directory or a torch module, got {type(base_dir_or_model).__name__}")
@@ -328,9 +335,17 @@ def finetune(
         return model.eval()
     _check_documents(documents, model.config.vocab_size)
     device = next(model.parameters()).device
-    pad = _pad_id(model)
 
-    torch.manual_seed(recipe.seed)
+    # Seed the global RNGs (dropout, if a config enables it) without disturbing the caller's.
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(recipe.seed)
+        _finetune_loop(model, documents, recipe, device, callback)
+    return model.eval()
+
+
+def _finetune_loop(model, documents, recipe: FinetuneRecipe, device, callback) -> None:
+    pad = _pad_id(model)
     gen = torch.Generator().manual_seed(recipe.seed)
     n = len(documents)
     steps_per_epoch = math.ceil(n / recipe.batch_size)
@@ -356,7 +371,6 @@ def finetune(
             step += 1
             if callback is not None:
                 callback(step, loss.item())
-    return model.eval()
 
 
 def pack_blocks(documents: Sequence[Sequence[int]], block_size: int) -> torch.Tensor:
@@ -386,8 +400,14 @@ def pretrain(
 
     config = config if config is not None else default_config()
     blocks = pack_blocks(documents, recipe.block_size)
-    torch.manual_seed(recipe.seed)
-    model = GPT2LMHeadModel(config)
+    with torch.random.fork_rng(devices=[]):  # seeded without disturbing the caller's RNG
+        torch.manual_seed(recipe.seed)
+        model = GPT2LMHeadModel(config)
+        _pretrain_loop(model, blocks, recipe, log, log_every)
+    return model.eval()
+
+
+def _pretrain_loop(model, blocks: torch.Tensor, recipe: PretrainRecipe, log, log_every: int) -> None:
     gen = torch.Generator().manual_seed(recipe.seed + 1)
     opt = _adamw(model, recipe.lr, recipe.weight_decay)
 
@@ -407,7 +427,7 @@ def pretrain(
             order, pos = torch.randperm(len(blocks), generator=gen), 0
         batch = blocks[order[pos : pos + recipe.batch_size]]
         pos += recipe.batch_size
-        logits = model(input_ids=batch).logits[:, :-1, :]
+        logits = model(input_ids=batch, attention_mask=torch.ones_like(batch)).logits[:, :-1, :]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -420,7 +440,6 @@ def pretrain(
             recent = running[-log_every:]
             log(f"pretrain step {step + 1}/{recipe.steps}  loss {sum(recent) / len(recent):.4f}  "
                 f"({time.perf_counter() - t0:.1f}s)")
-    return model.eval()
 
 
 # --------------------------------------------------------------------------------------
@@ -459,7 +478,7 @@ def load_default(root: str | os.PathLike | None = None, *, which: str = "model")
     path = _resolve_root(root) / which
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: no config.json; regenerate with `python examples/make_default.py`")
-    model = GPT2LMHeadModel.from_pretrained(str(path), local_files_only=True, torch_dtype=torch.float32)
+    model = GPT2LMHeadModel.from_pretrained(str(path), local_files_only=True).float()
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return model.eval(), tokenizer
 

@@ -40,7 +40,7 @@ def docs() -> list[list[int]]:
     return out
 
 
-RECIPE = tinylm.FinetuneRecipe(epochs=2, lr=3e-3, batch_size=4, max_tokens=32, seed=0)
+RECIPE = tinylm.FinetuneRecipe(epochs=2, lr=1e-2, batch_size=4, max_tokens=32, seed=0)
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -112,7 +112,7 @@ def test_tokenize_documents_appends_eos_and_truncates():
     class Tok:
         eos_token_id = 0
 
-        def __call__(self, text, add_special_tokens=False):
+        def __call__(self, text, add_special_tokens=False, **kwargs):
             return {"input_ids": [ord(c) for c in text]}
 
     out = tinylm.tokenize_documents(["abc", "x" * 50], Tok(), max_tokens=8)

@@ -1,0 +1,887 @@
+"""Every compression method's scores from one shared gradient pass, and their fidelity to EK-FAC.
+
+This is the measuring half of ``eogp eval`` (paper Appendix C.3 and D.2). EK-FAC is fitted
+once, by kronfluence; then one gradient pass over the queries and one over the training
+documents feed a single :class:`~eogp_index.gradients.GradientCapture` transform that hands
+each module's ``(a, g)`` to *every* method at once. All methods therefore see the same
+gradients, the same loss and the same curvature: only the compression differs.
+
+Methods (:data:`METHODS`), each at matched per-example storage budgets (bytes per example,
+summed over modules, split evenly over the ``U`` modules):
+
+* ``eogp`` -- EK-FAC first stage (top ``m_u = min(d_u, 8 k_u)`` half-whitened axes), PCA
+  second stage fitted on the training documents' first-stage coordinates, 1-bit storage;
+* ``eogp-fp16`` -- the same projection with FP16 storage (``k`` from the FP16 budget);
+* ``eogp-r`` -- SRHT second stage, 1-bit;
+* ``ekfac-topk`` -- the top-``k`` half-whitened EK-FAC axes, no PCA, 1-bit (the ablation);
+* ``logra-random`` / ``logra-pca`` -- LoGra, FP16, curvature fitted after projection
+  (:class:`~eogp_index.evaluation.baselines.ProjectedCurvature`), score ``q^T H^{-1} t``;
+* ``grass`` -- factor-wise masking + CountSketch, FP16, the same post-projection curvature;
+* ``gaussian`` -- Gaussian factors, FP16, query gradients preconditioned by the full-space
+  damped EK-FAC inverse before projection, inner products scaled by ``rank**-2``, averaged
+  over three draws;
+* opt-in: ``logra-random-1bit``, ``logra-pca-1bit``, ``grass-1bit`` (Figure 5 / Table 2),
+  ``eogp-fp32`` and ``ekfac-topk-fp32`` (sanity checks: at ``m = k = d`` both are EK-FAC).
+
+A (method, budget) pair is *unsupported*, and its curve ends, when the dimension it needs
+exceeds what a module supports (``k_u > d_u``; a LoGra rank above ``min(d_in, d_out)``; a
+PCA with more components than fitting documents).
+
+References, computed in the same pass: uncompressed EK-FAC from kronfluence's own
+``compute_pairwise_scores`` (``damping_factor=None``, the heuristic damping) on the same
+factors -- the score every fidelity metric compares against --, the index-side full-width
+EK-FAC (must equal kronfluence's), K-FAC (kronfluence's eigenvalues) and TracIn (plain
+gradient inner products).
+
+Scores are ``(n_queries, n_train)``, signed, kronfluence's convention: positive means that
+training on the example lowers the query's loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from eogp_index.curvature import ModuleCurvature, factors_dir
+from eogp_index.errors import ConfigError, InputError
+from eogp_index.evaluation import metrics
+from eogp_index.evaluation.baselines import (
+    GaussianProjector,
+    GraSSProjector,
+    LoGraProjector,
+    ProjectedCurvature,
+    bytes_for_coordinates,
+    k_for_bytes,
+)
+from eogp_index.gradients import GradientCapture
+from eogp_index.projection import fit_pca, first_stage_from_curvature, make_srht, srht_apply
+from eogp_index.quantization import SignLayout, decode, encode
+from eogp_index.task import IGNORE_INDEX, collate
+
+__all__ = [
+    "DEFAULT_BUDGETS",
+    "DEFAULT_METHODS",
+    "Documents",
+    "METHODS",
+    "MethodConfig",
+    "ModuleShape",
+    "ScoreSet",
+    "compute_scores",
+    "fidelity_records",
+    "kronfluence_scores",
+    "method_label",
+    "plan_methods",
+]
+
+#: Per-example budgets in bytes (summed over modules): 64 B .. 4 KB.
+DEFAULT_BUDGETS: Tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
+
+#: (family, storage precision) of every method.
+METHODS: Dict[str, Tuple[str, str]] = {
+    "eogp": ("eogp", "1bit"),
+    "eogp-fp16": ("eogp", "fp16"),
+    "eogp-r": ("eogp-r", "1bit"),
+    "ekfac-topk": ("ekfac-topk", "1bit"),
+    "logra-random": ("logra-random", "fp16"),
+    "logra-pca": ("logra-pca", "fp16"),
+    "grass": ("grass", "fp16"),
+    "gaussian": ("gaussian", "fp16"),
+    "eogp-fp32": ("eogp", "fp32"),
+    "ekfac-topk-fp32": ("ekfac-topk", "fp32"),
+    "logra-random-1bit": ("logra-random", "1bit"),
+    "logra-pca-1bit": ("logra-pca", "1bit"),
+    "grass-1bit": ("grass", "1bit"),
+}
+DEFAULT_METHODS: Tuple[str, ...] = (
+    "eogp", "eogp-fp16", "eogp-r", "ekfac-topk", "logra-random", "logra-pca", "grass", "gaussian",
+)
+_LABELS = {
+    "eogp": "EOGP",
+    "eogp-fp16": "EOGP (FP16)",
+    "eogp-r": "EOGP-R",
+    "ekfac-topk": "EK-FAC top-k (1-bit)",
+    "logra-random": "LoGra (random)",
+    "logra-pca": "LoGra (PCA)",
+    "grass": "GraSS",
+    "gaussian": "Gaussian",
+    "eogp-fp32": "EOGP (FP32)",
+    "ekfac-topk-fp32": "EK-FAC top-k (FP32)",
+    "logra-random-1bit": "LoGra (random, 1-bit)",
+    "logra-pca-1bit": "LoGra (PCA, 1-bit)",
+    "grass-1bit": "GraSS (1-bit)",
+}
+#: Names of the uncompressed references.
+REF_EKFAC = "EK-FAC (kronfluence)"
+REF_EKFAC_INDEX = "EK-FAC (index, full width)"
+REF_KFAC = "K-FAC"
+REF_TRACIN = "TracIn"
+
+
+def method_label(method: str) -> str:
+    """Display name of a method key (``"eogp-fp16"`` → ``"EOGP (FP16)"``)."""
+    return _LABELS.get(method, method)
+
+
+# --------------------------------------------------------------------------- documents
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Tokenized documents: ``ids`` ``(n,)``, ``input_ids`` and ``labels`` (``n`` token lists).
+
+    ``labels[t]`` is predicted from ``input_ids[:t]`` (``-100`` = not counted), as in
+    :func:`eogp_index.task.collate`; plain documents have ``labels == input_ids``.
+    """
+
+    ids: Tuple[str, ...]
+    input_ids: Tuple[Tuple[int, ...], ...]
+    labels: Tuple[Tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.ids) == len(self.input_ids) == len(self.labels)):
+            raise InputError("Documents: ids, input_ids and labels differ in length")
+        for i, (ids, labels) in enumerate(zip(self.input_ids, self.labels)):
+            if len(ids) != len(labels):
+                raise InputError(f"document {self.ids[i]!r}: {len(labels)} labels for {len(ids)} tokens")
+            if not any(label != IGNORE_INDEX for label in labels[1:]):
+                raise InputError(f"document {self.ids[i]!r} has no token that counts in the loss")
+
+    @classmethod
+    def from_token_lists(cls, docs: Sequence[Sequence[int]], ids: Optional[Sequence[str]] = None) -> "Documents":
+        """Plain documents (every position counts) from token-id lists."""
+        ids = tuple(str(i) for i in (ids if ids is not None else range(len(docs))))
+        tokens = tuple(tuple(int(t) for t in d) for d in docs)
+        return cls(ids=ids, input_ids=tokens, labels=tokens)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def head(self, n: Optional[int]) -> "Documents":
+        """The first ``n`` documents (all when ``n`` is None)."""
+        if n is None or n >= len(self):
+            return self
+        if n < 1:
+            raise ConfigError(f"a document limit must be at least 1, got {n}")
+        return Documents(self.ids[:n], self.input_ids[:n], self.labels[:n])
+
+    def pairs(self) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+        return list(zip(self.input_ids, self.labels))
+
+    def num_loss_tokens(self) -> np.ndarray:
+        """``(n,)`` int64: positions that count in each document's loss."""
+        return np.array([sum(1 for x in labels[1:] if x != IGNORE_INDEX) for labels in self.labels], np.int64)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of ids, tokens and labels: identifies the documents in caches."""
+        digest = hashlib.sha256()
+        for ident, ids, labels in zip(self.ids, self.input_ids, self.labels):
+            digest.update(json.dumps([ident, ids, labels if labels != ids else None]).encode())
+        return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    """An attributed module: ``d_out`` outputs, ``d_in`` inputs (bias column included)."""
+
+    name: str
+    d_out: int
+    d_in: int
+
+    @property
+    def d(self) -> int:
+        return self.d_out * self.d_in
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """One method at one budget.
+
+    Attributes:
+        method: a key of :data:`METHODS`.
+        budget: nominal per-example bytes (the x-axis of the plots).
+        k: stored coordinates per module (``rank**2`` for LoGra and Gaussian).
+        m: first-stage width per module (``eogp``, ``eogp-r``), else None.
+        rank: factor rank per module (LoGra, Gaussian), else None.
+        seeds: one score matrix per seed; metrics are averaged over them.
+    """
+
+    method: str
+    budget: int
+    k: Tuple[int, ...]
+    m: Optional[Tuple[int, ...]] = None
+    rank: Optional[Tuple[int, ...]] = None
+    seeds: Tuple[int, ...] = (0,)
+
+    @property
+    def family(self) -> str:
+        return METHODS[self.method][0]
+
+    @property
+    def precision(self) -> str:
+        return METHODS[self.method][1]
+
+    @property
+    def label(self) -> str:
+        return method_label(self.method)
+
+    @property
+    def id(self) -> str:
+        return f"{self.method}@{self.budget}"
+
+    @property
+    def bytes_per_example(self) -> int:
+        """Actual payload: ``Σ_u`` bytes of ``k_u`` coordinates at this precision."""
+        return int(sum(bytes_for_coordinates(k, self.precision) for k in self.k))
+
+    def to_json(self) -> Dict[str, Any]:
+        data = asdict(self)
+        data.update(label=self.label, precision=self.precision, bytes_per_example=self.bytes_per_example)
+        return data
+
+
+def plan_methods(
+    modules: Sequence[ModuleShape],
+    budgets: Sequence[int],
+    methods: Sequence[str] = DEFAULT_METHODS,
+    *,
+    num_fit: int,
+    m_factor: int = 8,
+    gaussian_seeds: int = 3,
+    seed: int = 0,
+) -> Tuple[List[MethodConfig], List[Dict[str, Any]]]:
+    """Dimensions of every (method, budget) pair; returns ``(configs, skipped)``.
+
+    Each module gets ``budget // U`` bytes; ``k`` is the largest coordinate count that fits
+    (1-bit: ``8 (b - 2)``; FP16: ``b // 2``), LoGra and Gaussian use the largest rank with
+    ``rank**2 <= k``. ``skipped`` lists the pairs a module cannot support, with the reason.
+
+    Args:
+        num_fit: documents in the PCA fitting set (PCA cannot output more components).
+    """
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown method(s) {unknown}; choose from {sorted(METHODS)}")
+    if not modules:
+        raise ConfigError("no attributed modules")
+    configs, skipped = [], []
+    for budget in sorted(set(int(b) for b in budgets)):
+        per_module = budget // len(modules)
+        for method in methods:
+            family, precision = METHODS[method]
+            try:
+                if per_module < 1:
+                    raise ConfigError(f"{budget} B over {len(modules)} modules leaves no byte per module")
+                config = _config_for(method, family, precision, budget, per_module, modules, num_fit=num_fit,
+                                     m_factor=m_factor, gaussian_seeds=gaussian_seeds, seed=seed)
+            except ConfigError as exc:
+                skipped.append({"method": method, "budget": budget, "reason": str(exc)})
+                continue
+            configs.append(config)
+    return configs, skipped
+
+
+def _config_for(method, family, precision, budget, per_module, modules, *, num_fit, m_factor, gaussian_seeds,
+                seed) -> MethodConfig:
+    k = k_for_bytes(per_module, precision)
+    if family in ("logra-random", "logra-pca", "gaussian"):
+        rank = math.isqrt(k)
+        for mod in modules:
+            if family != "gaussian" and rank > min(mod.d_in, mod.d_out):
+                raise ConfigError(f"rank {rank} exceeds min(d_in, d_out) = {min(mod.d_in, mod.d_out)} of {mod.name}")
+            if rank * rank > mod.d:
+                raise ConfigError(f"{rank * rank} coordinates exceed the {mod.d} parameters of {mod.name}")
+        seeds = tuple(seed + s for s in range(gaussian_seeds)) if family == "gaussian" else (seed,)
+        return MethodConfig(method, budget, k=(rank * rank,) * len(modules), rank=(rank,) * len(modules), seeds=seeds)
+    for mod in modules:
+        if k > mod.d:
+            raise ConfigError(f"k={k} exceeds the {mod.d} parameters of {mod.name}")
+    if family == "eogp" and k > num_fit:
+        raise ConfigError(f"PCA cannot output k={k} components from {num_fit} fitting documents")
+    if family in ("eogp", "eogp-r"):
+        m = tuple(min(mod.d, m_factor * k) for mod in modules)
+        return MethodConfig(method, budget, k=(k,) * len(modules), m=m, seeds=(seed,))
+    return MethodConfig(method, budget, k=(k,) * len(modules), seeds=(seed,))
+
+
+# --------------------------------------------------------------------------- the shared pass
+
+
+def _stack(parts: List[torch.Tensor]) -> np.ndarray:
+    return torch.cat(parts, dim=0).numpy() if parts else np.zeros((0, 0), np.float32)
+
+
+def _store(x: np.ndarray, precision: str, k: Sequence[int]) -> np.ndarray:
+    """What is stored for ``(n, K)`` coordinates, decoded back to float32."""
+    if precision == "1bit":
+        layout = SignLayout(tuple(int(v) for v in k))
+        return decode(encode(x, layout, "1bit"), layout)
+    if precision == "fp16":
+        return x.astype(np.float16).astype(np.float32)
+    return x.astype(np.float32)
+
+
+class SharedPass:
+    """The one :data:`~eogp_index.gradients.Transform` that feeds every method and reference.
+
+    Per module it computes the half-whitened EK-FAC coordinates of the gradient once, sorted
+    by decreasing corrected eigenvalue (``W``, ``(B, d_u)``: the first-stage coordinates for
+    ``m = d_u``, so every first stage is a prefix of it), the dense gradient (TracIn) and the
+    raw-factor baselines; every method's per-module coordinates come from these.
+
+    Methods whose training coordinates need nothing fitted afterwards (``ekfac-topk``,
+    ``eogp-r``, ``gaussian``, the references) are scored batch by batch against the stored
+    query coordinates: run the queries first (:meth:`run` with ``side="query"``), then the
+    training documents. PCA and post-projection curvature need all training coordinates, so
+    those are kept and scored in :meth:`finish`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        curvature: Dict[str, ModuleCurvature],
+        configs: Sequence[MethodConfig],
+        *,
+        damping_ratio: float = 0.1,
+        kfac_eigenvalues: Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]] = None,
+        references: bool = True,
+    ):
+        self.model = model
+        self.names = list(curvature)
+        self.curvature = curvature
+        self.configs = list(configs)
+        self.damping_ratio = damping_ratio
+        self.references = references
+        self._side = "query"
+        self._kfac_values = kfac_eigenvalues
+        self.first = {n: first_stage_from_curvature(c, c.num_params, damping_ratio) for n, c in curvature.items()}
+        self.damping = {n: c.damping(damping_ratio) for n, c in curvature.items()}
+        # K-FAC: same eigenbasis, eigenvalues λ_S[o]·λ_A[i], kronfluence's heuristic damping.
+        self.kfac_ratio: Dict[str, torch.Tensor] = {}
+        if references and kfac_eigenvalues is not None:
+            for n, c in curvature.items():
+                eva, evg = kfac_eigenvalues[n]
+                lam = torch.outer(evg.double(), eva.double()).reshape(-1)
+                order = torch.sort(c.eigenvalues.reshape(-1), descending=True, stable=True).indices
+                lam = lam[order]
+                kfac_whiten = (lam + damping_ratio * lam.mean()).rsqrt()
+                self.kfac_ratio[n] = (kfac_whiten / self.first[n].whiten.double()).float()
+        # Widest first-stage prefix the PCA methods need, per module.
+        self.pca_width = {n: 0 for n in self.names}
+        for cfg in self.configs:
+            if cfg.family == "eogp":
+                for n, m in zip(self.names, cfg.m):
+                    self.pca_width[n] = max(self.pca_width[n], m)
+        self._build_projectors()
+        self.query_parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
+        self.train_parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
+        self.fit_parts: Dict[str, List[torch.Tensor]] = {n: [] for n in self.names}
+        self.query: Dict[str, np.ndarray] = {}
+        self.skipped: List[Dict[str, Any]] = []
+        self.stream_scores: Dict[str, List[np.ndarray]] = {}
+
+    # -- setup ------------------------------------------------------------------------------
+    def _build_projectors(self) -> None:
+        self.projectors: Dict[Tuple[str, int, str], Any] = {}
+        shapes = {n: c.shape for n, c in self.curvature.items()}
+        for cfg in self.configs:
+            for s in cfg.seeds:
+                for u, n in enumerate(self.names):
+                    d_out, d_in = shapes[n]
+                    module_seed = 1_000_003 * s + 7919 * u + 17
+                    key = (cfg.id, s, n)
+                    if cfg.family == "eogp-r":
+                        gen = torch.Generator().manual_seed(module_seed)
+                        self.projectors[key] = make_srht(cfg.m[u], cfg.k[u], gen)
+                    elif cfg.family == "logra-random":
+                        self.projectors[key] = LoGraProjector(d_in, d_out, cfg.rank[u], init="random", seed=module_seed)
+                    elif cfg.family == "logra-pca":
+                        c = self.curvature[n]
+                        eva, evg = self._kfac_eigenvalues(n)
+                        self.projectors[key] = LoGraProjector(
+                            d_in, d_out, cfg.rank[u], init="pca",
+                            activation_eigenvectors=c.activation_eigenvectors,
+                            gradient_eigenvectors=c.gradient_eigenvectors,
+                            activation_eigenvalues=eva, gradient_eigenvalues=evg)
+                    elif cfg.family == "grass":
+                        self.projectors[key] = GraSSProjector(d_in, d_out, cfg.k[u], seed=module_seed)
+                    elif cfg.family == "gaussian":
+                        self.projectors[key] = GaussianProjector(d_in, d_out, cfg.rank[u], seed=module_seed)
+
+    def _kfac_eigenvalues(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self._kfac_values is None:
+            raise ConfigError("logra-pca needs the K-FAC eigenvalues (kfac_eigenvalues=...)")
+        return self._kfac_values[name]
+
+    def precondition(self, name: str, dense: torch.Tensor) -> torch.Tensor:
+        """Full-space damped EK-FAC inverse ``Q_S [(Q_S^T G Q_A) / (Λ + λ)] Q_A^T``, ``(B, d_out, d_in)``."""
+        c = self.curvature[name]
+        q_a, q_s = c.activation_eigenvectors.to(dense), c.gradient_eigenvectors.to(dense)
+        rotated = q_s.T @ dense @ q_a
+        rotated = rotated / (c.eigenvalues.to(dense) + self.damping[name])
+        return q_s @ rotated @ q_a.T
+
+    # -- the transform ----------------------------------------------------------------------
+    def transform(self, name: str, a: torch.Tensor, g: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """``(a (B, T, d_in), g (B, T, d_out))`` → ``{key: (B, k_u) coordinates}`` of one module."""
+        side = self._side
+        w = self.first[name].first_stage(a, g)  # (B, d): half-whitened EK-FAC coords, sorted
+        out: Dict[str, torch.Tensor] = {}
+        if side == "fit":
+            out["pca"] = w[:, : self.pca_width[name]]
+            return out
+        if self.references:
+            out["ref:ekfac"] = w
+            if name in self.kfac_ratio:
+                out["ref:kfac"] = w * self.kfac_ratio[name]
+            out["ref:tracin"] = torch.einsum("bto,bti->boi", g, a).reshape(a.shape[0], -1)
+        if self.pca_width[name]:
+            out["pca"] = w[:, : self.pca_width[name]]
+        u = self.names.index(name)
+        dense_query = None
+        for cfg in self.configs:
+            for s in cfg.seeds:
+                key = f"{cfg.id}#{s}"
+                proj = self.projectors.get((cfg.id, s, name))
+                if cfg.family == "ekfac-topk":
+                    out[key] = w[:, : cfg.k[u]]
+                elif cfg.family == "eogp-r":
+                    signs, rows = proj
+                    out[key] = srht_apply(w[:, : cfg.m[u]], signs, rows)
+                elif cfg.family == "gaussian":
+                    if side == "query":
+                        if dense_query is None:
+                            dense_query = torch.einsum("bto,bti->boi", g, a)
+                            dense_query = self.precondition(name, dense_query)
+                        out[key] = proj.project_dense(dense_query) * proj.inner_product_scale
+                    else:
+                        out[key] = proj.project(a, g)
+                elif cfg.family in ("logra-random", "logra-pca", "grass"):
+                    out[key] = proj.project(a, g)
+        return out
+
+    # -- passes -----------------------------------------------------------------------------
+    def run(self, docs: Documents, side: str, *, batch_size: int = 8, pad_token_id: int = 0,
+            device: str = "cpu", progress: bool = False) -> None:
+        """One gradient pass: ``side`` is ``"query"`` (first), ``"train"`` or ``"fit"`` (PCA only)."""
+        if side not in ("query", "train", "fit"):
+            raise ConfigError(f"side must be 'query', 'train' or 'fit', got {side!r}")
+        if side == "train" and not self.query:
+            raise ConfigError("run the query pass before the training pass")
+        self._side = side
+        capture = GradientCapture(self.model, self.names, self.transform)
+        pairs = docs.pairs()
+        batches = range(0, len(pairs), batch_size)
+        if progress:
+            from tqdm.auto import tqdm
+
+            batches = tqdm(batches, desc=f"{side} gradients", unit="batch")
+        parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
+        for start in batches:
+            batch = collate(pairs[start:start + batch_size], pad_token_id)
+            outputs, _ = capture.run({k: v.to(device) for k, v in batch.items()})
+            if side == "fit":
+                for n in self.names:
+                    self.fit_parts[n].append(outputs[n]["pca"].cpu())
+                continue
+            if side == "query":
+                for n in self.names:
+                    for key, value in outputs[n].items():
+                        parts.setdefault(key, {}).setdefault(n, []).append(value.detach().cpu())
+                continue
+            self._score_batch(outputs)
+        if side == "query":
+            self.query_parts = parts
+            self.query = {key: np.concatenate([_stack(per[n]) for n in self.names if n in per], axis=1)
+                          for key, per in parts.items()}
+
+    def _streamed(self, key: str) -> Optional[Tuple[str, Sequence[int]]]:
+        """(precision, k) of a key scored batch by batch; None for keys kept for later."""
+        if key.startswith("ref:"):
+            return "fp32", ()
+        if key == "pca":
+            return None
+        cfg = self._config(key)
+        if cfg.family in ("ekfac-topk", "eogp-r", "gaussian"):
+            return cfg.precision, cfg.k
+        return None
+
+    def _config(self, key: str) -> MethodConfig:
+        ident = key.split("#", 1)[0]
+        for cfg in self.configs:
+            if cfg.id == ident:
+                return cfg
+        raise KeyError(key)
+
+    def _score_batch(self, outputs: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        keys = outputs[self.names[0]].keys()
+        for key in keys:
+            streamed = self._streamed(key)
+            if streamed is None:
+                for n in self.names:
+                    if key in outputs[n]:
+                        self.train_parts.setdefault(key, {}).setdefault(n, []).append(outputs[n][key].detach().cpu())
+                continue
+            x = np.concatenate([outputs[n][key].detach().cpu().numpy() for n in self.names if key in outputs[n]], axis=1)
+            precision, k = streamed
+            y = self.query[key].astype(np.float64)
+            stored = _store(x, precision, k).astype(np.float64)
+            self.stream_scores.setdefault(key, []).append(y @ stored.T)
+            if precision == "1bit":
+                unq = _store(x, "fp16", k).astype(np.float64)
+                self.stream_scores.setdefault(key + "|fp16", []).append(y @ unq.T)
+
+    # -- post-hoc fitting -------------------------------------------------------------------
+    def finish(self) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray], Dict[str, np.ndarray]]:
+        """Scores of every config and reference.
+
+        Returns ``(scores, unquantized, references)``: ``scores[config.id]`` is
+        ``(n_seeds, n_queries, n_train)`` float64 (what the stored representation gives);
+        ``unquantized[config.id]`` the same coordinates stored in FP16 (1-bit configs only,
+        for Table 2); ``references`` maps ``"ekfac"``, ``"kfac"``, ``"tracin"`` to
+        ``(n_queries, n_train)``.
+        """
+        streamed = {key: np.concatenate(parts, axis=1) for key, parts in self.stream_scores.items()}
+        references = {key[4:]: value for key, value in streamed.items() if key.startswith("ref:")}
+        scores: Dict[str, np.ndarray] = {}
+        unquantized: Dict[str, np.ndarray] = {}
+        kept = []
+        for cfg in self.configs:
+            per_seed, per_seed_unq = [], []
+            try:
+                for s in cfg.seeds:
+                    key = f"{cfg.id}#{s}"
+                    if cfg.family in ("ekfac-topk", "eogp-r", "gaussian"):
+                        s1, s2 = streamed[key], streamed.get(key + "|fp16")
+                    elif cfg.family == "eogp":
+                        s1, s2 = self._score_pca(cfg)
+                    else:
+                        s1, s2 = self._score_projected_curvature(cfg, key)
+                    per_seed.append(s1)
+                    if s2 is not None:
+                        per_seed_unq.append(s2)
+            except ConfigError as exc:  # e.g. a PCA fitting set of too low rank
+                self.skipped.append({"method": cfg.method, "budget": cfg.budget, "reason": str(exc)})
+                continue
+            kept.append(cfg)
+            scores[cfg.id] = np.stack(per_seed)
+            if per_seed_unq:
+                unquantized[cfg.id] = np.stack(per_seed_unq)
+        self.configs = kept
+        return scores, unquantized, references
+
+    def _fit_coordinates(self, name: str) -> torch.Tensor:
+        if self.fit_parts[name]:
+            return torch.cat(self.fit_parts[name], dim=0)
+        return torch.cat(self.train_parts["pca"][name], dim=0)
+
+    def _score_pca(self, cfg: MethodConfig) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        xs, ys = [], []
+        for u, n in enumerate(self.names):
+            m, k = cfg.m[u], cfg.k[u]
+            basis = fit_pca(self._fit_coordinates(n)[:, :m], k)  # (m, k)
+            train_first = torch.cat(self.train_parts["pca"][n], dim=0)[:, :m]
+            query_first = torch.cat(self.query_parts["pca"][n], dim=0)[:, :m]
+            xs.append((train_first.double() @ basis.double()).float().numpy())
+            ys.append((query_first.double() @ basis.double()).numpy())
+        x, y = np.concatenate(xs, axis=1), np.concatenate(ys, axis=1)
+        stored = _store(x, cfg.precision, cfg.k).astype(np.float64)
+        unq = _store(x, "fp16", cfg.k).astype(np.float64) if cfg.precision == "1bit" else None
+        return y @ stored.T, (y @ unq.T if unq is not None else None)
+
+    def _score_projected_curvature(self, cfg: MethodConfig, key: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        xs, ys = [], []
+        for n in self.names:
+            train = torch.cat(self.train_parts[key][n], dim=0)
+            query = torch.cat(self.query_parts[key][n], dim=0)
+            curvature = ProjectedCurvature.fit(train, damping_ratio=self.damping_ratio)
+            xs.append(train.float().numpy())
+            ys.append(curvature.precondition(query.double()).numpy())
+        x, y = np.concatenate(xs, axis=1), np.concatenate(ys, axis=1)
+        stored = _store(x, cfg.precision, cfg.k).astype(np.float64)
+        unq = _store(x, "fp16", cfg.k).astype(np.float64) if cfg.precision == "1bit" else None
+        return y @ stored.T, (y @ unq.T if unq is not None else None)
+
+
+# --------------------------------------------------------------------------- kronfluence
+
+
+class _PairDataset(torch.utils.data.Dataset):
+    def __init__(self, pairs):
+        self.pairs = list(pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int):
+        return self.pairs[index]
+
+
+def kronfluence_scores(
+    model: nn.Module,
+    modules: Sequence[str],
+    curvature_dir: Path,
+    queries: Documents,
+    train: Documents,
+    *,
+    pad_token_id: int = 0,
+    query_batch_size: int = 64,
+    train_batch_size: int = 8,
+    progress: bool = False,
+) -> np.ndarray:
+    """kronfluence's own uncompressed EK-FAC pairwise scores ``(n_queries, n_train)`` float64.
+
+    Uses the factors :func:`eogp_index.curvature.fit_curvature` wrote under ``curvature_dir``
+    and ``damping_factor=None`` (kronfluence's heuristic ``0.1 · mean(Λ)``, the paper's
+    damping). The model is wrapped for the computation and unwrapped afterwards.
+    """
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import ScoreArguments
+    from kronfluence.utils.dataset import DataLoaderKwargs
+
+    from eogp_index.curvature import ANALYSIS_NAME, FACTORS_NAME, _unwrap_tracked_modules
+    from eogp_index.task import LanguageModelingTask
+
+    task = LanguageModelingTask(modules=list(modules))
+    prepared = prepare_model(model, task)
+    try:
+        analyzer = Analyzer(analysis_name=ANALYSIS_NAME, model=prepared, task=task, cpu=True,
+                            disable_tqdm=not progress, output_dir=str(curvature_dir), log_level=logging.WARNING)
+        analyzer.compute_pairwise_scores(
+            scores_name="eval_reference", factors_name=FACTORS_NAME,
+            query_dataset=_PairDataset(queries.pairs()), train_dataset=_PairDataset(train.pairs()),
+            per_device_query_batch_size=min(query_batch_size, len(queries)),
+            per_device_train_batch_size=train_batch_size,
+            dataloader_kwargs=DataLoaderKwargs(collate_fn=lambda b: collate(b, pad_token_id)),
+            score_args=ScoreArguments(damping_factor=None), overwrite_output_dir=True)
+        return analyzer.load_pairwise_scores("eval_reference")["all_modules"].double().numpy()
+    finally:
+        _unwrap_tracked_modules(model)
+
+
+def load_kfac_eigenvalues(curvature_dir: Path, modules: Sequence[str]) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """kronfluence's K-FAC eigenvalues ``{module: (activation (d_in,), gradient (d_out,))}``."""
+    from safetensors.torch import load_file
+
+    folder = factors_dir(curvature_dir)
+    act = load_file(str(folder / "activation_eigenvalues.safetensors"))
+    grad = load_file(str(folder / "gradient_eigenvalues.safetensors"))
+    return {n: (act[n].double(), grad[n].double()) for n in modules}
+
+
+# --------------------------------------------------------------------------- the whole computation
+
+
+@dataclass
+class ScoreSet:
+    """Every score matrix of one evaluation, ``(n_queries, n_train)`` per method and seed.
+
+    ``reference`` is kronfluence's EK-FAC; ``references`` holds ``"ekfac"`` (index-side full
+    width), ``"kfac"`` and ``"tracin"``; ``scores[config.id]`` is ``(n_seeds, nq, n)``;
+    ``unquantized[config.id]`` the FP16 scores at the same ``k`` of a 1-bit config.
+    """
+
+    train_ids: Tuple[str, ...]
+    query_ids: Tuple[str, ...]
+    modules: Tuple[ModuleShape, ...]
+    configs: List[MethodConfig]
+    skipped: List[Dict[str, Any]]
+    reference: np.ndarray
+    references: Dict[str, np.ndarray]
+    scores: Dict[str, np.ndarray]
+    unquantized: Dict[str, np.ndarray]
+    timings: Dict[str, float] = field(default_factory=dict)
+    key: str = ""
+
+    def config(self, method: str, budget: int) -> Optional[MethodConfig]:
+        for cfg in self.configs:
+            if cfg.method == method and cfg.budget == budget:
+                return cfg
+        return None
+
+    def reference_error(self) -> float:
+        """Relative Frobenius error of the index-side full-width EK-FAC against kronfluence."""
+        ours = self.references.get("ekfac")
+        if ours is None:
+            return float("nan")
+        return float(np.linalg.norm(ours - self.reference) / max(np.linalg.norm(self.reference), 1e-300))
+
+    # -- cache ------------------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        arrays = {"reference": self.reference}
+        arrays.update({f"ref/{k}": v for k, v in self.references.items()})
+        arrays.update({f"scores/{k}": v for k, v in self.scores.items()})
+        arrays.update({f"unquantized/{k}": v for k, v in self.unquantized.items()})
+        meta = {"train_ids": list(self.train_ids), "query_ids": list(self.query_ids),
+                "modules": [asdict(m) for m in self.modules], "configs": [asdict(c) for c in self.configs],
+                "skipped": self.skipped, "timings": self.timings, "key": self.key}
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez_compressed(tmp, meta=np.array(json.dumps(meta)), **arrays)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "ScoreSet":
+        with np.load(path, allow_pickle=False) as data:
+            meta = json.loads(str(data["meta"]))
+            get = lambda prefix: {k[len(prefix):]: data[k] for k in data.files if k.startswith(prefix)}  # noqa: E731
+            configs = [MethodConfig(**{**c, "k": tuple(c["k"]), "m": tuple(c["m"]) if c["m"] else None,
+                                       "rank": tuple(c["rank"]) if c["rank"] else None, "seeds": tuple(c["seeds"])})
+                       for c in meta["configs"]]
+            return cls(train_ids=tuple(meta["train_ids"]), query_ids=tuple(meta["query_ids"]),
+                       modules=tuple(ModuleShape(**m) for m in meta["modules"]), configs=configs,
+                       skipped=meta["skipped"], reference=data["reference"], references=get("ref/"),
+                       scores=get("scores/"), unquantized=get("unquantized/"), timings=meta["timings"],
+                       key=meta["key"])
+
+
+def compute_scores(
+    model: nn.Module,
+    train: Documents,
+    queries: Documents,
+    work_dir: Path,
+    *,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    methods: Sequence[str] = DEFAULT_METHODS,
+    modules: Optional[Sequence[str]] = None,
+    damping_ratio: float = 0.1,
+    m_factor: int = 8,
+    gaussian_seeds: int = 3,
+    seed: int = 0,
+    batch_size: int = 8,
+    curvature_batch_size: int = 8,
+    pca_docs: Optional[Documents] = None,
+    pad_token_id: int = 0,
+    progress: bool = False,
+    log: Optional[Callable[[str], None]] = None,
+) -> ScoreSet:
+    """Fit EK-FAC once on ``train`` and score every method, budget and reference.
+
+    Args:
+        model: the attributed model (``Conv1D`` layers are replaced in place).
+        train: candidate training documents (EK-FAC and, unless ``pca_docs``, PCA are fitted
+            on all of them); queries: the query documents.
+        work_dir: kronfluence's factors and scores go under ``work_dir/curvature``.
+        pca_docs: fit EOGP's PCA on these documents instead of ``train``.
+    """
+    from eogp_index.config import CurvatureConfig
+    from eogp_index.curvature import fit_curvature
+    from eogp_index.modules import find_attributed_modules, replace_conv1d
+
+    say = log or (lambda _msg: None)
+    timings: Dict[str, float] = {}
+    replace_conv1d(model)
+    model.to("cpu").eval()
+    names = find_attributed_modules(model, modules)
+    curvature_dir = Path(work_dir) / "curvature"
+
+    t0 = time.perf_counter()
+    curvature = fit_curvature(
+        model, train.pairs(), names, curvature_dir,
+        config=CurvatureConfig(num_examples=len(train), batch_size=curvature_batch_size,
+                               damping_ratio=damping_ratio, seed=seed),
+        pad_token_id=pad_token_id, device="cpu", progress=progress)
+    timings["ekfac_fit_s"] = time.perf_counter() - t0
+    say(f"EK-FAC fitted on {len(train)} documents in {timings['ekfac_fit_s']:.1f}s")
+    kfac_values = load_kfac_eigenvalues(curvature_dir, names)
+    shapes = tuple(ModuleShape(n, *curvature[n].shape) for n in names)
+    num_fit = len(pca_docs) if pca_docs is not None else len(train)
+    configs, skipped = plan_methods(shapes, budgets, methods, num_fit=num_fit, m_factor=m_factor,
+                                    gaussian_seeds=gaussian_seeds, seed=seed)
+
+    t0 = time.perf_counter()
+    reference = kronfluence_scores(model, names, curvature_dir, queries, train, pad_token_id=pad_token_id,
+                                   train_batch_size=batch_size, progress=progress)
+    timings["kronfluence_scores_s"] = time.perf_counter() - t0
+    say(f"kronfluence pairwise EK-FAC scores {reference.shape} in {timings['kronfluence_scores_s']:.1f}s")
+
+    t0 = time.perf_counter()
+    shared = SharedPass(model, curvature, configs, damping_ratio=damping_ratio, kfac_eigenvalues=kfac_values)
+    kwargs = dict(batch_size=batch_size, pad_token_id=pad_token_id, progress=progress)
+    shared.run(queries, "query", **kwargs)
+    shared.run(train, "train", **kwargs)
+    if pca_docs is not None:
+        shared.run(pca_docs, "fit", **kwargs)
+    timings["gradient_passes_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    scores, unquantized, references = shared.finish()
+    timings["fitting_and_scoring_s"] = time.perf_counter() - t0
+    say(f"shared pass over {len(queries)} queries and {len(train)} documents: "
+        f"{timings['gradient_passes_s']:.1f}s gradients, {timings['fitting_and_scoring_s']:.1f}s PCA/curvature fits")
+    return ScoreSet(train_ids=train.ids, query_ids=queries.ids, modules=shapes, configs=shared.configs,
+                    skipped=skipped + shared.skipped,
+                    reference=reference, references=references, scores=scores, unquantized=unquantized,
+                    timings=timings)
+
+
+# --------------------------------------------------------------------------- fidelity metrics
+
+
+def fidelity_records(scoreset: ScoreSet, *, ndcg_k: int = 20) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """Appendix D.2 metrics of every config against kronfluence's EK-FAC, and Table 2.
+
+    Returns ``(records, details)``. Records (for :func:`report.write_report`): per config,
+    ``ndcg@20`` and ``spearman`` (query means, averaged over seeds) at the nominal budget,
+    and for 1-bit configs ``pearson_1bit_fp16`` (median query-wise Pearson between 1-bit and
+    FP16 scores at the same ``k``). ``details`` holds the per-seed values, the references'
+    fidelity (reference lines) and the index-vs-kronfluence check.
+    """
+    ref = scoreset.reference
+    ndcg_name = f"ndcg@{ndcg_k}"
+    records: List[Dict[str, Any]] = []
+    per_config: Dict[str, Any] = {}
+    for cfg in scoreset.configs:
+        s = scoreset.scores[cfg.id]
+        sp = [metrics.mean_spearman(x, ref) for x in s]
+        nd = [metrics.mean_ndcg_at_k(x, ref, ndcg_k) for x in s]
+        entry = {"config": cfg.to_json(), "spearman": [v for v, _ in sp], "spearman_valid": [n for _, n in sp],
+                 ndcg_name: nd}
+        records.append(_record(cfg, ndcg_name, float(np.mean(nd))))
+        records.append(_record(cfg, "spearman", _nanmean([v for v, _ in sp])))
+        if cfg.id in scoreset.unquantized:
+            pr = [metrics.median_pearson(a, b) for a, b in zip(s, scoreset.unquantized[cfg.id])]
+            entry["pearson_1bit_fp16"] = [v for v, _ in pr]
+            records.append(_record(cfg, "pearson_1bit_fp16", _nanmean([v for v, _ in pr])))
+        per_config[cfg.id] = entry
+    lines: Dict[str, Dict[str, float]] = {ndcg_name: {}, "spearman": {}}
+    names = {"kfac": f"{REF_KFAC} (uncompressed)", "tracin": f"{REF_TRACIN} (uncompressed)"}
+    for key, label in names.items():
+        if key in scoreset.references:
+            lines[ndcg_name][label] = metrics.mean_ndcg_at_k(scoreset.references[key], ref, ndcg_k)
+            lines["spearman"][label] = metrics.mean_spearman(scoreset.references[key], ref)[0]
+    details = {"per_config": per_config, "reference_lines": lines,
+               "index_vs_kronfluence_rel_err": scoreset.reference_error(),
+               "skipped": scoreset.skipped}
+    return records, details
+
+
+def _nanmean(values: Sequence[float]) -> float:
+    arr = np.asarray(values, dtype=np.float64)
+    arr = arr[~np.isnan(arr)]
+    return float(arr.mean()) if arr.size else float("nan")
+
+
+def _record(cfg: MethodConfig, metric: str, value: float, ci: Optional[Tuple[float, float]] = None) -> Dict[str, Any]:
+    rec = {"method": cfg.label, "bytes_per_example": cfg.budget, "metric": metric, "value": value}
+    if ci is not None and all(math.isfinite(v) for v in ci):
+        rec["ci_low"], rec["ci_high"] = ci
+    return rec
+
+
+def iter_configs(scoreset: ScoreSet) -> Iterator[Tuple[MethodConfig, np.ndarray]]:
+    """``(config, (n_seeds, nq, n) scores)`` of every config."""
+    for cfg in scoreset.configs:
+        yield cfg, scoreset.scores[cfg.id]

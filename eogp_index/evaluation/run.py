@@ -1,0 +1,472 @@
+"""``eogp eval``'s orchestration: read the documents, score, retrain, write the report.
+
+:func:`run_fidelity`, :func:`run_lds` and :func:`run_all` take the frozen configs below
+(defaults from the paper's Appendix C-D, sized for the shipped tiny model) and write, under
+``out``:
+
+* ``results.json``, ``results.md`` and one ``<metric>.png`` per metric
+  (:func:`report.write_report`: ``ndcg_at_20.png``, ``spearman.png``,
+  ``pearson_1bit_fp16.png``, ``lds.png``), plus ``counterfactual.png``;
+* ``details.json``: every configuration's dimensions and actual bytes, per-seed values,
+  skipped (method, budget) pairs, reference checks and timings;
+* caches: ``scores.npz`` (the score matrices, reused by a later run with the same model,
+  documents and fidelity config), ``retraining.npz`` and ``counterfactual.json``
+  (:mod:`eogp_index.evaluation.lds`), and kronfluence's factors under ``curvature/``.
+
+Documents are tokenized as the default model was fine-tuned: a ``text`` record becomes
+:func:`tinylm.tokenize_documents` (at most ``max_tokens`` tokens, ending in eos) and every
+position counts in the loss; ``input_ids`` records are used as given; ``messages`` records
+(chats; fidelity only) follow :func:`ingest.records.tokenize_record`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from eogp_index.errors import ConfigError, InputError
+from eogp_index.evaluation import report, tinylm
+from eogp_index.evaluation.fidelity import (
+    DEFAULT_BUDGETS,
+    DEFAULT_METHODS,
+    METHODS,
+    Documents,
+    ScoreSet,
+    compute_scores,
+    fidelity_records,
+    method_label,
+)
+
+__all__ = [
+    "DataConfig",
+    "EvalResult",
+    "FidelityConfig",
+    "LDSConfig",
+    "load_documents",
+    "run_all",
+    "run_fidelity",
+    "run_lds",
+]
+
+SCORES_FILE = "scores.npz"
+DETAILS_FILE = "details.json"
+
+
+def _default(path: str) -> str:
+    return str(tinylm.default_root() / path)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What is evaluated: the attributed model and the documents.
+
+    model: the fine-tuned model directory (its tokenizer alongside). train, queries: shard
+    paths or globs (JSONL[.gz/.zst], Parquet, ``save_to_disk`` directories). max_tokens:
+    truncation, as in fine-tuning. limit_train / limit_queries: keep only the first N.
+    """
+
+    model: str = field(default_factory=lambda: _default("model"))
+    train: Tuple[str, ...] = field(default_factory=lambda: (_default("corpus/train.jsonl.gz"),))
+    queries: Tuple[str, ...] = field(default_factory=lambda: (_default("queries.jsonl"),))
+    max_tokens: int = 128
+    limit_train: Optional[int] = None
+    limit_queries: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 2:
+            raise ConfigError(f"DataConfig.max_tokens must be at least 2, got {self.max_tokens}")
+        for name in ("limit_train", "limit_queries"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"DataConfig.{name} must be at least 1, got {value}")
+
+
+@dataclass(frozen=True)
+class FidelityConfig:
+    """The methods, budgets and metric settings of the fidelity evaluation (Appendix C.3, D.2).
+
+    budgets: nominal bytes per example (all modules). m_factor: ``m_u = min(d_u, 8 k_u)``.
+    damping_ratio: ``λ_u = 0.1 tr(Λ_u)/d_u`` for EK-FAC and the post-projection curvatures.
+    gaussian_seeds: draws averaged for the Gaussian control. ndcg_k: NDCG cut-off.
+    """
+
+    budgets: Tuple[int, ...] = DEFAULT_BUDGETS
+    methods: Tuple[str, ...] = DEFAULT_METHODS
+    damping_ratio: float = 0.1
+    m_factor: int = 8
+    gaussian_seeds: int = 3
+    seed: int = 0
+    batch_size: int = 8
+    ndcg_k: int = 20
+    modules: Optional[Tuple[str, ...]] = None
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ConfigError(f"FidelityConfig.methods: unknown {unknown}; choose from {sorted(METHODS)}")
+        if not self.budgets or min(self.budgets) < 1:
+            raise ConfigError(f"FidelityConfig.budgets must be positive byte counts, got {self.budgets}")
+        if self.gaussian_seeds < 1 or self.batch_size < 1 or self.ndcg_k < 1 or self.m_factor < 1:
+            raise ConfigError("FidelityConfig: gaussian_seeds, batch_size, ndcg_k and m_factor must be >= 1")
+        if not self.damping_ratio > 0:
+            raise ConfigError(f"FidelityConfig.damping_ratio must be positive, got {self.damping_ratio}")
+
+
+@dataclass(frozen=True)
+class LDSConfig:
+    """Retraining evaluation (Appendix D.1), sized for 2 CPU cores.
+
+    base: the pretrained model each retraining starts from. num_subsets: ``R`` half-subsets
+    (the paper uses 100; 24 keeps the default run in minutes). recipe: the fine-tuning recipe
+    (the one the attributed model was made with). counterfactual: remove each of
+    ``cf_methods`` at ``cf_budget`` bytes (plus uncompressed EK-FAC and TracIn) top-``N``
+    documents for ``N`` in ``cf_removals``, ranked on the first ``cf_queries`` queries, and
+    retrain with each of ``cf_seeds``.
+    """
+
+    base: str = field(default_factory=lambda: _default("base"))
+    num_subsets: int = 24
+    fraction: float = 0.5
+    seed: int = 0
+    recipe: tinylm.FinetuneRecipe = tinylm.FinetuneRecipe()
+    n_bootstrap: int = 1000
+    counterfactual: bool = True
+    cf_budget: int = 256
+    cf_methods: Tuple[str, ...] = ("eogp", "logra-pca", "logra-random", "grass")
+    cf_removals: Tuple[int, ...] = (16, 32, 64)
+    cf_seeds: Tuple[int, ...] = (0, 1, 2)
+    cf_queries: int = 16
+
+    def __post_init__(self) -> None:
+        if self.num_subsets < 2:
+            raise ConfigError(f"LDSConfig.num_subsets must be at least 2, got {self.num_subsets}")
+        if not 0 < self.fraction < 1:
+            raise ConfigError(f"LDSConfig.fraction must lie in (0, 1), got {self.fraction}")
+        if self.n_bootstrap < 0 or self.cf_queries < 1:
+            raise ConfigError("LDSConfig: n_bootstrap must be >= 0 and cf_queries >= 1")
+        unknown = [m for m in self.cf_methods if m not in METHODS]
+        if unknown:
+            raise ConfigError(f"LDSConfig.cf_methods: unknown {unknown}; choose from {sorted(METHODS)}")
+
+
+@dataclass
+class EvalResult:
+    """What a run measured: report records, details, the files written and the timings."""
+
+    records: List[Dict[str, Any]]
+    details: Dict[str, Any]
+    paths: Dict[str, Path]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"records": self.records, "details": self.details,
+                "files": {k: str(v) for k, v in self.paths.items()}}
+
+
+# --------------------------------------------------------------------------- documents
+
+
+def load_documents(paths: Sequence[str], tokenizer, *, max_tokens: int = 128, limit: Optional[int] = None) -> Documents:
+    """Read and tokenize documents (see the module docstring for the conventions).
+
+    Ids are the records' ``id`` field, else ``shard:position``.
+    """
+    from ingest.readers import ParseError, expand_shards, iter_raw_records, shard_names
+    from ingest.records import RecordSpec, tokenize_record
+
+    shards = expand_shards(list(paths))
+    ids: List[str] = []
+    tokens: List[Tuple[int, ...]] = []
+    labels: List[Tuple[int, ...]] = []
+    texts: Dict[int, str] = {}
+    spec = RecordSpec(max_tokens=max_tokens)
+    for path, name in zip(shards, shard_names(shards)):
+        for shard, position, record in iter_raw_records(path, shard=name):
+            if limit is not None and len(ids) >= limit:
+                break
+            if isinstance(record, ParseError):
+                raise record.to_error()
+            ident = record.get("id")
+            ids.append(str(ident) if ident is not None else f"{shard}:{position}")
+            if isinstance(record.get("text"), str):
+                texts[len(tokens)] = record["text"]
+                tokens.append(())
+                labels.append(())
+                continue
+            example = tokenize_record(record, shard=shard, position=position, spec=spec, tokenizer=tokenizer)
+            tokens.append(tuple(example.input_ids))
+            labels.append(tuple(example.labels))
+    if texts:
+        order = sorted(texts)
+        encoded = tinylm.tokenize_documents([texts[i] for i in order], tokenizer, max_tokens)
+        for i, doc in zip(order, encoded):
+            tokens[i] = labels[i] = tuple(doc)
+    if not ids:
+        raise InputError(f"no documents in {list(paths)}")
+    if len(set(ids)) != len(ids):
+        raise InputError(f"duplicate document ids in {list(paths)}")
+    return Documents(ids=tuple(ids), input_ids=tuple(tokens), labels=tuple(labels))
+
+
+def _plain(docs: Documents, what: str) -> List[List[int]]:
+    """Token lists for retraining; refuses documents with masked labels (chats)."""
+    for ident, ids, labels in zip(docs.ids, docs.input_ids, docs.labels):
+        if tuple(ids[1:]) != tuple(labels[1:]):
+            raise InputError(f"{what} document {ident!r} masks part of its loss; retraining evaluation "
+                             "(LDS) needs plain documents whose every token counts")
+    return [list(d) for d in docs.input_ids]
+
+
+def _load_inputs(data: DataConfig):
+    from eogp_index.client import load_model
+
+    model, tokenizer = load_model(data.model, device="cpu")
+    train = load_documents(data.train, tokenizer, max_tokens=data.max_tokens, limit=data.limit_train)
+    queries = load_documents(data.queries, tokenizer, max_tokens=data.max_tokens, limit=data.limit_queries)
+    return model, tokenizer, train, queries
+
+
+# --------------------------------------------------------------------------- scoring (cached)
+
+
+def _scores(data: DataConfig, cfg: FidelityConfig, out: Path, log) -> Tuple[ScoreSet, Documents, Documents, bool]:
+    from eogp_index.client import _pad_id
+    from eogp_index.manifest import model_sha256
+
+    model, tokenizer, train, queries = _load_inputs(data)
+    key = hashlib.sha256(json.dumps({
+        "model": model_sha256(model), "train": train.fingerprint(), "queries": queries.fingerprint(),
+        "config": asdict(cfg), "version": 1}, sort_keys=True, default=str).encode()).hexdigest()
+    cache = out / SCORES_FILE
+    if cache.exists():
+        try:
+            cached = ScoreSet.load(cache)
+        except (OSError, ValueError, KeyError):
+            cached = None
+        if cached is not None and cached.key == key:
+            log(f"scores reused from {cache}")
+            return cached, train, queries, True
+    log(f"scoring {len(queries)} queries against {len(train)} training documents "
+        f"({len(cfg.methods)} methods x {len(cfg.budgets)} budgets)")
+    scoreset = compute_scores(
+        model, train, queries, out, budgets=cfg.budgets, methods=cfg.methods, modules=cfg.modules,
+        damping_ratio=cfg.damping_ratio, m_factor=cfg.m_factor, gaussian_seeds=cfg.gaussian_seeds, seed=cfg.seed,
+        batch_size=cfg.batch_size, pad_token_id=_pad_id(tokenizer), log=log)
+    scoreset.key = key
+    scoreset.save(cache)
+    return scoreset, train, queries, False
+
+
+def _setup_details(data: DataConfig, cfg: FidelityConfig, scoreset: ScoreSet) -> Dict[str, Any]:
+    import torch
+
+    return {
+        "model": data.model, "train": list(data.train), "queries": list(data.queries),
+        "num_train": len(scoreset.train_ids), "num_queries": len(scoreset.query_ids),
+        "max_tokens": data.max_tokens, "fidelity_config": asdict(cfg),
+        "modules": [asdict(m) for m in scoreset.modules],
+        "configs": [c.to_json() for c in scoreset.configs], "skipped": scoreset.skipped,
+        "index_vs_kronfluence_rel_err": scoreset.reference_error(),
+        "score_timings_s": scoreset.timings,
+        "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "processor": platform.machine()},
+    }
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def _log_to(log: Optional[Callable[[str], None]]) -> Callable[[str], None]:
+    return log or (lambda _msg: None)
+
+
+def run_fidelity(data: DataConfig = DataConfig(), cfg: FidelityConfig = FidelityConfig(), out: Path = Path("runs/eval"),
+                 *, log: Optional[Callable[[str], None]] = None) -> EvalResult:
+    """Fidelity to EK-FAC of every method at every budget; writes the report under ``out``."""
+    return _run(data, cfg, None, Path(out), _log_to(log), fidelity=True)
+
+
+def run_lds(data: DataConfig = DataConfig(), cfg: FidelityConfig = FidelityConfig(), lds_cfg: LDSConfig = LDSConfig(),
+            out: Path = Path("runs/eval"), *, log: Optional[Callable[[str], None]] = None) -> EvalResult:
+    """LDS (and counterfactual removal) of every method at every budget; writes the report."""
+    return _run(data, cfg, lds_cfg, Path(out), _log_to(log), fidelity=False)
+
+
+def run_all(data: DataConfig = DataConfig(), cfg: FidelityConfig = FidelityConfig(), lds_cfg: LDSConfig = LDSConfig(),
+            out: Path = Path("runs/eval"), *, log: Optional[Callable[[str], None]] = None) -> EvalResult:
+    """Fidelity, LDS and counterfactual from one scoring pass; writes one report."""
+    return _run(data, cfg, lds_cfg, Path(out), _log_to(log), fidelity=True)
+
+
+def _run(data: DataConfig, cfg: FidelityConfig, lds_cfg: Optional[LDSConfig], out: Path, log, *,
+         fidelity: bool) -> EvalResult:
+    t_start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    scoreset, train, queries, reused = _scores(data, cfg, out, log)
+    records: List[Dict[str, Any]] = []
+    details: Dict[str, Any] = {"setup": _setup_details(data, cfg, scoreset), "scores_reused": reused}
+    lines: Dict[str, Dict[str, float]] = {}
+    if fidelity:
+        t0 = time.perf_counter()
+        fid_records, fid_details = fidelity_records(scoreset, ndcg_k=cfg.ndcg_k)
+        records += fid_records
+        details["fidelity"] = fid_details
+        lines.update(fid_details["reference_lines"])
+        details.setdefault("timings_s", {})["fidelity_metrics"] = time.perf_counter() - t0
+    if lds_cfg is not None:
+        lds_records_, lds_details = _lds_part(scoreset, train, queries, lds_cfg, out, log)
+        records += lds_records_
+        details["lds"] = lds_details
+        lines["lds"] = lds_details["reference_lines"]
+    present = {r["metric"] for r in records}
+    lines = {m: v for m, v in lines.items() if m in present and v}
+    paths = report.write_report(records, out, reference_lines=lines)
+    if lds_cfg is not None and lds_cfg.counterfactual and "counterfactual" in details["lds"]:
+        paths["counterfactual"] = _plot_counterfactual(details["lds"]["counterfactual"], out / "counterfactual.png")
+    details.setdefault("timings_s", {})["total"] = time.perf_counter() - t_start
+    (out / DETAILS_FILE).write_text(json.dumps(_jsonable(details), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    paths["details"] = out / DETAILS_FILE
+    with open(paths["markdown"], "a", encoding="utf-8") as fh:
+        fh.write("\n" + details_markdown(details))
+    log(f"wrote {out} in {details['timings_s']['total']:.1f}s")
+    return EvalResult(records=records, details=_jsonable(details), paths=paths)
+
+
+def _lds_part(scoreset: ScoreSet, train: Documents, queries: Documents, cfg: LDSConfig, out: Path, log):
+    from eogp_index.evaluation.lds import RETRAINING_FILE, COUNTERFACTUAL_FILE, counterfactual, lds_records, retrain_subsets
+
+    train_tokens, query_tokens = _plain(train, "training"), _plain(queries, "query")
+    t0 = time.perf_counter()
+    retraining = retrain_subsets(cfg.base, train_tokens, query_tokens, recipe=cfg.recipe, num_subsets=cfg.num_subsets,
+                                 fraction=cfg.fraction, seed=cfg.seed, cache=out / RETRAINING_FILE, log=log)
+    t_retrain = time.perf_counter() - t0
+    log(f"LDS retraining: {retraining.num_trained} subsets trained now, "
+        f"{cfg.num_subsets - retraining.num_trained} reused ({t_retrain:.1f}s)")
+    t0 = time.perf_counter()
+    records, details = lds_records(scoreset, retraining, n_bootstrap=cfg.n_bootstrap, seed=cfg.seed)
+    details["config"] = {**asdict(cfg), "recipe": cfg.recipe.to_dict()}
+    details["timings_s"] = {"retraining": t_retrain, "lds_metrics": time.perf_counter() - t0,
+                            "subsets_trained_now": retraining.num_trained}
+    if cfg.counterfactual:
+        chosen: Dict[str, np.ndarray] = {}
+        for method in cfg.cf_methods:
+            c = scoreset.config(method, cfg.cf_budget)
+            if c is None:
+                log(f"counterfactual: {method} has no configuration at {cfg.cf_budget} B; left out")
+                continue
+            chosen[f"{c.label} @ {report.format_bytes(c.budget)}"] = scoreset.scores[c.id][0]
+        chosen["EK-FAC (uncompressed)"] = scoreset.reference
+        if "tracin" in scoreset.references:
+            chosen["TracIn (uncompressed)"] = scoreset.references["tracin"]
+        t0 = time.perf_counter()
+        removals = tuple(n for n in cfg.cf_removals if n < len(train_tokens))
+        result = counterfactual(cfg.base, train_tokens, query_tokens, chosen, removals=removals, seeds=cfg.cf_seeds,
+                                num_queries=cfg.cf_queries, recipe=cfg.recipe, cache=out / COUNTERFACTUAL_FILE, log=log)
+        details["counterfactual"] = result.to_json()
+        details["timings_s"]["counterfactual"] = time.perf_counter() - t0
+        details["timings_s"]["counterfactual_runs_trained_now"] = result.num_trained
+    return records, details
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.floating, float)):
+        v = float(value)
+        return v if math.isfinite(v) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _plot_counterfactual(cf: Dict[str, Any], path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    removals = [int(n) for n in cf["removals"]]
+    for i, (name, values) in enumerate(cf["delta_ppl"].items()):
+        ys = [values[str(n)] for n in removals]
+        style = dict(color="black", linestyle="--") if "uncompressed" in name or name == "Random" else {}
+        if name == "Random":
+            style = dict(color="gray", linestyle=":")
+        ax.plot(removals, ys, marker="os^Dv<>P*"[i % 9], label=name, linewidth=1.4, markersize=4.5, **style)
+    ax.set_xlabel("Training documents removed")
+    ax.set_ylabel("Query perplexity increase")
+    ax.set_title(f"Counterfactual removal ({len(cf['seeds'])} seeds, {cf['num_queries']} queries)")
+    ax.grid(True, linestyle=":", linewidth=0.7)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.savefig(path, format="png", bbox_inches="tight")
+    return path
+
+
+def details_markdown(details: Dict[str, Any]) -> str:
+    """The Markdown sections appended to ``results.md``: setup, dimensions, LDS references,
+    counterfactual, skipped pairs and timings."""
+    setup = details["setup"]
+    lines = ["## Setup", ""]
+    lines.append(f"- model `{setup['model']}`; {setup['num_train']} training documents, {setup['num_queries']} "
+                 f"queries, at most {setup['max_tokens']} tokens each")
+    mods = setup["modules"]
+    lines.append(f"- {len(mods)} attributed modules, {sum(m['d_out'] * m['d_in'] for m in mods):,} parameters "
+                 f"(full FP16 gradient: {report.format_bytes(2 * sum(m['d_out'] * m['d_in'] for m in mods))} per example)")
+    lines.append(f"- index-side full-width EK-FAC vs kronfluence `compute_pairwise_scores`: relative error "
+                 f"{_fmt(setup['index_vs_kronfluence_rel_err'], '.2e')}")
+    lines += ["", "### Dimensions per module at each budget", "",
+              "| Method | Budget | Actual bytes | k per module | m per module | rank | seeds |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for c in setup["configs"]:
+        lines.append(f"| {c['label']} | {c['budget']} | {c['bytes_per_example']} | {_span(c['k'])} | "
+                     f"{_span(c['m']) if c['m'] else '—'} | {_span(c['rank']) if c['rank'] else '—'} | {len(c['seeds'])} |")
+    if setup["skipped"]:
+        lines += ["", "Not run (the curve ends there):", ""]
+        lines += [f"- {method_label(s['method'])} at {s['budget']} B: {s['reason']}" for s in setup["skipped"]]
+    lds = details.get("lds")
+    if lds:
+        lines += ["", "## LDS references (uncompressed)", "",
+                  f"{lds['num_subsets']} subsets of {lds['subset_size']} documents; 95% bootstrap intervals.", "",
+                  "| Reference | LDS | 95% CI |", "|---|---:|---:|"]
+        for name, v in lds["references"].items():
+            lines.append(f"| {name} | {_fmt(v['lds'])} | [{_fmt(v['ci_low'])}, {_fmt(v['ci_high'])}] |")
+        cf = lds.get("counterfactual")
+        if cf:
+            removals = [str(n) for n in cf["removals"]]
+            lines += ["", "## Counterfactual removal", "",
+                      f"Perplexity increase of the first {cf['num_queries']} queries after removing the top-N "
+                      f"documents and retraining (mean over seeds {list(cf['seeds'])}; no-removal perplexity "
+                      f"{', '.join(_fmt(p, '.2f') for p in cf['base_ppl'])}).", "",
+                      "| Ranking | " + " | ".join(f"N = {n}" for n in removals) + " |",
+                      "|---|" + "---:|" * len(removals)]
+            for name, values in cf["delta_ppl"].items():
+                lines.append(f"| {name} | " + " | ".join(
+                    f"{_fmt(values[n], '+.3f')} ± {_fmt(cf['std'][name][n], '.3f')}" for n in removals) + " |")
+    timings = {"scoring": setup["score_timings_s"], **({"lds": lds["timings_s"]} if lds else {}),
+               "run": details.get("timings_s", {})}
+    lines += ["", "## Timings (seconds)", "", "```", json.dumps(_jsonable(timings), indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def _span(values) -> str:
+    values = list(values)
+    return str(values[0]) if len(set(values)) == 1 else f"{min(values)}–{max(values)}"
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return format(value, spec)
