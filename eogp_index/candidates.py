@@ -410,7 +410,8 @@ class CandidateIndex:
 
         Flat and HNSW add to the existing structure, IVF assigns new rows to its trained lists
         (no retraining: rebuild after the corpus has changed a lot). Reads the ``id`` column of the
-        table, then only the new rows' signs.
+        table, then only the new rows' signs. Rows deleted from the table stay in FAISS; they are
+        dropped when the candidates are fetched from the table.
         """
         self.check_compatible(index)
         dataset = index.store.dataset()
@@ -445,21 +446,22 @@ class CandidateIndex:
         return self.ntotal - before
 
     def _add_rows(self, batches, *, progress: bool, total: int, where: str) -> None:
-        keys_parts, id_parts = [self._keys], [self._ids]
-        for ids, signs in _progress(batches, progress, "FAISS add", total=total):
-            keys = id_keys(ids.to_pylist())
-            for start in range(0, len(keys), _ADD_ROWS):
-                chunk = slice(start, start + _ADD_ROWS)
-                self._index.add_with_ids(np.ascontiguousarray(signs[chunk]), keys[chunk])
-            keys_parts.append(keys)
-            id_parts.append(ids.cast(pa.string()))
-        keys = np.concatenate(keys_parts)
-        ids = pa.concat_arrays([a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a for a in id_parts])
-        _check_unique(keys, ids, where)  # raised before save(): a bad build is never committed
-        self._keys, self._ids = keys, ids
-        self.meta["rows"] = int(len(keys))
-        self._gpu = None
-        self._reindex_keys()
+        with self._lock:  # FAISS add is not safe against a concurrent search of the same object
+            keys_parts, id_parts = [self._keys], [self._ids]
+            for ids, signs in _progress(batches, progress, "FAISS add", total=total):
+                keys = id_keys(ids.to_pylist())
+                for start in range(0, len(keys), _ADD_ROWS):
+                    chunk = slice(start, start + _ADD_ROWS)
+                    self._index.add_with_ids(np.ascontiguousarray(signs[chunk]), keys[chunk])
+                keys_parts.append(keys)
+                id_parts.append(ids.cast(pa.string()))
+            keys = np.concatenate(keys_parts)
+            ids = pa.concat_arrays([a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a for a in id_parts])
+            _check_unique(keys, ids, where)  # raised before save(): a bad build is never committed
+            self._keys, self._ids = keys, ids
+            self.meta["rows"] = int(len(keys))
+            self._gpu = None
+            self._reindex_keys()
 
     def _reindex_keys(self) -> None:
         self._order = np.argsort(self._keys, kind="stable")

@@ -188,10 +188,13 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, device, as_json, te
 @click.option("-k", "k", type=int, default=10, show_default=True, help="How many examples per direction.")
 @click.option("--where", default=None, help="SQL filter on stored columns, e.g. \"kind = 'function'\".")
 @click.option("--direction", type=click.Choice(["positive", "negative", "both"]), default="both", show_default=True)
+@click.option("--candidates", type=int, default=None,
+              help="Rescore only this many FAISS candidates per direction (needs `eogp build-faiss`).")
+@click.option("--stream", is_flag=True, help="Scan the table in batches instead of an in-memory copy.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @_fail_cleanly
-def query(index_dir, texts, queries_file, limit_queries, k, where, direction, device, as_json):
+def query(index_dir, texts, queries_file, limit_queries, k, where, direction, candidates, stream, device, as_json):
     """Show the stored examples that most influence each query.
 
     Positive scores: training on the example lowers the query's loss.
@@ -218,7 +221,8 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, de
     index = AttributionIndex.open(index_dir, gradients=GradientConfig(device=device))
     results = []
     for q in queries:
-        table = index.top_influential(q, k=k, where=where, direction=direction)
+        table = index.top_influential(q, k=k, where=where, direction=direction, candidates=candidates,
+                                      stream=stream)
         results.append({"query": q, "results": table.to_pylist()})
     _emit(results, as_json, _print_results)
 
@@ -242,6 +246,63 @@ def info(index_dir, as_json):
     data = manifest.to_json()
     data.update(rows=store.count(), table_version=store.version, path=str(index_dir))
     _emit(data, as_json, _print_info)
+
+
+@cli.command("index-column")
+@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("column")
+@click.option("--kind", type=click.Choice(["BTREE", "BITMAP"]), default="BTREE", show_default=True,
+              help="BTREE for ranges and many distinct values, BITMAP for few distinct values.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_fail_cleanly
+def index_column(index_dir, column, kind, as_json):
+    """Create a scalar index on a stored column so --where filters on it are fast.
+
+    \b
+    Example:
+        eogp index-column my-index kind --kind BITMAP
+        eogp index-column my-index num_tokens
+    """
+    from .manifest import Manifest
+    from .store import Store
+
+    manifest = Manifest.load(index_dir)
+    store = Store(index_dir, manifest.table)
+    store.create_scalar_index(column, kind)
+    _emit({"column": column, "kind": kind, "indices": [str(i.name) for i in store.table.list_indices()]},
+          as_json, lambda d: click.echo(f"indexed {d['column']} ({d['kind']})"))
+
+
+@cli.command("build-faiss")
+@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--kind", type=click.Choice(["flat", "ivf", "hnsw"]), default="flat", show_default=True,
+              help="FAISS binary index: exact Hamming (flat), inverted lists (ivf) or a graph (hnsw).")
+@click.option("--name", default="default", show_default=True, help="Name of the FAISS index in the index directory.")
+@click.option("--extend", "extend_only", is_flag=True, help="Only add rows ingested since the last build.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_fail_cleanly
+def build_faiss(index_dir, kind, name, extend_only, as_json):
+    """Build (or extend) a FAISS binary index over the stored signs for `query --candidates`.
+
+    Uses the GPU binary flat index when a GPU FAISS build and a GPU are present.
+
+    \b
+    Example:
+        eogp build-faiss my-index --kind hnsw
+        eogp query my-index --text "Parse a CSV file." --candidates 2000
+    """
+    from .candidates import CandidateIndex, FaissConfig, build
+    from .client import AttributionIndex
+
+    index = AttributionIndex.open(index_dir)
+    if extend_only:
+        faiss_index = CandidateIndex.load(index_dir, name)
+        added = faiss_index.extend(index, progress=not as_json)
+    else:
+        faiss_index = build(index, name, FaissConfig(kind=kind), progress=not as_json)
+        added = faiss_index.ntotal
+    _emit({"name": name, "kind": faiss_index.config.kind, "rows": faiss_index.ntotal, "added": added}, as_json,
+          lambda d: click.echo(f"FAISS index {d['name']!r}: {d['rows']} rows ({d['added']} added)"))
 
 
 def _print_info(data: dict) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -138,24 +139,44 @@ def fit_pca(z: torch.Tensor, k: int) -> torch.Tensor:
     With fewer rows than columns the directions come from the ``n × n`` Gram matrix
     (``Z Z^T = U W U^T`` ⇒ ``P = Z^T U W^{-1/2}``), never an ``m × m`` matrix.
 
-    Raises:
-        ConfigError: the fitting set spans fewer than ``k`` directions.
+    When the fitting set spans fewer than ``k`` directions, PCA leaves the rest undetermined;
+    they are completed with the leading first-stage axes (largest EK-FAC eigenvalues first)
+    orthogonalised against the span, and a warning says so.
     """
     z = z.double()
     n, m = z.shape
     if n < m:
         weights, vectors = torch.linalg.eigh(z @ z.T)
         weights, vectors = weights.flip(0)[:k], vectors.flip(1)[:, :k]
-        rank = int((weights > weights[0] * 1e-10).sum()) if weights.numel() else 0
-        if rank < k:
-            raise ConfigError(
-                f"the PCA fitting set spans only {rank} directions but k={k} were asked for; "
-                "fit on more examples (num_fit_examples) or lower k"
-            )
-        directions = (z.T @ vectors) / weights.sqrt()
+        rank = int((weights > weights[0] * 1e-10).sum()) if weights.numel() and weights[0] > 0 else 0
+        directions = (z.T @ vectors[:, :rank]) / weights[:rank].sqrt()
     else:
         weights, vectors = torch.linalg.eigh(z.T @ z)
-        directions = vectors.flip(1)[:, :k]
+        weights, directions = weights.flip(0)[:k], vectors.flip(1)[:, :k]
+        rank = int((weights > weights[0] * 1e-10).sum()) if weights[0] > 0 else 0
+        directions = directions[:, :rank]
+    if rank < k:
+        warnings.warn(
+            f"the PCA fitting set spans only {rank} of the k={k} directions asked for; the rest are the "
+            "leading EK-FAC axes orthogonal to it. Fit on more examples (num_fit_examples) for a full PCA.",
+            stacklevel=2,
+        )
+        axes = torch.eye(m, dtype=z.dtype)
+        residual = axes - directions @ (directions.T @ axes)
+        # Pivot on the axes in eigenvalue order: keep each axis that adds a new direction.
+        basis = [directions]
+        have = rank
+        for j in range(m):
+            if have == k:
+                break
+            v = residual[:, j : j + 1]
+            for b in basis[1:]:
+                v = v - b @ (b.T @ v)
+            norm = v.norm()
+            if norm > 1e-6:
+                basis.append(v / norm)
+                have += 1
+        directions = torch.cat(basis, dim=1)
     return directions.float().contiguous()
 
 

@@ -7,7 +7,6 @@ from scipy.linalg import hadamard
 
 from eogp_index.config import ProjectionConfig, StorageConfig
 from eogp_index.curvature import ModuleCurvature
-from eogp_index.errors import ConfigError
 from eogp_index.projection import (
     Projection,
     build_projection,
@@ -93,8 +92,15 @@ def test_gram_route_spans_the_same_subspace_as_the_direct_route():
     w, v = torch.linalg.eigh(z.T @ z)
     P_direct = v.flip(1)[:, :5]
     torch.testing.assert_close(P_gram @ P_gram.T, P_direct @ P_direct.T, atol=1e-4, rtol=0)
-    with pytest.raises(ConfigError, match="spans only"):
-        fit_pca(z.float(), 11)
+
+
+def test_pca_completes_a_rank_deficient_fitting_set_with_leading_axes():
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(3, 12, generator=gen, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="spans only 3"):
+        P = fit_pca(z.float(), 6).double()
+    torch.testing.assert_close(P.T @ P, torch.eye(6, dtype=torch.float64), atol=1e-5, rtol=0)
+    torch.testing.assert_close(z @ P @ P.T, z, atol=1e-5, rtol=0)  # the data's span is kept whole
 
 
 def test_fwht_and_srht_normalisation():

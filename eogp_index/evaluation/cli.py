@@ -72,6 +72,8 @@ def _data_options(func: Callable) -> Callable:
         click.option("--methods", default=None,
                      help="Methods, comma-separated (default: eogp,eogp-fp16,eogp-r,ekfac-topk,logra-random,"
                           "logra-pca,grass,gaussian; also logra-random-1bit,logra-pca-1bit,grass-1bit)."),
+        click.option("--pca-data", "pca_data", multiple=True,
+                     help="Fit EOGP's PCA on these shards instead of the training documents (repeatable)."),
         click.option("--limit-train", type=int, default=None, help="Use only the first N training documents."),
         click.option("--limit-queries", type=int, default=None, help="Use only the first N queries."),
         click.option("--max-tokens", type=int, default=128, show_default=True, help="Truncate documents."),
@@ -89,15 +91,18 @@ def _lds_options(func: Callable) -> Callable:
     options = [
         click.option("--base", default=str(_default_root() / "base"), show_default=True,
                      help="The pretrained model every retraining starts from."),
-        click.option("--subsets", type=int, default=24, show_default=True, help="LDS subsets R (half of the documents each)."),
+        click.option("--subsets", type=int, default=24, show_default=True,
+                     help="LDS subsets R (half of the documents each)."),
         click.option("--epochs", type=int, default=None, help="Fine-tuning epochs (default: the recipe's 3)."),
         click.option("--lr", type=float, default=None, help="Fine-tuning learning rate (default: the recipe's)."),
-        click.option("--bootstrap", type=int, default=1000, show_default=True, help="Bootstrap resamples of the LDS CI."),
+        click.option("--bootstrap", type=int, default=1000, show_default=True,
+                     help="Bootstrap resamples of the LDS CI."),
         click.option("--counterfactual/--no-counterfactual", default=True, show_default=True,
                      help="Also retrain without each method's top-ranked documents."),
         click.option("--cf-budget", type=int, default=256, show_default=True,
                      help="Budget (bytes per example) of the compressed methods in the counterfactual."),
-        click.option("--cf-removals", default="16,32,64", show_default=True, help="Documents removed, comma-separated."),
+        click.option("--cf-removals", default="16,32,64", show_default=True,
+                     help="Documents removed, comma-separated."),
         click.option("--cf-seeds", default="0,1,2", show_default=True, help="Retraining seeds, comma-separated."),
         click.option("--cf-queries", type=int, default=16, show_default=True,
                      help="Rank and measure on the first N queries."),
@@ -107,11 +112,12 @@ def _lds_options(func: Callable) -> Callable:
     return func
 
 
-def _configs(model, train, queries, budgets, methods, limit_train, limit_queries, max_tokens, batch_size, seed):
+def _configs(model, train, queries, budgets, methods, pca_data, limit_train, limit_queries, max_tokens, batch_size,
+             seed):
     from eogp_index.evaluation.run import DataConfig, FidelityConfig
 
     data = DataConfig(model=model, train=tuple(train), queries=tuple(queries), max_tokens=max_tokens,
-                      limit_train=limit_train, limit_queries=limit_queries)
+                      limit_train=limit_train, limit_queries=limit_queries, pca_data=tuple(pca_data) or None)
     kwargs = dict(batch_size=batch_size, seed=seed)
     if budgets is not None:
         kwargs["budgets"] = _ints(budgets, "--budgets")
@@ -172,8 +178,8 @@ def eval_group() -> None:
 @eval_group.command()
 @_data_options
 @_fail_cleanly
-def fidelity(model, train, queries, out, budgets, methods, limit_train, limit_queries, max_tokens, batch_size, seed,
-             as_json, quiet):
+def fidelity(model, train, queries, out, budgets, methods, pca_data, limit_train, limit_queries, max_tokens,
+             batch_size, seed, as_json, quiet):
     """Agreement with uncompressed EK-FAC: NDCG@20 and Spearman per method and budget.
 
     Also the median Pearson correlation between 1-bit and FP16 scores at the same k
@@ -188,7 +194,7 @@ def fidelity(model, train, queries, out, budgets, methods, limit_train, limit_qu
     """
     from eogp_index.evaluation.run import run_fidelity
 
-    data, cfg = _configs(model, train, queries, budgets, methods, limit_train, limit_queries, max_tokens,
+    data, cfg = _configs(model, train, queries, budgets, methods, pca_data, limit_train, limit_queries, max_tokens,
                          batch_size, seed)
     _finish(run_fidelity(data, cfg, out, log=_logger(quiet)), as_json)
 
@@ -197,8 +203,8 @@ def fidelity(model, train, queries, out, budgets, methods, limit_train, limit_qu
 @_data_options
 @_lds_options
 @_fail_cleanly
-def lds(model, train, queries, out, budgets, methods, limit_train, limit_queries, max_tokens, batch_size, seed,
-        as_json, quiet, base, subsets, epochs, lr, bootstrap, counterfactual, cf_budget, cf_removals, cf_seeds,
+def lds(model, train, queries, out, budgets, methods, pca_data, limit_train, limit_queries, max_tokens, batch_size,
+        seed, as_json, quiet, base, subsets, epochs, lr, bootstrap, counterfactual, cf_budget, cf_removals, cf_seeds,
         cf_queries):
     """Linear datamodeling score against retraining, and counterfactual removal.
 
@@ -214,7 +220,7 @@ def lds(model, train, queries, out, budgets, methods, limit_train, limit_queries
     """
     from eogp_index.evaluation.run import run_lds
 
-    data, cfg = _configs(model, train, queries, budgets, methods, limit_train, limit_queries, max_tokens,
+    data, cfg = _configs(model, train, queries, budgets, methods, pca_data, limit_train, limit_queries, max_tokens,
                          batch_size, seed)
     lds_cfg = _lds_config(base, subsets, epochs, lr, bootstrap, counterfactual, cf_budget, cf_removals, cf_seeds,
                           cf_queries, seed, cfg.methods)
@@ -225,8 +231,8 @@ def lds(model, train, queries, out, budgets, methods, limit_train, limit_queries
 @_data_options
 @_lds_options
 @_fail_cleanly
-def all_(model, train, queries, out, budgets, methods, limit_train, limit_queries, max_tokens, batch_size, seed,
-         as_json, quiet, base, subsets, epochs, lr, bootstrap, counterfactual, cf_budget, cf_removals, cf_seeds,
+def all_(model, train, queries, out, budgets, methods, pca_data, limit_train, limit_queries, max_tokens, batch_size,
+         seed, as_json, quiet, base, subsets, epochs, lr, bootstrap, counterfactual, cf_budget, cf_removals, cf_seeds,
          cf_queries):
     """Fidelity, LDS and counterfactual removal from one scoring pass, in one report.
 
@@ -238,7 +244,7 @@ def all_(model, train, queries, out, budgets, methods, limit_train, limit_querie
     """
     from eogp_index.evaluation.run import run_all
 
-    data, cfg = _configs(model, train, queries, budgets, methods, limit_train, limit_queries, max_tokens,
+    data, cfg = _configs(model, train, queries, budgets, methods, pca_data, limit_train, limit_queries, max_tokens,
                          batch_size, seed)
     lds_cfg = _lds_config(base, subsets, epochs, lr, bootstrap, counterfactual, cf_budget, cf_removals, cf_seeds,
                           cf_queries, seed, cfg.methods)

@@ -534,7 +534,8 @@ class SharedPass:
                     if key in outputs[n]:
                         self.train_parts.setdefault(key, {}).setdefault(n, []).append(outputs[n][key].detach().cpu())
                 continue
-            x = np.concatenate([outputs[n][key].detach().cpu().numpy() for n in self.names if key in outputs[n]], axis=1)
+            x = np.concatenate([outputs[n][key].detach().cpu().numpy() for n in self.names if key in outputs[n]],
+                               axis=1)
             precision, k = streamed
             y = self.query[key].astype(np.float64)
             stored = _store(x, precision, k).astype(np.float64)

@@ -26,7 +26,7 @@ import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -71,6 +71,8 @@ class DataConfig:
     model: the fine-tuned model directory (its tokenizer alongside). train, queries: shard
     paths or globs (JSONL[.gz/.zst], Parquet, ``save_to_disk`` directories). max_tokens:
     truncation, as in fine-tuning. limit_train / limit_queries: keep only the first N.
+    pca_data: documents to fit EOGP's PCA on instead of the training documents (the paper
+    fits on the candidates for GPT-2; a held-out set shows what in-sample fitting adds).
     """
 
     model: str = field(default_factory=lambda: _default("model"))
@@ -79,6 +81,7 @@ class DataConfig:
     max_tokens: int = 128
     limit_train: Optional[int] = None
     limit_queries: Optional[int] = None
+    pca_data: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 2:
@@ -230,7 +233,8 @@ def _load_inputs(data: DataConfig):
     model, tokenizer = load_model(data.model, device="cpu")
     train = load_documents(data.train, tokenizer, max_tokens=data.max_tokens, limit=data.limit_train)
     queries = load_documents(data.queries, tokenizer, max_tokens=data.max_tokens, limit=data.limit_queries)
-    return model, tokenizer, train, queries
+    pca_docs = load_documents(data.pca_data, tokenizer, max_tokens=data.max_tokens) if data.pca_data else None
+    return model, tokenizer, train, queries, pca_docs
 
 
 # --------------------------------------------------------------------------- scoring (cached)
@@ -240,9 +244,10 @@ def _scores(data: DataConfig, cfg: FidelityConfig, out: Path, log) -> Tuple[Scor
     from eogp_index.client import _pad_id
     from eogp_index.manifest import model_sha256
 
-    model, tokenizer, train, queries = _load_inputs(data)
+    model, tokenizer, train, queries, pca_docs = _load_inputs(data)
     key = hashlib.sha256(json.dumps({
         "model": model_sha256(model), "train": train.fingerprint(), "queries": queries.fingerprint(),
+        "pca": pca_docs.fingerprint() if pca_docs is not None else None,
         "config": asdict(cfg), "version": 1}, sort_keys=True, default=str).encode()).hexdigest()
     cache = out / SCORES_FILE
     if cache.exists():
@@ -258,7 +263,7 @@ def _scores(data: DataConfig, cfg: FidelityConfig, out: Path, log) -> Tuple[Scor
     scoreset = compute_scores(
         model, train, queries, out, budgets=cfg.budgets, methods=cfg.methods, modules=cfg.modules,
         damping_ratio=cfg.damping_ratio, m_factor=cfg.m_factor, gaussian_seeds=cfg.gaussian_seeds, seed=cfg.seed,
-        batch_size=cfg.batch_size, pad_token_id=_pad_id(tokenizer), log=log)
+        batch_size=cfg.batch_size, pca_docs=pca_docs, pad_token_id=_pad_id(tokenizer), log=log)
     scoreset.key = key
     scoreset.save(cache)
     return scoreset, train, queries, False
@@ -269,6 +274,7 @@ def _setup_details(data: DataConfig, cfg: FidelityConfig, scoreset: ScoreSet) ->
 
     return {
         "model": data.model, "train": list(data.train), "queries": list(data.queries),
+        "pca_data": list(data.pca_data) if data.pca_data else "the training documents",
         "num_train": len(scoreset.train_ids), "num_queries": len(scoreset.query_ids),
         "max_tokens": data.max_tokens, "fidelity_config": asdict(cfg),
         "modules": [asdict(m) for m in scoreset.modules],
@@ -340,7 +346,13 @@ def _run(data: DataConfig, cfg: FidelityConfig, lds_cfg: Optional[LDSConfig], ou
 
 
 def _lds_part(scoreset: ScoreSet, train: Documents, queries: Documents, cfg: LDSConfig, out: Path, log):
-    from eogp_index.evaluation.lds import RETRAINING_FILE, COUNTERFACTUAL_FILE, counterfactual, lds_records, retrain_subsets
+    from eogp_index.evaluation.lds import (
+        COUNTERFACTUAL_FILE,
+        RETRAINING_FILE,
+        counterfactual,
+        lds_records,
+        retrain_subsets,
+    )
 
     train_tokens, query_tokens = _plain(train, "training"), _plain(queries, "query")
     t0 = time.perf_counter()
@@ -423,16 +435,19 @@ def details_markdown(details: Dict[str, Any]) -> str:
     lines = ["## Setup", ""]
     lines.append(f"- model `{setup['model']}`; {setup['num_train']} training documents, {setup['num_queries']} "
                  f"queries, at most {setup['max_tokens']} tokens each")
-    mods = setup["modules"]
-    lines.append(f"- {len(mods)} attributed modules, {sum(m['d_out'] * m['d_in'] for m in mods):,} parameters "
-                 f"(full FP16 gradient: {report.format_bytes(2 * sum(m['d_out'] * m['d_in'] for m in mods))} per example)")
+    num_params = sum(m["d_out"] * m["d_in"] for m in setup["modules"])
+    lines.append(f"- {len(setup['modules'])} attributed modules, {num_params:,} parameters "
+                 f"(full FP16 gradient: {report.format_bytes(2 * num_params)} per example)")
     lines.append(f"- index-side full-width EK-FAC vs kronfluence `compute_pairwise_scores`: relative error "
                  f"{_fmt(setup['index_vs_kronfluence_rel_err'], '.2e')}")
     lines += ["", "### Dimensions per module at each budget", "",
-              "| Method | Budget | Actual bytes | k per module | m per module | rank | seeds |", "|---|---:|---:|---:|---:|---:|---:|"]
+              "| Method | Budget | Actual bytes | k per module | m per module | rank | seeds |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for c in setup["configs"]:
-        lines.append(f"| {c['label']} | {c['budget']} | {c['bytes_per_example']} | {_span(c['k'])} | "
-                     f"{_span(c['m']) if c['m'] else '—'} | {_span(c['rank']) if c['rank'] else '—'} | {len(c['seeds'])} |")
+        m = _span(c["m"]) if c["m"] else "—"
+        rank = _span(c["rank"]) if c["rank"] else "—"
+        lines.append(f"| {c['label']} | {c['budget']} | {c['bytes_per_example']} | {_span(c['k'])} | {m} | {rank} | "
+                     f"{len(c['seeds'])} |")
     if setup["skipped"]:
         lines += ["", "Not run (the curve ends there):", ""]
         lines += [f"- {method_label(s['method'])} at {s['budget']} B: {s['reason']}" for s in setup["skipped"]]

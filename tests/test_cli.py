@@ -1,0 +1,80 @@
+"""The `eogp` command line on a real (tiny) model saved to disk, end to end."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import make_tiny_gpt2, make_word_tokenizer
+from eogp_index.cli import cli
+
+# CliRunner swaps sys.stdout/sys.stderr per call, and transformers' logging handler keeps the
+# stream of the first call, which can land its config warnings in a later call's stdout.
+# Its weight-loading progress bar likewise.
+__import__("transformers").logging.set_verbosity_error()
+__import__("transformers").utils.logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    make_tiny_gpt2().save_pretrained(root / "model")
+    make_word_tokenizer().save_pretrained(root / "model")
+    lines = [json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 7 + j) % 63 + 1}" for j in range(6 + i % 9)),
+                         "kind": "ab"[i % 2], "n": i}) for i in range(30)]
+    (root / "shard.jsonl").write_text("\n".join(lines) + "\n")
+    runner = CliRunner()
+    fit = runner.invoke(cli, ["fit", str(root / "model"), "--data", str(root / "shard.jsonl"), "--out",
+                              str(root / "idx"), "-k", "16", "--curvature-examples", "30", "--pca-examples", "30",
+                              "--max-tokens", "24", "--json"])
+    assert fit.exit_code == 0, fit.output
+    ingest = runner.invoke(cli, ["ingest", str(root / "idx"), str(root / "shard.jsonl"), "--id-field", "id",
+                                 "--metadata", "kind", "--metadata", "n", "--json"])
+    assert ingest.exit_code == 0, ingest.output
+    return root, json.loads(fit.stdout), json.loads(ingest.stdout)
+
+
+def _run(*args):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    return result
+
+
+def test_fit_and_ingest_report_json(workspace):
+    root, fitted, summary = workspace
+    assert fitted["projection"]["variant"] == "eogp" and all(m["k"] == 16 for m in fitted["modules"])
+    assert summary["stored"] == 30 and summary["rejected"] == 0
+    info = json.loads(_run("info", root / "idx", "--json").stdout)
+    assert info["rows"] == 30 and info["bytes_per_example"] == 8 * (2 + 2)
+
+
+def test_query_with_filter_and_json(workspace):
+    root, _, _ = workspace
+    result = _run("query", root / "idx", "--text", "t1 t2 t3 t4", "-k", "3", "--where", "kind = 'a'", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)[0]["results"]
+    assert len(rows) == 6 and all(r["kind"] == "a" for r in rows)
+    assert [r["direction"] for r in rows] == ["positive"] * 3 + ["negative"] * 3
+    human = _run("query", root / "idx", "--text", "t1 t2 t3 t4", "-k", "2")
+    assert human.exit_code == 0 and "query: t1 t2 t3 t4" in human.output
+
+
+def test_faiss_candidates_and_scalar_index(workspace):
+    root, _, _ = workspace
+    assert _run("index-column", root / "idx", "kind", "--kind", "BITMAP").exit_code == 0
+    built = _run("build-faiss", root / "idx", "--json")
+    assert built.exit_code == 0, built.output
+    assert json.loads(built.stdout)["rows"] == 30
+    exact = json.loads(_run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--json").stdout)
+    approx = json.loads(_run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--candidates", "30",
+                             "--json").output)
+    assert [r["id"] for r in exact[0]["results"]] == [r["id"] for r in approx[0]["results"]]
+
+
+def test_user_errors_exit_nonzero_with_a_message(workspace, tmp_path):
+    root, _, _ = workspace
+    bad = _run("query", root / "idx", "--text", "t1", "--where", "nosuchcolumn = 1")
+    assert bad.exit_code != 0 and "invalid where filter" in bad.output
+    missing = _run("info", tmp_path)
+    assert missing.exit_code != 0 and "not an eogp index" in missing.output
+    again = _run("fit", root / "model", "--data", root / "shard.jsonl", "--out", root / "idx")
+    assert again.exit_code != 0 and "already holds an index" in again.output
