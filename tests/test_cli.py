@@ -72,8 +72,10 @@ def test_faiss_candidates_and_scalar_index(workspace):
 
 def test_user_errors_exit_nonzero_with_a_message(workspace, tmp_path):
     root, _, _ = workspace
-    bad = _run("query", root / "idx", "--text", "t1", "--where", "nosuchcolumn = 1")
+    bad = _run("query", root / "idx", "--text", "t1 t2", "--where", "nosuchcolumn = 1")
     assert bad.exit_code != 0 and "invalid where filter" in bad.output
+    short = _run("query", root / "idx", "--text", "t1")
+    assert short.exit_code != 0 and "no loss tokens" in short.output
     missing = _run("info", tmp_path)
     assert missing.exit_code != 0 and "not an eogp index" in missing.output
     again = _run("fit", root / "model", "--data", root / "shard.jsonl", "--out", root / "idx")
