@@ -22,7 +22,7 @@ install: $(VENV)/.installed
 
 demo: install
 	$(BIN)/eogp fit examples/default/model --data examples/default/corpus/train.jsonl.gz \
-		--out $(INDEX) -k 256 --curvature-examples 512 --pca-examples 512 --max-tokens 128 --overwrite
+		--out $(INDEX) -k 256 --curvature-examples 256 --pca-examples 512 --max-tokens 128 --overwrite
 	$(BIN)/eogp ingest $(INDEX) examples/default/corpus/train.jsonl.gz \
 		--id-field id --metadata module --metadata kind --metadata qualname --metadata n_chars
 	$(BIN)/eogp info $(INDEX)

@@ -151,11 +151,13 @@ def fit(model, data, out, variant, k, budget_kb, m, precision, curvature_example
 @click.option("--rejects", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write rejected records (default: INDEX/rejects/<time>.jsonl).")
 @click.option("--batch-size", type=int, default=None, help="Examples per batch (one commit each).")
+@click.option("--model", "model_name", default=None,
+              help="Load the model from here instead of the path or name in the manifest (it must be the same model).")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_record_options
 @_fail_cleanly
-def ingest(index_dir, shards, on_error, rejects, batch_size, device, as_json, text_field, messages_field,
+def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, as_json, text_field, messages_field,
            input_ids_field, labels_field, id_field, metadata_fields):
     """Store corpus shards in an index. Safe to rerun: stored examples are skipped.
 
@@ -171,7 +173,7 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, device, as_json, te
     from .config import GradientConfig
 
     gradients = GradientConfig(batch_size=batch_size or 8, device=device)
-    index = AttributionIndex.open(index_dir, gradients=gradients)
+    index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
     spec = _spec(text_field, messages_field, input_ids_field, labels_field, id_field, metadata_fields,
                  index.manifest.max_tokens)
     summary = run_ingest(index, list(shards), spec=spec, on_error=on_error, rejects_path=rejects,
@@ -191,10 +193,13 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, device, as_json, te
 @click.option("--candidates", type=int, default=None,
               help="Rescore only this many FAISS candidates per direction (needs `eogp build-faiss`).")
 @click.option("--stream", is_flag=True, help="Scan the table in batches instead of an in-memory copy.")
+@click.option("--model", "model_name", default=None,
+              help="Load the model from here instead of the path or name in the manifest (it must be the same model).")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @_fail_cleanly
-def query(index_dir, texts, queries_file, limit_queries, k, where, direction, candidates, stream, device, as_json):
+def query(index_dir, texts, queries_file, limit_queries, k, where, direction, candidates, stream, model_name, device,
+          as_json):
     """Show the stored examples that most influence each query.
 
     Positive scores: training on the example lowers the query's loss.
@@ -218,7 +223,7 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
         queries = queries[:limit_queries]
     if not queries:
         raise click.UsageError("give --text or --queries")
-    index = AttributionIndex.open(index_dir, gradients=GradientConfig(device=device))
+    index = AttributionIndex.open(index_dir, model_name=model_name, gradients=GradientConfig(device=device))
     results = []
     for q in queries:
         table = index.top_influential(q, k=k, where=where, direction=direction, candidates=candidates,
@@ -327,6 +332,15 @@ def _print_results(results: list) -> None:
             preview = ", ".join(f"{k}={v}" for k, v in list(extras.items())[:4])
             side = f"{row['direction'][:3]} " if "direction" in row else ""
             click.echo(f"  {side}#{row['rank']:<3} {row['score']:+.4e}  {row['id']}  {preview}")
+
+
+def _register_subgroups() -> None:
+    from .evaluation.cli import eval_group
+
+    cli.add_command(eval_group)
+
+
+_register_subgroups()
 
 
 def main(argv: Optional[List[str]] = None) -> None:

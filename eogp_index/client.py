@@ -156,7 +156,9 @@ class AttributionIndex:
         proj_hash = proj.save(path / PROJECTION_FILE)
         layout = SignLayout(proj.k)
         manifest = Manifest(
-            model={"name": model_name, "weights_sha256": weights_hash,
+            # A local directory is recorded absolute, so the index opens from any working directory.
+            model={"name": str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name,
+                   "weights_sha256": weights_hash,
                    "num_parameters": sum(p.numel() for p in model.parameters()),
                    "tokenizer": getattr(tokenizer, "name_or_path", None)},
             projection={"file": PROJECTION_FILE, "sha256": proj_hash, "variant": projection.variant,
@@ -177,8 +179,13 @@ class AttributionIndex:
 
     @classmethod
     def open(cls, path: Union[str, Path], *, model: Optional[nn.Module] = None, tokenizer=None,
-             gradients: GradientConfig = GradientConfig()) -> "AttributionIndex":
+             model_name: Optional[str] = None, gradients: GradientConfig = GradientConfig()) -> "AttributionIndex":
         """Open an index; load its model from the manifest's name unless one is given.
+
+        Args:
+            model, tokenizer: an already loaded model and its tokenizer.
+            model_name: load the model from here instead of the manifest's name (the model moved);
+                its weights must still hash to the manifest's.
 
         Raises:
             IncompatibleIndexError: the model's weights or the projection file differ from the
@@ -190,7 +197,7 @@ class AttributionIndex:
         projection = Projection.load(projection_path)
         check_compatible(manifest, projection_hash=file_sha256(projection_path), where=str(path))
         if model is None:
-            model, loaded_tokenizer = load_model(manifest.model["name"], device=gradients.resolved_device())
+            model, loaded_tokenizer = load_model(model_name or manifest.model["name"], device=gradients.resolved_device())
             tokenizer = tokenizer or loaded_tokenizer
         elif tokenizer is None:
             raise ConfigError("AttributionIndex.open: pass the tokenizer together with the model")

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import TinyTokenizer, make_examples, make_tiny_gpt2
+from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 from eogp_index.candidates import (
     CandidateIndex,
     FaissConfig,

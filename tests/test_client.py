@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TinyTokenizer, make_examples, make_tiny_gpt2, make_tiny_llama
+from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, make_tiny_llama
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError

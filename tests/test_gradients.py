@@ -2,7 +2,7 @@
 
 import torch
 
-from conftest import make_examples, make_tiny_gpt2, make_tiny_llama
+from tinymodels import make_examples, make_tiny_gpt2, make_tiny_llama
 from eogp_index.gradients import GradientCapture, dense_gradient
 from eogp_index.modules import find_attributed_modules, replace_conv1d
 from eogp_index.task import collate, per_example_loss

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from conftest import make_examples
+from tinymodels import make_examples
 from eogp_index.hot import load_hot
 from eogp_index.store import list_column_to_numpy
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import make_tiny_gpt2, make_tiny_llama
+from tinymodels import make_tiny_gpt2, make_tiny_llama
 from eogp_index.errors import ModelError
 from eogp_index.modules import find_attributed_modules, module_shape, replace_conv1d
 

@@ -46,7 +46,7 @@ def test_two_torchrun_workers_merge_to_the_exact_top_k(fitted_index):
         [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     # The workers load the model named in the manifest: point it at a saved copy of the tiny model.
     model_dir = fitted_index.path / "model"
-    conftest = __import__("conftest")
+    conftest = __import__("tinymodels")
     conftest.make_tiny_gpt2().save_pretrained(model_dir)
     conftest.make_word_tokenizer().save_pretrained(model_dir)
     manifest_path = fitted_index.path / "manifest.json"

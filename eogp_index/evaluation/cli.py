@@ -101,9 +101,9 @@ def _lds_options(func: Callable) -> Callable:
                      help="Also retrain without each method's top-ranked documents."),
         click.option("--cf-budget", type=int, default=256, show_default=True,
                      help="Budget (bytes per example) of the compressed methods in the counterfactual."),
-        click.option("--cf-removals", default="16,32,64", show_default=True,
+        click.option("--cf-removals", default="32,64", show_default=True,
                      help="Documents removed, comma-separated."),
-        click.option("--cf-seeds", default="0,1,2", show_default=True, help="Retraining seeds, comma-separated."),
+        click.option("--cf-seeds", default="0,1", show_default=True, help="Retraining seeds, comma-separated."),
         click.option("--cf-queries", type=int, default=16, show_default=True,
                      help="Rank and measure on the first N queries."),
     ]

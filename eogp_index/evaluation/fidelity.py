@@ -44,6 +44,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -64,7 +65,7 @@ from eogp_index.evaluation.baselines import (
     k_for_bytes,
 )
 from eogp_index.gradients import GradientCapture
-from eogp_index.projection import fit_pca, first_stage_from_curvature, make_srht, srht_apply
+from eogp_index.projection import fit_pca, first_stage_from_curvature, make_srht
 from eogp_index.quantization import SignLayout, decode, encode
 from eogp_index.task import IGNORE_INDEX, collate
 
@@ -102,6 +103,7 @@ METHODS: Dict[str, Tuple[str, str]] = {
     "logra-pca-1bit": ("logra-pca", "1bit"),
     "grass-1bit": ("grass", "1bit"),
 }
+_FAMILY_SEED = {"eogp": 0, "eogp-r": 1, "ekfac-topk": 2, "logra-random": 3, "logra-pca": 4, "grass": 5, "gaussian": 6}
 DEFAULT_METHODS: Tuple[str, ...] = (
     "eogp", "eogp-fp16", "eogp-r", "ekfac-topk", "logra-random", "logra-pca", "grass", "gaussian",
 )
@@ -319,6 +321,41 @@ def _config_for(method, family, precision, budget, per_module, modules, *, num_f
 # --------------------------------------------------------------------------- the shared pass
 
 
+_HADAMARD: Dict[int, torch.Tensor] = {}
+
+
+def _hadamard(n: int) -> torch.Tensor:
+    """The ``n × n`` Sylvester Hadamard matrix (``n`` a power of two), float32, cached."""
+    if n not in _HADAMARD:
+        h = torch.ones(1, 1)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _HADAMARD[n] = h
+    return _HADAMARD[n]
+
+
+def fast_fwht(x: torch.Tensor) -> torch.Tensor:
+    """:func:`eogp_index.projection.fwht` (same ordering and scaling) as two small matmuls.
+
+    ``H_{ab} = H_a ⊗ H_b``, so for ``x`` viewed as ``(a, b)`` row-major, ``H x = H_a X H_b``.
+    """
+    *batch, p = x.shape
+    if p & (p - 1):
+        raise ConfigError(f"the Walsh-Hadamard transform needs a power-of-two length, got {p}")
+    a = 1 << ((p.bit_length() - 1) // 2)
+    b = p // a
+    y = _hadamard(a).to(x) @ x.reshape(-1, a, b) @ _hadamard(b).to(x)
+    return y.reshape(*batch, p)
+
+
+def fast_srht(z: torch.Tensor, signs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`eogp_index.projection.srht_apply` with :func:`fast_fwht`: ``(B, m)`` → ``(B, k)``."""
+    m = z.shape[-1]
+    p = 1 << max(0, math.ceil(math.log2(m)))
+    padded = torch.nn.functional.pad(z * signs, (0, p - m))
+    return fast_fwht(padded)[..., rows] / math.sqrt(rows.numel())
+
+
 def _stack(parts: List[torch.Tensor]) -> np.ndarray:
     return torch.cat(parts, dim=0).numpy() if parts else np.zeros((0, 0), np.float32)
 
@@ -385,11 +422,13 @@ class SharedPass:
                 for n, m in zip(self.names, cfg.m):
                     self.pca_width[n] = max(self.pca_width[n], m)
         self._build_projectors()
+        self._build_factor_banks()
         self.query_parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
         self.train_parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
         self.fit_parts: Dict[str, List[torch.Tensor]] = {n: [] for n in self.names}
         self.query: Dict[str, np.ndarray] = {}
         self.skipped: List[Dict[str, Any]] = []
+        self.notes: List[str] = []
         self.stream_scores: Dict[str, List[np.ndarray]] = {}
 
     # -- setup ------------------------------------------------------------------------------
@@ -400,7 +439,9 @@ class SharedPass:
             for s in cfg.seeds:
                 for u, n in enumerate(self.names):
                     d_out, d_in = shapes[n]
-                    module_seed = 1_000_003 * s + 7919 * u + 17
+                    # Independent draws per (family, seed, module): LoGra (random) and the
+                    # Gaussian control must not share factors.
+                    module_seed = 1_000_003 * s + 7919 * u + 104_729 * _FAMILY_SEED[cfg.family] + 17
                     key = (cfg.id, s, n)
                     if cfg.family == "eogp-r":
                         gen = torch.Generator().manual_seed(module_seed)
@@ -419,6 +460,24 @@ class SharedPass:
                         self.projectors[key] = GraSSProjector(d_in, d_out, cfg.k[u], seed=module_seed)
                     elif cfg.family == "gaussian":
                         self.projectors[key] = GaussianProjector(d_in, d_out, cfg.rank[u], seed=module_seed)
+
+    def _build_factor_banks(self) -> None:
+        """Concatenate every LoGra/Gaussian factor of a module, so that one matmul per side
+        projects ``a`` and ``g`` for all of them (the per-config products are then tiny)."""
+        self.banks: Dict[str, Tuple[torch.Tensor, torch.Tensor, Dict[str, slice]]] = {}
+        for n in self.names:
+            p_a, p_g, slices, start = [], [], {}, 0
+            for cfg in self.configs:
+                if cfg.family not in ("logra-random", "logra-pca", "gaussian"):
+                    continue
+                for s in cfg.seeds:
+                    proj = self.projectors[(cfg.id, s, n)]
+                    p_a.append(proj.P_a.float())
+                    p_g.append(proj.P_g.float())
+                    slices[f"{cfg.id}#{s}"] = slice(start, start + proj.rank)
+                    start += proj.rank
+            if p_a:
+                self.banks[n] = (torch.cat(p_a, 1), torch.cat(p_g, 1), slices)
 
     def _kfac_eigenvalues(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
         if self._kfac_values is None:
@@ -451,6 +510,13 @@ class SharedPass:
             out["pca"] = w[:, : self.pca_width[name]]
         u = self.names.index(name)
         dense_query = None
+        factored: Dict[str, torch.Tensor] = {}
+        if name in self.banks:
+            p_a, p_g, slices = self.banks[name]
+            pa, pg = a @ p_a.to(a), g @ p_g.to(g)  # (B, T, Σ rank): every factor at once
+            blocks = torch.bmm(pg.transpose(1, 2), pa)  # (B, Σ rank, Σ rank); config j is block (j, j)
+            for key, sl in slices.items():
+                factored[key] = blocks[:, sl, sl].reshape(a.shape[0], -1)
         for cfg in self.configs:
             for s in cfg.seeds:
                 key = f"{cfg.id}#{s}"
@@ -459,7 +525,7 @@ class SharedPass:
                     out[key] = w[:, : cfg.k[u]]
                 elif cfg.family == "eogp-r":
                     signs, rows = proj
-                    out[key] = srht_apply(w[:, : cfg.m[u]], signs, rows)
+                    out[key] = fast_srht(w[:, : cfg.m[u]], signs, rows)
                 elif cfg.family == "gaussian":
                     if side == "query":
                         if dense_query is None:
@@ -467,8 +533,10 @@ class SharedPass:
                             dense_query = self.precondition(name, dense_query)
                         out[key] = proj.project_dense(dense_query) * proj.inner_product_scale
                     else:
-                        out[key] = proj.project(a, g)
-                elif cfg.family in ("logra-random", "logra-pca", "grass"):
+                        out[key] = factored[key]  # = proj.project(a, g)
+                elif cfg.family in ("logra-random", "logra-pca"):
+                    out[key] = factored[key]  # = proj.project(a, g)
+                elif cfg.family == "grass":
                     out[key] = proj.project(a, g)
         return out
 
@@ -592,7 +660,11 @@ class SharedPass:
         xs, ys = [], []
         for u, n in enumerate(self.names):
             m, k = cfg.m[u], cfg.k[u]
-            basis = fit_pca(self._fit_coordinates(n)[:, :m], k)  # (m, k)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                basis = fit_pca(self._fit_coordinates(n)[:, :m], k)  # (m, k)
+            for w in caught:
+                self.notes.append(f"{cfg.id} {n}: {w.message}")
             train_first = torch.cat(self.train_parts["pca"][n], dim=0)[:, :m]
             query_first = torch.cat(self.query_parts["pca"][n], dim=0)[:, :m]
             xs.append((train_first.double() @ basis.double()).float().numpy())
@@ -705,6 +777,7 @@ class ScoreSet:
     unquantized: Dict[str, np.ndarray]
     timings: Dict[str, float] = field(default_factory=dict)
     key: str = ""
+    notes: List[str] = field(default_factory=list)
 
     def config(self, method: str, budget: int) -> Optional[MethodConfig]:
         for cfg in self.configs:
@@ -727,7 +800,7 @@ class ScoreSet:
         arrays.update({f"unquantized/{k}": v for k, v in self.unquantized.items()})
         meta = {"train_ids": list(self.train_ids), "query_ids": list(self.query_ids),
                 "modules": [asdict(m) for m in self.modules], "configs": [asdict(c) for c in self.configs],
-                "skipped": self.skipped, "timings": self.timings, "key": self.key}
+                "skipped": self.skipped, "timings": self.timings, "key": self.key, "notes": self.notes}
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
@@ -746,7 +819,7 @@ class ScoreSet:
                        modules=tuple(ModuleShape(**m) for m in meta["modules"]), configs=configs,
                        skipped=meta["skipped"], reference=data["reference"], references=get("ref/"),
                        scores=get("scores/"), unquantized=get("unquantized/"), timings=meta["timings"],
-                       key=meta["key"])
+                       key=meta["key"], notes=meta.get("notes", []))
 
 
 def compute_scores(
@@ -823,7 +896,7 @@ def compute_scores(
     say(f"shared pass over {len(queries)} queries and {len(train)} documents: "
         f"{timings['gradient_passes_s']:.1f}s gradients, {timings['fitting_and_scoring_s']:.1f}s PCA/curvature fits")
     return ScoreSet(train_ids=train.ids, query_ids=queries.ids, modules=shapes, configs=shared.configs,
-                    skipped=skipped + shared.skipped,
+                    skipped=skipped + shared.skipped, notes=shared.notes,
                     reference=reference, references=references, scores=scores, unquantized=unquantized,
                     timings=timings)
 

@@ -47,6 +47,7 @@ __all__ = [
     "default_config",
     "train_tokenizer",
     "tokenize_documents",
+    "pack_blocks",
     "pretrain",
     "finetune",
     "document_losses",
@@ -61,11 +62,14 @@ EOS_TOKEN = "<|endoftext|>"
 #: unk and pad. The role markers are the Tülu-style chat roles of :data:`CHAT_TEMPLATE`.
 SPECIAL_TOKENS = (EOS_TOKEN, "<|system|>", "<|user|>", "<|assistant|>")
 
-#: Tülu-style chat template: ``<|role|>\ncontent\n`` per message, eos after assistant turns.
+#: Tülu-style chat template: ``<|role|>\ncontent\n`` per message, eos right after each
+#: assistant turn's content, ``<|assistant|>\n`` as generation prompt. The newlines are
+#: written as Jinja string literals because transformers renders templates with
+#: ``trim_blocks=True``, which would eat a literal newline that follows a ``{% ... %}`` tag.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
 

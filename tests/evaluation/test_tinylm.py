@@ -22,6 +22,15 @@ from eogp_index.evaluation import tinylm  # noqa: E402
 VOCAB = 64
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: these models are tiny, and it stays fast on a busy shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny_model() -> GPT2LMHeadModel:
     torch.manual_seed(0)
@@ -154,6 +163,9 @@ def test_load_default_offline(no_network):
     prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|user|>\nHi\n<|assistant|>\n")
     assert tok.decode(tok("def f(x):\n    return x", add_special_tokens=False)["input_ids"]) == "def f(x):\n    return x"
+    chat = tinylm.load_default_corpus("chat", root)[0]["messages"]
+    rendered = tok.apply_chat_template(chat, tokenize=False)
+    assert rendered.count("<|assistant|>\n") == sum(m["role"] == "assistant" for m in chat)
 
     # The corpus is there and the fine-tuned model fits its training documents better than its base.
     train = tinylm.load_default_corpus("train", root)
