@@ -323,13 +323,18 @@ def _print_info(data: dict) -> None:
 
 
 def _print_results(results: list) -> None:
+    from .store import RESERVED_COLUMNS
+
     for item in results:
         q = item["query"]
-        text = q if isinstance(q, str) else json.dumps(q)[:100]
-        click.echo(f"\nquery: {text[:100]}")
+        text = q if isinstance(q, str) else q.get("text") if isinstance(q, dict) else None
+        text = text if text is not None else json.dumps(q)
+        click.echo(f"\nquery: {' '.join(text.split())[:100]}")
         for row in item["results"]:
-            extras = {k: v for k, v in row.items() if k not in ("rank", "id", "score", "direction")}
-            preview = ", ".join(f"{k}={v}" for k, v in list(extras.items())[:4])
+            # The user's own metadata says what a document is; bookkeeping columns come after.
+            user = [k for k in row if k not in RESERVED_COLUMNS and k not in ("rank", "score", "direction")]
+            shown = user[:4] + [k for k in ("shard", "position") if k in row][: max(0, 2 - len(user[:4]))]
+            preview = ", ".join(f"{k}={row[k]}" for k in shown)
             side = f"{row['direction'][:3]} " if "direction" in row else ""
             click.echo(f"  {side}#{row['rank']:<3} {row['score']:+.4e}  {row['id']}  {preview}")
 
