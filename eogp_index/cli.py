@@ -98,12 +98,14 @@ def cli() -> None:
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--table-uri", default=None,
+              help="LanceDB URI for the table (e.g. s3://bucket/prefix); default: inside --out.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing index at --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @_record_options
 @_fail_cleanly
 def fit(model, data, out, variant, k, budget_kb, m, precision, curvature_examples, pca_examples, damping_ratio,
-        modules, max_tokens, batch_size, device, seed, overwrite, as_json, text_field, messages_field,
+        modules, max_tokens, batch_size, device, seed, table_uri, overwrite, as_json, text_field, messages_field,
         input_ids_field, labels_field, id_field, metadata_fields):
     """Fit EK-FAC curvature and the projection; create an empty index.
 
@@ -139,7 +141,7 @@ def fit(model, data, out, variant, k, budget_kb, m, precision, curvature_example
     index = AttributionIndex.create(out, loaded, tokenizer, examples, model_name=model,
                                     modules=list(modules) or None, curvature=curvature, projection=projection,
                                     storage=StorageConfig(precision=precision), gradients=gradients,
-                                    mode="overwrite" if overwrite else "create")
+                                    table_uri=table_uri, mode="overwrite" if overwrite else "create")
     _emit(index.info(), as_json, _print_info)
 
 
@@ -247,7 +249,7 @@ def info(index_dir, as_json):
     from .store import Store
 
     manifest = Manifest.load(index_dir)
-    store = Store(index_dir, manifest.table)
+    store = Store(manifest.store_uri(index_dir), manifest.table)
     data = manifest.to_json()
     data.update(rows=store.count(), table_version=store.version, path=str(index_dir))
     _emit(data, as_json, _print_info)
@@ -272,7 +274,7 @@ def index_column(index_dir, column, kind, as_json):
     from .store import Store
 
     manifest = Manifest.load(index_dir)
-    store = Store(index_dir, manifest.table)
+    store = Store(manifest.store_uri(index_dir), manifest.table)
     store.create_scalar_index(column, kind)
     _emit({"column": column, "kind": kind, "indices": [str(i.name) for i in store.table.list_indices()]},
           as_json, lambda d: click.echo(f"indexed {d['column']} ({d['kind']})"))

@@ -91,7 +91,7 @@ class AttributionIndex:
         self.tokenizer = tokenizer
         self.gradients = gradients
         self.layout = SignLayout(manifest.k)
-        self.store = Store(self.path, manifest.table)
+        self.store = Store(manifest.store_uri(self.path), manifest.table)
         self._device = gradients.resolved_device()
         self._hot = None
 
@@ -110,6 +110,7 @@ class AttributionIndex:
         projection: ProjectionConfig = ProjectionConfig(k=256),
         storage: StorageConfig = StorageConfig(),
         gradients: GradientConfig = GradientConfig(),
+        table_uri: Optional[str] = None,
         mode: Literal["create", "overwrite"] = "create",
         progress: bool = True,
     ) -> "AttributionIndex":
@@ -119,6 +120,8 @@ class AttributionIndex:
             examples: tokenized corpus examples; seeded samples of them fit the EK-FAC factors
                 (``curvature.num_examples``) and the PCA (``projection.num_fit_examples``).
             model_name: recorded in the manifest; :meth:`open` reloads the model from it.
+            table_uri: a LanceDB URI (object store or directory) for the table; ``None`` keeps it
+                inside ``path``.
             mode: ``"create"`` refuses an existing index directory; ``"overwrite"`` replaces it.
         """
         path = Path(path)
@@ -128,6 +131,13 @@ class AttributionIndex:
             shutil.rmtree(path)
         if not examples:
             raise InputError("no examples to fit the curvature and projection on")
+        if table_uri is not None:
+            remote = Store(table_uri, TABLE_NAME)
+            if remote.table is not None:
+                if mode != "overwrite":
+                    raise ConfigError(f"{table_uri} already holds a table {TABLE_NAME!r}; pass mode='overwrite' "
+                                      "(--overwrite) to replace it or choose another --table-uri")
+                remote._db.drop_table(TABLE_NAME)
         path.mkdir(parents=True, exist_ok=True)
         weights_hash = model_sha256(model)
         replace_conv1d(model)
@@ -172,6 +182,7 @@ class AttributionIndex:
                        "batch_size": curvature.batch_size, "factors_dir": "curvature"},
             max_tokens=gradients.max_tokens,
             table=TABLE_NAME,
+            table_uri=table_uri,
             created_by=f"eogp-index {__version__}",
         )
         manifest.save(path)

@@ -64,6 +64,7 @@ class Manifest:
     curvature: Dict[str, Any]
     max_tokens: Optional[int] = None
     table: str = TABLE_NAME
+    table_uri: Optional[str] = None
     created_by: str = ""
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
@@ -71,6 +72,10 @@ class Manifest:
     @property
     def k(self) -> tuple[int, ...]:
         return tuple(m.k for m in self.modules)
+
+    def store_uri(self, index_dir: Path) -> str:
+        """Where the table lives: ``table_uri`` if set, else the index directory."""
+        return self.table_uri or str(index_dir)
 
     @property
     def module_names(self) -> List[str]:

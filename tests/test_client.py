@@ -163,3 +163,16 @@ def test_proposition_2_on_real_gradients(eogp_index):
         pca_energy = ((z @ proj.pca.double()) ** 2).sum()
         axes_energy = (z[:, : proj.k] ** 2).sum()  # first-stage coords are ordered by eigenvalue
         assert pca_energy >= axes_energy * (1 - 1e-6), name
+
+
+def test_table_can_live_at_another_uri(tmp_path):
+    remote = tmp_path / "bucket" / "prefix"
+    index = _create(tmp_path / "idx", make_tiny_gpt2(), projection=ProjectionConfig(k=8, m=32),
+                    table_uri=str(remote))
+    index.ingest(TRAIN[:10], progress=False)
+    assert (remote / "examples.lance").is_dir() and not (tmp_path / "idx" / "examples.lance").exists()
+    reopened = AttributionIndex.open(tmp_path / "idx", model=make_tiny_gpt2(), tokenizer=TinyTokenizer())
+    assert reopened.store.count() == 10
+    assert reopened.top_influential({"input_ids": list(QUERIES[0].input_ids)}, k=3).num_rows == 3
+    with pytest.raises(ConfigError, match="already holds a table"):
+        _create(tmp_path / "idx2", make_tiny_gpt2(), projection=ProjectionConfig(k=8, m=32), table_uri=str(remote))
