@@ -372,6 +372,11 @@ class AttributionIndex:
         return self._hot
 
     def _scan_scores(self, hot, y: np.ndarray, rows: Optional[np.ndarray]) -> np.ndarray:
+        if self.manifest.precision == "1bit" and self._device.startswith("cuda"):
+            from .scan import scan_scores_torch
+
+            codes, scales = (hot.codes, hot.scales) if rows is None else (hot.codes[rows], hot.scales[rows])
+            return scan_scores_torch(codes, scales, y, self.layout, self._device).cpu().numpy()
         if self.manifest.precision == "1bit":
             from .scan import scan_scores
 
@@ -385,7 +390,7 @@ class AttributionIndex:
         rows = None
         if where is not None:
             rows = hot.positions(self.store.read([], where, with_row_address=True).column("_rowaddr").to_numpy())
-        if self.manifest.precision == "1bit":
+        if self.manifest.precision == "1bit" and not self._device.startswith("cuda"):
             from .scan import scan_top_k
 
             top = scan_top_k(hot.codes, hot.scales, y, self.layout, k, rows=rows,
@@ -393,6 +398,7 @@ class AttributionIndex:
             picks = {"positive": (top.largest_indices, top.largest_scores),
                      "negative": (top.smallest_indices, top.smallest_scores)}
             return {side: (hot.rowaddr[picks[side][0][0]], picks[side][1][0]) for side in sides}
+        # Unquantized storage, or the GPU: score every row, then pick.
         scores = self._scan_scores(hot, y, rows)[0]
         positions = np.arange(hot.num_rows) if rows is None else rows
         out = {}

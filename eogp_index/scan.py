@@ -60,6 +60,7 @@ from typing import Any, Optional, Union
 import numpy as np
 from llvmlite import ir as llvm_ir
 from numba import float32, float64, int64, njit, prange, types, uint64
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .errors import ConfigError, InputError
@@ -103,6 +104,9 @@ _QUERY_GROUP = 64
 # Rows per work item of the batch kernel: a module's nibble tables for a query group
 # (2·⌈k_u/8⌉·16·64·4 bytes, 512 KiB for k_u = 512) are reused by this many rows.
 _BATCH_ROW_BLOCK = 1024
+# Exact rescoring computes the table entries a row uses on the fly for at most this many rows of
+# a query; beyond that building the query's byte table (256 entries per byte) is cheaper.
+_DIRECT_MAX_ROWS = 64
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,7 +133,7 @@ class _Geometry:
     module_of_coord: np.ndarray  # (K,) int64
     word_start: np.ndarray  # (U+1,) int64 first 64-bit word of each module in a padded row
     word_start_u64: np.ndarray  # the same as uint64, for the kernels
-    direct_words: bool  # every module is a whole number of 64-bit words: rows can be read in place
+    reads_past_row: bool  # a module's 8-byte loads can pass the end of the row (see _bounded_kernel)
 
 
 @functools.lru_cache(maxsize=64)
@@ -142,11 +146,11 @@ def _geometry(layout: SignLayout) -> _Geometry:
     pad_index = 8 * boff[:-1].astype(np.int64)[module_of_coord] + (np.arange(int(k.sum())) - coff[module_of_coord])
     mw = (mb + 7) // 8
     word_start = np.concatenate([[0], np.cumsum(mw)]).astype(np.int64)
-    direct = bool(np.all(mb % 8 == 0))
+    past = bool(np.any(boff[:-1].astype(np.int64) + 8 * mw > int(mb.sum())))
     ws64 = word_start.astype(np.uint64)
     for a in (boff, pad_index, module_of_coord, word_start, ws64):
         a.setflags(write=False)
-    return _Geometry(boff, pad_index, module_of_coord, word_start, ws64, direct)
+    return _Geometry(boff, pad_index, module_of_coord, word_start, ws64, past)
 
 
 # --------------------------------------------------------------------------------------------
@@ -412,6 +416,78 @@ def _exact_kernel_serial(codes, s16, s32, half, lut, nibble, boff, rows, out):
     _exact_block(codes, s16, s32, half, lut, nibble, boff, rows, out, 0, rows.shape[0])
 
 
+@njit(cache=True, boundscheck=False, inline="always")
+def _byte_entry(v, yp, base, p):
+    """``lut[256 p + v]`` of :func:`_byte_tables`, computed on the fly with the same float64 operations.
+
+    The table builds entry ``v`` from ``v`` without its lowest set bit, so unrolled it adds
+    ``2 y_t`` to ``base[p] = -Σ_t y_t`` for the set bits from the highest to the lowest.
+    """
+    x = base[p]
+    t = 7
+    while t >= 0:
+        if (v >> t) & 1:
+            x = x + 2.0 * yp[8 * p + t]
+        t -= 1
+    return float32(x)
+
+
+@njit(cache=True, boundscheck=False)
+def _exact_direct_kernel(codes, s16, s32, half, yp, base, boff, rows, out):
+    """:func:`_exact_kernel_serial` with byte tables of one query, without building the tables.
+
+    For a few rows, computing the (at most ``nbytes``) entries a row uses is cheaper than the
+    ``256 · nbytes`` entries of the table. Same float32 entries, same order of additions: the
+    scores are bit-identical to the table walk's.
+
+    Args:
+        yp: ``(nbytes·8,)`` float64 padded query (:func:`_padded_queries`); base: ``(nbytes,)``
+            float64 ``-Σ_t yp[8p + t]`` summed in order. out: ``(m,)`` float32, written.
+    """
+    nmod = boff.shape[0] - 1
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        cr = codes[r]
+        acc = 0.0
+        for u in range(nmod):
+            p = int64(boff[u])
+            p1 = int64(boff[u + 1])
+            a0 = float32(0.0)
+            a1 = float32(0.0)
+            a2 = float32(0.0)
+            a3 = float32(0.0)
+            a4 = float32(0.0)
+            a5 = float32(0.0)
+            a6 = float32(0.0)
+            a7 = float32(0.0)
+            while p + 8 <= p1:
+                a0 += _byte_entry(int64(cr[p]), yp, base, p)
+                a1 += _byte_entry(int64(cr[p + 1]), yp, base, p + 1)
+                a2 += _byte_entry(int64(cr[p + 2]), yp, base, p + 2)
+                a3 += _byte_entry(int64(cr[p + 3]), yp, base, p + 3)
+                a4 += _byte_entry(int64(cr[p + 4]), yp, base, p + 4)
+                a5 += _byte_entry(int64(cr[p + 5]), yp, base, p + 5)
+                a6 += _byte_entry(int64(cr[p + 6]), yp, base, p + 6)
+                a7 += _byte_entry(int64(cr[p + 7]), yp, base, p + 7)
+                p += 8
+            while p < p1:
+                a0 += _byte_entry(int64(cr[p]), yp, base, p)
+                p += 1
+            t = float64(((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)))
+            acc += _scale_at(s16, s32, half, r, u) * t
+        out[i] = float32(acc)
+
+
+@njit(cache=True, boundscheck=False)
+def _table_bases(yp, out):
+    """``out[p] = -Σ_t yp[8 p + t]`` accumulated in order (entry 0 of :func:`_byte_tables`)."""
+    for p in range(out.shape[0]):
+        b = 0.0
+        for t in range(8):
+            b -= yp[8 * p + t]
+        out[p] = b
+
+
 @njit(parallel=True, cache=True, boundscheck=False)
 def _exact_batch_kernel(codes, s16, s32, half, lutv, boff, rows, out):
     """Exact scores of one group of ``_QUERY_GROUP`` queries, vectorized over the queries.
@@ -462,95 +538,243 @@ def _exact_batch_kernel(codes, s16, s32, half, lutv, boff, rows, out):
                 out[q, i0 + j] = float32(score[j * _QUERY_GROUP + q])
 
 
-@njit(cache=True, boundscheck=False, inline="always")
-def _planes_module(cw, pq, w0, w1):
-    """``Σ_{w0 ≤ w < w1} Σ_b weight_b · popcount(cw[w] & pq[b, w])`` over one module's words.
+# --------------------------------------------------------------------------------------------
+# Bounded pre-scan
+# --------------------------------------------------------------------------------------------
+# The inner loop over one module's code words is written in LLVM IR (numba has no vector types,
+# and its own loops over 8-word modules do not vectorize). Two forms, picked by the dtype of the
+# query array at compile time:
+#
+# * int8 query bytes (AVX512-VNNI hosts): each 64-bit code word becomes a mask that selects
+#   0/1 bytes (VMOVDQU8 with zeroing), and VPDPBUSD adds their products with 64 query bytes;
+# * uint64 bit planes (any host): the code word is broadcast over the 8 planes of its query
+#   word, ANDed, popcounted (VPOPCNTQ where available) and weighted once per module.
+#
+# Code words are read with unaligned 8-byte loads from a module's first byte, so every layout
+# and every buffer alignment reads the row in place; bits past a module's end meet zero query
+# entries. Only the store's last row can be read past its end, and that row is copied first.
 
-    ``pq`` ``(8, W)`` holds the bit planes of the 8-bit two's complement query integers, so the
-    weights are ``1, 2, …, 64`` and ``-128`` for the sign plane. Integer sums: reassociation is
-    exact, and LLVM vectorizes the loop (VPOPCNTQ on AVX-512) without any fastmath flag.
+_IR_I1 = llvm_ir.IntType(1)
+_IR_I8 = llvm_ir.IntType(8)
+_IR_I32 = llvm_ir.IntType(32)
+_IR_I64 = llvm_ir.IntType(64)
+_IR_V16I32 = llvm_ir.VectorType(_IR_I32, 16)
+_IR_V64I8 = llvm_ir.VectorType(_IR_I8, 64)
+_IR_V8I64 = llvm_ir.VectorType(_IR_I64, 8)
+# Rows ahead of the current one whose lines are prefetched (one module's lines per module).
+_PREFETCH_ROWS = 4
+# Bit-plane weights of an 8-bit two's complement integer (the sign plane counts -128).
+_PLANE_WEIGHTS = [1, 2, 4, 8, 16, 32, 64, (-128) & ((1 << 64) - 1)]
+# Added to every row's bound: the absolute rounding of float32 results in the subnormal range.
+_BOUND_TINY = 2.0**-149
+# Exact value of every float16 bit pattern (float32 holds them all), for the pre-scan's scales.
+_HALF_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+_HALF_TABLE.setflags(write=False)
+
+
+def _ir_fn(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(ret, args), name)
+
+
+def _ir_data(context, builder, aty, aval, elem):
+    """Data pointer of a numba array, cast to ``elem*``."""
+    return builder.bitcast(context.make_array(aty)(context, builder, aval).data, elem.as_pointer())
+
+
+def _ir_loop(builder, start, stop, step, carried, body, name):
+    """``for t = start; t + step <= stop; t += step`` carrying values; returns ``(t, values)``."""
+    pre = builder.block
+    head = builder.append_basic_block(name + ".head")
+    loop = builder.append_basic_block(name + ".body")
+    done = builder.append_basic_block(name + ".done")
+    builder.branch(head)
+    builder.position_at_end(head)
+    t = builder.phi(_IR_I64)
+    vals = [builder.phi(v.type) for v in carried]
+    t.add_incoming(start, pre)
+    for phi, v in zip(vals, carried):
+        phi.add_incoming(v, pre)
+    nxt = builder.add(t, llvm_ir.Constant(_IR_I64, step))
+    builder.cbranch(builder.icmp_unsigned("<=", nxt, stop), loop, done)
+    builder.position_at_end(loop)
+    new = body(t, vals)
+    t.add_incoming(nxt, builder.block)
+    for phi, v in zip(vals, new):
+        phi.add_incoming(v, builder.block)
+    builder.branch(head)
+    builder.position_at_end(done)
+    return t, vals
+
+
+def _ir_code_word(builder, rp, b0, t):
+    """Little-endian 64-bit word of the row at byte ``b0 + 8 t`` (unaligned load)."""
+    p = builder.gep(rp, [builder.add(b0, builder.shl(t, llvm_ir.Constant(_IR_I64, 3)))])
+    return builder.load(builder.bitcast(p, _IR_I64.as_pointer()), align=1)
+
+
+def _ir_vnni_dot(builder, rp, b0, nw, qp, qw0):
+    """Σ_{t<nw} Σ_i bit_i(word t) · int8(q[64 (qw0 + t) + i]), four accumulators."""
+    dpbusd = _ir_fn(builder, "llvm.x86.avx512.vpdpbusd.512", _IR_V16I32, [_IR_V16I32] * 3)
+    reduce = _ir_fn(builder, "llvm.vector.reduce.add.v16i32", _IR_I32, [_IR_V16I32])
+    ones = llvm_ir.Constant(_IR_V64I8, [1] * 64)
+    zeros = llvm_ir.Constant(_IR_V64I8, None)
+
+    def word(t, acc):
+        mask = builder.bitcast(_ir_code_word(builder, rp, b0, t), llvm_ir.VectorType(_IR_I1, 64))
+        bits = builder.bitcast(builder.select(mask, ones, zeros), _IR_V16I32)
+        qo = builder.shl(builder.add(qw0, t), llvm_ir.Constant(_IR_I64, 6))
+        q = builder.load(builder.bitcast(builder.gep(qp, [qo]), _IR_V16I32.as_pointer()), align=1)
+        return builder.call(dpbusd, [acc, bits, q])  # u8 (0/1) x s8 products, 4 per int32 lane
+
+    zero = llvm_ir.Constant(_IR_V16I32, None)
+    t, acc = _ir_loop(builder, llvm_ir.Constant(_IR_I64, 0), nw, 4, [zero] * 4,
+                      lambda t, v: [word(builder.add(t, llvm_ir.Constant(_IR_I64, j)), v[j]) for j in range(4)],
+                      "vnni4")
+    t, (a0,) = _ir_loop(builder, t, nw, 1, [acc[0]], lambda t, v: [word(t, v[0])], "vnni1")
+    total = builder.add(builder.add(a0, acc[1]), builder.add(acc[2], acc[3]))
+    return builder.sext(builder.call(reduce, [total]), _IR_I64)
+
+
+def _ir_planes_dot(builder, rp, b0, nw, pp, qw0):
+    """Σ_{t<nw} Σ_b weight_b · popcount(word t & plane[8 (qw0 + t) + b]), two accumulators."""
+    ctpop = _ir_fn(builder, "llvm.ctpop.v8i64", _IR_V8I64, [_IR_V8I64])
+    reduce = _ir_fn(builder, "llvm.vector.reduce.add.v8i64", _IR_I64, [_IR_V8I64])
+    undef = llvm_ir.Constant(_IR_V8I64, llvm_ir.Undefined)
+
+    def word(t, acc):
+        c = builder.insert_element(undef, _ir_code_word(builder, rp, b0, t), llvm_ir.Constant(_IR_I32, 0))
+        c = builder.shuffle_vector(c, undef, llvm_ir.Constant(llvm_ir.VectorType(_IR_I32, 8), [0] * 8))
+        po = builder.shl(builder.add(qw0, t), llvm_ir.Constant(_IR_I64, 3))
+        planes = builder.load(builder.bitcast(builder.gep(pp, [po]), _IR_V8I64.as_pointer()), align=8)
+        return builder.add(acc, builder.call(ctpop, [builder.and_(c, planes)]))
+
+    zero = llvm_ir.Constant(_IR_V8I64, None)
+    t, acc = _ir_loop(builder, llvm_ir.Constant(_IR_I64, 0), nw, 2, [zero] * 2,
+                      lambda t, v: [word(builder.add(t, llvm_ir.Constant(_IR_I64, j)), v[j]) for j in range(2)],
+                      "planes2")
+    t, (a0,) = _ir_loop(builder, t, nw, 1, [acc[0]], lambda t, v: [word(t, v[0])], "planes1")
+    weighted = builder.mul(builder.add(a0, acc[1]), llvm_ir.Constant(_IR_V8I64, _PLANE_WEIGHTS))
+    return builder.call(reduce, [weighted])
+
+
+@intrinsic
+def _module_dot(typingctx, row, b0, nw, qrow, qw0):
+    """``Σ_j q_j c_j`` over one module: ``c`` the row's bits from byte ``b0`` (``nw`` words).
+
+    ``qrow`` is one query's int8 bytes (entry ``64 (qw0 + t) + i`` for bit ``i`` of word ``t``;
+    VNNI) or its uint64 bit planes word-major (``8 (qw0 + t) + b``). Returns int64.
     """
-    pos = uint64(0)
-    neg = uint64(0)
-    for w in range(w0, w1):
-        c = cw[w]
-        pos += (
-            _popcount(c & pq[0, w])
-            + (_popcount(c & pq[1, w]) << uint64(1))
-            + (_popcount(c & pq[2, w]) << uint64(2))
-            + (_popcount(c & pq[3, w]) << uint64(3))
-            + (_popcount(c & pq[4, w]) << uint64(4))
-            + (_popcount(c & pq[5, w]) << uint64(5))
-            + (_popcount(c & pq[6, w]) << uint64(6))
-        )
-        neg += _popcount(c & pq[7, w])
-    return int64(pos) - int64(neg) * 128
+    if not (isinstance(row, types.Array) and row.ndim == 1 and row.dtype == types.uint8):
+        return None
+    if not (isinstance(qrow, types.Array) and qrow.ndim == 1 and qrow.dtype in (types.int8, types.uint64)):
+        return None
+    vnni = qrow.dtype == types.int8
+    sig = types.int64(row, types.uint64, types.uint64, qrow, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        rowv, b0, nw, qv, qw0 = args
+        rp = _ir_data(context, builder, signature.args[0], rowv, _IR_I8)
+        if vnni:
+            return _ir_vnni_dot(builder, rp, b0, nw, _ir_data(context, builder, signature.args[3], qv, _IR_I8), qw0)
+        return _ir_planes_dot(builder, rp, b0, nw, _ir_data(context, builder, signature.args[3], qv, _IR_I64), qw0)
+
+    return sig, codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, offset):
+    """Prefetch (into all cache levels) the line holding byte ``offset`` of a 1-D uint8 array."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.uint8):
+        return None
+    sig = types.void(arr, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        p = builder.gep(_ir_data(context, builder, signature.args[0], args[0], _IR_I8), [args[1]])
+        fn = _ir_fn(builder, "llvm.prefetch.p0", llvm_ir.VoidType(), [_IR_I8.as_pointer(), _IR_I32, _IR_I32, _IR_I32])
+        builder.call(fn, [p, llvm_ir.Constant(_IR_I32, 0), llvm_ir.Constant(_IR_I32, 3), llvm_ir.Constant(_IR_I32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @njit(cache=True, boundscheck=False, inline="always")
-def _bounded_block(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows,
-                   approx, bound, i0, i1):
-    """Rows ``rows[i0:i1]`` of :func:`_bounded_kernel`."""
-    nq = planes.shape[0]
+def _bounded_row(cr, flat, ahead, qarr, wstart, boff, srow, c1, c0, err, approx, bound, i):
+    """Column ``i`` of :func:`_bounded_kernel` for the row bytes ``cr``; prefetches the row at ``ahead``."""
+    nq = qarr.shape[0]
     nmod = wstart.shape[0] - 1
-    scratch = np.zeros(wstart[nmod], dtype=np.uint64)
-    sbytes = scratch.view(np.uint8)
+    for q in range(nq):
+        qr = qarr[q]
+        a = 0.0
+        for u in range(nmod):
+            if q == 0:
+                line = (boff[u] + uint64(63)) >> uint64(6)
+                while (line << uint64(6)) < boff[u + 1]:
+                    _prefetch(flat, ahead + (line << uint64(6)))
+                    line += uint64(1)
+            d = _module_dot(cr, boff[u], wstart[u + 1] - wstart[u], qr, wstart[u])
+            a += srow[u] * (c1[q, u] * float64(d) - c0[q, u])
+        e = _BOUND_TINY
+        for u in range(nmod):
+            e += srow[u] * err[q, u]
+        approx[q, i] = a
+        bound[q, i] = e
+
+
+@njit(cache=True, boundscheck=False, inline="always")
+def _bounded_block(codes, flat, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, rows,
+                   approx, bound, i0, i1):
+    """Columns ``i0:i1`` of :func:`_bounded_kernel`."""
+    nmod = wstart.shape[0] - 1
+    nb = codes.shape[1]
+    last = codes.shape[0] - 1
+    m = rows.shape[0]
+    srow = np.empty(nmod, dtype=np.float64)
+    scratch = np.zeros(nb + 8, dtype=np.uint8)
     for i in range(i0, i1):
         r = rows[i]
-        if direct:
-            cw = words[r]
+        ahead = uint64(rows[min(i + _PREFETCH_ROWS, m - 1)]) * uint64(nb)
+        if half:
+            for u in range(nmod):
+                srow[u] = float64(stab[s16[r, u]])
         else:
-            # Module u's bytes go to word wstart[u]; the bytes after a module stay zero.
-            cr = codes[r]
             for u in range(nmod):
-                b0 = boff[u]
-                nb = boff[u + 1] - b0
-                d0 = wstart[u] * uint64(8)
-                sbytes[d0 : d0 + nb] = cr[b0 : b0 + nb]
-            cw = scratch
-        for q in range(nq):
-            pq = planes[q]
-            a = 0.0
-            e = 0.0
-            for u in range(nmod):
-                dot = _planes_module(cw, pq, wstart[u], wstart[u + 1])
-                s = _scale_at(s16, s32, half, r, u)
-                # ⟨q_u, b⟩ = 2 Σ_j q_j c_j - Σ_j q_j for bits c ∈ {0,1}; exact in int64.
-                a += s * (delta[q, u] * float64(2 * dot - qsum[q, u]))
-                e += s * err[q, u]
-            approx[q, i] = a
-            bound[q, i] = e
+                srow[u] = float64(s32[r, u])
+        if tail and r == last:
+            scratch[:nb] = codes[r]  # the unaligned loads may pass the end of the buffer here
+            _bounded_row(scratch, flat, ahead, qarr, wstart, boff, srow, c1, c0, err, approx, bound, i)
+        else:
+            _bounded_row(codes[r], flat, ahead, qarr, wstart, boff, srow, c1, c0, err, approx, bound, i)
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
-def _bounded_kernel(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows,
-                    approx, bound):
-    """Scores of an 8-bit quantized query ``ŷ = Δ q`` with a per-row error bound.
+def _bounded_kernel(codes, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, rows, approx, bound):
+    """Scores of quantized queries ``ŷ = Δ q`` with a per-row error bound, blocks of rows in parallel.
 
     Args:
-        codes: ``(n, nbytes)`` uint8. words: ``(n, W)`` uint64 view of ``codes`` when ``direct``
-            (every module a whole number of words), else a dummy; then each row is first copied
-            into a zeroed scratch row with every module starting at a fresh word.
-        s16, s32, half: the scales (see :func:`_scale_args`).
-        planes: ``(nq, 8, W)`` uint64 bit planes of the integers ``q``, zero outside modules.
-        wstart: ``(U+1,)`` uint64 first word of each module. boff: ``(U+1,)`` uint64 byte offsets.
-        delta: ``(nq, U)`` float64 steps Δ. qsum: ``(nq, U)`` int64 ``Σ_j q_uj``.
+        codes: ``(n, nbytes)`` uint8, C-contiguous (any alignment).
+        qarr: ``(nq, 64·W)`` int8 query integers (VNNI form) or ``(nq, 8·W)`` uint64 bit planes
+            (word-major); zero outside each module's coordinates (see :func:`_quantize_level`).
+        wstart: ``(U+1,)`` uint64 first query word of each module. boff: ``(U+1,)`` uint64 byte
+            offsets. tail: the last module's loads pass the row end (copy the store's last row).
+        stab: :data:`_HALF_TABLE`. s16, s32, half: the scales (see :func:`_scale_args`).
+        c1, c0: ``(nq, U)`` float64 ``2Δ_u`` and ``Δ_u Σ_j q_uj``, so ``⟨ŷ_u, b⟩ = c1·Σ_j q_j c_j - c0``.
         err: ``(nq, U)`` float64 per-module error allowance (see :func:`_quantize_queries`).
         rows: ``(m,)`` int64.
-        approx, bound: ``(nq, m)`` float64, written: ``Σ_u s_iu ⟨ŷ_u, b_iu⟩`` and ``Σ_u s_iu err_u``.
+        approx, bound: ``(nq, m)`` float64, written: ``Σ_u s_iu ⟨ŷ_u, b_iu⟩`` and
+            ``Σ_u s_iu err_u`` (plus :data:`_BOUND_TINY`).
     """
     m = rows.shape[0]
+    flat = codes.reshape(-1)
     nblocks = (m + _ROW_BLOCK - 1) // _ROW_BLOCK
     for blk in prange(nblocks):
-        _bounded_block(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows,
+        _bounded_block(codes, flat, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, rows,
                        approx, bound, blk * _ROW_BLOCK, min(m, (blk + 1) * _ROW_BLOCK))
 
 
 @njit(cache=True, boundscheck=False)
-def _bounded_kernel_serial(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows,
-                           approx, bound):
+def _bounded_kernel_serial(codes, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, rows, approx, bound):
     """:func:`_bounded_kernel` on the calling thread, for small jobs."""
-    _bounded_block(codes, words, direct, s16, s32, half, planes, wstart, boff, delta, qsum, err, rows,
+    _bounded_block(codes, codes.reshape(-1), qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, rows,
                    approx, bound, 0, rows.shape[0])
 
 
@@ -642,22 +866,49 @@ def _group_tables(y: np.ndarray, layout: SignLayout) -> np.ndarray:
 class _QuantLevel:
     """One 8-bit quantization level of a query batch (inputs of :func:`_bounded_kernel`)."""
 
-    planes: np.ndarray  # (nq, 8, W) uint64
-    delta: np.ndarray  # (nq, U) float64
-    qsum: np.ndarray  # (nq, U) int64
+    qarr: np.ndarray  # (nq, 64·W) int8 query integers, or (nq, 8·W) uint64 bit planes (word-major)
+    c1: np.ndarray  # (nq, U) float64: 2Δ
+    c0: np.ndarray  # (nq, U) float64: Δ·Σ_j q_j
     err: np.ndarray  # (nq, U) float64: ‖y_u - (ŷ of this level and the ones before)‖₁ + ε_u
 
     def query(self, q: int) -> "_QuantLevel":
         sl = slice(q, q + 1)
-        return _QuantLevel(self.planes[sl], self.delta[sl], self.qsum[sl], self.err[sl])
+        return _QuantLevel(self.qarr[sl], self.c1[sl], self.c0[sl], self.err[sl])
 
 
-def _quantize_level(target: np.ndarray, layout: SignLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-module ``target_u ≈ Δ_u q_u`` with integers ``|q| <= 127``: returns ``(q, Δ, planes)``.
+def _prescan_vnni() -> bool:
+    """Whether the pre-scan uses the AVX512-VNNI kernel (else bit planes, which run anywhere).
+
+    Only when numba compiles for this very CPU (no ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``
+    override) and that CPU has AVX512-VNNI; tests set ``_PRESCAN_VNNI = False`` for the other path.
+    """
+    global _PRESCAN_VNNI
+    if _PRESCAN_VNNI is None:
+        import numba
+        from llvmlite import binding
+
+        ok = numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None
+        if ok:
+            try:
+                feats = binding.get_host_cpu_features()
+                ok = all(feats.get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni"))
+            except Exception:  # pragma: no cover - feature query unavailable
+                ok = False
+        _PRESCAN_VNNI = bool(ok)
+    return _PRESCAN_VNNI
+
+
+_PRESCAN_VNNI: Optional[bool] = None
+
+
+def _quantize_level(target: np.ndarray, layout: SignLayout, vnni: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-module ``target_u ≈ Δ_u q_u`` with integers ``|q| <= 127``: returns ``(q, Δ, qarr)``.
 
     ``target`` ``(nq, K)`` float64. ``Δ_u = max|target_u| / 127`` (0 for an all-zero module, whose
-    ``q`` is then 0). ``planes`` ``(nq, 8, W)``: bit b of the two's complement byte of ``q``, at
-    bit ``64 · word_start[u] + j`` for module ``u``'s coordinate ``j``.
+    ``q`` is then 0). Module ``u``'s coordinate ``j`` sits at position ``64 · word_start[u] + j``;
+    ``qarr`` is either the int8 integers at those positions, ``(nq, 64·W)`` (``vnni``), or their
+    two's complement bit planes, ``(nq, 8·W)`` uint64 with word ``w``'s plane ``b`` at ``8 w + b``.
+    Positions that are no coordinate hold 0.
     """
     g = _geometry(layout)
     nq = target.shape[0]
@@ -670,35 +921,41 @@ def _quantize_level(target: np.ndarray, layout: SignLayout) -> tuple[np.ndarray,
     pos = 64 * g.word_start[:-1][g.module_of_coord] + (np.arange(layout.num_coords) - starts[g.module_of_coord])
     q8 = np.zeros((nq, nw * 64), dtype=np.uint8)
     q8[:, pos] = qv.astype(np.int64).astype(np.uint8)  # two's complement bytes
-    planes = np.empty((nq, _QUERY_BITS, nw), dtype=np.uint64)
+    if vnni:
+        return qv, delta, q8.view(np.int8)
+    planes = np.empty((nq, nw, _QUERY_BITS), dtype=np.uint64)
     for b in range(_QUERY_BITS):
-        planes[:, b, :] = np.packbits((q8 >> b) & 1, axis=1, bitorder="little").view("<u8").reshape(nq, nw)
-    return qv, delta, planes
+        planes[:, :, b] = np.packbits((q8 >> b) & 1, axis=1, bitorder="little").view("<u8").reshape(nq, nw)
+    return qv, delta, planes.reshape(nq, nw * _QUERY_BITS)
 
 
-def _quantize_queries(y: np.ndarray, layout: SignLayout, levels: int = 2) -> list[_QuantLevel]:
+def _quantize_queries(y: np.ndarray, layout: SignLayout, levels: int = 2, vnni: Optional[bool] = None) -> list[_QuantLevel]:
     """Successive 8-bit quantizations of the queries: level 1 quantizes ``y``, level 2 the residual.
 
     Level ``l``'s ``err`` is ``‖y_u - Σ_{l' <= l} ŷ_u^(l')‖₁ + ε_u`` with
-    ``ε_u = (⌈k_u/8⌉ + 8) · 2⁻²³ · ‖y_u‖₁``, which bounds the float32 rounding of
+    ``ε_u = (⌈k_u/8⌉ + 8) · (2⁻²³ · ‖y_u‖₁ + 2⁻¹⁴⁹)``, which bounds the float32 rounding of
     :func:`_exact_kernel` (table entries rounded once, then ⌈k_u/8⌉ float32 additions of terms
-    whose magnitudes sum to at most ``‖y_u‖₁``, float64 after that, one final rounding) and the
-    float64 rounding of the approximate sums. So ``|exact32 - Σ_l approx_l| <= bound_l`` of the
-    last level used: a row outside the candidate set cannot beat a rescored one.
+    whose magnitudes sum to at most ``‖y_u‖₁``, float64 after that, one final rounding; the
+    ``2⁻¹⁴⁹`` terms cover results in float32's subnormal range) and the float64 rounding of the
+    approximate sums. With :data:`_BOUND_TINY` for the final rounding,
+    ``|exact32 - Σ_l approx_l| <= bound_l`` of the last level used: a row outside the candidate
+    set cannot beat a rescored one.
     """
+    if vnni is None:
+        vnni = _prescan_vnni()
     g = _geometry(layout)
     starts = np.asarray(layout.coord_offsets, dtype=np.int64)
     y64 = y.astype(np.float64)
     l1 = np.add.reduceat(np.abs(y64), starts, axis=1)
-    eps = (np.asarray(layout.module_bytes, dtype=np.float64)[None, :] + 8.0) * 2.0**-23 * l1
+    eps = (np.asarray(layout.module_bytes, dtype=np.float64)[None, :] + 8.0) * (2.0**-23 * l1 + 2.0**-149)
     out = []
     resid = y64
     for _ in range(levels):
-        qv, delta, planes = _quantize_level(resid, layout)
+        qv, delta, qarr = _quantize_level(resid, layout, vnni)
         resid = resid - qv * delta[:, g.module_of_coord]
         err = np.add.reduceat(np.abs(resid), starts, axis=1) + eps
-        qsum = np.add.reduceat(qv, starts, axis=1).astype(np.int64)
-        out.append(_QuantLevel(planes, delta, qsum, err))
+        qsum = np.add.reduceat(qv, starts, axis=1)
+        out.append(_QuantLevel(qarr, 2.0 * delta, delta * qsum, err))
     return out
 
 
@@ -820,6 +1077,56 @@ class _Running:
         return self.idx, self.val
 
 
+@njit(cache=True, boundscheck=False)
+def _kth_lower_bound(approx, bound, sign, kk):
+    """The ``kk``-th largest ``sign·approx - bound`` (``-inf`` with fewer values; NaN never counts)."""
+    m = approx.shape[0]
+    heap = np.empty(kk, dtype=np.float64)  # min-heap of the kk largest so far
+    size = 0
+    for i in range(m):
+        v = sign * approx[i] - bound[i]
+        if not (v == v):
+            continue
+        if size < kk:
+            j = size  # sift up
+            size += 1
+            while j > 0 and heap[(j - 1) // 2] > v:
+                heap[j] = heap[(j - 1) // 2]
+                j = (j - 1) // 2
+            heap[j] = v
+        elif v > heap[0]:
+            j = 0  # replace the root, sift down
+            while True:
+                c = 2 * j + 1
+                if c >= kk:
+                    break
+                if c + 1 < kk and heap[c + 1] < heap[c]:
+                    c += 1
+                if heap[c] >= v:
+                    break
+                heap[j] = heap[c]
+                j = c
+            heap[j] = v
+    return heap[0] if size == kk and kk > 0 else -np.inf
+
+
+@njit(cache=True, boundscheck=False)
+def _reaching(approx, bound, sign, thr):
+    """Positions ``i`` (ascending, int64) with ``sign·approx[i] + bound[i] >= thr``."""
+    m = approx.shape[0]
+    n = 0
+    for i in range(m):
+        if sign * approx[i] + bound[i] >= thr:
+            n += 1
+    out = np.empty(n, dtype=np.int64)
+    n = 0
+    for i in range(m):
+        if sign * approx[i] + bound[i] >= thr:
+            out[n] = i
+            n += 1
+    return out
+
+
 def scan_top_k(
     codes: np.ndarray,
     scales: np.ndarray,
@@ -872,31 +1179,40 @@ def scan_top_k(
     g = _geometry(layout)
     s16, s32, half = _scale_args(scales)
     nibble = _use_nibbles(layout, 1)  # rescoring runs one query at a time
-    tables: dict[int, np.ndarray] = {}
-
-    def table(q: int) -> np.ndarray:
-        """Query q's exact lookup table, built when first needed; kept while they fit in 64 MiB."""
-        if q in tables:
-            return tables[q]
-        t = _lookup_tables(y[q : q + 1], layout, nibble)
-        if (len(tables) + 1) * t.nbytes <= 64 << 20:
-            tables[q] = t
-        return t
-
     level1, level2 = _quantize_queries(y, layout, levels=2)
-    if g.direct_words and codes.ctypes.data % 8 == 0:
-        words = codes.view(np.uint64)  # rows are read in place, no per-row copy
-        direct = True
-    else:
-        words = np.zeros((1, 1), dtype=np.uint64)
-        direct = False
+    tables: dict[int, np.ndarray] = {}
+    direct: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def exact(q: int, crows: np.ndarray) -> np.ndarray:
+        """Query q's exact single-query scores of rows ``crows``.
+
+        A few rows are scored straight from the query (:func:`_exact_direct_kernel`); more go
+        through its lookup table, built when first needed and kept while they fit in 64 MiB.
+        Both give the same bits as :func:`scan_scores`.
+        """
+        if not nibble and q not in tables and crows.shape[0] <= _DIRECT_MAX_ROWS:
+            if q not in direct:
+                yp = _padded_queries(y[q : q + 1], layout)[0]
+                base = np.empty(layout.nbytes, dtype=np.float64)
+                _table_bases(yp, base)
+                direct[q] = (yp, base)
+            out = np.empty(crows.shape[0], dtype=np.float32)
+            _exact_direct_kernel(codes, s16, s32, half, *direct[q], g.boff, crows, out)
+            return out
+        t = tables.get(q)
+        if t is None:
+            t = _lookup_tables(y[q : q + 1], layout, nibble)
+            if (len(tables) + 1) * t.nbytes <= 64 << 20:
+                tables[q] = t
+        return _exact_scores(codes, scales, t, nibble, layout, crows)[0]
 
     def bounded(level: _QuantLevel, crow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        approx = np.empty((level.planes.shape[0], crow.shape[0]), dtype=np.float64)
+        nql = level.qarr.shape[0]
+        approx = np.empty((nql, crow.shape[0]), dtype=np.float64)
         bound = np.empty_like(approx)
-        args = (codes, words, direct, s16, s32, half, level.planes, g.word_start_u64, g.boff,
-                level.delta, level.qsum, level.err, crow, approx, bound)
-        if crow.shape[0] * layout.nbytes * level.planes.shape[0] <= 4 * _SERIAL_MAX_BYTES:
+        args = (codes, level.qarr, g.word_start_u64, g.boff, g.reads_past_row, _HALF_TABLE, s16, s32, half,
+                level.c1, level.c0, level.err, crow, approx, bound)
+        if crow.shape[0] * layout.nbytes * nql <= 4 * _SERIAL_MAX_BYTES:
             _bounded_kernel_serial(*args)
         else:
             with _KERNEL_LOCK:
@@ -909,11 +1225,8 @@ def scan_top_k(
         Works on ``sign · score`` (bigger is better). The threshold only ever rises to a value
         that ``kk`` rows are guaranteed to reach, and those rows stay among the survivors.
         """
-        guaranteed = sign * approx - bound
-        thr = max(thr, run.threshold())
-        if guaranteed.shape[0] >= kk:
-            thr = max(thr, float(np.partition(guaranteed, guaranteed.shape[0] - kk)[guaranteed.shape[0] - kk]))
-        return np.nonzero(sign * approx + bound >= thr)[0], thr
+        thr = max(thr, run.threshold(), _kth_lower_bound(approx, bound, sign, kk))
+        return _reaching(approx, bound, sign, thr), thr
 
     dirs = [d for d, want in ((1.0, largest), (-1.0, smallest)) if want]
     running = {(q, d): _Running(k, d > 0) for q in range(nq) for d in dirs}
@@ -941,10 +1254,10 @@ def scan_top_k(
             todo = np.unique(np.concatenate(final))
             if todo.size == 0:
                 continue
-            exact = _exact_scores(codes, scales, table(q), nibble, layout, crow[todo])[0]
+            ex = exact(q, crow[todo])
             for d, pos in zip(dirs, final):
                 sel = np.searchsorted(todo, pos)
-                running[(q, d)].merge(crow[pos], exact[sel])
+                running[(q, d)].merge(crow[pos], ex[sel])
 
     def collect(d: float):
         idx = np.empty((nq, kk), dtype=np.int64)

@@ -375,31 +375,61 @@ def test_top_k_hard_queries():
     np.testing.assert_array_equal(top.smallest_indices, top_by_exact(scores, 9, False))
 
 
-@pytest.mark.parametrize("k", [(13, 100, 64, 3, 512, 9, 70), (64, 192, 128)])
+def prescan_forms():
+    """The pre-scan kernel forms this host can run: bit planes always, VNNI where available."""
+    return [False, True] if scan_mod._prescan_vnni() else [False]
+
+
+def prescan(codes, scales, level, layout, rows, parallel=True):
+    """Run the pre-scan kernel directly: ``(approx, bound)`` ``(nq, len(rows))``."""
+    g = scan_mod._geometry(layout)
+    s16, s32, half = scan_mod._scale_args(scales)
+    nq = level.qarr.shape[0]
+    approx = np.empty((nq, rows.shape[0]))
+    bound = np.empty((nq, rows.shape[0]))
+    kernel = scan_mod._bounded_kernel if parallel else scan_mod._bounded_kernel_serial
+    kernel(codes, level.qarr, g.word_start_u64, g.boff, g.reads_past_row, scan_mod._HALF_TABLE, s16, s32, half,
+           level.c1, level.c0, level.err, rows, approx, bound)
+    return approx, bound
+
+
+@pytest.mark.parametrize("k", [(13, 100, 64, 3, 512, 9, 70), (64, 192, 128), (1, 1, 1, 8, 9), (700,)])
 def test_prescan_bounds_contain_exact_scores(k):
-    """Both pre-scan levels bracket the exact float32 score (copying and in-place paths)."""
+    """Both pre-scan levels bracket the exact float32 score, for both kernel forms (VNNI and bit
+    planes), serial and parallel, on rows read in place at any alignment (the last row of the
+    buffer is copied), with a rows subset in random order."""
     layout = SignLayout(k)
     rng = np.random.default_rng(15)
     codes, scales = random_store(layout, 200, rng)
     y = rng.standard_normal((3, layout.num_coords)).astype(np.float32)
     exact = scan_scores(codes, scales, y, layout).astype(np.float64)
-    g = scan_mod._geometry(layout)
-    s16, s32, half = scan_mod._scale_args(scales)
+    buf = np.zeros(codes.nbytes + 3, dtype=np.uint8)
+    shifted = np.frombuffer(buf.data, dtype=np.uint8, count=codes.nbytes, offset=3).reshape(codes.shape)
+    shifted[...] = codes
     rows = np.arange(200, dtype=np.int64)
-    paths = [(np.zeros((1, 1), np.uint64), False)]
-    if g.direct_words:
-        paths.append((codes.view(np.uint64), True))
-    total = np.zeros_like(exact)
-    for level in scan_mod._quantize_queries(y, layout, levels=2):
-        for words, direct in paths:
-            approx = np.empty((3, 200))
-            bound = np.empty((3, 200))
-            scan_mod._bounded_kernel(codes, words, direct, s16, s32, half, level.planes, g.word_start_u64, g.boff,
-                                     level.delta, level.qsum, level.err, rows, approx, bound)
-        total += approx
-        assert np.all(np.abs(exact - total) <= bound)
-    # The second level is much tighter than the first.
-    assert bound.mean() < 0.05 * np.abs(exact).mean()
+    sub = rng.permutation(200)[:77].astype(np.int64)
+    sub[0] = 199  # the buffer's last row
+    results = {}
+    for vnni in prescan_forms():
+        levels = scan_mod._quantize_queries(y, layout, levels=2, vnni=vnni)
+        total = np.zeros_like(exact)
+        for li, level in enumerate(levels):
+            approx, bound = prescan(codes, scales, level, layout, rows)
+            for store, parallel in ((shifted, True), (codes, False)):
+                a2, b2 = prescan(store, scales, level, layout, rows, parallel)
+                np.testing.assert_array_equal(a2, approx)
+                np.testing.assert_array_equal(b2, bound)
+            a3, b3 = prescan(codes, scales, level, layout, sub)
+            np.testing.assert_array_equal(a3, approx[:, sub])
+            np.testing.assert_array_equal(b3, bound[:, sub])
+            total += approx
+            assert np.all(np.abs(exact - total) <= bound)
+            results[(vnni, li)] = total.copy()
+        # The second level is much tighter than the first.
+        assert bound.mean() < 0.05 * np.abs(exact).mean()
+    for li in range(2):  # integer inner products: both forms give the same approximations
+        if (True, li) in results:
+            np.testing.assert_array_equal(results[(True, li)], results[(False, li)])
 
 
 # ---------------------------------------------------------------------------------------------
