@@ -741,16 +741,11 @@ def top_influential_with_candidates(
     signs = list_column_to_numpy(table.column("signs"), layout.nbytes, np.uint8)
     scales = list_column_to_numpy(table.column("scales"), layout.num_modules, np.float16)
     scores = rescore(signs, scales, y, layout)[0] if table.num_rows else np.zeros(0, np.float32)
+    from .client import ranked_table
+
     info = table.select(meta_cols)
-    parts = []
+    ranked = {}
     for side in (("positive", "negative") if direction == "both" else (direction,)):
         order = np.argsort(-scores if side == "positive" else scores, kind="stable")[:k]
-        part = info.take(pa.array(order, pa.int64()))
-        part = part.add_column(0, "score", pa.array(scores[order], pa.float32()))
-        part = part.add_column(0, "rank", pa.array(np.arange(1, len(order) + 1), pa.int32()))
-        if direction == "both":
-            part = part.add_column(0, "direction", pa.array([side] * len(order), pa.string()))
-        parts.append(part)
-    result = pa.concat_tables(parts)
-    front = [c for c in ("direction", "rank", "id", "score") if c in result.column_names]
-    return result.select(front + [c for c in result.column_names if c not in front])
+        ranked[side] = (info.take(pa.array(order, pa.int64())), scores[order])
+    return ranked_table(ranked, with_direction=direction == "both")

@@ -6,7 +6,6 @@ with a one-line message saying what to fix.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
@@ -14,27 +13,8 @@ from typing import Any, Callable, List, Optional
 
 import click
 
-from .errors import EOGPError
-
-
-def _fail_cleanly(func: Callable) -> Callable:
-    """Turn library errors into ``click`` errors: a message and exit status 1, no traceback."""
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except EOGPError as exc:
-            raise click.ClickException(str(exc)) from exc
-
-    return wrapper
-
-
-def _emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
-    if as_json:
-        click.echo(json.dumps(data, indent=2, default=str))
-    else:
-        human(data)
+from .cliutil import emit as _emit
+from .cliutil import fail_cleanly as _fail_cleanly
 
 
 def _record_options(func: Callable) -> Callable:

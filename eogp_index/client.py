@@ -349,18 +349,8 @@ class AttributionIndex:
         else:
             found = self._hot_top_k(y, k, where, sides)
         meta_cols = self.store.metadata_columns()
-        parts = []
-        for side in sides:
-            rowaddr, scores = found[side]
-            part = self.store.take_rows(rowaddr.tolist(), meta_cols)
-            part = part.add_column(0, "score", pa.array(scores, pa.float32()))
-            part = part.add_column(0, "rank", pa.array(np.arange(1, len(scores) + 1), pa.int32()))
-            if direction == "both":
-                part = part.add_column(0, "direction", pa.array([side] * len(scores), pa.string()))
-            parts.append(part)
-        result = pa.concat_tables(parts)
-        front = [c for c in ("direction", "rank", "id", "score") if c in result.column_names]
-        return result.select(front + [c for c in result.column_names if c not in front])
+        ranked = {side: (self.store.take_rows(found[side][0].tolist(), meta_cols), found[side][1]) for side in sides}
+        return ranked_table(ranked, with_direction=direction == "both")
 
     # -- the scan -------------------------------------------------------------------------------
     def hot_codes(self):
@@ -417,6 +407,21 @@ class AttributionIndex:
         data["table_version"] = self.store.version
         data["path"] = str(self.path)
         return data
+
+
+def ranked_table(ranked: Dict[str, tuple], *, with_direction: bool) -> pa.Table:
+    """The result of a top-k query: ``{side: (rows pa.Table, scores (k,))}``, best first, →
+    one table with ``[direction,] rank, id, score`` leading and the stored columns after."""
+    parts = []
+    for side, (rows, scores) in ranked.items():
+        part = rows.add_column(0, "score", pa.array(scores, pa.float32()))
+        part = part.add_column(0, "rank", pa.array(np.arange(1, len(scores) + 1), pa.int32()))
+        if with_direction:
+            part = part.add_column(0, "direction", pa.array([side] * len(scores), pa.string()))
+        parts.append(part)
+    result = pa.concat_tables(parts)
+    front = [c for c in ("direction", "rank", "id", "score") if c in result.column_names]
+    return result.select(front + [c for c in result.column_names if c not in front])
 
 
 def _pad_id(tokenizer) -> int:

@@ -106,7 +106,8 @@ _QUERY_GROUP = 64
 _BATCH_ROW_BLOCK = 1024
 # Exact rescoring computes the table entries a row uses on the fly for at most this many rows of
 # a query; beyond that building the query's byte table (256 entries per byte) is cheaper.
-_DIRECT_MAX_ROWS = 64
+_DIRECT_MAX_ROWS = 128
+_NO_ROWS = np.empty(0, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------------------------
@@ -417,32 +418,34 @@ def _exact_kernel_serial(codes, s16, s32, half, lut, nibble, boff, rows, out):
 
 
 @njit(cache=True, boundscheck=False, inline="always")
-def _byte_entry(v, yp, base, p):
+def _byte_entry(v, yp, heads, p):
     """``lut[256 p + v]`` of :func:`_byte_tables`, computed on the fly with the same float64 operations.
 
-    The table builds entry ``v`` from ``v`` without its lowest set bit, so unrolled it adds
-    ``2 y_t`` to ``base[p] = -Σ_t y_t`` for the set bits from the highest to the lowest.
+    The table builds entry ``v`` from ``v`` without its lowest set bit; unrolled, it adds
+    ``2 y_t`` to ``-Σ_t y_t`` for the set bits from the highest to the lowest. ``heads[16 p + h]``
+    holds that chain over the high nibble ``h``; the low nibble's bits follow here, without
+    branches (an unset bit adds ``±0``, which changes no sum: the float32 accumulators the entry
+    goes to never hold ``-0``).
     """
-    x = base[p]
-    t = 7
-    while t >= 0:
-        if (v >> t) & 1:
-            x = x + 2.0 * yp[8 * p + t]
-        t -= 1
+    x = heads[16 * p + (v >> 4)]
+    x = x + (2.0 * yp[8 * p + 3]) * float64((v >> 3) & 1)
+    x = x + (2.0 * yp[8 * p + 2]) * float64((v >> 2) & 1)
+    x = x + (2.0 * yp[8 * p + 1]) * float64((v >> 1) & 1)
+    x = x + (2.0 * yp[8 * p]) * float64(v & 1)
     return float32(x)
 
 
 @njit(cache=True, boundscheck=False)
-def _exact_direct_kernel(codes, s16, s32, half, yp, base, boff, rows, out):
+def _exact_direct_kernel(codes, s16, s32, half, yp, heads, boff, rows, out):
     """:func:`_exact_kernel_serial` with byte tables of one query, without building the tables.
 
     For a few rows, computing the (at most ``nbytes``) entries a row uses is cheaper than the
-    ``256 · nbytes`` entries of the table. Same float32 entries, same order of additions: the
+    ``256 · nbytes`` entries of the table (``16 · nbytes`` partial entries are computed once). Same float32 entries, same order of additions: the
     scores are bit-identical to the table walk's.
 
     Args:
-        yp: ``(nbytes·8,)`` float64 padded query (:func:`_padded_queries`); base: ``(nbytes,)``
-            float64 ``-Σ_t yp[8p + t]`` summed in order. out: ``(m,)`` float32, written.
+        yp: ``(nbytes·8,)`` float64 padded query (:func:`_padded_queries`); heads:
+            ``(nbytes·16,)`` float64 from :func:`_table_heads`. out: ``(m,)`` float32, written.
     """
     nmod = boff.shape[0] - 1
     for i in range(rows.shape[0]):
@@ -461,17 +464,17 @@ def _exact_direct_kernel(codes, s16, s32, half, yp, base, boff, rows, out):
             a6 = float32(0.0)
             a7 = float32(0.0)
             while p + 8 <= p1:
-                a0 += _byte_entry(int64(cr[p]), yp, base, p)
-                a1 += _byte_entry(int64(cr[p + 1]), yp, base, p + 1)
-                a2 += _byte_entry(int64(cr[p + 2]), yp, base, p + 2)
-                a3 += _byte_entry(int64(cr[p + 3]), yp, base, p + 3)
-                a4 += _byte_entry(int64(cr[p + 4]), yp, base, p + 4)
-                a5 += _byte_entry(int64(cr[p + 5]), yp, base, p + 5)
-                a6 += _byte_entry(int64(cr[p + 6]), yp, base, p + 6)
-                a7 += _byte_entry(int64(cr[p + 7]), yp, base, p + 7)
+                a0 += _byte_entry(int64(cr[p]), yp, heads, p)
+                a1 += _byte_entry(int64(cr[p + 1]), yp, heads, p + 1)
+                a2 += _byte_entry(int64(cr[p + 2]), yp, heads, p + 2)
+                a3 += _byte_entry(int64(cr[p + 3]), yp, heads, p + 3)
+                a4 += _byte_entry(int64(cr[p + 4]), yp, heads, p + 4)
+                a5 += _byte_entry(int64(cr[p + 5]), yp, heads, p + 5)
+                a6 += _byte_entry(int64(cr[p + 6]), yp, heads, p + 6)
+                a7 += _byte_entry(int64(cr[p + 7]), yp, heads, p + 7)
                 p += 8
             while p < p1:
-                a0 += _byte_entry(int64(cr[p]), yp, base, p)
+                a0 += _byte_entry(int64(cr[p]), yp, heads, p)
                 p += 1
             t = float64(((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)))
             acc += _scale_at(s16, s32, half, r, u) * t
@@ -479,13 +482,22 @@ def _exact_direct_kernel(codes, s16, s32, half, yp, base, boff, rows, out):
 
 
 @njit(cache=True, boundscheck=False)
-def _table_bases(yp, out):
-    """``out[p] = -Σ_t yp[8 p + t]`` accumulated in order (entry 0 of :func:`_byte_tables`)."""
-    for p in range(out.shape[0]):
+def _table_heads(yp, out):
+    """``out[16 p + h]``: :func:`_byte_tables`' chain for byte ``p`` over the high nibble ``h``:
+    ``-Σ_t yp[8p + t]`` (in order), then ``+ 2 yp[8p + 4 + t]`` for the set bits ``t`` of ``h``
+    from the highest to the lowest."""
+    for p in range(out.shape[0] // 16):
         b = 0.0
         for t in range(8):
             b -= yp[8 * p + t]
-        out[p] = b
+        for h in range(16):
+            x = b
+            t = 3
+            while t >= 0:
+                if (h >> t) & 1:
+                    x = x + 2.0 * yp[8 * p + 4 + t]
+                t -= 1
+            out[16 * p + h] = x
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -561,8 +573,17 @@ _IR_I64 = llvm_ir.IntType(64)
 _IR_V16I32 = llvm_ir.VectorType(_IR_I32, 16)
 _IR_V64I8 = llvm_ir.VectorType(_IR_I8, 64)
 _IR_V8I64 = llvm_ir.VectorType(_IR_I64, 8)
-# Rows ahead of the current one whose lines are prefetched (one module's lines per module).
+# Rows ahead of the current ones whose lines are prefetched (one module's lines per module).
 _PREFETCH_ROWS = 4
+# Rows scored together by the pre-scan: each query load feeds this many rows.
+_ROW_GROUP = 4
+# Queries scored together by the batch pre-scan (VNNI): each expanded code word feeds this many.
+_QUERY_SET = 4
+# Rows per work item of the batch pre-scan: their codes (x nbytes) stay in L2 while every group
+# of queries passes over them.
+_BATCH_PRESCAN_ROWS = 64
+# Query batches of at least this size use the batch pre-scan (where VNNI is available).
+_BATCH_PRESCAN_MIN = 3
 # Bit-plane weights of an 8-bit two's complement integer (the sign plane counts -128).
 _PLANE_WEIGHTS = [1, 2, 4, 8, 16, 32, 64, (-128) & ((1 << 64) - 1)]
 # Added to every row's bound: the absolute rounding of float32 results in the subnormal range.
@@ -612,138 +633,322 @@ def _ir_code_word(builder, rp, b0, t):
     return builder.load(builder.bitcast(p, _IR_I64.as_pointer()), align=1)
 
 
-def _ir_vnni_dot(builder, rp, b0, nw, qp, qw0):
-    """Σ_{t<nw} Σ_i bit_i(word t) · int8(q[64 (qw0 + t) + i]), four accumulators."""
+def _ir_vnni_dots(builder, rps, b0, nw, qp, qw0, nqg=1):
+    """Per row pointer and query, ``Σ_{t<nw} Σ_i bit_i(word t) · int8(q[64 ((qw0 + t) nqg + j) + i])``
+    (query ``j`` of a group of ``nqg`` interleaved per word) spread over the 16 int32 lanes of a
+    vector; returned row-major (row ``r``, query ``j`` at ``r nqg + j``). Each query load is
+    shared by the rows and each expanded code word by the queries; at least four accumulators
+    hide VPDPBUSD's latency."""
+    nrows = len(rps)
     dpbusd = _ir_fn(builder, "llvm.x86.avx512.vpdpbusd.512", _IR_V16I32, [_IR_V16I32] * 3)
-    reduce = _ir_fn(builder, "llvm.vector.reduce.add.v16i32", _IR_I32, [_IR_V16I32])
     ones = llvm_ir.Constant(_IR_V64I8, [1] * 64)
     zeros = llvm_ir.Constant(_IR_V64I8, None)
 
-    def word(t, acc):
-        mask = builder.bitcast(_ir_code_word(builder, rp, b0, t), llvm_ir.VectorType(_IR_I1, 64))
-        bits = builder.bitcast(builder.select(mask, ones, zeros), _IR_V16I32)
-        qo = builder.shl(builder.add(qw0, t), llvm_ir.Constant(_IR_I64, 6))
-        q = builder.load(builder.bitcast(builder.gep(qp, [qo]), _IR_V16I32.as_pointer()), align=1)
-        return builder.call(dpbusd, [acc, bits, q])  # u8 (0/1) x s8 products, 4 per int32 lane
+    def word(t, accs):
+        wq = builder.mul(builder.add(qw0, t), llvm_ir.Constant(_IR_I64, nqg))
+        qs = [builder.load(builder.bitcast(builder.gep(qp, [builder.shl(builder.add(wq, llvm_ir.Constant(_IR_I64, j)),
+                                                                          llvm_ir.Constant(_IR_I64, 6))]),
+                                           _IR_V16I32.as_pointer()), align=1) for j in range(nqg)]
+        out = []
+        for r, rp in enumerate(rps):
+            mask = builder.bitcast(_ir_code_word(builder, rp, b0, t), llvm_ir.VectorType(_IR_I1, 64))
+            bits = builder.bitcast(builder.select(mask, ones, zeros), _IR_V16I32)
+            for j, q in enumerate(qs):  # u8 (0/1) x s8 products, 4 per int32 lane
+                out.append(builder.call(dpbusd, [accs[r * nqg + j], bits, q]))
+        return out
 
-    zero = llvm_ir.Constant(_IR_V16I32, None)
-    t, acc = _ir_loop(builder, llvm_ir.Constant(_IR_I64, 0), nw, 4, [zero] * 4,
-                      lambda t, v: [word(builder.add(t, llvm_ir.Constant(_IR_I64, j)), v[j]) for j in range(4)],
-                      "vnni4")
-    t, (a0,) = _ir_loop(builder, t, nw, 1, [acc[0]], lambda t, v: [word(t, v[0])], "vnni1")
-    total = builder.add(builder.add(a0, acc[1]), builder.add(acc[2], acc[3]))
-    return builder.sext(builder.call(reduce, [total]), _IR_I64)
+    return _ir_word_loops(builder, nw, max(1, 4 // (nrows * nqg)), nrows * nqg, llvm_ir.Constant(_IR_V16I32, None),
+                          word, "vnni")
 
 
-def _ir_planes_dot(builder, rp, b0, nw, pp, qw0):
-    """Σ_{t<nw} Σ_b weight_b · popcount(word t & plane[8 (qw0 + t) + b]), two accumulators."""
+def _ir_planes_dots(builder, rps, b0, nw, pp, qw0):
+    """Per row pointer, ``Σ_{t<nw} Σ_b weight_b · popcount(word t & plane[8 (qw0 + t) + b])``
+    spread over the 8 int64 lanes of a vector (lane ``b``: plane ``b``, weighted). The plane
+    loads are shared by the rows."""
+    nrows = len(rps)
     ctpop = _ir_fn(builder, "llvm.ctpop.v8i64", _IR_V8I64, [_IR_V8I64])
-    reduce = _ir_fn(builder, "llvm.vector.reduce.add.v8i64", _IR_I64, [_IR_V8I64])
     undef = llvm_ir.Constant(_IR_V8I64, llvm_ir.Undefined)
+    splat = llvm_ir.Constant(llvm_ir.VectorType(_IR_I32, 8), [0] * 8)
+    weights = llvm_ir.Constant(_IR_V8I64, _PLANE_WEIGHTS)
 
-    def word(t, acc):
-        c = builder.insert_element(undef, _ir_code_word(builder, rp, b0, t), llvm_ir.Constant(_IR_I32, 0))
-        c = builder.shuffle_vector(c, undef, llvm_ir.Constant(llvm_ir.VectorType(_IR_I32, 8), [0] * 8))
+    def word(t, accs):
         po = builder.shl(builder.add(qw0, t), llvm_ir.Constant(_IR_I64, 3))
         planes = builder.load(builder.bitcast(builder.gep(pp, [po]), _IR_V8I64.as_pointer()), align=8)
-        return builder.add(acc, builder.call(ctpop, [builder.and_(c, planes)]))
+        out = []
+        for rp, acc in zip(rps, accs):
+            c = builder.insert_element(undef, _ir_code_word(builder, rp, b0, t), llvm_ir.Constant(_IR_I32, 0))
+            c = builder.shuffle_vector(c, undef, splat)
+            out.append(builder.add(acc, builder.call(ctpop, [builder.and_(c, planes)])))
+        return out
 
-    zero = llvm_ir.Constant(_IR_V8I64, None)
-    t, acc = _ir_loop(builder, llvm_ir.Constant(_IR_I64, 0), nw, 2, [zero] * 2,
-                      lambda t, v: [word(builder.add(t, llvm_ir.Constant(_IR_I64, j)), v[j]) for j in range(2)],
-                      "planes2")
-    t, (a0,) = _ir_loop(builder, t, nw, 1, [acc[0]], lambda t, v: [word(t, v[0])], "planes1")
-    weighted = builder.mul(builder.add(a0, acc[1]), llvm_ir.Constant(_IR_V8I64, _PLANE_WEIGHTS))
-    return builder.call(reduce, [weighted])
+    accs = _ir_word_loops(builder, nw, max(1, 2 // nrows), nrows, llvm_ir.Constant(_IR_V8I64, None), word, "planes")
+    return [builder.mul(a, weights) for a in accs]
+
+
+def _ir_word_loops(builder, nw, unroll, nrows, zero, word, name):
+    """Run ``word(t, accs)`` for ``t < nw`` (``unroll`` words per step, then one at a time) with
+    ``nrows`` accumulators per word slot; returns the per-row sums of the slots."""
+    def step(t, v):
+        return [x for j in range(unroll)
+                for x in word(builder.add(t, llvm_ir.Constant(_IR_I64, j)), v[j * nrows : (j + 1) * nrows])]
+
+    t, acc = _ir_loop(builder, llvm_ir.Constant(_IR_I64, 0), nw, unroll, [zero] * (unroll * nrows), step, name + "u")
+    if unroll > 1:
+        t, head = _ir_loop(builder, t, nw, 1, acc[:nrows], lambda t, v: word(t, v), name + "1")
+        acc = head + acc[nrows:]
+    out = []
+    for r in range(nrows):
+        total = acc[r]
+        for j in range(1, unroll):
+            total = builder.add(total, acc[j * nrows + r])
+        out.append(total)
+    return out
+
+
+def _ir_lane_sums(builder, vecs, lanes):
+    """The lane sums of ``R`` vectors of ``lanes`` integers (``R`` a power of two up to ``lanes``),
+    as one ``<R x int>`` vector: pairs of vectors are folded into one (half of each vector's
+    lanes), then the lanes within each row's group."""
+    def shuffle(x, y, idx):
+        return builder.shuffle_vector(x, y, llvm_ir.Constant(llvm_ir.VectorType(_IR_I32, len(idx)), idx))
+
+    vs, gs = list(vecs), lanes  # each vector holds groups of gs lanes, one group per row
+    while len(vs) > 1:
+        half = gs // 2
+        nxt = []
+        for x, y in zip(vs[0::2], vs[1::2]):
+            ng = lanes // gs
+            lo = [g * gs + o for g in range(ng) for o in range(half)]
+            hi = [g * gs + half + o for g in range(ng) for o in range(half)]
+            nxt.append(builder.add(shuffle(x, y, lo + [lanes + i for i in lo]),
+                                   shuffle(x, y, hi + [lanes + i for i in hi])))
+        vs, gs = nxt, half
+    v = vs[0]
+    g0, size = gs, gs
+    while size > 1:  # within each group, add the second half onto the first
+        half = size // 2
+        perm = [l - l % g0 + ((l % g0) + half if l % g0 < half else l % g0) for l in range(lanes)]
+        v = builder.add(v, shuffle(v, v, perm))
+        size = half
+    return shuffle(v, v, [r * g0 for r in range(len(vecs))])
+
+
+def _prescan_args_ok(buf, offs, pbuf, ahead, qarr, int8_only):
+    if not (isinstance(offs, types.UniTuple) and offs.dtype == types.uint64 and offs.count in (1, 4)):
+        return False
+    if not (isinstance(ahead, types.UniTuple) and ahead.dtype == types.uint64 and ahead.count == offs.count):
+        return False
+    for a in (buf, pbuf):
+        if not (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.uint8):
+            return False
+    dtypes = (types.int8,) if int8_only else (types.int8, types.uint64)
+    return isinstance(qarr, types.Array) and qarr.ndim == 1 and qarr.dtype in dtypes
+
+
+def _ir_prescan(context, builder, signature, args, nrows, nqg, vnni):
+    """Codegen shared by :func:`_group_prescan` and :func:`_batch_prescan`: the module loop for
+    ``nrows`` rows and ``nqg`` queries. Returns ``(approx, bound)``, ``<nrows·nqg x double>``
+    vectors (row-major)."""
+    bufv, offv, pbufv, aheadv, pf, qv, wsv, bov, c1v, c0v, errv, sv = args[:12]
+    tys = signature.args
+    f64 = llvm_ir.DoubleType()
+    npair = nrows * nqg
+    vf = llvm_ir.VectorType(f64, npair)
+    base = _ir_data(context, builder, tys[0], bufv, _IR_I8)
+    rps = [builder.gep(base, [builder.extract_value(offv, j)]) for j in range(nrows)]
+    pbase = _ir_data(context, builder, tys[2], pbufv, _IR_I8)
+    aps = [builder.gep(pbase, [builder.extract_value(aheadv, j)]) for j in range(nrows)]
+    qp = _ir_data(context, builder, tys[5], qv, _IR_I8 if vnni else _IR_I64)
+    wsp = _ir_data(context, builder, tys[6], wsv, _IR_I64)
+    bop = _ir_data(context, builder, tys[7], bov, _IR_I64)
+    c1p, c0p, errp, sp = (_ir_data(context, builder, tys[j], v, f64) for j, v in ((8, c1v), (9, c0v), (10, errv), (11, sv)))
+    nmod = builder.sub(builder.extract_value(context.make_array(tys[6])(context, builder, wsv).shape, 0),
+                       llvm_ir.Constant(_IR_I64, 1))
+    pfn = _ir_fn(builder, "llvm.prefetch.p0", llvm_ir.VoidType(), [_IR_I8.as_pointer(), _IR_I32, _IR_I32, _IR_I32])
+    one = llvm_ir.Constant(_IR_I64, 1)
+
+    def spread(ptr, n, idx):
+        """Load ``n`` doubles at ``ptr`` and lay them out as lanes ``idx``."""
+        vn = llvm_ir.VectorType(f64, n)
+        v = builder.load(builder.bitcast(ptr, vn.as_pointer()), align=8)
+        return builder.shuffle_vector(v, llvm_ir.Constant(vn, llvm_ir.Undefined),
+                                      llvm_ir.Constant(llvm_ir.VectorType(_IR_I32, npair), idx))
+
+    row_lanes = [r for r in range(nrows) for _ in range(nqg)]
+    query_lanes = [j for _ in range(nrows) for j in range(nqg)]
+
+    def module(u, vals):
+        acc_a, acc_e = vals
+        b0 = builder.load(builder.gep(bop, [u]))
+        b1 = builder.load(builder.gep(bop, [builder.add(u, one)]))
+        w0 = builder.load(builder.gep(wsp, [u]))
+        nw = builder.sub(builder.load(builder.gep(wsp, [builder.add(u, one)])), w0)
+        with builder.if_then(pf):
+            def lines(o, _):
+                for ap in aps:
+                    builder.call(pfn, [builder.gep(ap, [builder.add(b0, o)]), llvm_ir.Constant(_IR_I32, 0),
+                                       llvm_ir.Constant(_IR_I32, 3), llvm_ir.Constant(_IR_I32, 1)])
+                return []
+            _ir_loop_lt(builder, builder.sub(b1, b0), 64, lines, "pf")
+        if vnni:
+            dots = _ir_lane_sums(builder, _ir_vnni_dots(builder, rps, b0, nw, qp, w0, nqg), 16)
+        else:
+            dots = _ir_lane_sums(builder, _ir_planes_dots(builder, rps, b0, nw, qp, w0), 8)
+        d = builder.sitofp(dots, vf)
+        uq = builder.mul(u, llvm_ir.Constant(_IR_I64, nqg))
+        s = spread(builder.gep(sp, [builder.mul(u, llvm_ir.Constant(_IR_I64, nrows))]), nrows, row_lanes)
+        k1 = spread(builder.gep(c1p, [uq]), nqg, query_lanes)
+        k0 = spread(builder.gep(c0p, [uq]), nqg, query_lanes)
+        ke = spread(builder.gep(errp, [uq]), nqg, query_lanes)
+        acc_a = builder.fadd(acc_a, builder.fmul(s, builder.fsub(builder.fmul(k1, d), k0)))
+        acc_e = builder.fadd(acc_e, builder.fmul(s, ke))
+        return [acc_a, acc_e]
+
+    _, (acc_a, acc_e) = _ir_loop(builder, llvm_ir.Constant(_IR_I64, 0), nmod, 1,
+                                 [llvm_ir.Constant(vf, None), llvm_ir.Constant(vf, [_BOUND_TINY] * npair)],
+                                 module, "mod")
+    return acc_a, acc_e
 
 
 @intrinsic
-def _module_dot(typingctx, row, b0, nw, qrow, qw0):
-    """``Σ_j q_j c_j`` over one module: ``c`` the row's bits from byte ``b0`` (``nw`` words).
+def _group_prescan(typingctx, buf, offs, pbuf, ahead, prefetch, qrow, wstart, boff, c1, c0, err, sblk):
+    """Approximate scores and bounds of ``R`` rows for one query (``R = len(offs)``, 1 or 4).
 
-    ``qrow`` is one query's int8 bytes (entry ``64 (qw0 + t) + i`` for bit ``i`` of word ``t``;
-    VNNI) or its uint64 bit planes word-major (``8 (qw0 + t) + b``). Returns int64.
+    The rows are at byte offsets ``offs`` of the 1-D uint8 ``buf``. ``qrow``: the query's int8
+    integers (VNNI) or uint64 bit planes (see :func:`_quantize_level`). ``wstart``, ``boff``:
+    ``(U+1,)`` uint64. ``c1``, ``c0``, ``err``: ``(U,)`` float64 rows of the level.
+    ``sblk``: ``(U, R)`` float64 scales, module-major. With ``prefetch``, module ``u``'s lines of
+    the rows at offsets ``ahead`` of ``pbuf`` are prefetched while module ``u`` is scored.
+
+    Returns ``R`` approximations ``Σ_u s_u (c1_u d_u - c0_u)`` then ``R`` bounds
+    ``_BOUND_TINY + Σ_u s_u err_u`` (float64, module order: the same bits for every ``R``).
     """
-    if not (isinstance(row, types.Array) and row.ndim == 1 and row.dtype == types.uint8):
+    if not _prescan_args_ok(buf, offs, pbuf, ahead, qrow, False):
         return None
-    if not (isinstance(qrow, types.Array) and qrow.ndim == 1 and qrow.dtype in (types.int8, types.uint64)):
-        return None
+    nrows = offs.count
     vnni = qrow.dtype == types.int8
-    sig = types.int64(row, types.uint64, types.uint64, qrow, types.uint64)
+    sig = types.UniTuple(types.float64, 2 * nrows)(buf, offs, pbuf, ahead, types.boolean, qrow, wstart, boff,
+                                                   c1, c0, err, sblk)
 
     def codegen(context, builder, signature, args):
-        rowv, b0, nw, qv, qw0 = args
-        rp = _ir_data(context, builder, signature.args[0], rowv, _IR_I8)
-        if vnni:
-            return _ir_vnni_dot(builder, rp, b0, nw, _ir_data(context, builder, signature.args[3], qv, _IR_I8), qw0)
-        return _ir_planes_dot(builder, rp, b0, nw, _ir_data(context, builder, signature.args[3], qv, _IR_I64), qw0)
+        acc_a, acc_e = _ir_prescan(context, builder, signature, args, nrows, 1, vnni)
+        out = [builder.extract_element(v, llvm_ir.Constant(_IR_I32, j)) for v in (acc_a, acc_e) for j in range(nrows)]
+        return context.make_tuple(builder, signature.return_type, out)
 
     return sig, codegen
 
 
 @intrinsic
-def _prefetch(typingctx, arr, offset):
-    """Prefetch (into all cache levels) the line holding byte ``offset`` of a 1-D uint8 array."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.uint8):
+def _batch_prescan(typingctx, buf, offs, pbuf, ahead, prefetch, qgrp, wstart, boff, c1g, c0g, errg, sblk, res):
+    """:func:`_group_prescan` for ``R`` rows and a group of :data:`_QUERY_SET` queries (VNNI only).
+
+    ``qgrp``: the group's int8 integers interleaved per word, ``[(w·Q + j)·64 + i]``.
+    ``c1g``, ``c0g``, ``errg``: ``(U, Q)`` float64. Writes ``res[r·Q + j]`` (approximation of row
+    ``r`` for query ``j``) and ``res[R·Q + r·Q + j]`` (its bound); ``res`` float64 ``(>= 2RQ,)``.
+    Each expanded code word feeds the ``Q`` queries and each query load the ``R`` rows.
+    """
+    if not _prescan_args_ok(buf, offs, pbuf, ahead, qgrp, True):
         return None
-    sig = types.void(arr, types.uint64)
+    nrows = offs.count
+    sig = types.void(buf, offs, pbuf, ahead, types.boolean, qgrp, wstart, boff, c1g, c0g, errg, sblk, res)
 
     def codegen(context, builder, signature, args):
-        p = builder.gep(_ir_data(context, builder, signature.args[0], args[0], _IR_I8), [args[1]])
-        fn = _ir_fn(builder, "llvm.prefetch.p0", llvm_ir.VoidType(), [_IR_I8.as_pointer(), _IR_I32, _IR_I32, _IR_I32])
-        builder.call(fn, [p, llvm_ir.Constant(_IR_I32, 0), llvm_ir.Constant(_IR_I32, 3), llvm_ir.Constant(_IR_I32, 1)])
+        acc_a, acc_e = _ir_prescan(context, builder, signature, args, nrows, _QUERY_SET, True)
+        vf = acc_a.type
+        rp = _ir_data(context, builder, signature.args[12], args[12], llvm_ir.DoubleType())
+        builder.store(acc_a, builder.bitcast(rp, vf.as_pointer()), align=8)
+        builder.store(acc_e, builder.bitcast(builder.gep(rp, [llvm_ir.Constant(_IR_I64, nrows * _QUERY_SET)]),
+                                             vf.as_pointer()), align=8)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
+def _ir_loop_lt(builder, stop, step, body, name):
+    """``for o = 0; o < stop; o += step: body(o)`` (``stop`` int64, may be 0)."""
+    pre = builder.block
+    head = builder.append_basic_block(name + ".head")
+    loop = builder.append_basic_block(name + ".body")
+    done = builder.append_basic_block(name + ".done")
+    builder.branch(head)
+    builder.position_at_end(head)
+    o = builder.phi(_IR_I64)
+    o.add_incoming(llvm_ir.Constant(_IR_I64, 0), pre)
+    builder.cbranch(builder.icmp_unsigned("<", o, stop), loop, done)
+    builder.position_at_end(loop)
+    body(o, [])
+    o.add_incoming(builder.add(o, llvm_ir.Constant(_IR_I64, step)), builder.block)
+    builder.branch(head)
+    builder.position_at_end(done)
+
+
 @njit(cache=True, boundscheck=False, inline="always")
-def _bounded_row(cr, flat, ahead, qarr, wstart, boff, srow, c1, c0, err, approx, bound, i):
-    """Column ``i`` of :func:`_bounded_kernel` for the row bytes ``cr``; prefetches the row at ``ahead``."""
-    nq = qarr.shape[0]
-    nmod = wstart.shape[0] - 1
-    for q in range(nq):
-        qr = qarr[q]
-        a = 0.0
-        for u in range(nmod):
-            if q == 0:
-                line = (boff[u] + uint64(63)) >> uint64(6)
-                while (line << uint64(6)) < boff[u + 1]:
-                    _prefetch(flat, ahead + (line << uint64(6)))
-                    line += uint64(1)
-            d = _module_dot(cr, boff[u], wstart[u + 1] - wstart[u], qr, wstart[u])
-            a += srow[u] * (c1[q, u] * float64(d) - c0[q, u])
-        e = _BOUND_TINY
-        for u in range(nmod):
-            e += srow[u] * err[q, u]
-        approx[q, i] = a
-        bound[q, i] = e
+def _row_scales(stab, s16, s32, half, r, sblk, j):
+    """Row ``r``'s scales as float64 into column ``j`` of ``sblk`` ``(U, R)``."""
+    if half:
+        for u in range(sblk.shape[0]):
+            sblk[u, j] = float64(stab[s16[r, u]])
+    else:
+        for u in range(sblk.shape[0]):
+            sblk[u, j] = float64(s32[r, u])
 
 
 @njit(cache=True, boundscheck=False, inline="always")
 def _bounded_block(codes, flat, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, rows,
                    approx, bound, i0, i1):
-    """Columns ``i0:i1`` of :func:`_bounded_kernel`."""
+    """Columns ``i0:i1`` of :func:`_bounded_kernel`, in groups of four rows where possible (each
+    query load then feeds four rows)."""
+    nq = qarr.shape[0]
     nmod = wstart.shape[0] - 1
     nb = codes.shape[1]
+    nbu = uint64(nb)
     last = codes.shape[0] - 1
     m = rows.shape[0]
-    srow = np.empty(nmod, dtype=np.float64)
+    s4 = np.empty((nmod, _ROW_GROUP), dtype=np.float64)
+    s1 = np.empty((nmod, 1), dtype=np.float64)
     scratch = np.zeros(nb + 8, dtype=np.uint8)
-    for i in range(i0, i1):
-        r = rows[i]
-        ahead = uint64(rows[min(i + _PREFETCH_ROWS, m - 1)]) * uint64(nb)
-        if half:
-            for u in range(nmod):
-                srow[u] = float64(stab[s16[r, u]])
+    i = i0
+    while i < i1:
+        grouped = i + _ROW_GROUP <= i1
+        if grouped and tail:
+            for j in range(_ROW_GROUP):
+                if rows[i + j] == last:
+                    grouped = False
+        if grouped:
+            for j in range(_ROW_GROUP):
+                _row_scales(stab, s16, s32, half, rows[i + j], s4, j)
+            offs = (uint64(rows[i]) * nbu, uint64(rows[i + 1]) * nbu, uint64(rows[i + 2]) * nbu,
+                    uint64(rows[i + 3]) * nbu)
+            j0 = i + _PREFETCH_ROWS
+            ahead = (uint64(rows[min(j0, m - 1)]) * nbu, uint64(rows[min(j0 + 1, m - 1)]) * nbu,
+                     uint64(rows[min(j0 + 2, m - 1)]) * nbu, uint64(rows[min(j0 + 3, m - 1)]) * nbu)
+            for q in range(nq):
+                a0, a1, a2, a3, e0, e1, e2, e3 = _group_prescan(flat, offs, flat, ahead, q == 0, qarr[q], wstart, boff,
+                                                                c1[q], c0[q], err[q], s4)
+                approx[q, i] = a0
+                approx[q, i + 1] = a1
+                approx[q, i + 2] = a2
+                approx[q, i + 3] = a3
+                bound[q, i] = e0
+                bound[q, i + 1] = e1
+                bound[q, i + 2] = e2
+                bound[q, i + 3] = e3
+            i += _ROW_GROUP
         else:
-            for u in range(nmod):
-                srow[u] = float64(s32[r, u])
-        if tail and r == last:
-            scratch[:nb] = codes[r]  # the unaligned loads may pass the end of the buffer here
-            _bounded_row(scratch, flat, ahead, qarr, wstart, boff, srow, c1, c0, err, approx, bound, i)
-        else:
-            _bounded_row(codes[r], flat, ahead, qarr, wstart, boff, srow, c1, c0, err, approx, bound, i)
+            r = rows[i]
+            _row_scales(stab, s16, s32, half, r, s1, 0)
+            ahead1 = (uint64(rows[min(i + _PREFETCH_ROWS, m - 1)]) * nbu,)
+            for q in range(nq):
+                if tail and r == last:
+                    scratch[:nb] = codes[r]  # the module loads may pass the end of the buffer here
+                    a, e = _group_prescan(scratch, (uint64(0),), flat, ahead1, q == 0, qarr[q], wstart, boff,
+                                          c1[q], c0[q], err[q], s1)
+                else:
+                    a, e = _group_prescan(flat, (uint64(r) * nbu,), flat, ahead1, q == 0, qarr[q], wstart, boff,
+                                          c1[q], c0[q], err[q], s1)
+                approx[q, i] = a
+                bound[q, i] = e
+            i += 1
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -776,6 +981,92 @@ def _bounded_kernel_serial(codes, qarr, wstart, boff, tail, stab, s16, s32, half
     """:func:`_bounded_kernel` on the calling thread, for small jobs."""
     _bounded_block(codes, codes.reshape(-1), qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, rows,
                    approx, bound, 0, rows.shape[0])
+
+
+@njit(cache=True, boundscheck=False, inline="always")
+def _batch_block(codes, flat, qgrp, wstart, boff, tail, stab, s16, s32, half, c1g, c0g, errg, rows,
+                 approx, bound, i0, i1):
+    """Columns ``i0:i1`` of :func:`_bounded_batch_kernel`: for each group of queries, every group
+    of four rows (the block's codes stay in L2 meanwhile)."""
+    nq = approx.shape[0]
+    ngrp = qgrp.shape[0]
+    nmod = wstart.shape[0] - 1
+    nb = codes.shape[1]
+    nbu = uint64(nb)
+    last = codes.shape[0] - 1
+    m = rows.shape[0]
+    nr = i1 - i0
+    sblk = np.empty((nr, nmod, _ROW_GROUP), dtype=np.float64)  # scales of the group starting at row i0 + j
+    for j in range(nr):
+        _row_scales(stab, s16, s32, half, rows[i0 + j], sblk[j], 0)
+    single = np.empty((nmod, 1), dtype=np.float64)
+    res = np.empty(2 * _ROW_GROUP * _QUERY_SET, dtype=np.float64)
+    scratch = np.zeros(nb + 8, dtype=np.uint8)
+    for g in range(ngrp):
+        qg = qgrp[g]
+        c1 = c1g[g]
+        c0 = c0g[g]
+        er = errg[g]
+        nqg = min(_QUERY_SET, nq - g * _QUERY_SET)
+        i = i0
+        while i < i1:
+            grouped = i + _ROW_GROUP <= i1
+            if grouped and tail:
+                for j in range(_ROW_GROUP):
+                    if rows[i + j] == last:
+                        grouped = False
+            if grouped:
+                s4 = sblk[i - i0]
+                if g == 0:
+                    for j in range(1, _ROW_GROUP):
+                        for u in range(nmod):
+                            s4[u, j] = sblk[i - i0 + j, u, 0]
+                offs = (uint64(rows[i]) * nbu, uint64(rows[i + 1]) * nbu, uint64(rows[i + 2]) * nbu,
+                        uint64(rows[i + 3]) * nbu)
+                j0 = i + _PREFETCH_ROWS
+                ahead = (uint64(rows[min(j0, m - 1)]) * nbu, uint64(rows[min(j0 + 1, m - 1)]) * nbu,
+                         uint64(rows[min(j0 + 2, m - 1)]) * nbu, uint64(rows[min(j0 + 3, m - 1)]) * nbu)
+                _batch_prescan(flat, offs, flat, ahead, g == 0, qg, wstart, boff, c1, c0, er, s4, res)
+                for r in range(_ROW_GROUP):
+                    for j in range(nqg):
+                        approx[g * _QUERY_SET + j, i + r] = res[r * _QUERY_SET + j]
+                        bound[g * _QUERY_SET + j, i + r] = res[(_ROW_GROUP + r) * _QUERY_SET + j]
+                i += _ROW_GROUP
+            else:
+                r = rows[i]
+                for u in range(nmod):
+                    single[u, 0] = sblk[i - i0, u, 0]
+                ahead1 = (uint64(rows[min(i + _PREFETCH_ROWS, m - 1)]) * nbu,)
+                if tail and r == last:
+                    scratch[:nb] = codes[r]  # the module loads may pass the end of the buffer here
+                    _batch_prescan(scratch, (uint64(0),), flat, ahead1, g == 0, qg, wstart, boff, c1, c0, er,
+                                   single, res)
+                else:
+                    _batch_prescan(flat, (uint64(r) * nbu,), flat, ahead1, g == 0, qg, wstart, boff, c1, c0, er,
+                                   single, res)
+                for j in range(nqg):
+                    approx[g * _QUERY_SET + j, i] = res[j]
+                    bound[g * _QUERY_SET + j, i] = res[_QUERY_SET + j]
+                i += 1
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def _bounded_batch_kernel(codes, qgrp, wstart, boff, tail, stab, s16, s32, half, c1g, c0g, errg, rows,
+                          approx, bound):
+    """:func:`_bounded_kernel` for a batch of queries in groups of :data:`_QUERY_SET` (VNNI only).
+
+    Args:
+        qgrp: ``(G, W·Q·64)`` int8, group ``g``'s query integers interleaved per word (see
+            :func:`_group_levels`). c1g, c0g, errg: ``(G, U, Q)`` float64.
+        approx, bound: ``(nq, m)`` float64, written (``nq <= G·Q``; padding queries are dropped).
+        The other arguments as for :func:`_bounded_kernel`.
+    """
+    m = rows.shape[0]
+    flat = codes.reshape(-1)
+    nblocks = (m + _BATCH_PRESCAN_ROWS - 1) // _BATCH_PRESCAN_ROWS
+    for blk in prange(nblocks):
+        _batch_block(codes, flat, qgrp, wstart, boff, tail, stab, s16, s32, half, c1g, c0g, errg, rows,
+                     approx, bound, blk * _BATCH_PRESCAN_ROWS, min(m, (blk + 1) * _BATCH_PRESCAN_ROWS))
 
 
 _LOWEST_BIT = np.array([0] + [(v & -v).bit_length() - 1 for v in range(1, 256)], dtype=np.int64)
@@ -959,6 +1250,25 @@ def _quantize_queries(y: np.ndarray, layout: SignLayout, levels: int = 2, vnni: 
     return out
 
 
+def _group_levels(level: _QuantLevel) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A VNNI level in groups of :data:`_QUERY_SET` queries, for :func:`_bounded_batch_kernel`.
+
+    Returns ``qgrp`` ``(G, W·Q·64)`` int8 (word-interleaved: ``[(w·Q + j)·64 + i]``) and ``c1``,
+    ``c0``, ``err`` as ``(G, U, Q)`` float64; a short last group is padded with zero queries.
+    """
+    nq, nbq = level.qarr.shape
+    G = -(-nq // _QUERY_SET)
+    pad = G * _QUERY_SET - nq
+    q = np.concatenate([level.qarr, np.zeros((pad, nbq), dtype=np.int8)]) if pad else level.qarr
+    qgrp = np.ascontiguousarray(q.reshape(G, _QUERY_SET, nbq // 64, 64).transpose(0, 2, 1, 3)).reshape(G, -1)
+
+    def grouped(a: np.ndarray) -> np.ndarray:
+        a = np.concatenate([a, np.zeros((pad, a.shape[1]))]) if pad else a
+        return np.ascontiguousarray(a.reshape(G, _QUERY_SET, -1).transpose(0, 2, 1))
+
+    return qgrp, grouped(level.c1), grouped(level.c0), grouped(level.err)
+
+
 # --------------------------------------------------------------------------------------------
 # Public scans
 # --------------------------------------------------------------------------------------------
@@ -1111,20 +1421,71 @@ def _kth_lower_bound(approx, bound, sign, kk):
 
 
 @njit(cache=True, boundscheck=False)
-def _reaching(approx, bound, sign, thr):
-    """Positions ``i`` (ascending, int64) with ``sign·approx[i] + bound[i] >= thr``."""
+def _top_positions(approx, sign, p):
+    """Positions of the ``p`` largest ``sign·approx`` (all positions if there are fewer; ties and
+    order arbitrary; NaN never counts)."""
+    m = approx.shape[0]
+    heap = np.empty(p, dtype=np.float64)  # min-heap of values, positions alongside
+    where = np.empty(p, dtype=np.int64)
+    size = 0
+    for i in range(m):
+        v = sign * approx[i]
+        if not (v == v):
+            continue
+        if size < p:
+            j = size
+            size += 1
+            while j > 0 and heap[(j - 1) // 2] > v:
+                heap[j] = heap[(j - 1) // 2]
+                where[j] = where[(j - 1) // 2]
+                j = (j - 1) // 2
+            heap[j] = v
+            where[j] = i
+        elif v > heap[0]:
+            j = 0
+            while True:
+                c = 2 * j + 1
+                if c >= p:
+                    break
+                if c + 1 < p and heap[c + 1] < heap[c]:
+                    c += 1
+                if heap[c] >= v:
+                    break
+                heap[j] = heap[c]
+                where[j] = where[c]
+                j = c
+            heap[j] = v
+            where[j] = i
+    return where[:size].copy()
+
+
+@njit(cache=True, boundscheck=False)
+def _reaching(approx, bound, thr_up, thr_down):
+    """Positions whose interval ``approx ± bound`` reaches ``thr_up`` from below (``approx + bound
+    >= thr_up``) or ``-thr_down`` from above (``bound - approx >= thr_down``).
+
+    Returns ``(positions, flags)``: ascending int64 positions and uint8 flags, bit 0 for the
+    largest direction, bit 1 for the smallest (``+inf`` switches a direction off).
+    """
     m = approx.shape[0]
     n = 0
     for i in range(m):
-        if sign * approx[i] + bound[i] >= thr:
+        if approx[i] + bound[i] >= thr_up or bound[i] - approx[i] >= thr_down:
             n += 1
-    out = np.empty(n, dtype=np.int64)
+    pos = np.empty(n, dtype=np.int64)
+    flags = np.empty(n, dtype=np.uint8)
     n = 0
     for i in range(m):
-        if sign * approx[i] + bound[i] >= thr:
-            out[n] = i
+        f = 0
+        if approx[i] + bound[i] >= thr_up:
+            f |= 1
+        if bound[i] - approx[i] >= thr_down:
+            f |= 2
+        if f:
+            pos[n] = i
+            flags[n] = f
             n += 1
-    return out
+    return pos, flags
 
 
 def scan_top_k(
@@ -1179,7 +1540,11 @@ def scan_top_k(
     g = _geometry(layout)
     s16, s32, half = _scale_args(scales)
     nibble = _use_nibbles(layout, 1)  # rescoring runs one query at a time
-    level1, level2 = _quantize_queries(y, layout, levels=2)
+    # One query: bit planes (as fast as VNNI there, and the same code on every host). A batch
+    # where VNNI is available: groups of queries share each expanded code word.
+    batch = nq >= _BATCH_PRESCAN_MIN and _prescan_vnni()
+    level1, level2 = _quantize_queries(y, layout, levels=2, vnni=batch)
+    grouped1 = _group_levels(level1) if batch else None
     tables: dict[int, np.ndarray] = {}
     direct: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -1193,9 +1558,9 @@ def scan_top_k(
         if not nibble and q not in tables and crows.shape[0] <= _DIRECT_MAX_ROWS:
             if q not in direct:
                 yp = _padded_queries(y[q : q + 1], layout)[0]
-                base = np.empty(layout.nbytes, dtype=np.float64)
-                _table_bases(yp, base)
-                direct[q] = (yp, base)
+                heads = np.empty(layout.nbytes * 16, dtype=np.float64)
+                _table_heads(yp, heads)
+                direct[q] = (yp, heads)
             out = np.empty(crows.shape[0], dtype=np.float32)
             _exact_direct_kernel(codes, s16, s32, half, *direct[q], g.boff, crows, out)
             return out
@@ -1210,6 +1575,12 @@ def scan_top_k(
         nql = level.qarr.shape[0]
         approx = np.empty((nql, crow.shape[0]), dtype=np.float64)
         bound = np.empty_like(approx)
+        if level is level1 and grouped1 is not None:
+            qgrp, c1g, c0g, errg = grouped1
+            with _KERNEL_LOCK:
+                _bounded_batch_kernel(codes, qgrp, g.word_start_u64, g.boff, g.reads_past_row, _HALF_TABLE, s16, s32,
+                                      half, c1g, c0g, errg, crow, approx, bound)
+            return approx, bound
         args = (codes, level.qarr, g.word_start_u64, g.boff, g.reads_past_row, _HALF_TABLE, s16, s32, half,
                 level.c1, level.c0, level.err, crow, approx, bound)
         if crow.shape[0] * layout.nbytes * nql <= 4 * _SERIAL_MAX_BYTES:
@@ -1219,26 +1590,36 @@ def scan_top_k(
                 _bounded_kernel(*args)
         return approx, bound
 
-    def survivors(run: _Running, sign: float, approx: np.ndarray, bound: np.ndarray, thr: float):
-        """Positions whose interval reaches the threshold, and the raised threshold.
-
-        Works on ``sign · score`` (bigger is better). The threshold only ever rises to a value
-        that ``kk`` rows are guaranteed to reach, and those rows stay among the survivors.
-        """
-        thr = max(thr, run.threshold(), _kth_lower_bound(approx, bound, sign, kk))
-        return _reaching(approx, bound, sign, thr), thr
+    def threshold(q: int, d: float, approx: np.ndarray, bound: np.ndarray, floor: float) -> float:
+        """A value of ``d · score`` (bigger is better) that ``kk`` rows are guaranteed to reach:
+        the running k-th best exact score, the previous level's threshold ``floor``, or the
+        kk-th best lower bound ``d · approx - bound`` of these rows, whichever is highest."""
+        return max(floor, running[(q, d)].threshold(), _kth_lower_bound(approx, bound, d, kk))
 
     dirs = [d for d, want in ((1.0, largest), (-1.0, smallest)) if want]
+    bits = {1.0: 1, -1.0: 2}
     running = {(q, d): _Running(k, d > 0) for q in range(nq) for d in dirs}
     kk = min(k, m)
+    pilot = min(2 * kk, kk + 32)
     for c0 in range(0, m, chunk_rows):
         c1 = min(m, c0 + chunk_rows)
         crow = np.arange(c0, c1, dtype=np.int64) if rows is None else rows[c0:c1]
         approx1, bound1 = bounded(level1, crow)
         for q in range(nq):
-            # Level 1 (every row of the chunk): 8-bit query.
-            stage1 = {d: survivors(running[(q, d)], d, approx1[q], bound1[q], -np.inf) for d in dirs}
-            union = np.unique(np.concatenate([pos for pos, _ in stage1.values()]))
+            # Pilot: until the running top-k is full, the rows with the best approximate scores
+            # are rescored first. Their exact k-th best is a threshold close to the final one
+            # (the k-th best lower bound is about two bounds below it), so far fewer rows
+            # survive level 1.
+            scored = _NO_ROWS
+            if any(running[(q, d)].val.size < kk for d in dirs):
+                scored = np.unique(np.concatenate([_top_positions(approx1[q], d, pilot) for d in dirs]))
+                ex = exact(q, crow[scored])
+                for d in dirs:
+                    running[(q, d)].merge(crow[scored], ex)
+            # Level 1 (every row of the chunk): 8-bit query. Rows whose interval reaches the
+            # threshold of a direction survive for that direction.
+            thr1 = {d: threshold(q, d, approx1[q], bound1[q], -np.inf) for d in dirs}
+            union, flags = _reaching(approx1[q], bound1[q], thr1.get(1.0, np.inf), thr1.get(-1.0, np.inf))
             if union.size == 0:
                 continue
             # Level 2 (survivors only): add the 8-bit quantized residual, ~127x tighter bound.
@@ -1246,11 +1627,14 @@ def scan_top_k(
             approx12 = approx1[q, union] + approx2[0]
             final = []
             for d in dirs:
-                pos, thr = stage1[d]
-                inside = np.isin(union, pos, assume_unique=True)
-                keep, _ = survivors(running[(q, d)], d, approx12[inside], bound2[0, inside], thr)
-                final.append(union[inside][keep])
-            # Exact rescoring of what is left, one pass for both directions.
+                inside = np.flatnonzero(flags & bits[d])
+                a12, b2 = approx12[inside], bound2[0, inside]
+                thr2 = threshold(q, d, a12, b2, thr1[d])
+                keep, _ = _reaching(a12, b2, thr2, np.inf) if d > 0 else _reaching(a12, b2, np.inf, thr2)
+                pos = union[inside[keep]]
+                final.append(pos[~np.isin(pos, scored)] if scored.size else pos)
+            # Exact rescoring of what is left (the pilot rows are merged already), one pass for
+            # both directions.
             todo = np.unique(np.concatenate(final))
             if todo.size == 0:
                 continue

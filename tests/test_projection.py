@@ -100,12 +100,21 @@ def test_pca_completes_a_rank_deficient_fitting_set_with_leading_axes():
     with pytest.warns(UserWarning, match="spans only 3"):
         P = fit_pca(z.float(), 6).double()
     torch.testing.assert_close(P.T @ P, torch.eye(6, dtype=torch.float64), atol=1e-5, rtol=0)
+    # A fitting set that lies along a few axes: candidate axes nearly inside the span must be
+    # dropped, not normalised into noise.
+    z = torch.zeros(4, 10, dtype=torch.float64)
+    z[:, :3] = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    z[:, 3] = 1e-7 * torch.randn(4, generator=gen, dtype=torch.float64)
+    with pytest.warns(UserWarning):
+        P = fit_pca(z.float(), 10).double()
+    torch.testing.assert_close(P.T @ P, torch.eye(10, dtype=torch.float64), atol=1e-5, rtol=0)
     torch.testing.assert_close(z @ P @ P.T, z, atol=1e-5, rtol=0)  # the data's span is kept whole
 
 
 def test_fwht_and_srht_normalisation():
-    x = torch.randn(3, 16, dtype=torch.float64)
-    torch.testing.assert_close(fwht(x), x @ torch.tensor(hadamard(16), dtype=torch.float64).T)
+    for p in (1, 2, 16, 512, 2048):  # square and non-square Kronecker splits
+        x = torch.randn(3, p, dtype=torch.float64)
+        torch.testing.assert_close(fwht(x), x @ torch.tensor(hadamard(p), dtype=torch.float64).T)
     signs, rows = make_srht(16, 4, torch.Generator().manual_seed(0))
     S_T = srht_apply(torch.eye(16, dtype=torch.float64), signs.double(), rows)  # (m, k) = S^T
     # S = sqrt(p/k) R H D with orthonormal H: S S^T = (p/k) I_k, and E[S^T S] = I_m.

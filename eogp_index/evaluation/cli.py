@@ -9,27 +9,15 @@ Paths default to the shipped tiny model and corpus (``examples/default``).
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple
 
 import click
 
-from eogp_index.errors import EOGPError
+from ..cliutil import fail_cleanly as _fail_cleanly
 
 __all__ = ["eval_group"]
-
-
-def _fail_cleanly(func: Callable) -> Callable:
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except EOGPError as exc:
-            raise click.ClickException(str(exc)) from exc
-
-    return wrapper
 
 
 def _ints(value: Optional[str], what: str) -> Optional[Tuple[int, ...]]:

@@ -65,7 +65,7 @@ from eogp_index.evaluation.baselines import (
     k_for_bytes,
 )
 from eogp_index.gradients import GradientCapture
-from eogp_index.projection import fit_pca, first_stage_from_curvature, make_srht
+from eogp_index.projection import first_stage_from_curvature, fit_pca, make_srht, srht_apply
 from eogp_index.quantization import SignLayout, decode, encode
 from eogp_index.task import IGNORE_INDEX, collate
 
@@ -324,37 +324,6 @@ def _config_for(method, family, precision, budget, per_module, modules, *, num_f
 _HADAMARD: Dict[int, torch.Tensor] = {}
 
 
-def _hadamard(n: int) -> torch.Tensor:
-    """The ``n × n`` Sylvester Hadamard matrix (``n`` a power of two), float32, cached."""
-    if n not in _HADAMARD:
-        h = torch.ones(1, 1)
-        while h.shape[0] < n:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        _HADAMARD[n] = h
-    return _HADAMARD[n]
-
-
-def fast_fwht(x: torch.Tensor) -> torch.Tensor:
-    """:func:`eogp_index.projection.fwht` (same ordering and scaling) as two small matmuls.
-
-    ``H_{ab} = H_a ⊗ H_b``, so for ``x`` viewed as ``(a, b)`` row-major, ``H x = H_a X H_b``.
-    """
-    *batch, p = x.shape
-    if p & (p - 1):
-        raise ConfigError(f"the Walsh-Hadamard transform needs a power-of-two length, got {p}")
-    a = 1 << ((p.bit_length() - 1) // 2)
-    b = p // a
-    y = _hadamard(a).to(x) @ x.reshape(-1, a, b) @ _hadamard(b).to(x)
-    return y.reshape(*batch, p)
-
-
-def fast_srht(z: torch.Tensor, signs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """:func:`eogp_index.projection.srht_apply` with :func:`fast_fwht`: ``(B, m)`` → ``(B, k)``."""
-    m = z.shape[-1]
-    p = 1 << max(0, math.ceil(math.log2(m)))
-    padded = torch.nn.functional.pad(z * signs, (0, p - m))
-    return fast_fwht(padded)[..., rows] / math.sqrt(rows.numel())
-
 
 def _stack(parts: List[torch.Tensor]) -> np.ndarray:
     return torch.cat(parts, dim=0).numpy() if parts else np.zeros((0, 0), np.float32)
@@ -525,7 +494,7 @@ class SharedPass:
                     out[key] = w[:, : cfg.k[u]]
                 elif cfg.family == "eogp-r":
                     signs, rows = proj
-                    out[key] = fast_srht(w[:, : cfg.m[u]], signs, rows)
+                    out[key] = srht_apply(w[:, : cfg.m[u]], signs, rows)
                 elif cfg.family == "gaussian":
                     if side == "query":
                         if dense_query is None:

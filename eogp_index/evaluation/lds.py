@@ -61,7 +61,10 @@ def _base_model(base):
     """The base model (loaded once) and the SHA-256 of its weights."""
     from eogp_index.manifest import model_sha256
 
-    model = tinylm._load_model(base)
+    try:
+        model = tinylm._load_model(base)
+    except (OSError, TypeError) as exc:
+        raise ConfigError(f"cannot load the base model to retrain from: {exc}") from exc
     return model, model_sha256(model)
 
 

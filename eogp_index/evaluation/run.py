@@ -231,6 +231,8 @@ def _plain(docs: Documents, what: str) -> List[List[int]]:
 def _load_inputs(data: DataConfig):
     from eogp_index.client import load_model
 
+    if not (Path(data.model) / "config.json").is_file():
+        raise ConfigError(f"{data.model}: not a model directory (no config.json); pass --model")
     model, tokenizer = load_model(data.model, device="cpu")
     train = load_documents(data.train, tokenizer, max_tokens=data.max_tokens, limit=data.limit_train)
     queries = load_documents(data.queries, tokenizer, max_tokens=data.max_tokens, limit=data.limit_queries)
@@ -409,21 +411,21 @@ def _plot_counterfactual(cf: Dict[str, Any], path: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4, 4.2), dpi=110)
+    fig = Figure(figsize=(6.4, 4.2), dpi=150)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     removals = [int(n) for n in cf["removals"]]
     for i, (name, values) in enumerate(cf["delta_ppl"].items()):
-        ys = [values[str(n)] for n in removals]
+        ys = [0.0] + [values[str(n)] for n in removals]  # removing nothing changes nothing
         style = dict(color="black", linestyle="--") if "uncompressed" in name or name == "Random" else {}
         if name == "Random":
             style = dict(color="gray", linestyle=":")
-        ax.plot(removals, ys, marker="os^Dv<>P*"[i % 9], label=name, linewidth=1.4, markersize=4.5, **style)
+        ax.plot([0] + removals, ys, marker="os^Dv<>P*"[i % 9], label=name, linewidth=1.4, markersize=4.5, **style)
     ax.set_xlabel("Training documents removed")
     ax.set_ylabel("Query perplexity increase")
     ax.set_title(f"Counterfactual removal ({len(cf['seeds'])} seeds, {cf['num_queries']} queries)")
     ax.grid(True, linestyle=":", linewidth=0.7)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False, fontsize=8)
     fig.savefig(path, format="png", bbox_inches="tight")
     return path
 
