@@ -67,7 +67,8 @@ def load_documents(args):
     """Model, tokenizer, documents (fit + stored + queries) and a description of the source."""
     need = args.fit_examples + args.docs + args.queries
     model_dir = Path(args.model) if args.model else DEFAULT_ROOT / "model"
-    corpus = args.corpus or str(DEFAULT_ROOT / "corpus" / "train.jsonl.gz")
+    # The pretraining docstrings (792) are enough for fitting set + store + queries; train has 512.
+    corpus = args.corpus or str(DEFAULT_ROOT / "corpus" / "pretrain.jsonl.gz")
     if (model_dir / "config.json").is_file() and Path(corpus).exists():
         from ingest.records import Example, RecordSpec, iter_examples
 
@@ -295,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HuggingFace model directory (default: examples/default/model)")
-    parser.add_argument("--corpus", default=None, help="shard to read documents from (default: its train corpus)")
+    parser.add_argument("--corpus", default=None, help="shard to read documents from (default: the default pretraining corpus)")
     parser.add_argument("--docs", type=int, default=512, help="real documents replicated into the store")
     parser.add_argument("--queries", type=int, default=16, help="held-out documents used as queries")
     parser.add_argument("--fit-examples", type=int, default=160, help="documents the projection is fitted on")

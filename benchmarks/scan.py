@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from eogp_index import scan as scan_module  # noqa: E402
 from eogp_index.scan import SignLayout, scan_scores, scan_top_k  # noqa: E402
 
 
@@ -80,16 +81,21 @@ def main(argv=None) -> int:
     scan_scores(*few, yb, layout)
     scan_top_k(*few, y1, layout, args.topk)
     scan_top_k(*few, yb[:2], layout, args.topk)
+    scan_top_k(*few, yb, layout, args.topk)  # batches of >= 3 queries take the batch pre-scan
+    scan_top_k(*few, y1, layout, args.topk, rows=np.arange(0, 256, 3))
 
     words = codes.reshape(-1).view(np.uint64)
     bw_t = best_of(words.sum, 3)
     bandwidth = gb / bw_t
 
+    vnni = scan_module._prescan_vnni()
     res: dict = {"gb": gb, "rows": n, "nbytes_per_row": layout.nbytes, "modules": args.modules, "k": args.k,
                  "threads": int(__import__("numba").get_num_threads()), "bandwidth_gbps": bandwidth,
-                 "bandwidth_s": bw_t}
+                 "bandwidth_s": bw_t, "prescan_vnni": vnni, "load_average": os.getloadavg()}
     lines = [f"store: {n} rows x {layout.nbytes} B = {gb:.3f} GB ({args.modules} modules x k={args.k}), "
-             f"{res['threads']} threads",
+             f"{res['threads']} threads, load average {os.getloadavg()[0]:.2f}",
+             f"top-k pre-scan: bit planes for one query, "
+             + ("AVX512-VNNI query groups for batches" if vnni else "bit planes for batches (no AVX512-VNNI)"),
              f"memory read (numpy sum, uint64): {bw_t:.3f} s  {bandwidth:.2f} GB/s"]
 
     def report(name, seconds, target_text, ratio, ok, **extra):
@@ -124,6 +130,7 @@ def main(argv=None) -> int:
     report(f"scan_top_k_1q_k{args.topk}_subset", tks, f"({subset.size} rows) = {r:.4f} x full top-k (target <= 0.05)",
            r, r <= 0.05, rows=int(subset.size))
 
+    lines.append(f"load average after: {os.getloadavg()[0]:.2f}")
     print("\n".join(lines))
     if args.json:
         print(json.dumps(res, indent=None))

@@ -16,7 +16,7 @@ bit 1 is ``+1`` (coordinate ``>= 0``), bit 0 is ``-1``. The padding bits at the 
 module's last byte are written as 0 by :func:`pack_signs`, and every kernel here *masks* them
 as well, so garbage in padding bits never changes a score.
 
-Kernels (CPU, numba; the first call compiles for ~10 s, later processes load the cache):
+Kernels (CPU, numba; the first call compiles for ~30 s, later processes load the cache):
 
 * **Exact scan** (:func:`scan_scores`, and the rescoring inside :func:`scan_top_k`): for each
   query a lookup table gives, for every byte position ``p`` of a row and each of the 256 values
@@ -30,24 +30,35 @@ Kernels (CPU, numba; the first call compiles for ~10 s, later processes load the
   that one lookup feeds 64 queries with vector adds (:func:`_exact_batch_kernel`); its float32
   summation order differs, so its scores can differ from a single-query scan in the last bits.
 * **Bounded pre-scan** (inside :func:`scan_top_k`): the query is quantized per module to 8-bit
-  integers ``ŷ_u = Δ_u · q_u``; ``⟨q_u, b⟩`` is then 8 AND+popcount passes over the bit planes
-  of ``q_u`` (two's complement; VPOPCNTQ where available), several times cheaper than the
-  table walk. Each row gets the approximate score and the deterministic bound
-  ``Σ_u s_iu · (‖y_u - ŷ_u‖₁ + ε_u)``, ``ε_u`` covering the float32 rounding of the exact kernel.
-  Rows whose interval can reach the running k-th best get a second 8-bit pass over the residual
-  ``y - ŷ`` (bound ~127x tighter), and only the rows still in reach are rescored exactly. So
-  :func:`scan_top_k` returns exactly the rows and float32 scores that sorting the single-query
-  :func:`scan_scores` gives (ties ordered by row index).
+  integers ``ŷ_u = Δ_u · q_u``, and ``⟨q_u, c⟩`` (``c`` the 0/1 bits) is computed from the packed
+  bits with integer SIMD written as LLVM IR (:func:`_group_prescan`): per 64-bit code word either
+  eight AND+popcount over the bit planes of ``q`` (portable; VPOPCNTQ on AVX-512 hosts), or, for
+  query batches on AVX512-VNNI hosts, the word expanded to 64 bytes once and multiplied with
+  several queries' int8 values by VPDPBUSD (:func:`_batch_prescan`). Four rows (one query) or
+  two rows x eight queries (batch) are scored together so that each load feeds several
+  products; rows are read in place at any alignment and prefetched a few rows ahead. Each row
+  gets the approximate score and the deterministic bound ``Σ_u s_iu · (‖y_u - ŷ_u‖₁ + ε_u)``
+  (``ε_u`` covers the float32 rounding of the exact kernel). Then, per query: the rows with the
+  best approximations are rescored exactly first (a *pilot*: their k-th best exact score is a
+  threshold about two bounds above the k-th best lower bound); rows whose interval reaches the
+  threshold get a second 8-bit pass over the residual ``y - ŷ`` (bound ~127x tighter); the rows
+  still in reach are rescored exactly, a few rows at a time straight from the query
+  (:func:`_exact_direct_kernel`, the table entries a row uses computed on the fly, same bits).
+  So :func:`scan_top_k` returns exactly the rows and float32 scores that sorting the
+  single-query :func:`scan_scores` gives (ties ordered by row index).
 
 Both kernels read each row's codes once for the whole query batch and parallelize over blocks
 of rows (``numba.prange``); :func:`scan_top_k` walks the store in chunks and keeps a running
 top-k, so it never holds ``(nq, n)`` scores. :func:`scan_scores_torch` is a torch path for GPUs
 (unpack on the device in chunks, one matmul per chunk).
 
-Speed (benchmarks/scan.py, 1 GB of codes, 64 modules x k=512): on a 2-core AMD EPYC (Zen 4) VM
-the table walk does ~1 GB/s per core and the pre-scan ~3-4 GB/s per core, both compute-bound,
-so a batch costs roughly ``nq`` times one query (the 64-query kernel ~0.3 ns per byte and
-query, about 4x less than 64 separate scans).
+Speed (benchmarks/scan.py, 1 GB of codes, 64 modules x k=512, 2-core AMD EPYC Zen 4 VM): the
+table walk does ~1 GB/s per core; the pre-scan ~10 GB/s per core, so single-query
+:func:`scan_top_k` reads the store at ~13-17 GB/s, about half the memory bandwidth (the
+pre-scan is compute-bound; the rest is a few ms). A batch of 64 queries costs ~30-40x one
+query: its pre-scan is an int8 x 1-bit product of ~8·10⁹ VPDPBUSD for 1 GB, and one VPDPBUSD
+per cycle and core puts ~1.1 s under it whatever the loop order. The 64-query exact kernel
+(:func:`scan_scores`) takes ~0.3 ns per byte and query, about 4x less than 64 separate scans.
 """
 
 from __future__ import annotations
@@ -85,8 +96,8 @@ _KERNEL_LOCK = threading.Lock()
 # Rows per parallel work item. Small enough that a filtered scan of a few thousand rows still
 # splits over the cores, large enough that the per-block overhead does not show.
 _ROW_BLOCK = 64
-# Jobs of at most this many code bytes x queries (x4 for the cheaper pre-scan) run on the
-# calling thread: a few ms of work, less than what waking the worker threads can cost.
+# Jobs of at most this many code bytes x queries run on the calling thread: up to a few ms of
+# work, less than what waking the worker threads can cost.
 _SERIAL_MAX_BYTES = 4 << 20
 # Rows per chunk of scan_top_k (before dividing by the number of queries): bounds the
 # (nq, chunk) float64 intervals held at once to ~64 MiB.
@@ -259,20 +270,6 @@ def score_reference(codes: np.ndarray, scales: np.ndarray, y: np.ndarray, layout
 # in one expression gives float64 in numba, so each loop sticks to one of them.)
 
 
-@intrinsic
-def _popcount(typingctx, x):
-    """``llvm.ctpop.i64``: one POPCNT, or VPOPCNTQ once LLVM vectorizes the loop."""
-    if not isinstance(x, types.Integer) or x.bitwidth != 64 or x.signed:
-        return None
-    sig = types.uint64(types.uint64)
-
-    def codegen(context, builder, signature, args):
-        fn = builder.module.declare_intrinsic("llvm.ctpop", [llvm_ir.IntType(64)])
-        return builder.call(fn, args)
-
-    return sig, codegen
-
-
 # 2^(e-25) for the FP16 exponent field e (index 0 holds 2^-24, the subnormal step).
 _HALF_POW2 = np.array([2.0 ** (max(e, 1) - 25) for e in range(32)], dtype=np.float64)
 
@@ -418,25 +415,26 @@ def _exact_kernel_serial(codes, s16, s32, half, lut, nibble, boff, rows, out):
 
 
 @njit(cache=True, boundscheck=False, inline="always")
-def _byte_entry(v, yp, heads, p):
+def _byte_entry(v, yp2, heads, p):
     """``lut[256 p + v]`` of :func:`_byte_tables`, computed on the fly with the same float64 operations.
 
     The table builds entry ``v`` from ``v`` without its lowest set bit; unrolled, it adds
-    ``2 y_t`` to ``-Σ_t y_t`` for the set bits from the highest to the lowest. ``heads[16 p + h]``
-    holds that chain over the high nibble ``h``; the low nibble's bits follow here, without
-    branches (an unset bit adds ``±0``, which changes no sum: the float32 accumulators the entry
-    goes to never hold ``-0``).
+    ``2 y_t`` (``yp2``, exact doubles of the padded query) to ``-Σ_t y_t`` for the set bits from
+    the highest to the lowest. ``heads[16 p + h]`` holds that chain over the high nibble ``h``;
+    the low nibble's bits follow here, without branches (an unset bit adds ``±0``, which changes
+    no sum: the float32 accumulators the entry goes to never hold ``-0``).
     """
     x = heads[16 * p + (v >> 4)]
-    x = x + (2.0 * yp[8 * p + 3]) * float64((v >> 3) & 1)
-    x = x + (2.0 * yp[8 * p + 2]) * float64((v >> 2) & 1)
-    x = x + (2.0 * yp[8 * p + 1]) * float64((v >> 1) & 1)
-    x = x + (2.0 * yp[8 * p]) * float64(v & 1)
+    b = 8 * p
+    x = x + yp2[b + 3] * float64((v >> 3) & 1)
+    x = x + yp2[b + 2] * float64((v >> 2) & 1)
+    x = x + yp2[b + 1] * float64((v >> 1) & 1)
+    x = x + yp2[b] * float64(v & 1)
     return float32(x)
 
 
 @njit(cache=True, boundscheck=False)
-def _exact_direct_kernel(codes, s16, s32, half, yp, heads, boff, rows, out):
+def _exact_direct_kernel(codes, s16, s32, half, yp2, heads, boff, rows, out):
     """:func:`_exact_kernel_serial` with byte tables of one query, without building the tables.
 
     For a few rows, computing the (at most ``nbytes``) entries a row uses is cheaper than the
@@ -444,7 +442,7 @@ def _exact_direct_kernel(codes, s16, s32, half, yp, heads, boff, rows, out):
     scores are bit-identical to the table walk's.
 
     Args:
-        yp: ``(nbytes·8,)`` float64 padded query (:func:`_padded_queries`); heads:
+        yp2: ``(nbytes·8,)`` float64, twice the padded query (:func:`_padded_queries`); heads:
             ``(nbytes·16,)`` float64 from :func:`_table_heads`. out: ``(m,)`` float32, written.
     """
     nmod = boff.shape[0] - 1
@@ -464,17 +462,17 @@ def _exact_direct_kernel(codes, s16, s32, half, yp, heads, boff, rows, out):
             a6 = float32(0.0)
             a7 = float32(0.0)
             while p + 8 <= p1:
-                a0 += _byte_entry(int64(cr[p]), yp, heads, p)
-                a1 += _byte_entry(int64(cr[p + 1]), yp, heads, p + 1)
-                a2 += _byte_entry(int64(cr[p + 2]), yp, heads, p + 2)
-                a3 += _byte_entry(int64(cr[p + 3]), yp, heads, p + 3)
-                a4 += _byte_entry(int64(cr[p + 4]), yp, heads, p + 4)
-                a5 += _byte_entry(int64(cr[p + 5]), yp, heads, p + 5)
-                a6 += _byte_entry(int64(cr[p + 6]), yp, heads, p + 6)
-                a7 += _byte_entry(int64(cr[p + 7]), yp, heads, p + 7)
+                a0 += _byte_entry(int64(cr[p]), yp2, heads, p)
+                a1 += _byte_entry(int64(cr[p + 1]), yp2, heads, p + 1)
+                a2 += _byte_entry(int64(cr[p + 2]), yp2, heads, p + 2)
+                a3 += _byte_entry(int64(cr[p + 3]), yp2, heads, p + 3)
+                a4 += _byte_entry(int64(cr[p + 4]), yp2, heads, p + 4)
+                a5 += _byte_entry(int64(cr[p + 5]), yp2, heads, p + 5)
+                a6 += _byte_entry(int64(cr[p + 6]), yp2, heads, p + 6)
+                a7 += _byte_entry(int64(cr[p + 7]), yp2, heads, p + 7)
                 p += 8
             while p < p1:
-                a0 += _byte_entry(int64(cr[p]), yp, heads, p)
+                a0 += _byte_entry(int64(cr[p]), yp2, heads, p)
                 p += 1
             t = float64(((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)))
             acc += _scale_at(s16, s32, half, r, u) * t
@@ -498,6 +496,22 @@ def _table_heads(yp, out):
                     x = x + 2.0 * yp[8 * p + 4 + t]
                 t -= 1
             out[16 * p + h] = x
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def _exact_direct_pairs(codes, s16, s32, half, yp, boff, qidx, indptr, prow, out):
+    """:func:`_exact_direct_kernel` on (query, row) pairs: segment ``s`` scores query ``qidx[s]``
+    (padded ``yp[qidx[s]]``) against rows ``prow[indptr[s]:indptr[s+1]]`` into ``out`` at the
+    same positions. Segments run in parallel, each building its query's partial entries."""
+    nb = codes.shape[1]
+    for seg in prange(qidx.shape[0]):
+        q = qidx[seg]
+        heads = np.empty(nb * 16, dtype=np.float64)
+        _table_heads(yp[q], heads)
+        yp2 = 2.0 * yp[q]
+        i0 = indptr[seg]
+        i1 = indptr[seg + 1]
+        _exact_direct_kernel(codes, s16, s32, half, yp2, heads, boff, prow[i0:i1], out[i0:i1])
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -577,10 +591,13 @@ _IR_V8I64 = llvm_ir.VectorType(_IR_I64, 8)
 _PREFETCH_ROWS = 4
 # Rows scored together by the pre-scan: each query load feeds this many rows.
 _ROW_GROUP = 4
-# Queries scored together by the batch pre-scan (VNNI): each expanded code word feeds this many.
-_QUERY_SET = 4
-# Rows per work item of the batch pre-scan: their codes (x nbytes) stay in L2 while every group
-# of queries passes over them.
+# Batch pre-scan (VNNI): _BATCH_ROWS rows x _QUERY_SET queries at once (16 accumulators); each
+# expanded code word feeds _QUERY_SET queries and each query load _BATCH_ROWS rows. (8 x 2 beat
+# 4 x 4 and 16 x 1 by ~10% and ~35%: expanding a word costs about two VPDPBUSD.)
+_QUERY_SET = 8
+_BATCH_ROWS = 2
+# Rows per work item of the batch pre-scan: their codes (x nbytes, 256 KiB for 4 KiB rows) stay
+# in L2 while every group of queries passes over them.
 _BATCH_PRESCAN_ROWS = 64
 # Query batches of at least this size use the batch pre-scan (where VNNI is available).
 _BATCH_PRESCAN_MIN = 3
@@ -734,7 +751,7 @@ def _ir_lane_sums(builder, vecs, lanes):
 
 
 def _prescan_args_ok(buf, offs, pbuf, ahead, qarr, int8_only):
-    if not (isinstance(offs, types.UniTuple) and offs.dtype == types.uint64 and offs.count in (1, 4)):
+    if not (isinstance(offs, types.UniTuple) and offs.dtype == types.uint64 and offs.count in (1, 2, 4)):
         return False
     if not (isinstance(ahead, types.UniTuple) and ahead.dtype == types.uint64 and ahead.count == offs.count):
         return False
@@ -893,7 +910,7 @@ def _row_scales(stab, s16, s32, half, r, sblk, j):
             sblk[u, j] = float64(s32[r, u])
 
 
-@njit(cache=True, boundscheck=False, inline="always")
+@njit(cache=True, boundscheck=False)
 def _bounded_block(codes, flat, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, rows,
                    approx, bound, i0, i1):
     """Columns ``i0:i1`` of :func:`_bounded_kernel`, in groups of four rows where possible (each
@@ -983,11 +1000,45 @@ def _bounded_kernel_serial(codes, qarr, wstart, boff, tail, stab, s16, s32, half
                    approx, bound, 0, rows.shape[0])
 
 
-@njit(cache=True, boundscheck=False, inline="always")
+@njit(cache=True, boundscheck=False)
+def _bounded_segment(codes, flat, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, qidx, indptr,
+                     prow, approx, bound, seg):
+    q = qidx[seg]
+    i0 = indptr[seg]
+    i1 = indptr[seg + 1]
+    n = i1 - i0
+    _bounded_block(codes, flat, qarr[q : q + 1], wstart, boff, tail, stab, s16, s32, half, c1[q : q + 1],
+                   c0[q : q + 1], err[q : q + 1], prow[i0:i1], approx[i0:i1].reshape((1, n)),
+                   bound[i0:i1].reshape((1, n)), 0, n)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def _bounded_pairs_kernel(codes, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, qidx, indptr, prow,
+                          approx, bound):
+    """:func:`_bounded_kernel` on (query, row) pairs: segment ``s`` scores query ``qidx[s]``
+    against rows ``prow[indptr[s]:indptr[s+1]]`` into ``approx``/``bound`` ``(P,)`` at the
+    same positions. Segments run in parallel."""
+    flat = codes.reshape(-1)
+    for seg in prange(qidx.shape[0]):
+        _bounded_segment(codes, flat, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, qidx, indptr,
+                         prow, approx, bound, seg)
+
+
+@njit(cache=True, boundscheck=False)
+def _bounded_pairs_serial(codes, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, qidx, indptr, prow,
+                          approx, bound):
+    """:func:`_bounded_pairs_kernel` on the calling thread, for small jobs."""
+    flat = codes.reshape(-1)
+    for seg in range(qidx.shape[0]):
+        _bounded_segment(codes, flat, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, qidx, indptr,
+                         prow, approx, bound, seg)
+
+
+@njit(cache=True, boundscheck=False)
 def _batch_block(codes, flat, qgrp, wstart, boff, tail, stab, s16, s32, half, c1g, c0g, errg, rows,
                  approx, bound, i0, i1):
-    """Columns ``i0:i1`` of :func:`_bounded_batch_kernel`: for each group of queries, every group
-    of four rows (the block's codes stay in L2 meanwhile)."""
+    """Columns ``i0:i1`` of :func:`_bounded_batch_kernel`: for each group of queries, every pair
+    of rows (the block's codes stay in L2 meanwhile)."""
     nq = approx.shape[0]
     ngrp = qgrp.shape[0]
     nmod = wstart.shape[0] - 1
@@ -996,11 +1047,12 @@ def _batch_block(codes, flat, qgrp, wstart, boff, tail, stab, s16, s32, half, c1
     last = codes.shape[0] - 1
     m = rows.shape[0]
     nr = i1 - i0
-    sblk = np.empty((nr, nmod, _ROW_GROUP), dtype=np.float64)  # scales of the group starting at row i0 + j
+    # Row i0 + j's scales in sblk[j, :, 0]; a group starting there gets the others' in sblk[j, :, 1:].
+    sblk = np.empty((nr, nmod, _BATCH_ROWS), dtype=np.float64)
     for j in range(nr):
         _row_scales(stab, s16, s32, half, rows[i0 + j], sblk[j], 0)
     single = np.empty((nmod, 1), dtype=np.float64)
-    res = np.empty(2 * _ROW_GROUP * _QUERY_SET, dtype=np.float64)
+    res = np.empty(2 * _BATCH_ROWS * _QUERY_SET, dtype=np.float64)
     scratch = np.zeros(nb + 8, dtype=np.uint8)
     for g in range(ngrp):
         qg = qgrp[g]
@@ -1010,28 +1062,26 @@ def _batch_block(codes, flat, qgrp, wstart, boff, tail, stab, s16, s32, half, c1
         nqg = min(_QUERY_SET, nq - g * _QUERY_SET)
         i = i0
         while i < i1:
-            grouped = i + _ROW_GROUP <= i1
+            grouped = i + _BATCH_ROWS <= i1
             if grouped and tail:
-                for j in range(_ROW_GROUP):
+                for j in range(_BATCH_ROWS):
                     if rows[i + j] == last:
                         grouped = False
             if grouped:
-                s4 = sblk[i - i0]
+                sgrp = sblk[i - i0]
                 if g == 0:
-                    for j in range(1, _ROW_GROUP):
+                    for j in range(1, _BATCH_ROWS):
                         for u in range(nmod):
-                            s4[u, j] = sblk[i - i0 + j, u, 0]
-                offs = (uint64(rows[i]) * nbu, uint64(rows[i + 1]) * nbu, uint64(rows[i + 2]) * nbu,
-                        uint64(rows[i + 3]) * nbu)
+                            sgrp[u, j] = sblk[i - i0 + j, u, 0]
+                offs = (uint64(rows[i]) * nbu, uint64(rows[i + 1]) * nbu)
                 j0 = i + _PREFETCH_ROWS
-                ahead = (uint64(rows[min(j0, m - 1)]) * nbu, uint64(rows[min(j0 + 1, m - 1)]) * nbu,
-                         uint64(rows[min(j0 + 2, m - 1)]) * nbu, uint64(rows[min(j0 + 3, m - 1)]) * nbu)
-                _batch_prescan(flat, offs, flat, ahead, g == 0, qg, wstart, boff, c1, c0, er, s4, res)
-                for r in range(_ROW_GROUP):
+                ahead = (uint64(rows[min(j0, m - 1)]) * nbu, uint64(rows[min(j0 + 1, m - 1)]) * nbu)
+                _batch_prescan(flat, offs, flat, ahead, g == 0, qg, wstart, boff, c1, c0, er, sgrp, res)
+                for r in range(_BATCH_ROWS):
                     for j in range(nqg):
                         approx[g * _QUERY_SET + j, i + r] = res[r * _QUERY_SET + j]
-                        bound[g * _QUERY_SET + j, i + r] = res[(_ROW_GROUP + r) * _QUERY_SET + j]
-                i += _ROW_GROUP
+                        bound[g * _QUERY_SET + j, i + r] = res[(_BATCH_ROWS + r) * _QUERY_SET + j]
+                i += _BATCH_ROWS
             else:
                 r = rows[i]
                 for u in range(nmod):
@@ -1192,32 +1242,77 @@ def _prescan_vnni() -> bool:
 _PRESCAN_VNNI: Optional[bool] = None
 
 
-def _quantize_level(target: np.ndarray, layout: SignLayout, vnni: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-module ``target_u ≈ Δ_u q_u`` with integers ``|q| <= 127``: returns ``(q, Δ, qarr)``.
+@njit(cache=True, boundscheck=False)
+def _quantize_kernel(target, coff, wstart, q8, resid, delta, qsum, rsum):
+    """Per query and module ``u``: ``Δ = max|target_u| / 127`` (0 for an all-zero module),
+    ``q = clip(rint(target_u / Δ), ±127)`` written to ``q8[64 wstart[u] + j]``, the residual
+    ``target - Δ q`` (float64), ``Σ_j q_j`` and ``Σ_j |residual_j|``. ``q8`` must be zeroed."""
+    nq = target.shape[0]
+    for q in range(nq):
+        for u in range(coff.shape[0] - 1):
+            c0 = coff[u]
+            c1 = coff[u + 1]
+            amax = 0.0
+            for c in range(c0, c1):
+                amax = max(amax, abs(target[q, c]))
+            d = amax / _QMAX if amax > 0 else 0.0
+            step = d if d > 0 else 1.0
+            p = 64 * wstart[u] - c0
+            qs = 0.0
+            rs = 0.0
+            for c in range(c0, c1):
+                v = min(max(np.rint(target[q, c] / step), -_QMAX), _QMAX)  # the clip only guards rounding
+                q8[q, p + c] = np.int8(v)
+                r = target[q, c] - v * d
+                resid[q, c] = r
+                qs += v
+                rs += abs(r)
+            delta[q, u] = d
+            qsum[q, u] = qs
+            rsum[q, u] = rs
+
+
+@njit(cache=True, boundscheck=False)
+def _bit_planes(q8, planes):
+    """``planes[q, 8 w + b]`` bit ``i`` = bit ``b`` of the two's complement byte ``q8[q, 64 w + i]``."""
+    acc = np.empty(_QUERY_BITS, dtype=np.uint64)
+    for q in range(q8.shape[0]):
+        for w in range(q8.shape[1] // 64):
+            acc[:] = 0
+            for i in range(64):
+                byte = uint64(np.uint8(q8[q, 64 * w + i]))
+                for b in range(_QUERY_BITS):
+                    acc[b] |= ((byte >> uint64(b)) & uint64(1)) << uint64(i)
+            for b in range(_QUERY_BITS):
+                planes[q, 8 * w + b] = acc[b]
+
+
+def _quantize_level(target: np.ndarray, layout: SignLayout, vnni: bool):
+    """Per-module ``target_u ≈ Δ_u q_u`` with integers ``|q| <= 127``.
 
     ``target`` ``(nq, K)`` float64. ``Δ_u = max|target_u| / 127`` (0 for an all-zero module, whose
     ``q`` is then 0). Module ``u``'s coordinate ``j`` sits at position ``64 · word_start[u] + j``;
     ``qarr`` is either the int8 integers at those positions, ``(nq, 64·W)`` (``vnni``), or their
     two's complement bit planes, ``(nq, 8·W)`` uint64 with word ``w``'s plane ``b`` at ``8 w + b``.
     Positions that are no coordinate hold 0.
+
+    Returns ``(qarr, Δ, Σ_j q_j, residual target - Δ q, Σ_j |residual_j|)`` (per-module arrays
+    ``(nq, U)``).
     """
     g = _geometry(layout)
     nq = target.shape[0]
-    starts = np.asarray(layout.coord_offsets, dtype=np.int64)
-    amax = np.maximum.reduceat(np.abs(target), starts, axis=1)  # (nq, U)
-    delta = np.where(amax > 0, amax / _QMAX, 0.0)
-    step = np.where(delta > 0, delta, 1.0)[:, g.module_of_coord]
-    qv = np.clip(np.rint(target / step), -_QMAX, _QMAX)  # |target| <= 127 Δ: the clip only guards rounding
+    U = layout.num_modules
+    coff = np.asarray(layout.coord_offsets + (layout.num_coords,), dtype=np.int64)
     nw = int(g.word_start[-1])
-    pos = 64 * g.word_start[:-1][g.module_of_coord] + (np.arange(layout.num_coords) - starts[g.module_of_coord])
-    q8 = np.zeros((nq, nw * 64), dtype=np.uint8)
-    q8[:, pos] = qv.astype(np.int64).astype(np.uint8)  # two's complement bytes
+    q8 = np.zeros((nq, nw * 64), dtype=np.int8)
+    resid = np.empty_like(target)
+    delta, qsum, rsum = np.empty((nq, U)), np.empty((nq, U)), np.empty((nq, U))
+    _quantize_kernel(np.ascontiguousarray(target), coff, g.word_start, q8, resid, delta, qsum, rsum)
     if vnni:
-        return qv, delta, q8.view(np.int8)
-    planes = np.empty((nq, nw, _QUERY_BITS), dtype=np.uint64)
-    for b in range(_QUERY_BITS):
-        planes[:, :, b] = np.packbits((q8 >> b) & 1, axis=1, bitorder="little").view("<u8").reshape(nq, nw)
-    return qv, delta, planes.reshape(nq, nw * _QUERY_BITS)
+        return q8, delta, qsum, resid, rsum
+    planes = np.zeros((nq, nw * _QUERY_BITS), dtype=np.uint64)
+    _bit_planes(q8, planes)
+    return planes, delta, qsum, resid, rsum
 
 
 def _quantize_queries(y: np.ndarray, layout: SignLayout, levels: int = 2, vnni: Optional[bool] = None) -> list[_QuantLevel]:
@@ -1228,13 +1323,12 @@ def _quantize_queries(y: np.ndarray, layout: SignLayout, levels: int = 2, vnni: 
     :func:`_exact_kernel` (table entries rounded once, then ⌈k_u/8⌉ float32 additions of terms
     whose magnitudes sum to at most ``‖y_u‖₁``, float64 after that, one final rounding; the
     ``2⁻¹⁴⁹`` terms cover results in float32's subnormal range) and the float64 rounding of the
-    approximate sums. With :data:`_BOUND_TINY` for the final rounding,
-    ``|exact32 - Σ_l approx_l| <= bound_l`` of the last level used: a row outside the candidate
-    set cannot beat a rescored one.
+    approximate sums (a few roundings of terms at most ``4 ‖y_u‖₁``, far below ``ε_u``). With
+    :data:`_BOUND_TINY` for the final rounding, ``|exact32 - Σ_l approx_l| <= bound_l`` of the
+    last level used: a row outside the candidate set cannot beat a rescored one.
     """
     if vnni is None:
         vnni = _prescan_vnni()
-    g = _geometry(layout)
     starts = np.asarray(layout.coord_offsets, dtype=np.int64)
     y64 = y.astype(np.float64)
     l1 = np.add.reduceat(np.abs(y64), starts, axis=1)
@@ -1242,11 +1336,8 @@ def _quantize_queries(y: np.ndarray, layout: SignLayout, levels: int = 2, vnni: 
     out = []
     resid = y64
     for _ in range(levels):
-        qv, delta, qarr = _quantize_level(resid, layout, vnni)
-        resid = resid - qv * delta[:, g.module_of_coord]
-        err = np.add.reduceat(np.abs(resid), starts, axis=1) + eps
-        qsum = np.add.reduceat(qv, starts, axis=1)
-        out.append(_QuantLevel(qarr, 2.0 * delta, delta * qsum, err))
+        qarr, delta, qsum, resid, rsum = _quantize_level(resid, layout, vnni)
+        out.append(_QuantLevel(qarr, 2.0 * delta, delta * qsum, rsum + eps))
     return out
 
 
@@ -1503,11 +1594,12 @@ def scan_top_k(
     """The ``k`` most positive and most negative rows per query, with their exact scores.
 
     The store is walked in chunks (``chunk_rows`` rows, default ``~4M / nq``). Per chunk an 8-bit
-    pre-scan gives every row an interval that contains its exact score; rows whose interval
-    reaches the running k-th best get a second, ~127x tighter interval from the quantized
-    residual; the rows still in reach are rescored exactly. The result is the same as sorting
-    the single-query :func:`scan_scores` of each query (rows and float32 scores), with equal
-    scores ordered by row index. Only ``(nq, chunk)`` intervals are held at a time.
+    pre-scan gives every row an interval that contains its exact score; the rows with the best
+    approximations are rescored exactly first, which sets a tight running k-th best; rows whose
+    interval still reaches it get a second, ~127x tighter interval from the quantized residual;
+    the rows still in reach are rescored exactly. The result is the same as sorting the
+    single-query :func:`scan_scores` of each query (rows and float32 scores), with equal scores
+    ordered by row index. Only ``(nq, chunk)`` intervals are held at a time.
 
     Args:
         codes: ``(n, nbytes)`` uint8. scales: ``(n, U)`` float16. y: ``(nq, K)`` float32.
@@ -1539,109 +1631,161 @@ def scan_top_k(
 
     g = _geometry(layout)
     s16, s32, half = _scale_args(scales)
+    nbytes = layout.nbytes
     nibble = _use_nibbles(layout, 1)  # rescoring runs one query at a time
     # One query: bit planes (as fast as VNNI there, and the same code on every host). A batch
     # where VNNI is available: groups of queries share each expanded code word.
     batch = nq >= _BATCH_PRESCAN_MIN and _prescan_vnni()
     level1, level2 = _quantize_queries(y, layout, levels=2, vnni=batch)
     grouped1 = _group_levels(level1) if batch else None
+    if batch:  # level 2 scores a few rows per query: bit planes there too (one kernel form fewer)
+        planes = np.zeros((nq, level2.qarr.shape[1] // 64 * _QUERY_BITS), dtype=np.uint64)
+        _bit_planes(level2.qarr, planes)
+        level2 = _QuantLevel(planes, level2.c1, level2.c0, level2.err)
+    kargs = (g.word_start_u64, g.boff, g.reads_past_row, _HALF_TABLE, s16, s32, half)
     tables: dict[int, np.ndarray] = {}
-    direct: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    padded: list = []
 
-    def exact(q: int, crows: np.ndarray) -> np.ndarray:
-        """Query q's exact single-query scores of rows ``crows``.
+    def pairs(todo: dict[int, np.ndarray], split: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(query, rows) lists as segments of at most ``split`` rows: ``(qidx, indptr, rows)``."""
+        qidx, lens = [], []
+        for q, r in todo.items():
+            for i0 in range(0, r.shape[0], split):
+                qidx.append(q)
+                lens.append(min(split, r.shape[0] - i0))
+        indptr = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=indptr[1:])
+        prow = np.concatenate(list(todo.values())) if todo else _NO_ROWS
+        return np.asarray(qidx, dtype=np.int64), indptr, np.ascontiguousarray(prow, dtype=np.int64)
 
-        A few rows are scored straight from the query (:func:`_exact_direct_kernel`); more go
-        through its lookup table, built when first needed and kept while they fit in 64 MiB.
-        Both give the same bits as :func:`scan_scores`.
+    def exact(todo: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Exact single-query scores (the bits of :func:`scan_scores`) of rows ``todo[q]`` per query.
+
+        A few rows of a query are scored straight from the query (:func:`_exact_direct_pairs`,
+        all such queries in one parallel call); more go through the query's lookup table, built
+        when first needed and kept while the tables fit in 64 MiB.
         """
-        if not nibble and q not in tables and crows.shape[0] <= _DIRECT_MAX_ROWS:
-            if q not in direct:
-                yp = _padded_queries(y[q : q + 1], layout)[0]
-                heads = np.empty(layout.nbytes * 16, dtype=np.float64)
-                _table_heads(yp, heads)
-                direct[q] = (yp, heads)
-            out = np.empty(crows.shape[0], dtype=np.float32)
-            _exact_direct_kernel(codes, s16, s32, half, *direct[q], g.boff, crows, out)
-            return out
-        t = tables.get(q)
-        if t is None:
-            t = _lookup_tables(y[q : q + 1], layout, nibble)
-            if (len(tables) + 1) * t.nbytes <= 64 << 20:
-                tables[q] = t
-        return _exact_scores(codes, scales, t, nibble, layout, crows)[0]
-
-    def bounded(level: _QuantLevel, crow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        nql = level.qarr.shape[0]
-        approx = np.empty((nql, crow.shape[0]), dtype=np.float64)
-        bound = np.empty_like(approx)
-        if level is level1 and grouped1 is not None:
-            qgrp, c1g, c0g, errg = grouped1
+        out: dict[int, np.ndarray] = {}
+        few = {q: r for q, r in todo.items() if r.size and not nibble and q not in tables and r.size <= _DIRECT_MAX_ROWS}
+        if few:
+            if not padded:
+                padded.append(_padded_queries(y, layout))
+            qidx, indptr, prow = pairs(few, _DIRECT_MAX_ROWS if len(few) > 1 else 16)
+            res = np.empty(prow.shape[0], dtype=np.float32)
             with _KERNEL_LOCK:
-                _bounded_batch_kernel(codes, qgrp, g.word_start_u64, g.boff, g.reads_past_row, _HALF_TABLE, s16, s32,
-                                      half, c1g, c0g, errg, crow, approx, bound)
+                _exact_direct_pairs(codes, s16, s32, half, padded[0], g.boff, qidx, indptr, prow, res)
+            start = 0
+            for q, r in few.items():  # pairs() lays the queries out in this order
+                out[q] = res[start : start + r.size]
+                start += r.size
+        for q, r in todo.items():
+            if q in out or not r.size:
+                out.setdefault(q, np.empty(0, dtype=np.float32))
+                continue
+            t = tables.get(q)
+            if t is None:
+                t = _lookup_tables(y[q : q + 1], layout, nibble)
+                if (len(tables) + 1) * t.nbytes <= 64 << 20:
+                    tables[q] = t
+            out[q] = _exact_scores(codes, scales, t, nibble, layout, r)[0]
+        return out
+
+    def bounded1(crow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Level 1 of every query on the chunk's rows: ``(approx, bound)`` ``(nq, len(crow))``."""
+        approx = np.empty((nq, crow.shape[0]), dtype=np.float64)
+        bound = np.empty_like(approx)
+        if grouped1 is not None:
+            with _KERNEL_LOCK:
+                _bounded_batch_kernel(codes, grouped1[0], *kargs, *grouped1[1:], crow, approx, bound)
             return approx, bound
-        args = (codes, level.qarr, g.word_start_u64, g.boff, g.reads_past_row, _HALF_TABLE, s16, s32, half,
-                level.c1, level.c0, level.err, crow, approx, bound)
-        if crow.shape[0] * layout.nbytes * nql <= 4 * _SERIAL_MAX_BYTES:
+        args = (codes, level1.qarr, *kargs, level1.c1, level1.c0, level1.err, crow, approx, bound)
+        if crow.shape[0] * nbytes * nq <= _SERIAL_MAX_BYTES:
             _bounded_kernel_serial(*args)
         else:
             with _KERNEL_LOCK:
                 _bounded_kernel(*args)
         return approx, bound
 
-    def threshold(q: int, d: float, approx: np.ndarray, bound: np.ndarray, floor: float) -> float:
+    def bounded2(todo: dict[int, np.ndarray]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Level 2 of query ``q`` on rows ``todo[q]``, all queries in one call."""
+        qidx, indptr, prow = pairs(todo, 256)
+        approx = np.empty(prow.shape[0], dtype=np.float64)
+        bound = np.empty_like(approx)
+        args = (codes, level2.qarr, *kargs, level2.c1, level2.c0, level2.err, qidx, indptr, prow, approx, bound)
+        if prow.shape[0] * nbytes <= _SERIAL_MAX_BYTES:
+            _bounded_pairs_serial(*args)
+        else:
+            with _KERNEL_LOCK:
+                _bounded_pairs_kernel(*args)
+        out, start = {}, 0
+        for q, r in todo.items():  # pairs() lays the queries out in this order
+            out[q] = (approx[start : start + r.size], bound[start : start + r.size])
+            start += r.size
+        return out
+
+    def threshold(q: int, d: float, approx: np.ndarray, bound: np.ndarray, floor: float, lower: bool = True) -> float:
         """A value of ``d · score`` (bigger is better) that ``kk`` rows are guaranteed to reach:
-        the running k-th best exact score, the previous level's threshold ``floor``, or the
-        kk-th best lower bound ``d · approx - bound`` of these rows, whichever is highest."""
-        return max(floor, running[(q, d)].threshold(), _kth_lower_bound(approx, bound, d, kk))
+        the running k-th best exact score, the previous level's threshold ``floor``, or (with
+        ``lower``) the kk-th best lower bound ``d · approx - bound`` of these rows, whichever is
+        highest."""
+        thr = max(floor, running[(q, d)].threshold())
+        return max(thr, _kth_lower_bound(approx, bound, d, kk)) if lower else thr
 
     dirs = [d for d, want in ((1.0, largest), (-1.0, smallest)) if want]
     bits = {1.0: 1, -1.0: 2}
     running = {(q, d): _Running(k, d > 0) for q in range(nq) for d in dirs}
     kk = min(k, m)
-    pilot = min(2 * kk, kk + 32)
+    pilot = kk + 4
     for c0 in range(0, m, chunk_rows):
         c1 = min(m, c0 + chunk_rows)
         crow = np.arange(c0, c1, dtype=np.int64) if rows is None else rows[c0:c1]
-        approx1, bound1 = bounded(level1, crow)
+        # Level 1 (every row of the chunk): 8-bit queries.
+        approx1, bound1 = bounded1(crow)
+        # Pilot: each query's rows with the best approximate scores are rescored first (once
+        # its running top-k is full, only those whose approximation beats it: they are likely
+        # to enter). Their exact k-th best is a threshold close to the final one (the k-th best
+        # lower bound is about two bounds below it), so far fewer rows survive level 1.
+        scored = {}
         for q in range(nq):
-            # Pilot: until the running top-k is full, the rows with the best approximate scores
-            # are rescored first. Their exact k-th best is a threshold close to the final one
-            # (the k-th best lower bound is about two bounds below it), so far fewer rows
-            # survive level 1.
-            scored = _NO_ROWS
-            if any(running[(q, d)].val.size < kk for d in dirs):
-                scored = np.unique(np.concatenate([_top_positions(approx1[q], d, pilot) for d in dirs]))
-                ex = exact(q, crow[scored])
-                for d in dirs:
-                    running[(q, d)].merge(crow[scored], ex)
-            # Level 1 (every row of the chunk): 8-bit query. Rows whose interval reaches the
-            # threshold of a direction survive for that direction.
-            thr1 = {d: threshold(q, d, approx1[q], bound1[q], -np.inf) for d in dirs}
-            union, flags = _reaching(approx1[q], bound1[q], thr1.get(1.0, np.inf), thr1.get(-1.0, np.inf))
-            if union.size == 0:
-                continue
-            # Level 2 (survivors only): add the 8-bit quantized residual, ~127x tighter bound.
-            approx2, bound2 = bounded(level2.query(q), crow[union])
-            approx12 = approx1[q, union] + approx2[0]
-            final = []
+            pos = np.unique(np.concatenate([_top_positions(approx1[q], d, pilot) for d in dirs]))
+            t_up = running[(q, 1.0)].threshold() if largest else np.inf
+            t_down = running[(q, -1.0)].threshold() if smallest else np.inf
+            sel, _ = _reaching(approx1[q, pos], np.zeros(pos.shape[0]), t_up, t_down)
+            if sel.size:
+                scored[q] = pos[sel]
+        for q, ex in exact({q: crow[pos] for q, pos in scored.items()}).items():
+            for d in dirs:
+                running[(q, d)].merge(crow[scored[q]], ex)
+        # Rows whose level-1 interval reaches a direction's threshold survive for it.
+        thr1, stage1 = {}, {}
+        for q in range(nq):
+            # (A full running top-k, from the pilot or earlier chunks, is nearly always above the
+            # chunk's k-th best lower bound, which is then not worth its pass.)
+            thr1[q] = {d: threshold(q, d, approx1[q], bound1[q], -np.inf, running[(q, d)].val.size < kk) for d in dirs}
+            union, flags = _reaching(approx1[q], bound1[q], thr1[q].get(1.0, np.inf), thr1[q].get(-1.0, np.inf))
+            if union.size:
+                stage1[q] = (union, flags)
+        # Level 2 (survivors only): add the 8-bit quantized residual, ~127x tighter bound.
+        level2_out = bounded2({q: crow[union] for q, (union, _) in stage1.items()})
+        final: dict[int, list] = {}
+        for q, (union, flags) in stage1.items():
+            approx2, bound2 = level2_out[q]
+            approx12 = approx1[q, union] + approx2
+            done = scored.get(q, _NO_ROWS)
+            final[q] = []
             for d in dirs:
                 inside = np.flatnonzero(flags & bits[d])
-                a12, b2 = approx12[inside], bound2[0, inside]
-                thr2 = threshold(q, d, a12, b2, thr1[d])
+                a12, b2 = approx12[inside], bound2[inside]
+                thr2 = threshold(q, d, a12, b2, thr1[q][d])
                 keep, _ = _reaching(a12, b2, thr2, np.inf) if d > 0 else _reaching(a12, b2, np.inf, thr2)
                 pos = union[inside[keep]]
-                final.append(pos[~np.isin(pos, scored)] if scored.size else pos)
-            # Exact rescoring of what is left (the pilot rows are merged already), one pass for
-            # both directions.
-            todo = np.unique(np.concatenate(final))
-            if todo.size == 0:
-                continue
-            ex = exact(q, crow[todo])
-            for d, pos in zip(dirs, final):
-                sel = np.searchsorted(todo, pos)
-                running[(q, d)].merge(crow[pos], ex[sel])
+                final[q].append(pos[~np.isin(pos, done)] if done.size else pos)  # pilot rows are merged
+        # Exact rescoring of what is left, both directions at once.
+        todo = {q: np.unique(np.concatenate(f)) for q, f in final.items()}
+        for q, ex in exact({q: crow[t] for q, t in todo.items() if t.size}).items():
+            for d, pos in zip(dirs, final[q]):
+                running[(q, d)].merge(crow[pos], ex[np.searchsorted(todo[q], pos)])
+
 
     def collect(d: float):
         idx = np.empty((nq, kk), dtype=np.int64)

@@ -432,6 +432,208 @@ def test_prescan_bounds_contain_exact_scores(k):
             np.testing.assert_array_equal(results[(True, li)], results[(False, li)])
 
 
+def test_batch_prescan_equals_single_query_prescan():
+    """The VNNI batch kernel (pairs of rows x groups of 8 queries, the last group padded) gives
+    each query the same bits as the one-query kernel, rows read in place or copied (last row)."""
+    if not scan_mod._prescan_vnni():
+        pytest.skip("needs AVX512-VNNI")
+    layout = SignLayout((13, 100, 64, 3, 512, 9, 70))
+    rng = np.random.default_rng(22)
+    codes, scales = random_store(layout, 150, rng)
+    y = rng.standard_normal((11, layout.num_coords)).astype(np.float32)
+    g = scan_mod._geometry(layout)
+    s16, s32, half = scan_mod._scale_args(scales)
+    rows = np.concatenate([rng.permutation(150)[:70], [149, 3, 149 - 1]]).astype(np.int64)  # odd count, last row
+    level = scan_mod._quantize_queries(y, layout, levels=1, vnni=True)[0]
+    qgrp, c1g, c0g, errg = scan_mod._group_levels(level)
+    assert qgrp.shape[0] == 2 and c1g.shape == (2, layout.num_modules, scan_mod._QUERY_SET)
+    approx = np.empty((11, rows.shape[0]))
+    bound = np.empty_like(approx)
+    scan_mod._bounded_batch_kernel(codes, qgrp, g.word_start_u64, g.boff, g.reads_past_row, scan_mod._HALF_TABLE,
+                                   s16, s32, half, c1g, c0g, errg, rows, approx, bound)
+    a1, b1 = prescan(codes, scales, level, layout, rows)
+    np.testing.assert_array_equal(approx, a1)
+    np.testing.assert_array_equal(bound, b1)
+    exact = scan_scores(codes, scales, y, layout, rows=rows).astype(np.float64)
+    assert np.all(np.abs(exact - approx) <= bound)
+
+
+def adversarial_store(layout, rng):
+    """Rows with ties, all-ones/all-zeros codes and fp16 scales at the extremes (max, subnormal, 0)."""
+    n = 96
+    codes, scales = random_store(layout, n, rng)
+    codes[10:20] = codes[5]  # ties
+    scales[10:20] = scales[5]
+    codes[20:24] = 0xFF
+    codes[24:28] = 0
+    scales[30:34] = np.float16(65504.0)  # largest fp16
+    scales[34:38] = np.float16(2.0**-24)  # smallest subnormal
+    scales[38:42] = 0.0
+    scales[42:46, ::2] = np.float16(1e-3)
+    scales[42:46, 1::2] = np.float16(3e4)  # modules at very different scales within a row
+    return codes, scales
+
+
+def adversarial_queries(layout, rng):
+    K = layout.num_coords
+    y = rng.standard_normal((8, K)).astype(np.float32)
+    y[0] = 1.0  # every coordinate equal: ties everywhere
+    y[1] *= np.logspace(-30, 4, K).astype(np.float32)  # 34 decades
+    y[2] = 0.0
+    y[2, K // 2] = -3e4  # one coordinate
+    y[3] = 1e-44  # float32 subnormals
+    y[4] = 0.0  # all zero: every score 0
+    y[5] = np.where(np.arange(K) % 2, 1e-6, 1e3)  # alternating magnitudes
+    y[6] = rng.integers(-2, 3, K)  # small integers: many exact ties between rows
+    return y
+
+
+@pytest.mark.parametrize("k", [(13, 100, 64, 3, 512, 9, 70), (64, 192, 128), (1, 1, 1, 8, 9)])
+def test_prescan_bounds_hold_on_adversarial_data(k):
+    """|exact float32 score - approximation| <= bound for both levels, both kernel forms and the
+    batch kernel, on ties, extreme fp16 scales and extreme queries."""
+    layout = SignLayout(k)
+    rng = np.random.default_rng(23)
+    codes, scales = adversarial_store(layout, rng)
+    y = adversarial_queries(layout, rng)
+    exact = scan_scores(codes, scales, y, layout).astype(np.float64)
+    assert np.isfinite(exact).all()
+    rows = np.arange(codes.shape[0], dtype=np.int64)
+    for vnni in prescan_forms():
+        levels = scan_mod._quantize_queries(y, layout, levels=2, vnni=vnni)
+        total = np.zeros_like(exact)
+        for level in levels:
+            approx, bound = prescan(codes, scales, level, layout, rows)
+            total += approx
+            assert np.all(np.abs(exact - total) <= bound)
+        if vnni:
+            g = scan_mod._geometry(layout)
+            s16, s32, half = scan_mod._scale_args(scales)
+            qgrp, c1g, c0g, errg = scan_mod._group_levels(levels[0])
+            approx = np.empty_like(exact)
+            bound = np.empty_like(exact)
+            scan_mod._bounded_batch_kernel(codes, qgrp, g.word_start_u64, g.boff, g.reads_past_row,
+                                           scan_mod._HALF_TABLE, s16, s32, half, c1g, c0g, errg, rows, approx, bound)
+            assert np.all(np.abs(exact - approx) <= bound)
+
+
+@pytest.mark.parametrize("vnni", [False, True])
+def test_top_k_adversarial(vnni, monkeypatch):
+    """Top-k equals sorting the exact scores on adversarial data: ties (ordered by row index),
+    extreme scales and queries, k >= rows, a rows subset, one query and a batch (either pre-scan
+    form), small chunks."""
+    if vnni and not scan_mod._prescan_vnni():
+        pytest.skip("needs AVX512-VNNI")
+    monkeypatch.setattr(scan_mod, "_PRESCAN_VNNI", vnni)
+    layout = SignLayout((13, 100, 64, 3, 512, 9, 70))
+    rng = np.random.default_rng(24)
+    codes, scales = adversarial_store(layout, rng)
+    y = adversarial_queries(layout, rng)
+    scores = scan_scores(codes, scales, y, layout)
+    for kk, rows, chunk in ((5, None, None), (12, None, 29), (200, None, None), (7, np.arange(5, 60, 2), 11)):
+        sub = scores if rows is None else scores[:, rows]
+        for yq, sq in ((y, sub), (y[6:7], sub[6:7])):
+            top = scan_top_k(codes, scales, yq, layout, kk, rows=rows, chunk_rows=chunk)
+            for idx, val, largest in ((top.largest_indices, top.largest_scores, True),
+                                      (top.smallest_indices, top.smallest_scores, False)):
+                expect = top_by_exact(sq, kk, largest)
+                got = idx if rows is None else np.searchsorted(rows, idx)
+                np.testing.assert_array_equal(got, expect)
+                np.testing.assert_array_equal(val, np.take_along_axis(sq, expect, axis=1))
+
+
+def test_top_k_batch_forms_agree(monkeypatch):
+    """A batch (two query groups, the last padded) gives the same top-k through the VNNI batch
+    pre-scan and through bit planes, and equals sorting the exact scores."""
+    layout = SignLayout((64, 192, 128))
+    rng = np.random.default_rng(25)
+    codes, scales = random_store(layout, 900, rng)
+    y = rng.standard_normal((11, layout.num_coords)).astype(np.float32)
+    scores = scan_scores(codes, scales, y, layout)
+    results = []
+    for vnni in prescan_forms():
+        monkeypatch.setattr(scan_mod, "_PRESCAN_VNNI", vnni)
+        top = scan_top_k(codes, scales, y, layout, 9, chunk_rows=250)
+        np.testing.assert_array_equal(top.largest_indices, top_by_exact(scores, 9, True))
+        np.testing.assert_array_equal(top.smallest_indices, top_by_exact(scores, 9, False))
+        results.append(top)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other.largest_scores, results[0].largest_scores)
+
+
+@pytest.mark.parametrize("k", [(7,), (13, 100, 64, 3, 512, 9, 70), (64, 192, 128)])
+def test_direct_exact_scores_equal_the_table_walk(k):
+    """Rescoring straight from the query (table entries computed on the fly) gives the same bits
+    as the byte-table walk of scan_scores, garbage padding bits included."""
+    layout = SignLayout(k)
+    rng = np.random.default_rng(26)
+    codes, scales = random_store(layout, 80, rng)
+    for kk, b0, nb in zip(layout.k, layout.byte_offsets, layout.module_bytes):
+        if kk % 8:
+            codes[::2, b0 + nb - 1] |= np.uint8((0xFF << (kk % 8)) & 0xFF)
+    y = rng.standard_normal((3, layout.num_coords)).astype(np.float32)
+    y[2] *= np.logspace(-20, 5, layout.num_coords).astype(np.float32)
+    scores = scan_scores(codes, scales, y, layout)
+    g = scan_mod._geometry(layout)
+    s16, s32, half = scan_mod._scale_args(scales)
+    yp = scan_mod._padded_queries(y, layout)
+    todo = {0: rng.permutation(80)[:30], 2: np.arange(80)}
+    qidx = np.array([0, 2, 2], dtype=np.int64)
+    indptr = np.array([0, 30, 70, 110], dtype=np.int64)
+    prow = np.concatenate([todo[0], todo[2]]).astype(np.int64)
+    out = np.empty(prow.shape[0], dtype=np.float32)
+    scan_mod._exact_direct_pairs(codes, s16, s32, half, yp, g.boff, qidx, indptr, prow, out)
+    np.testing.assert_array_equal(out[:30], scores[0, todo[0]])
+    np.testing.assert_array_equal(out[30:], scores[2])
+
+
+def test_selection_helpers_match_numpy():
+    rng = np.random.default_rng(27)
+    a = rng.standard_normal(500).round(1)  # many ties
+    b = rng.uniform(0, 0.5, 500)
+    a[7] = np.nan
+    for sign in (1.0, -1.0):
+        key = sign * a - b
+        for kk in (1, 5, 499, 600):
+            expect = np.sort(key[~np.isnan(key)])[::-1][kk - 1] if kk <= 499 else -np.inf
+            assert scan_mod._kth_lower_bound(a, b, sign, kk) == expect
+        top = scan_mod._top_positions(a, sign, 10)
+        vals = np.sort(sign * a[top])
+        np.testing.assert_array_equal(vals, np.sort(np.sort((sign * a)[~np.isnan(a)])[::-1][:10]))
+    pos, flags = scan_mod._reaching(a, b, 1.0, 0.5)
+    up = a + b >= 1.0
+    down = b - a >= 0.5
+    np.testing.assert_array_equal(pos, np.flatnonzero(up | down))
+    np.testing.assert_array_equal(flags, (up | 2 * down)[pos])
+    assert scan_mod._reaching(a, b, np.inf, np.inf)[0].size == 0
+
+
+def test_query_quantization_forms_agree():
+    """The bit planes are the two's complement bits of the VNNI form's integers; the residual and
+    the module sums match a plain numpy quantization."""
+    layout = SignLayout((13, 100, 64, 3, 70))
+    rng = np.random.default_rng(28)
+    y = rng.standard_normal((3, layout.num_coords))
+    y[1, 13:113] = 0.0  # an all-zero module
+    q8, delta, qsum, resid, rsum = scan_mod._quantize_level(y, layout, True)
+    planes = scan_mod._quantize_level(y, layout, False)[0]
+    u8 = q8.view(np.uint8)
+    nw = planes.shape[1] // 8
+    for b in range(8):
+        ref = np.packbits((u8 >> b) & 1, axis=1, bitorder="little").view("<u8").reshape(3, nw)
+        np.testing.assert_array_equal(planes[:, b::8], ref)
+    g = scan_mod._geometry(layout)
+    starts = np.asarray(layout.coord_offsets)
+    pos = 64 * g.word_start[:-1][g.module_of_coord] + (np.arange(layout.num_coords) - starts[g.module_of_coord])
+    q = q8[:, pos].astype(np.float64)
+    assert np.abs(q).max() <= 127 and np.count_nonzero(q8) == np.count_nonzero(q)
+    assert np.all(delta[1, 1] == 0) and np.all(q[1, 13:113] == 0)
+    np.testing.assert_allclose(resid, y - q * delta[:, g.module_of_coord], rtol=0, atol=1e-15)
+    assert np.all(np.abs(resid) <= delta[:, g.module_of_coord] / 2 * (1 + 1e-12))
+    np.testing.assert_array_equal(qsum, np.add.reduceat(q, starts, axis=1))
+    np.testing.assert_allclose(rsum, np.add.reduceat(np.abs(resid), starts, axis=1), rtol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch path and input checks
 # ---------------------------------------------------------------------------------------------
