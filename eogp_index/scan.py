@@ -438,8 +438,9 @@ def _exact_direct_kernel(codes, s16, s32, half, yp2, heads, boff, rows, out):
     """:func:`_exact_kernel_serial` with byte tables of one query, without building the tables.
 
     For a few rows, computing the (at most ``nbytes``) entries a row uses is cheaper than the
-    ``256 · nbytes`` entries of the table (``16 · nbytes`` partial entries are computed once). Same float32 entries, same order of additions: the
-    scores are bit-identical to the table walk's.
+    ``256 · nbytes`` entries of the table (``16 · nbytes`` partial entries are computed once).
+    Same float32 entries, same order of additions: the scores are bit-identical to the table
+    walk's.
 
     Args:
         yp2: ``(nbytes·8,)`` float64, twice the padded query (:func:`_padded_queries`); heads:
@@ -498,20 +499,31 @@ def _table_heads(yp, out):
             out[16 * p + h] = x
 
 
+@njit(cache=True, boundscheck=False)
+def _exact_direct_segment(codes, s16, s32, half, yp, boff, qidx, indptr, prow, out, seg):
+    q = qidx[seg]
+    heads = np.empty(codes.shape[1] * 16, dtype=np.float64)
+    _table_heads(yp[q], heads)
+    yp2 = 2.0 * yp[q]
+    i0 = indptr[seg]
+    i1 = indptr[seg + 1]
+    _exact_direct_kernel(codes, s16, s32, half, yp2, heads, boff, prow[i0:i1], out[i0:i1])
+
+
 @njit(parallel=True, cache=True, boundscheck=False)
 def _exact_direct_pairs(codes, s16, s32, half, yp, boff, qidx, indptr, prow, out):
     """:func:`_exact_direct_kernel` on (query, row) pairs: segment ``s`` scores query ``qidx[s]``
     (padded ``yp[qidx[s]]``) against rows ``prow[indptr[s]:indptr[s+1]]`` into ``out`` at the
     same positions. Segments run in parallel, each building its query's partial entries."""
-    nb = codes.shape[1]
     for seg in prange(qidx.shape[0]):
-        q = qidx[seg]
-        heads = np.empty(nb * 16, dtype=np.float64)
-        _table_heads(yp[q], heads)
-        yp2 = 2.0 * yp[q]
-        i0 = indptr[seg]
-        i1 = indptr[seg + 1]
-        _exact_direct_kernel(codes, s16, s32, half, yp2, heads, boff, prow[i0:i1], out[i0:i1])
+        _exact_direct_segment(codes, s16, s32, half, yp, boff, qidx, indptr, prow, out, seg)
+
+
+@njit(cache=True, boundscheck=False)
+def _exact_direct_pairs_serial(codes, s16, s32, half, yp, boff, qidx, indptr, prow, out):
+    """:func:`_exact_direct_pairs` on the calling thread, for small jobs."""
+    for seg in range(qidx.shape[0]):
+        _exact_direct_segment(codes, s16, s32, half, yp, boff, qidx, indptr, prow, out, seg)
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -778,7 +790,8 @@ def _ir_prescan(context, builder, signature, args, nrows, nqg, vnni):
     qp = _ir_data(context, builder, tys[5], qv, _IR_I8 if vnni else _IR_I64)
     wsp = _ir_data(context, builder, tys[6], wsv, _IR_I64)
     bop = _ir_data(context, builder, tys[7], bov, _IR_I64)
-    c1p, c0p, errp, sp = (_ir_data(context, builder, tys[j], v, f64) for j, v in ((8, c1v), (9, c0v), (10, errv), (11, sv)))
+    c1p, c0p, errp, sp = (_ir_data(context, builder, tys[j], v, f64)
+                          for j, v in ((8, c1v), (9, c0v), (10, errv), (11, sv)))
     nmod = builder.sub(builder.extract_value(context.make_array(tys[6])(context, builder, wsv).shape, 0),
                        llvm_ir.Constant(_IR_I64, 1))
     pfn = _ir_fn(builder, "llvm.prefetch.p0", llvm_ir.VoidType(), [_IR_I8.as_pointer(), _IR_I32, _IR_I32, _IR_I32])
@@ -900,48 +913,54 @@ def _ir_loop_lt(builder, stop, step, body, name):
 
 
 @njit(cache=True, boundscheck=False, inline="always")
-def _row_scales(stab, s16, s32, half, r, sblk, j):
-    """Row ``r``'s scales as float64 into column ``j`` of ``sblk`` ``(U, R)``."""
+def _row_scales(stab, s16, s32, half, r, out):
+    """Row ``r``'s scales as float64 into ``out`` ``(U,)``."""
     if half:
-        for u in range(sblk.shape[0]):
-            sblk[u, j] = float64(stab[s16[r, u]])
+        for u in range(out.shape[0]):
+            out[u] = float64(stab[s16[r, u]])
     else:
-        for u in range(sblk.shape[0]):
-            sblk[u, j] = float64(s32[r, u])
+        for u in range(out.shape[0]):
+            out[u] = float64(s32[r, u])
 
 
 @njit(cache=True, boundscheck=False)
 def _bounded_block(codes, flat, qarr, wstart, boff, tail, stab, s16, s32, half, c1, c0, err, rows,
                    approx, bound, i0, i1):
     """Columns ``i0:i1`` of :func:`_bounded_kernel`, in groups of four rows where possible (each
-    query load then feeds four rows)."""
+    query load then feeds four rows). Several queries take turns over the whole block, so that
+    each query's integers stay in L1 while the block's codes stay in L2."""
     nq = qarr.shape[0]
     nmod = wstart.shape[0] - 1
     nb = codes.shape[1]
     nbu = uint64(nb)
     last = codes.shape[0] - 1
     m = rows.shape[0]
-    s4 = np.empty((nmod, _ROW_GROUP), dtype=np.float64)
+    nr = i1 - i0
+    srow = np.empty((nr, nmod), dtype=np.float64)  # the block's scales, decoded once
+    for j in range(nr):
+        _row_scales(stab, s16, s32, half, rows[i0 + j], srow[j])
+    sgrp = np.empty((nmod, _ROW_GROUP), dtype=np.float64)
     s1 = np.empty((nmod, 1), dtype=np.float64)
     scratch = np.zeros(nb + 8, dtype=np.uint8)
-    i = i0
-    while i < i1:
-        grouped = i + _ROW_GROUP <= i1
-        if grouped and tail:
-            for j in range(_ROW_GROUP):
-                if rows[i + j] == last:
-                    grouped = False
-        if grouped:
-            for j in range(_ROW_GROUP):
-                _row_scales(stab, s16, s32, half, rows[i + j], s4, j)
-            offs = (uint64(rows[i]) * nbu, uint64(rows[i + 1]) * nbu, uint64(rows[i + 2]) * nbu,
-                    uint64(rows[i + 3]) * nbu)
-            j0 = i + _PREFETCH_ROWS
-            ahead = (uint64(rows[min(j0, m - 1)]) * nbu, uint64(rows[min(j0 + 1, m - 1)]) * nbu,
-                     uint64(rows[min(j0 + 2, m - 1)]) * nbu, uint64(rows[min(j0 + 3, m - 1)]) * nbu)
-            for q in range(nq):
-                a0, a1, a2, a3, e0, e1, e2, e3 = _group_prescan(flat, offs, flat, ahead, q == 0, qarr[q], wstart, boff,
-                                                                c1[q], c0[q], err[q], s4)
+    for q in range(nq):
+        i = i0
+        while i < i1:
+            grouped = i + _ROW_GROUP <= i1
+            if grouped and tail:
+                for j in range(_ROW_GROUP):
+                    if rows[i + j] == last:
+                        grouped = False
+            if grouped:
+                for u in range(nmod):
+                    for j in range(_ROW_GROUP):
+                        sgrp[u, j] = srow[i - i0 + j, u]
+                offs = (uint64(rows[i]) * nbu, uint64(rows[i + 1]) * nbu, uint64(rows[i + 2]) * nbu,
+                        uint64(rows[i + 3]) * nbu)
+                j0 = i + _PREFETCH_ROWS
+                ahead = (uint64(rows[min(j0, m - 1)]) * nbu, uint64(rows[min(j0 + 1, m - 1)]) * nbu,
+                         uint64(rows[min(j0 + 2, m - 1)]) * nbu, uint64(rows[min(j0 + 3, m - 1)]) * nbu)
+                a0, a1, a2, a3, e0, e1, e2, e3 = _group_prescan(flat, offs, flat, ahead, q == 0, qarr[q], wstart,
+                                                                boff, c1[q], c0[q], err[q], sgrp)
                 approx[q, i] = a0
                 approx[q, i + 1] = a1
                 approx[q, i + 2] = a2
@@ -950,12 +969,12 @@ def _bounded_block(codes, flat, qarr, wstart, boff, tail, stab, s16, s32, half, 
                 bound[q, i + 1] = e1
                 bound[q, i + 2] = e2
                 bound[q, i + 3] = e3
-            i += _ROW_GROUP
-        else:
-            r = rows[i]
-            _row_scales(stab, s16, s32, half, r, s1, 0)
-            ahead1 = (uint64(rows[min(i + _PREFETCH_ROWS, m - 1)]) * nbu,)
-            for q in range(nq):
+                i += _ROW_GROUP
+            else:
+                r = rows[i]
+                for u in range(nmod):
+                    s1[u, 0] = srow[i - i0, u]
+                ahead1 = (uint64(rows[min(i + _PREFETCH_ROWS, m - 1)]) * nbu,)
                 if tail and r == last:
                     scratch[:nb] = codes[r]  # the module loads may pass the end of the buffer here
                     a, e = _group_prescan(scratch, (uint64(0),), flat, ahead1, q == 0, qarr[q], wstart, boff,
@@ -965,7 +984,7 @@ def _bounded_block(codes, flat, qarr, wstart, boff, tail, stab, s16, s32, half, 
                                           c1[q], c0[q], err[q], s1)
                 approx[q, i] = a
                 bound[q, i] = e
-            i += 1
+                i += 1
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -1047,10 +1066,10 @@ def _batch_block(codes, flat, qgrp, wstart, boff, tail, stab, s16, s32, half, c1
     last = codes.shape[0] - 1
     m = rows.shape[0]
     nr = i1 - i0
-    # Row i0 + j's scales in sblk[j, :, 0]; a group starting there gets the others' in sblk[j, :, 1:].
-    sblk = np.empty((nr, nmod, _BATCH_ROWS), dtype=np.float64)
+    srow = np.empty((nr, nmod), dtype=np.float64)  # the block's scales, decoded once
     for j in range(nr):
-        _row_scales(stab, s16, s32, half, rows[i0 + j], sblk[j], 0)
+        _row_scales(stab, s16, s32, half, rows[i0 + j], srow[j])
+    sgrp = np.empty((nmod, _BATCH_ROWS), dtype=np.float64)
     single = np.empty((nmod, 1), dtype=np.float64)
     res = np.empty(2 * _BATCH_ROWS * _QUERY_SET, dtype=np.float64)
     scratch = np.zeros(nb + 8, dtype=np.uint8)
@@ -1068,11 +1087,9 @@ def _batch_block(codes, flat, qgrp, wstart, boff, tail, stab, s16, s32, half, c1
                     if rows[i + j] == last:
                         grouped = False
             if grouped:
-                sgrp = sblk[i - i0]
-                if g == 0:
-                    for j in range(1, _BATCH_ROWS):
-                        for u in range(nmod):
-                            sgrp[u, j] = sblk[i - i0 + j, u, 0]
+                for u in range(nmod):
+                    for j in range(_BATCH_ROWS):
+                        sgrp[u, j] = srow[i - i0 + j, u]
                 offs = (uint64(rows[i]) * nbu, uint64(rows[i + 1]) * nbu)
                 j0 = i + _PREFETCH_ROWS
                 ahead = (uint64(rows[min(j0, m - 1)]) * nbu, uint64(rows[min(j0 + 1, m - 1)]) * nbu)
@@ -1085,7 +1102,7 @@ def _batch_block(codes, flat, qgrp, wstart, boff, tail, stab, s16, s32, half, c1
             else:
                 r = rows[i]
                 for u in range(nmod):
-                    single[u, 0] = sblk[i - i0, u, 0]
+                    single[u, 0] = srow[i - i0, u]
                 ahead1 = (uint64(rows[min(i + _PREFETCH_ROWS, m - 1)]) * nbu,)
                 if tail and r == last:
                     scratch[:nb] = codes[r]  # the module loads may pass the end of the buffer here
@@ -1212,10 +1229,6 @@ class _QuantLevel:
     c0: np.ndarray  # (nq, U) float64: Δ·Σ_j q_j
     err: np.ndarray  # (nq, U) float64: ‖y_u - (ŷ of this level and the ones before)‖₁ + ε_u
 
-    def query(self, q: int) -> "_QuantLevel":
-        sl = slice(q, q + 1)
-        return _QuantLevel(self.qarr[sl], self.c1[sl], self.c0[sl], self.err[sl])
-
 
 def _prescan_vnni() -> bool:
     """Whether the pre-scan uses the AVX512-VNNI kernel (else bit planes, which run anywhere).
@@ -1315,7 +1328,8 @@ def _quantize_level(target: np.ndarray, layout: SignLayout, vnni: bool):
     return planes, delta, qsum, resid, rsum
 
 
-def _quantize_queries(y: np.ndarray, layout: SignLayout, levels: int = 2, vnni: Optional[bool] = None) -> list[_QuantLevel]:
+def _quantize_queries(y: np.ndarray, layout: SignLayout, levels: int = 2,
+                      vnni: Optional[bool] = None) -> list[_QuantLevel]:
     """Successive 8-bit quantizations of the queries: level 1 quantizes ``y``, level 2 the residual.
 
     Level ``l``'s ``err`` is ``‖y_u - Σ_{l' <= l} ŷ_u^(l')‖₁ + ε_u`` with
@@ -1666,14 +1680,19 @@ def scan_top_k(
         when first needed and kept while the tables fit in 64 MiB.
         """
         out: dict[int, np.ndarray] = {}
-        few = {q: r for q, r in todo.items() if r.size and not nibble and q not in tables and r.size <= _DIRECT_MAX_ROWS}
+        few = {q: r for q, r in todo.items()
+               if r.size and not nibble and q not in tables and r.size <= _DIRECT_MAX_ROWS}
         if few:
             if not padded:
                 padded.append(_padded_queries(y, layout))
-            qidx, indptr, prow = pairs(few, _DIRECT_MAX_ROWS if len(few) > 1 else 16)
+            serial = sum(r.size for r in few.values()) * nbytes <= _SERIAL_MAX_BYTES // 4
+            qidx, indptr, prow = pairs(few, _DIRECT_MAX_ROWS if len(few) > 1 or serial else 16)
             res = np.empty(prow.shape[0], dtype=np.float32)
-            with _KERNEL_LOCK:
-                _exact_direct_pairs(codes, s16, s32, half, padded[0], g.boff, qidx, indptr, prow, res)
+            if serial:
+                _exact_direct_pairs_serial(codes, s16, s32, half, padded[0], g.boff, qidx, indptr, prow, res)
+            else:
+                with _KERNEL_LOCK:
+                    _exact_direct_pairs(codes, s16, s32, half, padded[0], g.boff, qidx, indptr, prow, res)
             start = 0
             for q, r in few.items():  # pairs() lays the queries out in this order
                 out[q] = res[start : start + r.size]
@@ -1699,7 +1718,7 @@ def scan_top_k(
                 _bounded_batch_kernel(codes, grouped1[0], *kargs, *grouped1[1:], crow, approx, bound)
             return approx, bound
         args = (codes, level1.qarr, *kargs, level1.c1, level1.c0, level1.err, crow, approx, bound)
-        if crow.shape[0] * nbytes * nq <= _SERIAL_MAX_BYTES:
+        if crow.shape[0] * nbytes * nq <= 4 * _SERIAL_MAX_BYTES:
             _bounded_kernel_serial(*args)
         else:
             with _KERNEL_LOCK:
@@ -1712,7 +1731,7 @@ def scan_top_k(
         approx = np.empty(prow.shape[0], dtype=np.float64)
         bound = np.empty_like(approx)
         args = (codes, level2.qarr, *kargs, level2.c1, level2.c0, level2.err, qidx, indptr, prow, approx, bound)
-        if prow.shape[0] * nbytes <= _SERIAL_MAX_BYTES:
+        if prow.shape[0] * nbytes <= 4 * _SERIAL_MAX_BYTES:
             _bounded_pairs_serial(*args)
         else:
             with _KERNEL_LOCK:
@@ -1723,7 +1742,8 @@ def scan_top_k(
             start += r.size
         return out
 
-    def threshold(q: int, d: float, approx: np.ndarray, bound: np.ndarray, floor: float, lower: bool = True) -> float:
+    def threshold(q: int, d: float, approx: np.ndarray, bound: np.ndarray, floor: float,
+                  lower: bool = True) -> float:
         """A value of ``d · score`` (bigger is better) that ``kk`` rows are guaranteed to reach:
         the running k-th best exact score, the previous level's threshold ``floor``, or (with
         ``lower``) the kk-th best lower bound ``d · approx - bound`` of these rows, whichever is
@@ -1761,7 +1781,8 @@ def scan_top_k(
         for q in range(nq):
             # (A full running top-k, from the pilot or earlier chunks, is nearly always above the
             # chunk's k-th best lower bound, which is then not worth its pass.)
-            thr1[q] = {d: threshold(q, d, approx1[q], bound1[q], -np.inf, running[(q, d)].val.size < kk) for d in dirs}
+            thr1[q] = {d: threshold(q, d, approx1[q], bound1[q], -np.inf, running[(q, d)].val.size < kk)
+                       for d in dirs}
             union, flags = _reaching(approx1[q], bound1[q], thr1[q].get(1.0, np.inf), thr1[q].get(-1.0, np.inf))
             if union.size:
                 stage1[q] = (union, flags)
@@ -1785,7 +1806,6 @@ def scan_top_k(
         for q, ex in exact({q: crow[t] for q, t in todo.items() if t.size}).items():
             for d, pos in zip(dirs, final[q]):
                 running[(q, d)].merge(crow[pos], ex[np.searchsorted(todo[q], pos)])
-
 
     def collect(d: float):
         idx = np.empty((nq, kk), dtype=np.int64)

@@ -634,6 +634,20 @@ def test_query_quantization_forms_agree():
     np.testing.assert_allclose(rsum, np.add.reduceat(np.abs(resid), starts, axis=1), rtol=1e-12)
 
 
+def test_prescan_form_detection(monkeypatch):
+    """VNNI only when numba compiles for this CPU; a forced target CPU gets the bit planes. The
+    8-byte code loads are flagged when they can pass a row's end."""
+    import numba
+
+    monkeypatch.setattr(scan_mod, "_PRESCAN_VNNI", None)
+    monkeypatch.setattr(numba.config, "CPU_NAME", "generic")
+    assert scan_mod._prescan_vnni() is False
+    assert scan_mod._geometry(SignLayout((64, 192, 128))).reads_past_row is False
+    assert scan_mod._geometry(SignLayout((7,))).reads_past_row is True
+    assert scan_mod._geometry(SignLayout((64, 64, 8))).reads_past_row is True  # a 1-byte last module
+    assert scan_mod._geometry(SignLayout((64, 8, 64))).reads_past_row is False  # 8 bytes follow the small one
+
+
 # ---------------------------------------------------------------------------------------------
 # torch path and input checks
 # ---------------------------------------------------------------------------------------------
