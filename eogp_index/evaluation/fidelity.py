@@ -893,11 +893,11 @@ def fidelity_records(scoreset: ScoreSet, *, ndcg_k: int = 20) -> Tuple[List[Dict
         entry = {"config": cfg.to_json(), "spearman": [v for v, _ in sp], "spearman_valid": [n for _, n in sp],
                  ndcg_name: nd}
         records.append(_record(cfg, ndcg_name, float(np.mean(nd))))
-        records.append(_record(cfg, "spearman", _nanmean([v for v, _ in sp])))
+        records.append(_record(cfg, "spearman", metrics.nanmean([v for v, _ in sp])))
         if cfg.id in scoreset.unquantized:
             pr = [metrics.median_pearson(a, b) for a, b in zip(s, scoreset.unquantized[cfg.id])]
             entry["pearson_1bit_fp16"] = [v for v, _ in pr]
-            records.append(_record(cfg, "pearson_1bit_fp16", _nanmean([v for v, _ in pr])))
+            records.append(_record(cfg, "pearson_1bit_fp16", metrics.nanmean([v for v, _ in pr])))
         per_config[cfg.id] = entry
     lines: Dict[str, Dict[str, float]] = {ndcg_name: {}, "spearman": {}}
     names = {"kfac": f"{REF_KFAC} (uncompressed)", "tracin": f"{REF_TRACIN} (uncompressed)"}
@@ -911,10 +911,6 @@ def fidelity_records(scoreset: ScoreSet, *, ndcg_k: int = 20) -> Tuple[List[Dict
     return records, details
 
 
-def _nanmean(values: Sequence[float]) -> float:
-    arr = np.asarray(values, dtype=np.float64)
-    arr = arr[~np.isnan(arr)]
-    return float(arr.mean()) if arr.size else float("nan")
 
 
 def _record(cfg: MethodConfig, metric: str, value: float, ci: Optional[Tuple[float, float]] = None) -> Dict[str, Any]:

@@ -197,8 +197,8 @@ def lds_records(scoreset: ScoreSet, retraining: Retraining, *, n_bootstrap: int 
     per_config: Dict[str, Any] = {}
     for cfg in scoreset.configs:
         results = [_lds(s, retraining, n_bootstrap, seed) for s in scoreset.scores[cfg.id]]
-        mean = _nanmean([r.mean for r in results])
-        lo, hi = _nanmean([r.ci_low for r in results]), _nanmean([r.ci_high for r in results])
+        mean = metrics.nanmean([r.mean for r in results])
+        lo, hi = metrics.nanmean([r.ci_low for r in results]), metrics.nanmean([r.ci_high for r in results])
         rec = {"method": cfg.label, "bytes_per_example": cfg.budget, "metric": "lds", "value": mean}
         if math.isfinite(lo) and math.isfinite(hi):
             rec.update(ci_low=lo, ci_high=hi)
@@ -219,10 +219,6 @@ def lds_records(scoreset: ScoreSet, retraining: Retraining, *, n_bootstrap: int 
     return records, details
 
 
-def _nanmean(values: Sequence[float]) -> float:
-    arr = np.asarray(values, dtype=np.float64)
-    arr = arr[~np.isnan(arr)]
-    return float(arr.mean()) if arr.size else float("nan")
 
 
 # --------------------------------------------------------------------------- counterfactual

@@ -310,3 +310,10 @@ def counterfactual_ranking(scores, n_queries_used: int | None = None) -> np.ndar
             raise ConfigError(f"n_queries_used must be an integer in [1, {S.shape[0]}], got {n_queries_used!r}")
         S = S[:n_queries_used]
     return _descending_order(S.sum(axis=0)).astype(np.int64)
+
+
+def nanmean(values) -> float:
+    """Mean of the defined (non-NaN) values; NaN when none is defined."""
+    arr = np.asarray(values, dtype=np.float64)
+    arr = arr[~np.isnan(arr)]
+    return float(arr.mean()) if arr.size else float("nan")
