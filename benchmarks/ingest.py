@@ -8,11 +8,14 @@ load hits them alike):
 * **bare gradient** — what any gradient-based index must pay: the forward and backward pass
   of the batch's summed loss with the per-module hooks of :class:`GradientCapture`, and a
   transform that only takes a tiny reduction of each module's ``(a, g)``. Nothing is stored.
-* **EOGP ingest** — project, 1-bit encode and store a batch in one Lance commit
-  (``AttributionIndex.encode_rows`` + ``Store.add``, what ``run_ingest`` does per batch).
+* **EOGP ingest** — project and 1-bit encode each batch (``AttributionIndex.encode_rows``)
+  and store the rows in one Lance commit per ``--commit-rows`` rows (``Store.add``), as
+  ``run_ingest`` does (default 256 rows per commit, ``ingest.pipeline.DEFAULT_COMMIT_ROWS``);
+  a commit's time counts in the batch that completes it.
 * **LoGra-style store** — the same hooks with a Kronecker random projection
   (:class:`~eogp_index.evaluation.baselines.LoGraProjector`, rank ``r`` per module with
-  ``2 r² ≈`` EOGP's bytes per module), FP16 coordinates stored in a separate LanceDB table.
+  ``2 r² ≈`` EOGP's bytes per module), FP16 coordinates stored in a separate LanceDB table,
+  committed the same way.
 
 Reading and tokenizing shards is left out: it is the same for all three.
 Targets: EOGP time / bare gradient time <= 1.25; EOGP time / LoGra time <= 1.0.
@@ -24,6 +27,7 @@ documents. Runs in well under two minutes on two CPU cores::
     python benchmarks/ingest.py                 # table
     python benchmarks/ingest.py --json          # machine-readable
     python benchmarks/ingest.py --model DIR --corpus 'data/*.jsonl' --device cuda --docs 4096
+    python benchmarks/ingest.py --random-model '{"n_embd": 512, "n_inner": 2048, "n_head": 8}'  # wider
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from eogp_index.client import AttributionIndex, TokenizedExample, load_model  # noqa: E402
@@ -54,6 +59,7 @@ from eogp_index.gradients import GradientCapture  # noqa: E402
 from eogp_index.quantization import Encoded  # noqa: E402
 from eogp_index.store import RowInfo, Store, build_rows  # noqa: E402
 from eogp_index.task import collate  # noqa: E402
+from ingest.pipeline import DEFAULT_COMMIT_ROWS  # noqa: E402
 
 TARGET_VS_BARE = 1.25
 TARGET_VS_LOGRA = 1.0
@@ -71,6 +77,8 @@ class Workload:
 def load_workload(args) -> Workload:
     """The model, tokenizer and documents to time (see the module docstring for the default)."""
     model_dir = Path(args.model) if args.model else DEFAULT_ROOT / "model"
+    if args.random_model is not None:
+        model_dir = Path("/nonexistent")  # force the random-init model below
     corpus = args.corpus or (str(DEFAULT_ROOT / "corpus" / "train.jsonl.gz") if args.model is None else None)
     if (model_dir / "config.json").is_file():
         model, tokenizer = load_model(str(model_dir))
@@ -87,14 +95,15 @@ def load_workload(args) -> Workload:
             if len(examples) >= args.docs + args.fit_examples:
                 break
         return Workload(model, tokenizer, examples, f"{model_dir} on {corpus}")
-    if args.model:
+    if args.model and args.random_model is None:
         raise SystemExit(f"{model_dir}: no config.json (expected a HuggingFace model directory)")
     from transformers import GPT2LMHeadModel
 
     from eogp_index.evaluation.tinylm import default_config
 
     torch.manual_seed(0)
-    config = default_config()
+    overrides = json.loads(args.random_model) if args.random_model else {}
+    config = default_config(**overrides)
     model = GPT2LMHeadModel(config).eval()
     rng = random.Random(0)
     examples = []
@@ -104,7 +113,8 @@ def load_workload(args) -> Workload:
         examples.append(TokenizedExample(id=f"doc-{i}", input_ids=ids, labels=ids, shard="random", position=i,
                                          num_tokens=n))
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0, name_or_path="random")
-    return Workload(model, tokenizer, examples, "random-init GPT-2 (tinylm.default_config) on random tokens")
+    shape = f"n_embd={config.n_embd}, n_layer={config.n_layer}, n_inner={config.n_inner}, vocab={config.vocab_size}"
+    return Workload(model, tokenizer, examples, f"random-init GPT-2 ({shape}) on random tokens")
 
 
 def _row_info(batch: Sequence[TokenizedExample]) -> RowInfo:
@@ -119,9 +129,11 @@ def _row_info(batch: Sequence[TokenizedExample]) -> RowInfo:
 class Methods:
     """The three ways of processing a batch, sharing one model and one set of hooks' modules."""
 
-    def __init__(self, index: AttributionIndex, workdir: Path, device: str):
+    def __init__(self, index: AttributionIndex, workdir: Path, device: str, commit_rows: int):
         self.index = index
         self.device = device
+        self.commit_rows = commit_rows
+        self.pending: Dict[str, List[Any]] = {"eogp": [], "logra": []}
         self.pad_id = int(getattr(index.tokenizer, "pad_token_id", None) or 0)
         names = index.manifest.module_names
 
@@ -151,14 +163,37 @@ class Methods:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def eogp(self, batch) -> None:
-        self.index.store.add(self.index.encode_rows(batch))
+    def _commit(self, name: str, store: Store, rows, *, flush: bool = False) -> None:
+        """Queue a batch's rows; one Lance commit once ``commit_rows`` rows are queued."""
+        pending = self.pending[name]
+        pending.append(rows)
+        if flush or sum(t.num_rows for t in pending) >= self.commit_rows:
+            store.add(pa.concat_tables(pending))
+            pending.clear()
 
-    def logra_store_batch(self, batch) -> None:
+    def eogp(self, batch, flush: bool = False) -> None:
+        self._commit("eogp", self.index.store, self.index.encode_rows(batch), flush=flush)
+
+    def logra_store_batch(self, batch, flush: bool = False) -> None:
         outputs, _ = self.logra.run(self._batch(batch))
         coords = torch.cat([outputs[n] for n in self.index.manifest.module_names], dim=1)
         encoded = Encoded(coords=coords.to(torch.float16).cpu().numpy())
-        self.logra_store.add(build_rows(_row_info(batch), encoded, schema=self.logra_store.schema))
+        self._commit("logra", self.logra_store, build_rows(_row_info(batch), encoded, schema=self.logra_store.schema),
+                     flush=flush)
+
+
+def count_flops(order, batch) -> Dict[str, int]:
+    """Floating-point operations of each method on one batch (torch's FlopCounterMode: matmuls,
+    attention and convolutions, forward and backward), to set the measured time ratios against
+    the arithmetic each method has to do. The batch is processed (and stored) once more."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out = {}
+    for name, fn in order:
+        with FlopCounterMode(display=False) as counter:
+            fn(batch)
+        out[name] = int(counter.get_total_flops())
+    return out
 
 
 def run(args) -> Dict[str, Any]:
@@ -181,20 +216,22 @@ def run(args) -> Dict[str, Any]:
             gradients=GradientConfig(batch_size=args.batch_size, device=device), progress=False,
         )
         fit_seconds = time.perf_counter() - fit_started
-        methods = Methods(index, workdir, device)
+        methods = Methods(index, workdir, device, args.commit_rows)
         batches = [timed[i:i + args.batch_size] for i in range(0, len(timed), args.batch_size)]
         batches = [b for b in batches if len(b) == args.batch_size]
         warmup, batches = batches[0], batches[1:]
         order = [("bare_gradient", methods.bare_gradient), ("eogp", methods.eogp),
                  ("logra_fp16", methods.logra_store_batch)]
-        for _, fn in order:  # first calls pay for allocations and table creation: not timed
-            fn(warmup)
+        for name, fn in order:  # first calls pay for allocations and table creation: not timed
+            fn(warmup, flush=True) if name != "bare_gradient" else fn(warmup)
+        flops = count_flops(order, batches[0])
         seconds = {name: 0.0 for name, _ in order}
         per_batch: Dict[str, List[float]] = {name: [] for name, _ in order}
         for i, batch in enumerate(batches):
+            last = i == len(batches) - 1  # the last batch commits what is still queued
             for name, fn in order[i % 3:] + order[: i % 3]:
                 t0 = time.perf_counter()
-                fn(batch)
+                fn(batch) if name == "bare_gradient" else fn(batch, flush=last)
                 elapsed = time.perf_counter() - t0
                 seconds[name] += elapsed
                 per_batch[name].append(elapsed)
@@ -202,7 +239,7 @@ def run(args) -> Dict[str, Any]:
         tokens = sum(len(ex.input_ids) for b in batches for ex in b)
         bytes_per_example = {"bare_gradient": 0, "eogp": index.manifest.bytes_per_example,
                              "logra_fp16": methods.logra_bytes}
-        assert index.store.count() == docs + len(warmup) == methods.logra_store.count()
+        assert index.store.count() == docs + 2 * len(warmup) == methods.logra_store.count()
     result: Dict[str, Any] = {
         "workload": workload.source,
         "device": device,
@@ -211,6 +248,7 @@ def run(args) -> Dict[str, Any]:
         "tokens": tokens,
         "batch_size": args.batch_size,
         "batches": len(batches),
+        "rows_per_commit": args.commit_rows,
         "k_per_module": args.k,
         "modules": len(index.manifest.modules),
         "fit_seconds": round(fit_seconds, 2),
@@ -220,12 +258,16 @@ def run(args) -> Dict[str, Any]:
                 "docs_per_s": round(docs / seconds[name], 2),
                 "tokens_per_s": round(tokens / seconds[name], 1),
                 "bytes_per_example": bytes_per_example[name],
+                "gflops_per_batch": round(flops[name] / 1e9, 3),
             }
             for name, _ in order
         },
         "ratios": {
             "eogp_over_bare_gradient": round(seconds["eogp"] / seconds["bare_gradient"], 3),
             "eogp_over_logra": round(seconds["eogp"] / seconds["logra_fp16"], 3),
+            # The same ratios in arithmetic (one batch): what a perfectly efficient kernel would give.
+            "flops_eogp_over_bare_gradient": round(flops["eogp"] / flops["bare_gradient"], 3),
+            "flops_eogp_over_logra": round(flops["eogp"] / flops["logra_fp16"], 3),
             # Medians of per-batch ratios: less sensitive to a load spike on a shared machine.
             "median_batch_eogp_over_bare_gradient": round(float(np.median(
                 np.array(per_batch["eogp"]) / np.array(per_batch["bare_gradient"]))), 3),
@@ -247,14 +289,15 @@ def render(result: Dict[str, Any]) -> str:
     lines = [
         f"workload: {result['workload']}",
         f"device: {result['device']} ({result['threads']} threads); {result['documents']} documents, "
-        f"{result['tokens']} tokens in {result['batches']} batches of {result['batch_size']}; "
+        f"{result['tokens']} tokens in {result['batches']} batches of {result['batch_size']}, "
+        f"one commit per {result['rows_per_commit']} rows; "
         f"k={result['k_per_module']} x {result['modules']} modules",
         "",
-        f"{'method':<27}{'docs/s':>10}{'tokens/s':>12}{'seconds':>10}{'bytes/example':>15}",
+        f"{'method':<27}{'docs/s':>10}{'tokens/s':>12}{'seconds':>10}{'bytes/example':>15}{'GFLOP/batch':>13}",
     ]
     for name, row in result["methods"].items():
         lines.append(f"{labels[name]:<27}{row['docs_per_s']:>10.1f}{row['tokens_per_s']:>12.0f}"
-                     f"{row['seconds']:>10.2f}{row['bytes_per_example']:>15}")
+                     f"{row['seconds']:>10.2f}{row['bytes_per_example']:>15}{row['gflops_per_batch']:>13.3f}")
     ratios, targets, ok = result["ratios"], result["targets"], result["meets_targets"]
     lines += [
         "",
@@ -264,6 +307,8 @@ def render(result: Dict[str, Any]) -> str:
         f"EOGP / LoGra store:   {ratios['eogp_over_logra']:.3f} (per-batch median "
         f"{ratios['median_batch_eogp_over_logra']:.3f}; target <= {targets['eogp_over_logra']}) "
         f"{'ok' if ok['eogp_over_logra'] else 'MISSED'}",
+        f"in arithmetic (FLOPs of one batch): EOGP / bare gradient {ratios['flops_eogp_over_bare_gradient']:.3f}, "
+        f"EOGP / LoGra {ratios['flops_eogp_over_logra']:.3f}",
         f"(index fitting {result['fit_seconds']}s, total {result['total_seconds']}s)",
     ]
     return "\n".join(lines)
@@ -274,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HuggingFace model directory (default: examples/default/model)")
     parser.add_argument("--corpus", default=None, help="shard path or glob to read documents from")
+    parser.add_argument("--random-model", default=None, metavar="JSON",
+                        help="time a random-init GPT-2 on random tokens instead: tinylm.default_config overrides, "
+                             "e.g. '{\"n_embd\": 512, \"n_inner\": 2048, \"n_head\": 8}' ('{}' = the default shape)")
     parser.add_argument("--docs", type=int, default=200, help="documents timed (default 200)")
     parser.add_argument("--fit-examples", type=int, default=160,
                         help="documents the PCA is fitted on (default 160; at least --k)")
@@ -283,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per document at most (default 128)")
     parser.add_argument("--k", type=int, default=128,
                         help="EOGP coordinates per module (default 128: 18 bytes, = LoGra rank 3 in fp16)")
+    parser.add_argument("--commit-rows", type=int, default=DEFAULT_COMMIT_ROWS,
+                        help=f"rows per Lance commit, as eogp ingest --batch-size (default {DEFAULT_COMMIT_ROWS})")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

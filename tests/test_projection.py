@@ -30,14 +30,22 @@ def _curvature(d_out=6, d_in=5, seed=0):
                            gradient_eigenvectors=_orthonormal(d_out, gen).float(), eigenvalues=eig.float())
 
 
-@pytest.mark.parametrize("d_out,d_in,m", [(6, 5, 11), (48, 40, 5)], ids=["matmul-path", "gather-path"])
-def test_first_stage_equals_dense_eigenbasis_selection(d_out, d_in, m):
+@pytest.mark.parametrize("d_out,d_in,m,route", [
+    (6, 5, 11, None), (6, 5, 11, "factors"), (6, 5, 11, "rotate_after_g"), (6, 5, 11, "rotate_after_a"),
+    (48, 40, 5, None),
+], ids=["matmul-path", "factors", "rotate-after-g", "rotate-after-a", "gather-path"])
+def test_first_stage_equals_dense_eigenbasis_selection(d_out, d_in, m, route):
     curv = _curvature(d_out, d_in)
     proj = first_stage_from_curvature(curv, m, damping_ratio=0.1)
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(4, 7, d_in, generator=gen)
     g = torch.randn(4, 7, d_out, generator=gen)
-    got = proj.first_stage(a, g).double()
+    # Tokens with zero output gradient (padding, text after the last counted label) are skipped
+    # by the projection; their activations must not matter, and a fully dead example gives 0.
+    g[0, 4:] = 0
+    g[2] = 0
+    got = proj.first_stage(a, g, route=route).double()
+    assert torch.count_nonzero(got[2]) == 0
     # Dense reference: rotate the dense gradient, keep the m largest-Λ coordinates, whiten.
     G = torch.einsum("bto,bti->boi", g.double(), a.double())
     q_s, q_a = curv.gradient_eigenvectors.double(), curv.activation_eigenvectors.double()
@@ -48,6 +56,16 @@ def test_first_stage_equals_dense_eigenbasis_selection(d_out, d_in, m):
     expected = rotated[:, top] / torch.sqrt(lam[top] + damping)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert proj.damping == pytest.approx(float(damping))
+
+
+def test_block_route_picks_the_fewest_multiply_adds():
+    from eogp_index.projection import block_route
+
+    # Long documents, most eigenvectors touched (small models): rotate per example, not per token.
+    assert block_route(n=8 * 2048, batch=8, d_out=512, r=264, d_in=129, c=60) == "rotate_after_g"
+    assert block_route(n=8 * 2048, batch=8, d_out=60, r=60, d_in=2048, c=300) == "rotate_after_a"
+    # Short documents: per-token rotations are cheaper than the per-example ones.
+    assert block_route(n=8 * 4, batch=8, d_out=512, r=264, d_in=129, c=60) == "factors"
 
 
 def test_damping_equals_kronfluence_heuristic():
