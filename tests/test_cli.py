@@ -63,11 +63,23 @@ def test_faiss_candidates_and_scalar_index(workspace):
     assert _run("index-column", root / "idx", "kind", "--kind", "BITMAP").exit_code == 0
     built = _run("build-faiss", root / "idx", "--json")
     assert built.exit_code == 0, built.output
-    assert json.loads(built.stdout)["rows"] == 30
+    default_replicas = __import__("eogp_index.candidates").candidates.FaissConfig().replicas
+    assert json.loads(built.stdout)["rows"] == 30 and json.loads(built.stdout)["replicas"] == default_replicas
+    assert f"default {default_replicas};" in " ".join(_run("build-faiss", "--help").output.split())
     exact = json.loads(_run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--json").stdout)
     approx = json.loads(_run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--candidates", "30",
                              "--json").output)
     assert [r["id"] for r in exact[0]["results"]] == [r["id"] for r in approx[0]["results"]]
+    # Rebuilt with another number of replicas: recorded in the sidecar JSON, used by queries.
+    rebuilt = _run("build-faiss", root / "idx", "--replicas", "2", "--json")
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert json.loads(rebuilt.stdout)["replicas"] == 2
+    meta = json.loads((root / "idx" / "faiss" / "default.json").read_text())
+    assert meta["replicas"] == 2 and meta["format_version"] == 2
+    again = json.loads(_run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--candidates", "30",
+                            "--json").output)
+    assert [r["id"] for r in exact[0]["results"]] == [r["id"] for r in again[0]["results"]]
+    assert _run("build-faiss", root / "idx", "--replicas", "0").exit_code != 0
 
 
 def test_user_errors_exit_nonzero_with_a_message(workspace, tmp_path):
