@@ -13,6 +13,7 @@ Bit order (schemas/store.md): module ``u``'s bits start at a fresh byte; coordin
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -50,7 +51,7 @@ class SignLayout:
     def num_coords(self) -> int:
         return int(sum(self.k))
 
-    @property
+    @functools.cached_property
     def module_bytes(self) -> tuple[int, ...]:
         return tuple(math.ceil(k / 8) for k in self.k)
 
@@ -59,11 +60,11 @@ class SignLayout:
         """Packed sign bytes per row, ``Σ_u ⌈k_u/8⌉``."""
         return int(sum(self.module_bytes))
 
-    @property
+    @functools.cached_property
     def byte_offsets(self) -> tuple[int, ...]:
         return tuple(int(x) for x in np.cumsum((0,) + self.module_bytes[:-1]))
 
-    @property
+    @functools.cached_property
     def coord_offsets(self) -> tuple[int, ...]:
         return tuple(int(x) for x in np.cumsum((0,) + self.k[:-1]))
 
