@@ -181,9 +181,9 @@ def query_levels(y: np.ndarray, replicas: int) -> np.ndarray:
     """
     a = np.abs(np.asarray(y, np.float64))
     R, p = int(replicas), int(replicas) % 2
-    out = np.full(a.shape, 1 if R == 1 else p, np.int32)
+    out = np.full(a.shape, p, np.int32)
     if R == 1:
-        return out
+        return out  # every level is 1: plain sign agreement
     for i, row in enumerate(a):  # one query at a time: the trial levels are (G, K)
         q = np.quantile(row, _LEVEL_GRID)
         c = R / q[q > 0]  # a zero quantile gives no factor; an all-zero query keeps level p
@@ -208,8 +208,6 @@ def query_codes(y: np.ndarray, layout: SignLayout, replicas: int) -> np.ndarray:
     if y.ndim != 2 or y.shape[1] != layout.num_coords:
         raise ConfigError(f"query coordinates must have shape (nq, {layout.num_coords}), got {y.shape}")
     R = int(replicas)
-    if R == 1:
-        return pack_signs(y, layout)
     sigma = np.where(y >= 0, 1.0, -1.0).astype(np.float32)
     w = query_levels(y, R)
     parts = []
