@@ -84,10 +84,11 @@ if str(REPO) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from eogp_index.candidates import CandidateIndex, FaissConfig, query_levels, rescore  # noqa: E402
-from eogp_index.client import AttributionIndex, TokenizedExample, load_model  # noqa: E402
+from eogp_index.search.candidates import CandidateIndex, FaissConfig, query_levels, rescore  # noqa: E402
+from eogp_index.client import AttributionIndex, TokenizedExample  # noqa: E402
+from eogp_index.gradients.model import load_model  # noqa: E402
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig  # noqa: E402
-from eogp_index.quantization import SignLayout, encode, pack_signs, unpack_signs  # noqa: E402
+from eogp_index.store.codecs import SignLayout, encode, pack_signs, unpack_signs  # noqa: E402
 
 TARGET_RECALL = 0.95
 TARGET_SPEEDUP = 5.0
@@ -278,12 +279,12 @@ def exact_top(codes, scales, y, layout, k):
         for q in range(nq):
             largest[q] = scan_top_k(codes, scales, y[q:q + 1], layout, k, smallest=False).largest_indices[0]
             smallest[q] = scan_top_k(codes, scales, y[q:q + 1], layout, k, largest=False).smallest_indices[0]
-        return largest, smallest, "eogp_index.scan.scan_top_k"
+        return largest, smallest, "eogp_index.search.scan.scan_top_k"
     for q in range(nq):
         s = rescore(codes, scales, y[q:q + 1], layout)[0]
         largest[q] = np.argsort(-s, kind="stable")[:k]
         smallest[q] = np.argsort(s, kind="stable")[:k]
-    return largest, smallest, "numpy unpack + matmul (eogp_index.scan missing)"
+    return largest, smallest, "numpy unpack + matmul (eogp_index.search.scan missing)"
 
 
 def exact_times(codes, scales, y, layout, k, repeat: int) -> np.ndarray:
@@ -306,7 +307,7 @@ def exact_times(codes, scales, y, layout, k, repeat: int) -> np.ndarray:
 
 def _scan_top_k():
     try:
-        from eogp_index.scan import scan_top_k
+        from eogp_index.search.scan import scan_top_k
     except ImportError:
         return None
     return scan_top_k

@@ -55,13 +55,14 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from eogp_index.client import AttributionIndex, TokenizedExample, load_model  # noqa: E402
+from eogp_index.client import AttributionIndex, TokenizedExample  # noqa: E402
+from eogp_index.gradients.model import load_model  # noqa: E402
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig  # noqa: E402
 from eogp_index.evaluation.baselines import LoGraProjector, rank_for_bytes  # noqa: E402
-from eogp_index.gradients import GradientCapture  # noqa: E402
-from eogp_index.quantization import Encoded  # noqa: E402
-from eogp_index.store import RowInfo, Store, build_rows  # noqa: E402
-from eogp_index.task import collate  # noqa: E402
+from eogp_index.gradients.capture import GradientCapture  # noqa: E402
+from eogp_index.store.codecs import Encoded  # noqa: E402
+from eogp_index.store.table import RowInfo, Store, build_rows  # noqa: E402
+from eogp_index.gradients.loss import collate  # noqa: E402
 from ingest.pipeline import DEFAULT_COMMIT_ROWS  # noqa: E402
 
 TARGET_VS_BARE = 1.25

@@ -1,4 +1,4 @@
-"""Throughput of the exact scaled-sign scan (eogp_index.scan) on a warm in-memory store.
+"""Throughput of the exact scaled-sign scan (eogp_index.search.scan) on a warm in-memory store.
 
 Builds a random store of ``--gb`` GB of packed codes (default 64 modules x k=512 bits, i.e.
 4096 bytes per row, ~244k rows per GB), then measures, in the same process:
@@ -33,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from eogp_index import scan as scan_module  # noqa: E402
-from eogp_index.scan import SignLayout, scan_scores, scan_top_k  # noqa: E402
+from eogp_index.search import scan as scan_module  # noqa: E402
+from eogp_index.search.scan import SignLayout, scan_scores, scan_top_k  # noqa: E402
 
 
 CPU = {}  # name of the last measurement -> process CPU seconds of its best run

@@ -8,9 +8,9 @@ Example:
 
 __version__ = "0.1.0"
 
-from .client import AttributionIndex  # noqa: E402
-from .config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig  # noqa: E402
-from .errors import (  # noqa: E402
+from eogp_index.client import AttributionIndex  # noqa: E402
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig  # noqa: E402
+from eogp_index.errors import (  # noqa: E402
     ConfigError,
     EOGPError,
     IncompatibleIndexError,

@@ -13,8 +13,8 @@ from typing import Any, Callable, List, Optional
 
 import click
 
-from .cliutil import emit as _emit
-from .cliutil import fail_cleanly as _fail_cleanly
+from eogp_index.cliutil import emit as _emit
+from eogp_index.cliutil import fail_cleanly as _fail_cleanly
 
 
 def _record_options(func: Callable) -> Callable:
@@ -35,7 +35,7 @@ def _record_options(func: Callable) -> Callable:
 
 
 def _spec(text_field, messages_field, input_ids_field, labels_field, id_field, metadata_fields, max_tokens):
-    from ingest.records import RecordSpec
+    from eogp_index.gradients.records import RecordSpec
 
     return RecordSpec(text_field=text_field, messages_field=messages_field, input_ids_field=input_ids_field,
                       labels_field=labels_field, id_field=id_field, metadata_fields=tuple(metadata_fields),
@@ -102,8 +102,9 @@ def fit(model, data, out, variant, k, budget_kb, m, precision, curvature_example
     from ingest.records import Example, iter_examples
     from ingest.readers import expand_shards
 
-    from .client import AttributionIndex, load_model
-    from .config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+    from eogp_index.client import AttributionIndex
+    from eogp_index.gradients.model import load_model
+    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 
     if k is None and budget_kb is None:
         k = 256
@@ -151,8 +152,8 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
     """
     from ingest.pipeline import run_ingest
 
-    from .client import AttributionIndex
-    from .config import GradientConfig
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import GradientConfig
 
     gradients = GradientConfig(batch_size=batch_size or 8, device=device)
     index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
@@ -190,8 +191,8 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
     Example:
         eogp query my-index --text "Parse a CSV file." -k 5 --where "num_tokens > 50"
     """
-    from .client import AttributionIndex
-    from .config import GradientConfig
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import GradientConfig
 
     queries: List[Any] = list(texts)
     if queries_file is not None:
@@ -225,8 +226,8 @@ def info(index_dir, as_json):
     Example:
         eogp info my-index --json
     """
-    from .manifest import Manifest
-    from .store import Store
+    from eogp_index.store.manifest import Manifest
+    from eogp_index.store.table import Store
 
     manifest = Manifest.load(index_dir)
     store = Store(manifest.store_uri(index_dir), manifest.table)
@@ -250,8 +251,8 @@ def index_column(index_dir, column, kind, as_json):
         eogp index-column my-index kind --kind BITMAP
         eogp index-column my-index num_tokens
     """
-    from .manifest import Manifest
-    from .store import Store
+    from eogp_index.store.manifest import Manifest
+    from eogp_index.store.table import Store
 
     manifest = Manifest.load(index_dir)
     store = Store(manifest.store_uri(index_dir), manifest.table)
@@ -282,8 +283,8 @@ def build_faiss(index_dir, kind, name, replicas, extend_only, as_json):
         eogp build-faiss my-index --kind hnsw
         eogp query my-index --text "Parse a CSV file." --candidates 2000
     """
-    from .candidates import CandidateIndex, FaissConfig, build
-    from .client import AttributionIndex
+    from eogp_index.search.candidates import CandidateIndex, FaissConfig, build
+    from eogp_index.client import AttributionIndex
 
     index = AttributionIndex.open(index_dir)
     if extend_only:
@@ -312,7 +313,7 @@ def _print_info(data: dict) -> None:
 
 
 def _print_results(results: list) -> None:
-    from .store import RESERVED_COLUMNS
+    from eogp_index.store.table import RESERVED_COLUMNS
 
     for item in results:
         q = item["query"]
@@ -329,7 +330,7 @@ def _print_results(results: list) -> None:
 
 
 def _register_subgroups() -> None:
-    from .evaluation.cli import eval_group
+    from eogp_index.evaluation.cli import eval_group
 
     cli.add_command(eval_group)
 

@@ -18,25 +18,24 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from . import __version__
-from .config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
-from .curvature import fit_curvature
-from .errors import ConfigError, IncompatibleIndexError, InputError
-from .gradients import GradientCapture
-from .manifest import (
+from eogp_index import __version__
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+from eogp_index.fit.curvature import fit_curvature
+from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
+from eogp_index.gradients.capture import GradientCapture
+from eogp_index.store.manifest import (
     MANIFEST_FILE,
     PROJECTION_FILE,
     TABLE_NAME,
     Manifest,
     ModuleEntry,
     check_compatible,
-    model_sha256,
 )
-from .modules import find_attributed_modules, replace_conv1d
-from .projection import Projection, build_projection, file_sha256, fit_second_stage_pca
-from .quantization import SignLayout, concat_modules, encode
-from .store import RowInfo, Store, build_rows
-from .task import collate
+from eogp_index.gradients.model import find_attributed_modules, load_model, model_sha256, pad_token_id, replace_conv1d
+from eogp_index.fit.projection import Projection, build_projection, file_sha256, fit_second_stage_pca
+from eogp_index.store.codecs import SignLayout, concat_modules, encode
+from eogp_index.store.table import RowInfo, Store, build_rows
+from eogp_index.gradients.loss import collate
 
 #: A query: a text, a chat (list of ``{"role", "content"}``), token ids, or a record dict
 #: (``{"text": ...}``, ``{"messages": ...}``, ``{"input_ids": ..., "labels": ...}``).
@@ -56,16 +55,6 @@ class TokenizedExample:
     num_loss_tokens: int = 0
     truncated: bool = False
     metadata: Optional[Dict[str, Any]] = None
-
-
-def load_model(name_or_path: str, *, device: str = "cpu", dtype: Optional[torch.dtype] = None):
-    """Load a HuggingFace causal LM and its tokenizer (hub name or local directory)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    model.to(device).eval()
-    return model, tokenizer
 
 
 def _batches(items: Iterable[Any], size: int) -> Iterator[List[Any]]:
@@ -145,7 +134,7 @@ class AttributionIndex:
         model.to(device).eval()
         names = find_attributed_modules(model, modules)
         pairs = [(ex.input_ids, ex.labels) for ex in examples]
-        pad_id = _pad_id(tokenizer)
+        pad_id = pad_token_id(tokenizer)
         factors = fit_curvature(model, pairs, names, path / "curvature", config=curvature, pad_token_id=pad_id,
                                 device=device, progress=progress)
         proj = build_projection(factors, projection, storage, damping_ratio=curvature.damping_ratio)
@@ -223,7 +212,7 @@ class AttributionIndex:
     def project(self, examples: Sequence[TokenizedExample], *, progress: bool = False) -> np.ndarray:
         """Unquantized projected coordinates ``(n, K)`` float32, modules concatenated in order."""
         capture = GradientCapture(self.model, self.manifest.module_names, self.projection.transform)
-        pad_id = _pad_id(self.tokenizer)
+        pad_id = pad_token_id(self.tokenizer)
         parts = []
         for batch in _progress(_batches(examples, self.gradients.batch_size), progress, "projecting",
                                total=-(-len(examples) // self.gradients.batch_size)):
@@ -277,7 +266,7 @@ class AttributionIndex:
     # -- queries --------------------------------------------------------------------------------
     def query_examples(self, queries: Sequence[Query]) -> List[TokenizedExample]:
         """Tokenize queries (texts, chats, ids or record dicts) like training records."""
-        from ingest.records import RecordSpec, tokenize_record
+        from eogp_index.gradients.records import RecordSpec, tokenize_record
 
         spec = RecordSpec(max_tokens=self.manifest.max_tokens)
         out = []
@@ -335,13 +324,13 @@ class AttributionIndex:
         if k < 1:
             raise ConfigError(f"k must be at least 1, got {k}")
         if candidates is not None:
-            from .candidates import top_influential_with_candidates
+            from eogp_index.search.candidates import top_influential_with_candidates
 
             return top_influential_with_candidates(self, query, k, candidates, where=where, direction=direction)
         sides = ("positive", "negative") if direction == "both" else (direction,)
         y = self.query_coordinates([query])
         if stream:
-            from .sharded import fragment_top_k
+            from eogp_index.search.sharded import fragment_top_k
 
             best = fragment_top_k(self.store, self.layout, self.manifest.precision, y, k, directions=sides,
                                   where=where)[0]
@@ -355,7 +344,7 @@ class AttributionIndex:
     # -- the scan -------------------------------------------------------------------------------
     def hot_codes(self):
         """The in-memory copy of the stored codes, refreshed when the table has changed."""
-        from .hot import load_hot
+        from eogp_index.store.hot import load_hot
 
         if self._hot is None or self._hot.version != self.store.version:
             self._hot = load_hot(self.store, self.layout, self.manifest.precision, self.path / "hot")
@@ -363,12 +352,12 @@ class AttributionIndex:
 
     def _scan_scores(self, hot, y: np.ndarray, rows: Optional[np.ndarray]) -> np.ndarray:
         if self.manifest.precision == "1bit" and self._device.startswith("cuda"):
-            from .scan import scan_scores_torch
+            from eogp_index.search.scan import scan_scores_torch
 
             codes, scales = (hot.codes, hot.scales) if rows is None else (hot.codes[rows], hot.scales[rows])
             return scan_scores_torch(codes, scales, y, self.layout, self._device).cpu().numpy()
         if self.manifest.precision == "1bit":
-            from .scan import scan_scores
+            from eogp_index.search.scan import scan_scores
 
             return scan_scores(hot.codes, hot.scales, y, self.layout, rows=rows)
         coords = hot.coords if rows is None else hot.coords[rows]
@@ -381,7 +370,7 @@ class AttributionIndex:
         if where is not None:
             rows = hot.positions(self.store.read([], where, with_row_address=True).column("_rowaddr").to_numpy())
         if self.manifest.precision == "1bit" and not self._device.startswith("cuda"):
-            from .scan import scan_top_k
+            from eogp_index.search.scan import scan_top_k
 
             top = scan_top_k(hot.codes, hot.scales, y, self.layout, k, rows=rows,
                              largest="positive" in sides, smallest="negative" in sides)
@@ -422,14 +411,6 @@ def ranked_table(ranked: Dict[str, tuple], *, with_direction: bool) -> pa.Table:
     result = pa.concat_tables(parts)
     front = [c for c in ("direction", "rank", "id", "score") if c in result.column_names]
     return result.select(front + [c for c in result.column_names if c not in front])
-
-
-def _pad_id(tokenizer) -> int:
-    for attr in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, attr, None)
-        if value is not None:
-            return int(value)
-    return 0
 
 
 def _to_device(batch: Dict[str, torch.Tensor], device: str) -> Dict[str, torch.Tensor]:

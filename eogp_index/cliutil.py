@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import click
 
-from .errors import EOGPError
+from eogp_index.errors import EOGPError
 
 
 def fail_cleanly(func: Callable) -> Callable:

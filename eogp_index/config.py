@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
-from .errors import ConfigError
+from eogp_index.errors import ConfigError
 
 SecondStage = Literal["pca", "srht", "none"]
 Precision = Literal["1bit", "fp16", "fp32"]

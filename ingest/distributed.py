@@ -187,7 +187,8 @@ def run_distributed_ingest(
         ConfigError, IncompatibleIndexError: bad options or an index built for another model.
         RuntimeError: another worker failed (its message is included).
     """
-    from eogp_index.client import AttributionIndex, load_model
+    from eogp_index.client import AttributionIndex
+    from eogp_index.gradients.model import load_model
 
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")

@@ -41,7 +41,7 @@ from torch import nn
 
 from eogp_index.client import AttributionIndex
 from eogp_index.errors import ConfigError, InputError
-from eogp_index.store import RESERVED_COLUMNS
+from eogp_index.store.table import RESERVED_COLUMNS
 from ingest.readers import location_of
 from ingest.records import Example, RecordSpec, Rejected, iter_examples
 

@@ -47,6 +47,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal, NamedTuple
 
 from eogp_index.errors import InputError
+from eogp_index.gradients.records import (  # noqa: F401  (location_of re-exported)
+    COMPRESSION_SUFFIXES as _COMPRESSION_SUFFIXES,
+    JSONL_SUFFIXES as _JSONL_SUFFIXES,
+    SPLIT_SEPARATOR,
+    location_of,
+)
 
 __all__ = [
     "ShardFormat",
@@ -63,10 +69,7 @@ __all__ = [
 ShardFormat = Literal["jsonl", "parquet", "hf"]
 
 #: Separates a ``DatasetDict`` directory from the split to read: ``data/dd::train``.
-SPLIT_SEPARATOR = "::"
 
-_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-_COMPRESSION_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _PARQUET_BATCH_ROWS = 1024
 _HF_BATCH_ROWS = 1024
 
@@ -230,18 +233,6 @@ def shard_names(paths: Sequence[str | Path], *, root: str | Path | None = None) 
                 "root so that they are named by their path relative to it"
             )
     return names
-
-
-def location_of(shard: str, position: int) -> str:
-    """The human location of a record: ``"a.jsonl:18"`` (1-based line) or ``"b.parquet:row 17"``."""
-    name = shard.rsplit(SPLIT_SEPARATOR, 1)[0].lower()
-    for suffix in _COMPRESSION_SUFFIXES:
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-            break
-    if name.endswith(_JSONL_SUFFIXES):
-        return f"{shard}:{position + 1}"
-    return f"{shard}:row {position}"
 
 
 def iter_raw_records(path: str | Path, *, shard: str | None = None) -> Iterator[RawRecord]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
-from eogp_index.candidates import (
+from eogp_index.search.candidates import (
     FORMAT_VERSION,
     CandidateIndex,
     FaissConfig,
@@ -32,8 +32,8 @@ from eogp_index.candidates import (
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, InputError
-from eogp_index.quantization import SignLayout, pack_signs, unpack_signs
-from eogp_index.store import list_column_to_numpy
+from eogp_index.store.codecs import SignLayout, pack_signs, unpack_signs
+from eogp_index.store.table import list_column_to_numpy
 
 pa = pytest.importorskip("pyarrow")
 faiss = pytest.importorskip("faiss")

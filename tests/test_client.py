@@ -14,8 +14,8 @@ from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, make_tiny_l
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError
-from eogp_index.manifest import MANIFEST_FILE, Manifest, validate
-from eogp_index.quantization import decode, encode
+from eogp_index.store.manifest import MANIFEST_FILE, Manifest, validate
+from eogp_index.store.codecs import decode, encode
 
 TRAIN = make_examples(24, seed=1)
 QUERIES = make_examples(4, seed=2, prefix="q", masked_prompt=True)
@@ -33,8 +33,9 @@ def kronfluence_scores(index, queries, train):
     from kronfluence.arguments import ScoreArguments
     from kronfluence.utils.dataset import DataLoaderKwargs
 
-    from eogp_index.curvature import ANALYSIS_NAME, FACTORS_NAME, _ExampleDataset, _unwrap_tracked_modules
-    from eogp_index.task import LanguageModelingTask, collate
+    from eogp_index.fit.curvature import ANALYSIS_NAME, FACTORS_NAME, _ExampleDataset, _unwrap_tracked_modules
+    from eogp_index.fit.task import LanguageModelingTask
+    from eogp_index.gradients.loss import collate
 
     task = LanguageModelingTask(modules=index.manifest.module_names)
     prepared = prepare_model(index.model, task)
@@ -152,8 +153,8 @@ def test_srht_variant_and_budget(tmp_path):
 
 def test_proposition_2_on_real_gradients(eogp_index):
     """On the fitting set, PCA keeps at least as much half-whitened energy as the top-k axes."""
-    from eogp_index.gradients import GradientCapture
-    from eogp_index.task import collate
+    from eogp_index.gradients.capture import GradientCapture
+    from eogp_index.gradients.loss import collate
 
     index = eogp_index
     capture = GradientCapture(index.model, index.manifest.module_names, index.projection.first_stage_transform)

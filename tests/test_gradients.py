@@ -3,9 +3,9 @@
 import torch
 
 from tinymodels import make_examples, make_tiny_gpt2, make_tiny_llama
-from eogp_index.gradients import GradientCapture, dense_gradient
-from eogp_index.modules import find_attributed_modules, replace_conv1d
-from eogp_index.task import collate, per_example_loss
+from eogp_index.gradients.capture import GradientCapture, dense_gradient
+from eogp_index.gradients.model import find_attributed_modules, replace_conv1d
+from eogp_index.gradients.loss import collate, per_example_loss
 
 
 def _autograd_gradient(model, name, ids, labels):

@@ -3,8 +3,8 @@
 import numpy as np
 
 from tinymodels import make_examples
-from eogp_index.hot import load_hot
-from eogp_index.store import list_column_to_numpy
+from eogp_index.store.hot import load_hot
+from eogp_index.store.table import list_column_to_numpy
 
 
 def _table_codes(index):

@@ -5,7 +5,7 @@ import torch
 
 from tinymodels import make_tiny_gpt2, make_tiny_llama
 from eogp_index.errors import ModelError
-from eogp_index.modules import find_attributed_modules, module_shape, replace_conv1d
+from eogp_index.gradients.model import find_attributed_modules, module_shape, replace_conv1d
 
 
 def test_conv1d_swap_keeps_outputs_identical():

@@ -6,8 +6,8 @@ import torch
 from scipy.linalg import hadamard
 
 from eogp_index.config import ProjectionConfig, StorageConfig
-from eogp_index.curvature import ModuleCurvature
-from eogp_index.projection import (
+from eogp_index.fit.curvature import ModuleCurvature
+from eogp_index.fit.projection import (
     Projection,
     build_projection,
     first_stage_from_curvature,
@@ -59,7 +59,7 @@ def test_first_stage_equals_dense_eigenbasis_selection(d_out, d_in, m, route):
 
 
 def test_block_route_picks_the_fewest_multiply_adds():
-    from eogp_index.projection import block_route
+    from eogp_index.fit.projection import block_route
 
     # Long documents, most eigenvectors touched (small models): rotate per example, not per token.
     assert block_route(n=8 * 2048, batch=8, d_out=512, r=264, d_in=129, c=60) == "rotate_after_g"

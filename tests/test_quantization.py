@@ -7,7 +7,7 @@ import pytest
 
 from eogp_index.config import bytes_per_module, k_for_budget
 from eogp_index.errors import ConfigError
-from eogp_index.quantization import SignLayout, decode, encode, pack_signs, scales_of, unpack_signs
+from eogp_index.store.codecs import SignLayout, decode, encode, pack_signs, scales_of, unpack_signs
 
 
 def test_bit_order_is_lsb_first_per_module_with_fresh_byte():

@@ -1,13 +1,13 @@
-"""Tests of the exact scaled-sign scan (eogp_index.scan) against a float64 reference."""
+"""Tests of the exact scaled-sign scan (eogp_index.search.scan) against a float64 reference."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from eogp_index import scan as scan_mod
+from eogp_index.search import scan as scan_mod
 from eogp_index.errors import ConfigError, InputError
-from eogp_index.scan import (
+from eogp_index.search.scan import (
     SignLayout,
     pack_signs,
     scales_of,
@@ -693,7 +693,7 @@ def test_input_errors_say_what_is_wrong():
 
 
 def test_accepts_other_layout_objects():
-    """Any object with per-module sizes ``.k`` works (e.g. eogp_index.quantization.SignLayout)."""
+    """Any object with per-module sizes ``.k`` works (e.g. eogp_index.store.codecs.SignLayout)."""
 
     class Other:
         k = (13, 5)

@@ -55,7 +55,7 @@ def test_two_torchrun_workers_merge_to_the_exact_top_k(fitted_index):
     manifest_path.write_text(json.dumps(manifest))
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "eogp_index.sharded", "--index", str(fitted_index.path), "-k", "6",
+         "-m", "eogp_index.search.sharded", "--index", str(fitted_index.path), "-k", "6",
          "--input-ids", ",".join(map(str, QUERY))],
         capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import click
 
-from ..cliutil import fail_cleanly as _fail_cleanly
+from eogp_index.cliutil import fail_cleanly as _fail_cleanly
 
 __all__ = ["eval_group"]
 

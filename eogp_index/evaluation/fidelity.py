@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from eogp_index.curvature import ModuleCurvature, factors_dir
+from eogp_index.fit.curvature import ModuleCurvature, factors_dir
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.evaluation import metrics
 from eogp_index.evaluation.baselines import (
@@ -64,10 +64,10 @@ from eogp_index.evaluation.baselines import (
     bytes_for_coordinates,
     k_for_bytes,
 )
-from eogp_index.gradients import GradientCapture
-from eogp_index.projection import first_stage_from_curvature, fit_pca, make_srht, srht_apply
-from eogp_index.quantization import SignLayout, decode, encode
-from eogp_index.task import IGNORE_INDEX, collate
+from eogp_index.gradients.capture import GradientCapture
+from eogp_index.fit.projection import first_stage_from_curvature, fit_pca, make_srht, srht_apply
+from eogp_index.store.codecs import SignLayout, decode, encode
+from eogp_index.gradients.loss import IGNORE_INDEX, collate
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -142,7 +142,7 @@ class Documents:
     """Tokenized documents: ``ids`` ``(n,)``, ``input_ids`` and ``labels`` (``n`` token lists).
 
     ``labels[t]`` is predicted from ``input_ids[:t]`` (``-100`` = not counted), as in
-    :func:`eogp_index.task.collate`; plain documents have ``labels == input_ids``.
+    :func:`eogp_index.fit.task.collate`; plain documents have ``labels == input_ids``.
     """
 
     ids: Tuple[str, ...]
@@ -685,7 +685,7 @@ def kronfluence_scores(
 ) -> np.ndarray:
     """kronfluence's own uncompressed EK-FAC pairwise scores ``(n_queries, n_train)`` float64.
 
-    Uses the factors :func:`eogp_index.curvature.fit_curvature` wrote under ``curvature_dir``
+    Uses the factors :func:`eogp_index.fit.curvature.fit_curvature` wrote under ``curvature_dir``
     and ``damping_factor=None`` (kronfluence's heuristic ``0.1 · mean(Λ)``, the paper's
     damping). The model is wrapped for the computation and unwrapped afterwards.
     """
@@ -693,8 +693,8 @@ def kronfluence_scores(
     from kronfluence.arguments import ScoreArguments
     from kronfluence.utils.dataset import DataLoaderKwargs
 
-    from eogp_index.curvature import ANALYSIS_NAME, FACTORS_NAME, _unwrap_tracked_modules
-    from eogp_index.task import LanguageModelingTask
+    from eogp_index.fit.curvature import ANALYSIS_NAME, FACTORS_NAME, _unwrap_tracked_modules
+    from eogp_index.fit.task import LanguageModelingTask
 
     task = LanguageModelingTask(modules=list(modules))
     prepared = prepare_model(model, task)
@@ -821,8 +821,8 @@ def compute_scores(
         pca_docs: fit EOGP's PCA on these documents instead of ``train``.
     """
     from eogp_index.config import CurvatureConfig
-    from eogp_index.curvature import fit_curvature
-    from eogp_index.modules import find_attributed_modules, replace_conv1d
+    from eogp_index.fit.curvature import fit_curvature
+    from eogp_index.gradients.model import find_attributed_modules, replace_conv1d
 
     say = log or (lambda _msg: None)
     timings: Dict[str, float] = {}

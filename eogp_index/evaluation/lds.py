@@ -59,7 +59,7 @@ def _tokens_hash(docs: Sequence[Sequence[int]]) -> str:
 
 def _base_model(base):
     """The base model (loaded once) and the SHA-256 of its weights."""
-    from eogp_index.manifest import model_sha256
+    from eogp_index.gradients.model import model_sha256
 
     try:
         model = tinylm._load_model(base)

@@ -183,7 +183,7 @@ def load_documents(paths: Sequence[str], tokenizer, *, max_tokens: int = 128, li
     Ids are the records' ``id`` field, else ``shard:position``.
     """
     from ingest.readers import ParseError, expand_shards, iter_raw_records, shard_names
-    from ingest.records import RecordSpec, tokenize_record
+    from eogp_index.gradients.records import RecordSpec, tokenize_record
 
     shards = expand_shards(list(paths))
     ids: List[str] = []
@@ -229,7 +229,7 @@ def _plain(docs: Documents, what: str) -> List[List[int]]:
 
 
 def _load_inputs(data: DataConfig):
-    from eogp_index.client import load_model
+    from eogp_index.gradients.model import load_model
 
     if not (Path(data.model) / "config.json").is_file():
         raise ConfigError(f"{data.model}: not a model directory (no config.json); pass --model")
@@ -244,8 +244,7 @@ def _load_inputs(data: DataConfig):
 
 
 def _scores(data: DataConfig, cfg: FidelityConfig, out: Path, log) -> Tuple[ScoreSet, Documents, Documents, bool]:
-    from eogp_index.client import _pad_id
-    from eogp_index.manifest import model_sha256
+    from eogp_index.gradients.model import model_sha256, pad_token_id as _pad_id
 
     model, tokenizer, train, queries, pca_docs = _load_inputs(data)
     key = hashlib.sha256(json.dumps({

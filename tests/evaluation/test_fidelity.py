@@ -99,7 +99,7 @@ def test_shared_pass_stores_the_planned_widths(scoreset):
         assert cfg.bytes_per_example <= cfg.budget
         assert (cfg.id in scoreset.unquantized) == (cfg.precision == "1bit")
     # The transform's per-method outputs have exactly the planned widths.
-    from eogp_index.modules import replace_conv1d
+    from eogp_index.gradients.model import replace_conv1d
 
     model = make_tiny_gpt2()
     replace_conv1d(model)
@@ -121,8 +121,8 @@ def test_shared_pass_stores_the_planned_widths(scoreset):
 
 def test_shared_transform_equals_the_library_projectors(scoreset):
     """The batched shared transform computes exactly what each projector computes alone."""
-    from eogp_index.modules import replace_conv1d
-    from eogp_index.projection import srht_apply
+    from eogp_index.gradients.model import replace_conv1d
+    from eogp_index.fit.projection import srht_apply
 
     model = make_tiny_gpt2()
     replace_conv1d(model)
@@ -155,7 +155,7 @@ def test_shared_transform_equals_the_library_projectors(scoreset):
 
 
 def _fake_curvature(module: ModuleShape):
-    from eogp_index.curvature import ModuleCurvature
+    from eogp_index.fit.curvature import ModuleCurvature
 
     gen = torch.Generator().manual_seed(0)
     q_a = torch.linalg.qr(torch.randn(module.d_in, module.d_in, generator=gen))[0]
@@ -202,8 +202,8 @@ def _micro_gpt2():
 def test_full_width_eogp_and_topk_equal_the_reference(tmp_path):
     """With m = k = d and FP32 storage, PCA is a rotation and top-k keeps every axis: EK-FAC."""
     from eogp_index.config import CurvatureConfig
-    from eogp_index.curvature import fit_curvature
-    from eogp_index.modules import find_attributed_modules, replace_conv1d
+    from eogp_index.fit.curvature import fit_curvature
+    from eogp_index.gradients.model import find_attributed_modules, replace_conv1d
 
     model = _micro_gpt2()
     replace_conv1d(model)

@@ -91,7 +91,7 @@ def stored_ids(path: Path) -> list[str]:
 
 
 def open_index_store(path: Path):
-    from eogp_index.store import Store
+    from eogp_index.store.table import Store
 
     return Store(path, "examples")
 

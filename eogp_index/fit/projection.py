@@ -28,9 +28,9 @@ from typing import Dict, List, Literal, Optional, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import ProjectionConfig, SecondStage, StorageConfig
-from .curvature import ModuleCurvature
-from .errors import ConfigError, IncompatibleIndexError, IndexNotFoundError
+from eogp_index.config import ProjectionConfig, SecondStage, StorageConfig
+from eogp_index.fit.curvature import ModuleCurvature
+from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError
 
 PROJECTION_FORMAT_VERSION = 1
 

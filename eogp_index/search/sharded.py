@@ -6,7 +6,7 @@ with the exact kernel and keeps a running top-k. One process over all fragments 
 larger-than-memory path; ``torchrun`` workers each taking every ``world_size``-th fragment, with
 rank 0 merging their top-k lists, is the scale-out path:
 
-    torchrun --nproc_per_node 4 -m eogp_index.sharded --index my-index --text "..." -k 20
+    torchrun --nproc_per_node 4 -m eogp_index.search.sharded --index my-index --text "..." -k 20
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import List, Literal, Optional, Sequence
 
 import numpy as np
 
-from .hot import BATCH_BYTES
-from .quantization import SignLayout
-from .store import Store, list_column_to_numpy
+from eogp_index.store.hot import BATCH_BYTES
+from eogp_index.store.codecs import SignLayout
+from eogp_index.store.table import Store, list_column_to_numpy
 
 Direction = Literal["positive", "negative"]
 
@@ -47,7 +47,7 @@ class RowScores:
 def batch_scores(batch, y: np.ndarray, layout: SignLayout, precision: str) -> np.ndarray:
     """Exact scores ``(nq, rows)`` float32 of a record batch holding the code columns."""
     if precision == "1bit":
-        from .scan import scan_scores
+        from eogp_index.search.scan import scan_scores
 
         codes = list_column_to_numpy(batch.column("signs"), layout.nbytes, np.uint8)
         scales = list_column_to_numpy(batch.column("scales"), layout.num_modules, np.float32)
@@ -102,13 +102,13 @@ def fragment_top_k(
 def _main(argv: Optional[List[str]] = None) -> int:
     import torch.distributed as dist
 
-    from .client import AttributionIndex
+    from eogp_index.client import AttributionIndex
 
     parser = argparse.ArgumentParser(
-        prog="torchrun --nproc_per_node N -m eogp_index.sharded",
+        prog="torchrun --nproc_per_node N -m eogp_index.search.sharded",
         description="Exact top-k over an index's Lance fragments, split across torchrun workers; "
                     "rank 0 merges and prints JSON. Example: torchrun --standalone --nproc_per_node 2 "
-                    "-m eogp_index.sharded --index my-index --text 'Parse a CSV file.' -k 10",
+                    "-m eogp_index.search.sharded --index my-index --text 'Parse a CSV file.' -k 10",
     )
     parser.add_argument("--index", required=True, help="index directory")
     parser.add_argument("--text", action="append", default=[], help="a query text (repeatable)")

@@ -1,4 +1,4 @@
-"""Which layers are attributed, and how they are made trackable.
+"""The model: loading it, which layers are attributed, how they are made trackable, its fingerprint.
 
 The paper attributes the attention and MLP linear layers (biases included) and excludes
 embeddings, the LM head and normalisation layers. kronfluence tracks ``nn.Linear`` only, so
@@ -9,13 +9,14 @@ GPT-2's ``Conv1D`` layers (a linear layer with a transposed weight) are swapped 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import re
 from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .errors import ModelError
+from eogp_index.errors import ModelError
 
 # Llama / OLMo / Mistral / Qwen projections, GPT-2 / GPT-J / GPT-NeoX names.
 _DEFAULT_LEAF_NAMES = (
@@ -94,3 +95,40 @@ def module_shape(model: nn.Module, name: str) -> tuple[int, int]:
     if not isinstance(module, nn.Linear):
         raise ModelError(f"module {name!r} is a {type(module).__name__}, not nn.Linear")
     return module.out_features, module.in_features + (1 if module.bias is not None else 0)
+
+
+def load_model(name_or_path: str, *, device: str = "cpu", dtype: Optional[torch.dtype] = None):
+    """Load a HuggingFace causal LM and its tokenizer (hub name or local directory)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    model.to(device).eval()
+    return model, tokenizer
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else its EOS, else 0.
+
+    Padding positions never count in the loss, so any id works; a real one keeps embeddings sane.
+    """
+    for attr in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def model_sha256(model: nn.Module) -> str:
+    """SHA-256 over the state dict as loaded: sorted names, dtypes, shapes and bytes.
+
+    Computed before eogp-index swaps GPT-2's ``Conv1D`` layers, so the same checkpoint always
+    hashes the same.
+    """
+    digest = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()

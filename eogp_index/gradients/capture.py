@@ -21,8 +21,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from .errors import ModelError
-from .task import per_example_loss
+from eogp_index.errors import ModelError
+from eogp_index.gradients.loss import per_example_loss
 
 #: ``transform(module_name, a (B, T, d_in') float32, g (B, T, d_out) float32) -> (B, ...)``
 Transform = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -13,10 +13,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from kronfluence.task import Task
 from torch import nn
 
-IGNORE_INDEX = -100
+from eogp_index.gradients.records import IGNORE_INDEX  # noqa: F401  (one definition, shared)
 
 
 def collate(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_token_id: int = 0) -> Dict[str, torch.Tensor]:
@@ -33,7 +32,7 @@ def collate(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_token_i
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def _logits(model: nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+def logits_of(model: nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
@@ -48,38 +47,3 @@ def per_example_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
         reduction="none",
     ).view(shift_labels.shape)
     return token_loss.sum(dim=1)
-
-
-class LanguageModelingTask(Task):
-    """kronfluence's task for causal LMs with the paper's loss and label sampling.
-
-    With ``sample=True`` (the true Fisher), labels are drawn from the model's own next-token
-    distribution at the positions that count, with inputs fixed to the data.
-    """
-
-    def __init__(self, modules: Optional[List[str]] = None, generator: Optional[torch.Generator] = None):
-        self.modules = modules
-        self.generator = generator
-
-    def compute_train_loss(self, batch: Dict[str, torch.Tensor], model: nn.Module, sample: bool = False) -> torch.Tensor:
-        logits = _logits(model, batch)
-        labels = batch["labels"]
-        if sample:
-            with torch.no_grad():
-                probs = torch.softmax(logits[:, :-1].detach().float(), dim=-1)
-                drawn = torch.multinomial(probs.reshape(-1, probs.size(-1)), 1, generator=self.generator)
-                drawn = drawn.view(probs.shape[:-1])
-                counted = labels[:, 1:] != IGNORE_INDEX
-                sampled = torch.full_like(labels, IGNORE_INDEX)
-                sampled[:, 1:] = torch.where(counted, drawn, torch.full_like(drawn, IGNORE_INDEX))
-            labels = sampled
-        return per_example_loss(logits, labels).sum()
-
-    def compute_measurement(self, batch: Dict[str, torch.Tensor], model: nn.Module) -> torch.Tensor:
-        return per_example_loss(_logits(model, batch), batch["labels"]).sum()
-
-    def get_influence_tracked_modules(self) -> Optional[List[str]]:
-        return self.modules
-
-    def get_attention_mask(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return batch["attention_mask"]

@@ -7,38 +7,19 @@ refuses anything else rather than return wrong scores.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import torch
-from torch import nn
-
-from .errors import IncompatibleIndexError, IndexNotFoundError
+from eogp_index.errors import IncompatibleIndexError, IndexNotFoundError
 
 FORMAT = "eogp-index"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 PROJECTION_FILE = "projection.safetensors"
 TABLE_NAME = "examples"
-
-
-def model_sha256(model: nn.Module) -> str:
-    """SHA-256 over the state dict as loaded: sorted names, dtypes, shapes and bytes.
-
-    Computed before eogp-index swaps GPT-2's ``Conv1D`` layers, so the same checkpoint always
-    hashes the same.
-    """
-    digest = hashlib.sha256()
-    state = model.state_dict()
-    for name in sorted(state):
-        tensor = state[name].detach().to("cpu").contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

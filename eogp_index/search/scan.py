@@ -74,8 +74,8 @@ from numba import float32, float64, int64, njit, prange, types, uint64
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .errors import ConfigError, InputError
-from .quantization import SignLayout, pack_signs, scales_of, unpack_signs
+from eogp_index.errors import ConfigError, InputError
+from eogp_index.store.codecs import SignLayout, pack_signs, scales_of, unpack_signs
 
 __all__ = [
     "SignLayout",

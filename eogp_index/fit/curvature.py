@@ -22,9 +22,10 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import Dataset
 
-from .config import CurvatureConfig
-from .errors import IndexNotFoundError
-from .task import LanguageModelingTask, collate
+from eogp_index.config import CurvatureConfig
+from eogp_index.errors import IndexNotFoundError
+from eogp_index.fit.task import LanguageModelingTask
+from eogp_index.gradients.loss import collate
 
 ANALYSIS_NAME = "eogp"
 FACTORS_NAME = "ekfac"

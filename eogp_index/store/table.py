@@ -29,8 +29,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import pyarrow as pa
 
-from .errors import InputError
-from .quantization import Encoded, SignLayout
+from eogp_index.errors import InputError
+from eogp_index.store.codecs import Encoded, SignLayout
 
 RESERVED_COLUMNS = ("id", "signs", "scales", "coords", "shard", "position", "num_tokens", "num_loss_tokens",
                     "truncated")

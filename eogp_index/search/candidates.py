@@ -75,10 +75,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import __version__
-from .errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, InputError
-from .quantization import SignLayout, pack_signs, unpack_signs
-from .store import list_column_to_numpy
+from eogp_index import __version__
+from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, InputError
+from eogp_index.store.codecs import SignLayout, pack_signs, unpack_signs
+from eogp_index.store.table import list_column_to_numpy
 
 FORMAT = "eogp-faiss"
 FORMAT_VERSION = 2  # 2: replicated stored signs and |y|-weighted queries (1: plain signs)
@@ -755,10 +755,10 @@ def rescore(signs: np.ndarray, scales: np.ndarray, y: np.ndarray, layout: SignLa
         signs: ``(n, nbytes)`` uint8. scales: ``(n, U)`` float16. y: ``(nq, K)`` float32.
         rows: ``(m,)`` int64 row indices into ``signs``.
 
-    Uses the packed-bit kernel of :mod:`eogp_index.scan` when present, else unpack + matmul.
+    Uses the packed-bit kernel of :mod:`eogp_index.search.scan` when present, else unpack + matmul.
     """
     try:
-        from .scan import scan_scores
+        from eogp_index.search.scan import scan_scores
     except ImportError:
         scan_scores = None
     if scan_scores is not None:
@@ -903,7 +903,7 @@ def top_influential_with_candidates(
     signs = list_column_to_numpy(table.column("signs"), layout.nbytes, np.uint8)
     scales = list_column_to_numpy(table.column("scales"), layout.num_modules, np.float16)
     scores = rescore(signs, scales, y, layout)[0] if table.num_rows else np.zeros(0, np.float32)
-    from .client import ranked_table
+    from eogp_index.client import ranked_table
 
     info = table.select(meta_cols)
     ranked = {}

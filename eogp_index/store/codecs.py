@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .config import Precision
-from .errors import ConfigError, InputError
+from eogp_index.config import Precision
+from eogp_index.errors import ConfigError, InputError
 
 
 @dataclass(frozen=True)

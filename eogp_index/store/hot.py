@@ -18,8 +18,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from .quantization import SignLayout
-from .store import Store, list_column_to_numpy
+from eogp_index.store.codecs import SignLayout
+from eogp_index.store.table import Store, list_column_to_numpy
 
 #: Record batches read from Lance are sized in bytes, not rows: a few thousand rows of wide codes
 #: can already be tens of megabytes.

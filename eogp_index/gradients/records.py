@@ -1,0 +1,544 @@
+"""Records to tokenized examples (training documents and queries alike): which fields hold what, tokenization and the loss mask.
+
+A record (one JSON line, Parquet row or dataset row, see :mod:`ingest.readers`) holds exactly
+one kind of content:
+
+* ``text`` (a string): tokenized with the tokenizer's defaults (``add_special_tokens=True``),
+  so BOS/EOS are added exactly when the tokenizer adds them by default and never otherwise.
+  Every token counts in the loss: ``labels == input_ids``.
+* ``messages`` (a list of ``{"role": str, "content": str}``, extra keys passed to the template):
+  rendered with ``tokenizer.apply_chat_template`` and tokenized with ``add_special_tokens=False``
+  (the template writes its own BOS if it wants one). Only assistant turns count in the loss,
+  Tülu / open-instruct style: for each assistant message ``i`` the tokens between the rendering
+  of ``messages[:i]`` with ``add_generation_prompt=True`` and the rendering of
+  ``messages[:i + 1]`` are labelled, i.e. the assistant content plus whatever the template
+  writes after it for that turn (its end-of-turn token(s), e.g. ``eos_token``, and a trailing
+  newline if the template emits one). Everything else is ``-100``. Each of those renderings
+  must tokenize to a prefix of the full conversation's tokens, else the record is rejected.
+* ``input_ids`` (a list of ints) with optional ``labels`` (same length, ``-100`` = not counted;
+  default ``labels = input_ids``): used as given; ids must lie in ``[0, len(tokenizer))``.
+
+Labels follow the Hugging Face causal-LM convention: the model shifts them by one, so
+``labels[t]`` is predicted from ``input_ids[:t]`` and ``labels[0]`` is never used.
+``Example.num_loss_tokens`` therefore counts ``labels[1:] != -100``.
+
+A field whose value is ``None`` (JSON null, Arrow null) counts as absent. Every problem with a
+record raises :class:`~eogp_index.errors.InputError` whose message starts with the record's
+location (``"train.jsonl:17"``, see :func:`location_of`) and names the field;
+:func:`iter_examples` can instead yield a :class:`Rejected` per bad record and go on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from eogp_index.errors import ConfigError, InputError
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Example",
+    "RecordSpec",
+    "location_of",
+    "stable_id",
+    "tokenize_record",
+]
+
+#: Label of a position that does not count in the loss (PyTorch's cross-entropy ignore_index).
+IGNORE_INDEX = -100
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_ID_HEX_CHARS = 24  # 96 bits: collisions are negligible far beyond any corpus size
+
+
+#: Separates a dataset directory from its split in a shard name (``"wiki::train"``).
+SPLIT_SEPARATOR = "::"
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+COMPRESSION_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+
+
+def location_of(shard: str, position: int) -> str:
+    """The human location of a record: ``"a.jsonl:18"`` (1-based line) or ``"b.parquet:row 17"``."""
+    name = shard.rsplit(SPLIT_SEPARATOR, 1)[0].lower()
+    for suffix in COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    if name.endswith(JSONL_SUFFIXES):
+        return f"{shard}:{position + 1}"
+    return f"{shard}:row {position}"
+
+
+
+@dataclass(frozen=True)
+class RecordSpec:
+    """Where a record keeps its content, id and metadata, and how long an example may be.
+
+    text_field, messages_field, input_ids_field, labels_field: the record keys of the three
+        content kinds (and of the optional labels that go with ``input_ids``); all distinct.
+    id_field: when given, the example id is this field's value (a non-empty str, or an int,
+        stored as its decimal string); it must be present in every record and unique in the
+        run. When None, ids are :func:`stable_id` of shard name, position and content.
+    metadata_fields: record keys copied into ``Example.metadata`` (typed columns in the store).
+        Values must be str, int (within int64), float or bool and present (not null) in every
+        record; each field keeps the type of its first value in the run, except that an int
+        is accepted in a float field (and stored as a float). A float in an int field is an
+        error: write the first value as a float (``3.0``).
+    max_tokens: keep only the first ``max_tokens`` tokens (and labels) of longer examples and
+        mark them ``truncated``; None keeps everything. At least 2 (one loss position).
+    """
+
+    text_field: str = "text"
+    messages_field: str = "messages"
+    input_ids_field: str = "input_ids"
+    labels_field: str = "labels"
+    id_field: str | None = None
+    metadata_fields: tuple[str, ...] = ()
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        content = {
+            "text_field": self.text_field,
+            "messages_field": self.messages_field,
+            "input_ids_field": self.input_ids_field,
+            "labels_field": self.labels_field,
+        }
+        for name, value in content.items():
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"RecordSpec.{name} must be a non-empty string, got {value!r}")
+        if len(set(content.values())) != len(content):
+            raise ConfigError(
+                f"RecordSpec content fields must be distinct record keys, got {content}"
+            )
+        if self.id_field is not None:
+            if not isinstance(self.id_field, str) or not self.id_field:
+                raise ConfigError(
+                    f"RecordSpec.id_field must be None or a non-empty string, got {self.id_field!r}"
+                )
+            if self.id_field in content.values():
+                raise ConfigError(
+                    f"RecordSpec.id_field {self.id_field!r} is also a content field; "
+                    "name the record key that holds the document id"
+                )
+        fields = self.metadata_fields
+        if isinstance(fields, (str, bytes)) or not isinstance(fields, Sequence):
+            raise ConfigError(
+                "RecordSpec.metadata_fields must be a tuple of field names, e.g. ('source',), "
+                f"got {fields!r}"
+            )
+        fields = tuple(fields)
+        for name in fields:
+            if not isinstance(name, str) or not name:
+                raise ConfigError(
+                    f"RecordSpec.metadata_fields entries must be non-empty strings, got {name!r}"
+                )
+            if name in content.values():
+                raise ConfigError(
+                    f"RecordSpec.metadata_fields has {name!r}, which is a content field; "
+                    "content is not copied into metadata"
+                )
+        duplicates = sorted({name for name in fields if fields.count(name) > 1})
+        if duplicates:
+            raise ConfigError(f"RecordSpec.metadata_fields lists {duplicates} more than once")
+        object.__setattr__(self, "metadata_fields", fields)  # a list given by a caller -> tuple
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < 2
+        ):
+            raise ConfigError(
+                "RecordSpec.max_tokens must be None or an int >= 2 (an example needs two tokens "
+                f"for one prediction), got {self.max_tokens!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized training document, ready for per-example gradients.
+
+    id: the example id (``RecordSpec.id_field``'s value, or :func:`stable_id`).
+    shard: shard name (see :func:`ingest.readers.shard_names`); position: 0-based line / row.
+    input_ids: token ids, a tuple of Python ints of length ``num_tokens``.
+    labels: same length; ``labels[t]`` is predicted from ``input_ids[:t]`` (the model shifts
+        by one), ``-100`` = not counted. ``labels[0]`` is never used.
+    metadata: ``{field: value}`` for ``RecordSpec.metadata_fields``, in that order.
+    num_tokens: ``len(input_ids)`` after truncation.
+    num_loss_tokens: number of ``labels[1:]`` that are not ``-100`` (always >= 1).
+    truncated: whether the document was cut to ``RecordSpec.max_tokens``.
+    """
+
+    id: str
+    shard: str
+    position: int
+    input_ids: tuple[int, ...]
+    labels: tuple[int, ...]
+    metadata: dict[str, Any]
+    num_tokens: int
+    num_loss_tokens: int
+    truncated: bool
+
+
+def stable_id(shard: str, position: int, content: bytes | str) -> str:
+    """A deterministic example id: 24 hex chars of SHA-256 over shard, position and content.
+
+    The same shard name, position and content give the same id on every machine and run;
+    changing any of them changes it. The parts are separated by NUL bytes so that
+    ``("a1", 2, ...)`` and ``("a", 12, ...)`` cannot collide.
+    """
+    if isinstance(content, str):
+        content = content.encode("utf-8")
+    digest = hashlib.sha256()
+    digest.update(b"eogp-example-id-v1\0")
+    digest.update(shard.encode("utf-8"))
+    digest.update(b"\0")
+    digest.update(str(int(position)).encode("ascii"))
+    digest.update(b"\0")
+    digest.update(content)
+    return digest.hexdigest()[:_ID_HEX_CHARS]
+
+
+def _canonical_json(value: Any) -> bytes:
+    # default=str: extra message keys read from Parquet may hold dates and the like.
+    return json.dumps(
+        value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str
+    ).encode("utf-8")
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _record_id(record: dict[str, Any], spec: RecordSpec, location: str) -> str | None:
+    """The ``id_field`` value as a string, or None when ids are derived from content."""
+    if spec.id_field is None:
+        return None
+    value = record.get(spec.id_field)
+    if value is None:
+        raise InputError(
+            f"missing id field {spec.id_field!r} (RecordSpec.id_field)",
+            location=location,
+        )
+    if _is_int(value):
+        return str(value)
+    if isinstance(value, str) and value:
+        return value
+    raise InputError(
+        f"field {spec.id_field!r}: an id must be a non-empty string or an int, got "
+        f"{_type_name(value)} {value!r}",
+        location=location,
+    )
+
+
+def _metadata(record: dict[str, Any], spec: RecordSpec, location: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in spec.metadata_fields:
+        value = record.get(name)
+        if value is None:
+            raise InputError(
+                f"missing metadata field {name!r} (listed in RecordSpec.metadata_fields; "
+                "every record needs a non-null value)",
+                location=location,
+            )
+        if not isinstance(value, (str, int, float, bool)):
+            raise InputError(
+                f"field {name!r}: metadata values must be str, int, float or bool, got "
+                f"{_type_name(value)}",
+                location=location,
+            )
+        if _is_int(value) and not _INT64_MIN <= value <= _INT64_MAX:
+            raise InputError(
+                f"field {name!r}: int {value} does not fit in int64", location=location
+            )
+        out[name] = value
+    return out
+
+
+def _check_token_list(
+    value: Any, field_name: str, location: str, vocab_size: int | None, *, allow_ignore: bool
+) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise InputError(
+            f"field {field_name!r}: expected a list of ints, got {_type_name(value)}",
+            location=location,
+        )
+    for index, token in enumerate(value):
+        if not _is_int(token):
+            raise InputError(
+                f"field {field_name!r}: expected a list of ints, item {index} is "
+                f"{_type_name(token)} {token!r}",
+                location=location,
+            )
+        if allow_ignore and token == IGNORE_INDEX:
+            continue
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            extra = f" or {IGNORE_INDEX}" if allow_ignore else ""
+            raise InputError(
+                f"field {field_name!r}: item {index} is {token}, outside the tokenizer's ids "
+                f"{allowed}{extra}",
+                location=location,
+            )
+    return list(value)
+
+
+def _check_messages(messages: Any, field_name: str, location: str) -> list[dict[str, Any]]:
+    if not isinstance(messages, list):
+        raise InputError(
+            f"field {field_name!r}: expected a list of {{role, content}} messages, got "
+            f"{_type_name(messages)}",
+            location=location,
+        )
+    if not messages:
+        raise InputError(f"field {field_name!r}: empty conversation", location=location)
+    for index, message in enumerate(messages):
+        where = f"{field_name}[{index}]"
+        if not isinstance(message, dict):
+            raise InputError(
+                f"field {where!r}: expected an object with 'role' and 'content', got "
+                f"{_type_name(message)}",
+                location=location,
+            )
+        for key in ("role", "content"):
+            value = message.get(key)
+            if not isinstance(value, str) or (key == "role" and not value):
+                raise InputError(
+                    f"field '{where}.{key}': expected a{' non-empty' if key == 'role' else ''} "
+                    f"string, got {_type_name(value)} {value!r}",
+                    location=location,
+                )
+    return messages
+
+
+def _encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
+    # verbose=False: long documents are expected here (they are truncated by max_tokens, not by
+    # the tokenizer), so the "longer than model_max_length" warning would only be noise.
+    encoded = tokenizer(text, add_special_tokens=add_special_tokens, verbose=False)
+    return list(encoded["input_ids"])
+
+
+def _render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    field_name: str,
+    location: str,
+) -> list[int]:
+    try:
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as exc:  # jinja errors and raise_exception() calls inside templates
+        raise InputError(
+            f"field {field_name!r}: the chat template failed on this conversation: "
+            f"{type(exc).__name__}: {exc}",
+            location=location,
+        ) from exc
+    if not isinstance(rendered, str):
+        raise ConfigError(
+            f"{location}: tokenizer.apply_chat_template(tokenize=False) returned "
+            f"{_type_name(rendered)}, not a string"
+        )
+    # The template writes the special tokens it wants (BOS included); adding them again here
+    # would put a second BOS in front.
+    return _encode_text(tokenizer, rendered, add_special_tokens=False)
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return min(len(a), len(b))
+
+
+def _chat_tokens(
+    tokenizer: Any, messages: list[dict[str, Any]], field_name: str, location: str
+) -> tuple[list[int], list[int]]:
+    """Token ids and assistant-only labels of a conversation (see the module docstring)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"{location}: field {field_name!r} holds a chat, but the tokenizer has no chat "
+            "template; pass a tokenizer with one (tokenizer.chat_template = '...')"
+        )
+
+    def render(part: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+        return _render_chat(
+            tokenizer,
+            part,
+            add_generation_prompt=generation_prompt,
+            field_name=field_name,
+            location=location,
+        )
+
+    full = render(messages, False)
+    labels = [IGNORE_INDEX] * len(full)
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        if index == 0:
+            raise InputError(
+                f"field '{field_name}[0]': the conversation starts with an assistant message; "
+                "its loss mask needs the template's rendering of the messages before it, so "
+                "start with a system or user message",
+                location=location,
+            )
+        start = render(messages[:index], True)
+        end = render(messages[: index + 1], False)
+        for shorter, longer, what in (
+            (start, end, f"messages[:{index}] with add_generation_prompt=True"),
+            (end, full, f"messages[:{index + 1}]"),
+        ):
+            if longer[: len(shorter)] != shorter:
+                at = _first_difference(shorter, longer)
+                raise InputError(
+                    f"field {field_name!r}: the chat template is not prefix-stable at assistant "
+                    f"message {index}: the tokens of {what} are not a prefix of the longer "
+                    f"rendering (they differ from token {at}), so the loss mask cannot be "
+                    "placed; use a template that renders earlier turns the same way whatever "
+                    "follows them (and that tokenizes cleanly at turn boundaries)",
+                    location=location,
+                )
+        labels[len(start) : len(end)] = full[len(start) : len(end)]
+    return full, labels
+
+
+def tokenize_record(
+    record: dict[str, Any],
+    *,
+    shard: str,
+    position: int,
+    spec: RecordSpec,
+    tokenizer: Any,
+) -> Example:
+    """Turn one raw record into an :class:`Example`.
+
+    record: a decoded JSON object / row. shard, position: where it came from (see
+    :class:`ingest.readers.RawRecord`). tokenizer: a Hugging Face tokenizer (callable returning
+    ``{"input_ids": list[int]}``, ``len()`` = vocabulary size, and ``apply_chat_template`` for
+    chats); it may be None only for pre-tokenized records.
+    Checks that do not depend on other records only: id uniqueness and metadata types across
+    a run are :class:`RunState`'s job.
+    Raises :class:`InputError` (message starts with the location, names the field) for a bad
+    record, :class:`ConfigError` when the tokenizer cannot handle the record at all (no chat
+    template, no tokenizer for text).
+    """
+    location = location_of(shard, position)
+    if not isinstance(record, dict):
+        raise InputError(f"a record must be an object, got {_type_name(record)}", location=location)
+    present = [
+        name
+        for name in (spec.text_field, spec.messages_field, spec.input_ids_field)
+        if record.get(name) is not None
+    ]
+    if not present:
+        raise InputError(
+            f"missing content: the record has none of the fields {spec.text_field!r}, "
+            f"{spec.messages_field!r}, {spec.input_ids_field!r} (present keys: "
+            f"{sorted(record)[:20]})",
+            location=location,
+        )
+    if len(present) > 1:
+        raise InputError(
+            f"more than one content field: {present}; a record holds exactly one of "
+            f"{spec.text_field!r}, {spec.messages_field!r}, {spec.input_ids_field!r}",
+            location=location,
+        )
+    (content_field,) = present
+    if content_field != spec.input_ids_field and record.get(spec.labels_field) is not None:
+        raise InputError(
+            f"field {spec.labels_field!r} is only allowed with {spec.input_ids_field!r}; "
+            f"labels of {content_field!r} records are derived from the content",
+            location=location,
+        )
+    record_id = _record_id(record, spec, location)
+    metadata = _metadata(record, spec, location)
+    if tokenizer is None and content_field != spec.input_ids_field:
+        raise ConfigError(f"{location}: field {content_field!r} needs a tokenizer; none was given")
+
+    value = record[content_field]
+    kind: str
+    if content_field == spec.text_field:
+        kind = "text"
+        if not isinstance(value, str):
+            raise InputError(
+                f"field {content_field!r}: expected a string, got {_type_name(value)}",
+                location=location,
+            )
+        if not value:
+            raise InputError(f"field {content_field!r}: empty document", location=location)
+        input_ids = _encode_text(tokenizer, value, add_special_tokens=True)
+        labels = list(input_ids)
+        hashed: Any = {"text": value}
+    elif content_field == spec.messages_field:
+        kind = "chat"
+        messages = _check_messages(value, content_field, location)
+        input_ids, labels = _chat_tokens(tokenizer, messages, content_field, location)
+        hashed = {"messages": messages}
+    else:
+        kind = "tokens"
+        vocab_size = len(tokenizer) if tokenizer is not None else None
+        input_ids = _check_token_list(
+            value, content_field, location, vocab_size, allow_ignore=False
+        )
+        raw_labels = record.get(spec.labels_field)
+        if raw_labels is None:
+            labels = list(input_ids)
+        else:
+            labels = _check_token_list(
+                raw_labels, spec.labels_field, location, vocab_size, allow_ignore=True
+            )
+            if len(labels) != len(input_ids):
+                raise InputError(
+                    f"field {spec.labels_field!r}: {len(labels)} labels for {len(input_ids)} "
+                    f"{spec.input_ids_field!r}; they must have the same length",
+                    location=location,
+                )
+        hashed = {"input_ids": input_ids, "labels": raw_labels}
+
+    if not input_ids:
+        raise InputError(
+            f"field {content_field!r}: empty document (it tokenizes to no tokens)",
+            location=location,
+        )
+    original_length = len(input_ids)
+    truncated = spec.max_tokens is not None and original_length > spec.max_tokens
+    if truncated:
+        # Keep the first tokens; labels are cut at the same index so the mask stays aligned.
+        input_ids = input_ids[: spec.max_tokens]
+        labels = labels[: spec.max_tokens]
+    num_loss_tokens = sum(1 for label in labels[1:] if label != IGNORE_INDEX)
+    if num_loss_tokens == 0:
+        if truncated:
+            why = f"after truncation to max_tokens={spec.max_tokens} (of {original_length})"
+        elif kind == "chat":
+            why = "the conversation has no assistant turn with tokens"
+        elif len(input_ids) < 2:
+            why = "a single token has nothing before it to be predicted from"
+        else:
+            why = f"every label in {spec.labels_field!r} after the first is {IGNORE_INDEX}"
+        raise InputError(
+            f"field {content_field!r}: no loss tokens ({why}); the document cannot be "
+            "attributed",
+            location=location,
+        )
+    if record_id is None:
+        record_id = stable_id(shard, position, _canonical_json(hashed))
+    return Example(
+        id=record_id,
+        shard=shard,
+        position=position,
+        input_ids=tuple(input_ids),
+        labels=tuple(labels),
+        metadata=metadata,
+        num_tokens=len(input_ids),
+        num_loss_tokens=num_loss_tokens,
+        truncated=truncated,
+    )

@@ -1,0 +1,1 @@
+"""Stage 5: scoring queries against stored codes — kernels, top-k, streamed, sharded and FAISS-candidate routes."""
