@@ -15,6 +15,7 @@ from eogp_index.errors import ConfigError
 
 SecondStage = Literal["pca", "srht", "none"]
 Precision = Literal["1bit", "fp16", "fp32"]
+PRECISIONS = ("1bit", "fp16", "fp32")
 
 #: Variant names used in the manifest and the CLI, mapped to the second stage they use.
 VARIANTS = {"eogp": "pca", "eogp-r": "srht", "ekfac-topk": "none"}
@@ -105,26 +106,43 @@ class ProjectionConfig:
         return m, k
 
 
+#: Per-module storage of ``k`` coordinates, by precision: the one place these formulas live.
+#: 1bit: ⌈k/8⌉ packed sign bytes + one FP16 scale; fp16/fp32: the coordinates themselves.
+_SCALE_BYTES = 2
+_COORD_BYTES = {"fp16": 2, "fp32": 4}
+
+
 def bytes_per_module(k: int, precision: Precision) -> int:
-    """Per-example bytes of one module: ⌈k/8⌉ + 2 in 1-bit mode (signs + FP16 scale)."""
+    """Per-example bytes of one module: ⌈k/8⌉ + 2 in 1-bit mode (signs + FP16 scale), else 2k or 4k."""
+    _check_precision(precision)
     if precision == "1bit":
-        return math.ceil(k / 8) + 2
-    return k * (2 if precision == "fp16" else 4)
+        return math.ceil(k / 8) + _SCALE_BYTES
+    return k * _COORD_BYTES[precision]
+
+
+def k_for_bytes(module_bytes: int, precision: Precision) -> int:
+    """The largest ``k`` with ``bytes_per_module(k, precision) <= module_bytes`` (may be < 1)."""
+    _check_precision(precision)
+    if precision == "1bit":
+        return 8 * (module_bytes - _SCALE_BYTES)
+    return module_bytes // _COORD_BYTES[precision]
 
 
 def k_for_budget(budget_kb: float, num_modules: int, precision: Precision) -> int:
     """The largest uniform ``k`` whose per-example payload fits ``budget_kb`` KiB."""
     per_module = int(budget_kb * 1024) // num_modules
-    if precision == "1bit":
-        k = 8 * (per_module - 2)
-    else:
-        k = per_module // (2 if precision == "fp16" else 4)
+    k = k_for_bytes(per_module, precision)
     if k < 1:
         raise ConfigError(
             f"a budget of {budget_kb} KiB over {num_modules} modules leaves {per_module} bytes per module, "
             f"too few for one coordinate in {precision} mode; raise --budget-kb or attribute fewer modules"
         )
     return k
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
 
 
 @dataclass(frozen=True)
@@ -137,7 +155,7 @@ class StorageConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.precision not in ("1bit", "fp16", "fp32"):
+        if self.precision not in PRECISIONS:
             raise ConfigError(f"StorageConfig.precision must be '1bit', 'fp16' or 'fp32', got {self.precision!r}")
 
 

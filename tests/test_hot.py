@@ -44,5 +44,5 @@ def test_compaction_rebuilds_the_hot_copy(fitted_index):
 
 
 def test_in_memory_only_when_no_cache_dir(fitted_index):
-    hot = load_hot(fitted_index.store, fitted_index.layout, "1bit", cache_dir=None)
+    hot = load_hot(fitted_index.store, fitted_index.codec, cache_dir=None)
     assert hot.num_rows == 40

@@ -35,6 +35,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from eogp_index import config as storage
 from eogp_index.errors import ConfigError, InputError
 
 __all__ = [
@@ -121,13 +122,7 @@ def bytes_for_coordinates(k: int, precision: str = "fp16") -> int:
     fp16: ``2k``; fp32: ``4k``; 1bit: ``ceil(k / 8) + 2`` (packed signs + an FP16 scale).
     """
     _positive_int(k, "k")
-    if precision == "fp16":
-        return 2 * k
-    if precision == "fp32":
-        return 4 * k
-    if precision == "1bit":
-        return -(-k // 8) + 2
-    raise ConfigError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+    return storage.bytes_per_module(k, precision)
 
 
 def k_for_bytes(bytes_per_module: int, precision: str = "fp16") -> int:
@@ -137,14 +132,7 @@ def k_for_bytes(bytes_per_module: int, precision: str = "fp16") -> int:
     """
     if isinstance(bytes_per_module, bool) or not isinstance(bytes_per_module, int) or bytes_per_module < 1:
         raise ConfigError(f"bytes_per_module must be a positive integer, got {bytes_per_module!r}")
-    if precision == "fp16":
-        k = bytes_per_module // 2
-    elif precision == "fp32":
-        k = bytes_per_module // 4
-    elif precision == "1bit":
-        k = 8 * (bytes_per_module - 2)
-    else:
-        raise ConfigError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+    k = storage.k_for_bytes(bytes_per_module, precision)
     if k < 1:
         raise ConfigError(f"{bytes_per_module} bytes per module cannot hold one {precision} coordinate")
     return k

@@ -1,4 +1,4 @@
-"""Stage 3: one-bit storage of projected coordinates (Section 3.3).
+"""Stage 4: one-bit storage of projected coordinates (Section 3.3), one codec per precision.
 
 Per example and module: the signs of the ``k_u`` coordinates, packed, and one FP16 scale
 ``s = ‖x‖₁ / k_u`` — the least-squares optimal scale for those signs (Appendix A.3).
@@ -9,18 +9,24 @@ Bit order (schemas/store.md): module ``u``'s bits start at a fresh byte; coordin
 ``Σ_u (⌈k_u/8⌉ + 2)`` bytes.
 
 ``fp16``/``fp32`` precision stores the coordinates themselves, for comparisons.
+
+A :class:`Codec` is everything a precision decides: which table columns a row has, its bytes,
+how coordinates are encoded, and how stored columns are read back for scanning
+(:func:`codec_for` picks one from the manifest's ``precision``). Nothing else in eogp-index
+branches on the precision.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, fields
+from typing import ClassVar, Dict, Optional, Sequence, Tuple
 
 import numpy as np
+import pyarrow as pa
 
-from eogp_index.config import Precision
+from eogp_index.config import Precision, bytes_per_module
 from eogp_index.errors import ConfigError, InputError
 
 
@@ -70,9 +76,7 @@ class SignLayout:
 
     def bytes_per_example(self, precision: Precision = "1bit") -> int:
         """Per-example payload: ``Σ_u(⌈k_u/8⌉+2)`` for 1 bit, ``2Σk_u`` / ``4Σk_u`` otherwise."""
-        if precision == "1bit":
-            return self.nbytes + 2 * self.num_modules
-        return self.num_coords * (2 if precision == "fp16" else 4)
+        return sum(bytes_per_module(k, precision) for k in self.k)
 
 
 def pack_signs(x: np.ndarray, layout: SignLayout) -> np.ndarray:
@@ -113,24 +117,111 @@ def scales_of(x: np.ndarray, layout: SignLayout) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Encoded:
-    """A batch of stored representations.
+    """A batch of stored representations, named as their table columns.
 
-    ``signs`` ``(n, nbytes)`` uint8 and ``scales`` ``(n, U)`` float16 in 1-bit mode;
-    ``coords`` ``(n, K)`` float16/float32 otherwise.
+    ``signs`` ``(n, nbytes)`` uint8 and ``scales`` ``(n, U)`` float16 (float32 once read back for
+    scanning) in 1-bit mode; ``coords`` ``(n, K)`` float16/float32 otherwise.
     """
 
     signs: Optional[np.ndarray] = None
     scales: Optional[np.ndarray] = None
     coords: Optional[np.ndarray] = None
 
+    def columns(self) -> Dict[str, np.ndarray]:
+        """``{column name: (n, w) array}`` of the columns this batch has, in schema order."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @property
+    def num_rows(self) -> int:
+        return int(next(iter(self.columns().values())).shape[0])
+
+    def take(self, rows: np.ndarray) -> "Encoded":
+        """The rows ``rows`` ``(r,)`` int64 of every column."""
+        return Encoded(**{name: values[rows] for name, values in self.columns().items()})
+
+
+class Codec:
+    """How one precision stores a row: its columns, bytes, encoding and read-back.
+
+    Subclasses set ``precision`` and ``columns`` and implement :meth:`encode` and :meth:`widths`.
+    """
+
+    precision: ClassVar[str]
+    #: table columns of the codes, in schema order
+    columns: ClassVar[Tuple[str, ...]]
+
+    def __init__(self, layout: SignLayout):
+        self.layout = layout
+
+    @property
+    def bytes_per_example(self) -> int:
+        return self.layout.bytes_per_example(self.precision)  # type: ignore[arg-type]
+
+    def encode(self, x: np.ndarray) -> Encoded:
+        """Quantize ``(n, K)`` float32 coordinates for storage."""
+        raise NotImplementedError
+
+    def decode(self, encoded: Encoded) -> np.ndarray:
+        """The stored approximation ``s_u · b_u`` (or the stored coordinates), ``(n, K)`` float32."""
+        return decode(encoded, self.layout)
+
+    def widths(self) -> Dict[str, Tuple[int, type]]:
+        """``{column: (width, numpy dtype read back for scanning)}``."""
+        raise NotImplementedError
+
+    def from_arrow(self, batch) -> Encoded:
+        """Code columns of an Arrow table or record batch → :class:`Encoded` in scanning dtypes."""
+        return Encoded(**{name: list_column_to_numpy(batch.column(name), width, dtype)
+                          for name, (width, dtype) in self.widths().items()})
+
+    def empty(self) -> Encoded:
+        return Encoded(**{name: np.zeros((0, width), dtype) for name, (width, dtype) in self.widths().items()})
+
+
+class OneBitCodec(Codec):
+    """EOGP's storage: packed signs plus one FP16 scale ``‖x_u‖₁/k_u`` per module."""
+
+    precision = "1bit"
+    columns = ("signs", "scales")
+
+    def encode(self, x: np.ndarray) -> Encoded:
+        return Encoded(signs=pack_signs(x, self.layout), scales=scales_of(x, self.layout))
+
+    def widths(self) -> Dict[str, Tuple[int, type]]:
+        # Scales are widened to float32 once, when read back: the kernels read them per row.
+        return {"signs": (self.layout.nbytes, np.uint8), "scales": (self.layout.num_modules, np.float32)}
+
+
+class FloatCodec(Codec):
+    """Unquantized coordinates (fp16 or fp32), for comparisons with the one-bit code."""
+
+    columns = ("coords",)
+
+    def __init__(self, layout: SignLayout, precision: Precision):
+        super().__init__(layout)
+        self.precision = precision  # type: ignore[misc]
+        self.dtype = np.float16 if precision == "fp16" else np.float32
+
+    def encode(self, x: np.ndarray) -> Encoded:
+        _check_width(np.asarray(x), self.layout.num_coords, "coordinates")
+        return Encoded(coords=np.asarray(x).astype(self.dtype))
+
+    def widths(self) -> Dict[str, Tuple[int, type]]:
+        return {"coords": (self.layout.num_coords, np.float32)}
+
+
+def codec_for(precision: Precision, layout: SignLayout) -> Codec:
+    """The codec of a manifest's ``precision``."""
+    if precision == "1bit":
+        return OneBitCodec(layout)
+    if precision in ("fp16", "fp32"):
+        return FloatCodec(layout, precision)
+    raise ConfigError(f"precision must be '1bit', 'fp16' or 'fp32', got {precision!r}")
+
 
 def encode(x: np.ndarray, layout: SignLayout, precision: Precision) -> Encoded:
-    """Quantize ``(n, K)`` float32 coordinates for storage."""
-    if precision == "1bit":
-        return Encoded(signs=pack_signs(x, layout), scales=scales_of(x, layout))
-    dtype = np.float16 if precision == "fp16" else np.float32
-    _check_width(np.asarray(x), layout.num_coords, "coordinates")
-    return Encoded(coords=np.asarray(x).astype(dtype))
+    """Quantize ``(n, K)`` float32 coordinates for storage (the codec of ``precision``)."""
+    return codec_for(precision, layout).encode(x)
 
 
 def decode(encoded: Encoded, layout: SignLayout) -> np.ndarray:
@@ -156,3 +247,20 @@ def _check_width(array: np.ndarray, expected: int, what: str) -> None:
 def concat_modules(coords: Sequence[np.ndarray]) -> np.ndarray:
     """Per-module ``(n, k_u)`` arrays → one ``(n, K)`` float32 array in module order."""
     return np.ascontiguousarray(np.concatenate([np.asarray(c, dtype=np.float32) for c in coords], axis=1))
+
+
+# -- Arrow <-> numpy -------------------------------------------------------------------------
+
+
+def fixed_size_list(values: np.ndarray) -> pa.FixedSizeListArray:
+    """``(n, w)`` array → ``fixed_size_list<dtype>[w]`` without copying row by row."""
+    values = np.ascontiguousarray(values)
+    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
+
+
+def list_column_to_numpy(column: pa.ChunkedArray | pa.Array, width: int, dtype) -> np.ndarray:
+    """A ``fixed_size_list`` column → ``(n, width)`` numpy array (one copy at most)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    flat = column.flatten() if column.offset else column.values
+    return flat.to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(-1, width)

@@ -14,16 +14,21 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 
-from eogp_index.store.codecs import SignLayout
-from eogp_index.store.table import Store, list_column_to_numpy
+from eogp_index.errors import EOGPError
+from eogp_index.store.codecs import Codec, Encoded
+from eogp_index.store.table import Store
 
 #: Record batches read from Lance are sized in bytes, not rows: a few thousand rows of wide codes
 #: can already be tens of megabytes.
 BATCH_BYTES = 64 << 20
+
+
+class StaleHotCopyError(EOGPError):
+    """Row addresses from the table are not in the hot copy: the table changed underneath it."""
 
 
 @dataclass(frozen=True)
@@ -32,17 +37,27 @@ class HotCodes:
 
     Attributes:
         rowaddr: ``(n,)`` uint64 Lance row addresses (``fragment_id << 32 | offset``), sorted.
-        codes: ``(n, nbytes)`` uint8 packed signs (1-bit), else ``None``.
-        scales: ``(n, U)`` float32 (1-bit), else ``None``.
-        coords: ``(n, K)`` float32 (fp16/fp32 precision), else ``None``.
+        encoded: the code columns (:class:`~eogp_index.store.codecs.Encoded`, scanning dtypes):
+            ``signs`` ``(n, nbytes)`` uint8 and ``scales`` ``(n, U)`` float32 (1-bit), or
+            ``coords`` ``(n, K)`` float32.
         version: the table version the copy reflects.
     """
 
     rowaddr: np.ndarray
-    codes: Optional[np.ndarray]
-    scales: Optional[np.ndarray]
-    coords: Optional[np.ndarray]
+    encoded: Encoded
     version: int
+
+    @property
+    def codes(self) -> Optional[np.ndarray]:
+        return self.encoded.signs
+
+    @property
+    def scales(self) -> Optional[np.ndarray]:
+        return self.encoded.scales
+
+    @property
+    def coords(self) -> Optional[np.ndarray]:
+        return self.encoded.coords
 
     @property
     def num_rows(self) -> int:
@@ -53,7 +68,8 @@ class HotCodes:
         rowaddr = np.asarray(rowaddr, dtype=np.uint64)
         pos = np.searchsorted(self.rowaddr, rowaddr)
         if pos.size and (pos.max() >= self.num_rows or not np.array_equal(self.rowaddr[pos], rowaddr)):
-            raise RuntimeError("hot copy is out of date with the table; reopen the index")
+            raise StaleHotCopyError("the in-memory copy of the codes is older than the table (another process "
+                                    "changed it during this query); run the query again")
         return pos.astype(np.int64)
 
 
@@ -62,43 +78,31 @@ def _fragment_key(fragment) -> str:
     return f"frag-{fragment.fragment_id}-{fragment.physical_rows}-{deletions}"
 
 
-def _read_fragment(dataset, fragment, columns: List[str], layout: SignLayout, precision: str) -> dict:
-    rowaddr, codes, scales, coords = [], [], [], []
-    scanner = dataset.scanner(columns=columns, fragments=[fragment], with_row_address=True,
+def _read_fragment(dataset, fragment, codec: Codec) -> Dict[str, np.ndarray]:
+    """``{"rowaddr": (n,), <code column>: (n, w), ...}`` of one fragment, in row order."""
+    scanner = dataset.scanner(columns=list(codec.columns), fragments=[fragment], with_row_address=True,
                               batch_size_bytes=BATCH_BYTES, scan_in_order=True)
+    rowaddr, parts = [], []
     for batch in scanner.to_batches():
         rowaddr.append(batch.column("_rowaddr").to_numpy().astype(np.uint64))
-        if precision == "1bit":
-            codes.append(list_column_to_numpy(batch.column("signs"), layout.nbytes, np.uint8))
-            scales.append(list_column_to_numpy(batch.column("scales"), layout.num_modules, np.float32))
-        else:
-            coords.append(list_column_to_numpy(batch.column("coords"), layout.num_coords, np.float32))
-
-    def stack(parts, width, dtype):
-        return np.concatenate(parts) if parts else np.zeros((0, width), dtype)
-
+        parts.append(codec.from_arrow(batch).columns())
     out = {"rowaddr": np.concatenate(rowaddr) if rowaddr else np.zeros(0, np.uint64)}
-    if precision == "1bit":
-        out["codes"] = stack(codes, layout.nbytes, np.uint8)
-        out["scales"] = stack(scales, layout.num_modules, np.float32)
-    else:
-        out["coords"] = stack(coords, layout.num_coords, np.float32)
+    for name, empty in codec.empty().columns().items():
+        out[name] = np.concatenate([p[name] for p in parts]) if parts else empty
     return out
 
 
-def load_hot(store: Store, layout: SignLayout, precision: str, cache_dir: Optional[Path]) -> HotCodes:
+def load_hot(store: Store, codec: Codec, cache_dir: Optional[Path]) -> HotCodes:
     """Build or refresh the hot copy of ``store`` for its latest version.
 
     Fragments already cached in ``cache_dir`` are memory-mapped, new ones are read from Lance
     (only the code columns) and cached, and caches of fragments no longer in the table are
     removed. ``cache_dir=None`` keeps everything in memory only.
     """
-    names = ["rowaddr", "codes", "scales"] if precision == "1bit" else ["rowaddr", "coords"]
+    names = ["rowaddr", *codec.columns]
     if store.table is None:
-        empty = {"rowaddr": np.zeros(0, np.uint64), "codes": None, "scales": None, "coords": None}
-        return HotCodes(version=0, **empty)
+        return HotCodes(rowaddr=np.zeros(0, np.uint64), encoded=codec.empty(), version=0)
     dataset = store.dataset()
-    columns = ["signs", "scales"] if precision == "1bit" else ["coords"]
     fragments = sorted(dataset.get_fragments(), key=lambda f: f.fragment_id)
     parts = []
     live = set()
@@ -109,7 +113,7 @@ def load_hot(store: Store, layout: SignLayout, precision: str, cache_dir: Option
         if folder is not None and all((folder / f"{n}.npy").exists() for n in names):
             parts.append({n: np.load(folder / f"{n}.npy", mmap_mode="r") for n in names})
             continue
-        part = _read_fragment(dataset, fragment, columns, layout, precision)
+        part = _read_fragment(dataset, fragment, codec)
         if folder is not None:
             tmp = folder.with_name(folder.name + ".tmp")
             tmp.mkdir(parents=True, exist_ok=True)
@@ -123,14 +127,12 @@ def load_hot(store: Store, layout: SignLayout, precision: str, cache_dir: Option
         for stale in cache_dir.iterdir():
             if stale.name not in live:
                 shutil.rmtree(stale, ignore_errors=True)
+    if not parts:
+        return HotCodes(rowaddr=np.zeros(0, np.uint64), encoded=codec.empty(), version=dataset.version)
     joined = {n: np.concatenate([p[n] for p in parts]) for n in names}
     order = np.argsort(joined["rowaddr"], kind="stable")
     if not np.array_equal(order, np.arange(order.size)):
         joined = {n: v[order] for n, v in joined.items()}
-    return HotCodes(
-        rowaddr=np.ascontiguousarray(joined["rowaddr"]),
-        codes=np.ascontiguousarray(joined["codes"]) if "codes" in joined else None,
-        scales=np.ascontiguousarray(joined["scales"], dtype=np.float32) if "scales" in joined else None,
-        coords=np.ascontiguousarray(joined["coords"]) if "coords" in joined else None,
-        version=dataset.version,
-    )
+    rowaddr = np.ascontiguousarray(joined.pop("rowaddr"))
+    encoded = Encoded(**{n: np.ascontiguousarray(v) for n, v in joined.items()})
+    return HotCodes(rowaddr=rowaddr, encoded=encoded, version=dataset.version)

@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from eogp_index.errors import InputError
-from eogp_index.store.codecs import Encoded, SignLayout
+from eogp_index.store.codecs import Encoded, fixed_size_list, list_column_to_numpy  # noqa: F401  (re-exported)
 
 RESERVED_COLUMNS = ("id", "signs", "scales", "coords", "shard", "position", "num_tokens", "num_loss_tokens",
                     "truncated")
@@ -50,20 +50,6 @@ class RowInfo:
     metadata: Sequence[Dict[str, Any]]
 
 
-def fixed_size_list(values: np.ndarray) -> pa.FixedSizeListArray:
-    """``(n, w)`` array → ``fixed_size_list<dtype>[w]`` without copying row by row."""
-    values = np.ascontiguousarray(values)
-    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
-
-
-def list_column_to_numpy(column: pa.ChunkedArray | pa.Array, width: int, dtype) -> np.ndarray:
-    """A ``fixed_size_list`` column → ``(n, width)`` numpy array (one copy at most)."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    flat = column.flatten() if column.offset else column.values
-    return flat.to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(-1, width)
-
-
 def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] = None) -> pa.Table:
     """Assemble an Arrow table for :meth:`Store.add`.
 
@@ -71,11 +57,8 @@ def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] =
     cast to it, and a value that does not fit raises :class:`InputError` naming the field.
     """
     columns: Dict[str, pa.Array] = {"id": pa.array(list(info.ids), pa.string())}
-    if encoded.signs is not None:
-        columns["signs"] = fixed_size_list(encoded.signs.astype(np.uint8, copy=False))
-        columns["scales"] = fixed_size_list(encoded.scales.astype(np.float16, copy=False))
-    else:
-        columns["coords"] = fixed_size_list(encoded.coords)
+    for name, values in encoded.columns().items():
+        columns[name] = fixed_size_list(values)
     columns["shard"] = pa.array(list(info.shards), pa.string())
     columns["position"] = pa.array(list(info.positions), pa.int64())
     columns["num_tokens"] = pa.array(list(info.num_tokens), pa.int32())
