@@ -85,7 +85,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from eogp_index.search.candidates import CandidateIndex, FaissConfig, query_levels, rescore  # noqa: E402
-from eogp_index.client import AttributionIndex, TokenizedExample  # noqa: E402
+from eogp_index.client import AttributionIndex  # noqa: E402
+from eogp_index.gradients.records import Example  # noqa: E402
 from eogp_index.gradients.model import load_model  # noqa: E402
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig  # noqa: E402
 from eogp_index.store.codecs import SignLayout, encode, pack_signs, unpack_signs  # noqa: E402
@@ -112,7 +113,7 @@ def _documents(paths, tokenizer, max_tokens=None):
             if isinstance(ex, Example)]
 
 
-def windows_of(docs, width: int, min_width: int) -> List[TokenizedExample]:
+def windows_of(docs, width: int, min_width: int) -> List[Example]:
     """Consecutive non-overlapping ``width``-token windows of each document (a shorter last one kept
     when it has at least ``min_width`` tokens); every token counts in the loss."""
     out = []
@@ -121,8 +122,8 @@ def windows_of(docs, width: int, min_width: int) -> List[TokenizedExample]:
         for start in range(0, len(ids), width):
             window = ids[start:start + width]
             if len(window) >= max(2, min_width):
-                out.append(TokenizedExample(id=f"{doc.id}@{start}", input_ids=window, labels=window,
-                                            shard=doc.shard, position=doc.position, num_tokens=len(window)))
+                out.append(Example.from_ids(id=f"{doc.id}@{start}", input_ids=window, labels=window,
+                                            shard=doc.shard, position=doc.position))
     return out
 
 
@@ -169,8 +170,7 @@ def load_examples(args):
     for i in range(args.fit_examples + n_stored + args.queries):
         n = rng.randint(max(2, args.max_tokens // 4), args.max_tokens)
         ids = [rng.randrange(1, config.vocab_size) for _ in range(n)]
-        docs.append(TokenizedExample(id=f"doc-{i}", input_ids=ids, labels=ids, shard="random", position=i,
-                                     num_tokens=n))
+        docs.append(Example.from_ids(id=f"doc-{i}", input_ids=ids, labels=ids, shard="random", position=i))
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0, name_or_path="random")
     fit, stored = docs[: args.fit_examples], docs[args.fit_examples: args.fit_examples + n_stored]
     return model, tokenizer, fit, stored, docs[args.fit_examples + n_stored:], (

@@ -55,7 +55,8 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from eogp_index.client import AttributionIndex, TokenizedExample  # noqa: E402
+from eogp_index.client import AttributionIndex  # noqa: E402
+from eogp_index.gradients.records import Example  # noqa: E402
 from eogp_index.gradients.model import load_model  # noqa: E402
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig  # noqa: E402
 from eogp_index.evaluation.baselines import LoGraProjector, rank_for_bytes  # noqa: E402
@@ -74,7 +75,7 @@ DEFAULT_ROOT = REPO / "examples" / "default"
 class Workload:
     model: Any
     tokenizer: Any
-    examples: List[TokenizedExample]
+    examples: List[Example]
     source: str
 
 
@@ -112,14 +113,13 @@ def load_workload(args) -> Workload:
     for i in range(args.docs + args.fit_examples):
         n = rng.randint(args.max_tokens // 4, args.max_tokens)
         ids = [rng.randrange(1, config.vocab_size) for _ in range(n)]
-        examples.append(TokenizedExample(id=f"doc-{i}", input_ids=ids, labels=ids, shard="random", position=i,
-                                         num_tokens=n))
+        examples.append(Example.from_ids(id=f"doc-{i}", input_ids=ids, labels=ids, shard="random", position=i))
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0, name_or_path="random")
     shape = f"n_embd={config.n_embd}, n_layer={config.n_layer}, n_inner={config.n_inner}, vocab={config.vocab_size}"
     return Workload(model, tokenizer, examples, f"random-init GPT-2 ({shape}) on random tokens")
 
 
-def _row_info(batch: Sequence[TokenizedExample]) -> RowInfo:
+def _row_info(batch: Sequence[Example]) -> RowInfo:
     return RowInfo(
         ids=[ex.id for ex in batch], shards=[ex.shard for ex in batch], positions=[ex.position for ex in batch],
         num_tokens=[len(ex.input_ids) for ex in batch],

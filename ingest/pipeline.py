@@ -41,6 +41,7 @@ from torch import nn
 
 from eogp_index.client import AttributionIndex
 from eogp_index.errors import ConfigError, InputError
+from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
 from ingest.readers import location_of
 from ingest.records import Example, RecordSpec, Rejected, iter_examples
@@ -129,74 +130,6 @@ class Tally:
             tokens_per_s=round(self.tokens / seconds, 3), table_version=table_version,
             rejects_path=str(rejects_path) if rejects_path is not None else None, workers=workers,
         )
-
-
-def sql_string(value: str) -> str:
-    """``value`` as a SQL string literal for Lance filters (single quotes doubled)."""
-    return "'" + value.replace("'", "''") + "'"
-
-
-def stable_hash(text: str) -> int:
-    """A 64-bit hash that is the same in every process (unlike ``hash``, salted per process)."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
-
-
-def _location_key(shard: str, position: int) -> int:
-    return stable_hash(f"{shard}\0{position}")
-
-
-class StoredIds:
-    """The ids the table holds and where each came from, as 16 bytes per stored row.
-
-    One scan of ``id, shard, position`` at the start of a run; lookups are binary searches.
-    Keeping hashes rather than strings lets a run resume into a table of many millions of rows
-    without holding them all as Python objects. A hash hit for another location is confirmed
-    with a query before a record is called a duplicate, so a hash collision cannot reject a
-    good record.
-    """
-
-    def __init__(self, index: AttributionIndex):
-        self._store = index.store
-        ids: list[np.ndarray] = []
-        locations: list[np.ndarray] = []
-        if index.store.table is not None:
-            scanner = index.store.dataset().to_batches(columns=["id", "shard", "position"])
-            for batch in scanner:
-                rows = zip(batch.column("id").to_pylist(), batch.column("shard").to_pylist(),
-                           batch.column("position").to_pylist())
-                pairs = [(stable_hash(i), _location_key(s, p)) for i, s, p in rows]
-                if pairs:
-                    array = np.asarray(pairs, dtype=np.int64)
-                    ids.append(array[:, 0])
-                    locations.append(array[:, 1])
-        id_hashes = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-        location_hashes = np.concatenate(locations) if locations else np.zeros(0, np.int64)
-        order = np.argsort(id_hashes, kind="stable")
-        self._ids = id_hashes[order]
-        self._locations = location_hashes[order]
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def lookup(self, example: Example) -> tuple[Literal["absent", "same", "other"], Optional[str]]:
-        """Whether ``example.id`` is stored: not at all, for this shard/position, or elsewhere.
-
-        Returns the status and, for ``"other"``, the stored row's location (``"a.jsonl:3"``).
-        """
-        key = stable_hash(example.id)
-        lo = int(np.searchsorted(self._ids, key, side="left"))
-        hi = int(np.searchsorted(self._ids, key, side="right"))
-        if lo == hi:
-            return "absent", None
-        if _location_key(example.shard, example.position) in self._locations[lo:hi]:
-            return "same", None
-        rows = self._store.read(["shard", "position"], where=f"id = {sql_string(example.id)}").to_pylist()
-        if not rows:
-            return "absent", None  # a 64-bit hash collision with another id
-        for row in rows:
-            if (row["shard"], row["position"]) == (example.shard, example.position):
-                return "same", None
-        return "other", location_of(rows[0]["shard"], rows[0]["position"])
 
 
 def hard_context_length(model: nn.Module) -> Optional[int]:
@@ -500,7 +433,7 @@ def run_ingest(
     try:
         with index_lock(index.path):
             reader = ExampleReader(index, patterns, spec=spec, on_error=on_error, shard_root=shard_root,
-                                   stored=StoredIds(index))
+                                   stored=StoredIds(index.store))
             while not reader.exhausted:
                 batch, rejected, counts = reader.take(rows_per_commit)
                 for item in rejected:

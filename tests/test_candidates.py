@@ -27,7 +27,6 @@ from eogp_index.search.candidates import (
     query_codes,
     query_levels,
     replicate_codes,
-    top_influential_with_candidates,
 )
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
@@ -37,6 +36,12 @@ from eogp_index.store.table import list_column_to_numpy
 
 pa = pytest.importorskip("pyarrow")
 faiss = pytest.importorskip("faiss")
+
+
+def top_influential_with_candidates(index, query, k, C, *, where=None, direction="positive", faiss_name="default"):
+    """The candidates route through the query builder, as users reach it."""
+    return (index.search(query).limit(k).where(where).direction(direction)
+            .candidates(C, faiss_name=faiss_name).to_arrow())
 
 SEED = 3
 TRAIN = make_examples(60, seed=11)
@@ -250,15 +255,21 @@ def test_bad_filter_and_arguments(index):
         FaissConfig(kind="lsh")
 
 
+def _with_manifest(index, **changes):
+    """A copy of ``index`` whose manifest differs (as if the index had been built otherwise)."""
+    other = copy.copy(index)
+    other.stored = copy.copy(index.stored)
+    other.stored.manifest = dataclasses.replace(index.manifest, **changes)
+    return other
+
+
 def test_refuses_other_indexes(index):
-    fp16 = copy.copy(index)
-    fp16.manifest = dataclasses.replace(index.manifest, precision="fp16")
+    fp16 = _with_manifest(index, precision="fp16")
     with pytest.raises(IncompatibleIndexError, match="precision 'fp16'"):
         build(fp16, "nope", progress=False)
     with pytest.raises(IncompatibleIndexError, match="precision 'fp16'"):
         top_influential_with_candidates(fp16, _query(), k=3, C=10, faiss_name="flat")
-    other = copy.copy(index)
-    other.manifest = dataclasses.replace(index.manifest, projection={**index.manifest.projection, "sha256": "0" * 64})
+    other = _with_manifest(index, projection={**index.manifest.projection, "sha256": "0" * 64})
     with pytest.raises(IncompatibleIndexError, match="projection sha256"):
         top_influential_with_candidates(other, _query(), k=3, C=10, faiss_name="flat")
     with pytest.raises(IncompatibleIndexError, match="projection sha256"):

@@ -12,7 +12,7 @@ from typing import List
 
 import torch
 
-from eogp_index.client import TokenizedExample
+from eogp_index.gradients.records import Example
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 64
@@ -37,7 +37,7 @@ def make_tiny_llama(seed: int = 0):
 
 
 def make_examples(n: int, *, seed: int = 0, prefix: str = "ex", min_len: int = 5, max_len: int = 18,
-                  masked_prompt: bool = False) -> List[TokenizedExample]:
+                  masked_prompt: bool = False) -> List[Example]:
     """Random token sequences; with ``masked_prompt`` the first few labels are -100 (chat-like)."""
     rng = random.Random(seed)
     out = []
@@ -48,8 +48,8 @@ def make_examples(n: int, *, seed: int = 0, prefix: str = "ex", min_len: int = 5
         if masked_prompt:
             cut = rng.randint(1, length - 2)
             labels[:cut] = [-100] * cut
-        out.append(TokenizedExample(id=f"{prefix}-{i}", input_ids=ids, labels=labels, shard="synthetic",
-                                    position=i, num_tokens=length, metadata={"group": i % 3, "name": f"doc{i}"}))
+        out.append(Example.from_ids(id=f"{prefix}-{i}", input_ids=ids, labels=labels, shard="synthetic",
+                                    position=i, metadata={"group": i % 3, "name": f"doc{i}"}))
     return out
 
 

@@ -16,13 +16,13 @@ projected coordinates of all modules are alive at once — not every module's ac
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from eogp_index.errors import ModelError
-from eogp_index.gradients.loss import per_example_loss
+from eogp_index.errors import InputError, ModelError
+from eogp_index.gradients.loss import IGNORE_INDEX, collate, per_example_loss
 
 #: ``transform(module_name, a (B, T, d_in') float32, g (B, T, d_out) float32) -> (B, ...)``
 Transform = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -110,3 +110,39 @@ class GradientCapture:
                 "(check the module names and that the batch has counted labels)"
             )
         return {n: results[n] for n in self.modules}, losses.detach()
+
+
+def batches(items: Iterable[Any], size: int) -> Iterator[List[Any]]:
+    """``items`` in lists of ``size`` (the last one shorter)."""
+    batch: List[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def project_examples(capture: GradientCapture, examples: Sequence[Any], *, batch_size: int, pad_token_id: int,
+                     device: str, progress: bool = False, desc: str = "projecting") -> Dict[str, torch.Tensor]:
+    """Run ``capture`` over tokenized examples in batches: ``{module: (n, ...) float32 on the CPU}``.
+
+    ``examples`` have ``input_ids``, ``labels`` and ``id`` (an
+    :class:`~eogp_index.gradients.records.Example`); an example with no counted label has no
+    gradient and is refused by name.
+    """
+    from tqdm.auto import tqdm
+
+    parts: Dict[str, List[torch.Tensor]] = {name: [] for name in capture.modules}
+    total = -(-len(examples) // batch_size)
+    for batch in tqdm(batches(examples, batch_size), desc=desc, total=total, unit="batch", disable=not progress):
+        for ex in batch:
+            if not any(label != IGNORE_INDEX for label in list(ex.labels)[1:]):
+                raise InputError(f"example {ex.id!r} has no tokens that count in the loss",
+                                 location=getattr(ex, "shard", "") or None)
+        collated = collate([(ex.input_ids, ex.labels) for ex in batch], pad_token_id)
+        outputs, _ = capture.run({key: value.to(device) for key, value in collated.items()})
+        for name in capture.modules:
+            parts[name].append(outputs[name].cpu())
+    return {name: torch.cat(chunks) if chunks else torch.zeros(0) for name, chunks in parts.items()}

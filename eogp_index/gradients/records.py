@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -92,13 +92,22 @@ class RecordSpec:
         mark them ``truncated``; None keeps everything. At least 2 (one loss position).
     """
 
-    text_field: str = "text"
-    messages_field: str = "messages"
-    input_ids_field: str = "input_ids"
-    labels_field: str = "labels"
-    id_field: str | None = None
-    metadata_fields: tuple[str, ...] = ()
-    max_tokens: int | None = None
+    text_field: str = field(default="text", metadata={"help": "Field holding plain text."})
+    messages_field: str = field(
+        default="messages",
+        metadata={"help": "Field holding a chat (list of {role, content}); loss on assistant turns only."},
+    )
+    input_ids_field: str = field(default="input_ids", metadata={"help": "Field of pre-tokenized ids."})
+    labels_field: str = field(default="labels", metadata={"help": "Field of labels for the ids (-100 = ignored)."})
+    id_field: str | None = field(
+        default=None, metadata={"help": "Field to use as the example id (default: a stable hash)."}
+    )
+    metadata_fields: tuple[str, ...] = field(
+        default=(), metadata={"help": "Record field stored as a typed column, usable in --where (repeatable)."}
+    )
+    max_tokens: int | None = field(
+        default=None, metadata={"help": "Truncate examples to this many tokens.", "min": 2}
+    )
 
     def __post_init__(self) -> None:
         content = {
@@ -180,6 +189,16 @@ class Example:
     num_tokens: int
     num_loss_tokens: int
     truncated: bool
+
+    @classmethod
+    def from_ids(cls, id: str, input_ids: Sequence[int], labels: Sequence[int] | None = None, *, shard: str = "",
+                 position: int = 0, metadata: dict[str, Any] | None = None, truncated: bool = False) -> "Example":
+        """An example from token ids made elsewhere (tests, benchmarks, custom pipelines);
+        ``labels`` default to the ids, counts are derived."""
+        labels = tuple(int(t) for t in (input_ids if labels is None else labels))
+        return cls(id=id, shard=shard, position=position, input_ids=tuple(int(t) for t in input_ids), labels=labels,
+                   metadata=dict(metadata or {}), num_tokens=len(input_ids),
+                   num_loss_tokens=sum(1 for t in labels[1:] if t != IGNORE_INDEX), truncated=truncated)
 
 
 def stable_id(shard: str, position: int, content: bytes | str) -> str:

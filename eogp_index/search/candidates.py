@@ -52,7 +52,7 @@ pick ``C`` candidates and only those are rescored exactly with ``Σ_u s_iu⟨y_u
   written last: it is the commit of a build or an extension. Version 1 (unreplicated signs) is
   refused with a request to rebuild.
 * **Freshness.** :meth:`CandidateIndex.extend` adds the rows whose ids are not covered yet
-  (replicated the same way), without rebuilding; :func:`top_influential_with_candidates` calls
+  (replicated the same way), without rebuilding; :func:`candidate_top_k` calls
   it when the table has a newer version than the one recorded, so a query never silently misses
   ingested rows.
 
@@ -832,82 +832,63 @@ def candidate_ids(cand: CandidateIndex, y: np.ndarray, layout: SignLayout, C: in
     return list(out)
 
 
-def _read_candidates(index, dataset, columns: List[str], ids: Sequence[str], where: Optional[str]) -> pa.Table:
-    """Rows of ``ids`` (that also match ``where``), in table order, from one dataset version."""
+def _candidate_rows(stored, ids: Sequence[str], where: Optional[str]) -> np.ndarray:
+    """Row addresses ``(r,)`` uint64 of ``ids`` that also match ``where``, in table order."""
+    dataset = stored.store.dataset()
     try:
-        all_ids = dataset.to_table(columns=["id"]).column("id")
-        mask = pc.is_in(all_ids, value_set=pa.array(list(ids), pa.string()))
+        table = dataset.to_table(columns=["id"], with_row_address=True)
+        mask = pc.is_in(table.column("id"), value_set=pa.array(list(ids), pa.string()))
         if where:
             allowed = dataset.to_table(columns=["id"], filter=where).column("id")
-            mask = pc.and_(mask, pc.is_in(all_ids, value_set=allowed.combine_chunks()))
+            mask = pc.and_(mask, pc.is_in(table.column("id"), value_set=allowed.combine_chunks()))
     except (ValueError, OSError):  # pylance reports bad filters as either
-        index.store.read(["id"], where)  # raises the InputError that explains a bad filter
+        stored.store.read(["id"], where)  # raises the InputError that explains a bad filter
         raise
-    offsets = np.flatnonzero(mask.to_numpy(zero_copy_only=False)).astype(np.int64)
-    # Table order (ascending offsets) keeps ties ordered as the exact scan orders them.
-    return dataset.take(offsets, columns=columns)
+    rowaddr = table.column("_rowaddr").to_numpy().astype(np.uint64)
+    return np.sort(rowaddr[mask.to_numpy(zero_copy_only=False)])
 
 
-def top_influential_with_candidates(
-    index,
-    query,
-    k: int = 20,
-    C: int = 1000,
-    *,
-    where: Optional[str] = None,
-    direction: Direction = "positive",
-    faiss_name: str = "default",
-) -> pa.Table:
-    """:meth:`AttributionIndex.top_influential` over ``C`` FAISS candidates, rescored exactly.
+def candidate_top_k(stored, y: np.ndarray, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None,
+                    faiss_name: str = "default") -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+    """One query's top ``k`` per side among ``C`` FAISS candidates per side, rescored exactly.
 
-    The query is projected, its weighted codes (``-y``'s for the negative side) pick ``C``
-    Hamming-nearest rows from FAISS, the ``where`` filter is applied to them, and the survivors are scored
-    exactly; the result equals the exact scan restricted to (candidates ∩ filter). For
-    ``direction="both"`` the candidate set is the union of both sides' candidates. When the
-    filter matches at most ``C`` rows, all of them are rescored instead (exact, and no more work).
+    The query's weighted codes (``-y``'s for the negative side) pick ``C`` Hamming-nearest rows
+    from FAISS, the ``where`` filter is applied to them, and the survivors are scored exactly;
+    the result equals the exact scan restricted to (candidates ∩ filter). With two sides the
+    candidate set is the union of both sides' candidates. When the filter matches at most ``C``
+    rows, all of them are rescored instead (exact, and no more work).
+
+    Args:
+        stored: a :class:`~eogp_index.store.stored_index.StoredIndex` (or anything with its
+            ``path``, ``store``, ``manifest`` and ``layout``). y: ``(1, K)`` float32.
 
     Returns:
-        The same columns as ``top_influential``: ``rank``, ``id``, ``score``, metadata (and
-        ``direction`` for ``both``), best first; fewer than ``k`` rows when fewer candidates
-        survive the filter.
+        ``{side: (rowaddr (r,) uint64, scores (r,) float32)}`` of every rescored row, in table
+        order (ranking picks the best): ``r <= 2C``, fewer when few survive the filter.
 
     Raises:
         IncompatibleIndexError: not a 1-bit index, or the FAISS index was built from other codes.
         IndexNotFoundError: no FAISS index ``faiss_name`` (build it first).
-        ConfigError: ``k < 1`` or ``C < k``.
+        ConfigError: ``C < k``.
     """
-    if direction not in ("positive", "negative", "both"):
-        raise ConfigError(f"direction must be 'positive', 'negative' or 'both', got {direction!r}")
-    if k < 1:
-        raise ConfigError(f"k must be at least 1, got {k}")
     if C < k:
         raise ConfigError(f"candidates C={C} must be at least k={k}")
-    _require_signs(index)
-    cand = open_candidates(index, faiss_name)
-    y = index.query_coordinates([query])
-    layout: SignLayout = index.layout
-    meta_cols = index.store.metadata_columns()
-    columns = list(dict.fromkeys(meta_cols + ["signs", "scales"]))
-    dataset = index.store.dataset()
+    _require_signs(stored)
+    cand = open_candidates(stored, faiss_name)
+    layout: SignLayout = stored.layout
     small_filter = False
     if where:
         try:
-            small_filter = dataset.count_rows(filter=where) <= C
+            small_filter = stored.store.dataset().count_rows(filter=where) <= C
         except (ValueError, OSError):  # pylance reports bad filters as either
-            index.store.read(["id"], where)  # raises the InputError that explains a bad filter
+            stored.store.read(["id"], where)  # raises the InputError that explains a bad filter
             raise
     if small_filter:
-        table = index.store.read(columns, where)
+        rowaddr = stored.store.read([], where, with_row_address=True).column("_rowaddr").to_numpy()
     else:
-        table = _read_candidates(index, dataset, columns, candidate_ids(cand, y, layout, C, direction), where)
-    signs = list_column_to_numpy(table.column("signs"), layout.nbytes, np.uint8)
-    scales = list_column_to_numpy(table.column("scales"), layout.num_modules, np.float16)
-    scores = rescore(signs, scales, y, layout)[0] if table.num_rows else np.zeros(0, np.float32)
-    from eogp_index.client import ranked_table
-
-    info = table.select(meta_cols)
-    ranked = {}
-    for side in (("positive", "negative") if direction == "both" else (direction,)):
-        order = np.argsort(-scores if side == "positive" else scores, kind="stable")[:k]
-        ranked[side] = (info.take(pa.array(order, pa.int64())), scores[order])
-    return ranked_table(ranked, with_direction=direction == "both")
+        direction = "both" if len(sides) == 2 else sides[0]
+        rowaddr = _candidate_rows(stored, candidate_ids(cand, y, layout, C, direction), where)
+    rowaddr = np.asarray(rowaddr, np.uint64)
+    codes = stored.codec.from_arrow(stored.store.take_rows(rowaddr.tolist(), ["signs", "scales"]))
+    scores = rescore(codes.signs, codes.scales, y, layout)[0] if rowaddr.size else np.zeros(0, np.float32)
+    return {side: (rowaddr, scores) for side in sides}

@@ -23,8 +23,9 @@ Each :meth:`Store.add` is one Lance commit, so a reader sees a batch entirely or
 from __future__ import annotations
 
 from dataclasses import dataclass
+import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -35,6 +36,8 @@ from eogp_index.store.codecs import Encoded, fixed_size_list, list_column_to_num
 RESERVED_COLUMNS = ("id", "signs", "scales", "coords", "shard", "position", "num_tokens", "num_loss_tokens",
                     "truncated")
 CODE_COLUMNS = ("signs", "scales", "coords")
+#: ", /home/.../rust/lance/src/dataset/scanner.rs:839:33": where in Lance's Rust source an error arose
+_LANCE_SOURCE = re.compile(r",?\s*\S+\.rs:\d+:\d+")
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,11 @@ class Store:
             self._table.add(rows)
         return self._table.version
 
+    def drop(self) -> None:
+        """Delete the table (``eogp fit --overwrite`` of an index whose table lives elsewhere)."""
+        self._db.drop_table(self.table_name)
+        self._table = None
+
     @property
     def schema(self) -> Optional[pa.Schema]:
         return self.table.schema if self.table is not None else None
@@ -171,14 +179,32 @@ class Store:
             return pa.table(empty)
         try:
             return self.dataset().to_table(columns=list(columns), filter=where, with_row_address=with_row_address)
-        except ValueError as exc:
+        except (ValueError, OSError) as exc:  # pylance reports bad filters as either
             if where is None:
                 raise
-            raise InputError(
-                f"invalid where filter {where!r}: {str(exc).splitlines()[0][:300]}. Filters are SQL over the "
-                f"stored columns {self.metadata_columns()}; quote reserved words with backticks (`group` = 1)",
-                reason="invalid filter",
-            ) from exc
+            raise self.filter_error(where, exc) from exc
+
+    def batches(self, scanner, where: Optional[str] = None) -> Iterator[pa.RecordBatch]:
+        """Record batches of a Lance scanner, with a bad ``where`` reported as :class:`InputError`."""
+        try:
+            yield from scanner.to_batches()
+        except (ValueError, OSError) as exc:
+            if where is None:
+                raise
+            raise self.filter_error(where, exc) from exc
+
+    def filter_error(self, where: str, exc: Exception) -> InputError:
+        """What a user reads for a filter Lance refused: its reason, without Lance's source location."""
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = _LANCE_SOURCE.sub("", reason).removeprefix("Invalid user input: ").strip()
+        # Lance's list of valid fields includes its hidden row columns; the message lists ours instead.
+        reason = re.sub(r"Valid fields are [^.]*\.", "", reason).strip().rstrip(".")
+        return InputError(
+            f"invalid where filter {where!r}: {reason[:300]}. Filters are SQL over the stored columns "
+            f"{[c for c in self.metadata_columns() if c not in CODE_COLUMNS]}; quote names that are SQL "
+            "keywords or contain spaces with backticks (`group` = 1), strings with single quotes",
+            reason="invalid filter",
+        )
 
     def take_rows(self, rowaddr: Sequence[int], columns: Sequence[str]) -> pa.Table:
         """Rows by Lance row address, in the order given."""

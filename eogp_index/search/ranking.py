@@ -1,0 +1,87 @@
+"""Ranking: the one place where scored rows become an ordered answer.
+
+Every search route (the hot copy on CPU or GPU, the streamed table, torchrun shards, FAISS
+candidates) ends with :class:`Hits` per query and side. They are ordered here by one rule —
+best score first, equal scores by ascending Lance row address (table order) — and turned into
+the user's table by :func:`ranked_table`, which reads the rows' metadata from the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Literal, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+
+from eogp_index.errors import ConfigError
+from eogp_index.store.table import Store
+
+Side = Literal["positive", "negative"]
+Direction = Literal["positive", "negative", "both"]
+DIRECTIONS: Tuple[str, ...] = ("positive", "negative", "both")
+
+
+def sides_of(direction: str) -> Tuple[Side, ...]:
+    """``"both"`` → ``("positive", "negative")``; a single side → itself; anything else is refused."""
+    if direction not in DIRECTIONS:
+        raise ConfigError(f"direction must be one of {list(DIRECTIONS)}, got {direction!r} "
+                          "(positive: documents that help the query; negative: that hurt it)")
+    return ("positive", "negative") if direction == "both" else (direction,)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Hits:
+    """The best rows of one query on one side, best first.
+
+    Attributes:
+        rowaddr: ``(r,)`` uint64 Lance row addresses. scores: ``(r,)`` float32 exact scores.
+    """
+
+    rowaddr: np.ndarray
+    scores: np.ndarray
+
+    @staticmethod
+    def empty() -> "Hits":
+        return Hits(np.zeros(0, np.uint64), np.zeros(0, np.float32))
+
+    @staticmethod
+    def best(rowaddr: np.ndarray, scores: np.ndarray, k: int, side: Side) -> "Hits":
+        """The top ``k`` of ``(rowaddr (n,), scores (n,))``: largest for ``positive``, smallest for
+        ``negative``; equal scores in ascending row address."""
+        rowaddr = np.asarray(rowaddr, np.uint64)
+        scores = np.asarray(scores, np.float32)
+        order = np.lexsort((rowaddr, -scores if side == "positive" else scores))[:k]
+        return Hits(rowaddr[order], scores[order])
+
+    @staticmethod
+    def merge(parts: Sequence["Hits"], k: int, side: Side) -> "Hits":
+        """Exact top ``k`` of the union of several top-k lists (e.g. one per shard or batch)."""
+        if not parts:
+            return Hits.empty()
+        return Hits.best(np.concatenate([p.rowaddr for p in parts]), np.concatenate([p.scores for p in parts]),
+                         k, side)
+
+
+def ranked_table(store: Store, hits: Dict[Side, Hits], *, with_direction: bool) -> pa.Table:
+    """One query's answer: ``[direction,] rank, id, score`` leading, then the stored metadata columns.
+
+    Args:
+        hits: ``{side: Hits}`` in the order the sides are shown.
+        with_direction: add the ``direction`` column (for ``direction="both"``).
+    """
+    columns = store.metadata_columns()
+    parts = []
+    for side, found in hits.items():
+        if store.table is None:  # nothing ingested yet: an empty answer with the id column
+            rows = pa.table({"id": pa.array([], pa.string())})
+        else:
+            rows = store.take_rows(found.rowaddr.tolist(), columns)
+        part = rows.add_column(0, "score", pa.array(found.scores, pa.float32()))
+        part = part.add_column(0, "rank", pa.array(np.arange(1, len(found.scores) + 1), pa.int32()))
+        if with_direction:
+            part = part.add_column(0, "direction", pa.array([side] * len(found.scores), pa.string()))
+        parts.append(part)
+    result = pa.concat_tables(parts)
+    front = [c for c in ("direction", "rank", "id", "score") if c in result.column_names]
+    return result.select(front + [c for c in result.column_names if c not in front])
