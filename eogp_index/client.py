@@ -165,9 +165,9 @@ class AttributionIndex:
                                      location=f"{ex.shard}:{ex.position}" if ex.shard else None)
                 if status == "absent":
                     fresh.append(ex)
+                    stored.remember([ex])  # a repeat later in this call is then a rerun, not a new row
             if fresh:
                 added += self.add_batch(fresh)
-                stored.remember(fresh)
         return added
 
     def add_batch(self, examples: Sequence[Example]) -> int:

@@ -75,7 +75,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eogp_index import __version__
+from eogp_index.version import __version__
 from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, InputError
 from eogp_index.store.codecs import SignLayout, pack_signs, unpack_signs
 from eogp_index.store.table import list_column_to_numpy

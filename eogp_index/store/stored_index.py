@@ -87,7 +87,7 @@ class StoredIndex:
                 directory is recorded absolute, so the index opens from any working directory.
             curvature: the curvature settings recorded in the manifest.
         """
-        from eogp_index import __version__
+        from eogp_index.version import __version__
 
         path = Path(path)
         projection = fitted.projection
