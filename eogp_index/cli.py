@@ -9,37 +9,31 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 import click
 
+from eogp_index.cli_options import field_option, option_group
+from eogp_index.cliutil import distributed_option, process_group, torchrun_rank, under_torchrun, worker_device
 from eogp_index.cliutil import emit as _emit
 from eogp_index.cliutil import fail_cleanly as _fail_cleanly
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+from eogp_index.errors import EOGPError
+from eogp_index.evaluation.cli import eval_group
+from eogp_index.gradients.records import RecordSpec
 
+INDEX_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 
-def _record_options(func: Callable) -> Callable:
-    """Options naming the fields of corpus records (shared by ``fit`` and ``ingest``)."""
-    options = [
-        click.option("--text-field", default="text", show_default=True, help="Field holding plain text."),
-        click.option("--messages-field", default="messages", show_default=True,
-                     help="Field holding a chat (list of {role, content}); loss on assistant turns only."),
-        click.option("--input-ids-field", default="input_ids", show_default=True, help="Field of pre-tokenized ids."),
-        click.option("--labels-field", default="labels", show_default=True, help="Field of labels (-100 = ignored)."),
-        click.option("--id-field", default=None, help="Field to use as the example id (default: a stable hash)."),
-        click.option("--metadata", "metadata_fields", multiple=True,
-                     help="Record field stored as a typed column, usable in --where (repeatable)."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def _spec(text_field, messages_field, input_ids_field, labels_field, id_field, metadata_fields, max_tokens):
-    from eogp_index.gradients.records import RecordSpec
-
-    return RecordSpec(text_field=text_field, messages_field=messages_field, input_ids_field=input_ids_field,
-                      labels_field=labels_field, id_field=id_field, metadata_fields=tuple(metadata_fields),
-                      max_tokens=max_tokens)
+#: Which record fields hold what (``fit`` and ``ingest``); the command gets them as ``record``.
+_record_options = option_group(
+    *(field_option(RecordSpec, name) for name in ("text_field", "messages_field", "input_ids_field", "labels_field",
+                                                  "id_field")),
+    field_option(RecordSpec, "metadata_fields", "--metadata", multiple=True),
+    into="record",
+)
+_model_option = click.option(
+    "--model", "model_name", default=None,
+    help="Load the model from here instead of the path or name in the manifest (it must be the same model).")
 
 
 @click.group()
@@ -63,30 +57,32 @@ def cli() -> None:
               help="Shard files or globs (JSONL[.gz/.zst], Parquet, datasets.save_to_disk dirs) to fit on.")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Index directory to create.")
-@click.option("--variant", type=click.Choice(["eogp", "eogp-r", "ekfac-topk"]), default="eogp", show_default=True,
-              help="Second stage: PCA (eogp), SRHT (eogp-r), none (ekfac-topk ablation).")
-@click.option("-k", "--k", "k", type=int, default=None, help="Coordinates per module.")
-@click.option("--budget-kb", type=float, default=None, help="Per-example storage budget in KiB (instead of -k).")
-@click.option("--m", "m", type=int, default=None, help="First-stage width per module (default min(d_u, 8k)).")
-@click.option("--precision", type=click.Choice(["1bit", "fp16", "fp32"]), default="1bit", show_default=True)
-@click.option("--curvature-examples", type=int, default=1000, show_default=True,
-              help="Examples used to fit EK-FAC.")
-@click.option("--pca-examples", type=int, default=1000, show_default=True, help="Examples in the PCA fitting set.")
-@click.option("--damping-ratio", type=float, default=0.1, show_default=True, help="λ_u = ratio · tr(Λ_u)/d_u.")
+@option_group(
+    field_option(ProjectionConfig, "variant"),
+    field_option(ProjectionConfig, "k", "-k", "--k", help="Output coordinates per module (256 unless --budget-kb)."),
+    field_option(ProjectionConfig, "budget_kb"),
+    field_option(ProjectionConfig, "m", "--m"),
+    field_option(ProjectionConfig, "num_fit_examples", "--pca-examples"),
+    into="projection",
+)
+@option_group(field_option(StorageConfig, "precision"), into="storage")
+@option_group(
+    field_option(CurvatureConfig, "num_examples", "--curvature-examples"),
+    field_option(CurvatureConfig, "damping_ratio"),
+    into="curvature",
+)
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
-@click.option("--max-tokens", type=int, default=None, help="Truncate documents and queries to this many tokens.")
-@click.option("--batch-size", type=int, default=8, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device")),
+              into="gradients")
+@field_option(ProjectionConfig, "seed", help="Seed of the fitting samples, the sampled labels and the SRHT.")
 @click.option("--table-uri", default=None,
               help="LanceDB URI for the table (e.g. s3://bucket/prefix); default: inside --out.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing index at --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @_record_options
 @_fail_cleanly
-def fit(model, data, out, variant, k, budget_kb, m, precision, curvature_examples, pca_examples, damping_ratio,
-        modules, max_tokens, batch_size, device, seed, table_uri, overwrite, as_json, text_field, messages_field,
-        input_ids_field, labels_field, id_field, metadata_fields):
+def fit(model, data, out, projection, storage, curvature, modules, gradients, seed, table_uri, overwrite, as_json,
+        record):
     """Fit EK-FAC curvature and the projection; create an empty index.
 
     MODEL is a HuggingFace hub name or a local model directory. The first
@@ -99,100 +95,122 @@ def fit(model, data, out, variant, k, budget_kb, m, precision, curvature_example
     """
     import itertools
 
-    from ingest.records import Example, iter_examples
     from ingest.readers import expand_shards
+    from ingest.records import Example, iter_examples
 
     from eogp_index.client import AttributionIndex
     from eogp_index.gradients.model import load_model
-    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 
-    if k is None and budget_kb is None:
-        k = 256
-    gradients = GradientConfig(batch_size=batch_size, max_tokens=max_tokens, device=device)
-    projection = ProjectionConfig(variant=variant, k=k, budget_kb=budget_kb, m=m, num_fit_examples=pca_examples,
-                                  seed=seed)
-    curvature = CurvatureConfig(num_examples=curvature_examples, batch_size=batch_size, damping_ratio=damping_ratio,
-                                seed=seed)
+    if projection["k"] is None and projection["budget_kb"] is None:
+        projection["k"] = 256
+    gradients = GradientConfig(**gradients)
+    projection = ProjectionConfig(**projection, seed=seed)
+    curvature = CurvatureConfig(**curvature, batch_size=gradients.batch_size, seed=seed)
+    spec = RecordSpec(**record, max_tokens=gradients.max_tokens)
     loaded, tokenizer = load_model(model, device=gradients.resolved_device())
-    spec = _spec(text_field, messages_field, input_ids_field, labels_field, id_field, metadata_fields, max_tokens)
-    wanted = max(curvature_examples, pca_examples if variant == "eogp" else 0)
+    wanted = max(curvature.num_examples, projection.num_fit_examples if projection.variant == "eogp" else 0)
     stream = (e for e in iter_examples(expand_shards(data), spec, tokenizer, on_error="skip") if isinstance(e, Example))
     examples = list(itertools.islice(stream, wanted))
     click.echo(f"fitting on {len(examples)} documents", err=True)
     index = AttributionIndex.create(out, loaded, tokenizer, examples, model_name=model,
                                     modules=list(modules) or None, curvature=curvature, projection=projection,
-                                    storage=StorageConfig(precision=precision), gradients=gradients,
+                                    storage=StorageConfig(**storage), gradients=gradients,
                                     table_uri=table_uri, mode="overwrite" if overwrite else "create")
     _emit(index.info(), as_json, _print_info)
 
 
 @cli.command()
-@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("index_dir", type=INDEX_DIR)
 @click.argument("shards", nargs=-1, required=True)
 @click.option("--on-error", type=click.Choice(["raise", "skip"]), default="raise", show_default=True,
               help="raise: stop at the first bad record; skip: list bad records in a rejects file.")
 @click.option("--rejects", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write rejected records (default: INDEX/rejects/<time>.jsonl).")
-@click.option("--batch-size", type=int, default=None, help="Examples per batch (one commit each).")
-@click.option("--model", "model_name", default=None,
-              help="Load the model from here instead of the path or name in the manifest (it must be the same model).")
-@click.option("--device", default="auto", show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Examples per batch, one commit each (under torchrun: per worker and step).")
+@_model_option
+@field_option(GradientConfig, "device")
+@click.option("--shard-root", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Name shards by their path relative to this directory (needed when file names repeat); "
+                   "keep it the same across runs.")
+@distributed_option
+@click.option("--commit-every", type=click.IntRange(min=1), default=None,
+              help="Under torchrun: steps between commits (default 1); a crash loses at most this many steps.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_record_options
 @_fail_cleanly
-def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, as_json, text_field, messages_field,
-           input_ids_field, labels_field, id_field, metadata_fields):
+def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, shard_root, distributed,
+           commit_every, as_json, record):
     """Store corpus shards in an index. Safe to rerun: stored examples are skipped.
 
-    For several GPUs or nodes: torchrun --nproc_per_node N -m ingest.distributed --help
+    Under torchrun (several workers, or --distributed) the shards are dealt out to the
+    workers, each projects its share and rank 0 commits their rows together.
 
     \b
     Example:
         eogp ingest my-index 'data/shard-*.jsonl.zst' --metadata source --on-error skip
+        torchrun --nproc_per_node 8 -m eogp_index.cli ingest my-index 'data/*.parquet' --commit-every 4
     """
-    from ingest.pipeline import run_ingest
+    spec = RecordSpec(**record)  # max_tokens: the index's
+    gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device)
+    options = dict(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
+                   progress=not as_json, shard_root=shard_root)
+    if under_torchrun(distributed):
+        from ingest.distributed import run_distributed_ingest
 
-    from eogp_index.client import AttributionIndex
-    from eogp_index.config import GradientConfig
+        try:
+            summary = run_distributed_ingest(index_dir, list(shards), commit_every=commit_every or 1,
+                                             gradients=gradients, model_path=model_name, **options)
+        except EOGPError:
+            if torchrun_rank() != 0:  # every worker fails alike: rank 0 alone says why
+                raise click.exceptions.Exit(1)
+            raise
+    else:
+        if commit_every is not None:
+            raise click.UsageError("--commit-every applies to torchrun workers; run under torchrun or drop it")
+        from ingest.pipeline import run_ingest
 
-    gradients = GradientConfig(batch_size=batch_size or 8, device=device)
-    index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
-    spec = _spec(text_field, messages_field, input_ids_field, labels_field, id_field, metadata_fields,
-                 index.manifest.max_tokens)
-    summary = run_ingest(index, list(shards), spec=spec, on_error=on_error, rejects_path=rejects,
-                         batch_size=batch_size, progress=not as_json)
-    _emit(summary.to_json(), as_json, lambda s: click.echo("\n".join(f"{k:>18}: {v}" for k, v in s.items())))
+        from eogp_index.client import AttributionIndex
+
+        index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
+        summary = run_ingest(index, list(shards), **options)
+    if torchrun_rank() == 0:
+        _emit(summary.to_json(), as_json, lambda s: click.echo("\n".join(f"{k:>18}: {v}" for k, v in s.items())))
 
 
 @cli.command()
-@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("index_dir", type=INDEX_DIR)
 @click.option("--text", "texts", multiple=True, help="A query text (repeatable).")
 @click.option("--queries", "queries_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="JSONL file of queries: {text} / {messages} / {input_ids} records.")
-@click.option("--limit-queries", type=int, default=None, help="Use only the first N queries of --queries.")
-@click.option("-k", "k", type=int, default=10, show_default=True, help="How many examples per direction.")
+@click.option("--limit-queries", type=click.IntRange(min=1), default=None,
+              help="Use only the first N queries of --queries.")
+@click.option("-k", "k", type=click.IntRange(min=1), default=10, show_default=True,
+              help="How many examples per direction.")
 @click.option("--where", default=None, help="SQL filter on stored columns, e.g. \"kind = 'function'\".")
 @click.option("--direction", type=click.Choice(["positive", "negative", "both"]), default="both", show_default=True)
-@click.option("--candidates", type=int, default=None,
+@click.option("--candidates", type=click.IntRange(min=1), default=None,
               help="Rescore only this many FAISS candidates per direction (needs `eogp build-faiss`).")
 @click.option("--stream", is_flag=True, help="Scan the table in batches instead of an in-memory copy.")
-@click.option("--model", "model_name", default=None,
-              help="Load the model from here instead of the path or name in the manifest (it must be the same model).")
-@click.option("--device", default="auto", show_default=True)
+@_model_option
+@field_option(GradientConfig, "device")
+@distributed_option
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @_fail_cleanly
 def query(index_dir, texts, queries_file, limit_queries, k, where, direction, candidates, stream, model_name, device,
-          as_json):
+          distributed, as_json):
     """Show the stored examples that most influence each query.
 
-    Positive scores: training on the example lowers the query's loss.
+    Positive scores: training on the example lowers the query's loss. Under torchrun
+    (several workers, or --distributed) each worker scans a share of the table and
+    rank 0 prints the merged, still exact, top k.
 
     \b
     Example:
         eogp query my-index --text "Parse a CSV file." -k 5 --where "num_tokens > 50"
+        torchrun --nproc_per_node 4 -m eogp_index.cli query my-index --text "Parse a CSV file." --json
     """
     from eogp_index.client import AttributionIndex
-    from eogp_index.config import GradientConfig
 
     queries: List[Any] = list(texts)
     if queries_file is not None:
@@ -206,17 +224,27 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
         queries = queries[:limit_queries]
     if not queries:
         raise click.UsageError("give --text or --queries")
-    index = AttributionIndex.open(index_dir, model_name=model_name, gradients=GradientConfig(device=device))
-    results = []
-    for q in queries:
-        table = index.top_influential(q, k=k, where=where, direction=direction, candidates=candidates,
-                                      stream=stream)
-        results.append({"query": q, "results": table.to_pylist()})
-    _emit(results, as_json, _print_results)
+    sharded = under_torchrun(distributed)
+    if sharded and (candidates is not None or stream):
+        raise click.UsageError("--candidates and --stream choose single-process routes; drop them under torchrun")
+    with process_group():
+        gradients = GradientConfig(device=worker_device(device) if sharded else device)
+        index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
+        if index.store.count() == 0 and torchrun_rank() == 0:
+            click.echo(f"{index_dir} has no rows yet: nothing has been ingested. "
+                       f"Store documents first: eogp ingest {index_dir} SHARDS...", err=True)
+        search = index.search(queries, many=True).limit(k).where(where).direction(direction)
+        if candidates is not None:
+            search = search.candidates(candidates)
+        elif stream or sharded:
+            search = search.route("sharded" if sharded else "stream")
+        tables = search.to_list()  # one gradient pass for all the queries
+    if torchrun_rank() == 0:
+        _emit([{"query": q, "results": t.to_pylist()} for q, t in zip(queries, tables)], as_json, _print_results)
 
 
 @cli.command()
-@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("index_dir", type=INDEX_DIR)
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @_fail_cleanly
 def info(index_dir, as_json):
@@ -226,18 +254,13 @@ def info(index_dir, as_json):
     Example:
         eogp info my-index --json
     """
-    from eogp_index.store.manifest import Manifest
-    from eogp_index.store.table import Store
+    from eogp_index.store.stored_index import StoredIndex
 
-    manifest = Manifest.load(index_dir)
-    store = Store(manifest.store_uri(index_dir), manifest.table)
-    data = manifest.to_json()
-    data.update(rows=store.count(), table_version=store.version, path=str(index_dir))
-    _emit(data, as_json, _print_info)
+    _emit(StoredIndex.open(index_dir).info(), as_json, _print_info)
 
 
 @cli.command("index-column")
-@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("index_dir", type=INDEX_DIR)
 @click.argument("column")
 @click.option("--kind", type=click.Choice(["BTREE", "BITMAP"]), default="BTREE", show_default=True,
               help="BTREE for ranges and many distinct values, BITMAP for few distinct values.")
@@ -251,18 +274,16 @@ def index_column(index_dir, column, kind, as_json):
         eogp index-column my-index kind --kind BITMAP
         eogp index-column my-index num_tokens
     """
-    from eogp_index.store.manifest import Manifest
-    from eogp_index.store.table import Store
+    from eogp_index.store.stored_index import StoredIndex
 
-    manifest = Manifest.load(index_dir)
-    store = Store(manifest.store_uri(index_dir), manifest.table)
+    store = StoredIndex.open(index_dir).store
     store.create_scalar_index(column, kind)
     _emit({"column": column, "kind": kind, "indices": [str(i.name) for i in store.table.list_indices()]},
           as_json, lambda d: click.echo(f"indexed {d['column']} ({d['kind']})"))
 
 
 @cli.command("build-faiss")
-@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("index_dir", type=INDEX_DIR)
 @click.option("--kind", type=click.Choice(["flat", "ivf", "hnsw"]), default="flat", show_default=True,
               help="FAISS binary index: exact Hamming (flat), inverted lists (ivf) or a graph (hnsw).")
 @click.option("--name", default="default", show_default=True, help="Name of the FAISS index in the index directory.")
@@ -284,9 +305,9 @@ def build_faiss(index_dir, kind, name, replicas, extend_only, as_json):
         eogp query my-index --text "Parse a CSV file." --candidates 2000
     """
     from eogp_index.search.candidates import CandidateIndex, FaissConfig, build
-    from eogp_index.client import AttributionIndex
+    from eogp_index.store.stored_index import StoredIndex
 
-    index = AttributionIndex.open(index_dir)
+    index = StoredIndex.open(index_dir)  # the stored signs are all it needs: no model
     if extend_only:
         faiss_index = CandidateIndex.load(index_dir, name)
         added = faiss_index.extend(index, progress=not as_json)
@@ -329,13 +350,7 @@ def _print_results(results: list) -> None:
             click.echo(f"  {side}#{row['rank']:<3} {row['score']:+.4e}  {row['id']}  {preview}")
 
 
-def _register_subgroups() -> None:
-    from eogp_index.evaluation.cli import eval_group
-
-    cli.add_command(eval_group)
-
-
-_register_subgroups()
+cli.add_command(eval_group)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

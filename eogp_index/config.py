@@ -8,6 +8,7 @@ it is set, with a message that names the field.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
@@ -16,6 +17,7 @@ from eogp_index.errors import ConfigError
 SecondStage = Literal["pca", "srht", "none"]
 Precision = Literal["1bit", "fp16", "fp32"]
 PRECISIONS = ("1bit", "fp16", "fp32")
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 #: Variant names used in the manifest and the CLI, mapped to the second stage they use.
 VARIANTS = {"eogp": "pca", "eogp-r": "srht", "ekfac-topk": "none"}
@@ -38,11 +40,14 @@ class CurvatureConfig:
     (``sample=True`` in kronfluence's task), as the paper's Appendix C.2 prescribes.
     """
 
-    num_examples: int = field(default=1000, metadata={"help": "Corpus examples used to fit the factors."})
-    batch_size: int = field(default=8, metadata={"help": "Examples per batch while fitting."})
+    num_examples: int = field(
+        default=1000, metadata={"help": "Corpus examples used to fit the EK-FAC factors.", "min": 1}
+    )
+    batch_size: int = field(default=8, metadata={"help": "Examples per batch while fitting.", "min": 1})
     damping_ratio: float = field(
         default=0.1,
-        metadata={"help": "λ_u = damping_ratio · tr(Λ_u)/d_u (kronfluence's heuristic damping when 0.1)."},
+        metadata={"help": "λ_u = damping_ratio · tr(Λ_u)/d_u (kronfluence's heuristic damping when 0.1).",
+                  "min": 0.0, "min_open": True},
     )
     seed: int = field(default=0, metadata={"help": "Seed of the example sample and the sampled labels."})
 
@@ -65,11 +70,16 @@ class ProjectionConfig:
         default="eogp",
         metadata={"help": "eogp: PCA second stage; eogp-r: SRHT; ekfac-topk: top-k EK-FAC axes (ablation)."},
     )
-    k: Optional[int] = field(default=None, metadata={"help": "Output coordinates per module."})
-    budget_kb: Optional[float] = field(default=None, metadata={"help": "Per-example storage budget in KiB."})
-    m: Optional[int] = field(default=None, metadata={"help": "First-stage width per module (capped at d_u)."})
-    m_factor: int = field(default=8, metadata={"help": "m_u = min(d_u, m_factor·k_u) when m is not given."})
-    num_fit_examples: int = field(default=1000, metadata={"help": "Examples in the PCA fitting set."})
+    k: Optional[int] = field(default=None, metadata={"help": "Output coordinates per module.", "min": 1})
+    budget_kb: Optional[float] = field(
+        default=None,
+        metadata={"help": "Per-example storage budget in KiB (instead of k).", "min": 0.0, "min_open": True},
+    )
+    m: Optional[int] = field(
+        default=None, metadata={"help": "First-stage width per module (capped at d_u; default min(d_u, 8k)).", "min": 1}
+    )
+    m_factor: int = field(default=8, metadata={"help": "m_u = min(d_u, m_factor·k_u) when m is not given.", "min": 1})
+    num_fit_examples: int = field(default=1000, metadata={"help": "Examples in the PCA fitting set.", "min": 1})
     seed: int = field(default=0, metadata={"help": "Seed of the PCA fitting sample and the SRHT."})
 
     def __post_init__(self) -> None:
@@ -163,13 +173,18 @@ class StorageConfig:
 class GradientConfig:
     """Per-example gradient computation (training examples and queries alike)."""
 
-    batch_size: int = field(default=8, metadata={"help": "Examples per forward/backward pass."})
-    max_tokens: Optional[int] = field(default=None, metadata={"help": "Truncate examples to this many tokens."})
+    batch_size: int = field(default=8, metadata={"help": "Examples per forward/backward pass.", "min": 1})
+    max_tokens: Optional[int] = field(
+        default=None, metadata={"help": "Truncate documents and queries to this many tokens.", "min": 1}
+    )
     device: str = field(default="auto", metadata={"help": "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1'…"})
 
     def __post_init__(self) -> None:
         _positive("GradientConfig.batch_size", self.batch_size, allow_none=False)
         _positive("GradientConfig.max_tokens", self.max_tokens)
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"GradientConfig.device must be 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N' "
+                              f"(--device), got {self.device!r}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -1,10 +1,11 @@
 """Scale-out ingest: several workers (processes, GPUs, nodes) fill one table, via ``torchrun``.
 
-Launch one worker per GPU (or several CPU processes) with ``torchrun``::
+Launch one worker per GPU (or several CPU processes) with ``torchrun``; the command and its
+options are ``eogp ingest``'s, declared once in :mod:`eogp_index.cli`::
 
-    torchrun --nproc_per_node 8 -m ingest.distributed --index my-index --shards 'data/*.jsonl.zst'
+    torchrun --nproc_per_node 8 -m eogp_index.cli ingest my-index 'data/*.jsonl.zst'
     torchrun --nnodes 4 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        -m ingest.distributed --index my-index --shards 'data/*.parquet'
+        -m eogp_index.cli ingest my-index 'data/*.parquet' --commit-every 4
 
 How the work and the table are shared:
 
@@ -34,11 +35,9 @@ a single worker.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,7 +261,7 @@ class _Worker:
         reader = None
         if self.mine:
             reader = ExampleReader(self.index, self.mine, spec=self.spec, on_error=self.on_error,
-                                   shard_root=self.shard_root, stored=StoredIds(self.index))
+                                   shard_root=self.shard_root, stored=StoredIds(self.index.store))
         local_error: Optional[BaseException] = None
         step = 0
         try:
@@ -459,89 +458,3 @@ class _Worker:
         failure = _first_error([error for _, error in offers])
         if failure is not None and raise_errors:
             raise failure
-
-
-# -- command line ---------------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m ingest.distributed",
-        description=(
-            "Ingest corpus shards into an eogp index with several workers. Launch it with torchrun, one "
-            "worker per GPU (or several CPU processes): the shards are dealt out round-robin, each worker "
-            "projects its examples and writes Lance data files, and rank 0 commits them atomically. A "
-            "killed run can be started again with the same command: stored examples are skipped."
-        ),
-        epilog=(
-            "examples:\n"
-            "  torchrun --nproc_per_node 8 -m ingest.distributed --index my-index --shards 'data/*.jsonl.zst'\n"
-            "  torchrun --standalone --nproc_per_node 2 -m ingest.distributed --index my-index \\\n"
-            "      --shards data/chat.parquet --on-error skip --json\n"
-            "single process: `eogp ingest` (ingest.pipeline.run_ingest) does the same without torchrun."
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--index", required=True, help="the index directory (made by `eogp fit`)")
-    parser.add_argument("--shards", required=True, nargs="+", metavar="PATH",
-                        help="shard files, globs (quote them) or save_to_disk directories (dir::split for a split): "
-                             ".jsonl/.json/.ndjson (optionally .gz/.zst), .parquet")
-    parser.add_argument("--shard-root", default=None,
-                        help="name shards by their path relative to this directory (needed when file names repeat); "
-                             "keep it the same across runs")
-    fields = parser.add_argument_group("record fields")
-    fields.add_argument("--text-field", default="text", help="field holding plain text (default: text)")
-    fields.add_argument("--messages-field", default="messages",
-                        help="field holding a chat as [{role, content}] (default: messages)")
-    fields.add_argument("--input-ids-field", default="input_ids", help="field holding token ids (default: input_ids)")
-    fields.add_argument("--labels-field", default="labels", help="labels for input_ids, -100 = not counted")
-    fields.add_argument("--id-field", default=None,
-                        help="field holding a unique example id (default: ids derived from shard, position, content)")
-    fields.add_argument("--metadata-field", action="append", default=[], metavar="NAME",
-                        help="copy this field into a typed table column, for SQL filters (repeatable)")
-    fields.add_argument("--max-tokens", type=int, default=None,
-                        help="truncate longer examples to this many tokens (default: the index's)")
-    parser.add_argument("--on-error", choices=["raise", "skip"], default="raise",
-                        help="raise: stop at the first bad record (default); skip: list bad records in a rejects file")
-    parser.add_argument("--rejects", default=None, metavar="PATH",
-                        help="rejects file for --on-error skip (default: <index>/rejects/<time>-<pid>.jsonl)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="rows per worker per step (default 256)")
-    parser.add_argument("--commit-every", type=int, default=1,
-                        help="steps between commits (default 1); a crash loses at most this many steps")
-    parser.add_argument("--gradient-batch-size", type=int, default=GradientConfig().batch_size,
-                        help=f"examples per forward/backward pass (default {GradientConfig().batch_size})")
-    parser.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK when CUDA is present), cpu, cuda")
-    parser.add_argument("--model", default=None, metavar="PATH",
-                        help="load the model from here instead of the name in the manifest (same weights)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
-    return parser
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The command line; returns the exit status (2 for bad input or options)."""
-    args = _parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        spec = RecordSpec(
-            text_field=args.text_field, messages_field=args.messages_field, input_ids_field=args.input_ids_field,
-            labels_field=args.labels_field, id_field=args.id_field, metadata_fields=tuple(args.metadata_field),
-            max_tokens=args.max_tokens,
-        )
-        summary = run_distributed_ingest(
-            args.index, args.shards, spec=spec, on_error=args.on_error,
-            rejects_path=Path(args.rejects) if args.rejects else None, batch_size=args.batch_size,
-            commit_every=args.commit_every,
-            gradients=GradientConfig(batch_size=args.gradient_batch_size, device=args.device),
-            model_path=args.model, progress=not args.no_progress, shard_root=args.shard_root,
-        )
-    except EOGPError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if rank == 0:
-        print(json.dumps(summary.to_json(), indent=2) if args.json else summary.describe())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,7 +20,7 @@ Lance commit. What that buys:
 Ingests must use the same shard names from run to run (the same ``shard_root``): shard names
 are part of stable ids and of what "already stored" means. Two ingests must not write the
 same index at once; a local index is locked for the duration of a run. To scale out over
-several processes or machines use :mod:`ingest.distributed` (``torchrun``).
+several processes or machines run ``eogp ingest`` under ``torchrun`` (:mod:`ingest.distributed`).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def check_metadata_fields(index: AttributionIndex, spec: RecordSpec) -> None:
     if reserved:
         raise ConfigError(
             f"metadata fields {reserved} clash with the table's own columns {list(RESERVED_COLUMNS)}; "
-            "leave them out of RecordSpec.metadata_fields (--metadata-field)"
+            "leave them out of RecordSpec.metadata_fields (--metadata)"
         )
     schema = index.store.schema
     if schema is None:
@@ -286,7 +286,7 @@ class ExampleReader:
                            "unique in the index (use another id field, or let ids be derived from content)")
             elif self._context is not None and item.num_tokens > self._context:
                 problem = (f"{item.num_tokens} tokens, but the model reads at most {self._context}; "
-                           "set max_tokens (RecordSpec.max_tokens; --max-tokens of `eogp fit` or ingest.distributed) "
+                           "set max_tokens (RecordSpec.max_tokens; --max-tokens of `eogp fit`) "
                            "to truncate long documents")
             else:
                 problem = _metadata_fits(item, self._schema)

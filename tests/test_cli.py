@@ -92,3 +92,57 @@ def test_user_errors_exit_nonzero_with_a_message(workspace, tmp_path):
     assert missing.exit_code != 0 and "not an eogp index" in missing.output
     again = _run("fit", root / "model", "--data", root / "shard.jsonl", "--out", root / "idx")
     assert again.exit_code != 0 and "already holds an index" in again.output
+
+
+def _refused(result, *expected):
+    """A user error: non-zero exit, a one-line message naming what to fix, no traceback."""
+    assert result.exit_code != 0, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    for text in expected:
+        assert text in result.output, result.output
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["eval", "lds", "--out", "{tmp}", "--epochs", "0"], ["--epochs", "0 is not in the range x>=1"]),
+    (["eval", "lds", "--out", "{tmp}", "--lr", "0"], ["--lr"]),
+    (["eval", "lds", "--out", "{tmp}", "--cf-removals", "32,0"], ["--cf-removals"]),
+    (["eval", "fidelity", "--out", "{tmp}", "--budgets", "64,many"], ["--budgets", "'many' is not a valid integer"]),
+    (["eval", "fidelity", "--out", "{tmp}", "--budgets", ","], ["--budgets", "at least one value"]),
+    (["eval", "all", "--out", "{tmp}", "--subsets", "1"], ["--subsets"]),
+    (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--batch-size", "0"], ["--batch-size"]),
+    (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--budget-kb", "0"], ["--budget-kb"]),
+    (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--variant", "pca"], ["--variant"]),
+    (["fit", "model", "--data", "x", "--out", "{tmp}/i", "-k", "8", "--budget-kb", "1"], ["exactly one of k"]),
+    (["query", "{tmp}", "--text", "a b", "-k", "0"], ["-k"]),
+    (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--device", "gpu"], ["--device", "'gpu'", "cuda:N"]),
+    (["ingest", "{tmp}", "x.jsonl", "--commit-every", "2"], ["--commit-every applies to torchrun workers"]),
+    (["ingest", "{tmp}", "x.jsonl", "--text-field", "t", "--messages-field", "t"], ["distinct record keys"]),
+])
+def test_bad_option_values_are_refused_without_a_traceback(tmp_path, args, expected):
+    _refused(_run(*[a.replace("{tmp}", str(tmp_path)) for a in args]), *expected)
+
+
+def test_eval_without_its_extra_names_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setattr("eogp_index.evaluation.cli._EXTRA_MODULES", ("matplotlib", "no_such_module_for_eval"))
+    result = _run("eval", "fidelity", "--out", tmp_path)
+    _refused(result, "no_such_module_for_eval", "pip install 'eogp-index[eval]'")
+    assert "matplotlib" not in result.output.split("needs", 1)[1].split(":", 1)[0]
+
+
+def test_query_before_any_ingest_answers_no_rows_and_says_why(workspace, tmp_path):
+    root, _, _ = workspace
+    fit = _run("fit", root / "model", "--data", root / "shard.jsonl", "--out", tmp_path / "empty", "-k", "8",
+               "--curvature-examples", "8", "--pca-examples", "8", "--max-tokens", "24")
+    assert fit.exit_code == 0, fit.output
+    result = _run("query", tmp_path / "empty", "--text", "t1 t2 t3", "--where", "num_tokens > 3", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == [{"query": "t1 t2 t3", "results": []}]
+    assert "nothing has been ingested" in result.stderr and f"eogp ingest {tmp_path / 'empty'}" in result.stderr
+
+
+def test_a_bad_filter_is_one_line_without_lance_source_paths(workspace):
+    root, _, _ = workspace
+    result = _run("query", root / "idx", "--text", "t1 t2", "--where", "kynd = 'a'")
+    _refused(result, "kynd", "backticks")
+    assert ".rs:" not in result.output and "Traceback" not in result.output

@@ -1,9 +1,12 @@
-"""Documentation stays true: every CLI command shows an example and is described in the README."""
+"""Documentation stays true: every CLI command shows an example, is described in the README and
+in the generated docs/cli-reference.md."""
 
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
+from eogp_index import cli_reference
 from eogp_index.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,3 +37,19 @@ def test_every_command_is_documented_in_the_readme():
 def test_every_on_disk_format_has_a_spec():
     for name in ("index.md", "store.md", "manifest.schema.json"):
         assert (ROOT / "schemas" / name).is_file(), name
+
+
+@pytest.mark.parametrize("path", [path for path, _ in cli_reference.commands()], ids=" ".join)
+def test_cli_reference_shows_the_current_help(path):
+    reference = cli_reference.REFERENCE.read_text(encoding="utf-8") if cli_reference.REFERENCE.is_file() else ""
+    assert cli_reference.section(path) in reference, (
+        f"docs/cli-reference.md is stale for `{' '.join(path)} --help`: run `{cli_reference.REGENERATE}`")
+
+
+def test_cli_reference_is_exactly_the_generated_page():
+    assert cli_reference.REFERENCE.read_text(encoding="utf-8") == cli_reference.reference(), (
+        f"docs/cli-reference.md is stale: run `{cli_reference.REGENERATE}`")
+
+
+def test_readme_links_the_cli_reference():
+    assert "docs/cli-reference.md" in (ROOT / "README.md").read_text()

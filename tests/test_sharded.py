@@ -53,12 +53,14 @@ def test_two_torchrun_workers_merge_to_the_exact_top_k(fitted_index):
     manifest = json.loads(manifest_path.read_text())
     manifest["model"]["name"] = str(model_dir)
     manifest_path.write_text(json.dumps(manifest))
+    queries = fitted_index.path / "queries.jsonl"
+    queries.write_text(json.dumps({"input_ids": QUERY}) + "\n")
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "eogp_index.search.sharded", "--index", str(fitted_index.path), "-k", "6",
-         "--input-ids", ",".join(map(str, QUERY))],
+         "-m", "eogp_index.cli", "query", str(fitted_index.path), "--queries", str(queries), "-k", "6",
+         "--direction", "both", "--json"],
         capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout[out.stdout.index("["):])[0]
-    got = [r["id"] for r in result["positive"]] + [r["id"] for r in result["negative"]]
+    got = [r["id"] for r in result["results"]]
     assert got == expected.column("id").to_pylist()

@@ -55,6 +55,7 @@ from torch import nn
 
 from eogp_index.fit.curvature import ModuleCurvature, factors_dir
 from eogp_index.errors import ConfigError, InputError
+from eogp_index.evaluation.config import DEFAULT_BUDGETS, DEFAULT_METHODS, METHODS  # noqa: F401  (re-exported)
 from eogp_index.evaluation import metrics
 from eogp_index.evaluation.baselines import (
     GaussianProjector,
@@ -84,29 +85,7 @@ __all__ = [
     "plan_methods",
 ]
 
-#: Per-example budgets in bytes (summed over modules): 64 B .. 4 KB.
-DEFAULT_BUDGETS: Tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
-
-#: (family, storage precision) of every method.
-METHODS: Dict[str, Tuple[str, str]] = {
-    "eogp": ("eogp", "1bit"),
-    "eogp-fp16": ("eogp", "fp16"),
-    "eogp-r": ("eogp-r", "1bit"),
-    "ekfac-topk": ("ekfac-topk", "1bit"),
-    "logra-random": ("logra-random", "fp16"),
-    "logra-pca": ("logra-pca", "fp16"),
-    "grass": ("grass", "fp16"),
-    "gaussian": ("gaussian", "fp16"),
-    "eogp-fp32": ("eogp", "fp32"),
-    "ekfac-topk-fp32": ("ekfac-topk", "fp32"),
-    "logra-random-1bit": ("logra-random", "1bit"),
-    "logra-pca-1bit": ("logra-pca", "1bit"),
-    "grass-1bit": ("grass", "1bit"),
-}
 _FAMILY_SEED = {"eogp": 0, "eogp-r": 1, "ekfac-topk": 2, "logra-random": 3, "logra-pca": 4, "grass": 5, "gaussian": 6}
-DEFAULT_METHODS: Tuple[str, ...] = (
-    "eogp", "eogp-fp16", "eogp-r", "ekfac-topk", "logra-random", "logra-pca", "grass", "gaussian",
-)
 _LABELS = {
     "eogp": "EOGP",
     "eogp-fp16": "EOGP (FP16)",

@@ -1,8 +1,8 @@
 """``eogp eval``'s orchestration: read the documents, score, retrain, write the report.
 
-:func:`run_fidelity`, :func:`run_lds` and :func:`run_all` take the frozen configs below
-(defaults from the paper's Appendix C-D, sized for the shipped tiny model) and write, under
-``out``:
+:func:`run_fidelity`, :func:`run_lds` and :func:`run_all` take the frozen configs of
+:mod:`eogp_index.evaluation.config` (defaults from the paper's Appendix C-D, sized for the shipped
+tiny model) and write, under ``out``:
 
 * ``results.json``, ``results.md`` and one ``<metric>.png`` per metric
   (:func:`report.write_report`: ``ndcg_at_20.png``, ``spearman.png``,
@@ -26,7 +26,7 @@ import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -34,10 +34,8 @@ import numpy as np
 
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.evaluation import report, tinylm
+from eogp_index.evaluation.config import DataConfig, FidelityConfig, LDSConfig  # re-exported: defined torch-free
 from eogp_index.evaluation.fidelity import (
-    DEFAULT_BUDGETS,
-    DEFAULT_METHODS,
-    METHODS,
     Documents,
     ScoreSet,
     compute_scores,
@@ -58,107 +56,6 @@ __all__ = [
 
 SCORES_FILE = "scores.npz"
 DETAILS_FILE = "details.json"
-
-
-def _default(path: str) -> str:
-    return str(tinylm.default_root() / path)
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """What is evaluated: the attributed model and the documents.
-
-    model: the fine-tuned model directory (its tokenizer alongside). train, queries: shard
-    paths or globs (JSONL[.gz/.zst], Parquet, ``save_to_disk`` directories). max_tokens:
-    truncation, as in fine-tuning. limit_train / limit_queries: keep only the first N.
-    pca_data: documents to fit EOGP's PCA on instead of the training documents (the paper
-    fits on the candidates for GPT-2; a held-out set shows what in-sample fitting adds).
-    """
-
-    model: str = field(default_factory=lambda: _default("model"))
-    train: Tuple[str, ...] = field(default_factory=lambda: (_default("corpus/train.jsonl.gz"),))
-    queries: Tuple[str, ...] = field(default_factory=lambda: (_default("queries.jsonl"),))
-    max_tokens: int = 128
-    limit_train: Optional[int] = None
-    limit_queries: Optional[int] = None
-    pca_data: Optional[Tuple[str, ...]] = None
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 2:
-            raise ConfigError(f"DataConfig.max_tokens must be at least 2, got {self.max_tokens}")
-        for name in ("limit_train", "limit_queries"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"DataConfig.{name} must be at least 1, got {value}")
-
-
-@dataclass(frozen=True)
-class FidelityConfig:
-    """The methods, budgets and metric settings of the fidelity evaluation (Appendix C.3, D.2).
-
-    budgets: nominal bytes per example (all modules). m_factor: ``m_u = min(d_u, 8 k_u)``.
-    damping_ratio: ``λ_u = 0.1 tr(Λ_u)/d_u`` for EK-FAC and the post-projection curvatures.
-    gaussian_seeds: draws averaged for the Gaussian control. ndcg_k: NDCG cut-off.
-    """
-
-    budgets: Tuple[int, ...] = DEFAULT_BUDGETS
-    methods: Tuple[str, ...] = DEFAULT_METHODS
-    damping_ratio: float = 0.1
-    m_factor: int = 8
-    gaussian_seeds: int = 3
-    seed: int = 0
-    batch_size: int = 8
-    ndcg_k: int = 20
-    modules: Optional[Tuple[str, ...]] = None
-
-    def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise ConfigError(f"FidelityConfig.methods: unknown {unknown}; choose from {sorted(METHODS)}")
-        if not self.budgets or min(self.budgets) < 1:
-            raise ConfigError(f"FidelityConfig.budgets must be positive byte counts, got {self.budgets}")
-        if self.gaussian_seeds < 1 or self.batch_size < 1 or self.ndcg_k < 1 or self.m_factor < 1:
-            raise ConfigError("FidelityConfig: gaussian_seeds, batch_size, ndcg_k and m_factor must be >= 1")
-        if not self.damping_ratio > 0:
-            raise ConfigError(f"FidelityConfig.damping_ratio must be positive, got {self.damping_ratio}")
-
-
-@dataclass(frozen=True)
-class LDSConfig:
-    """Retraining evaluation (Appendix D.1), sized for 2 CPU cores.
-
-    base: the pretrained model each retraining starts from. num_subsets: ``R`` half-subsets
-    (the paper uses 100; 24 keeps the default run in minutes). recipe: the fine-tuning recipe
-    (the one the attributed model was made with). counterfactual: remove each of
-    ``cf_methods`` at ``cf_budget`` bytes (plus uncompressed EK-FAC, plus random documents)
-    top-``N`` documents for ``N`` in ``cf_removals``, ranked on the first ``cf_queries``
-    queries, and retrain with each of ``cf_seeds``. One retraining takes about 35 s (256
-    documents) to 70 s (all 512) on 2 CPU cores for the default model.
-    """
-
-    base: str = field(default_factory=lambda: _default("base"))
-    num_subsets: int = 24
-    fraction: float = 0.5
-    seed: int = 0
-    recipe: tinylm.FinetuneRecipe = tinylm.FinetuneRecipe()
-    n_bootstrap: int = 1000
-    counterfactual: bool = True
-    cf_budget: int = 256
-    cf_methods: Tuple[str, ...] = ("eogp", "logra-pca", "grass")
-    cf_removals: Tuple[int, ...] = (32, 64)
-    cf_seeds: Tuple[int, ...] = (0, 1)
-    cf_queries: int = 16
-
-    def __post_init__(self) -> None:
-        if self.num_subsets < 2:
-            raise ConfigError(f"LDSConfig.num_subsets must be at least 2, got {self.num_subsets}")
-        if not 0 < self.fraction < 1:
-            raise ConfigError(f"LDSConfig.fraction must lie in (0, 1), got {self.fraction}")
-        if self.n_bootstrap < 0 or self.cf_queries < 1:
-            raise ConfigError("LDSConfig: n_bootstrap must be >= 0 and cf_queries >= 1")
-        unknown = [m for m in self.cf_methods if m not in METHODS]
-        if unknown:
-            raise ConfigError(f"LDSConfig.cf_methods: unknown {unknown}; choose from {sorted(METHODS)}")
 
 
 @dataclass

@@ -31,13 +31,15 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+# Defined torch-free (the command line reads them), re-exported here where they are used.
+from eogp_index.evaluation.config import FinetuneRecipe, PretrainRecipe, default_root
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -71,64 +73,6 @@ CHAT_TEMPLATE = (
     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
-
-
-# --------------------------------------------------------------------------------------
-# Recipes
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FinetuneRecipe:
-    """How the default model is fine-tuned from its base (and retrained by LDS).
-
-    AdamW (``betas=(0.9, 0.999)``, ``eps=1e-8``) with a learning rate decaying linearly
-    from ``lr`` to 0 over all steps, gradient-norm clipping at ``max_grad_norm`` (0 turns it
-    off), documents reshuffled every epoch by a generator seeded with ``seed``, batches of
-    ``batch_size`` documents (the last one may be smaller), no dropout.
-    """
-
-    epochs: int = 3
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    batch_size: int = 8
-    max_tokens: int = 128
-    seed: int = 0
-    max_grad_norm: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "max_tokens"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"FinetuneRecipe.{name} must be >= 1, got {getattr(self, name)!r}")
-        if not self.lr > 0:
-            raise ValueError(f"FinetuneRecipe.lr must be > 0, got {self.lr!r}")
-        if self.weight_decay < 0 or self.max_grad_norm < 0:
-            raise ValueError("FinetuneRecipe.weight_decay and max_grad_norm must be >= 0")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class PretrainRecipe:
-    """How the default base model is pretrained from scratch.
-
-    Documents are concatenated (each followed by eos) and cut into ``block_size``-token
-    blocks; ``steps`` AdamW steps on random batches of ``batch_size`` blocks, linear warmup
-    over ``warmup_steps`` then cosine decay to ``lr / 10``.
-    """
-
-    steps: int = 1200
-    lr: float = 2e-3
-    warmup_steps: int = 100
-    weight_decay: float = 0.01
-    batch_size: int = 16
-    block_size: int = 128
-    seed: int = 0
-    max_grad_norm: float = 1.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def default_config(vocab_size: int = 2048, *, n_positions: int = 256, **overrides: Any):
@@ -449,14 +393,6 @@ def _pretrain_loop(model, blocks: torch.Tensor, recipe: PretrainRecipe, log, log
 # --------------------------------------------------------------------------------------
 # The shipped default
 # --------------------------------------------------------------------------------------
-
-
-def default_root() -> Path:
-    """``examples/default`` of the source tree this module lives in, else of the working directory."""
-    here = Path(__file__).resolve().parents[2] / "examples" / "default"
-    if here.is_dir():
-        return here
-    return Path.cwd() / "examples" / "default"
 
 
 def _resolve_root(root: str | os.PathLike | None) -> Path:

@@ -731,7 +731,7 @@ def build(index, name: str = "default", config: FaissConfig = FaissConfig(), *,
     """Build (or replace) the FAISS binary index ``name`` over every stored row of ``index``.
 
     Args:
-        index: an :class:`~eogp_index.client.AttributionIndex` with ``precision="1bit"``.
+        index: a :class:`~eogp_index.store.stored_index.StoredIndex` (or an opened index) with ``precision="1bit"``.
         name: saved as ``<index>/faiss/<name>.*``.
         config: which index (:class:`FaissConfig`).
 

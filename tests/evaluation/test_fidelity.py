@@ -310,3 +310,12 @@ def test_cli_rejects_unknown_methods(tiny_model_dir, tmp_path):
     result = CliRunner().invoke(eval_group, ["fidelity", "--model", str(tiny_model_dir / "model"),
                                              "--out", str(tmp_path), "--methods", "eogp,bogus"])
     assert result.exit_code != 0 and "bogus" in result.output
+
+
+def test_method_table_is_the_configs():
+    """The torch-free config module holds the method table the command line shows; scoring uses the same."""
+    from eogp_index.evaluation import config, fidelity
+
+    assert fidelity.METHODS == config.METHODS
+    assert fidelity.DEFAULT_METHODS == config.DEFAULT_METHODS
+    assert fidelity.DEFAULT_BUDGETS == config.DEFAULT_BUDGETS

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 from transformers import GPT2LMHeadModel  # noqa: E402
 
+from eogp_index.errors import ConfigError  # noqa: E402
 from eogp_index.evaluation import tinylm  # noqa: E402
 
 VOCAB = 64
@@ -61,9 +62,12 @@ def test_recipe_is_frozen_and_validated():
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.lr = 1.0  # type: ignore[misc]
     assert r.to_dict()["batch_size"] == 8 and r.to_dict()["max_tokens"] == 128
-    with pytest.raises(ValueError):
+    # Bad values are user errors (ConfigError: a one-line message from `eogp eval`), naming the field.
+    with pytest.raises(ConfigError, match="FinetuneRecipe.batch_size must be at least 1"):
         tinylm.FinetuneRecipe(batch_size=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="FinetuneRecipe.epochs"):
+        tinylm.FinetuneRecipe(epochs=0)
+    with pytest.raises(ConfigError, match="FinetuneRecipe.lr"):
         tinylm.FinetuneRecipe(lr=0.0)
 
 

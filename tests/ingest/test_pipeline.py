@@ -317,9 +317,8 @@ def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenize
     distributed = Path(shutil.copytree(fitted.index, tmp_path / "distributed"))
     single = Path(shutil.copytree(fitted.index, tmp_path / "single"))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "ingest.distributed", "--index", str(distributed), "--shards", str(data / "*"),
-               "--metadata-field", "source", "--batch-size", str(GRADIENT_BATCH),
-               "--gradient-batch-size", str(GRADIENT_BATCH), "--device", "cpu", "--no-progress", "--json"]
+               "-m", "eogp_index.cli", "ingest", str(distributed), str(data / "*"),
+               "--metadata", "source", "--batch-size", str(GRADIENT_BATCH), "--device", "cpu", "--json"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     reported = json.loads(result.stdout[result.stdout.index("{"):])
