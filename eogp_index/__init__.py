@@ -17,6 +17,7 @@ from eogp_index.version import __version__  # noqa: F401  (the one place the ver
 # pay for torch, transformers and LanceDB, which `eogp_index.client` imports.
 _LAZY = {
     "AttributionIndex": "eogp_index.client",
+    "StoredIndex": "eogp_index.store.stored_index",
     "CurvatureConfig": "eogp_index.config",
     "GradientConfig": "eogp_index.config",
     "ProjectionConfig": "eogp_index.config",
@@ -33,6 +34,7 @@ __all__ = list(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from eogp_index.client import AttributionIndex
+    from eogp_index.store.stored_index import StoredIndex
     from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
     from eogp_index.errors import (
         ConfigError,

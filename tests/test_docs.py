@@ -53,3 +53,28 @@ def test_cli_reference_is_exactly_the_generated_page():
 
 def test_readme_links_the_cli_reference():
     assert "docs/cli-reference.md" in (ROOT / "README.md").read_text()
+
+
+def _layout_block() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Layout"):]
+    return section.split("```")[1]
+
+
+def test_readme_layout_names_every_module_and_only_real_ones():
+    import re
+
+    block = _layout_block()
+    named = set(re.findall(r"([A-Za-z_]+\.py)\b", block))
+    folders = set(re.findall(r"([A-Za-z_]+)/", block))
+    package = ROOT / "eogp_index"
+    modules = {p.name for p in package.glob("*.py")} | {p.name for d in package.iterdir() if d.is_dir()
+                                                        and d.name not in ("evaluation", "kernels", "__pycache__")
+                                                        for p in d.glob("*.py")}
+    modules.discard("__init__.py")
+    modules.discard("version.py")
+    assert sorted(modules - named) == [], "README's Layout does not name these modules"
+    real = {p.name for p in ROOT.rglob("*.py") if ".venv" not in p.parts}
+    assert sorted(named - real) == [], "README's Layout names modules that do not exist"
+    subpackages = {d.name for d in package.iterdir() if (d / "__init__.py").exists()}
+    assert sorted(subpackages - folders) == [], "README's Layout does not name these folders"
