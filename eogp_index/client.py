@@ -195,7 +195,7 @@ class AttributionIndex:
 
     def top_influential(self, query: Query, k: int = 20, *, where: Optional[str] = None,
                         direction: Literal["positive", "negative", "both"] = "positive",
-                        candidates: Optional[int] = None, stream: bool = False,
+                        candidates: Optional[int] = None, stream: bool = False, by_module: bool = False,
                         route: Literal["auto", "hot", "stream", "sharded", "candidates"] = "auto") -> pa.Table:
         """The ``k`` stored examples that most help (``positive``) or hurt (``negative``) the query.
 
@@ -204,6 +204,8 @@ class AttributionIndex:
             candidates: rescore this many FAISS candidates per direction (``eogp build-faiss``)
                 instead of scanning every row.
             stream: scan the table batch by batch instead of the in-memory hot copy.
+            by_module: add a ``modules`` column: each hit's per-module score terms, which sum to
+                its score.
             route: ``sharded`` under torchrun splits the table's fragments over the workers.
 
         Returns:
@@ -214,7 +216,8 @@ class AttributionIndex:
             route = "candidates"
         elif stream:
             route = "stream"
-        options = QueryOptions(k=k, where=where, direction=direction, route=route, candidates=candidates)
+        options = QueryOptions(k=k, where=where, direction=direction, route=route, candidates=candidates,
+                               by_module=by_module)
         return InfluenceQuery(self, query, options=options).to_arrow()
 
     def scores(self, queries: Sequence[Query], *, where: Optional[str] = None) -> tuple[List[str], np.ndarray]:

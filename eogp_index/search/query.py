@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from eogp_index.errors import ConfigError
+from eogp_index.search.explain import module_dicts, module_terms
 from eogp_index.search.ranking import Direction, ranked_table, sides_of
 from eogp_index.search.searchers import (
     CandidateSearcher,
@@ -64,6 +65,7 @@ class QueryOptions:
             (torchrun workers share the fragments), ``candidates`` (FAISS first pass).
         candidates: FAISS candidates per side, for the ``candidates`` route.
         faiss_name: which FAISS index of the index directory.
+        by_module: add each hit's per-module terms ``s_iu⟨y_u, b_iu⟩`` (they sum to its score).
     """
 
     k: int = 20
@@ -72,6 +74,7 @@ class QueryOptions:
     route: Route = "auto"
     candidates: Optional[int] = None
     faiss_name: str = "default"
+    by_module: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, (int, np.integer)) or self.k < 1:
@@ -123,6 +126,10 @@ class InfluenceQuery:
         """Rescore ``C`` FAISS candidates per side (``eogp build-faiss``) instead of every row."""
         return self._with(route="candidates", candidates=C, faiss_name=faiss_name)
 
+    def by_module(self, enabled: bool = True) -> "InfluenceQuery":
+        """Split each hit's score into its per-module terms (a ``modules`` column)."""
+        return self._with(by_module=enabled)
+
     def route(self, route: Route) -> "InfluenceQuery":
         """Choose where codes are read from: ``hot``, ``stream``, ``sharded`` (see :class:`QueryOptions`)."""
         return self._with(route=route)
@@ -141,14 +148,33 @@ class InfluenceQuery:
             return TorchSearcher(stored, self._index.device)
         return HotSearcher(stored)
 
-    def to_list(self) -> List[pa.Table]:
-        """One answer table per query (see :meth:`to_arrow`)."""
+    def to_list(self, *, coordinates: Optional[np.ndarray] = None) -> List[pa.Table]:
+        """One answer table per query (see :meth:`to_arrow`).
+
+        Args:
+            coordinates: the queries' projected gradients ``(nq, K)`` float32 when already
+                computed (a server projects the queries of many requests in one pass).
+        """
         opts = self.options
         sides = sides_of(opts.direction)
-        y = self._index.query_coordinates(self._queries)
+        y = self._index.query_coordinates(self._queries) if coordinates is None else np.asarray(coordinates, np.float32)
         found = self.searcher().top_k(y, opts.k, sides, opts.where)
-        return [ranked_table(self._index.stored.store, hits, with_direction=opts.direction == "both")
-                for hits in found]
+        stored = self._index.stored
+        return [ranked_table(stored.store, hits, with_direction=opts.direction == "both",
+                             modules=self._module_terms(hits, y[q]) if opts.by_module else None)
+                for q, hits in enumerate(found)]
+
+    def _module_terms(self, hits, y: np.ndarray):
+        """``{side: [{module: term}, ...]}`` of the hits of one query, from their stored codes."""
+        stored = self._index.stored
+        out = {}
+        for side, found in hits.items():
+            if found.rowaddr.size == 0:
+                out[side] = []
+                continue
+            codes = stored.codec.from_arrow(stored.store.take_rows(found.rowaddr.tolist(), list(stored.codec.columns)))
+            out[side] = module_dicts(module_terms(codes, y, stored.layout), stored.manifest.module_names)
+        return out
 
     def to_arrow(self) -> pa.Table:
         """The answer to a single query: ``[direction,] rank, id, score`` and the stored metadata

@@ -9,7 +9,7 @@ the user's table by :func:`ranked_table`, which reads the rows' metadata from th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Literal, Sequence, Tuple
+from typing import Dict, List, Literal, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -63,12 +63,16 @@ class Hits:
                          k, side)
 
 
-def ranked_table(store: Store, hits: Dict[Side, Hits], *, with_direction: bool) -> pa.Table:
-    """One query's answer: ``[direction,] rank, id, score`` leading, then the stored metadata columns.
+def ranked_table(store: Store, hits: Dict[Side, Hits], *, with_direction: bool,
+                 modules: Optional[Dict[Side, List[dict]]] = None) -> pa.Table:
+    """One query's answer: ``[direction,] rank, id, score[, modules]`` leading, then the stored
+    metadata columns.
 
     Args:
         hits: ``{side: Hits}`` in the order the sides are shown.
         with_direction: add the ``direction`` column (for ``direction="both"``).
+        modules: per side, one ``{module: term}`` dict per hit (``by_module``), shown as a
+            struct column ``modules`` after ``score``.
     """
     columns = store.metadata_columns()
     parts = []
@@ -77,11 +81,14 @@ def ranked_table(store: Store, hits: Dict[Side, Hits], *, with_direction: bool) 
             rows = pa.table({"id": pa.array([], pa.string())})
         else:
             rows = store.take_rows(found.rowaddr.tolist(), columns)
-        part = rows.add_column(0, "score", pa.array(found.scores, pa.float32()))
+        part = rows
+        if modules is not None:
+            part = part.add_column(0, "modules", pa.array(modules[side]) if modules[side] else pa.nulls(0))
+        part = part.add_column(0, "score", pa.array(found.scores, pa.float32()))
         part = part.add_column(0, "rank", pa.array(np.arange(1, len(found.scores) + 1), pa.int32()))
         if with_direction:
             part = part.add_column(0, "direction", pa.array([side] * len(found.scores), pa.string()))
         parts.append(part)
     result = pa.concat_tables(parts)
-    front = [c for c in ("direction", "rank", "id", "score") if c in result.column_names]
+    front = [c for c in ("direction", "rank", "id", "score", "modules") if c in result.column_names]
     return result.select(front + [c for c in result.column_names if c not in front])
