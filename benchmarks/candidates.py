@@ -86,7 +86,7 @@ import torch  # noqa: E402
 
 from eogp_index.search.candidates import CandidateIndex, FaissConfig, query_levels, rescore  # noqa: E402
 from eogp_index.client import AttributionIndex  # noqa: E402
-from eogp_index.gradients.records import Example  # noqa: E402
+from eogp_index.data.records import Example  # noqa: E402
 from eogp_index.gradients.model import load_model  # noqa: E402
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig  # noqa: E402
 from eogp_index.store.codecs import SignLayout, encode, pack_signs, unpack_signs  # noqa: E402

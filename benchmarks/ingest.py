@@ -56,7 +56,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from eogp_index.client import AttributionIndex  # noqa: E402
-from eogp_index.gradients.records import Example  # noqa: E402
+from eogp_index.data.records import Example  # noqa: E402
 from eogp_index.gradients.model import load_model  # noqa: E402
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig  # noqa: E402
 from eogp_index.evaluation.baselines import LoGraProjector, rank_for_bytes  # noqa: E402

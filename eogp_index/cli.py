@@ -20,7 +20,7 @@ from eogp_index.cliutil import fail_cleanly as _fail_cleanly
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import EOGPError
 from eogp_index.evaluation.cli import eval_group
-from eogp_index.gradients.records import RecordSpec
+from eogp_index.data.records import RecordSpec
 
 INDEX_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 
@@ -95,7 +95,7 @@ def fit(model, data, out, projection, storage, curvature, modules, gradients, se
     """
     import itertools
 
-    from ingest.readers import expand_shards
+    from eogp_index.data.readers import expand_shards
     from ingest.records import Example, iter_examples
 
     from eogp_index.client import AttributionIndex
@@ -214,7 +214,7 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
 
     queries: List[Any] = list(texts)
     if queries_file is not None:
-        from ingest.readers import iter_raw_records
+        from eogp_index.data.readers import iter_raw_records
 
         for raw in iter_raw_records(queries_file):
             if not isinstance(raw.record, dict):

@@ -25,7 +25,7 @@ from eogp_index.errors import ConfigError, InputError
 from eogp_index.fit.fitting import fit_projection
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples
 from eogp_index.gradients.model import load_model, model_sha256, pad_token_id, replace_conv1d
-from eogp_index.gradients.records import Example, RecordSpec, tokenize_record
+from eogp_index.data.records import Example, RecordSpec, tokenize_record
 from eogp_index.search.query import InfluenceQuery, Query, QueryOptions
 from eogp_index.search.searchers import HotSearcher, TorchSearcher
 from eogp_index.store.codecs import concat_modules

@@ -1,10 +1,11 @@
-"""Reading corpus shards and tokenizing their records into training examples.
+"""Corpus runs into an index: every record of the shards, checked, projected and stored.
 
-:mod:`ingest.readers` finds shards and streams raw records; :mod:`ingest.records` turns them
-into :class:`Example` objects (token ids, loss labels, id, metadata).
+:mod:`eogp_index.data` (the library core) reads shards and tokenizes one record;
+:mod:`ingest.records` adds the checks across a run's records, :mod:`ingest.pipeline` the
+resumable run with rejects, :mod:`ingest.distributed` the torchrun workers.
 """
 
-from ingest.readers import (
+from eogp_index.data.readers import (
     ParseError,
     RawRecord,
     expand_shards,

@@ -9,7 +9,7 @@ options are ``eogp ingest``'s, declared once in :mod:`eogp_index.cli`::
 
 How the work and the table are shared:
 
-* The shard list (sorted, as :func:`ingest.readers.expand_shards` returns it) is dealt out
+* The shard list (sorted, as :func:`eogp_index.data.readers.expand_shards` returns it) is dealt out
   round-robin by rank: worker ``r`` of ``W`` reads shards ``r, r + W, r + 2W, ...``.
 * The workers advance in lockstep *steps*. In each step every worker reads its next batch
   (skipping examples already stored, as :func:`ingest.pipeline.run_ingest` does), the workers
@@ -60,7 +60,7 @@ from ingest.pipeline import (
     index_lock,
     stable_hash,
 )
-from ingest.readers import expand_shards, location_of, shard_names
+from eogp_index.data.readers import expand_shards, location_of, shard_names
 from ingest.records import RecordSpec, Rejected
 
 __all__ = ["run_distributed_ingest", "main"]

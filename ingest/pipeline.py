@@ -43,7 +43,7 @@ from eogp_index.client import AttributionIndex
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
-from ingest.readers import location_of
+from eogp_index.data.readers import location_of
 from ingest.records import Example, RecordSpec, Rejected, iter_examples
 
 __all__ = ["ExampleReader", "IngestSummary", "RejectsFile", "StoredIds", "Tally", "run_ingest",

@@ -1,8 +1,8 @@
 """Records of a corpus run: reading shards into examples, with checks across records.
 
-Turning one record into an :class:`~eogp_index.gradients.records.Example` (text, chat or ids,
+Turning one record into an :class:`~eogp_index.data.records.Example` (text, chat or ids,
 and the loss mask) is the library core's job, because queries need it too
-(:mod:`eogp_index.gradients.records`); this module adds what only a corpus run needs: reading
+(:mod:`eogp_index.data.records`); this module adds what only a corpus run needs: reading
 shards in order, unique ids and consistent metadata types across records, and
 :class:`Rejected` records in ``on_error="skip"`` mode.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eogp_index.errors import ConfigError, InputError
-from eogp_index.gradients.records import (  # noqa: F401  (re-exported: the ingest layer's vocabulary)
+from eogp_index.data.records import (  # noqa: F401  (re-exported: the ingest layer's vocabulary)
     IGNORE_INDEX,
     Example,
     RecordSpec,
@@ -25,7 +25,7 @@ from eogp_index.gradients.records import (  # noqa: F401  (re-exported: the inge
     stable_id,
     tokenize_record,
 )
-from ingest.readers import ParseError, expand_shards, iter_raw_records, shard_names
+from eogp_index.data.readers import ParseError, expand_shards, iter_raw_records, shard_names
 
 __all__ = [
     "IGNORE_INDEX",
@@ -130,7 +130,7 @@ def iter_examples(
 ) -> Iterator[Example | Rejected]:
     """Read, tokenize and check every record of the given shards, in order.
 
-    paths: shard paths or globs (see :func:`ingest.readers.expand_shards`); read in sorted
+    paths: shard paths or globs (see :func:`eogp_index.data.readers.expand_shards`); read in sorted
         path order, records in file order.
     spec: the :class:`RecordSpec`; tokenizer: see :func:`tokenize_record`.
     on_error: "raise" raises the :class:`InputError` of the first bad record; "skip" yields a
@@ -139,7 +139,7 @@ def iter_examples(
         corrupt compression) and :class:`ConfigError` (e.g. no chat template) raise in both
         modes.
     shard_root: None names shards by file name; a directory names them by their path
-        relative to it (see :func:`ingest.readers.shard_names`). Shard names go into ids.
+        relative to it (see :func:`eogp_index.data.readers.shard_names`). Shard names go into ids.
     Yields :class:`Example` (and :class:`Rejected` in skip mode).
     """
     if on_error not in ("raise", "skip"):

@@ -16,6 +16,7 @@ PACKAGES = ("eogp_index", "ingest")
 #: Pipeline layers, lowest first: a file may import its own layer or lower ones only.
 LAYERS = [
     ("eogp_index.errors", "eogp_index.config", "eogp_index.schemas", "eogp_index.version"),
+    ("eogp_index.data",),
     ("eogp_index.gradients",),
     ("eogp_index.fit",),
     ("eogp_index.store",),

@@ -12,7 +12,7 @@ from typing import List
 
 import torch
 
-from eogp_index.gradients.records import Example
+from eogp_index.data.records import Example
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 64

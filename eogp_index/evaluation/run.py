@@ -79,8 +79,8 @@ def load_documents(paths: Sequence[str], tokenizer, *, max_tokens: int = 128, li
 
     Ids are the records' ``id`` field, else ``shard:position``.
     """
-    from ingest.readers import ParseError, expand_shards, iter_raw_records, shard_names
-    from eogp_index.gradients.records import RecordSpec, tokenize_record
+    from eogp_index.data.readers import ParseError, expand_shards, iter_raw_records, shard_names
+    from eogp_index.data.records import RecordSpec, tokenize_record
 
     shards = expand_shards(list(paths))
     ids: List[str] = []

@@ -28,7 +28,7 @@ from eogp_index.fit.curvature import fit_curvature
 from eogp_index.fit.projection import Projection, build_projection, fit_second_stage_pca
 from eogp_index.gradients.capture import GradientCapture, project_examples
 from eogp_index.gradients.model import find_attributed_modules, model_sha256, pad_token_id, replace_conv1d
-from eogp_index.gradients.records import Example
+from eogp_index.data.records import Example
 
 CURVATURE_DIR = "curvature"
 

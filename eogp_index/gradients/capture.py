@@ -129,7 +129,7 @@ def project_examples(capture: GradientCapture, examples: Sequence[Any], *, batch
     """Run ``capture`` over tokenized examples in batches: ``{module: (n, ...) float32 on the CPU}``.
 
     ``examples`` have ``input_ids``, ``labels`` and ``id`` (an
-    :class:`~eogp_index.gradients.records.Example`); an example with no counted label has no
+    :class:`~eogp_index.data.records.Example`); an example with no counted label has no
     gradient and is refused by name.
     """
     from tqdm.auto import tqdm

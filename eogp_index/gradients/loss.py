@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eogp_index.gradients.records import IGNORE_INDEX  # noqa: F401  (one definition, shared)
+from eogp_index.data.records import IGNORE_INDEX  # noqa: F401  (one definition, shared)
 
 
 def collate(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_token_id: int = 0) -> Dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Sequence
 
 import numpy as np
 
-from eogp_index.gradients.records import location_of
+from eogp_index.data.records import location_of
 from eogp_index.store.table import Store
 
 

@@ -1,4 +1,4 @@
-"""Tests of ingest.readers: every shard format, malformed lines, globbing and shard names."""
+"""Tests of eogp_index.data.readers: every shard format, malformed lines, globbing and shard names."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from eogp_index.errors import InputError
-from ingest.readers import (
+from eogp_index.data.readers import (
     ParseError,
     RawRecord,
     detect_format,

@@ -4,7 +4,7 @@ A *shard* is one file or one dataset directory of training documents. This modul
 shard patterns a user passes into concrete paths (:func:`expand_shards`), names them in a way
 that is stable across machines (:func:`shard_names`), and streams their records
 (:func:`iter_raw_records`) without loading a whole shard into memory. Turning records into
-token ids is :mod:`ingest.records`' job.
+token ids is :mod:`eogp_index.data.records`' job.
 
 Supported formats (decided by the file name, see :func:`detect_format`):
 
@@ -47,7 +47,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal, NamedTuple
 
 from eogp_index.errors import InputError
-from eogp_index.gradients.records import (  # noqa: F401  (location_of re-exported)
+from eogp_index.data.records import (  # noqa: F401  (location_of re-exported)
     COMPRESSION_SUFFIXES as _COMPRESSION_SUFFIXES,
     JSONL_SUFFIXES as _JSONL_SUFFIXES,
     SPLIT_SEPARATOR,

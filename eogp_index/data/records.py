@@ -1,6 +1,6 @@
 """Records to tokenized examples (training documents and queries alike): which fields hold what, tokenization and the loss mask.
 
-A record (one JSON line, Parquet row or dataset row, see :mod:`ingest.readers`) holds exactly
+A record (one JSON line, Parquet row or dataset row, see :mod:`eogp_index.data.readers`) holds exactly
 one kind of content:
 
 * ``text`` (a string): tokenized with the tokenizer's defaults (``add_special_tokens=True``),
@@ -170,7 +170,7 @@ class Example:
     """One tokenized training document, ready for per-example gradients.
 
     id: the example id (``RecordSpec.id_field``'s value, or :func:`stable_id`).
-    shard: shard name (see :func:`ingest.readers.shard_names`); position: 0-based line / row.
+    shard: shard name (see :func:`eogp_index.data.readers.shard_names`); position: 0-based line / row.
     input_ids: token ids, a tuple of Python ints of length ``num_tokens``.
     labels: same length; ``labels[t]`` is predicted from ``input_ids[:t]`` (the model shifts
         by one), ``-100`` = not counted. ``labels[0]`` is never used.
@@ -440,7 +440,7 @@ def tokenize_record(
     """Turn one raw record into an :class:`Example`.
 
     record: a decoded JSON object / row. shard, position: where it came from (see
-    :class:`ingest.readers.RawRecord`). tokenizer: a Hugging Face tokenizer (callable returning
+    :class:`eogp_index.data.readers.RawRecord`). tokenizer: a Hugging Face tokenizer (callable returning
     ``{"input_ids": list[int]}``, ``len()`` = vocabulary size, and ``apply_chat_template`` for
     chats); it may be None only for pre-tokenized records.
     Checks that do not depend on other records only: id uniqueness and metadata types across
