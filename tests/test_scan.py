@@ -383,13 +383,12 @@ def prescan_forms():
 def prescan(codes, scales, level, layout, rows, parallel=True):
     """Run the pre-scan kernel directly: ``(approx, bound)`` ``(nq, len(rows))``."""
     g = scan_mod._geometry(layout)
-    s16, s32, half = scan_mod._scale_args(scales)
+    store = scan_mod._store_args(codes, scales)
     nq = level.qarr.shape[0]
     approx = np.empty((nq, rows.shape[0]))
     bound = np.empty((nq, rows.shape[0]))
     kernel = scan_mod._bounded_kernel if parallel else scan_mod._bounded_kernel_serial
-    kernel(codes, level.qarr, g.word_start_u64, g.boff, g.reads_past_row, scan_mod._HALF_TABLE, s16, s32, half,
-           level.c1, level.c0, level.err, rows, approx, bound)
+    kernel(store, scan_mod._level_args(g, level.qarr, level.c1, level.c0, level.err), rows, approx, bound)
     return approx, bound
 
 
@@ -442,15 +441,14 @@ def test_batch_prescan_equals_single_query_prescan():
     codes, scales = random_store(layout, 150, rng)
     y = rng.standard_normal((11, layout.num_coords)).astype(np.float32)
     g = scan_mod._geometry(layout)
-    s16, s32, half = scan_mod._scale_args(scales)
+    store = scan_mod._store_args(codes, scales)
     rows = np.concatenate([rng.permutation(150)[:70], [149, 3, 149 - 1]]).astype(np.int64)  # odd count, last row
     level = scan_mod._quantize_queries(y, layout, levels=1, vnni=True)[0]
     qgrp, c1g, c0g, errg = scan_mod._group_levels(level)
     assert qgrp.shape[0] == 2 and c1g.shape == (2, layout.num_modules, scan_mod._QUERY_SET)
     approx = np.empty((11, rows.shape[0]))
     bound = np.empty_like(approx)
-    scan_mod._bounded_batch_kernel(codes, qgrp, g.word_start_u64, g.boff, g.reads_past_row, scan_mod._HALF_TABLE,
-                                   s16, s32, half, c1g, c0g, errg, rows, approx, bound)
+    scan_mod._bounded_batch_kernel(store, scan_mod._level_args(g, qgrp, c1g, c0g, errg), rows, approx, bound)
     a1, b1 = prescan(codes, scales, level, layout, rows)
     np.testing.assert_array_equal(approx, a1)
     np.testing.assert_array_equal(bound, b1)
@@ -508,12 +506,11 @@ def test_prescan_bounds_hold_on_adversarial_data(k):
             assert np.all(np.abs(exact - total) <= bound)
         if vnni:
             g = scan_mod._geometry(layout)
-            s16, s32, half = scan_mod._scale_args(scales)
+            store = scan_mod._store_args(codes, scales)
             qgrp, c1g, c0g, errg = scan_mod._group_levels(levels[0])
             approx = np.empty_like(exact)
             bound = np.empty_like(exact)
-            scan_mod._bounded_batch_kernel(codes, qgrp, g.word_start_u64, g.boff, g.reads_past_row,
-                                           scan_mod._HALF_TABLE, s16, s32, half, c1g, c0g, errg, rows, approx, bound)
+            scan_mod._bounded_batch_kernel(store, scan_mod._level_args(g, qgrp, c1g, c0g, errg), rows, approx, bound)
             assert np.all(np.abs(exact - approx) <= bound)
 
 
@@ -575,14 +572,14 @@ def test_direct_exact_scores_equal_the_table_walk(k):
     y[2] *= np.logspace(-20, 5, layout.num_coords).astype(np.float32)
     scores = scan_scores(codes, scales, y, layout)
     g = scan_mod._geometry(layout)
-    s16, s32, half = scan_mod._scale_args(scales)
+    store = scan_mod._store_args(codes, scales)
     yp = scan_mod._padded_queries(y, layout)
     todo = {0: rng.permutation(80)[:30], 2: np.arange(80)}
     qidx = np.array([0, 2, 2], dtype=np.int64)
     indptr = np.array([0, 30, 70, 110], dtype=np.int64)
     prow = np.concatenate([todo[0], todo[2]]).astype(np.int64)
     out = np.empty(prow.shape[0], dtype=np.float32)
-    scan_mod._exact_direct_pairs(codes, s16, s32, half, yp, g.boff, qidx, indptr, prow, out)
+    scan_mod._exact_direct_pairs(store, yp, g.boff, scan_mod.Pairs(qidx, indptr, prow), out)
     np.testing.assert_array_equal(out[:30], scores[0, todo[0]])
     np.testing.assert_array_equal(out[30:], scores[2])
 
