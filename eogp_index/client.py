@@ -26,6 +26,7 @@ from eogp_index.fit.fitting import fit_projection
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples
 from eogp_index.gradients.model import load_model, model_sha256, pad_token_id, replace_conv1d
 from eogp_index.data.records import Example, RecordSpec, tokenize_record
+from eogp_index.search.explain import Explanation, explain_documents
 from eogp_index.search.query import InfluenceQuery, Query, QueryOptions
 from eogp_index.search.searchers import HotSearcher, TorchSearcher
 from eogp_index.store.codecs import concat_modules
@@ -146,14 +147,21 @@ class AttributionIndex:
         return self.project(self.query_examples(queries))
 
     # -- storing ----------------------------------------------------------------------------------
-    def ingest(self, examples: Iterable[Example], *, progress: bool = True) -> int:
+    def ingest(self, examples: Iterable[Example], *, progress: bool = True, store_text: Optional[int] = None) -> int:
         """Store examples not stored yet, one commit per gradient batch; returns the rows added.
 
         An id already stored from the same shard and position is skipped (a rerun); the same id
         from elsewhere is an :class:`InputError`, as in ``eogp ingest`` (same rule:
         :class:`~eogp_index.store.stored_ids.StoredIds`). For shards, rejects and scale-out use
-        ``ingest.run_ingest`` (``eogp ingest``).
+        ``ingest.run_ingest`` (``eogp ingest``), which also records where each shard lives.
+
+        Args:
+            store_text: keep each document's text, up to this many UTF-8 bytes (see
+                :meth:`encode_rows`); every ingest into one index uses the same setting.
         """
+        self.stored.agree_store_text(store_text)
+        if self.manifest.has_content_hashes and store_text is not None:
+            self.stored.sources.save()
         stored = StoredIds(self.store)
         added = 0
         for batch in batches(examples, self.gradients.batch_size) if not progress else _bar(examples, self):
@@ -167,22 +175,31 @@ class AttributionIndex:
                     fresh.append(ex)
                     stored.remember([ex])  # a repeat later in this call is then a rerun, not a new row
             if fresh:
-                added += self.add_batch(fresh)
+                added += self.add_batch(fresh, store_text=store_text)
         return added
 
-    def add_batch(self, examples: Sequence[Example]) -> int:
+    def add_batch(self, examples: Sequence[Example], *, store_text: Optional[int] = None) -> int:
         """Project, encode and store one batch in one commit."""
-        rows = self.encode_rows(examples)
+        rows = self.encode_rows(examples, store_text=store_text)
         self.store.add(rows)
         return rows.num_rows
 
-    def encode_rows(self, examples: Sequence[Example]) -> pa.Table:
-        """The Arrow rows of a batch, ready for :meth:`Store.add` (also used by distributed ingest)."""
+    def encode_rows(self, examples: Sequence[Example], *, store_text: Optional[int] = None) -> pa.Table:
+        """The Arrow rows of a batch, ready for :meth:`Store.add` (also used by distributed ingest).
+
+        Args:
+            store_text: keep each document's text (at most this many UTF-8 bytes; a longer one is
+                stored as null and read back from its shard when explained); None stores none.
+        """
         encoded = self.codec.encode(self.project(examples))
+        hashed = self.manifest.has_content_hashes
         info = RowInfo(ids=[ex.id for ex in examples], shards=[ex.shard for ex in examples],
                        positions=[ex.position for ex in examples], num_tokens=[ex.num_tokens for ex in examples],
                        num_loss_tokens=[ex.num_loss_tokens for ex in examples],
-                       truncated=[ex.truncated for ex in examples], metadata=[dict(ex.metadata) for ex in examples])
+                       truncated=[ex.truncated for ex in examples], metadata=[dict(ex.metadata) for ex in examples],
+                       content_sha256=[ex.content_sha256 for ex in examples] if hashed else None,
+                       content_kind=[_kind(ex) for ex in examples] if hashed else None,
+                       text=None if store_text is None else [_capped(ex.display_text, store_text) for ex in examples])
         return build_rows(info, encoded, schema=self.store.schema)
 
     # -- queries ----------------------------------------------------------------------------------
@@ -231,6 +248,15 @@ class AttributionIndex:
         ids = self.store.take_rows(rowaddr.tolist(), ["id"]).column("id").to_pylist() if rowaddr.size else []
         return ids, scores
 
+    def explain(self, query: Query, example_id: str) -> Explanation:
+        """Why ``example_id`` ranks for ``query``: its score by module, its tokens' and the query's
+        tokens' contributions (:mod:`eogp_index.search.explain`)."""
+        return explain_documents(self, query, [example_id])[0]
+
+    def explain_many(self, query: Query, example_ids: Sequence[str]) -> List[Explanation]:
+        """:meth:`explain` for several documents (e.g. a query's top 10) in one batched pass."""
+        return explain_documents(self, query, list(example_ids))
+
     def hot_codes(self):
         """The in-memory copy of the stored codes, refreshed when the table has changed."""
         return self.stored.hot_codes()
@@ -238,6 +264,17 @@ class AttributionIndex:
     def info(self) -> Dict[str, Any]:
         """The manifest plus live facts: row count, table version, path."""
         return self.stored.info()
+
+
+def _kind(example: Example) -> str:
+    content = example.content or {}
+    return "text" if "text" in content else "chat" if "messages" in content else "tokens"
+
+
+def _capped(text: str, max_bytes: int) -> Optional[str]:
+    """``text`` if its UTF-8 fits ``max_bytes``; else None (never a cut document: explanations
+    rebuild the document from it)."""
+    return text if len(text.encode("utf-8")) <= max_bytes else None
 
 
 def _bar(examples: Iterable[Example], index: AttributionIndex):

@@ -57,6 +57,7 @@ from ingest.pipeline import (
     default_rejects_path,
     effective_spec,
     encode_batch,
+    record_sources,
     index_lock,
     stable_hash,
 )
@@ -162,13 +163,14 @@ def run_distributed_ingest(
     model_path: Optional[str] = None,
     progress: bool = True,
     shard_root: str | Path | None = None,
+    store_text: Optional[int] = None,
 ) -> IngestSummary:
     """Ingest ``patterns`` into the index at ``index_path`` as one worker of a ``torchrun`` job.
 
     Every worker calls this with the same arguments; each opens the index (and its model) on
     its own device, reads its share of the shards and writes its rows; rank 0 commits. See the
     module docstring for the protocol, and :func:`ingest.pipeline.run_ingest` for the meaning
-    of ``spec``, ``on_error``, ``rejects_path`` and ``shard_root``.
+    of ``spec``, ``on_error``, ``rejects_path``, ``shard_root`` and ``store_text``.
 
     Args:
         batch_size: rows per worker per step (default 256, whole gradient batches).
@@ -206,7 +208,8 @@ def run_distributed_ingest(
             model, tokenizer = load_model(model_path, device=gradients.resolved_device())
         index = AttributionIndex.open(index_path, model=model, tokenizer=tokenizer, gradients=gradients)
         worker = _Worker(index, comm, patterns, spec=spec, on_error=on_error, rejects_path=rejects_path,
-                         batch_size=batch_size, commit_every=commit_every, progress=progress, shard_root=shard_root)
+                         batch_size=batch_size, commit_every=commit_every, progress=progress, shard_root=shard_root,
+                         store_text=store_text)
         with contextlib.ExitStack() as stack:
             # Rank 0 holds the index's ingest lock for the whole job (its node's view of it);
             # every worker learns whether it got it, so none waits on a job that never starts.
@@ -226,8 +229,9 @@ def run_distributed_ingest(
 
 class _Worker:
     def __init__(self, index, comm: _Comm, patterns, *, spec, on_error, rejects_path, batch_size, commit_every,
-                 progress, shard_root):
+                 progress, shard_root, store_text):
         self.index = index
+        self.store_text = store_text
         self.comm = comm
         self.on_error = on_error
         self.commit_every = commit_every
@@ -236,6 +240,9 @@ class _Worker:
         self.rows_per_step = commit_rows(batch_size, index.gradients.batch_size)
         shards = expand_shards(list(patterns))
         shard_names(shards, root=shard_root)  # names must be unique across all workers' shards
+        # Every worker checks the text setting against sources.json alike; rank 0 alone writes it.
+        record_sources(index, patterns, self.spec, shard_root=shard_root, store_text=store_text,
+                       write=comm.rank == 0)
         self.mine = shards[comm.rank::comm.world]
         self.shard_root = shard_root
         self.rejects = RejectsFile(Path(rejects_path) if rejects_path is not None
@@ -292,7 +299,7 @@ class _Worker:
                 rows = None
                 try:
                     if batch:
-                        rows = encode_batch(self.index, batch)
+                        rows = encode_batch(self.index, batch, store_text=self.store_text)
                 except Exception as exc:
                     local_error = exc
                 if self.schema is None:

@@ -41,6 +41,7 @@ from torch import nn
 
 from eogp_index.client import AttributionIndex
 from eogp_index.errors import ConfigError, InputError
+from eogp_index.data.readers import SPLIT_SEPARATOR, expand_shards, shard_names, split_shard_spec
 from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
 from eogp_index.data.readers import location_of
@@ -316,16 +317,36 @@ def commit_rows(batch_size: Optional[int], gradient_batch_size: int) -> int:
     return -(-batch_size // gradient_batch_size) * gradient_batch_size
 
 
-def encode_batch(index: AttributionIndex, batch: Sequence[Example], on_chunk=None) -> pa.Table:
+def encode_batch(index: AttributionIndex, batch: Sequence[Example], on_chunk=None, *,
+                 store_text: Optional[int] = None) -> pa.Table:
     """Rows of ``batch``, projected one gradient batch at a time (``on_chunk(examples)`` after each)."""
     size = index.gradients.batch_size
     parts = []
     for start in range(0, len(batch), size):
         chunk = batch[start:start + size]
-        parts.append(index.encode_rows(chunk))
+        parts.append(index.encode_rows(chunk, store_text=store_text))
         if on_chunk is not None:
             on_chunk(chunk)
     return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+
+
+def record_sources(index: AttributionIndex, patterns: Sequence[str | Path], spec: RecordSpec, *,
+                   shard_root: str | Path | None, store_text: Optional[int], write: bool = True) -> None:
+    """Note in ``sources.json`` where this run's shards live and how they are read, before any of
+    their rows is stored, so that every stored row can be explained (format-2 indexes)."""
+    index.stored.agree_store_text(store_text)
+    if not index.manifest.has_content_hashes:
+        return
+    sources = index.stored.sources
+    shards = expand_shards(list(patterns))
+    names = shard_names(shards, root=shard_root)
+    uris = {}
+    for name, path in zip(names, shards):
+        base, split = split_shard_spec(path)
+        uris[name] = str(Path(base).resolve()) + (f"{SPLIT_SEPARATOR}{split}" if split else "")
+    sources.record_shards(uris, spec)
+    if write:
+        sources.save()
 
 
 @contextlib.contextmanager
@@ -388,6 +409,7 @@ def run_ingest(
     batch_size: Optional[int] = None,
     progress: bool = True,
     shard_root: str | Path | None = None,
+    store_text: Optional[int] = None,
 ) -> IngestSummary:
     """Ingest the records of ``patterns`` (shard paths or globs) into ``index``.
 
@@ -411,6 +433,9 @@ def run_ingest(
         progress: show a progress bar (documents, stored doc/s and tok/s).
         shard_root: name shards by their path relative to this directory instead of by file
             name (needed when two shards share a file name); keep it the same across runs.
+        store_text: keep each document's text in the table, up to this many UTF-8 bytes (a
+            longer document is read back from its shard when explained); None keeps none. Every
+            ingest into one index uses the same setting.
 
     Returns:
         An :class:`IngestSummary`.
@@ -432,6 +457,7 @@ def run_ingest(
     bar = _progress_bar(progress, "ingest")
     try:
         with index_lock(index.path):
+            record_sources(index, patterns, spec, shard_root=shard_root, store_text=store_text)
             reader = ExampleReader(index, patterns, spec=spec, on_error=on_error, shard_root=shard_root,
                                    stored=StoredIds(index.store))
             while not reader.exhausted:
@@ -449,7 +475,7 @@ def run_ingest(
                     if bar is not None:
                         bar.update(len(chunk))
 
-                rows = encode_batch(index, batch, on_chunk)
+                rows = encode_batch(index, batch, on_chunk, store_text=store_text)
                 index.store.add(rows)  # one commit: the batch is visible entirely or not at all
                 tally.stored += len(batch)
                 tally.tokens += sum(ex.num_tokens for ex in batch)

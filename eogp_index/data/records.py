@@ -178,6 +178,8 @@ class Example:
     num_tokens: ``len(input_ids)`` after truncation.
     num_loss_tokens: number of ``labels[1:]`` that are not ``-100`` (always >= 1).
     truncated: whether the document was cut to ``RecordSpec.max_tokens``.
+    content: what was tokenized, keyed by kind: ``{"text": str}``, ``{"messages": [...]}`` or
+        ``{"input_ids": [...], "labels": [...] | None}`` (None for examples made from ids).
     """
 
     id: str
@@ -189,6 +191,23 @@ class Example:
     num_tokens: int
     num_loss_tokens: int
     truncated: bool
+    content: dict[str, Any] | None = None
+
+    @property
+    def content_sha256(self) -> str:
+        """SHA-256 of the content as canonical JSON (of the token ids when ``content`` is None):
+        stored per row, so that a document read back from a changed shard is recognised."""
+        content = self.content if self.content is not None else {"input_ids": list(self.input_ids),
+                                                                  "labels": list(self.labels)}
+        return content_sha256(content)
+
+    @property
+    def display_text(self) -> str:
+        """The document as a person reads it: the text, or the chat / token ids as JSON."""
+        content = self.content or {"input_ids": list(self.input_ids), "labels": list(self.labels)}
+        if "text" in content:
+            return content["text"]
+        return json.dumps(content.get("messages", content), ensure_ascii=False)
 
     @classmethod
     def from_ids(cls, id: str, input_ids: Sequence[int], labels: Sequence[int] | None = None, *, shard: str = "",
@@ -218,6 +237,23 @@ def stable_id(shard: str, position: int, content: bytes | str) -> str:
     digest.update(b"\0")
     digest.update(content)
     return digest.hexdigest()[:_ID_HEX_CHARS]
+
+
+def content_sha256(content: dict[str, Any]) -> str:
+    """The hex SHA-256 of a record's content (:attr:`Example.content`) as canonical JSON."""
+    return hashlib.sha256(_canonical_json(content)).hexdigest()
+
+
+def record_of(content: dict[str, Any], spec: "RecordSpec") -> dict[str, Any]:
+    """A record holding ``content`` under ``spec``'s field names (the inverse of tokenizing's read)."""
+    if "text" in content:
+        return {spec.text_field: content["text"]}
+    if "messages" in content:
+        return {spec.messages_field: content["messages"]}
+    record = {spec.input_ids_field: content["input_ids"]}
+    if content.get("labels") is not None:
+        record[spec.labels_field] = content["labels"]
+    return record
 
 
 def _canonical_json(value: Any) -> bytes:
@@ -560,4 +596,5 @@ def tokenize_record(
         num_tokens=len(input_ids),
         num_loss_tokens=num_loss_tokens,
         truncated=truncated,
+        content=hashed,
     )

@@ -16,7 +16,10 @@ from typing import Any, Dict, List, Optional
 from eogp_index.errors import IncompatibleIndexError, IndexNotFoundError
 
 FORMAT = "eogp-index"
-FORMAT_VERSION = 1
+#: 2: rows carry content_sha256 and content_kind (and text with --store-text), and the index
+#: directory has sources.json (where each shard lives). Version 1 indexes are still read.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
 PROJECTION_FILE = "projection.safetensors"
 TABLE_NAME = "examples"
@@ -59,6 +62,11 @@ class Manifest:
         return self.table_uri or str(index_dir)
 
     @property
+    def has_content_hashes(self) -> bool:
+        """Format 2 and later: every row records its content's hash (explanations can verify it)."""
+        return self.format_version >= 2
+
+    @property
     def module_names(self) -> List[str]:
         return [m.name for m in self.modules]
 
@@ -88,10 +96,10 @@ class Manifest:
             raise IncompatibleIndexError(f"{path}: not valid JSON ({exc})") from exc
         if data.get("format") != FORMAT:
             raise IncompatibleIndexError(f"{path}: not an eogp-index manifest (format={data.get('format')!r})")
-        if data.get("format_version") != FORMAT_VERSION:
+        if data.get("format_version") not in READABLE_VERSIONS:
             raise IncompatibleIndexError(
-                f"{path}: format version {data.get('format_version')} but this eogp-index reads version "
-                f"{FORMAT_VERSION}; rebuild the index or install a matching eogp-index"
+                f"{path}: format version {data.get('format_version')} but this eogp-index reads versions "
+                f"{list(READABLE_VERSIONS)}; rebuild the index or install a matching eogp-index"
             )
         validate(data, source=path)
         data = dict(data)

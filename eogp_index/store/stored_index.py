@@ -11,12 +11,15 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
-from eogp_index.errors import IncompatibleIndexError
+from eogp_index.data.records import Example, RecordSpec, location_of, record_of, tokenize_record
+from eogp_index.errors import IncompatibleIndexError, InputError
 from eogp_index.store.codecs import Codec, SignLayout, codec_for
 from eogp_index.errors import ConfigError
 from eogp_index.store.manifest import (
@@ -27,9 +30,38 @@ from eogp_index.store.manifest import (
     ModuleEntry,
     check_compatible,
 )
+from eogp_index.store.sources import Sources
+from eogp_index.store.stored_ids import sql_string
 from eogp_index.store.table import Store
 
 HOT_DIR = "hot"
+
+
+def _record_from_text(text: str, kind: str, spec: RecordSpec) -> Dict[str, Any]:
+    """The record a stored text came from: the text itself, or the chat / ids stored as JSON."""
+    if kind == "text":
+        return record_of({"text": text}, spec)
+    value = json.loads(text)
+    return record_of({"messages": value} if kind == "chat" else value, spec)
+
+
+def _read_record(uri: str, shard: str, position: int) -> Dict[str, Any]:
+    """Record ``position`` of the shard at ``uri``, streamed from its start."""
+    from eogp_index.data.readers import iter_raw_records
+
+    try:
+        for raw in iter_raw_records(uri, shard=shard):
+            if raw.position == position:
+                if not isinstance(raw.record, dict):
+                    break
+                return raw.record
+            if raw.position > position:
+                break
+    except (InputError, OSError) as exc:
+        raise InputError(f"shard {shard!r} can no longer be read at {uri} ({exc}); restore it there, or ingest "
+                         "with --store-text so that explanations do not need the shard") from exc
+    raise InputError(f"shard {shard!r} at {uri} no longer has a record at {location_of(shard, position)}; it "
+                     "changed since ingest. Restore it as it was")
 
 
 def prepare_index_dir(path: Union[str, Path], *, table_uri: Optional[str] = None,
@@ -136,6 +168,61 @@ class StoredIndex:
         if self._hot is None or self._hot.version != self.store.version:
             self._hot = load_hot(self.store, self.codec, self.path / HOT_DIR)
         return self._hot
+
+    @functools.cached_property
+    def sources(self) -> Sources:
+        """Where the ingested shards live and how their records were read (``sources.json``)."""
+        return Sources.load(self.path)
+
+    def agree_store_text(self, max_bytes: Optional[int]) -> None:
+        """Check an ingest's ``--store-text`` setting against the index's (the first ingest sets it)."""
+        if max_bytes is not None and not self.manifest.has_content_hashes:
+            raise ConfigError(f"{self.path} has index format {self.manifest.format_version}, which has no text "
+                              "column; ingest without --store-text, or build a new index with this version")
+        if self.manifest.has_content_hashes:
+            self.sources.agree_store_text(max_bytes, table_exists=self.store.table is not None)
+
+    def row(self, example_id: str, columns: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
+        """The stored row of ``example_id`` (all columns but the codes by default), or None."""
+        if self.store.table is None:
+            return None
+        columns = columns or [c for c in self.store.metadata_columns()]
+        rows = self.store.read(columns, where=f"id = {sql_string(example_id)}").to_pylist()
+        return rows[0] if rows else None
+
+    def document(self, example_id: str, tokenizer) -> Example:
+        """The stored document ``example_id``, tokenized as it was ingested: from its stored text,
+        else read back from its shard. Its content hash must equal the stored one.
+
+        Raises:
+            InputError: no such id; the shard moved, changed or no longer holds the record.
+            IncompatibleIndexError: a format-1 index, whose rows record no content hash.
+        """
+        if not self.manifest.has_content_hashes:
+            raise IncompatibleIndexError(
+                f"{self.path} has index format {self.manifest.format_version}, whose rows record no content hash, "
+                "so a document read back could not be checked; re-ingest into an index made by this version")
+        wanted = ["id", "shard", "position", "content_sha256", "content_kind"]
+        has_text = self.store.schema is not None and "text" in self.store.schema.names
+        row = self.row(example_id, wanted + (["text"] if has_text else []))
+        if row is None:
+            raise InputError(f"no stored example has id {example_id!r} in {self.path}")
+        if row.get("text") is not None:
+            # Tokenized as at ingest: the shard's recorded max_tokens when it has one, else the index's.
+            recorded = self.sources.data["shards"].get(row["shard"], {}).get("record_spec", {})
+            spec = RecordSpec(max_tokens=recorded.get("max_tokens", self.manifest.max_tokens))
+            record, where = _record_from_text(row["text"], row["content_kind"], spec), "its stored text"
+        else:
+            uri, spec = self.sources.shard(row["shard"])
+            record, where = _read_record(uri, row["shard"], row["position"]), uri
+        example = tokenize_record(record, shard=row["shard"], position=row["position"], spec=spec,
+                                  tokenizer=tokenizer)
+        if example.content_sha256 != row["content_sha256"]:
+            raise InputError(
+                f"example {example_id!r}: the record at {location_of(row['shard'], row['position'])} in {where} has "
+                "changed since it was ingested (its content hash differs), so an explanation would be wrong. Restore "
+                "the shard as it was, or ingest the new version into a new index")
+        return dataclasses.replace(example, id=example_id)
 
     def info(self) -> Dict[str, Any]:
         """The manifest plus live facts: row count, table version, path."""

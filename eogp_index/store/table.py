@@ -34,7 +34,7 @@ from eogp_index.errors import InputError
 from eogp_index.store.codecs import Encoded, fixed_size_list, list_column_to_numpy  # noqa: F401  (re-exported)
 
 RESERVED_COLUMNS = ("id", "signs", "scales", "coords", "shard", "position", "num_tokens", "num_loss_tokens",
-                    "truncated")
+                    "truncated", "content_sha256", "content_kind", "text")
 CODE_COLUMNS = ("signs", "scales", "coords")
 #: ", /home/.../rust/lance/src/dataset/scanner.rs:839:33": where in Lance's Rust source an error arose
 _LANCE_SOURCE = re.compile(r",?\s*\S+\.rs:\d+:\d+")
@@ -51,6 +51,11 @@ class RowInfo:
     num_loss_tokens: Sequence[int]
     truncated: Sequence[bool]
     metadata: Sequence[Dict[str, Any]]
+    #: format 2: SHA-256 of each record's content, and its kind ("text", "chat", "tokens")
+    content_sha256: Optional[Sequence[str]] = None
+    content_kind: Optional[Sequence[str]] = None
+    #: with ``--store-text``: the document as a person reads it (None: over the size cap)
+    text: Optional[Sequence[Optional[str]]] = None
 
 
 def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] = None) -> pa.Table:
@@ -67,6 +72,10 @@ def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] =
     columns["num_tokens"] = pa.array(list(info.num_tokens), pa.int32())
     columns["num_loss_tokens"] = pa.array(list(info.num_loss_tokens), pa.int32())
     columns["truncated"] = pa.array(list(info.truncated), pa.bool_())
+    for name in ("content_sha256", "content_kind", "text"):
+        values = getattr(info, name)
+        if values is not None:
+            columns[name] = pa.array(list(values), pa.string())
     fields = sorted({key for row in info.metadata for key in row})
     for name in fields:
         if name in RESERVED_COLUMNS:
