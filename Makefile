@@ -24,9 +24,10 @@ demo: install
 	$(BIN)/eogp fit examples/default/model --data examples/default/corpus/train.jsonl.gz \
 		--out $(INDEX) -k 256 --curvature-examples 256 --pca-examples 512 --max-tokens 128 --overwrite
 	$(BIN)/eogp ingest $(INDEX) examples/default/corpus/train.jsonl.gz \
-		--id-field id --metadata module --metadata kind --metadata qualname --metadata n_chars
+		--id-field id --metadata module --metadata kind --metadata qualname --metadata n_chars --store-text
 	$(BIN)/eogp info $(INDEX)
 	$(BIN)/eogp query $(INDEX) --queries examples/default/queries.jsonl --limit-queries 2 -k 5
+	$(BIN)/eogp explain $(INDEX) --queries examples/default/queries.jsonl --top 1 --no-color
 
 test: install
 	$(BIN)/python -m pytest -q
