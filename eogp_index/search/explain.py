@@ -6,14 +6,20 @@ own from the row's stored code, so the terms of a hit sum to its ranked score up
 rounding.
 
 Tokens. A document's gradient at module ``u`` is a sum over its tokens, ``G = Σ_t g_t a_tᵀ``
-(output gradient times input activation at position ``t``), and the projection is linear, so
-its projected coordinates are ``z = Σ_t z_t`` with ``z_t`` the projection of ``g_t a_tᵀ``
-alone. :func:`explain_documents` recomputes ``z_t`` for the training document (one forward and
-backward pass, then the index's own projection, unquantized) and reports ``⟨y, z_t⟩`` per
-token: they sum to the document's unquantized projected score ``⟨y, z⟩``. The query is split the
-same way, ``y = Σ_t y_t``, against the document's stored code: ``Σ_u s_iu⟨y_tu, b_iu⟩`` per
-query token sums to the score as ranked. A token's contribution is that of its position's
-activation and output gradient (which carries the losses of every later position it feeds).
+(output gradient times input activation at position ``t``), and the projection ``π_u`` is
+linear, so ``⟨y_u, π_u(G)⟩ = Σ_t ⟨y_u, π_u(g_t a_tᵀ)⟩``: token ``t`` contributes its share of
+the document's unquantized projected score ``⟨y, z⟩``. Computing ``π_u`` per token would cost
+``T`` projections; instead the query is pulled back once into weight space, ``H_u = π_uᵀ(y_u)``
+``(d_out, d_in')`` with ``⟨H_u, G⟩ = ⟨y_u, π_u(G)⟩`` for every ``G`` (:func:`weight_space`: the
+second stage's adjoint, the half-whitening, the kept eigenbasis coordinates scattered into
+``Q_S ⋅ Q_Aᵀ``), and each token's contribution is ``g_tᵀ H_u a_t`` — one matrix-vector product
+per token and module, the cost of the module's own forward pass. So :func:`explain_documents`
+costs one forward and backward pass over the documents, not a pass over the store.
+
+The query is split the same way against each document's stored code ``x̂_i`` (``s_iu b_iu``):
+``g_tᵀ π_uᵀ(x̂_iu) a_t`` per query token sums to ``⟨y, x̂_i⟩``, the score as ranked. A token's
+contribution is that of its position's activation and output gradient (which carries the losses
+of every later position it feeds).
 """
 
 from __future__ import annotations
@@ -27,11 +33,6 @@ import torch
 from eogp_index.data.records import Example
 from eogp_index.gradients.capture import GradientCapture, project_examples
 from eogp_index.store.codecs import Encoded, SignLayout, concat_modules, decode
-
-#: Tokens projected at once per module when splitting a gradient by token: bounds the
-#: ``(tokens, r, c)`` eigenbasis blocks the first stage builds.
-_TOKEN_CHUNK = 256
-
 
 @dataclass(frozen=True)
 class TokenContribution:
@@ -93,40 +94,53 @@ def module_dicts(terms: np.ndarray, names: List[str]) -> List[dict]:
     return [{name: float(v) for name, v in zip(names, row)} for row in terms]
 
 
-def per_token(transform: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]):
-    """A transform projecting each token's ``g_t a_tᵀ`` on its own: ``(B, T, ...)`` → ``(B, T, k)``."""
+def weight_space(module, coords: torch.Tensor) -> torch.Tensor:
+    """Pull projected coordinates back to weight space: ``(n, k)`` → ``H`` ``(n, d_out, d_in')``
+    float32 with ``⟨H_j, G⟩ = ⟨coords_j, π(G)⟩`` for every per-example gradient ``G``.
 
-    def split(name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        B, T = a.shape[:2]
-        a1 = a.reshape(B * T, 1, a.shape[-1])
-        g1 = g.reshape(B * T, 1, g.shape[-1])
-        parts = [transform(name, a1[i:i + _TOKEN_CHUNK], g1[i:i + _TOKEN_CHUNK])
-                 for i in range(0, B * T, _TOKEN_CHUNK)]
-        return torch.cat(parts).reshape(B, T, -1)
+    ``module`` is a :class:`~eogp_index.fit.projection.ModuleProjection` ``π``: its second stage
+    is linear, so its adjoint is the gradient of ``⟨coords, second(z)⟩`` in ``z``; the
+    half-whitening is diagonal; the kept eigenbasis coordinates scatter into ``(r, c)``, and
+    ``⟨B, Q_Sᵀ G Q_A⟩ = ⟨Q_S B Q_Aᵀ, G⟩``.
+    """
+    coords = coords.float()
+    z = torch.zeros(coords.shape[0], module.m, requires_grad=True)
+    with torch.enable_grad():
+        (pulled,) = torch.autograd.grad(module.second(z), z, grad_outputs=coords)  # (n, m)
+    pulled = pulled * module.whiten
+    q_s, q_a = module.gradient_eigenvectors.float(), module.activation_eigenvectors.float()
+    block = pulled.new_zeros(coords.shape[0], q_s.shape[1] * q_a.shape[1])
+    block[:, module.local_index] = pulled
+    return q_s @ block.reshape(-1, q_s.shape[1], q_a.shape[1]) @ q_a.T
 
-    return split
 
-
-def token_coordinates(index, examples: Sequence[Example]) -> List[np.ndarray]:
-    """Per-token projected coordinates of each example: ``(T_i, K)`` float32 (unquantized).
+def token_contributions(index, examples: Sequence[Example], coords: np.ndarray) -> List[np.ndarray]:
+    """Per-token contributions ``(n_coords, T_i)`` float64 of each example against each row of
+    ``coords`` ``(n_coords, K)`` (projected coordinates, modules concatenated): row ``j``, token
+    ``t`` is ``Σ_u g_tᵀ π_uᵀ(coords_ju) a_t``; over ``t`` they sum to ``⟨coords_j, z_i⟩``.
 
     ``index`` is an :class:`~eogp_index.client.AttributionIndex` (model, tokenizer, projection).
     One forward and backward pass per gradient batch; padding positions are dropped.
     """
+    from eogp_index.gradients.capture import batches
     from eogp_index.gradients.model import pad_token_id
 
-    from eogp_index.gradients.capture import batches
-
     names = index.manifest.module_names
-    capture = GradientCapture(index.model, names, per_token(index.projection.transform))
+    layout = index.layout
+    coords_t = torch.as_tensor(np.asarray(coords, np.float32))
+    pulled = {name: weight_space(index.projection.modules[name], coords_t[:, off:off + k]).to(index.device)
+              for name, off, k in zip(names, layout.coord_offsets, layout.k)}
+
+    def contributions(name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:  # (B, n_coords, T)
+        return torch.einsum("bto,noi,bti->bnt", g, pulled[name], a)
+
+    capture = GradientCapture(index.model, names, contributions)
     out: List[np.ndarray] = []
     for batch in batches(examples, index.gradients.batch_size):  # each batch padded to its own longest
-        coords = project_examples(capture, batch, batch_size=len(batch), pad_token_id=pad_token_id(index.tokenizer),
-                                  device=index.device)
-        width = max(len(ex.input_ids) for ex in batch)
-        joined = concat_modules([coords[name].reshape(len(batch) * width, -1).numpy() for name in names])
-        joined = joined.reshape(len(batch), width, -1)
-        out.extend(joined[i, :len(ex.input_ids)] for i, ex in enumerate(batch))
+        per_module = project_examples(capture, batch, batch_size=len(batch),
+                                      pad_token_id=pad_token_id(index.tokenizer), device=index.device)
+        total = sum(per_module[name].double() for name in names).numpy()  # (B, n_coords, T)
+        out.extend(total[i, :, :len(ex.input_ids)] for i, ex in enumerate(batch))
     return out
 
 
@@ -154,25 +168,23 @@ def explain_documents(index, query, ids: Sequence[str]) -> List[Explanation]:
     stored = index.stored
     query_example = index.query_examples([query])[0]
     documents = [stored.document(i, index.tokenizer) for i in ids]       # checked against their hashes
-    query_tokens = token_coordinates(index, [query_example])[0].astype(np.float64)   # (T_q, K)
-    y = query_tokens.sum(axis=0)                                         # (K,): Σ_t y_t = y
-    doc_tokens = token_coordinates(index, documents)                      # [(T_i, K)]
+    y = index.project([query_example])                                     # (1, K)
     where = f"id IN ({', '.join(sql_string(i) for i in ids)})"
     table = stored.store.read(["id", *stored.codec.columns], where)
     position = {doc_id: row for row, doc_id in enumerate(table.column("id").to_pylist())}
     codes = stored.codec.from_arrow(table).take(np.array([position[i] for i in ids], np.int64))
-    approx = decode(codes, stored.layout).astype(np.float64)              # (r, K): s_u·b_u, or x
-    terms = module_terms(codes, y, stored.layout)                         # (r, U)
+    stored_coords = decode(codes, stored.layout)                          # (r, K): s_u·b_u, or x
+    terms = module_terms(codes, y[0], stored.layout)                      # (r, U)
+    train = token_contributions(index, documents, y)                      # [(1, T_i)]
+    (queried,) = token_contributions(index, [query_example], stored_coords)  # (r, T_q)
     names = stored.manifest.module_names
     query_texts = _token_texts(index.tokenizer, query_example.input_ids)
     out = []
-    for j, (doc, z_t) in enumerate(zip(documents, doc_tokens)):
-        train = z_t.astype(np.float64) @ y                                # (T_i,): sums to ⟨y, z⟩
-        queried = query_tokens @ approx[j]                                # (T_q,): sums to the score
+    for j, doc in enumerate(documents):
         out.append(Explanation(
-            id=doc.id, score=float(queried.sum()), score_projected=float(train.sum()),
+            id=doc.id, score=float(queried[j].sum()), score_projected=float(train[j][0].sum()),
             train_tokens=[TokenContribution(t, float(c))
-                          for t, c in zip(_token_texts(index.tokenizer, doc.input_ids), train)],
-            query_tokens=[TokenContribution(t, float(c)) for t, c in zip(query_texts, queried)],
+                          for t, c in zip(_token_texts(index.tokenizer, doc.input_ids), train[j][0])],
+            query_tokens=[TokenContribution(t, float(c)) for t, c in zip(query_texts, queried[j])],
             modules=module_dicts(terms[j:j + 1], names)[0], text=doc.display_text))
     return out
