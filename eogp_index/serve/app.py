@@ -1,0 +1,271 @@
+"""The ASGI app of ``eogp serve``: FastAPI routes over an :class:`~eogp_index.serve.engine.Engine`.
+
+==========================  ===============================================================
+``POST /v1/query``          ranked hits of one query (the rows of ``eogp query --json``)
+``POST /v1/explain``        why one stored document ranks: per module and per token
+``GET /v1/info``            the manifest, row count, filterable columns, the server's limits
+``GET /v1/examples/{id}``   one stored row (metadata, and text when stored)
+``GET /healthz``            liveness and queue depth
+``GET /openapi.json``       the API's schema
+``GET /``                   the web page (assets shipped in the package, no CDN)
+==========================  ===============================================================
+
+Every refusal is a 4xx shaped ``{"error": {"status", "field", "message", "errors"}}`` naming the
+field at fault; an unexpected failure is a 500 with a request id, its traceback in the log only.
+
+Example:
+    >>> app = create_app(AttributionIndex.open("default-index"))   # doctest: +SKIP
+    >>> uvicorn.run(app, host="127.0.0.1", port=8000)               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eogp_index.serve.batching import MicroBatcher, QueueFull
+from eogp_index.serve.config import ServeConfig
+from eogp_index.serve.engine import Engine, QueryJob, RequestError
+from eogp_index.serve.middleware import AccessLog, BearerToken, BodyLimit, error_payload
+from eogp_index.serve.schemas import ErrorResponse, ExplainRequest, QueryRequest, QueryResponse
+from eogp_index.version import __version__
+
+log = logging.getLogger("eogp.serve")
+STATIC = Path(__file__).resolve().parent / "static"
+_CONTENT = ("text", "messages", "input_ids")
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503, 504)}
+
+
+class InternalError(Exception):
+    """An unexpected failure, already logged with its traceback; the client sees its request id only."""
+
+    def __init__(self, request_id: Any):
+        self.request_id = request_id
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe values: NaN and infinities (possible in float metadata) become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+class JSON(Response):
+    """JSON as ``eogp query --json`` writes it (``default=str`` for dates and the like), NaN-free."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(_clean(content), default=str, allow_nan=False, ensure_ascii=False).encode("utf-8")
+
+
+def _error(status: int, field: Optional[str], message: str, errors=None, headers=None) -> JSON:
+    return JSON(error_payload(status, field, message, errors), status_code=status, headers=headers)
+
+
+def _query_record(body: QueryRequest) -> Tuple[Dict[str, Any], str]:
+    """The query of a request as a record dict, and the field that holds it."""
+    given = [name for name in _CONTENT if getattr(body, name) is not None]
+    if not given:
+        raise RequestError("text", "give the query as one of text, messages or input_ids")
+    if len(given) > 1:
+        raise RequestError(given[1], f"give exactly one of text, messages or input_ids, not {' and '.join(given)}")
+    if body.labels is not None and given[0] != "input_ids":
+        raise RequestError("labels", "labels go with input_ids only; the labels of a text or chat come from it")
+    field = given[0]
+    if field == "messages":
+        record: Dict[str, Any] = {"messages": [m.model_dump() for m in body.messages or []]}
+    else:
+        record = {field: getattr(body, field)}
+        if body.labels is not None:
+            record["labels"] = body.labels
+    return record, field
+
+
+def _explain_record(query: Any) -> Dict[str, Any]:
+    if isinstance(query, str):
+        return {"text": query}
+    if isinstance(query, dict):
+        unknown = sorted(set(query) - {"text", "messages", "input_ids", "labels"})
+        if unknown:
+            raise RequestError("query", f"query has unknown keys {unknown}; a record holds text, messages or "
+                                        "input_ids (with optional labels)")
+        return dict(query)
+    if not query:
+        raise RequestError("query", "query is empty; give a text, a chat or token ids")
+    if isinstance(query[0], int):
+        return {"input_ids": list(query)}
+    return {"messages": [m.model_dump() for m in query]}
+
+
+def _validation_error(exc: RequestValidationError) -> JSON:
+    """pydantic's findings as a 422 that names the field and says what to fix."""
+    found = []
+    for err in exc.errors():
+        loc = [p for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            reason = err.get("ctx", {}).get("error", "")
+            found.append(("body", f"the request body is not valid JSON ({reason}); send a JSON object such as "
+                                  '{"text": "...", "k": 10}'))
+            continue
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "body"
+        top = str(loc[0]) if loc else "body"
+        if err.get("type") == "extra_forbidden":
+            found.append((path, f"unknown field {path!r}; see /openapi.json for the fields this endpoint takes"))
+        elif err.get("type") == "missing":
+            found.append((path, f"{path} is required"))
+        elif top == "query":  # a union: one error per alternative; say what the alternatives are
+            found.append(("query", "query must be a text, a chat (a list of {role, content}), a list of token ids "
+                                   "or a record {text | messages | input_ids}"))
+        elif path == "body":
+            found.append(("body", f"the request body must be a JSON object of fields, got: {err.get('msg')}"))
+        else:
+            shown = json.dumps(err.get("input"), default=str)
+            found.append((path, f"{path}: {err.get('msg')} (got {shown[:80]})"))
+    unique = list(dict.fromkeys(found))
+    field, message = unique[0] if unique else ("body", "invalid request")
+    if len(unique) > 1:
+        message += f" (and {len(unique) - 1} more: " + "; ".join(m for _, m in unique[1:4]) + ")"
+    return _error(422, field, message, [{"field": f, "message": m} for f, m in unique])
+
+
+def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
+    """The ASGI app over an opened :class:`~eogp_index.client.AttributionIndex`.
+
+    The model thread and the batcher start with the app's lifespan (uvicorn, or
+    ``with TestClient(app)``), which also warms the hot copy and the scan kernels.
+    """
+    engine = Engine(index, config)
+    batcher = MicroBatcher(engine.run_queries, window_s=config.window_s, max_batch=config.max_batch,
+                           queue_size=config.queue_size)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await batcher.start()
+        await batcher.call(engine.warm, timeout=3600.0)
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="eogp-index", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="Which training documents influence a model's output: ranked influence queries "
+                              "over an EOGP attribution index.")
+    app.state.engine = engine
+    app.state.batcher = batcher
+
+    async def guarded(request: Request, work):
+        """Await index work, turning the expected failures into responses and logging the rest."""
+        try:
+            return await work
+        except (RequestError, QueueFull, TimeoutError):
+            raise
+        except Exception:
+            request_id = request.scope.get("state", {}).get("request_id")
+            log.exception("internal error", extra={"fields": {"event": "error", "request_id": request_id,
+                                                              "path": request.url.path}})
+            raise InternalError(request_id) from None
+
+    # -- errors -----------------------------------------------------------------------------------
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError):
+        return _error(exc.status, exc.field, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return _validation_error(exc)
+
+    @app.exception_handler(QueueFull)
+    async def _busy(_: Request, exc: QueueFull):
+        return _error(503, None, f"the server is busy ({config.queue_size} requests queued); retry in a second",
+                      headers={"Retry-After": "1"})
+
+    @app.exception_handler(TimeoutError)
+    async def _timeout(_: Request, exc: TimeoutError):
+        return _error(504, None, f"the request took longer than {config.timeout_s:g} s (timeout_s); the server "
+                                 "is overloaded or the query too long", headers={"Retry-After": "1"})
+
+    @app.exception_handler(InternalError)
+    async def _internal(_: Request, exc: InternalError):
+        return _error(500, None, f"internal error; the server log has its details under request_id "
+                                 f"{exc.request_id}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        field = {404: "path", 405: "method"}.get(exc.status_code)
+        detail = {404: f"no endpoint {request.url.path}; see /openapi.json",
+                  405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return _error(exc.status_code, field, detail)
+
+    # -- endpoints --------------------------------------------------------------------------------
+    @app.post("/v1/query", response_model=QueryResponse, responses=_ERRORS, tags=["query"])
+    async def query(body: QueryRequest, request: Request):
+        """The stored documents that most influence the query, best first (``eogp query --json``'s rows)."""
+        started = time.perf_counter()
+        record, field = _query_record(body)
+        if not 1 <= body.k <= config.max_k:
+            raise RequestError("k", f"k must be between 1 and {config.max_k} (max_k), got {body.k}")
+        where = body.where.strip() if body.where is not None and body.where.strip() else None
+        job = QueryJob(record=record, field=field, k=body.k, where=where, direction=body.direction,
+                       by_module=body.by_module)
+        table = await guarded(request, batcher.submit(job, timeout=config.timeout_s))
+        if isinstance(table, RequestError):
+            raise table
+        query_as_sent = body.text if field == "text" else record[field] if field == "messages" else record
+        return JSON({"query": query_as_sent, "results": table.to_pylist(),
+                     "took_ms": round(1000 * (time.perf_counter() - started), 2)})
+
+    @app.post("/v1/explain", responses=_ERRORS, tags=["query"])
+    async def explain(body: ExplainRequest, request: Request) -> Dict[str, Any]:
+        """Why document ``id`` ranks for ``query``: its score per module and per token."""
+        record = _explain_record(body.query)
+        return JSON(await guarded(request, batcher.call(engine.explain, record, "query", body.id,
+                                                        timeout=config.timeout_s)))
+
+    @app.get("/v1/info", tags=["index"])
+    async def info(request: Request) -> Dict[str, Any]:
+        """The manifest, row count, filterable columns (name and type) and the server's limits."""
+        return JSON(await guarded(request, batcher.call(engine.info, timeout=config.timeout_s)))
+
+    @app.get("/v1/examples/{example_id:path}", responses=_ERRORS, tags=["index"])
+    async def example(example_id: str, request: Request) -> Dict[str, Any]:
+        """One stored document's row: id, shard, position, token counts, metadata (and text when stored)."""
+        return JSON(await guarded(request, batcher.call(engine.example, example_id, timeout=config.timeout_s)))
+
+    @app.get("/healthz", tags=["server"])
+    async def healthz() -> Dict[str, Any]:
+        """Liveness: answered on the event loop, without touching the model."""
+        return {"status": "ok", "queued": batcher.depth, "version": __version__}
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    # Outermost first: the log sees every response, then the size limit, then the token.
+    app.add_middleware(BearerToken, token=config.token)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(AccessLog)
+    return app
+
+
+def open_index(path, *, device: str = "auto", batch_size: int = 32, model_name: Optional[str] = None):
+    """Open an index for serving: its model on ``device``, ``batch_size`` queries per forward pass."""
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import GradientConfig
+
+    return AttributionIndex.open(path, model_name=model_name,
+                                 gradients=GradientConfig(device=device, batch_size=batch_size))

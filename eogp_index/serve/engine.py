@@ -1,0 +1,210 @@
+"""The server's work on the index, run on the model thread (never on the event loop).
+
+:meth:`Engine.run_queries` answers a micro-batch of query requests: each query is tokenized and
+checked on its own (a bad one fails alone), all good ones are projected in one gradient pass,
+and requests that share a filter, direction and ``by_module`` share one scan — asked for the
+largest ``k`` among them, then each cut to its own ``k`` (a top-k list is a prefix of a longer
+one: same order, ties in table order), so every request gets what ``eogp query --json`` prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from eogp_index.data.records import Example, RecordSpec, tokenize_record
+from eogp_index.errors import ConfigError, EOGPError, InputError
+from eogp_index.serve.config import ServeConfig
+from eogp_index.store.stored_ids import sql_string
+from eogp_index.store.table import CODE_COLUMNS
+
+log = logging.getLogger("eogp.serve")
+
+
+class RequestError(Exception):
+    """A request the server refuses (4xx), naming the request field at fault and what to fix."""
+
+    def __init__(self, field: str, message: str, *, status: int = 400):
+        self.field = field
+        self.message = message
+        self.status = status
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class QueryJob:
+    """One ``/v1/query`` request, validated for types (``schemas.QueryRequest``).
+
+    Attributes:
+        record: the query as a record dict: ``{"text"}``, ``{"messages"}`` or ``{"input_ids"[, "labels"]}``.
+        field: the request field holding the query (named in errors about it).
+    """
+
+    record: Dict[str, Any]
+    field: str
+    k: int
+    where: Optional[str]
+    direction: str
+    by_module: bool
+
+    @property
+    def group(self) -> Tuple[Optional[str], str, bool]:
+        """Requests with the same key share one scan."""
+        return (self.where, self.direction, self.by_module)
+
+
+def _user_message(exc: EOGPError, field: Optional[str] = None) -> str:
+    """The library's message without the ``query:0:`` location it gives queries (one per request
+    here), led by the request field when the message does not name it."""
+    text = str(exc)
+    location = getattr(exc, "location", None)
+    text = text[len(location) + 2:] if location and text.startswith(f"{location}: ") else text
+    return text if field is None or f"'{field}'" in text or text.startswith(field) else f"{field}: {text}"
+
+
+def cut_to_k(table: pa.Table, k: int) -> pa.Table:
+    """The first ``k`` ranks of each side of an answer table, in its order."""
+    return table if table.num_rows == 0 else table.filter(pc.less_equal(table["rank"], k))
+
+
+class Engine:
+    """Queries, explanations and lookups on one opened :class:`~eogp_index.client.AttributionIndex`.
+
+    Not thread-safe: the server calls it from its single model thread only.
+    """
+
+    def __init__(self, index, config: ServeConfig):
+        self.index = index
+        self.config = config
+        self.vocab_size = len(index.tokenizer) if index.tokenizer is not None else None
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def warm(self) -> None:
+        """Load the hot copy and compile the scan kernels before the first request."""
+        started = time.perf_counter()
+        stored = self.index.stored
+        if stored.store.count():
+            stored.hot_codes()
+            zeros = np.zeros((1, stored.layout.num_coords), np.float32)
+            self.index.search(["warm-up"], many=True).limit(1).direction("both").to_list(coordinates=zeros)
+        try:  # the first backward pass allocates and initialises; do it now rather than in a request
+            self.index.project([Example.from_ids(id="warm-up", input_ids=[1, 2, 3, 1], shard="warm-up")])
+        except Exception as exc:  # a tokenizer with fewer than 4 ids: the first query pays instead
+            log.info("warm-up pass skipped", extra={"fields": {"event": "warmup", "reason": str(exc)[:200]}})
+        log.info("ready", extra={"fields": {"event": "ready", "rows": stored.store.count(),
+                                            "warm_ms": round(1000 * (time.perf_counter() - started), 1)}})
+
+    # -- queries ----------------------------------------------------------------------------------
+    def tokenize(self, record: Dict[str, Any], field: str) -> Example:
+        """The query's example, as ``eogp query`` tokenizes it; refuses one over ``max_query_tokens``."""
+        limit = self.config.max_query_tokens
+        if "input_ids" in record and len(record["input_ids"]) > limit:
+            raise RequestError("input_ids", f"input_ids has {len(record['input_ids'])} tokens; the server "
+                                            f"accepts at most {limit} (max_query_tokens): shorten the query", status=413)
+        try:
+            example = self.index.query_examples([record])[0]
+            length = example.num_tokens
+            if example.truncated:  # cut to the index's max_tokens: count what was sent
+                length = tokenize_record(record, shard="query", position=0, spec=RecordSpec(),
+                                         tokenizer=self.index.tokenizer).num_tokens
+        except (InputError, ConfigError) as exc:
+            if field == "input_ids" and "'labels'" in str(exc):  # the labels that go with the ids are at fault
+                field = "labels"
+            raise RequestError(field, _user_message(exc, field)) from None
+        if length > limit:
+            raise RequestError(field, f"{field} has {length} tokens; the server accepts at most {limit} "
+                                      "(max_query_tokens): shorten the query", status=413)
+        return example
+
+    def run_queries(self, jobs: Sequence[QueryJob]) -> List[Any]:
+        """One answer per job, in order: a ``pyarrow.Table`` (its ranked hits) or a :class:`RequestError`."""
+        started = time.perf_counter()
+        out: List[Any] = [None] * len(jobs)
+        examples: Dict[int, Example] = {}
+        for i, job in enumerate(jobs):
+            try:
+                examples[i] = self.tokenize(job.record, job.field)
+            except RequestError as exc:
+                out[i] = exc
+        live = sorted(examples)
+        if not live:
+            return out
+        y = self.index.project([examples[i] for i in live])  # one gradient pass for the whole batch
+        row_of = {i: j for j, i in enumerate(live)}
+        projected = time.perf_counter()
+        groups: Dict[tuple, List[int]] = defaultdict(list)
+        for i in live:
+            groups[jobs[i].group].append(i)
+        for (where, direction, by_module), members in groups.items():
+            k = max(jobs[i].k for i in members)
+            search = (self.index.search([jobs[i].record for i in members], many=True)
+                      .limit(k).where(where).direction(direction).by_module(by_module))
+            try:
+                tables = search.to_list(coordinates=y[[row_of[i] for i in members]])
+            except InputError as exc:  # the filter: the queries themselves were tokenized already
+                error = RequestError("where", _user_message(exc))
+                for i in members:
+                    out[i] = error
+                continue
+            for i, table in zip(members, tables):
+                out[i] = cut_to_k(table, jobs[i].k)
+        log.info("batch", extra={"fields": {
+            "event": "batch", "queries": len(jobs), "projected": len(live), "scans": len(groups),
+            "project_ms": round(1000 * (projected - started), 1),
+            "scan_ms": round(1000 * (time.perf_counter() - projected), 1)}})
+        return out
+
+    # -- explanations and lookups -----------------------------------------------------------------
+    def _require_row(self, example_id: str) -> None:
+        if not self.index.store.count(f"id = {sql_string(example_id)}"):
+            raise RequestError("id", f"no stored document has id {example_id!r}; take ids from /v1/query results",
+                               status=404)
+
+    def explain(self, record: Dict[str, Any], field: str, example_id: str) -> Dict[str, Any]:
+        """Why document ``example_id`` ranks for the query: ``Explanation.to_json()``."""
+        self.tokenize(record, field)
+        self._require_row(example_id)
+        explain = getattr(self.index, "explain", None)
+        if explain is None:
+            raise RequestError("id", "this eogp-index version has no explanations (AttributionIndex.explain); "
+                                     "upgrade eogp-index", status=501)
+        try:
+            return explain(record, example_id).to_json()
+        except (InputError, ConfigError) as exc:
+            raise RequestError(field, _user_message(exc, field)) from None
+
+    def example(self, example_id: str) -> Dict[str, Any]:
+        """The stored row of ``example_id``, its code columns left out."""
+        store = self.index.store
+        rows = store.read(self.metadata_columns(), where=f"id = {sql_string(example_id)}") if store.table else None
+        if rows is None or rows.num_rows == 0:
+            raise RequestError("id", f"no stored document has id {example_id!r}", status=404)
+        return rows.slice(0, 1).to_pylist()[0]
+
+    def metadata_columns(self) -> List[str]:
+        return [c for c in self.index.store.metadata_columns() if c not in CODE_COLUMNS]
+
+    def columns(self) -> List[Dict[str, str]]:
+        """The filterable columns and their Arrow types, for the page's filter box."""
+        schema = self.index.store.schema
+        if schema is None:
+            return []
+        return [{"name": f.name, "type": str(f.type)} for f in schema if f.name not in CODE_COLUMNS]
+
+    def info(self) -> Dict[str, Any]:
+        data = self.index.info()
+        data["columns"] = self.columns()
+        data["has_text"] = any(c["name"] == "text" for c in data["columns"])
+        data["explain"] = hasattr(self.index, "explain")
+        cfg = self.config
+        data["limits"] = {"max_k": cfg.max_k, "max_query_tokens": cfg.max_query_tokens,
+                          "max_request_bytes": cfg.max_request_bytes, "timeout_s": cfg.timeout_s,
+                          "max_batch": cfg.max_batch, "batch_window_ms": cfg.batch_window_ms}
+        return data

@@ -1,0 +1,166 @@
+"""The web page in a real browser: headless Chromium (Debian's chromium + chromium-driver, driven by
+Selenium) against `eogp serve` running as its own process on 127.0.0.1.
+
+It types a query, sees ranked results, applies a filter, reads an error shown on the page, and opens
+an explanation. A screenshot is saved in the test's tmp dir (set EOGP_SCREENSHOT=path to copy it).
+Without the browser the test skips with the command that installs it; under CI=true it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+INSTALL = "sudo apt-get install -y chromium chromium-driver"
+#: This machine's network is closed: nothing in the background may try to reach it.
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--no-first-run", "--window-size=1440,900")
+WAIT_S = 60  # upper bounds on waiting for the page, never asserted as timings
+
+
+def _missing_browser() -> str | None:
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.access(path, os.X_OK)]
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        missing.append("selenium (pip install -e '.[test]')")
+    return f"missing {', '.join(missing)}; install with: {INSTALL}" if missing else None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    why = _missing_browser()
+    if why:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"the browser test must run in CI: {why}")
+        pytest.skip(why)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="eogp-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS + (f"--user-data-dir={profile}",):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(index_dir, tmp_path_factory):
+    """`eogp serve` as a real uvicorn process on loopback; yields its base URL."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    with open(log, "wb") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "eogp_index.cli", "serve", str(index_dir), "--port",
+                                    str(port), "--device", "cpu"], stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/healthz", timeout=2).read()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"eogp serve did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    # Structured logs: one JSON object per request, with its latency.
+    assert '"event": "request"' in log.read_text() and '"latency_ms"' in log.read_text()
+
+
+def _wait(driver, condition, what: str):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition, message=f"waiting for {what}")
+
+
+def _search(driver, query: str, where: str = "", k: int = 4):
+    from selenium.webdriver.common.by import By
+
+    box = driver.find_element(By.ID, "query-text")
+    box.clear()
+    box.send_keys(query)
+    driver.find_element(By.ID, "where").clear()
+    if where:
+        driver.find_element(By.ID, "where").send_keys(where)
+    k_input = driver.find_element(By.ID, "k")
+    k_input.clear()
+    k_input.send_keys(str(k))
+    before = driver.find_element(By.ID, "status").text
+    driver.find_element(By.ID, "search").click()
+    _wait(driver, lambda d: d.find_element(By.ID, "status").text not in ("", "searching…", before)
+          or d.find_element(By.ID, "error").is_displayed(), "the answer")
+
+
+def test_the_page_queries_filters_and_explains(browser, server, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    browser.get(server + "/")
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#columns .chip"), "the column list")
+    columns = [chip.get_attribute("title").split(":")[0] for chip in browser.find_elements(By.CSS_SELECTOR, "#columns .chip")]
+    assert "kind" in columns and "n" in columns and "40 documents" in browser.find_element(By.ID, "index-info").text
+
+    _search(browser, "t1 t2 t3 t4 t5")
+    hits = browser.find_elements(By.CSS_SELECTOR, "li.hit")
+    assert len(hits) == 8  # k = 4 per direction, both directions
+    assert [h.text for h in browser.find_elements(By.CSS_SELECTOR, "h2.side")][0].startswith("Helps")
+    assert all(h.find_elements(By.CSS_SELECTOR, ".bar .fill") and h.find_elements(By.CSS_SELECTOR, ".doc")
+               for h in hits)
+
+    # A filter from the column list: every hit now has kind = 'class'.
+    _search(browser, "t1 t2 t3 t4 t5", where="kind = 'class'")
+    metas = [h.find_element(By.CSS_SELECTOR, ".meta").text for h in browser.find_elements(By.CSS_SELECTOR, "li.hit")]
+    assert len(metas) == 8 and all("kind class" in m for m in metas), metas
+
+    # A bad filter is shown on the page, naming the field and the columns to use.
+    _search(browser, "t1 t2 t3 t4 t5", where="kynd = 'class'")
+    error = browser.find_element(By.ID, "error")
+    assert error.is_displayed() and "where" in error.text and "kind" in error.text
+    assert "invalid" in browser.find_element(By.ID, "where").get_attribute("class")
+
+    # Back to a good filter, then open the explanation of the top hit.
+    _search(browser, "t1 t2 t3 t4 t5", where="kind = 'class'")
+    assert not browser.find_element(By.ID, "error").is_displayed()
+    first = browser.find_elements(By.CSS_SELECTOR, "li.hit")[0]
+    first.click()
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#detail .tokens .tok")
+          or d.find_elements(By.CSS_SELECTOR, "#detail .error"), "the explanation")
+    detail = browser.find_element(By.ID, "detail")
+    assert first.get_attribute("data-id") in detail.text
+    assert len(detail.find_elements(By.CSS_SELECTOR, ".module-bar")) == 8
+    assert not detail.find_elements(By.CSS_SELECTOR, ".error"), detail.text
+    query_tokens = detail.find_elements(By.CSS_SELECTOR, ".tokens")[1].find_elements(By.CSS_SELECTOR, ".tok")
+    assert [t.text for t in query_tokens] == "t1 t2 t3 t4 t5".split()
+
+    shot = tmp_path / "serve.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    if os.environ.get("EOGP_SCREENSHOT"):
+        shutil.copyfile(shot, Path(os.environ["EOGP_SCREENSHOT"]))
