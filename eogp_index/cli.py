@@ -6,6 +6,7 @@ with a one-line message saying what to fix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig,
 from eogp_index.errors import EOGPError
 from eogp_index.evaluation.cli import eval_group
 from eogp_index.data.records import RecordSpec
+from eogp_index.store.sources import DEFAULT_TEXT_BYTES
+from eogp_index.serve.config import ServeConfig
 
 INDEX_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 
@@ -53,16 +56,20 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("model")
-@click.option("--data", "data", multiple=True, required=True,
+@click.option("--data", "data", multiple=True,
               help="Shard files or globs (JSONL[.gz/.zst], Parquet, datasets.save_to_disk dirs) to fit on.")
+@click.option("--fit-data", "fit_data", multiple=True,
+              help="Fit on these shards instead of --data: fitting data kept apart from what you ingest "
+                   "(e.g. a held-out split).")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Index directory to create.")
+              help="Index directory to create (or the interrupted fit to resume).")
 @option_group(
     field_option(ProjectionConfig, "variant"),
     field_option(ProjectionConfig, "k", "-k", "--k", help="Output coordinates per module (256 unless --budget-kb)."),
     field_option(ProjectionConfig, "budget_kb"),
     field_option(ProjectionConfig, "m", "--m"),
     field_option(ProjectionConfig, "num_fit_examples", "--pca-examples"),
+    field_option(ProjectionConfig, "pca_dtype"),
     into="projection",
 )
 @option_group(field_option(StorageConfig, "precision"), into="storage")
@@ -77,46 +84,99 @@ def cli() -> None:
 @field_option(ProjectionConfig, "seed", help="Seed of the fitting samples, the sampled labels and the SRHT.")
 @click.option("--table-uri", default=None,
               help="LanceDB URI for the table (e.g. s3://bucket/prefix); default: inside --out.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing index at --out.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing index, or an interrupted fit, at --out.")
+@distributed_option
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @_record_options
 @_fail_cleanly
-def fit(model, data, out, projection, storage, curvature, modules, gradients, seed, table_uri, overwrite, as_json,
-        record):
+def fit(model, data, fit_data, out, projection, storage, curvature, modules, gradients, seed, table_uri, overwrite,
+        distributed, as_json, record):
     """Fit EK-FAC curvature and the projection; create an empty index.
 
-    MODEL is a HuggingFace hub name or a local model directory. The first
-    max(--curvature-examples, --pca-examples) documents of --data are the fitting set:
-    pass a dedicated shard to fit on a random sample.
+    MODEL is a HuggingFace hub name or a local model directory. The fitting
+    examples are a seeded random sample of all the records of --data (or
+    --fit-data), read in one pass: --curvature-examples fit the EK-FAC factors
+    and --pca-examples others fit the PCA. When there are too few for two
+    disjoint sets, the sets overlap and a warning says so.
+
+    The PCA pass caches each module's coordinates on disk (OUT/fit/, float16)
+    and fits the modules one at a time, so memory does not grow with the
+    number of modules. A fit that stopped (killed, out of time) resumes when
+    the same command is run again: finished stages are reused and reported;
+    --overwrite starts over. Under torchrun the PCA pass and the modules' PCA
+    are split over the workers (curvature too on CUDA; elsewhere rank 0 fits it).
 
     \b
     Example:
         eogp fit examples/default/model --data examples/default/corpus/train.jsonl.gz --out my-index -k 256
+        torchrun --nproc_per_node 8 -m eogp_index.cli fit gpt2 --fit-data 'heldout/*.jsonl' --out wiki-index
     """
-    import itertools
-
-    from eogp_index.data.readers import expand_shards
-    from ingest.records import Example, iter_examples
+    import logging
 
     from eogp_index.client import AttributionIndex
+    from eogp_index.fit.sampling import sample_shards
     from eogp_index.gradients.model import load_model
 
+    if bool(data) == bool(fit_data):
+        raise click.UsageError("give the shards to fit on with --data, or with --fit-data (not both)")
     if projection["k"] is None and projection["budget_kb"] is None:
         projection["k"] = 256
+    sharded = under_torchrun(distributed)
+    if sharded:
+        gradients["device"] = worker_device(gradients["device"])
     gradients = GradientConfig(**gradients)
     projection = ProjectionConfig(**projection, seed=seed)
     curvature = CurvatureConfig(**curvature, batch_size=gradients.batch_size, seed=seed)
     spec = RecordSpec(**record, max_tokens=gradients.max_tokens)
-    loaded, tokenizer = load_model(model, device=gradients.resolved_device())
-    wanted = max(curvature.num_examples, projection.num_fit_examples if projection.variant == "eogp" else 0)
-    stream = (e for e in iter_examples(expand_shards(data), spec, tokenizer, on_error="skip") if isinstance(e, Example))
-    examples = list(itertools.islice(stream, wanted))
-    click.echo(f"fitting on {len(examples)} documents", err=True)
-    index = AttributionIndex.create(out, loaded, tokenizer, examples, model_name=model,
-                                    modules=list(modules) or None, curvature=curvature, projection=projection,
-                                    storage=StorageConfig(**storage), gradients=gradients,
-                                    table_uri=table_uri, mode="overwrite" if overwrite else "create")
-    _emit(index.info(), as_json, _print_info)
+    handler = logging.StreamHandler(sys.stderr)  # resume and per-rank messages
+    handler.setFormatter(logging.Formatter(f"[rank {torchrun_rank()}] %(message)s" if sharded else "%(message)s"))
+    fit_log = logging.getLogger("eogp_index.fit")
+    fit_log.addHandler(handler)
+    fit_log.setLevel(logging.INFO)
+    try:
+        with _fit_process_group(gradients.resolved_device()) if sharded else contextlib.nullcontext():
+            loaded, tokenizer = load_model(model, device=gradients.resolved_device())
+            wanted = curvature.num_examples + (projection.num_fit_examples if projection.variant == "eogp" else 0)
+            examples, seen = sample_shards(list(fit_data or data), spec, tokenizer, wanted, seed)
+            if torchrun_rank() == 0:
+                click.echo(f"fitting on {len(examples)} documents sampled from {seen} records", err=True)
+            index = AttributionIndex.create(out, loaded, tokenizer, examples, model_name=model,
+                                            modules=list(modules) or None, curvature=curvature,
+                                            projection=projection, storage=StorageConfig(**storage),
+                                            gradients=gradients, table_uri=table_uri,
+                                            mode="overwrite" if overwrite else "create")
+    except EOGPError:
+        if torchrun_rank() != 0:  # every worker fails alike: rank 0 alone says why
+            raise click.exceptions.Exit(1)
+        raise
+    finally:
+        fit_log.removeHandler(handler)
+    if torchrun_rank() == 0:
+        _emit(index.info(), as_json, _print_info)
+
+
+@contextlib.contextmanager
+def _fit_process_group(device: str):
+    """The torchrun job's process group for ``eogp fit``: NCCL on CUDA (kronfluence then splits
+    the curvature itself), else Gloo; a long timeout, since the other ranks wait while rank 0
+    fits the curvature."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        yield
+        return
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=24))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @cli.command()
@@ -133,14 +193,19 @@ def fit(model, data, out, projection, storage, curvature, modules, gradients, se
 @click.option("--shard-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Name shards by their path relative to this directory (needed when file names repeat); "
                    "keep it the same across runs.")
+@click.option("--store-text", "store_text", is_flag=True,
+              help="Keep each document's text (a chat or ids as JSON) in the table, so results show it and "
+                   "`eogp explain` needs no shard; costs about the documents' own size per row.")
+@click.option("--store-text-max-bytes", type=click.IntRange(min=1), default=DEFAULT_TEXT_BYTES, show_default=True,
+              help="With --store-text: longer documents are not stored (explained from their shard instead).")
 @distributed_option
 @click.option("--commit-every", type=click.IntRange(min=1), default=None,
               help="Under torchrun: steps between commits (default 1); a crash loses at most this many steps.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_record_options
 @_fail_cleanly
-def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, shard_root, distributed,
-           commit_every, as_json, record):
+def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, shard_root, store_text,
+           store_text_max_bytes, distributed, commit_every, as_json, record):
     """Store corpus shards in an index. Safe to rerun: stored examples are skipped.
 
     Under torchrun (several workers, or --distributed) the shards are dealt out to the
@@ -148,13 +213,14 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
 
     \b
     Example:
-        eogp ingest my-index 'data/shard-*.jsonl.zst' --metadata source --on-error skip
+        eogp ingest my-index 'data/shard-*.jsonl.zst' --metadata source --on-error skip --store-text
         torchrun --nproc_per_node 8 -m eogp_index.cli ingest my-index 'data/*.parquet' --commit-every 4
     """
     spec = RecordSpec(**record)  # max_tokens: the index's
     gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device)
     options = dict(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
-                   progress=not as_json, shard_root=shard_root)
+                   progress=not as_json, shard_root=shard_root,
+                   store_text=store_text_max_bytes if store_text else None)
     if under_torchrun(distributed):
         from ingest.distributed import run_distributed_ingest
 
@@ -192,13 +258,15 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
 @click.option("--candidates", type=click.IntRange(min=1), default=None,
               help="Rescore only this many FAISS candidates per direction (needs `eogp build-faiss`).")
 @click.option("--stream", is_flag=True, help="Scan the table in batches instead of an in-memory copy.")
+@click.option("--by-module", is_flag=True,
+              help="Split each hit's score into its per-module terms (they sum to the score).")
 @_model_option
 @field_option(GradientConfig, "device")
 @distributed_option
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @_fail_cleanly
-def query(index_dir, texts, queries_file, limit_queries, k, where, direction, candidates, stream, model_name, device,
-          distributed, as_json):
+def query(index_dir, texts, queries_file, limit_queries, k, where, direction, candidates, stream, by_module,
+          model_name, device, distributed, as_json):
     """Show the stored examples that most influence each query.
 
     Positive scores: training on the example lowers the query's loss. Under torchrun
@@ -212,18 +280,7 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
     """
     from eogp_index.client import AttributionIndex
 
-    queries: List[Any] = list(texts)
-    if queries_file is not None:
-        from eogp_index.data.readers import iter_raw_records
-
-        for raw in iter_raw_records(queries_file):
-            if not isinstance(raw.record, dict):
-                raise click.ClickException(f"{raw.record.location}: {raw.record.reason}")
-            queries.append(raw.record)
-    if limit_queries is not None:
-        queries = queries[:limit_queries]
-    if not queries:
-        raise click.UsageError("give --text or --queries")
+    queries = _queries(texts, queries_file, limit_queries)
     sharded = under_torchrun(distributed)
     if sharded and (candidates is not None or stream):
         raise click.UsageError("--candidates and --stream choose single-process routes; drop them under torchrun")
@@ -233,7 +290,7 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
         if index.store.count() == 0 and torchrun_rank() == 0:
             click.echo(f"{index_dir} has no rows yet: nothing has been ingested. "
                        f"Store documents first: eogp ingest {index_dir} SHARDS...", err=True)
-        search = index.search(queries, many=True).limit(k).where(where).direction(direction)
+        search = index.search(queries, many=True).limit(k).where(where).direction(direction).by_module(by_module)
         if candidates is not None:
             search = search.candidates(candidates)
         elif stream or sharded:
@@ -241,6 +298,65 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
         tables = search.to_list()  # one gradient pass for all the queries
     if torchrun_rank() == 0:
         _emit([{"query": q, "results": t.to_pylist()} for q, t in zip(queries, tables)], as_json, _print_results)
+
+
+@cli.command()
+@click.argument("index_dir", type=INDEX_DIR)
+@click.option("--text", "texts", multiple=True, help="The query text.")
+@click.option("--query-file", "--queries", "queries_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="JSONL file of queries ({text} / {messages} / {input_ids}); the first one is explained.")
+@click.option("--id", "ids", multiple=True, help="Stored example id to explain (repeatable: one batched pass).")
+@click.option("--top", type=click.IntRange(min=1), default=None,
+              help="Explain the query's N most positive hits instead of naming --id.")
+@click.option("--color/--no-color", default=None, help="Shade tokens with colour (default: when a terminal).")
+@_model_option
+@field_option(GradientConfig, "device")
+@click.option("--json", "as_json", is_flag=True, help="Print the explanations as JSON.")
+@_fail_cleanly
+def explain(index_dir, texts, queries_file, ids, top, color, model_name, device, as_json):
+    """Explain why documents rank for a query: by module and by token.
+
+    Recomputes each document's per-token gradient contributions (one forward and
+    backward pass) and projects them with the index's projection: the document's
+    tokens sum to its unquantized projected score, the query's tokens to the score as
+    ranked. Tokens are shaded green (helps) or red (hurts); --no-color marks them
+    ⟨token⟩+++ / ⟨token⟩--.
+
+    \b
+    Example:
+        eogp explain my-index --text "Parse a CSV file." --top 3
+        eogp explain my-index --text "Parse a CSV file." --id train-08123 --json
+    """
+    from eogp_index.client import AttributionIndex
+    from eogp_index.search.render import explanation_terminal
+
+    queries = _queries(texts, queries_file, 1)
+    if bool(ids) == (top is not None):
+        raise click.UsageError("give --id ID (repeatable) or --top N")
+    index = AttributionIndex.open(index_dir, model_name=model_name, gradients=GradientConfig(device=device))
+    if top is not None:
+        ids = tuple(index.top_influential(queries[0], k=top).column("id").to_pylist())
+    explanations = index.explain_many(queries[0], list(ids))
+    use_color = sys.stdout.isatty() if color is None else color
+    _emit([e.to_json() for e in explanations], as_json,
+          lambda _: click.echo("\n\n".join(explanation_terminal(e, color=use_color) for e in explanations)))
+
+
+def _queries(texts, queries_file, limit: Optional[int]) -> List[Any]:
+    """Queries from --text options and a --queries JSONL file, the first ``limit`` of them."""
+    queries: List[Any] = list(texts)
+    if queries_file is not None:
+        from eogp_index.data.readers import iter_raw_records
+
+        for raw in iter_raw_records(queries_file):
+            if not isinstance(raw.record, dict):
+                raise click.ClickException(f"{raw.record.location}: {raw.record.reason}")
+            queries.append(raw.record)
+    if limit is not None:
+        queries = queries[:limit]
+    if not queries:
+        raise click.UsageError("give --text or --queries")
+    return queries
 
 
 @cli.command()
@@ -321,6 +437,134 @@ def build_faiss(index_dir, kind, name, replicas, extend_only, as_json):
                                f"{d['replicas']} replicas per sign bit"))
 
 
+@cli.command()
+@click.argument("index_dir", type=INDEX_DIR)
+@option_group(field_option(ServeConfig, "host"), field_option(ServeConfig, "port"),
+              field_option(ServeConfig, "token", envvar="EOGP_SERVE_TOKEN"), into="serving")
+@field_option(GradientConfig, "device")
+@_model_option
+@option_group(*(field_option(ServeConfig, name) for name in ("batch_window_ms", "max_batch", "queue_size", "timeout_s",
+                                                              "max_k", "max_query_tokens", "max_request_bytes")),
+              into="limits")
+@_fail_cleanly
+def serve(index_dir, serving, device, model_name, limits):
+    """Serve influence queries over HTTP, with a web page, to many users at once.
+
+    Loads the model and the hot copy once. Queries that arrive together share one
+    gradient pass; each keeps its own filter, k and direction. The page is at /, the
+    API under /v1/ (schema: /openapi.json). The token may also come from
+    $EOGP_SERVE_TOKEN. Needs the serve extra: pip install 'eogp-index[serve]'.
+
+    \b
+    Example:
+        eogp serve my-index --port 8000
+        curl -s localhost:8000/v1/query -d '{"text": "Parse a CSV file.", "k": 5}'
+    """
+    try:
+        import uvicorn  # noqa: F401  (the serve extra; say how to get it before loading the model)
+        import fastapi  # noqa: F401
+    except ImportError as exc:
+        raise click.ClickException(f"eogp serve needs the serve extra ({exc.name} is not installed): "
+                                   "pip install 'eogp-index[serve]'") from exc
+    from eogp_index.serve.app import create_app, open_index
+    from eogp_index.serve.middleware import configure_logging
+
+    config = ServeConfig(**serving, **limits)
+    if config.host not in ("127.0.0.1", "localhost", "::1") and config.token is None:
+        click.echo(f"warning: serving on {config.host} without --token: anyone who can reach it can query",
+                   err=True)
+    configure_logging()
+    index = open_index(index_dir, device=device, batch_size=config.max_batch, model_name=model_name)
+    app = create_app(index, config)
+    click.echo(f"serving {index_dir} on http://{config.host}:{config.port}/ (Ctrl-C stops)", err=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
+
+
+@cli.command()
+@click.argument("model")
+@option_group(
+    field_option(ProjectionConfig, "variant"),
+    field_option(ProjectionConfig, "k", "-k", "--k", help="Output coordinates per module (256 unless --budget-kb)."),
+    field_option(ProjectionConfig, "budget_kb"),
+    field_option(ProjectionConfig, "m", "--m"),
+    field_option(ProjectionConfig, "num_fit_examples", "--pca-examples"),
+    field_option(ProjectionConfig, "pca_dtype"),
+    into="projection",
+)
+@option_group(field_option(StorageConfig, "precision"), into="storage")
+@field_option(CurvatureConfig, "num_examples", "--curvature-examples")
+@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size")), into="gradients")
+@click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
+@click.option("--documents", type=click.IntRange(min=0), default=1_000_000, show_default=True,
+              help="Documents in the store, for its size.")
+@click.option("--all-modules", is_flag=True, help="One line per module (default: modules alike in every block, grouped).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@_fail_cleanly
+def plan(model, projection, storage, num_examples, gradients, modules, documents, all_modules, as_json):
+    """Print the storage accounting of an index before fitting it: nothing runs.
+
+    MODEL is a hub name, a local model directory or a config.json; only its
+    config is read (the model is built on PyTorch's meta device, without
+    weights). Takes eogp fit's options and gives, per attributed module, d_u,
+    m_u and k_u; the bytes per example; the shared bytes (eigenbases, P); the
+    fit's cache on disk; estimates of the peak memory of fit, ingest and query
+    (each says what it counts); and the store's size for --documents.
+
+    \b
+    Example:
+        eogp plan examples/default/model -k 256 --documents 1000000
+        eogp plan allenai/OLMo-2-0425-1B --budget-kb 28 --pca-examples 10000 --max-tokens 512 --json
+    """
+    from eogp_index.fit.plan import format_plan, make_plan, model_shape
+
+    if projection["k"] is None and projection["budget_kb"] is None:
+        projection["k"] = 256
+    config = ProjectionConfig(**projection)
+    gradients = GradientConfig(**gradients)
+    shape = model_shape(model, list(modules) or None)
+    result = make_plan(shape, config, precision=StorageConfig(**storage).precision, curvature_examples=num_examples,
+                       batch_size=gradients.batch_size, max_tokens=gradients.max_tokens, documents=documents)
+    _emit(result, as_json, lambda data: click.echo(format_plan(data, all_modules=all_modules)))
+
+
+@cli.command()
+@click.argument("index_dir", type=INDEX_DIR)
+@_model_option
+@field_option(GradientConfig, "device")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_fail_cleanly
+def verify(index_dir, model_name, device, as_json):
+    """Check an index's model and projection in full: every byte hashed.
+
+    Opening an index checks cheap sampled fingerprints of the model's weights
+    and of the projection file; this computes the full SHA-256 of both (the
+    model is loaded) and compares them with the manifest. Exits non-zero when
+    either differs.
+
+    \b
+    Example:
+        eogp verify my-index
+        eogp verify my-index --model /models/moved-here --json
+    """
+    from eogp_index.client import verify_index
+
+    report = verify_index(index_dir, model_name=model_name, device=GradientConfig(device=device).resolved_device())
+    _emit(report, as_json, _print_verify)
+    if not report["ok"]:
+        wrong = [part for part in ("projection", "model") if not report[part]["ok"]]
+        raise click.ClickException(f"{' and '.join(wrong)} of {index_dir} differ from the manifest: queries would be "
+                                   "wrong. Restore the files the index was built with, or rebuild it (eogp fit).")
+
+
+def _print_verify(report: dict) -> None:
+    for part in ("projection", "model"):
+        entry = report[part]
+        what = entry.get("file") or entry.get("name")
+        click.echo(f"{part:<11} {'ok' if entry['ok'] else 'DIFFERS'}  {what}")
+        click.echo(f"            sha256 {entry['sha256']}" + ("" if entry["sha256"] == entry["expected_sha256"] else
+                                                          f" (manifest: {entry['expected_sha256']})"))
+
+
 def _print_info(data: dict) -> None:
     modules = data["modules"]
     click.echo(f"index       {data['path']}")
@@ -348,6 +592,11 @@ def _print_results(results: list) -> None:
             preview = ", ".join(f"{k}={row[k]}" for k in shown)
             side = f"{row['direction'][:3]} " if "direction" in row else ""
             click.echo(f"  {side}#{row['rank']:<3} {row['score']:+.4e}  {row['id']}  {preview}")
+            if row.get("text"):
+                click.echo(f"        {' '.join(row['text'].split())[:96]}")
+            if row.get("modules"):
+                terms = sorted(row["modules"].items(), key=lambda kv: -abs(kv[1]))[:4]
+                click.echo("        by module: " + ", ".join(f"{name} {value:+.2e}" for name, value in terms))
 
 
 cli.add_command(eval_group)

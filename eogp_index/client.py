@@ -24,7 +24,14 @@ from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig,
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.fit.fitting import fit_projection
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples
-from eogp_index.gradients.model import load_model, model_sha256, pad_token_id, replace_conv1d
+from eogp_index.gradients.model import (
+    freeze,
+    load_model,
+    model_fingerprint,
+    model_sha256,
+    pad_token_id,
+    replace_conv1d,
+)
 from eogp_index.data.records import Example, RecordSpec, tokenize_record
 from eogp_index.search.explain import Explanation, explain_documents
 from eogp_index.search.query import InfluenceQuery, Query, QueryOptions
@@ -66,24 +73,48 @@ class AttributionIndex:
         """Fit curvature and projection on ``examples`` and write an empty index at ``path``.
 
         Args:
-            examples: tokenized corpus examples; seeded samples of them fit the EK-FAC factors
-                (``curvature.num_examples``) and the PCA (``projection.num_fit_examples``).
+            examples: tokenized corpus examples; seeded, disjoint samples of them fit the EK-FAC
+                factors (``curvature.num_examples``) and the PCA (``projection.num_fit_examples``);
+                with too few for both the sets overlap, with a warning.
             model_name: recorded in the manifest; :meth:`open` reloads the model from it.
             table_uri: a LanceDB URI (object store or directory) for the table; ``None`` keeps it
                 inside ``path``.
-            mode: ``"create"`` refuses an existing index directory; ``"overwrite"`` replaces it.
+            mode: ``"create"`` refuses an existing index directory, and resumes an interrupted fit
+                found there (``path/fit`` without a manifest); ``"overwrite"`` replaces either.
+
+        Under ``torch.distributed`` every rank calls this: the work is split
+        (:mod:`eogp_index.fit.fitting`), rank 0 writes the index, and every rank returns it.
         """
+        import torch.distributed as dist
+
         if not examples:
             raise InputError("no examples to fit the curvature and projection on")
-        path = prepare_index_dir(path, table_uri=table_uri, mode=mode)
+        distributed = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if distributed else 0
+        if rank == 0:
+            path = prepare_index_dir(path, table_uri=table_uri, mode=mode)
+        if distributed:
+            dist.barrier()
+        path = Path(path)
+        weights_fingerprint = model_fingerprint(model)  # before fitting swaps GPT-2's Conv1D, like weights_sha256
         fitted = fit_projection(model, tokenizer, examples, path, modules=modules, curvature=curvature,
                                 projection=projection, storage=storage, gradients=gradients, progress=progress)
-        stored = StoredIndex.create(
-            path, fitted, model_name=model_name, tokenizer_name=getattr(tokenizer, "name_or_path", None),
-            precision=storage.precision, damping_ratio=curvature.damping_ratio, max_tokens=gradients.max_tokens,
-            curvature={"num_examples": fitted.curvature_examples, "seed": curvature.seed,
-                       "batch_size": curvature.batch_size, "factors_dir": "curvature"},
-            table_uri=table_uri)
+        if rank == 0:
+            stored = StoredIndex.create(
+                path, fitted, model_name=model_name, tokenizer_name=getattr(tokenizer, "name_or_path", None),
+                precision=storage.precision, damping_ratio=curvature.damping_ratio, max_tokens=gradients.max_tokens,
+                curvature={"num_examples": fitted.curvature_examples, "seed": curvature.seed,
+                           "batch_size": curvature.batch_size, "factors_dir": "curvature",
+                           "fitting_set": "fit/fitting_set.json", "disjoint_from_pca": fitted.disjoint},
+                table_uri=table_uri, weights_fingerprint=weights_fingerprint)
+        if distributed:
+            dist.barrier()  # every rank is done with the fit's files
+        if rank == 0 and fitted.folder is not None:
+            fitted.folder.finish()  # the cached coordinates and per-module P are in the projection now
+        if rank != 0:
+            stored = StoredIndex.open(path)
+        stored.projection_memory = _projection_memory(gradients)
+        freeze(model)  # fitting is done: from here on only output gradients are needed
         return cls(stored, model, tokenizer, gradients=gradients)
 
     @classmethod
@@ -96,19 +127,29 @@ class AttributionIndex:
             model_name: load the model from here instead of the manifest's name (the model moved);
                 its weights must still hash to the manifest's.
 
+        The model and projection are checked by the sampled fingerprints in the manifest (an
+        index written before them: by full SHA-256s); :func:`verify_index` (``eogp verify``)
+        hashes every byte. The model is frozen: no parameter requires gradients, and queries and
+        ingests leave no ``.grad`` (only output gradients are taken).
+
         Raises:
             IncompatibleIndexError: the model's weights or the projection file differ from the
                 ones the index was built with.
         """
         stored = StoredIndex.open(path)
+        stored.projection_memory = _projection_memory(gradients)
         stored.projection  # noqa: B018  (loads and checks the projection before the model is loaded)
         if model is None:
             model, loaded = load_model(model_name or stored.manifest.model["name"], device=gradients.resolved_device())
             tokenizer = tokenizer or loaded
         elif tokenizer is None:
             raise ConfigError("AttributionIndex.open: pass the tokenizer together with the model")
-        check_compatible(stored.manifest, model_hash=model_sha256(model), where=str(stored.path))
+        if stored.manifest.model.get("weights_fingerprint"):
+            check_compatible(stored.manifest, model_fingerprint=model_fingerprint(model), where=str(stored.path))
+        else:  # written before fingerprints: the full hash
+            check_compatible(stored.manifest, model_hash=model_sha256(model), where=str(stored.path))
         replace_conv1d(model)
+        freeze(model)
         model.to(gradients.resolved_device()).eval()
         return cls(stored, model, tokenizer, gradients=gradients)
 
@@ -264,6 +305,51 @@ class AttributionIndex:
     def info(self) -> Dict[str, Any]:
         """The manifest plus live facts: row count, table version, path."""
         return self.stored.info()
+
+
+def _projection_memory(gradients: GradientConfig) -> Optional[int]:
+    """``gradients.projection_memory_gb`` in bytes (None: the projection's own default)."""
+    return None if gradients.projection_memory_gb is None else int(gradients.projection_memory_gb * (1 << 30))
+
+
+def verify_index(path: Union[str, Path], *, model: Optional[nn.Module] = None, model_name: Optional[str] = None,
+                 device: str = "cpu") -> Dict[str, Any]:
+    """The complete identity check of an index: every byte of its projection file and of its
+    model's weights hashed (SHA-256) and compared with the manifest, and the sampled fingerprints
+    that :meth:`AttributionIndex.open` checks recomputed.
+
+    Args:
+        model: the model as loaded (before eogp-index swaps GPT-2's ``Conv1D`` layers, e.g. not
+            an opened index's ``.model``); default: loaded from ``model_name`` or the manifest.
+
+    Returns:
+        ``{"index", "ok", "projection": {...}, "model": {...}}``, each part with the manifest's and
+        the computed ``sha256`` (and ``fingerprint``) and ``ok``.
+    """
+    from eogp_index.fit.projection import file_fingerprint, file_sha256
+
+    stored = StoredIndex.open(path)
+    manifest = stored.manifest
+    projection_path = stored.path / manifest.projection["file"]
+    if not projection_path.exists():
+        raise InputError(f"{projection_path} is missing: the index has no projection (refit it with eogp fit)")
+    projection = {"file": str(projection_path), "expected_sha256": manifest.projection["sha256"],
+                  "sha256": file_sha256(projection_path)}
+    if manifest.projection.get("fingerprint"):
+        projection.update(expected_fingerprint=manifest.projection["fingerprint"],
+                          fingerprint=file_fingerprint(projection_path))
+    if model is None:
+        model, _ = load_model(model_name or manifest.model["name"], device=device)
+    weights = {"name": model_name or manifest.model["name"], "expected_sha256": manifest.model["weights_sha256"],
+               "sha256": model_sha256(model)}
+    if manifest.model.get("weights_fingerprint"):
+        weights.update(expected_fingerprint=manifest.model["weights_fingerprint"],
+                       fingerprint=model_fingerprint(model))
+    for part in (projection, weights):
+        part["ok"] = all(part[key] == part[f"expected_{key}"] for key in ("sha256", "fingerprint")
+                         if key in part)
+    return {"index": str(stored.path), "ok": projection["ok"] and weights["ok"], "projection": projection,
+            "model": weights}
 
 
 def _kind(example: Example) -> str:

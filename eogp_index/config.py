@@ -17,6 +17,10 @@ from eogp_index.errors import ConfigError
 SecondStage = Literal["pca", "srht", "none"]
 Precision = Literal["1bit", "fp16", "fp32"]
 PRECISIONS = ("1bit", "fp16", "fp32")
+PcaDtype = Literal["fp16", "fp32"]
+PCA_DTYPES = ("fp16", "fp32")
+#: Bytes per element of a stored PCA matrix, by ``ProjectionConfig.pca_dtype``.
+PCA_DTYPE_BYTES = {"fp16": 2, "fp32": 4}
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 #: Variant names used in the manifest and the CLI, mapped to the second stage they use.
@@ -81,8 +85,15 @@ class ProjectionConfig:
     m_factor: int = field(default=8, metadata={"help": "m_u = min(d_u, m_factor·k_u) when m is not given.", "min": 1})
     num_fit_examples: int = field(default=1000, metadata={"help": "Examples in the PCA fitting set.", "min": 1})
     seed: int = field(default=0, metadata={"help": "Seed of the PCA fitting sample and the SRHT."})
+    pca_dtype: PcaDtype = field(
+        default="fp16",
+        metadata={"help": "Precision of the stored PCA matrices P (m_u x k_u per module): fp16 as in the paper "
+                          "(half the disk and memory), or fp32. Applied in float32 either way."},
+    )
 
     def __post_init__(self) -> None:
+        if self.pca_dtype not in PCA_DTYPES:
+            raise ConfigError(f"ProjectionConfig.pca_dtype must be one of {list(PCA_DTYPES)}, got {self.pca_dtype!r}")
         if self.variant not in VARIANTS:
             raise ConfigError(f"ProjectionConfig.variant must be one of {sorted(VARIANTS)}, got {self.variant!r}")
         if (self.k is None) == (self.budget_kb is None):
@@ -178,10 +189,18 @@ class GradientConfig:
         default=None, metadata={"help": "Truncate documents and queries to this many tokens.", "min": 1}
     )
     device: str = field(default="auto", metadata={"help": "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1'…"})
+    projection_memory_gb: Optional[float] = field(
+        default=None,
+        metadata={"help": "GiB the PCA matrices P may hold in memory at once. Under it each module's P is read "
+                          "once and kept; over it the modules' P are read one at a time in every batch and "
+                          "dropped (slower, bounded). Default: $EOGP_PROJECTION_MEMORY_GB, else half the "
+                          "available memory.", "min": 0.0, "min_open": True},
+    )
 
     def __post_init__(self) -> None:
         _positive("GradientConfig.batch_size", self.batch_size, allow_none=False)
         _positive("GradientConfig.max_tokens", self.max_tokens)
+        _positive("GradientConfig.projection_memory_gb", self.projection_memory_gb)
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"GradientConfig.device must be 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N' "
                               f"(--device), got {self.device!r}")

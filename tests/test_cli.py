@@ -146,3 +146,26 @@ def test_a_bad_filter_is_one_line_without_lance_source_paths(workspace):
     result = _run("query", root / "idx", "--text", "t1 t2", "--where", "kynd = 'a'")
     _refused(result, "kynd", "backticks")
     assert ".rs:" not in result.output and "Traceback" not in result.output
+
+
+def test_explain_by_module_and_stored_text(workspace, tmp_path):
+    root, _, _ = workspace
+    fit = _run("fit", root / "model", "--data", root / "shard.jsonl", "--out", tmp_path / "txt", "-k", "8",
+               "--curvature-examples", "12", "--pca-examples", "12", "--max-tokens", "24")
+    assert fit.exit_code == 0, fit.output
+    ingest = _run("ingest", tmp_path / "txt", root / "shard.jsonl", "--id-field", "id", "--store-text", "--json")
+    assert ingest.exit_code == 0, ingest.output
+    hits = json.loads(_run("query", tmp_path / "txt", "--text", "t1 t2 t3", "-k", "2", "--by-module",
+                           "--json").stdout)[0]["results"]
+    assert all(abs(sum(h["modules"].values()) - h["score"]) <= 1e-5 * abs(h["score"]) for h in hits)
+    assert all(h["text"].split()[0].startswith("t") for h in hits)  # the stored document text
+    explained = _run("explain", tmp_path / "txt", "--text", "t1 t2 t3", "--id", hits[0]["id"], "--json")
+    assert explained.exit_code == 0, explained.output
+    (e,) = json.loads(explained.stdout)
+    assert set(e) >= {"id", "score", "score_projected", "train_tokens", "query_tokens", "modules"}
+    assert e["id"] == hits[0]["id"] and abs(e["score"] - hits[0]["score"]) <= 1e-4 * abs(hits[0]["score"])
+    assert [t["token"] for t in e["train_tokens"]] == e["text"].split()
+    shown = _run("explain", tmp_path / "txt", "--text", "t1 t2 t3", "--top", "2", "--no-color")
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.count("document tokens:") == 2 and "\x1b[" not in shown.output
+    _refused(_run("explain", tmp_path / "txt", "--text", "t1"), "--id ID (repeatable) or --top N")

@@ -2,7 +2,6 @@
 refuses what it cannot answer correctly."""
 
 import json
-import logging
 import math
 import shutil
 
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, make_tiny_llama
+from tinymodels import TinyTokenizer, kronfluence_scores, make_examples, make_tiny_gpt2, make_tiny_llama
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError
@@ -27,33 +26,6 @@ def _create(path, model, **kwargs):
     return AttributionIndex.create(path, model, TinyTokenizer(), TRAIN, model_name="tiny", progress=False, **kwargs)
 
 
-def kronfluence_scores(index, queries, train):
-    """kronfluence's own uncompressed EK-FAC pairwise scores, from the index's factors."""
-    from kronfluence.analyzer import Analyzer, prepare_model
-    from kronfluence.arguments import ScoreArguments
-    from kronfluence.utils.dataset import DataLoaderKwargs
-
-    from eogp_index.fit.curvature import ANALYSIS_NAME, FACTORS_NAME, _ExampleDataset, _unwrap_tracked_modules
-    from eogp_index.fit.task import LanguageModelingTask
-    from eogp_index.gradients.loss import collate
-
-    task = LanguageModelingTask(modules=index.manifest.module_names)
-    prepared = prepare_model(index.model, task)
-    try:
-        analyzer = Analyzer(analysis_name=ANALYSIS_NAME, model=prepared, task=task, cpu=True, disable_tqdm=True,
-                            output_dir=str(index.path / "curvature"), log_level=logging.WARNING)
-        analyzer.compute_pairwise_scores(
-            scores_name="reference", factors_name=FACTORS_NAME,
-            query_dataset=_ExampleDataset([(e.input_ids, e.labels) for e in queries]),
-            train_dataset=_ExampleDataset([(e.input_ids, e.labels) for e in train]),
-            per_device_query_batch_size=2, per_device_train_batch_size=3,
-            dataloader_kwargs=DataLoaderKwargs(collate_fn=lambda b: collate(b, 0)),
-            score_args=ScoreArguments(damping_factor=None), overwrite_output_dir=True)
-        return analyzer.load_pairwise_scores("reference")["all_modules"].double().numpy()
-    finally:
-        _unwrap_tracked_modules(index.model)
-
-
 @pytest.mark.parametrize("make_model", [make_tiny_gpt2, make_tiny_llama], ids=["gpt2", "llama"])
 def test_full_width_index_equals_kronfluence_ekfac(tmp_path, make_model):
     """m_u = k_u = d_u, no PCA, no quantization: the paper's scores are EK-FAC influence."""
@@ -65,7 +37,7 @@ def test_full_width_index_equals_kronfluence_ekfac(tmp_path, make_model):
     order = [ids.index(e.id) for e in TRAIN]
     reference = kronfluence_scores(index, QUERIES, TRAIN)
     rel = np.linalg.norm(ours[:, order] - reference) / np.linalg.norm(reference)
-    assert rel < 1e-3, rel
+    assert rel < 1e-5, rel
 
 
 @pytest.fixture(scope="module")

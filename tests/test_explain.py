@@ -7,7 +7,6 @@ unquantized projection (``⟨y, z⟩``), and kronfluence's own per-token EK-FAC 
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 
 import numpy as np
@@ -15,11 +14,13 @@ import pytest
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+from eogp_index.data.records import Example
 from eogp_index.errors import IncompatibleIndexError, InputError
 from eogp_index.gradients.model import load_model
 from eogp_index.search.render import explanation_html, explanation_terminal
 from ingest.pipeline import run_ingest
-from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, make_tiny_llama, make_word_tokenizer
+from tinymodels import (TinyTokenizer, kronfluence_scores, make_examples, make_tiny_gpt2, make_tiny_llama,
+                        make_word_tokenizer)
 
 TRAIN = make_examples(20, seed=5)
 QUERY = {"input_ids": [4, 8, 15, 16, 23, 42, 7], "labels": [-100, -100, 15, 16, 23, 42, 7]}
@@ -72,33 +73,12 @@ def test_token_contributions_sum_to_the_projected_and_the_ranked_score(library_i
 
 def test_full_width_training_tokens_equal_kronfluence_per_token_scores(tmp_path):
     """m = k = d, fp32, no PCA: each training token's contribution is kronfluence's per-token score."""
-    from kronfluence.analyzer import Analyzer, prepare_model
-    from kronfluence.arguments import ScoreArguments
-    from kronfluence.utils.dataset import DataLoaderKwargs
-
-    from eogp_index.fit.curvature import ANALYSIS_NAME, FACTORS_NAME, _ExampleDataset, _unwrap_tracked_modules
-    from eogp_index.fit.task import LanguageModelingTask
-    from eogp_index.gradients.loss import collate
-
     index = _library_index(tmp_path / "idx", make_tiny_gpt2, projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
                            storage=StorageConfig(precision="fp32"))
     docs = TRAIN[:5]
     ours = index.explain_many(QUERY, [d.id for d in docs])
-    task = LanguageModelingTask(modules=index.manifest.module_names)
-    prepared = prepare_model(index.model, task)
-    try:
-        analyzer = Analyzer(analysis_name=ANALYSIS_NAME, model=prepared, task=task, cpu=True, disable_tqdm=True,
-                            output_dir=str(index.path / "curvature"), log_level=logging.WARNING)
-        analyzer.compute_pairwise_scores(
-            scores_name="per_token", factors_name=FACTORS_NAME,
-            query_dataset=_ExampleDataset([(QUERY["input_ids"], QUERY["labels"])]),
-            train_dataset=_ExampleDataset([(d.input_ids, d.labels) for d in docs]),
-            per_device_query_batch_size=1, per_device_train_batch_size=len(docs),
-            dataloader_kwargs=DataLoaderKwargs(collate_fn=lambda b: collate(b, 0)),
-            score_args=ScoreArguments(damping_factor=None, compute_per_token_scores=True), overwrite_output_dir=True)
-        reference = analyzer.load_pairwise_scores("per_token")["all_modules"].double().numpy()[0]  # (docs, T_max)
-    finally:
-        _unwrap_tracked_modules(index.model)
+    query = Example.from_ids("q", QUERY["input_ids"], QUERY["labels"])
+    reference = kronfluence_scores(index, [query], docs, per_token=True)[0]  # (docs, T_max)
     for i, (doc, e) in enumerate(zip(docs, ours)):
         got = np.array([t.contribution for t in e.train_tokens])
         expected = reference[i, :len(doc.input_ids)]

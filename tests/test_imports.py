@@ -22,8 +22,8 @@ LAYERS = [
     ("eogp_index.store",),
     ("eogp_index.search",),
     ("eogp_index.client",),
-    ("ingest", "eogp_index.evaluation", "eogp_index.cli", "eogp_index.cli_options", "eogp_index.cliutil",
-     "eogp_index.cli_reference", "eogp_index.__init__"),
+    ("ingest", "eogp_index.evaluation", "eogp_index.cli", "eogp_index.serve", "eogp_index.cli_options",
+     "eogp_index.cliutil", "eogp_index.cli_reference", "eogp_index.__init__"),
 ]
 #: The library core: everything but the command line and the evaluation layer. It never imports ingest.
 NOT_CORE = ("eogp_index.evaluation", "eogp_index.cli", "eogp_index.cli_options", "eogp_index.cliutil",

@@ -73,3 +73,37 @@ def make_word_tokenizer():
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", pad_token="t0", eos_token="t0")
+
+
+def kronfluence_scores(index, queries, train, *, per_token: bool = False):
+    """kronfluence's own uncompressed EK-FAC pairwise scores from the index's factors, float64:
+    ``(n_queries, n_train)``, or ``(n_queries, n_train, T_max)`` per training token.
+
+    ``queries`` and ``train`` are examples with ``input_ids`` and ``labels``.
+    """
+    import logging
+
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import ScoreArguments
+    from kronfluence.utils.dataset import DataLoaderKwargs
+
+    from eogp_index.fit.curvature import ANALYSIS_NAME, FACTORS_NAME, _ExampleDataset, _unwrap_tracked_modules
+    from eogp_index.fit.task import LanguageModelingTask
+    from eogp_index.gradients.loss import collate
+
+    task = LanguageModelingTask(modules=index.manifest.module_names)
+    prepared = prepare_model(index.model, task)
+    try:
+        analyzer = Analyzer(analysis_name=ANALYSIS_NAME, model=prepared, task=task, cpu=True, disable_tqdm=True,
+                            output_dir=str(index.path / "curvature"), log_level=logging.WARNING)
+        analyzer.compute_pairwise_scores(
+            scores_name="reference", factors_name=FACTORS_NAME,
+            query_dataset=_ExampleDataset([(e.input_ids, e.labels) for e in queries]),
+            train_dataset=_ExampleDataset([(e.input_ids, e.labels) for e in train]),
+            per_device_query_batch_size=2, per_device_train_batch_size=len(train) if per_token else 3,
+            dataloader_kwargs=DataLoaderKwargs(collate_fn=lambda b: collate(b, 0)),
+            score_args=ScoreArguments(damping_factor=None, compute_per_token_scores=per_token),
+            overwrite_output_dir=True)
+        return analyzer.load_pairwise_scores("reference")["all_modules"].double().numpy()
+    finally:
+        _unwrap_tracked_modules(index.model)

@@ -12,10 +12,11 @@ Mixing the two silently changes which directions are kept and how they are weigh
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, Iterator, List, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -81,6 +82,26 @@ def _unwrap_tracked_modules(model: nn.Module) -> None:
                 setattr(parent, child_name, child.original_module)
 
 
+@contextlib.contextmanager
+def kronfluence_device(device: str) -> Iterator[None]:
+    """Make ``device`` the current CUDA device while kronfluence runs (a no-op off CUDA).
+
+    Outside a multi-GPU torchrun job kronfluence puts the model on ``torch.device("cuda")``,
+    i.e. the *current* CUDA device (``cuda:0`` unless set), whatever device the caller chose;
+    with ``--device cuda:1`` the model then sat on ``cuda:0`` while batches went to ``cuda:1``.
+    """
+    target = torch.device(device)
+    if target.type != "cuda" or target.index is None:
+        yield
+        return
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(target)
+    try:
+        yield
+    finally:
+        torch.cuda.set_device(previous)
+
+
 def fit_curvature(
     model: nn.Module,
     examples: Sequence[tuple[Sequence[int], Sequence[int]]],
@@ -110,28 +131,31 @@ def fit_curvature(
     order = torch.randperm(len(examples), generator=generator)[: config.num_examples].sort().values
     sample = [examples[i] for i in order.tolist()]
 
-    task = LanguageModelingTask(modules=list(modules), generator=torch.Generator().manual_seed(config.seed + 1))
+    # Sampled labels are seeded per batch from the stage's seed (see LanguageModelingTask).
+    task = LanguageModelingTask(modules=list(modules), seed=config.seed + 1)
     prepared = prepare_model(model, task)
     try:
-        analyzer = Analyzer(
+        with kronfluence_device(device):
+            analyzer = Analyzer(
             analysis_name=ANALYSIS_NAME,
             model=prepared,
             task=task,
-            cpu=device == "cpu",
-            disable_tqdm=not progress,
-            output_dir=str(output_dir),
-            log_level=logging.WARNING,
-        )
-        analyzer.fit_all_factors(
-            factors_name=FACTORS_NAME,
-            dataset=_ExampleDataset(sample),
-            per_device_batch_size=config.batch_size,
-            dataloader_kwargs=DataLoaderKwargs(collate_fn=lambda batch: collate(batch, pad_token_id)),
-            factor_args=FactorArguments(strategy="ekfac"),
-            overwrite_output_dir=True,
-        )
+                cpu=device == "cpu",
+                disable_tqdm=not progress,
+                output_dir=str(output_dir),
+                log_level=logging.WARNING,
+            )
+            analyzer.fit_all_factors(
+                factors_name=FACTORS_NAME,
+                dataset=_ExampleDataset(sample),
+                per_device_batch_size=config.batch_size,
+                dataloader_kwargs=DataLoaderKwargs(collate_fn=lambda batch: collate(batch, pad_token_id)),
+                factor_args=FactorArguments(strategy="ekfac"),
+                overwrite_output_dir=True,
+            )
     finally:
         _unwrap_tracked_modules(model)
+        model.to(device)  # kronfluence moved it to its own device; the caller's batches go to ``device``
     return load_curvature(output_dir, modules)
 
 

@@ -3,11 +3,27 @@
 :func:`fit_projection` is what ``eogp fit`` runs between loading the model and writing the index
 directory:
 
-1. EK-FAC curvature with kronfluence on a seeded sample of the fitting examples
-   (:mod:`eogp_index.fit.curvature`; factors written under ``<out>/curvature``);
-2. the first stage of every module from those factors, and the SRHTs (:mod:`eogp_index.fit.projection`);
-3. for EOGP, the first-stage coordinates of a seeded sample of the examples, and the
-   uncentered PCA of each module's coordinates.
+1. the fitting sets: seeded, disjoint curvature and PCA samples of the examples
+   (:mod:`eogp_index.fit.sampling`);
+2. EK-FAC curvature with kronfluence on the curvature set (:mod:`eogp_index.fit.curvature`;
+   factors written under ``<out>/curvature``);
+3. the first stage of every module from those factors, and the SRHTs (:mod:`eogp_index.fit.projection`);
+4. for EOGP, the first-stage coordinates of the PCA set, one backward pass per batch for all
+   modules, cached on disk in float16 batch by batch; then each module's uncentered PCA from
+   its cache, one module at a time (the Gram route when ``n < m_u``).
+
+Memory: the model, kronfluence's factors, one batch's activations and coordinates, and one
+module's cache with its Gram matrix; nothing else grows with the number of modules (the fitted
+``P`` matrices are memory-mapped from disk until the projection file is written).
+
+Every stage is kept in ``<out>/fit/`` (:mod:`eogp_index.fit.cache`): a killed fit, rerun, reuses
+the finished stages, batches and modules, and says so. Label sampling is seeded per batch, so
+the rerun computes exactly what an uninterrupted fit computes.
+
+Under ``torch.distributed`` (``eogp fit`` as torchrun workers) the PCA set's batches are split
+over the ranks, and the modules' PCAs are dealt round-robin; curvature is split by kronfluence
+itself on CUDA with NCCL, and otherwise runs on rank 0 while the others wait. A shared
+filesystem under ``<out>`` is assumed.
 
 Writing the manifest and the projection file is the store's job
 (:meth:`~eogp_index.store.stored_index.StoredIndex.create`).
@@ -15,22 +31,27 @@ Writing the manifest and the projection file is the store's job
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
-from eogp_index.errors import InputError
-from eogp_index.fit.curvature import fit_curvature
-from eogp_index.fit.projection import Projection, build_projection, fit_second_stage_pca
-from eogp_index.gradients.capture import GradientCapture, project_examples
-from eogp_index.gradients.model import find_attributed_modules, model_sha256, pad_token_id, replace_conv1d
 from eogp_index.data.records import Example
+from eogp_index.errors import InputError
+from eogp_index.fit.cache import FitFolder
+from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
+from eogp_index.fit.projection import Projection, build_projection, fit_pca
+from eogp_index.fit.sampling import split_fit_sets
+from eogp_index.gradients.capture import GradientCapture, batches
+from eogp_index.gradients.loss import IGNORE_INDEX, collate
+from eogp_index.gradients.model import find_attributed_modules, model_sha256, pad_token_id, replace_conv1d
 
 CURVATURE_DIR = "curvature"
+log = logging.getLogger("eogp_index.fit")
 
 
 @dataclass(frozen=True)
@@ -43,6 +64,8 @@ class FittedProjection:
         num_parameters: the model's parameter count.
         curvature_examples: examples the EK-FAC factors were fitted on.
         pca_examples: examples in the PCA fitting set (0 without a PCA stage).
+        disjoint: whether the curvature and PCA sets share no example.
+        folder: the fit's stages on disk; :meth:`FitFolder.finish` once the index is written.
     """
 
     projection: Projection
@@ -50,6 +73,30 @@ class FittedProjection:
     num_parameters: int
     curvature_examples: int
     pca_examples: int
+    disjoint: bool = True
+    folder: Optional[FitFolder] = None
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a ``torch.distributed`` job (rank 0 of 1 outside one)."""
+
+    rank: int = 0
+    world: int = 1
+    barrier: Callable[[], None] = lambda: None
+    backend: Optional[str] = None
+
+    @classmethod
+    def current(cls) -> "Ranks":
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), dist.barrier, dist.get_backend())
+        return cls()
+
+    def share(self, items: Sequence[int]) -> list:
+        """This rank's items, dealt round-robin."""
+        return list(items)[self.rank::self.world]
 
 
 def fit_projection(
@@ -68,36 +115,140 @@ def fit_projection(
     """Fit curvature and projection on ``examples``; the model is prepared for attribution in place.
 
     Args:
-        examples: tokenized corpus examples; seeded samples of them fit the EK-FAC factors
-            (``curvature.num_examples``) and the PCA (``projection.num_fit_examples``).
-        out_dir: the index directory; kronfluence's factors go to ``out_dir/curvature``.
+        examples: tokenized examples; seeded, disjoint samples of them fit the EK-FAC factors
+            (``curvature.num_examples``) and the PCA (``projection.num_fit_examples``); when they
+            are too few for both, the two sets overlap and a warning says so.
+        out_dir: the index directory; kronfluence's factors go to ``out_dir/curvature``, the
+            fit's stages to ``out_dir/fit`` (an interrupted fit found there is resumed).
         modules: module names or globs to attribute (default: attention and MLP linears).
     """
     if not examples:
         raise InputError("no examples to fit the curvature and projection on; give --data shards with documents")
+    ranks = Ranks.current()
+    progress = progress and ranks.rank == 0  # one set of bars per job
+    out_dir = Path(out_dir)
     weights_sha256 = model_sha256(model)  # before the Conv1D swap: the checkpoint's own bytes
     replace_conv1d(model)
     device = gradients.resolved_device()
     model.to(device).eval()
     names = find_attributed_modules(model, modules)
     pad_id = pad_token_id(tokenizer)
-    factors = fit_curvature(model, [(ex.input_ids, ex.labels) for ex in examples], names, Path(out_dir) / CURVATURE_DIR,
-                            config=curvature, pad_token_id=pad_id, device=device, progress=progress)
+    use_pca = projection.second_stage == "pca"
+    sets = split_fit_sets(examples, curvature.num_examples, projection.num_fit_examples if use_pca else 0,
+                          curvature_seed=curvature.seed, pca_seed=projection.seed)
+    _check_counted(sets.pca)
+    settings = {"weights_sha256": weights_sha256, "modules": list(names), "curvature": curvature.__dict__,
+                "projection": projection.__dict__, "precision": storage.precision,
+                "max_tokens": gradients.max_tokens, "gradient_batch_size": gradients.batch_size}
+    folder = FitFolder(out_dir, settings, sets.curvature, sets.pca, disjoint=sets.disjoint)
+    num_batches = -(-len(sets.pca) // gradients.batch_size)
+    if ranks.rank == 0 and folder.begin():
+        log.info("resuming the interrupted fit in %s: reusing %s", folder.dir,
+                 _reused(folder, num_batches, len(names), use_pca))
+    ranks.barrier()
+
+    factors = _curvature(model, sets.curvature, names, out_dir, folder, curvature, pad_id, device, ranks, progress)
     fitted = build_projection(factors, projection, storage, damping_ratio=curvature.damping_ratio)
-    num_fit = 0
-    if projection.second_stage == "pca":
-        generator = torch.Generator().manual_seed(projection.seed)
-        order = torch.randperm(len(examples), generator=generator)[: projection.num_fit_examples].sort().values
-        fit_set = [examples[i] for i in order.tolist()]
-        num_fit = len(fit_set)
-        capture = GradientCapture(model, names, fitted.first_stage_transform)
-        first_stage = project_examples(capture, fit_set, batch_size=gradients.batch_size, pad_token_id=pad_id,
-                                       device=device, progress=progress, desc="PCA fitting set")
-        fit_second_stage_pca(fitted, {name: [z] for name, z in first_stage.items()})
+    del factors  # build_projection copied the columns it keeps
+    if use_pca:
+        _first_stage_pass(model, fitted, names, sets.pca, folder, gradients, pad_id, device, ranks, progress)
+        ranks.barrier()
+        _fit_modules(fitted, folder, num_batches, ranks, progress)
+        ranks.barrier()
+        for i, module in enumerate(fitted.modules.values()):
+            module.pca = folder.read_module_pca(i)
     return FittedProjection(
         projection=fitted,
         weights_sha256=weights_sha256,
         num_parameters=sum(p.numel() for p in model.parameters()),
-        curvature_examples=min(curvature.num_examples, len(examples)),
-        pca_examples=num_fit,
+        curvature_examples=len(sets.curvature),
+        pca_examples=len(sets.pca),
+        disjoint=sets.disjoint,
+        folder=folder,
     )
+
+
+def _check_counted(examples: Sequence[Example]) -> None:
+    """Refuse, by name, an example with no counted label: it has no gradient to fit on."""
+    for ex in examples:
+        if not any(label != IGNORE_INDEX for label in list(ex.labels)[1:]):
+            raise InputError(f"example {ex.id!r} has no tokens that count in the loss",
+                             location=getattr(ex, "shard", "") or None)
+
+
+def _reused(folder: FitFolder, num_batches: int, num_modules: int, use_pca: bool) -> str:
+    parts = ["the curvature factors" if folder.curvature_done() else "no curvature factors (refitting them)"]
+    if use_pca:
+        parts.append(f"the first-stage coordinates of {len(folder.batches_done(num_batches))} of {num_batches} "
+                     "batches (every module's cache, float16)")
+        parts.append(f"{len(folder.modules_done(num_modules))} of {num_modules} fitted modules")
+    return ", ".join(parts)
+
+
+def _curvature(model, examples, names, out_dir, folder, config, pad_id, device, ranks, progress):
+    """EK-FAC factors: reused when complete; else fitted by kronfluence (see the module docstring)."""
+    curvature_dir = out_dir / CURVATURE_DIR
+    # The marker is written after kronfluence returns, so it implies complete factor files.
+    if not (folder.curvature_done() and factors_dir(curvature_dir).exists()):
+        # kronfluence splits the work only on CUDA with NCCL; elsewhere rank 0 fits alone.
+        everyone = ranks.world > 1 and str(device).startswith("cuda") and ranks.backend == "nccl"
+        if everyone or ranks.rank == 0:
+            if ranks.world > 1 and not everyone:
+                log.info("rank 0 fits the curvature (kronfluence splits it only on CUDA with NCCL); "
+                         "the other %d ranks wait", ranks.world - 1)
+            fit_curvature(model, [(ex.input_ids, ex.labels) for ex in examples], names, curvature_dir,
+                          config=config, pad_token_id=pad_id, device=device, progress=progress)
+        ranks.barrier()
+        if ranks.rank == 0:
+            folder.mark_curvature_done()
+        ranks.barrier()
+    return load_curvature(curvature_dir, list(names))
+
+
+def _first_stage_pass(model, fitted: Projection, names, examples, folder: FitFolder, gradients: GradientConfig,
+                      pad_id: int, device: str, ranks: Ranks, progress: bool) -> None:
+    """First-stage coordinates of the PCA set, one file per batch (all modules, float16).
+
+    Batches are fixed by position (``gradients.batch_size``), so a batch's coordinates do not
+    depend on which rank computes it or when; the ranks split the batches not yet on disk.
+    """
+    from tqdm.auto import tqdm
+
+    all_batches = list(batches(examples, gradients.batch_size))
+    pending = [b for b in range(len(all_batches)) if not folder.batch_path(b).exists()]
+    ranks.barrier()  # every rank has the same list before any rank writes a batch
+    mine = ranks.share(pending)
+    if ranks.world > 1:
+        log.info("rank %d: first-stage coordinates of %d of the %d batches left (%d examples in all)",
+                 ranks.rank, len(mine), len(pending), len(examples))
+
+    # Each module's rows leave the hook as float16: one batch of every module is what is held.
+    def to_half(name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return fitted.modules[name].first_stage(a, g).to(torch.float16)
+
+    capture = GradientCapture(model, names, to_half)
+    for b in tqdm(mine, desc="PCA fitting set", unit="batch", disable=not progress):
+        collated = collate([(ex.input_ids, ex.labels) for ex in all_batches[b]], pad_id)
+        coords, _ = capture.run({key: value.to(device) for key, value in collated.items()})
+        folder.write_batch(b, coords)
+
+
+def _fit_modules(fitted: Projection, folder: FitFolder, num_batches: int, ranks: Ranks, progress: bool) -> None:
+    """Each module's P from its cached coordinates, one module in memory at a time, round-robin over ranks."""
+    from tqdm.auto import tqdm
+
+    modules = list(fitted.modules.items())
+    pending = [i for i in range(len(modules)) if not folder.module_path(i).exists()]
+    ranks.barrier()  # every rank has the same list before any rank writes a module
+    mine = ranks.share(pending)
+    if ranks.world > 1:
+        log.info("rank %d: PCA of %d of the %d modules left: %s", ranks.rank, len(mine), len(pending),
+                 ", ".join(modules[i][0] for i in mine) or "none")
+    # P is kept on disk at the dtype the projection file stores it in, so that writing that file
+    # streams each P from its memory map instead of converting them all in memory first.
+    dtype = {"fp16": torch.float16}.get(getattr(fitted.config, "pca_dtype", "fp32"), torch.float32)
+    for i in tqdm(mine, desc="PCA per module", unit="module", disable=not progress):
+        name, module = modules[i]
+        z = folder.read_module(name, num_batches)  # (n, m) float16; fit_pca works in float64
+        folder.write_module(i, fit_pca(z, module.k).to(dtype))
+        del z

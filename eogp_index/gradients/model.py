@@ -1,4 +1,4 @@
-"""The model: loading it, which layers are attributed, how they are made trackable, its fingerprint.
+"""The model: loading it, which layers are attributed, how they are made trackable, its fingerprints.
 
 The paper attributes the attention and MLP linear layers (biases included) and excludes
 embeddings, the LM head and normalisation layers. kronfluence tracks ``nn.Linear`` only, so
@@ -132,3 +132,58 @@ def model_sha256(model: nn.Module) -> str:
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
+
+
+#: A tensor up to this many bytes is fingerprinted whole.
+FINGERPRINT_WHOLE_TENSOR_BYTES = 1 << 16
+#: Otherwise this many evenly spaced chunks of about FINGERPRINT_CHUNK_BYTES each (first and last included).
+FINGERPRINT_CHUNKS = 16
+FINGERPRINT_CHUNK_BYTES = 1024
+FINGERPRINT_PREFIX = "sample1:"
+
+
+def fingerprint_ranges(numel: int, element_size: int) -> List[tuple[int, int]]:
+    """The element ranges ``[start, stop)`` of a flattened tensor that :func:`model_fingerprint` reads."""
+    if numel * element_size <= FINGERPRINT_WHOLE_TENSOR_BYTES:
+        return [(0, numel)] if numel else []
+    per = max(1, FINGERPRINT_CHUNK_BYTES // element_size)
+    starts = sorted({round(i * (numel - per) / (FINGERPRINT_CHUNKS - 1)) for i in range(FINGERPRINT_CHUNKS)})
+    return [(s, s + per) for s in starts]
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A cheap identity of the weights as loaded, checked on every open instead of :func:`model_sha256`.
+
+    ``sample1:`` + SHA-256 over the state dict's sorted names, dtypes and shapes, every tensor of
+    up to ``FINGERPRINT_WHOLE_TENSOR_BYTES`` whole (biases, norms, small models entirely), and
+    ``FINGERPRINT_CHUNKS`` evenly spaced chunks of ``FINGERPRINT_CHUNK_BYTES`` of each larger one
+    (16 KiB per matrix; about 10 MB for a 32B model, read on its device). It catches another
+    checkpoint, architecture, dtype or any retraining, fine-tune or re-quantization that moves
+    the sampled bytes — all of them, in practice — but not an edit confined to unsampled entries
+    of a large matrix; ``eogp verify`` (:func:`model_sha256`) hashes every byte. Taken, like the
+    full hash, before GPT-2's ``Conv1D`` layers are swapped.
+    """
+    digest = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        tensor = state[name].detach()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        flat = tensor.reshape(-1)
+        for start, stop in fingerprint_ranges(flat.numel(), flat.element_size()):
+            # Slice on the tensor's own device: only the sampled bytes travel to the CPU.
+            part = flat[start:stop].to("cpu").contiguous()
+            digest.update(part.view(torch.uint8).numpy().tobytes())
+    return FINGERPRINT_PREFIX + digest.hexdigest()
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Stop gradients from reaching the parameters: ``requires_grad`` False, ``.grad`` dropped.
+
+    Gradient capture roots the backward pass at the embeddings' output and needs output
+    gradients only (:mod:`eogp_index.gradients.capture`); trainable parameters would each
+    accumulate a ``.grad`` as large as the model in every batch.
+    """
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+        parameter.grad = None
+    return model

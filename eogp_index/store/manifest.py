@@ -1,8 +1,9 @@
 """The index manifest: what the stored rows mean, versioned and validated (schemas/).
 
 An index answers queries only from the model and projection it was built with: the manifest
-records the model's weight hash and the projection file's hash, and :func:`check_compatible`
-refuses anything else rather than return wrong scores.
+records the model's weight hash and the projection file's hash (full SHA-256s, checked by
+``eogp verify``) and, since this release, cheap sampled fingerprints of both (checked on every
+open); :func:`check_compatible` refuses anything else rather than return wrong scores.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ class Manifest:
         return self.format_version >= 2
 
     @property
+    def pca_dtype(self) -> str:
+        """The stored precision of the PCA matrices ``P``: ``"fp16"`` or ``"fp32"`` (an index
+        written before the field existed stored them in float32)."""
+        return self.projection.get("pca_dtype", "fp32")
+
+    @property
     def module_names(self) -> List[str]:
         return [m.name for m in self.modules]
 
@@ -120,8 +127,26 @@ def validate(data: Dict[str, Any], *, source: Path) -> None:
 
 
 def check_compatible(manifest: Manifest, *, model_hash: Optional[str] = None, projection_hash: Optional[str] = None,
+                     model_fingerprint: Optional[str] = None, projection_fingerprint: Optional[str] = None,
                      where: str = "this index") -> None:
-    """Refuse a model or projection other than the one the index was built with."""
+    """Refuse a model or projection other than the one the index was built with.
+
+    ``*_hash`` are full SHA-256s (``manifest.model.weights_sha256``, ``manifest.projection.sha256``);
+    ``*_fingerprint`` the sampled fingerprints the manifest records when it has them.
+    """
+    if model_fingerprint is not None and model_fingerprint != manifest.model.get("weights_fingerprint"):
+        raise IncompatibleIndexError(
+            f"{where} was built for model {manifest.model['name']!r} (weights fingerprint "
+            f"{str(manifest.model.get('weights_fingerprint'))[:20]}…) but the model given has fingerprint "
+            f"{model_fingerprint[:20]}…: its weights, names, dtypes or shapes differ; scores would be wrong. "
+            "Load the model the index was built with, or build a new index."
+        )
+    if projection_fingerprint is not None and projection_fingerprint != manifest.projection.get("fingerprint"):
+        raise IncompatibleIndexError(
+            f"{where}: the projection file's fingerprint {projection_fingerprint[:20]}… differs from the "
+            f"manifest's {str(manifest.projection.get('fingerprint'))[:20]}…; the projection was changed after "
+            "the rows were stored. Rebuild the index."
+        )
     if model_hash is not None and model_hash != manifest.model["weights_sha256"]:
         raise IncompatibleIndexError(
             f"{where} was built for model {manifest.model['name']!r} (weights sha256 "

@@ -35,6 +35,8 @@ from eogp_index.store.stored_ids import sql_string
 from eogp_index.store.table import Store
 
 HOT_DIR = "hot"
+#: The fit's stages (eogp_index.fit.cache); present without a manifest = an interrupted fit.
+FIT_DIR = "fit"
 
 
 def _record_from_text(text: str, kind: str, spec: RecordSpec) -> Dict[str, Any]:
@@ -66,15 +68,21 @@ def _read_record(uri: str, shard: str, position: int) -> Dict[str, Any]:
 
 def prepare_index_dir(path: Union[str, Path], *, table_uri: Optional[str] = None,
                       mode: str = "create") -> Path:
-    """Make ``path`` ready for a new index: refuse an existing one (``mode="create"``) or remove
-    it and its table (``mode="overwrite"``)."""
+    """Make ``path`` ready for a new index.
+
+    ``mode="create"`` refuses a finished index (one with a manifest). A directory with a ``fit/``
+    folder but no manifest holds an interrupted fit: it is kept, and the fit resumes from it
+    (:mod:`eogp_index.fit.cache` checks that the settings match). ``mode="overwrite"`` removes
+    an index or an interrupted fit, and the table at ``table_uri``.
+    """
     path = Path(path)
     if mode not in ("create", "overwrite"):
         raise ConfigError(f"mode must be 'create' or 'overwrite', got {mode!r}")
-    if (path / MANIFEST_FILE).exists():
-        if mode != "overwrite":
+    if (path / MANIFEST_FILE).exists() or (path / FIT_DIR).is_dir():
+        if (path / MANIFEST_FILE).exists() and mode != "overwrite":
             raise ConfigError(f"{path} already holds an index; pass mode='overwrite' (--overwrite) to replace it")
-        shutil.rmtree(path)
+        if mode == "overwrite":
+            shutil.rmtree(path)
     if table_uri is not None:
         remote = Store(table_uri, TABLE_NAME)
         if remote.table is not None:
@@ -110,7 +118,7 @@ class StoredIndex:
     @classmethod
     def create(cls, path: Union[str, Path], fitted, *, model_name: str, tokenizer_name: Optional[str],
                precision: str, damping_ratio: float, curvature: Dict[str, Any], max_tokens: Optional[int],
-               table_uri: Optional[str] = None) -> "StoredIndex":
+               table_uri: Optional[str] = None, weights_fingerprint: Optional[str] = None) -> "StoredIndex":
         """Write a fitted projection and its manifest into ``path`` (prepared by :func:`prepare_index_dir`).
 
         Args:
@@ -118,19 +126,29 @@ class StoredIndex:
             model_name: what :meth:`AttributionIndex.open` reloads the model from; a local
                 directory is recorded absolute, so the index opens from any working directory.
             curvature: the curvature settings recorded in the manifest.
+            weights_fingerprint: the model's sampled fingerprint
+                (:func:`~eogp_index.gradients.model.model_fingerprint`, taken where
+                ``fitted.weights_sha256`` was), checked on open instead of the full hash; without
+                it, opening hashes every weight.
         """
+        from eogp_index.fit.projection import file_fingerprint
         from eogp_index.version import __version__
 
         path = Path(path)
         projection = fitted.projection
         proj_hash = projection.save(path / PROJECTION_FILE)
         layout = SignLayout(projection.k)
+        model_entry = {"name": str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name,
+                       "weights_sha256": fitted.weights_sha256, "num_parameters": fitted.num_parameters,
+                       "tokenizer": tokenizer_name}
+        if weights_fingerprint is not None:
+            model_entry["weights_fingerprint"] = weights_fingerprint
         manifest = Manifest(
-            model={"name": str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name,
-                   "weights_sha256": fitted.weights_sha256, "num_parameters": fitted.num_parameters,
-                   "tokenizer": tokenizer_name},
+            model=model_entry,
             projection={"file": PROJECTION_FILE, "sha256": proj_hash, "variant": projection.config.variant,
-                        "seed": projection.config.seed, "num_fit_examples": fitted.pca_examples},
+                        "seed": projection.config.seed, "num_fit_examples": fitted.pca_examples,
+                        "pca_dtype": projection.config.pca_dtype,
+                        "fingerprint": file_fingerprint(path / PROJECTION_FILE)},
             modules=[ModuleEntry(name=n, d_out=p.shape[0], d_in=p.shape[1], m=p.m, k=p.k, damping=p.damping)
                      for n, p in projection.modules.items()],
             precision=precision,
@@ -143,18 +161,34 @@ class StoredIndex:
             created_by=f"eogp-index {__version__}",
         )
         manifest.save(path)
-        stored = cls(path, manifest)
-        stored.__dict__["projection"] = projection  # just written: no need to read it back
-        return stored
+        # Not the fitted projection itself: the rows must be projected with P as stored (FP16 by
+        # default), so the projection is read back (lazily) from the file on first use.
+        return cls(path, manifest)
+
+    #: Bytes the projection's ``P`` matrices may hold in memory (None: the default of
+    #: :func:`~eogp_index.fit.projection.default_projection_memory`); set it before first use.
+    projection_memory: Optional[int] = None
 
     @functools.cached_property
     def projection(self):
-        """The fitted projection (``fit.projection.Projection``), loaded and checked on first use."""
-        from eogp_index.fit.projection import Projection, file_sha256
+        """The fitted projection (``fit.projection.Projection``), loaded and checked on first use.
+
+        Checked by the sampled fingerprint the manifest records (an index written before
+        fingerprints: by the file's full SHA-256); ``P`` is read lazily (see ``Projection.load``).
+        """
+        from eogp_index.fit.projection import Projection, file_fingerprint, file_sha256
 
         path = self.path / self.manifest.projection["file"]
-        projection = Projection.load(path)
-        check_compatible(self.manifest, projection_hash=file_sha256(path), where=str(self.path))
+        if path.exists():  # (a missing file is reported by Projection.load)
+            if self.manifest.projection.get("fingerprint"):
+                check_compatible(self.manifest, projection_fingerprint=file_fingerprint(path), where=str(self.path))
+            else:
+                check_compatible(self.manifest, projection_hash=file_sha256(path), where=str(self.path))
+        projection = Projection.load(path, memory_limit=self.projection_memory)
+        if projection.config.pca_dtype != self.manifest.pca_dtype:
+            raise IncompatibleIndexError(
+                f"{path} stores P as {projection.config.pca_dtype} but {self.path / MANIFEST_FILE} says "
+                f"{self.manifest.pca_dtype}; the index was refitted partway. Rebuild it with `eogp fit --overwrite`.")
         if projection.k != self.manifest.k or projection.names != self.manifest.module_names:
             raise IncompatibleIndexError(f"{path} does not match the modules of {self.path / MANIFEST_FILE}; "
                                          "the index was refitted partway. Rebuild it with `eogp fit --overwrite`.")

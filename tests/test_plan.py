@@ -1,0 +1,119 @@
+"""`eogp plan` against what `eogp fit` writes, and `eogp verify`, on a real tiny model saved to disk."""
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from eogp_index.cli import cli
+from eogp_index.fit.plan import format_plan, make_plan, model_shape
+from eogp_index.config import ProjectionConfig
+from tinymodels import make_tiny_gpt2, make_word_tokenizer
+
+__import__("transformers").logging.set_verbosity_error()
+__import__("transformers").utils.logging.disable_progress_bar()
+
+FIT = ["--curvature-examples", "30", "--pca-examples", "30", "--max-tokens", "24"]
+#: Each fit: its options, and whether every module keeps all its coordinates (m_u = d_u: then the
+#: stored eigenbases are all of Q_S and Q_A, and the plan's figure for them is exact).
+FITS = {"full": (["-k", "16", "--m", "100000"], True), "default": (["-k", "8", "--pca-dtype", "fp32"], False)}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan")
+    make_tiny_gpt2().save_pretrained(root / "model")
+    make_word_tokenizer().save_pretrained(root / "model")
+    lines = [json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 7 + j) % 63 + 1}" for j in range(6 + i % 9))})
+             for i in range(30)]
+    (root / "shard.jsonl").write_text("\n".join(lines) + "\n")
+    for name, (options, _) in FITS.items():
+        result = CliRunner().invoke(cli, ["fit", str(root / "model"), "--data", str(root / "shard.jsonl"),
+                                          "--out", str(root / name), *options, *FIT, "--json"])
+        assert result.exit_code == 0, result.output
+    return root
+
+
+def _plan(root, options):
+    result = CliRunner().invoke(cli, ["plan", str(root / "model"), *options, *FIT, "--documents", "1000", "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _tensor_bytes(path):
+    """{tensor name: bytes} of a safetensors file, and its header's size (8-byte length + JSON)."""
+    raw = path.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + header_len])
+    sizes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    return sizes, 8 + header_len
+
+
+@pytest.mark.parametrize("fit", list(FITS))
+def test_plan_figures_are_what_fit_writes(workspace, fit):
+    options, exact = FITS[fit]
+    plan = _plan(workspace, options)
+    index = workspace / fit
+    manifest = json.loads((index / "manifest.json").read_text())
+    assert [(r["name"], r["d_out"], r["d_in"], r["m"], r["k"]) for r in plan["modules"]] == \
+        [(m["name"], m["d_out"], m["d_in"], m["m"], m["k"]) for m in manifest["modules"]]
+    assert all(r["d"] == r["d_out"] * r["d_in"] for r in plan["modules"])
+    assert plan["per_example"]["bytes"] == manifest["bytes_per_example"]
+    assert plan["store"]["codes_bytes"] == 1000 * manifest["bytes_per_example"]
+    assert plan["options"]["pca_dtype"] == manifest["projection"]["pca_dtype"]
+
+    sizes, header = _tensor_bytes(index / "projection.safetensors")
+    for row in plan["modules"]:
+        assert row["pca_bytes"] == sizes[f"{row['name']}/pca"], row["name"]
+        eigen = sizes[f"{row['name']}/gradient_eigenvectors"] + sizes[f"{row['name']}/activation_eigenvectors"]
+        assert eigen == row["eigenbasis_bytes_max"] if exact else eigen <= row["eigenbasis_bytes_max"]
+        assert row["eigenbasis_exact"] == exact
+    assert plan["shared"]["pca_bytes"] == sum(v for k, v in sizes.items() if k.endswith("/pca"))
+    data = sum(sizes.values())
+    if exact:
+        assert data == plan["shared"]["projection_file_bytes_max"]
+    else:
+        assert data <= plan["shared"]["projection_file_bytes_max"]
+    assert header < 16 * 1024  # "plus a safetensors header of a few KB"
+
+    factors = index / "curvature" / "eogp" / "factors_ekfac"
+    kept = ("activation_covariance", "gradient_covariance", "activation_eigenvectors", "gradient_eigenvectors",
+            "activation_eigenvalues", "gradient_eigenvalues", "lambda_matrix")
+    assert plan["shared"]["curvature_factor_bytes"] == sum(
+        sum(_tensor_bytes(factors / f"{name}.safetensors")[0].values()) for name in kept)
+    # The fit cache (deleted once the fit finishes): n x Σ m_u float16 coordinates.
+    assert plan["fit_cache"]["coordinate_bytes"] == 2 * 30 * sum(m["m"] for m in manifest["modules"])
+    for key in ("fit_peak", "ingest", "ingest_in_turn", "query"):
+        assert plan["memory"][key]["bytes"] > 0 and plan["memory"][key]["counts"]
+
+
+def test_plan_text_and_a_config_file(workspace, tmp_path):
+    result = CliRunner().invoke(cli, ["plan", str(workspace / "model"), "-k", "16"])
+    assert result.exit_code == 0, result.output
+    assert "transformer.h.*.mlp.c_fc (x2)" in result.output and "per example" in result.output
+    assert "peak memory" in result.output and "store" in result.output
+    # A config.json alone (no weights anywhere): the same modules as the model directory.
+    config = json.loads((workspace / "model" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from_file = model_shape(str(tmp_path / "config.json"))
+    assert from_file.modules == model_shape(str(workspace / "model")).modules
+    text = format_plan(make_plan(from_file, ProjectionConfig(k=16)), all_modules=True)
+    assert "transformer.h.1.mlp.c_fc" in text
+    bad = CliRunner().invoke(cli, ["plan", str(tmp_path / "missing")])
+    assert bad.exit_code != 0 and "Traceback" not in bad.output
+
+
+def test_verify_hashes_model_and_projection_in_full(workspace, tmp_path):
+    ok = CliRunner().invoke(cli, ["verify", str(workspace / "full"), "--json"])
+    assert ok.exit_code == 0, ok.output
+    report = json.loads(ok.stdout)
+    assert report["ok"] and report["model"]["sha256"] == report["model"]["expected_sha256"]
+    copy = tmp_path / "changed"
+    shutil.copytree(workspace / "full", copy)
+    data = bytearray((copy / "projection.safetensors").read_bytes())
+    data[-3] ^= 0x10
+    (copy / "projection.safetensors").write_bytes(bytes(data))
+    bad = CliRunner().invoke(cli, ["verify", str(copy)])
+    assert bad.exit_code == 1 and "projection" in bad.output and "DIFFERS" in bad.output
