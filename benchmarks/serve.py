@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
 import shutil
 import socket

@@ -546,7 +546,7 @@ def verify(index_dir, model_name, device, as_json):
         eogp verify my-index
         eogp verify my-index --model /models/moved-here --json
     """
-    from eogp_index.client import verify_index
+    from eogp_index.store.verify import verify_index
 
     report = verify_index(index_dir, model_name=model_name, device=GradientConfig(device=device).resolved_device())
     _emit(report, as_json, _print_verify)

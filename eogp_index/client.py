@@ -128,7 +128,7 @@ class AttributionIndex:
                 its weights must still hash to the manifest's.
 
         The model and projection are checked by the sampled fingerprints in the manifest (an
-        index written before them: by full SHA-256s); :func:`verify_index` (``eogp verify``)
+        index written before them: by full SHA-256s); :func:`~eogp_index.store.verify.verify_index` (``eogp verify``)
         hashes every byte. The model is frozen: no parameter requires gradients, and queries and
         ingests leave no ``.grad`` (only output gradients are taken).
 
@@ -239,7 +239,7 @@ class AttributionIndex:
                        num_loss_tokens=[ex.num_loss_tokens for ex in examples],
                        truncated=[ex.truncated for ex in examples], metadata=[dict(ex.metadata) for ex in examples],
                        content_sha256=[ex.content_sha256 for ex in examples] if hashed else None,
-                       content_kind=[_kind(ex) for ex in examples] if hashed else None,
+                       content_kind=[ex.content_kind for ex in examples] if hashed else None,
                        text=None if store_text is None else [_capped(ex.display_text, store_text) for ex in examples])
         return build_rows(info, encoded, schema=self.store.schema)
 
@@ -310,51 +310,6 @@ class AttributionIndex:
 def _projection_memory(gradients: GradientConfig) -> Optional[int]:
     """``gradients.projection_memory_gb`` in bytes (None: the projection's own default)."""
     return None if gradients.projection_memory_gb is None else int(gradients.projection_memory_gb * (1 << 30))
-
-
-def verify_index(path: Union[str, Path], *, model: Optional[nn.Module] = None, model_name: Optional[str] = None,
-                 device: str = "cpu") -> Dict[str, Any]:
-    """The complete identity check of an index: every byte of its projection file and of its
-    model's weights hashed (SHA-256) and compared with the manifest, and the sampled fingerprints
-    that :meth:`AttributionIndex.open` checks recomputed.
-
-    Args:
-        model: the model as loaded (before eogp-index swaps GPT-2's ``Conv1D`` layers, e.g. not
-            an opened index's ``.model``); default: loaded from ``model_name`` or the manifest.
-
-    Returns:
-        ``{"index", "ok", "projection": {...}, "model": {...}}``, each part with the manifest's and
-        the computed ``sha256`` (and ``fingerprint``) and ``ok``.
-    """
-    from eogp_index.fit.projection import file_fingerprint, file_sha256
-
-    stored = StoredIndex.open(path)
-    manifest = stored.manifest
-    projection_path = stored.path / manifest.projection["file"]
-    if not projection_path.exists():
-        raise InputError(f"{projection_path} is missing: the index has no projection (refit it with eogp fit)")
-    projection = {"file": str(projection_path), "expected_sha256": manifest.projection["sha256"],
-                  "sha256": file_sha256(projection_path)}
-    if manifest.projection.get("fingerprint"):
-        projection.update(expected_fingerprint=manifest.projection["fingerprint"],
-                          fingerprint=file_fingerprint(projection_path))
-    if model is None:
-        model, _ = load_model(model_name or manifest.model["name"], device=device)
-    weights = {"name": model_name or manifest.model["name"], "expected_sha256": manifest.model["weights_sha256"],
-               "sha256": model_sha256(model)}
-    if manifest.model.get("weights_fingerprint"):
-        weights.update(expected_fingerprint=manifest.model["weights_fingerprint"],
-                       fingerprint=model_fingerprint(model))
-    for part in (projection, weights):
-        part["ok"] = all(part[key] == part[f"expected_{key}"] for key in ("sha256", "fingerprint")
-                         if key in part)
-    return {"index": str(stored.path), "ok": projection["ok"] and weights["ok"], "projection": projection,
-            "model": weights}
-
-
-def _kind(example: Example) -> str:
-    content = example.content or {}
-    return "text" if "text" in content else "chat" if "messages" in content else "tokens"
 
 
 def _capped(text: str, max_bytes: int) -> Optional[str]:

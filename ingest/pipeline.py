@@ -26,7 +26,6 @@ several processes or machines run ``eogp ingest`` under ``torchrun`` (:mod:`inge
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import time
@@ -35,7 +34,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import numpy as np
 import pyarrow as pa
 from torch import nn
 

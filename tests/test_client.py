@@ -7,7 +7,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 
 from tinymodels import TinyTokenizer, kronfluence_scores, make_examples, make_tiny_gpt2, make_tiny_llama
 from eogp_index.client import AttributionIndex

@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-from safetensors import safe_open
 
 from eogp_index.cli import cli
 from eogp_index.fit.plan import format_plan, make_plan, model_shape

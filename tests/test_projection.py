@@ -1,6 +1,5 @@
 """The two-stage projection against dense float64 math, and Proposition 2."""
 
-import numpy as np
 import pytest
 import torch
 from scipy.linalg import hadamard

@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eogp_index.client import AttributionIndex, verify_index
+from eogp_index.client import AttributionIndex
+from eogp_index.store.verify import verify_index
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import IncompatibleIndexError
 from eogp_index.fit import projection as projection_module

@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from eogp_index.errors import ConfigError, InputError
 
@@ -200,6 +199,12 @@ class Example:
         content = self.content if self.content is not None else {"input_ids": list(self.input_ids),
                                                                   "labels": list(self.labels)}
         return content_sha256(content)
+
+    @property
+    def content_kind(self) -> str:
+        """``text``, ``chat`` or ``tokens``: how the stored text (or the shard's record) is read back."""
+        content = self.content or {}
+        return "text" if "text" in content else "chat" if "messages" in content else "tokens"
 
     @property
     def display_text(self) -> str:

@@ -9,7 +9,7 @@ A batch is a dict of ``(B, T)`` int64 tensors: ``input_ids``, ``attention_mask``
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Sequence
 
 import torch
 import torch.nn.functional as F

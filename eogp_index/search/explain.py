@@ -25,14 +25,14 @@ of every later position it feeds).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from eogp_index.data.records import Example
 from eogp_index.gradients.capture import GradientCapture, project_examples
-from eogp_index.store.codecs import Encoded, SignLayout, concat_modules, decode
+from eogp_index.store.codecs import Encoded, SignLayout, decode
 
 @dataclass(frozen=True)
 class TokenContribution:

@@ -9,7 +9,7 @@ open); :func:`check_compatible` refuses anything else rather than return wrong s
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, List, Optional

@@ -27,7 +27,6 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-import numpy as np
 import pyarrow as pa
 
 from eogp_index.errors import InputError
