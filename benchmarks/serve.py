@@ -176,6 +176,8 @@ def main(argv=None) -> int:
     parser.add_argument("--single-seconds", type=float, default=10.0)
     parser.add_argument("--work", type=Path, default=None, help="where the grown copy goes (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    parser.add_argument("--serve-option", action="append", default=[], metavar="OPT",
+                        help="passed to eogp serve (repeatable), e.g. --serve-option=--batch-window-ms=5")
     args = parser.parse_args(argv)
 
     if not (args.index / "manifest.json").exists():
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
     port = free_port()
     log = work / "serve.log"
     with open(log, "wb") as sink:
-        server = subprocess.Popen([*EOGP, "serve", str(grown), "--port", str(port), "--device", "cpu"],
+        server = subprocess.Popen([*EOGP, "serve", str(grown), "--port", str(port), "--device", "cpu", *args.serve_option],
                                   stdout=sink, stderr=subprocess.STDOUT)
     try:
         started = time.monotonic()

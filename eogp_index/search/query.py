@@ -12,7 +12,7 @@ A query goes through three steps, the same for every route:
    <eogp_index.client.AttributionIndex.query_coordinates>`);
 2. **search** — :meth:`InfluenceQuery.searcher` picks one searcher from the options
    (:mod:`eogp_index.search.searchers`), which returns the exact top ``k`` per side;
-3. **rank** — :func:`~eogp_index.search.ranking.ranked_table` orders the hits and reads the
+3. **rank** — :func:`~eogp_index.search.ranking.ranked_tables` orders the hits and reads the
    rows' metadata.
 """
 
@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from eogp_index.errors import ConfigError
 from eogp_index.search.explain import module_dicts, module_terms
-from eogp_index.search.ranking import Direction, ranked_table, sides_of
+from eogp_index.search.ranking import Direction, ranked_tables, sides_of
 from eogp_index.search.searchers import (
     CandidateSearcher,
     HotSearcher,
@@ -159,10 +159,9 @@ class InfluenceQuery:
         sides = sides_of(opts.direction)
         y = self._index.query_coordinates(self._queries) if coordinates is None else np.asarray(coordinates, np.float32)
         found = self.searcher().top_k(y, opts.k, sides, opts.where)
-        stored = self._index.stored
-        return [ranked_table(stored.store, hits, with_direction=opts.direction == "both",
-                             modules=self._module_terms(hits, y[q]) if opts.by_module else None)
-                for q, hits in enumerate(found)]
+        modules = [self._module_terms(hits, y[q]) for q, hits in enumerate(found)] if opts.by_module else None
+        return ranked_tables(self._index.stored.store, found, with_direction=opts.direction == "both",
+                             modules=modules)
 
     def _module_terms(self, hits, y: np.ndarray):
         """``{side: [{module: term}, ...]}`` of the hits of one query, from their stored codes."""

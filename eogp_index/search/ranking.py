@@ -3,7 +3,7 @@
 Every search route (the hot copy on CPU or GPU, the streamed table, torchrun shards, FAISS
 candidates) ends with :class:`Hits` per query and side. They are ordered here by one rule —
 best score first, equal scores by ascending Lance row address (table order) — and turned into
-the user's table by :func:`ranked_table`, which reads the rows' metadata from the store.
+the users' tables by :func:`ranked_tables`, which reads the rows' metadata from the store.
 """
 
 from __future__ import annotations
@@ -63,32 +63,39 @@ class Hits:
                          k, side)
 
 
-def ranked_table(store: Store, hits: Dict[Side, Hits], *, with_direction: bool,
-                 modules: Optional[Dict[Side, List[dict]]] = None) -> pa.Table:
-    """One query's answer: ``[direction,] rank, id, score[, modules]`` leading, then the stored
-    metadata columns.
+def ranked_tables(store: Store, found: Sequence[Dict[Side, Hits]], *, with_direction: bool,
+                  modules: Optional[Sequence[Dict[Side, List[dict]]]] = None) -> List[pa.Table]:
+    """Each query's answer: ``[direction,] rank, id, score[, modules]`` leading, then the stored
+    metadata columns. The hits' rows are read from the table in one take for all the queries
+    (a Lance take costs milliseconds whatever its size: one per query would dominate a batch).
 
     Args:
-        hits: ``{side: Hits}`` in the order the sides are shown.
+        found: per query, ``{side: Hits}`` in the order the sides are shown.
         with_direction: add the ``direction`` column (for ``direction="both"``).
-        modules: per side, one ``{module: term}`` dict per hit (``by_module``), shown as a
+        modules: per query and side, one ``{module: term}`` dict per hit (``by_module``), shown as a
             struct column ``modules`` after ``score``.
     """
     columns = store.metadata_columns()
-    parts = []
-    for side, found in hits.items():
-        if store.table is None:  # nothing ingested yet: an empty answer with the id column
-            rows = pa.table({"id": pa.array([], pa.string())})
-        else:
-            rows = store.take_rows(found.rowaddr.tolist(), columns)
-        part = rows
-        if modules is not None:
-            part = part.add_column(0, "modules", pa.array(modules[side]) if modules[side] else pa.nulls(0))
-        part = part.add_column(0, "score", pa.array(found.scores, pa.float32()))
-        part = part.add_column(0, "rank", pa.array(np.arange(1, len(found.scores) + 1), pa.int32()))
-        if with_direction:
-            part = part.add_column(0, "direction", pa.array([side] * len(found.scores), pa.string()))
-        parts.append(part)
-    result = pa.concat_tables(parts)
-    front = [c for c in ("direction", "rank", "id", "score", "modules") if c in result.column_names]
-    return result.select(front + [c for c in result.column_names if c not in front])
+    addresses = [hits.rowaddr for by_side in found for hits in by_side.values()]
+    wanted = np.unique(np.concatenate(addresses)) if addresses else np.zeros(0, np.uint64)
+    if store.table is None:  # nothing ingested yet: empty answers with the id column
+        rows = pa.table({"id": pa.array([], pa.string())})
+    else:
+        rows = store.take_rows(wanted.tolist(), columns)
+    answers = []
+    for q, by_side in enumerate(found):
+        parts = []
+        for side, hits in by_side.items():
+            part = rows.take(pa.array(np.searchsorted(wanted, hits.rowaddr), pa.int64()))
+            if modules is not None:
+                terms = modules[q][side]
+                part = part.add_column(0, "modules", pa.array(terms) if terms else pa.nulls(0))
+            part = part.add_column(0, "score", pa.array(hits.scores, pa.float32()))
+            part = part.add_column(0, "rank", pa.array(np.arange(1, len(hits.scores) + 1), pa.int32()))
+            if with_direction:
+                part = part.add_column(0, "direction", pa.array([side] * len(hits.scores), pa.string()))
+            parts.append(part)
+        result = pa.concat_tables(parts)
+        front = [c for c in ("direction", "rank", "id", "score", "modules") if c in result.column_names]
+        answers.append(result.select(front + [c for c in result.column_names if c not in front]))
+    return answers
