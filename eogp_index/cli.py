@@ -34,6 +34,16 @@ _record_options = option_group(
     field_option(RecordSpec, "metadata_fields", "--metadata", multiple=True),
     into="record",
 )
+#: The projection's options (``fit`` and ``plan``); the command gets them as ``projection``.
+_projection_options = option_group(
+    field_option(ProjectionConfig, "variant"),
+    field_option(ProjectionConfig, "k", "-k", "--k", help="Output coordinates per module (256 unless --budget-kb)."),
+    field_option(ProjectionConfig, "budget_kb"),
+    field_option(ProjectionConfig, "m", "--m"),
+    field_option(ProjectionConfig, "num_fit_examples", "--pca-examples"),
+    field_option(ProjectionConfig, "pca_dtype"),
+    into="projection",
+)
 _model_option = click.option(
     "--model", "model_name", default=None,
     help="Load the model from here instead of the path or name in the manifest (it must be the same model).")
@@ -63,15 +73,7 @@ def cli() -> None:
                    "(e.g. a held-out split).")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Index directory to create (or the interrupted fit to resume).")
-@option_group(
-    field_option(ProjectionConfig, "variant"),
-    field_option(ProjectionConfig, "k", "-k", "--k", help="Output coordinates per module (256 unless --budget-kb)."),
-    field_option(ProjectionConfig, "budget_kb"),
-    field_option(ProjectionConfig, "m", "--m"),
-    field_option(ProjectionConfig, "num_fit_examples", "--pca-examples"),
-    field_option(ProjectionConfig, "pca_dtype"),
-    into="projection",
-)
+@_projection_options
 @option_group(field_option(StorageConfig, "precision"), into="storage")
 @option_group(
     field_option(CurvatureConfig, "num_examples", "--curvature-examples"),
@@ -482,15 +484,7 @@ def serve(index_dir, serving, device, model_name, limits):
 
 @cli.command()
 @click.argument("model")
-@option_group(
-    field_option(ProjectionConfig, "variant"),
-    field_option(ProjectionConfig, "k", "-k", "--k", help="Output coordinates per module (256 unless --budget-kb)."),
-    field_option(ProjectionConfig, "budget_kb"),
-    field_option(ProjectionConfig, "m", "--m"),
-    field_option(ProjectionConfig, "num_fit_examples", "--pca-examples"),
-    field_option(ProjectionConfig, "pca_dtype"),
-    into="projection",
-)
+@_projection_options
 @option_group(field_option(StorageConfig, "precision"), into="storage")
 @field_option(CurvatureConfig, "num_examples", "--curvature-examples")
 @option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size")), into="gradients")

@@ -55,6 +55,7 @@ from torch import nn
 
 from eogp_index.fit.curvature import ModuleCurvature, factors_dir
 from eogp_index.errors import ConfigError, InputError
+from eogp_index.fit.plan import ModuleShape
 from eogp_index.evaluation.config import DEFAULT_BUDGETS, DEFAULT_METHODS, METHODS  # noqa: F401  (re-exported)
 from eogp_index.evaluation import metrics
 from eogp_index.evaluation.baselines import (
@@ -171,19 +172,6 @@ class Documents:
 
 
 # --------------------------------------------------------------------------- planning
-
-
-@dataclass(frozen=True)
-class ModuleShape:
-    """An attributed module: ``d_out`` outputs, ``d_in`` inputs (bias column included)."""
-
-    name: str
-    d_out: int
-    d_in: int
-
-    @property
-    def d(self) -> int:
-        return self.d_out * self.d_in
 
 
 @dataclass(frozen=True)
