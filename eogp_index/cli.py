@@ -44,6 +44,8 @@ _projection_options = option_group(
     field_option(ProjectionConfig, "pca_dtype"),
     into="projection",
 )
+#: How much of the PCA matrices may stay in memory (``ingest``, ``query``, ``explain``, ``serve``).
+_projection_memory_option = field_option(GradientConfig, "projection_memory_gb")
 _model_option = click.option(
     "--model", "model_name", default=None,
     help="Load the model from here instead of the path or name in the manifest (it must be the same model).")
@@ -192,6 +194,7 @@ def _fit_process_group(device: str):
               help="Examples per batch, one commit each (under torchrun: per worker and step).")
 @_model_option
 @field_option(GradientConfig, "device")
+@_projection_memory_option
 @click.option("--shard-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Name shards by their path relative to this directory (needed when file names repeat); "
                    "keep it the same across runs.")
@@ -206,8 +209,8 @@ def _fit_process_group(device: str):
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_record_options
 @_fail_cleanly
-def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, shard_root, store_text,
-           store_text_max_bytes, distributed, commit_every, as_json, record):
+def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, projection_memory_gb, shard_root,
+           store_text, store_text_max_bytes, distributed, commit_every, as_json, record):
     """Store corpus shards in an index. Safe to rerun: stored examples are skipped.
 
     Under torchrun (several workers, or --distributed) the shards are dealt out to the
@@ -219,7 +222,8 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
         torchrun --nproc_per_node 8 -m eogp_index.cli ingest my-index 'data/*.parquet' --commit-every 4
     """
     spec = RecordSpec(**record)  # max_tokens: the index's
-    gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device)
+    gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device,
+                               projection_memory_gb=projection_memory_gb)
     options = dict(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
                    progress=not as_json, shard_root=shard_root,
                    store_text=store_text_max_bytes if store_text else None)
@@ -264,11 +268,12 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
               help="Split each hit's score into its per-module terms (they sum to the score).")
 @_model_option
 @field_option(GradientConfig, "device")
+@_projection_memory_option
 @distributed_option
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @_fail_cleanly
 def query(index_dir, texts, queries_file, limit_queries, k, where, direction, candidates, stream, by_module,
-          model_name, device, distributed, as_json):
+          model_name, device, projection_memory_gb, distributed, as_json):
     """Show the stored examples that most influence each query.
 
     Positive scores: training on the example lowers the query's loss. Under torchrun
@@ -287,7 +292,8 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
     if sharded and (candidates is not None or stream):
         raise click.UsageError("--candidates and --stream choose single-process routes; drop them under torchrun")
     with process_group():
-        gradients = GradientConfig(device=worker_device(device) if sharded else device)
+        gradients = GradientConfig(device=worker_device(device) if sharded else device,
+                                   projection_memory_gb=projection_memory_gb)
         index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
         if index.store.count() == 0 and torchrun_rank() == 0:
             click.echo(f"{index_dir} has no rows yet: nothing has been ingested. "
@@ -313,9 +319,10 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
 @click.option("--color/--no-color", default=None, help="Shade tokens with colour (default: when a terminal).")
 @_model_option
 @field_option(GradientConfig, "device")
+@_projection_memory_option
 @click.option("--json", "as_json", is_flag=True, help="Print the explanations as JSON.")
 @_fail_cleanly
-def explain(index_dir, texts, queries_file, ids, top, color, model_name, device, as_json):
+def explain(index_dir, texts, queries_file, ids, top, color, model_name, device, projection_memory_gb, as_json):
     """Explain why documents rank for a query: by module and by token.
 
     Recomputes each document's per-token gradient contributions (one forward and
@@ -335,7 +342,8 @@ def explain(index_dir, texts, queries_file, ids, top, color, model_name, device,
     queries = _queries(texts, queries_file, 1)
     if bool(ids) == (top is not None):
         raise click.UsageError("give --id ID (repeatable) or --top N")
-    index = AttributionIndex.open(index_dir, model_name=model_name, gradients=GradientConfig(device=device))
+    index = AttributionIndex.open(index_dir, model_name=model_name,
+                                  gradients=GradientConfig(device=device, projection_memory_gb=projection_memory_gb))
     if top is not None:
         ids = tuple(index.top_influential(queries[0], k=top).column("id").to_pylist())
     explanations = index.explain_many(queries[0], list(ids))
@@ -444,12 +452,13 @@ def build_faiss(index_dir, kind, name, replicas, extend_only, as_json):
 @option_group(field_option(ServeConfig, "host"), field_option(ServeConfig, "port"),
               field_option(ServeConfig, "token", envvar="EOGP_SERVE_TOKEN"), into="serving")
 @field_option(GradientConfig, "device")
+@_projection_memory_option
 @_model_option
 @option_group(*(field_option(ServeConfig, name) for name in ("batch_window_ms", "max_batch", "queue_size", "timeout_s",
                                                               "max_k", "max_query_tokens", "max_request_bytes")),
               into="limits")
 @_fail_cleanly
-def serve(index_dir, serving, device, model_name, limits):
+def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
     """Serve influence queries over HTTP, with a web page, to many users at once.
 
     Loads the model and the hot copy once. Queries that arrive together share one
@@ -476,7 +485,8 @@ def serve(index_dir, serving, device, model_name, limits):
         click.echo(f"warning: serving on {config.host} without --token: anyone who can reach it can query",
                    err=True)
     configure_logging()
-    index = open_index(index_dir, device=device, batch_size=config.max_batch, model_name=model_name)
+    index = open_index(index_dir, device=device, batch_size=config.max_batch, model_name=model_name,
+                       projection_memory_gb=projection_memory_gb)
     app = create_app(index, config)
     click.echo(f"serving {index_dir} on http://{config.host}:{config.port}/ (Ctrl-C stops)", err=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)

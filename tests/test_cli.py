@@ -169,3 +169,13 @@ def test_explain_by_module_and_stored_text(workspace, tmp_path):
     assert shown.exit_code == 0, shown.output
     assert shown.output.count("document tokens:") == 2 and "\x1b[" not in shown.output
     _refused(_run("explain", tmp_path / "txt", "--text", "t1"), "--id ID (repeatable) or --top N")
+
+
+def test_projection_memory_limit_applies_modules_in_turn_with_the_same_answer(workspace):
+    root, _, _ = workspace
+    args = ("query", root / "idx", "--text", "t1 t2 t3 t4", "-k", "4", "--json")
+    kept = json.loads(_run(*args).stdout)
+    in_turn = _run(*args, "--projection-memory-gb", "1e-9")  # no P fits: each module's P is read per batch
+    assert in_turn.exit_code == 0, in_turn.output
+    assert json.loads(in_turn.stdout) == kept
+    _refused(_run(*args, "--projection-memory-gb", "0"), "--projection-memory-gb")

@@ -262,10 +262,13 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
     return app
 
 
-def open_index(path, *, device: str = "auto", batch_size: int = 32, model_name: Optional[str] = None):
-    """Open an index for serving: its model on ``device``, ``batch_size`` queries per forward pass."""
+def open_index(path, *, device: str = "auto", batch_size: int = 32, model_name: Optional[str] = None,
+               projection_memory_gb: Optional[float] = None):
+    """Open an index for serving: its model on ``device``, ``batch_size`` queries per forward pass,
+    at most ``projection_memory_gb`` of P held at once (see ``GradientConfig``)."""
     from eogp_index.client import AttributionIndex
     from eogp_index.config import GradientConfig
 
     return AttributionIndex.open(path, model_name=model_name,
-                                 gradients=GradientConfig(device=device, batch_size=batch_size))
+                                 gradients=GradientConfig(device=device, batch_size=batch_size,
+                                                          projection_memory_gb=projection_memory_gb))
