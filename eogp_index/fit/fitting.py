@@ -44,10 +44,10 @@ from eogp_index.data.records import Example
 from eogp_index.errors import InputError
 from eogp_index.fit.cache import FitFolder
 from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
-from eogp_index.fit.projection import Projection, build_projection, fit_pca
+from eogp_index.fit.projection import PCA_TORCH_DTYPES, Projection, build_projection, fit_pca
 from eogp_index.fit.sampling import split_fit_sets
-from eogp_index.gradients.capture import GradientCapture, batches
-from eogp_index.gradients.loss import IGNORE_INDEX, collate
+from eogp_index.gradients.capture import GradientCapture, batches, check_counted
+from eogp_index.gradients.loss import collate
 from eogp_index.gradients.model import find_attributed_modules, model_sha256, pad_token_id, replace_conv1d
 
 CURVATURE_DIR = "curvature"
@@ -136,7 +136,7 @@ def fit_projection(
     use_pca = projection.second_stage == "pca"
     sets = split_fit_sets(examples, curvature.num_examples, projection.num_fit_examples if use_pca else 0,
                           curvature_seed=curvature.seed, pca_seed=projection.seed)
-    _check_counted(sets.pca)
+    check_counted(sets.pca)
     settings = {"weights_sha256": weights_sha256, "modules": list(names), "curvature": curvature.__dict__,
                 "projection": projection.__dict__, "precision": storage.precision,
                 "max_tokens": gradients.max_tokens, "gradient_batch_size": gradients.batch_size}
@@ -166,14 +166,6 @@ def fit_projection(
         disjoint=sets.disjoint,
         folder=folder,
     )
-
-
-def _check_counted(examples: Sequence[Example]) -> None:
-    """Refuse, by name, an example with no counted label: it has no gradient to fit on."""
-    for ex in examples:
-        if not any(label != IGNORE_INDEX for label in list(ex.labels)[1:]):
-            raise InputError(f"example {ex.id!r} has no tokens that count in the loss",
-                             location=getattr(ex, "shard", "") or None)
 
 
 def _reused(folder: FitFolder, num_batches: int, num_modules: int, use_pca: bool) -> str:
@@ -246,7 +238,7 @@ def _fit_modules(fitted: Projection, folder: FitFolder, num_batches: int, ranks:
                  ", ".join(modules[i][0] for i in mine) or "none")
     # P is kept on disk at the dtype the projection file stores it in, so that writing that file
     # streams each P from its memory map instead of converting them all in memory first.
-    dtype = {"fp16": torch.float16}.get(getattr(fitted.config, "pca_dtype", "fp32"), torch.float32)
+    dtype = PCA_TORCH_DTYPES[fitted.config.pca_dtype]
     for i in tqdm(mine, desc="PCA per module", unit="module", disable=not progress):
         name, module = modules[i]
         z = folder.read_module(name, num_batches)  # (n, m) float16; fit_pca works in float64

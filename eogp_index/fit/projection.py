@@ -46,7 +46,7 @@ from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFound
 #: 1: everything float32, no ``pca_dtype``. Both are read.
 PROJECTION_FORMAT_VERSION = 2
 READABLE_PROJECTION_VERSIONS = (1, 2)
-_TORCH_PCA_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+PCA_TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 #: Rows of an FP16 ``P`` upcast to float32 at once are capped so that the float32 copy stays
 #: under this many bytes: applying a 1 GB FP16 ``P`` never needs a 2 GB float32 one.
 _UPCAST_BYTES = 64 << 20
@@ -391,7 +391,7 @@ class Projection:
     def save(self, path: Path) -> str:
         """Write the projection as safetensors (format 2, ``P`` at ``config.pca_dtype``); return the
         file's SHA-256 (its identity)."""
-        pca_dtype = _TORCH_PCA_DTYPES[self.config.pca_dtype]
+        pca_dtype = PCA_TORCH_DTYPES[self.config.pca_dtype]
         tensors: Dict[str, torch.Tensor] = {}
         modules_meta = []
         for name, p in self.modules.items():

@@ -124,6 +124,14 @@ def batches(items: Iterable[Any], size: int) -> Iterator[List[Any]]:
         yield batch
 
 
+def check_counted(examples: Sequence[Any]) -> None:
+    """Refuse, by name, an example with no counted label: it has no gradient."""
+    for ex in examples:
+        if not any(label != IGNORE_INDEX for label in list(ex.labels)[1:]):
+            raise InputError(f"example {ex.id!r} has no tokens that count in the loss",
+                             location=getattr(ex, "shard", "") or None)
+
+
 def project_examples(capture: GradientCapture, examples: Sequence[Any], *, batch_size: int, pad_token_id: int,
                      device: str, progress: bool = False, desc: str = "projecting") -> Dict[str, torch.Tensor]:
     """Run ``capture`` over tokenized examples in batches: ``{module: (n, ...) float32 on the CPU}``.
@@ -137,10 +145,7 @@ def project_examples(capture: GradientCapture, examples: Sequence[Any], *, batch
     parts: Dict[str, List[torch.Tensor]] = {name: [] for name in capture.modules}
     total = -(-len(examples) // batch_size)
     for batch in tqdm(batches(examples, batch_size), desc=desc, total=total, unit="batch", disable=not progress):
-        for ex in batch:
-            if not any(label != IGNORE_INDEX for label in list(ex.labels)[1:]):
-                raise InputError(f"example {ex.id!r} has no tokens that count in the loss",
-                                 location=getattr(ex, "shard", "") or None)
+        check_counted(batch)
         collated = collate([(ex.input_ids, ex.labels) for ex in batch], pad_token_id)
         outputs, _ = capture.run({key: value.to(device) for key, value in collated.items()})
         for name in capture.modules:
