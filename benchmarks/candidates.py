@@ -329,6 +329,49 @@ def candidate_top(cand: CandidateIndex, codes, scales, yq: np.ndarray, layout, C
     return top, time.perf_counter() - t0, t1 - t0
 
 
+def clustered_lines(codes, scales, y, layout, largest, smallest, args, builds) -> List[Dict[str, Any]]:
+    """The ``clustered`` kind (:mod:`eogp_index.search.clustered`) on the same codes: a budget of
+    ``--clustered-share`` of the rows per side, one line per ``--clustered-z``; its own exact
+    kernel rescoring is part of the time, as in :func:`candidate_top`."""
+    from eogp_index.search.clustered import ClusteredIndex
+
+    n = codes.shape[0]
+    C = max(TOP, int(args.clustered_share * n))
+    stored = SimpleNamespace(layout=layout)  # what top_k needs without a filter
+    out = []
+    with tempfile.TemporaryDirectory(prefix="eogp-bench-clustered-") as tmp:
+        t0 = time.perf_counter()
+        cand = ClusteredIndex.from_codes(codes, scales, layout, FaissConfig(kind="clustered"), tmp)
+        builds["clustered"] = round(time.perf_counter() - t0, 1)
+        cand.top_k(stored, y[:1], TOP, C, ["positive", "negative"])  # warm-up
+        for z in args.clustered_z:
+            cand.set_search(z=z)
+            recall, recall_neg, times, scanned = [], [], [], []
+            for q in range(y.shape[0]):
+                best = np.inf
+                for _ in range(args.repeat):
+                    t0 = time.perf_counter()
+                    found = cand.top_k(stored, y[q:q + 1], TOP, C, ["positive"])["positive"]
+                    best = min(best, time.perf_counter() - t0)
+                times.append(best)
+                scanned.append(found[2] / n)
+                recall.append(len(np.intersect1d(found[0][:TOP].astype(np.int64), largest[q])) / TOP)
+                neg = cand.top_k(stored, y[q:q + 1], TOP, C, ["negative"])["negative"]
+                recall_neg.append(len(np.intersect1d(neg[0][:TOP].astype(np.int64), smallest[q])) / TOP)
+            seconds = float(np.mean(times))
+            row = {"kind": "clustered", "replicas": 1, "C": C, "recall_at_20": round(float(np.mean(recall)), 4),
+                   "min_recall_at_20": round(float(np.min(recall)), 4),
+                   "recall_at_20_negative": round(float(np.mean(recall_neg)), 4),
+                   "ms_per_query": round(1000 * seconds, 2), "faiss_ms_per_query": 0.0, "speedup": None,
+                   "params": {"scale_cells": cand.config.scale_cells, "z": z,
+                              "rows_scanned": round(float(np.mean(scanned)), 4)}}
+            out.append(row)
+            if args.verbose:
+                print(f"clustered z={z}: recall {row['recall_at_20']} / {row['recall_at_20_negative']}, "
+                      f"{row['ms_per_query']} ms", file=sys.stderr, flush=True)
+    return out
+
+
 def run(args) -> Dict[str, Any]:
     started = time.perf_counter()
     if args.threads:
@@ -372,6 +415,9 @@ def run(args) -> Dict[str, Any]:
     results: List[Dict[str, Any]] = []
     builds: Dict[str, float] = {}
     for kind in args.kinds.split(","):
+        if kind == "clustered":
+            results.extend(clustered_lines(codes, big_scales, y, layout, largest, smallest, args, builds))
+            continue
         for replicas in args.replicas:
             config = FaissConfig(kind=kind, replicas=replicas, nlist=args.nlist, nprobe=args.nprobe[0],
                                  hnsw_m=args.hnsw_m, ef_search=args.ef_search, ef_construction=args.ef_construction,
@@ -439,7 +485,7 @@ def run(args) -> Dict[str, Any]:
 
 
 def render_row(r: Dict[str, Any]) -> str:
-    shown = ("nlist", "nprobe", "hnsw_m", "ef_construction")
+    shown = ("nlist", "nprobe", "hnsw_m", "ef_construction", "scale_cells", "z", "rows_scanned")
     params = ",".join(f"{k}={v}" for k, v in r["params"].items() if k in shown)
     return (f"{r['kind']:<5} R={r['replicas']:<2} {params:<24} C={r['C']:<6} recall@20 {r['recall_at_20']:.3f} "
             f"(min {r['min_recall_at_20']:.2f}, negative {r['recall_at_20_negative']:.3f})  "
@@ -508,7 +554,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--flip", type=float, default=0.05, help="per-bit flip probability of each copy")
     parser.add_argument("--scale-jitter", type=float, default=0.1, help="sigma of the log-normal scale jitter")
     parser.add_argument("--C", type=int, nargs="+", default=[500, 1000, 2000, 5000], help="candidates")
-    parser.add_argument("--kinds", default="ivf,hnsw,flat")
+    parser.add_argument("--kinds", default="ivf,hnsw,flat,clustered",
+                        help="FAISS kinds (flat, ivf, hnsw) and the clustered copy (clustered)")
+    parser.add_argument("--clustered-share", type=float, default=0.1,
+                        help="clustered: the budget of rows scanned per side, as a share of the rows")
+    parser.add_argument("--clustered-z", type=float, nargs="+", default=[3.0, 4.0, 5.0],
+                        help="clustered: z values, one line each")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 4],
                         help="replicas per sign bit in FAISS (one build each; 1 = plain Hamming; default: 1 and 4)")
     parser.add_argument("--nlist", type=int, default=1024,

@@ -66,6 +66,8 @@ from eogp_index.store.table import RowInfo, Store, build_rows  # noqa: E402
 from eogp_index.gradients.loss import collate  # noqa: E402
 from ingest.pipeline import DEFAULT_COMMIT_ROWS  # noqa: E402
 
+#: GPT-2 small's shape (12 layers, width 768, 12 heads) with the shipped 2,048-token vocabulary.
+GPT2_SMALL = '{"n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": 3072}'
 TARGET_VS_BARE = 1.25
 TARGET_VS_LOGRA = 1.0
 DEFAULT_ROOT = REPO / "examples" / "default"
@@ -185,6 +187,29 @@ class Methods:
                      flush=flush)
 
 
+def first_stage_shapes(index: AttributionIndex) -> List[Dict[str, Any]]:
+    """Per module: d_out, d_in', m, k and how many eigenvector columns the kept coordinates touch
+    (r of Q_S, c of Q_A): the per-token rotation costs ``d_out·r + d_in'·c`` multiply-adds."""
+    out = []
+    for name, module in index.projection.modules.items():
+        d_out, d_in = module.shape
+        out.append({"name": name, "d_out": d_out, "d_in": d_in, "m": module.m, "k": module.k,
+                    "r": int(module.gradient_eigenvectors.shape[1]), "c": int(module.activation_eigenvectors.shape[1])})
+    return out
+
+
+def arithmetic(shapes, batch, flops, entries, projectors) -> Dict[str, Any]:
+    """FLOPs of one batch, by part: what explains the time ratios (see render)."""
+    live = sum(len(ex.input_ids) - 1 for ex in batch)  # the last token predicts nothing counted
+    rotation = 2 * live * sum(s["d_out"] * s["r"] + s["d_in"] * s["c"] for s in shapes)
+    pca = 2 * len(batch) * sum(s["m"] * s["k"] for s in shapes)
+    logra = 2 * sum(len(ex.input_ids) for ex in batch) * sum(
+        (e.d_in + e.d_out) * projectors[e.name].rank for e in entries)
+    return {"live_tokens": live, "bare_gflops": flops["bare_gradient"] / 1e9, "rotation_gflops": rotation / 1e9,
+            "pca_gflops": pca / 1e9, "eogp_other_gflops": (flops["eogp"] - flops["bare_gradient"] - rotation - pca) / 1e9,
+            "logra_projection_gflops": logra / 1e9}
+
+
 def run(args) -> Dict[str, Any]:
     started = time.perf_counter()
     device = GradientConfig(device=args.device).resolved_device()
@@ -200,11 +225,12 @@ def run(args) -> Dict[str, Any]:
         fit_started = time.perf_counter()
         index = AttributionIndex.create(
             workdir / "index", workload.model, workload.tokenizer, fit, model_name=workload.source,
-            projection=ProjectionConfig(k=args.k, num_fit_examples=len(fit)),
+            projection=ProjectionConfig(k=args.k, m=args.m, num_fit_examples=len(fit)),
             curvature=CurvatureConfig(num_examples=min(args.curvature_examples, len(fit)), batch_size=args.batch_size),
             gradients=GradientConfig(batch_size=args.batch_size, device=device), progress=False,
         )
         fit_seconds = time.perf_counter() - fit_started
+        shapes = first_stage_shapes(index)
         methods = Methods(index, workdir, device, args.commit_rows)
         batches = [timed[i:i + args.batch_size] for i in range(0, len(timed), args.batch_size)]
         batches = [b for b in batches if len(b) == args.batch_size]
@@ -243,6 +269,10 @@ def run(args) -> Dict[str, Any]:
         "k_per_module": args.k,
         "modules": len(index.manifest.modules),
         "fit_seconds": round(fit_seconds, 2),
+        "first_stage": shapes,
+        # The arithmetic EOGP adds to the bare gradient in the warm-up batch (multiply-adds x 2):
+        # rotating each live token's a and g into the kept eigenvector columns, and P.
+        "arithmetic": arithmetic(shapes, warmup, flops, index.manifest.modules, methods.projectors),
         "methods": {
             name: {
                 "seconds": round(seconds[name], 4),
@@ -302,6 +332,24 @@ def render(result: Dict[str, Any]) -> str:
         f"EOGP / LoGra {ratios['flops_eogp_over_logra']:.3f}",
         f"(index fitting {result['fit_seconds']}s, total {result['total_seconds']}s)",
     ]
+    a = result["arithmetic"]
+    bare = a["bare_gflops"]
+    lines += [
+        "",
+        f"arithmetic of one batch ({a['live_tokens']} live tokens), GFLOP: bare gradient {bare:.3f}; EOGP adds the "
+        f"eigenbasis rotation 2·T·Σ(d_out·r + d_in'·c) = {a['rotation_gflops']:.3f} ({a['rotation_gflops'] / bare:.1%} "
+        f"of bare), P 2·B·Σ m·k = {a['pca_gflops']:.3f} ({a['pca_gflops'] / bare:.1%}) and "
+        f"{a['eogp_other_gflops']:.3f} of block products and gathers; LoGra adds 2·T·Σ(d_in+d_out)·r = "
+        f"{a['logra_projection_gflops']:.3f} ({a['logra_projection_gflops'] / bare:.1%})",
+        f"so EOGP / LoGra in arithmetic = (bare + EOGP's extra) / (bare + LoGra's extra) = "
+        f"{result['methods']['eogp']['gflops_per_batch']:.3f} / {result['methods']['logra_fp16']['gflops_per_batch']:.3f}"
+        f" = {result['ratios']['flops_eogp_over_logra']:.3f}",
+        "",
+        f"{'module':<34}{'d_out':>6}{'d_in':>6}{'m':>8}{'k':>5}{'r/d_out':>9}{'c/d_in':>8}",
+    ]
+    for s in result["first_stage"]:
+        lines.append(f"{s['name'][:34]:<34}{s['d_out']:>6}{s['d_in']:>6}{s['m']:>8}{s['k']:>5}"
+                     f"{s['r'] / s['d_out']:>9.2f}{s['c'] / s['d_in']:>8.2f}")
     return "\n".join(lines)
 
 
@@ -313,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--random-model", default=None, metavar="JSON",
                         help="time a random-init GPT-2 on random tokens instead: tinylm.default_config overrides, "
                              "e.g. '{\"n_embd\": 512, \"n_inner\": 2048, \"n_head\": 8}' ('{}' = the default shape)")
+    parser.add_argument("--gpt2-small", action="store_true",
+                        help=f"time a random-init GPT-2-small-shaped model: --random-model '{GPT2_SMALL}'")
     parser.add_argument("--docs", type=int, default=200, help="documents timed (default 200)")
     parser.add_argument("--fit-examples", type=int, default=160,
                         help="documents the PCA is fitted on (default 160; at least --k)")
@@ -322,6 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per document at most (default 128)")
     parser.add_argument("--k", type=int, default=128,
                         help="EOGP coordinates per module (default 128: 18 bytes, = LoGra rank 3 in fp16)")
+    parser.add_argument("--m", type=int, default=None,
+                        help="EOGP first-stage width per module (default: eogp fit's default, see ProjectionConfig)")
     parser.add_argument("--commit-rows", type=int, default=DEFAULT_COMMIT_ROWS,
                         help=f"rows per Lance commit, as eogp ingest --batch-size (default {DEFAULT_COMMIT_ROWS})")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
@@ -329,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
+    if args.gpt2_small:
+        args.random_model = GPT2_SMALL
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 1 if args.check and not all(result["meets_targets"].values()) else 0

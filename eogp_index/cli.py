@@ -140,7 +140,7 @@ def fit(model, data, fit_data, out, projection, storage, curvature, modules, gra
     try:
         with _fit_process_group(gradients.resolved_device()) if sharded else contextlib.nullcontext():
             loaded, tokenizer = load_model(model, device=gradients.resolved_device())
-            wanted = curvature.num_examples + (projection.num_fit_examples if projection.variant == "eogp" else 0)
+            wanted = curvature.num_examples + (projection.num_fit_examples if projection.second_stage == "pca" else 0)
             examples, seen = sample_shards(list(fit_data or data), spec, tokenizer, wanted, seed)
             if torchrun_rank() == 0:
                 click.echo(f"fitting on {len(examples)} documents sampled from {seen} records", err=True)
@@ -404,14 +404,69 @@ def index_column(index_dir, column, kind, as_json):
 
     store = StoredIndex.open(index_dir).store
     store.create_scalar_index(column, kind)
-    _emit({"column": column, "kind": kind, "indices": [str(i.name) for i in store.table.list_indices()]},
+    _emit({"column": column, "kind": kind, "indices": store.index_names()},
           as_json, lambda d: click.echo(f"indexed {d['column']} ({d['kind']})"))
+
+
+_DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _retention(value: str):
+    """``--retention``: ``none``, or a number of seconds with an optional unit (``30m``, ``1h``, ``7d``)."""
+    from datetime import timedelta
+
+    text = value.strip().lower()
+    if text == "none":
+        return None
+    unit = text[-1] if text and text[-1] in _DURATION else "s"
+    number = text[:-1] if text and text[-1] in _DURATION else text
+    try:
+        seconds = float(number) * _DURATION[unit]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a duration; give e.g. 0, 90s, 30m, 1h, 7d or none",
+                                 param_hint="--retention") from None
+    if seconds < 0:
+        raise click.BadParameter("a retention cannot be negative", param_hint="--retention")
+    return timedelta(seconds=seconds)
+
+
+@cli.command()
+@click.argument("index_dir", type=INDEX_DIR)
+@click.option("--retention", default="1h", show_default=True,
+              help="Remove table versions older than this (0: all but the latest; none: keep every version).")
+@click.option("--target-rows", type=click.IntRange(min=1), default=None,
+              help="Rows per fragment after compaction (default 262144).")
+@click.option("--no-hot", is_flag=True, help="Leave the hot copy as it is (the next query brings it up to date).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_fail_cleanly
+def optimize(index_dir, retention, target_rows, no_hot, as_json):
+    """Compact the table, refresh scalar indexes, drop old versions, rebuild the hot copy.
+
+    Each ingest commit adds a fragment and a table version; many small ones
+    slow every commit and query. Ingest runs this by itself once 256 small
+    fragments pile up, and at its end; run it after writing the table another
+    way, or to drop old versions sooner. Safe while others read or ingest.
+
+    \b
+    Example:
+        eogp optimize my-index
+        eogp optimize my-index --retention 0 --json
+    """
+    from eogp_index.store.maintenance import DEFAULT_TARGET_ROWS
+    from eogp_index.store.maintenance import optimize as optimize_index
+    from eogp_index.store.stored_index import StoredIndex
+
+    report = optimize_index(StoredIndex.open(index_dir), retention=_retention(retention), rebuild_hot=not no_hot,
+                            target_rows=target_rows or DEFAULT_TARGET_ROWS)
+    _emit(report.to_json(), as_json, lambda _: click.echo(report.describe()))
 
 
 @cli.command("build-faiss")
 @click.argument("index_dir", type=INDEX_DIR)
-@click.option("--kind", type=click.Choice(["flat", "ivf", "hnsw"]), default="flat", show_default=True,
-              help="FAISS binary index: exact Hamming (flat), inverted lists (ivf) or a graph (hnsw).")
+@click.option("--kind", type=click.Choice(["flat", "ivf", "hnsw", "clustered"]), default="flat", show_default=True,
+              help="FAISS binary index: exact Hamming (flat), inverted lists (ivf) or a graph (hnsw); or "
+                   "clustered: the codes grouped by scale profile, scanned exactly cell by cell (the one "
+                   "that pays at millions of rows; --candidates is then its budget of rows).")
 @click.option("--name", default="default", show_default=True, help="Name of the FAISS index in the index directory.")
 @click.option("--replicas", type=click.IntRange(1, 16), default=None,
               help="Copies of each sign bit in FAISS, so that queries weight coordinates by |y| "
@@ -430,12 +485,12 @@ def build_faiss(index_dir, kind, name, replicas, extend_only, as_json):
         eogp build-faiss my-index --kind hnsw
         eogp query my-index --text "Parse a CSV file." --candidates 2000
     """
-    from eogp_index.search.candidates import CandidateIndex, FaissConfig, build
+    from eogp_index.search.candidates import FaissConfig, build, load
     from eogp_index.store.stored_index import StoredIndex
 
     index = StoredIndex.open(index_dir)  # the stored signs are all it needs: no model
     if extend_only:
-        faiss_index = CandidateIndex.load(index_dir, name)
+        faiss_index = load(index_dir, name)
         added = faiss_index.extend(index, progress=not as_json)
     else:
         config = FaissConfig(kind=kind) if replicas is None else FaissConfig(kind=kind, replicas=replicas)

@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Union
 
@@ -35,8 +37,17 @@ from eogp_index.gradients.model import (
 from eogp_index.data.records import Example, RecordSpec, tokenize_record
 from eogp_index.search.explain import Explanation, explain_documents
 from eogp_index.search.query import InfluenceQuery, Query, QueryOptions
-from eogp_index.search.searchers import HotSearcher, TorchSearcher
+from eogp_index.search.searchers import HotSearcher, TorchSearcher, warm_kernels
 from eogp_index.store.codecs import concat_modules
+from eogp_index.store.maintenance import (
+    DEFAULT_FRAGMENT_THRESHOLD,
+    DEFAULT_RETENTION,
+    DEFAULT_TARGET_ROWS,
+    OptimizeReport,
+    after_ingest,
+    maybe_optimize,
+    optimize,
+)
 from eogp_index.store.manifest import check_compatible
 from eogp_index.store.stored_ids import StoredIds
 from eogp_index.store.stored_index import StoredIndex, prepare_index_dir
@@ -137,6 +148,11 @@ class AttributionIndex:
                 ones the index was built with.
         """
         stored = StoredIndex.open(path)
+        if stored.has_hot_copy() and not gradients.resolved_device().startswith("cuda"):
+            # An index that is queried here: the CPU scan kernels' first call costs a few hundred
+            # ms (numba sets up its CPU target and loads the cached machine code), done on the
+            # side while the model loads.
+            threading.Thread(target=warm_kernels, args=(stored,), name="eogp-warm-kernels", daemon=True).start()
         stored.projection_memory = _projection_memory(gradients)
         stored.projection  # noqa: B018  (loads and checks the projection before the model is loaded)
         if model is None:
@@ -188,23 +204,28 @@ class AttributionIndex:
         return self.project(self.query_examples(queries))
 
     # -- storing ----------------------------------------------------------------------------------
-    def ingest(self, examples: Iterable[Example], *, progress: bool = True, store_text: Optional[int] = None) -> int:
+    def ingest(self, examples: Iterable[Example], *, progress: bool = True, store_text: Optional[int] = None,
+               optimize_threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD) -> int:
         """Store examples not stored yet, one commit per gradient batch; returns the rows added.
 
         An id already stored from the same shard and position is skipped (a rerun); the same id
         from elsewhere is an :class:`InputError`, as in ``eogp ingest`` (same rule:
         :class:`~eogp_index.store.stored_ids.StoredIds`). For shards, rejects and scale-out use
         ``ingest.run_ingest`` (``eogp ingest``), which also records where each shard lives.
+        Like it, compacts the table past the fragment threshold and ends with the hot copy up to
+        date (:mod:`eogp_index.store.maintenance`).
 
         Args:
             store_text: keep each document's text, up to this many UTF-8 bytes (see
                 :meth:`encode_rows`); every ingest into one index uses the same setting.
+            optimize_threshold: compact past this many small fragments (None: never; as
+                ``ingest.run_ingest``).
         """
         self.stored.agree_store_text(store_text)
         if self.manifest.has_content_hashes and store_text is not None:
             self.stored.sources.save()
         stored = StoredIds(self.store)
-        added = 0
+        added = optimized = 0
         for batch in batches(examples, self.gradients.batch_size) if not progress else _bar(examples, self):
             fresh = []
             for ex in batch:
@@ -217,6 +238,9 @@ class AttributionIndex:
                     stored.remember([ex])  # a repeat later in this call is then a rerun, not a new row
             if fresh:
                 added += self.add_batch(fresh, store_text=store_text)
+                optimized += maybe_optimize(self.stored, threshold=optimize_threshold) is not None
+        if added and optimize_threshold is not None:
+            after_ingest(self.stored, optimized=optimized > 0, threshold=optimize_threshold, settle=False)
         return added
 
     def add_batch(self, examples: Sequence[Example], *, store_text: Optional[int] = None) -> int:
@@ -286,7 +310,7 @@ class AttributionIndex:
         y = self.query_coordinates(queries)
         searcher = TorchSearcher(self.stored, self.device) if self.device.startswith("cuda") else HotSearcher(self.stored)
         rowaddr, scores = searcher.scores(y, where)
-        ids = self.store.take_rows(rowaddr.tolist(), ["id"]).column("id").to_pylist() if rowaddr.size else []
+        ids = self.stored.rows(rowaddr, ["id"]).column("id").to_pylist() if rowaddr.size else []
         return ids, scores
 
     def explain(self, query: Query, example_id: str) -> Explanation:
@@ -305,6 +329,16 @@ class AttributionIndex:
     def info(self) -> Dict[str, Any]:
         """The manifest plus live facts: row count, table version, path."""
         return self.stored.info()
+
+    def optimize(self, *, retention: Optional[timedelta] = DEFAULT_RETENTION, rebuild_hot: bool = True,
+                 target_rows: int = DEFAULT_TARGET_ROWS) -> OptimizeReport:
+        """Compact the table, refresh its scalar indexes, remove versions older than ``retention``
+        and rebuild the hot copy (``eogp optimize``; :func:`eogp_index.store.maintenance.optimize`).
+
+        Ingest already does this past a fragment threshold; call it after writing the table by
+        other means, or to drop old versions sooner.
+        """
+        return optimize(self.stored, retention=retention, rebuild_hot=rebuild_hot, target_rows=target_rows)
 
 
 def _projection_memory(gradients: GradientConfig) -> Optional[int]:

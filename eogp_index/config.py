@@ -24,7 +24,11 @@ PCA_DTYPE_BYTES = {"fp16": 2, "fp32": 4}
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 #: Variant names used in the manifest and the CLI, mapped to the second stage they use.
-VARIANTS = {"eogp": "pca", "eogp-r": "srht", "ekfac-topk": "none"}
+VARIANTS = {"eogp": "pca", "eogp-rot": "pca", "eogp-r": "srht", "ekfac-topk": "none"}
+Rotation = Literal["none", "hadamard"]
+#: The rotation each variant applies inside a module's k-dim PCA subspace before the signs are
+#: taken, folded into P at fit time (the stored codes keep EOGP's format and meaning).
+ROTATIONS = {"eogp": "none", "eogp-rot": "hadamard", "eogp-r": "none", "ekfac-topk": "none"}
 
 
 def _positive(name: str, value: Optional[float], *, allow_none: bool = True) -> None:
@@ -61,18 +65,45 @@ class CurvatureConfig:
         _positive("CurvatureConfig.damping_ratio", self.damping_ratio, allow_none=False)
 
 
+#: The default first-stage width: ``m_u = min(d_u, max(k_u, DEFAULT_M))``, whatever ``k``
+#: (the paper fixes ``m_u`` independently of ``k``). Chosen from the measured fidelity-versus-m
+#: curve (``benchmarks/m_curve.py``, README "First-stage width").
+DEFAULT_M = 16384
+DEFAULT_M_HELP = f"min(d_u, max(k, {DEFAULT_M}))"
+
+
+def first_stage_width(d: int, k: int, m: Optional[int] = None) -> int:
+    """The first-stage width ``m_u`` of a module with ``d`` parameters and ``k`` output coordinates.
+
+    Args:
+        m: the width asked for (capped at ``d``); None: the default rule (:data:`DEFAULT_M`).
+
+    Raises:
+        ConfigError: an ``m`` below ``k`` (the second stage cannot output more axes than it is given).
+    """
+    k = min(k, d)
+    if m is None:
+        return min(d, max(k, DEFAULT_M))
+    m = min(m, d)
+    if m < k:
+        raise ConfigError(f"ProjectionConfig: m={m} is smaller than k={k}; the first stage must keep m >= k axes")
+    return m
+
+
 @dataclass(frozen=True)
 class ProjectionConfig:
     """The two-stage projection of Section 3.2 and its output size per module.
 
     Give either ``k`` (coordinates per module) or ``budget_kb`` (per-example storage in KiB,
-    split evenly over the modules). ``m`` is the first-stage width; ``None`` keeps
-    ``min(d_u, m_factor · k_u)`` EK-FAC axes.
+    split evenly over the modules). ``m`` is the first-stage width, independent of ``k`` as in
+    the paper; ``None`` keeps :func:`first_stage_width`'s default.
     """
 
-    variant: Literal["eogp", "eogp-r", "ekfac-topk"] = field(
+    variant: Literal["eogp", "eogp-rot", "eogp-r", "ekfac-topk"] = field(
         default="eogp",
-        metadata={"help": "eogp: PCA second stage; eogp-r: SRHT; ekfac-topk: top-k EK-FAC axes (ablation)."},
+        metadata={"help": "eogp: PCA second stage (the paper's EOGP); eogp-rot: PCA, then a randomized Hadamard "
+                          "rotation of the k coordinates before the signs; eogp-r: SRHT; ekfac-topk: top-k EK-FAC "
+                          "axes (ablation)."},
     )
     k: Optional[int] = field(default=None, metadata={"help": "Output coordinates per module.", "min": 1})
     budget_kb: Optional[float] = field(
@@ -80,9 +111,9 @@ class ProjectionConfig:
         metadata={"help": "Per-example storage budget in KiB (instead of k).", "min": 0.0, "min_open": True},
     )
     m: Optional[int] = field(
-        default=None, metadata={"help": "First-stage width per module (capped at d_u; default min(d_u, 8k)).", "min": 1}
+        default=None,
+        metadata={"help": f"First-stage width m_u per module, capped at d_u (default: {DEFAULT_M_HELP}).", "min": 1},
     )
-    m_factor: int = field(default=8, metadata={"help": "m_u = min(d_u, m_factor·k_u) when m is not given.", "min": 1})
     num_fit_examples: int = field(default=1000, metadata={"help": "Examples in the PCA fitting set.", "min": 1})
     seed: int = field(default=0, metadata={"help": "Seed of the PCA fitting sample and the SRHT."})
     pca_dtype: PcaDtype = field(
@@ -101,12 +132,16 @@ class ProjectionConfig:
         _positive("ProjectionConfig.k", self.k)
         _positive("ProjectionConfig.budget_kb", self.budget_kb)
         _positive("ProjectionConfig.m", self.m)
-        _positive("ProjectionConfig.m_factor", self.m_factor, allow_none=False)
         _positive("ProjectionConfig.num_fit_examples", self.num_fit_examples, allow_none=False)
 
     @property
     def second_stage(self) -> SecondStage:
         return VARIANTS[self.variant]  # type: ignore[return-value]
+
+    @property
+    def rotation(self) -> Rotation:
+        """The rotation folded into ``P`` (:data:`ROTATIONS`): ``"hadamard"`` for ``eogp-rot``."""
+        return ROTATIONS[self.variant]  # type: ignore[return-value]
 
     def dims(self, d: int, num_modules: int, precision: Precision) -> Tuple[int, int]:
         """``(m_u, k_u)`` for a module of ``d`` parameters among ``num_modules``.
@@ -117,14 +152,9 @@ class ProjectionConfig:
         k = self.k if self.k is not None else k_for_budget(self.budget_kb, num_modules, precision)
         k = min(k, d)
         if self.second_stage == "none":
-            m = k  # the ablation keeps the top-k EK-FAC axes themselves
-        elif self.m is not None:
-            m = min(self.m, d)
-        else:
-            m = min(d, self.m_factor * k)
-        if m < k:
-            raise ConfigError(f"ProjectionConfig: m={m} is smaller than k={k}; the first stage must keep m >= k axes")
-        return m, k
+            return k, k  # the ablation keeps the top-k EK-FAC axes themselves
+        return first_stage_width(d, k, self.m), k
+
 
 
 #: Per-module storage of ``k`` coordinates, by precision: the one place these formulas live.

@@ -18,6 +18,11 @@ How the work and the table are shared:
   (``lance.fragment.write_fragments``) next to the table, and every ``commit_every`` steps
   rank 0 commits all workers' new fragments in one ``LanceOperation.Append``. Lance's commit
   protocol makes that atomic: readers see a step's rows from every worker, or none of them.
+* Only rank 0 keeps the table compact: after its commits it runs
+  :func:`~eogp_index.store.maintenance.maybe_optimize` (past ``optimize_threshold`` small
+  fragments), and after the last one :func:`~eogp_index.store.maintenance.after_ingest`. The
+  other workers go on writing their next step's files meanwhile; those are not referenced by
+  any version yet, and the cleanup of old versions leaves such files alone.
 * A crash (any worker, any moment) loses at most the steps since the last commit: their
   data files are never referenced by the table. Running the same command again skips what
   is stored and completes the rest, without duplicates.
@@ -45,6 +50,7 @@ from typing import Any, List, Optional, Sequence
 
 from eogp_index.config import GradientConfig
 from eogp_index.errors import ConfigError, EOGPError, InputError
+from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, after_ingest
 from ingest.pipeline import (
     ExampleReader,
     IngestSummary,
@@ -64,7 +70,7 @@ from ingest.pipeline import (
 from eogp_index.data.readers import expand_shards, location_of, shard_names
 from ingest.records import RecordSpec, Rejected
 
-__all__ = ["run_distributed_ingest", "main"]
+__all__ = ["run_distributed_ingest"]
 
 
 # -- the process group ----------------------------------------------------------------------------
@@ -164,6 +170,7 @@ def run_distributed_ingest(
     progress: bool = True,
     shard_root: str | Path | None = None,
     store_text: Optional[int] = None,
+    optimize_threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD,
 ) -> IngestSummary:
     """Ingest ``patterns`` into the index at ``index_path`` as one worker of a ``torchrun`` job.
 
@@ -179,6 +186,9 @@ def run_distributed_ingest(
             ``cuda:LOCAL_RANK`` when CUDA is present, else on the CPU.
         model_path: load the model and tokenizer from here instead of the manifest's name
             (the weights must still be the ones the index was built with).
+        optimize_threshold: rank 0 compacts the table past this many small fragments, after its
+            commits, and leaves the index ready to query at the end (as
+            :func:`ingest.pipeline.run_ingest`); None: neither.
 
     Returns:
         The run's :class:`IngestSummary` (the same on every worker).
@@ -209,7 +219,7 @@ def run_distributed_ingest(
         index = AttributionIndex.open(index_path, model=model, tokenizer=tokenizer, gradients=gradients)
         worker = _Worker(index, comm, patterns, spec=spec, on_error=on_error, rejects_path=rejects_path,
                          batch_size=batch_size, commit_every=commit_every, progress=progress, shard_root=shard_root,
-                         store_text=store_text)
+                         store_text=store_text, optimize_threshold=optimize_threshold)
         with contextlib.ExitStack() as stack:
             # Rank 0 holds the index's ingest lock for the whole job (its node's view of it);
             # every worker learns whether it got it, so none waits on a job that never starts.
@@ -229,9 +239,11 @@ def run_distributed_ingest(
 
 class _Worker:
     def __init__(self, index, comm: _Comm, patterns, *, spec, on_error, rejects_path, batch_size, commit_every,
-                 progress, shard_root, store_text):
+                 progress, shard_root, store_text, optimize_threshold=DEFAULT_FRAGMENT_THRESHOLD):
         self.index = index
         self.store_text = store_text
+        self.optimize_threshold = optimize_threshold
+        self.optimized = 0  # compactions run by rank 0
         self.comm = comm
         self.on_error = on_error
         self.commit_every = commit_every
@@ -314,6 +326,9 @@ class _Worker:
                     self._commit(local_error)
                 if all_done:
                     break
+            if self.comm.rank == 0 and self.tally.stored and self.optimize_threshold is not None:
+                self.optimized += after_ingest(self.index.stored, optimized=self.optimized > 0,
+                                               threshold=self.optimize_threshold) is not None
         except _Aborted as failure:
             if local_error is not None and failure.rank == self.comm.rank:
                 raise local_error
@@ -325,9 +340,11 @@ class _Worker:
                 self.rejects.close()
             if self.bar is not None:
                 self.bar.close()
+        if self.comm.rank == 0:
+            self.version = self.index.store.version  # after the compactions
         return self.tally.summary(seconds=time.perf_counter() - started, table_version=self.version,
                                   rejects_path=self.rejects.written if self.rejects is not None else None,
-                                  workers=self.comm.world)
+                                  workers=self.comm.world, optimized=self.optimized)
 
     def _abort(self, failure: _Aborted) -> None:
         """Commit the whole steps written before the failure, then stop every worker."""
@@ -405,15 +422,17 @@ class _Worker:
         result = None
         if self.comm.rank == 0:
             try:
-                import lancedb
+                import lance
 
-                db = lancedb.connect(self.index.store.uri)
-                db.create_table(self.index.store.table_name, schema=schema, exist_ok=True)
+                if self.index.store.table is None:  # (a rerun finds it made)
+                    lance.write_dataset(schema.empty_table(), self.index.store.path, mode="create")
+                self.index.store.refresh(force=True)
             except Exception as exc:
                 result = _error_of(exc)
         result = self.comm.broadcast(result)
         if result is not None:
             raise _Aborted(0, result)
+        self.index.store.refresh(force=True)  # made by rank 0: every worker looks now
         self.schema = self.index.store.schema
         self.version = self.index.store.version
 
@@ -437,6 +456,19 @@ class _Worker:
         fragments = write_fragments(rows, uri, schema=self.schema, data_storage_version=storage_version)
         self.pending.extend(json.dumps(f.to_json()) for f in fragments)
 
+    def _maybe_optimize(self) -> None:
+        """Rank 0, after a commit: compact once enough small fragments wait. A failure is only
+        reported: the rows are committed, and the next run (or ``eogp optimize``) compacts."""
+        from eogp_index.store.maintenance import maybe_optimize
+
+        try:
+            self.optimized += maybe_optimize(self.index.stored, threshold=self.optimize_threshold) is not None
+        except Exception as exc:  # noqa: BLE001
+            import warnings
+
+            warnings.warn(f"compacting the table failed ({type(exc).__name__}: {exc}); the ingest goes on. "
+                          "Run `eogp optimize` afterwards", RuntimeWarning, stacklevel=2)
+
     def _commit(self, local_error: Optional[BaseException], *, raise_errors: bool = True) -> None:
         """Rank 0 commits every worker's pending fragments in one Append; then all go on (or stop)."""
         offers = self.comm.all_gather((self.pending, _error_of(local_error) if local_error is not None else None))
@@ -453,15 +485,18 @@ class _Worker:
                     latest = lance.dataset(uri).version
                     committed = lance.LanceDataset.commit(uri, lance.LanceOperation.Append(fragments),
                                                           read_version=latest)
+                    self.index.store.refresh(force=True)
                     result = ("ok", committed.version)
                 else:
-                    result = ("ok", self.index.store.dataset().version if self.schema is not None else 0)
+                    result = ("ok", self.index.store.version if self.schema is not None else 0)
             except Exception as exc:
                 result = ("error", _error_of(exc))
         result = self.comm.broadcast(result)
         if result[0] == "error":
             raise _Aborted(0, result[1])
         self.version = result[1]
+        if self.comm.rank == 0 and result[1] and raise_errors:
+            self._maybe_optimize()
         failure = _first_error([error for _, error in offers])
         if failure is not None and raise_errors:
             raise failure

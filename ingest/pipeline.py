@@ -16,6 +16,9 @@ Lance commit. What that buys:
 * **Duplicate ids.** An id used twice in the run, or already stored for a *different* shard
   or position (say, by an earlier ingest of other shards), is a bad record too (counted in
   ``duplicates``), so the table never holds an id twice.
+* **Fragment hygiene.** Every commit adds a fragment; past ``optimize_threshold`` small ones the
+  table is compacted between commits, and a run ends with the index ready to query (compacted
+  if due, hot copy up to date): :mod:`eogp_index.store.maintenance`.
 
 Ingests must use the same shard names from run to run (the same ``shard_root``): shard names
 are part of stable ids and of what "already stored" means. Two ingests must not write the
@@ -40,6 +43,7 @@ from torch import nn
 from eogp_index.client import AttributionIndex
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.data.readers import SPLIT_SEPARATOR, expand_shards, shard_names, split_shard_spec
+from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, after_ingest, maybe_optimize
 from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
 from eogp_index.data.readers import location_of
@@ -72,6 +76,8 @@ class IngestSummary:
     table_version: the table's version after the run (0 when there is no table yet).
     rejects_path: the rejects file, or None when nothing was rejected.
     workers: processes that took part (1 for :func:`run_ingest`).
+    optimized: times the run compacted the table (:mod:`eogp_index.store.maintenance`), the
+    one at its end included.
     """
 
     stored: int
@@ -86,6 +92,7 @@ class IngestSummary:
     table_version: int
     rejects_path: Optional[str] = None
     workers: int = 1
+    optimized: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (what ``--json`` prints)."""
@@ -99,6 +106,8 @@ class IngestSummary:
             f"in {self.seconds:.1f}s ({self.docs_per_s:.1f} doc/s, {self.tokens_per_s:.0f} tok/s); "
             f"table version {self.table_version}"
         )
+        if self.optimized:
+            text += f"; compacted {self.optimized} time{'s' if self.optimized > 1 else ''}"
         if self.rejects_path:
             text += f"; rejects in {self.rejects_path}"
         return text
@@ -120,7 +129,7 @@ class Tally:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def summary(self, *, seconds: float, table_version: int, rejects_path: Optional[Path],
-                workers: int = 1) -> IngestSummary:
+                workers: int = 1, optimized: int = 0) -> IngestSummary:
         seconds = max(seconds, 1e-9)
         return IngestSummary(
             stored=self.stored, skipped_existing=self.skipped_existing, rejected=self.rejected,
@@ -128,6 +137,7 @@ class Tally:
             seconds=round(seconds, 3), docs_per_s=round(self.stored / seconds, 3),
             tokens_per_s=round(self.tokens / seconds, 3), table_version=table_version,
             rejects_path=str(rejects_path) if rejects_path is not None else None, workers=workers,
+            optimized=optimized,
         )
 
 
@@ -408,6 +418,7 @@ def run_ingest(
     progress: bool = True,
     shard_root: str | Path | None = None,
     store_text: Optional[int] = None,
+    optimize_threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD,
 ) -> IngestSummary:
     """Ingest the records of ``patterns`` (shard paths or globs) into ``index``.
 
@@ -426,14 +437,18 @@ def run_ingest(
             ``shard, position, location, reason, record_id``; default
             ``<index>/rejects/<UTC time>-<pid>.jsonl``, created only if something is rejected.
         batch_size: rows per commit (default 256, rounded up to whole gradient batches). A
-            kill loses at most the batch in flight; more rows per commit mean fewer Lance
-            fragments (compact a table of many small ones with ``table.optimize()``).
+            kill loses at most the batch in flight; each commit adds a Lance fragment.
         progress: show a progress bar (documents, stored doc/s and tok/s).
         shard_root: name shards by their path relative to this directory instead of by file
             name (needed when two shards share a file name); keep it the same across runs.
         store_text: keep each document's text in the table, up to this many UTF-8 bytes (a
             longer document is read back from its shard when explained); None keeps none. Every
             ingest into one index uses the same setting.
+        optimize_threshold: once more than this many small fragments pile up, the table is
+            compacted between commits (:func:`~eogp_index.store.maintenance.maybe_optimize`),
+            and at the end of a run that stored rows the index is left ready to query
+            (:func:`~eogp_index.store.maintenance.after_ingest`: compacted if due, hot copy
+            rebuilt). None: neither (``eogp optimize`` later).
 
     Returns:
         An :class:`IngestSummary`.
@@ -452,6 +467,7 @@ def run_ingest(
     rows_per_commit = commit_rows(batch_size, index.gradients.batch_size)
     rejects = RejectsFile(Path(rejects_path) if rejects_path is not None else default_rejects_path(index.path))
     tally = Tally()
+    optimized = 0
     bar = _progress_bar(progress, "ingest")
     try:
         with index_lock(index.path):
@@ -478,10 +494,14 @@ def run_ingest(
                 tally.stored += len(batch)
                 tally.tokens += sum(ex.num_tokens for ex in batch)
                 _postfix(bar, tally, started)
+                optimized += maybe_optimize(index.stored, threshold=optimize_threshold) is not None
+            if tally.stored and optimize_threshold is not None:
+                optimized += after_ingest(index.stored, optimized=optimized > 0,
+                                          threshold=optimize_threshold) is not None
     finally:
         rejects.close()
         if bar is not None:
             _postfix(bar, tally, started)
             bar.close()
     return tally.summary(seconds=time.perf_counter() - started, table_version=index.store.version,
-                         rejects_path=rejects.written)
+                         rejects_path=rejects.written, optimized=optimized)

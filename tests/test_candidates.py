@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import shutil
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -388,3 +389,194 @@ def test_keys_are_stable_and_collisions_refused():
         _check_unique(np.array([5, 5], np.int64), pa.array(["x", "y"]), "here")
     with pytest.raises(InputError, match="more than once"):
         _check_unique(np.array([5, 5], np.int64), pa.array(["x", "x"]), "here")
+
+
+# ---------------------------------------------------------------------------------------------
+# the clustered kind: a copy of the codes grouped by scale profile, scanned exactly cell by cell
+# ---------------------------------------------------------------------------------------------
+
+from eogp_index.search.clustered import FORMAT_VERSION as CLUSTERED_VERSION  # noqa: E402
+from eogp_index.search.clustered import ClusteredIndex  # noqa: E402
+from eogp_index.search.candidates import load as load_candidates  # noqa: E402
+
+#: Few cells, two sign lists: a 60-row store still has several cells to skip or visit.
+CLUSTERED = FaissConfig(kind="clustered", lists=2, scale_cells=4, z=1.0)
+
+
+def _copy(index, tmp_path):
+    path = tmp_path / "copy"
+    shutil.copytree(index.path, path)
+    return AttributionIndex.open(path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(),
+                                 gradients=GradientConfig(batch_size=8))
+
+
+def _exact(index, k, direction="positive", where=None):
+    return index.search(_query()).limit(k).where(where).direction(direction).to_arrow()
+
+
+def _check_exactly_rescored(index, got, direction, where=None):
+    """Every returned row carries its exact score, and the rows are ordered as the exact scan
+    orders them: best first, equal scores by row address (search/ranking.py)."""
+    ids, scores = index.scores([_query()], where=where)
+    exact = dict(zip(ids, scores[0]))
+    got_scores = got.column("score").to_numpy()
+    np.testing.assert_array_equal(got_scores, np.array([exact[i] for i in got.column("id").to_pylist()],
+                                                       np.float32))
+    hot = index.hot_codes()
+    address = dict(zip(hot.columns.column("id").to_pylist(), hot.rowaddr.tolist()))
+    key = [(-s if direction == "positive" else s, address[i]) for s, i in zip(got_scores, got.column("id").to_pylist())]
+    assert key == sorted(key)
+
+
+def recall_at(index, k, C, direction, faiss_name, where=None):
+    """Share of the exact top ``k`` (exact scan over the same rows) the candidate path returns."""
+    exact = set(_exact(index, k, direction, where).column("id").to_pylist())
+    got = top_influential_with_candidates(index, _query(), k, C, where=where, direction=direction,
+                                          faiss_name=faiss_name)
+    return len(exact & set(got.column("id").to_pylist())) / len(exact), got
+
+
+def test_clustered_build_save_load(index, tmp_path):
+    other = _copy(index, tmp_path)
+    built = build(other, "cl", CLUSTERED, progress=False)
+    n = other.store.count()
+    files = {p.name for p in (other.path / "faiss").iterdir() if p.name.startswith("cl.")}
+    assert files == {"cl.json", "cl.codes.npy", "cl.scales.npy", "cl.rowaddr.npy", "cl.cells.npz"}
+    meta = json.loads((other.path / "faiss" / "cl.json").read_text())
+    assert meta["format"] == "eogp-clustered" and meta["format_version"] == CLUSTERED_VERSION == 1
+    assert meta["rows"] == n and meta["table_version"] == other.store.version and meta["params"] == \
+        {"lists": 2, "scale_cells": 4}
+    loaded = load_candidates(other.path, "cl")
+    assert isinstance(loaded, ClusteredIndex) and loaded.ntotal == n == built.ntotal
+    assert loaded.config.kind == "clustered" and loaded.config.scale_cells == 4
+    # The copy holds every stored row once, with the table's bytes, grouped by cell.
+    hot = other.hot_codes()
+    pos = hot.positions(np.sort(np.asarray(loaded.rowaddr)))
+    order = np.argsort(np.asarray(loaded.rowaddr))
+    np.testing.assert_array_equal(np.asarray(loaded.codes)[order], hot.codes[pos])
+    np.testing.assert_array_equal(np.asarray(loaded.scales, np.float32)[order], hot.scales[pos])
+    cells = loaded.cells.assign(np.asarray(loaded.codes), np.asarray(loaded.scales))
+    assert np.all(np.diff(cells) >= 0) and loaded.offsets[-1] == n
+    np.testing.assert_array_equal(np.bincount(cells, minlength=loaded.cells.num_cells), loaded.counts)
+
+
+@pytest.mark.parametrize("direction", ["positive", "negative", "both"])
+def test_clustered_results_are_exact_scores_in_exact_order(index, tmp_path, direction):
+    other = _copy(index, tmp_path)
+    build(other, "cl", CLUSTERED, progress=False)
+    n = other.store.count()
+    for C in (20, 40, n):
+        got = top_influential_with_candidates(other, _query(), k=6, C=C, direction=direction, faiss_name="cl")
+        for side in (("positive", "negative") if direction == "both" else (direction,)):
+            part = got.filter(pa.compute.equal(got.column("direction"), side)) if direction == "both" else got
+            assert part.num_rows == 6
+            _check_exactly_rescored(other, part, side)
+    # Every row within the budget: the exact answer, ties and all.
+    assert got.to_pylist() == _exact(other, 6, direction).to_pylist()
+
+
+def test_clustered_recall_is_measured_against_the_exact_scan(index, tmp_path):
+    """Recall@k is the overlap with the exact scan of the same rows (also filtered); it reaches 1
+    with every row in the budget, and a small budget scans at most C rows."""
+    other = _copy(index, tmp_path)
+    cand = build(other, "cl", CLUSTERED, progress=False)
+    n = other.store.count()
+    for direction in ("positive", "negative"):
+        assert recall_at(other, 5, n, direction, "cl")[0] == 1.0
+        assert recall_at(other, 5, n, direction, "cl", where="`group` = 1")[0] == 1.0
+        r, got = recall_at(other, 5, 16, direction, "cl")
+        assert 0.0 <= r <= 1.0 and got.num_rows == 5
+        y = other.query_coordinates([_query()])
+        scanned = cand.top_k(other.stored, y, 5, 16, [direction])[direction][2]
+        assert 5 <= scanned <= 16
+
+
+def test_clustered_filter_equals_exact_scan_of_candidates(index, tmp_path):
+    other = _copy(index, tmp_path)
+    build(other, "cl", CLUSTERED, progress=False)
+    where = "`group` = 1"
+    for direction in ("positive", "negative"):
+        got = top_influential_with_candidates(other, _query(), 4, 24, where=where, direction=direction,
+                                              faiss_name="cl")
+        assert set(got.column("group").to_pylist()) == {1} and got.num_rows == 4
+        _check_exactly_rescored(other, got, direction, where=where)
+    matching = other.store.count(where)
+    small = top_influential_with_candidates(other, _query(), 4, matching, where=where, faiss_name="cl")
+    assert small.to_pylist() == _exact(other, 4, where=where).to_pylist()
+
+
+def test_clustered_follows_a_growing_and_compacted_table(index, tmp_path):
+    """New rows go to the delta (scanned in full), a large delta is merged, a compaction (row
+    addresses change) rebuilds the copy: answers stay exact and addresses current."""
+    from eogp_index.store.maintenance import optimize
+
+    other = _copy(index, tmp_path)
+    build(other, "cl", CLUSTERED, progress=False)
+    other.ingest(MORE[:5], progress=False)
+    n = other.store.count()
+    everything = top_influential_with_candidates(other, _query(), n, n, direction="both", faiss_name="cl")
+    assert everything.to_pylist() == _exact(other, n, "both").to_pylist()
+    cand = open_candidates(other, "cl")
+    assert cand.meta["delta_rows"] == 5 and cand.ntotal == n and cand.table_version == other.store.version
+    assert load_candidates(other.path, "cl").meta["delta_rows"] == 5  # saved
+    # A new row that is the best answer is found by a small budget too: the delta is always scanned.
+    ids = set(ex.id for ex in MORE[:5])
+    y = other.query_coordinates([_query()])
+    top = cand.top_k(other.stored, y, 3, 16, ["positive"])["positive"]
+    exact = _exact(other, 3).column("id").to_pylist()
+    if exact[0] in ids:
+        assert other.stored.rows(top[0][:1]).column("id").to_pylist()[0] == exact[0]
+    optimize(other, retention=timedelta(0))  # compaction: every row address changes
+    got = top_influential_with_candidates(other, _query(), n, n, direction="both", faiss_name="cl")
+    assert got.to_pylist() == _exact(other, n, "both").to_pylist()
+    cand = open_candidates(other, "cl")
+    assert cand.meta["delta_rows"] == 0 and cand.ntotal == n
+    assert set(np.asarray(cand.rowaddr).tolist()) == set(other.hot_codes().rowaddr.tolist())
+    # The FAISS kinds map their positions to the new addresses too (ids joined once per version).
+    flat = open_candidates(other, "flat")
+    assert flat.ntotal == n
+    addr = flat.rowaddr_of(other.stored, np.arange(n))
+    assert set(addr.tolist()) == set(other.hot_codes().rowaddr.tolist())
+    faiss_hits = top_influential_with_candidates(other, _query(), 5, n, direction="both", faiss_name="flat")
+    assert faiss_hits.to_pylist() == _exact(other, 5, "both").to_pylist()
+
+
+def test_clustered_refuses_incompatible_indexes(index, tmp_path):
+    other = _copy(index, tmp_path)
+    build(other, "cl", CLUSTERED, progress=False)
+    cand = load_candidates(other.path, "cl")
+    for changes in ({"projection": {**other.manifest.projection, "sha256": "0" * 64}},
+                    {"table": "other_table"}):
+        with pytest.raises(IncompatibleIndexError, match="build-faiss"):
+            cand.check_compatible(_with_manifest(other, **changes))
+    meta_path = other.path / "faiss" / "cl.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(dict(meta, format_version=99)))
+    with pytest.raises(IncompatibleIndexError, match="version"):
+        load_candidates(other.path, "cl")
+    meta_path.write_text(json.dumps(dict(meta, rows=meta["rows"] + 1)))
+    with pytest.raises(IncompatibleIndexError, match="interrupted"):
+        load_candidates(other.path, "cl")
+    with pytest.raises(ConfigError):
+        FaissConfig(kind="clustered", scale_cells=0)
+    with pytest.raises(ConfigError):
+        FaissConfig(kind="clustered", first_fraction=0)
+
+
+def test_clustered_delta_is_merged_past_its_threshold(index, tmp_path, monkeypatch):
+    import eogp_index.search.clustered as clustered
+
+    other = _copy(index, tmp_path)
+    build(other, "cl", CLUSTERED, progress=False)
+    trained = load_candidates(other.path, "cl").cells.scale_centroids
+    monkeypatch.setattr(clustered, "_DELTA_MIN_ROWS", 3)
+    monkeypatch.setattr(clustered, "_DELTA_SHARE", 0.0)
+    other.ingest(MORE[:2], progress=False)  # 2 rows: kept in the delta
+    assert open_candidates(other, "cl").meta["delta_rows"] == 2
+    other.ingest(MORE[2:4], progress=False)  # 4 rows: merged into the clustered copy
+    cand = open_candidates(other, "cl")
+    n = other.store.count()
+    assert cand.meta["delta_rows"] == 0 and cand.meta["rows"] == n == cand.ntotal
+    np.testing.assert_array_equal(cand.cells.scale_centroids, trained)  # merged, not retrained
+    got = top_influential_with_candidates(other, _query(), n, n, direction="both", faiss_name="cl")
+    assert got.to_pylist() == _exact(other, n, "both").to_pylist()

@@ -289,3 +289,20 @@ def test_two_process_fit_splits_the_work_and_equals_a_one_process_fit(tmp_path):
         # same operations on the same inputs. The tolerance allows for a summation order
         # changed by the BLAS blocking, never seen here (the tensors come out bit-identical).
         assert torch.allclose(got[name].double(), tensor.double(), rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("n, m", [(12, 40), (40, 12)])  # the Gram route (n < m) and the covariance route
+def test_fit_pca_upcasts_the_fp16_cache_in_blocks_with_the_same_result(monkeypatch, n, m):
+    """fit_pca never makes a float64 copy of a whole module's cache: it upcasts column (Gram) or
+    row (covariance) blocks of at most _UPCAST_BYTES. Many small blocks give the one-block result,
+    up to float64 summation order, and the same subspace."""
+    from eogp_index.fit import projection as projection_module
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(n, m, generator=gen).half()
+    whole = projection_module.fit_pca(z, 6).double()
+    monkeypatch.setattr(projection_module, "_UPCAST_BYTES", 8 * max(n, m) * 3)  # 3 columns/rows a block
+    blocked = projection_module.fit_pca(z, 6).double()
+    assert blocked.shape == whole.shape == (m, 6)
+    # Directions are defined up to sign: compare the projectors onto the fitted subspace.
+    torch.testing.assert_close(blocked @ blocked.T, whole @ whole.T, rtol=0, atol=1e-5)

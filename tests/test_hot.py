@@ -1,48 +1,160 @@
-"""The hot copy: equal to the table, extended by new fragments, used by filtered scans."""
+"""The hot copy: equal to the table, extended by new fragments, rebuilt after compaction, mapped
+from disk as recorded, and robust to a damaged cache."""
+
+import json
+import shutil
+import subprocess
+import sys
 
 import numpy as np
+import pyarrow as pa
 
 from tinymodels import make_examples
+from eogp_index.store import hot as hot_mod
 from eogp_index.store.hot import load_hot
+from eogp_index.store.maintenance import optimize
+from eogp_index.store.stored_index import StoredIndex
 from eogp_index.store.table import list_column_to_numpy
 
 
-def _table_codes(index):
-    t = index.store.read(["signs", "scales"], with_row_address=True)
-    order = np.argsort(t.column("_rowaddr").to_numpy())
-    return (t.column("_rowaddr").to_numpy()[order],
-            list_column_to_numpy(t.column("signs"), index.layout.nbytes, np.uint8)[order],
-            list_column_to_numpy(t.column("scales"), index.layout.num_modules, np.float32)[order])
+def _table(index):
+    """Row addresses, codes and the other columns of the table, in row-address order."""
+    columns = index.store.metadata_columns()
+    t = index.store.read(["signs", "scales", *columns], with_row_address=True)
+    t = t.take(pa.array(np.argsort(t.column("_rowaddr").to_numpy())))
+    return (t.column("_rowaddr").to_numpy(),
+            list_column_to_numpy(t.column("signs"), index.layout.nbytes, np.uint8),
+            list_column_to_numpy(t.column("scales"), index.layout.num_modules, np.float32),
+            t.select(columns))
+
+
+def _assert_equal_to_table(index, hot):
+    rowaddr, codes, scales, columns = _table(index)
+    assert np.array_equal(hot.rowaddr, rowaddr) and np.array_equal(hot.codes, codes)
+    assert np.array_equal(hot.scales, scales)
+    assert hot.columns.to_pylist() == columns.to_pylist()
+    assert hot.columns.schema == columns.schema  # typed as the table types them
+    # The dictionary-coded columns filters read hold the same values.
+    for name in hot.dictionaries:
+        assert hot.filterable.column(name).cast(columns.schema.field(name).type).to_pylist() == \
+            columns.column(name).to_pylist()
+
+
+def _segments(index):
+    return sorted(p.name for p in (index.path / "hot").iterdir() if p.name.startswith("seg-"))
 
 
 def test_hot_copy_equals_table_and_follows_new_fragments(fitted_index):
     index = fitted_index
     hot = index.hot_codes()
-    rowaddr, codes, scales = _table_codes(index)
-    assert np.array_equal(hot.rowaddr, rowaddr) and np.array_equal(hot.codes, codes)
-    assert np.array_equal(hot.scales, scales)
-    cached = sorted(p.name for p in (index.path / "hot").iterdir())
-    assert len(cached) == len(index.store.dataset().get_fragments()) == 4
+    _assert_equal_to_table(index, hot)
+    assert len(index.store.dataset().get_fragments()) == 4
+    first = _segments(index)
+    assert len(first) == 1 and set(hot.dictionaries) >= {"shard"}  # one segment for the 4 fragments
 
     index.add_batch(make_examples(5, seed=99, prefix="new"))
-    hot2 = index.hot_codes()  # the table moved on: only the new fragment is read
+    hot2 = index.hot_codes()  # the table moved on: only the new fragment is read, into a new segment
     assert hot2.version > hot.version and hot2.num_rows == 45
-    assert set(p.name for p in (index.path / "hot").iterdir()) > set(cached)
-    rowaddr, codes, _ = _table_codes(index)
-    assert np.array_equal(hot2.codes, codes)
+    assert set(_segments(index)) > set(first) and len(_segments(index)) == 2
+    _assert_equal_to_table(index, hot2)
+    state = json.loads((index.path / "hot" / "state.json").read_text())
+    assert state["table_version"] == hot2.version and state["rows"] == 45 and len(state["pieces"]) == 2
+
+
+def test_many_segments_are_merged_and_consolidate_leaves_one(fitted_index, monkeypatch):
+    index = fitted_index
+    monkeypatch.setattr(hot_mod, "MAX_SEGMENTS", 2)
+    index.hot_codes()
+    for k in range(3):  # each refresh adds a segment; a third one makes them merge
+        index.add_batch(make_examples(3, seed=100 + k, prefix=f"more{k}"))
+        _assert_equal_to_table(index, index.hot_codes())
+    assert len(_segments(index)) <= 2
+    hot = index.stored.hot_codes(consolidate=True)
+    assert len(_segments(index)) == 1
+    _assert_equal_to_table(index, hot)
+    # One segment is mapped as it is: the arrays are views of the files, not copies.
+    assert isinstance(hot.codes.base, np.memmap) or isinstance(hot.codes, np.memmap)
 
 
 def test_compaction_rebuilds_the_hot_copy(fitted_index):
     index = fitted_index
     before = index.scores([[1, 2, 3, 4, 5]])
     index.hot_codes()
-    index.store.table.optimize()  # compaction rewrites fragments: row addresses change
+    report = optimize(index, rebuild_hot=False)  # compaction rewrites fragments: row addresses change
+    assert report.fragments_after == 1 < report.fragments_before
     after = index.scores([[1, 2, 3, 4, 5]])
     by_id = dict(zip(before[0], before[1][0]))
+    assert sorted(after[0]) == sorted(before[0])
     np.testing.assert_allclose([by_id[i] for i in after[0]], after[1][0], rtol=1e-6)
-    assert len(list((index.path / "hot").iterdir())) == len(index.store.dataset().get_fragments())
+    _assert_equal_to_table(index, index.hot_codes())
+    assert len(_segments(index)) == 1  # the old fragments' segment is gone
+
+
+def test_a_damaged_cache_is_rebuilt(fitted_index):
+    index = fitted_index
+    index.hot_codes()
+    seg = index.path / "hot" / _segments(index)[0]
+    (seg / "signs.npy").unlink()  # e.g. removed by hand, or by another process's cleanup
+    fresh = StoredIndex.open(index.path)
+    _assert_equal_to_table(fresh, fresh.hot_codes())
+    (index.path / "hot" / "state.json").write_text("{not json")
+    fresh = StoredIndex.open(index.path)
+    _assert_equal_to_table(fresh, fresh.hot_codes())
 
 
 def test_in_memory_only_when_no_cache_dir(fitted_index):
     hot = load_hot(fitted_index.store, fitted_index.codec, cache_dir=None)
     assert hot.num_rows == 40
+    _assert_equal_to_table(fitted_index, hot)
+
+
+def test_hot_take_returns_rows_in_the_order_asked(fitted_index):
+    hot = fitted_index.hot_codes()
+    positions = np.array([7, 0, 39, 7, 12])
+    assert hot.take(positions, ["id"]).column("id").to_pylist() == \
+        [hot.columns.column("id")[int(p)].as_py() for p in positions]
+    assert fitted_index.stored.rows(hot.rowaddr[positions], ["id"]).column("id").to_pylist() == \
+        hot.take(positions, ["id"]).column("id").to_pylist()
+
+
+def test_store_follows_commits_of_another_process_without_asking_lance_each_time(fitted_index):
+    index = fitted_index
+    version = index.store.version
+    dataset = index.store.table
+    for _ in range(5):  # nothing changed: the same dataset object, no checkout
+        assert index.store.version == version and index.store.table is dataset
+    other = StoredIndex.open(index.path)  # another handle (as another process would) commits
+    other.store.add(index.encode_rows(make_examples(2, seed=5, prefix="other")))
+    assert index.store.version == other.store.version > version
+    assert index.hot_codes().num_rows == 42
+
+
+def test_an_optimized_index_answers_from_its_hot_copy_without_opening_the_table(fitted_index, tmp_path):
+    """The copy records the table version and its version directory's stamp: a new process maps
+    it and reads rows and filters from it without importing Lance at all."""
+    optimize(fitted_index)
+    code = (
+        "import sys\n"
+        "from eogp_index.store.stored_index import StoredIndex\n"
+        f"s = StoredIndex.open({str(fitted_index.path)!r})\n"
+        "hot = s.hot_codes()\n"
+        "ids = s.rows(hot.rowaddr[:3], ['id']).column('id').to_pylist()\n"
+        "m = s.matching_rows('`group` = 1 AND name LIKE \\'doc1%\\'')\n"
+        "print(hot.num_rows, len(ids), len(m), 'lance' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows, ids, matched, lance_imported = out.stdout.split()
+    expected = fitted_index.store.count("`group` = 1 AND name LIKE 'doc1%'")
+    assert (int(rows), int(ids), int(matched), lance_imported) == (40, 3, expected, "False")
+
+
+def test_a_copied_index_does_not_trust_the_recorded_stamp(fitted_index, tmp_path):
+    """A copy of the directory has other inodes and times: the table is opened and checked."""
+    optimize(fitted_index)
+    copy = tmp_path / "copy"
+    shutil.copytree(fitted_index.path, copy)
+    stored = StoredIndex.open(copy)
+    state = json.loads((copy / "hot" / "state.json").read_text())
+    assert state["stamp"] is not None and not stored.store.adopt(state["table_version"], state["stamp"])
+    _assert_equal_to_table(stored, stored.hot_codes())

@@ -7,8 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from eogp_index.cli import cli
-from eogp_index.fit.plan import format_plan, make_plan, model_shape
-from eogp_index.config import ProjectionConfig
+from eogp_index.fit.plan import FIT_PHASES, format_plan, make_plan, model_shape
+from eogp_index.config import DEFAULT_M, ProjectionConfig
+from eogp_index.errors import ConfigError
 from tinymodels import make_tiny_gpt2, make_word_tokenizer
 
 __import__("transformers").logging.set_verbosity_error()
@@ -17,7 +18,7 @@ __import__("transformers").utils.logging.disable_progress_bar()
 FIT = ["--curvature-examples", "30", "--pca-examples", "30", "--max-tokens", "24"]
 #: Each fit: its options, and whether every module keeps all its coordinates (m_u = d_u: then the
 #: stored eigenbases are all of Q_S and Q_A, and the plan's figure for them is exact).
-FITS = {"full": (["-k", "16", "--m", "100000"], True), "default": (["-k", "8", "--pca-dtype", "fp32"], False)}
+FITS = {"full": (["-k", "16", "--m", "100000"], True), "narrow": (["-k", "8", "--m", "40", "--pca-dtype", "fp32"], False)}
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +83,31 @@ def test_plan_figures_are_what_fit_writes(workspace, fit):
             "activation_eigenvalues", "gradient_eigenvalues", "lambda_matrix")
     assert plan["shared"]["curvature_factor_bytes"] == sum(
         sum(_tensor_bytes(factors / f"{name}.safetensors")[0].values()) for name in kept)
-    # The fit cache (deleted once the fit finishes): n x Σ m_u float16 coordinates.
+    # The fit cache (deleted once the fit finishes): n x Σ m_u float16 coordinates, and each
+    # module's P at the dtype the projection file stores it in.
     assert plan["fit_cache"]["coordinate_bytes"] == 2 * 30 * sum(m["m"] for m in manifest["modules"])
-    for key in ("fit_peak", "ingest", "ingest_in_turn", "query"):
-        assert plan["memory"][key]["bytes"] > 0 and plan["memory"][key]["counts"]
+    assert plan["fit_cache"]["pca_bytes"] == plan["shared"]["pca_bytes"]
+    # A PCA of the 30 fitting examples has at most 30 directions.
+    assert plan["limits"]["k_max"] == min(30, min(m["m"] for m in manifest["modules"]))
+    memory = plan["memory"]
+    for key in ("fit_peak", "ingest", "ingest_in_turn", "query", *FIT_PHASES):
+        assert memory[key]["bytes"] > memory["process"]["bytes"] and memory[key]["counts"]
+    assert memory["fit_peak"]["bytes"] == max(memory[key]["bytes"] for key in FIT_PHASES)
+    # P resident, or one module's at a time: the difference is every other module's P.
+    largest = max(row["pca_bytes"] for row in plan["modules"])
+    assert memory["ingest"]["bytes"] - memory["ingest_in_turn"]["bytes"] == plan["shared"]["pca_bytes"] - largest
+
+
+def test_default_first_stage_width_is_independent_of_k():
+    """m_u = min(d_u, max(k_u, DEFAULT_M)): the same width at every k up to DEFAULT_M, capped at
+    d_u; --m overrides it, and an m below k is refused."""
+    for k in (1, 8, DEFAULT_M // 2, DEFAULT_M):
+        assert ProjectionConfig(k=k).dims(10 ** 9, 4, "1bit") == (DEFAULT_M, k)
+    assert ProjectionConfig(k=2 * DEFAULT_M).dims(10 ** 9, 4, "1bit") == (2 * DEFAULT_M, 2 * DEFAULT_M)
+    assert ProjectionConfig(k=8).dims(100, 4, "1bit") == (100, 8)
+    assert ProjectionConfig(k=8, m=40).dims(10 ** 9, 4, "1bit") == (40, 8)
+    with pytest.raises(ConfigError, match="smaller than k"):
+        ProjectionConfig(k=64, m=40).dims(10 ** 9, 4, "1bit")
 
 
 def test_plan_text_and_a_config_file(workspace, tmp_path):

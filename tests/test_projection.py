@@ -128,6 +128,43 @@ def test_pca_completes_a_rank_deficient_fitting_set_with_leading_axes():
     torch.testing.assert_close(z @ P @ P.T, z, atol=1e-5, rtol=0)  # the data's span is kept whole
 
 
+def _complete_axis_by_axis(z: torch.Tensor, k: int) -> torch.Tensor:
+    """The completion's definition, one candidate axis at a time: PCA of the span, then each
+    leading axis orthogonalised (twice) against the basis so far and kept when its residual is
+    above 1e-4."""
+    weights, vectors = torch.linalg.eigh(z @ z.T)
+    weights, vectors = weights.flip(0), vectors.flip(1)
+    rank = int((weights > weights[0] * 1e-10).sum())
+    basis = (z.T @ vectors[:, :rank]) / weights[:rank].sqrt()
+    for j in range(z.shape[1]):
+        if basis.shape[1] == k:
+            break
+        v = torch.zeros(z.shape[1], 1, dtype=torch.float64)
+        v[j] = 1.0
+        for _ in range(2):
+            v = v - basis @ (basis.T @ v)
+        if v.norm() > 1e-4:
+            basis = torch.cat([basis, v / v.norm()], dim=1)
+    return basis
+
+
+def test_blocked_completion_equals_axis_by_axis(monkeypatch):
+    """Blocks of axes (here 3 at a time, so that several blocks and a skip inside one occur)
+    give the directions the axis-by-axis definition gives."""
+    import eogp_index.fit.projection as projection
+
+    monkeypatch.setattr(projection, "_COMPLETION_BLOCK", 3)
+    gen = torch.Generator().manual_seed(8)
+    z = torch.zeros(4, 30, dtype=torch.float64)
+    z[0, 0], z[1, 2] = 1.0, 2.0  # axes 0 and 2 lie in the span: skipped
+    z[2:] = torch.randn(2, 30, generator=gen, dtype=torch.float64)
+    for k in (6, 9, 20):
+        with pytest.warns(UserWarning, match="spans only 4"):
+            got = fit_pca(z.float(), k).double()
+        expected = _complete_axis_by_axis(z.float().double(), k)
+        torch.testing.assert_close(got, expected.float().double(), atol=1e-6, rtol=0)
+
+
 def test_fwht_and_srht_normalisation():
     for p in (1, 2, 16, 512, 2048):  # square and non-square Kronecker splits
         x = torch.randn(3, p, dtype=torch.float64)

@@ -7,6 +7,7 @@ All on real tiny models and real index directories.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -331,3 +332,60 @@ def test_fp16_p_is_upcast_in_blocks_without_changing_the_result(monkeypatch):
     blocked = projection_module.apply_pca(z, p)
     assert blocked.dtype == torch.float32
     torch.testing.assert_close(blocked.double(), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_safetensors_are_written_one_tensor_at_a_time_and_read_back_exactly(tmp_path):
+    """write_safetensors: a file safetensors reads back bit for bit (any dtype mix, odd sizes,
+    tensors aligned to their element size), whose returned SHA-256 is the file's; a tensor is
+    cast to its entry's dtype as it is written."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a/f32": torch.randn(3, 5, generator=gen), "b/i64": torch.arange(7),
+               "c/f16": torch.randn(5, 3, generator=gen).half(), "d/odd": torch.randn(3, generator=gen).half(),
+               "e/f64": torch.randn(2, 2, generator=gen, dtype=torch.float64)}
+    entries = [projection_module.TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: t) for name, t in tensors.items()]
+    entries.append(projection_module.TensorEntry("f/cast", torch.float16, (4, 2), lambda: torch.ones(4, 2)))
+    path = tmp_path / "t.safetensors"
+    digest = projection_module.write_safetensors(path, entries, {"note": "x"})
+    assert digest == file_sha256(path) and [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata() == {"note": "x"}
+        for name, tensor in tensors.items():
+            assert torch.equal(handle.get_tensor(name), tensor), name
+        assert handle.get_tensor("f/cast").dtype == torch.float16
+    raw = path.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    assert header_len % 8 == 0
+    header = json.loads(raw[8:8 + header_len])
+    itemsize = {"F64": 8, "I64": 8, "F32": 4, "F16": 2}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            assert entry["data_offsets"][0] % itemsize[entry["dtype"]] == 0, name
+
+
+def test_save_holds_one_module_p_at_a_time(tmp_path):
+    """Projection.save reads each module's P (through its loader, as a fit's P is read from
+    fit/pca/) only when it is written, and has released it before reading the next: saving never
+    holds every module's P. The file loads back to the same P."""
+    import gc
+    import weakref
+
+    proj = _curvature_pair()
+    fitted = {name: module.pca.clone() for name, module in proj.modules.items()}
+    alive, reads = [], []
+
+    def loader(name):
+        gc.collect()
+        reads.append((name, [ref() is not None for ref in alive]))
+        tensor = fitted[name].clone()
+        alive.append(weakref.ref(tensor))
+        return tensor
+
+    for name, module in proj.modules.items():
+        module.pca = None
+        module.pca_loader = functools.partial(loader, name)
+    proj.save(tmp_path / "p.safetensors")
+    assert [name for name, _ in reads] == ["a", "b"]
+    assert reads[1][1] == [False]  # a's P was gone when b's was read
+    loaded = Projection.load(tmp_path / "p.safetensors")
+    for name in fitted:
+        assert torch.equal(loaded.modules[name].pca, fitted[name])

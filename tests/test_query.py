@@ -42,6 +42,27 @@ def test_every_route_gives_the_same_answer(fitted_index):
     assert _ids(hot.route("sharded").to_arrow()) == expected  # one worker without torchrun
 
 
+def test_a_filtered_query_gives_the_same_answer_on_every_route(fitted_index):
+    """The hot route evaluates filters on the hot copy (DataFusion), the others in Lance."""
+    for where in ("`group` = 2", "name LIKE 'doc1%' OR `group` = 0", "num_tokens > 10 AND shard = 'synthetic'"):
+        hot = fitted_index.search(QUERY).where(where).limit(5).direction("both")
+        expected = hot.to_arrow().to_pylist()
+        assert hot.route("stream").to_arrow().to_pylist() == expected, where
+        assert hot.route("sharded").to_arrow().to_pylist() == expected, where
+
+
+def test_a_batch_of_64_queries_answers_each_as_alone(fitted_index):
+    rng = np.random.default_rng(0)
+    queries = [[int(t) for t in rng.integers(1, 60, size=rng.integers(4, 12))] for _ in range(64)]
+    together = fitted_index.search(queries, many=True).limit(3).where("`group` != 1").to_list()
+    assert len(together) == 64
+    for q in (0, 17, 63):
+        alone = fitted_index.search(queries[q]).limit(3).where("`group` != 1").to_arrow()
+        assert _ids(together[q]) == _ids(alone)
+        np.testing.assert_allclose(together[q].column("score").to_numpy(), alone.column("score").to_numpy(),
+                                   rtol=1e-5)
+
+
 def test_many_queries_answer_each_on_its_own(fitted_index):
     queries = [QUERY, QUERY[::-1], {"input_ids": [7, 7, 2, 4]}]
     together = fitted_index.search(queries, many=True).limit(4).to_list()

@@ -16,7 +16,9 @@ from eogp_index.errors import ConfigError
 __all__ = [
     "DEFAULT_BUDGETS",
     "DEFAULT_METHODS",
+    "K_FROM_PRECISION",
     "METHODS",
+    "PCA_FAMILIES",
     "DataConfig",
     "FidelityConfig",
     "FinetuneRecipe",
@@ -28,10 +30,13 @@ __all__ = [
 #: Per-example budgets in bytes (summed over modules): 64 B .. 4 KB.
 DEFAULT_BUDGETS: Tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
 
-#: (family, storage precision) of every method.
+#: (family, storage precision) of every method. Families with a PCA second stage: ``eogp`` and
+#: ``eogp-rot`` (the same PCA, rotated before the signs; :data:`PCA_FAMILIES`).
 METHODS: Dict[str, Tuple[str, str]] = {
     "eogp": ("eogp", "1bit"),
+    "eogp-rot": ("eogp-rot", "1bit"),
     "eogp-fp16": ("eogp", "fp16"),
+    "eogp-fp16-same-k": ("eogp", "fp16"),
     "eogp-r": ("eogp-r", "1bit"),
     "ekfac-topk": ("ekfac-topk", "1bit"),
     "logra-random": ("logra-random", "fp16"),
@@ -45,8 +50,15 @@ METHODS: Dict[str, Tuple[str, str]] = {
     "grass-1bit": ("grass", "1bit"),
 }
 DEFAULT_METHODS: Tuple[str, ...] = (
-    "eogp", "eogp-fp16", "eogp-r", "ekfac-topk", "logra-random", "logra-pca", "grass", "gaussian",
+    "eogp", "eogp-rot", "eogp-fp16-same-k", "eogp-fp16", "eogp-r", "ekfac-topk", "logra-random", "logra-pca",
+    "grass", "gaussian",
 )
+#: Families whose second stage is a PCA fitted on the fitting documents.
+PCA_FAMILIES: Tuple[str, ...] = ("eogp", "eogp-rot")
+#: Methods whose ``k`` is set by another precision's bytes than their own: FP16 EOGP at the ``k``
+#: of 1-bit EOGP at the same nominal budget (16 x its bytes), the ceiling the 1-bit codes are
+#: measured against (issue #12). Their actual bytes are in ``details.json``.
+K_FROM_PRECISION: Dict[str, str] = {"eogp-fp16-same-k": "1bit"}
 
 
 def default_root() -> Path:
@@ -141,6 +153,7 @@ class DataConfig:
     truncation, as in fine-tuning. limit_train / limit_queries: keep only the first N.
     pca_data: documents to fit EOGP's PCA on instead of the training documents (the paper
     fits on the candidates for GPT-2; a held-out set shows what in-sample fitting adds).
+    pca_sample: fit on a seeded random sample of this many of the ``pca_data`` documents.
     """
 
     model: str = _shipped("model", "The attributed (fine-tuned) model directory.")
@@ -155,6 +168,11 @@ class DataConfig:
         default=None,
         metadata={"help": "Fit EOGP's PCA on these shards instead of the training documents (repeatable)."},
     )
+    pca_sample: Optional[int] = field(
+        default=None,
+        metadata={"help": "Fit the PCA on a random sample of N of the --pca-data documents (seeded by --seed).",
+                  "min": 1},
+    )
 
     def __post_init__(self) -> None:
         _check_ranges(self)
@@ -164,7 +182,8 @@ class DataConfig:
 class FidelityConfig:
     """The methods, budgets and metric settings of the fidelity evaluation (Appendix C.3, D.2).
 
-    budgets: nominal bytes per example (all modules). m_factor: ``m_u = min(d_u, 8 k_u)``.
+    budgets: nominal bytes per example (all modules). m: the first-stage width of EOGP and
+    EOGP-R, capped at ``d_u`` (None: the index's default, :func:`eogp_index.config.first_stage_width`).
     damping_ratio: ``λ_u = 0.1 tr(Λ_u)/d_u`` for EK-FAC and the post-projection curvatures.
     gaussian_seeds: draws averaged for the Gaussian control. ndcg_k: NDCG cut-off.
     """
@@ -176,7 +195,11 @@ class FidelityConfig:
         metadata={"help": "Methods, comma-separated, from: " + ",".join(METHODS) + "."},
     )
     damping_ratio: float = 0.1
-    m_factor: int = field(default=8, metadata={"min": 1})
+    m: Optional[int] = field(
+        default=None,
+        metadata={"help": "First-stage width m_u of EOGP and EOGP-R per module, capped at d_u (default: the "
+                          "index's, see eogp fit --m); a budget whose k_u exceeds it is skipped.", "min": 1},
+    )
     gaussian_seeds: int = field(default=3, metadata={"min": 1})
     seed: int = field(default=0, metadata={"help": "Seed of the projections, samples and retrainings."})
     batch_size: int = field(default=8, metadata={"help": "Documents per gradient batch.", "min": 1})

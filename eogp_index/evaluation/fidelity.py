@@ -9,7 +9,8 @@ gradients, the same loss and the same curvature: only the compression differs.
 Methods (:data:`METHODS`), each at matched per-example storage budgets (bytes per example,
 summed over modules, split evenly over the ``U`` modules):
 
-* ``eogp`` -- EK-FAC first stage (top ``m_u = min(d_u, 8 k_u)`` half-whitened axes), PCA
+* ``eogp`` -- EK-FAC first stage (the top ``m_u`` half-whitened axes, ``m_u`` as the index's
+  default (:func:`~eogp_index.config.first_stage_width`) unless ``m`` is given), PCA
   second stage fitted on the training documents' first-stage coordinates, 1-bit storage;
 * ``eogp-fp16`` -- the same projection with FP16 storage (``k`` from the FP16 budget);
 * ``eogp-r`` -- SRHT second stage, 1-bit;
@@ -23,9 +24,16 @@ summed over modules, split evenly over the ``U`` modules):
 * opt-in: ``logra-random-1bit``, ``logra-pca-1bit``, ``grass-1bit`` (Figure 5 / Table 2),
   ``eogp-fp32`` and ``ekfac-topk-fp32`` (sanity checks: at ``m = k = d`` both are EK-FAC).
 
+* ``eogp-rot`` -- EOGP with a randomized Hadamard rotation of each module's ``k`` PCA
+  coordinates before the signs, folded into ``P`` (the index's variant ``eogp-rot``);
+* ``eogp-fp16-same-k`` -- EOGP's projection stored in FP16 at the ``k`` of 1-bit EOGP at the
+  same nominal budget (16 x the bytes): the ceiling of what the signs lose.
+
 A (method, budget) pair is *unsupported*, and its curve ends, when the dimension it needs
-exceeds what a module supports (``k_u > d_u``; a LoGra rank above ``min(d_in, d_out)``; a
-PCA with more components than fitting documents).
+exceeds what a module supports (``k_u > d_u``; a LoGra rank above ``min(d_in, d_out)``). A PCA
+asked for more components than its fitting documents span is completed with the leading
+first-stage axes orthogonal to the span, as the index's fit does (:func:`fit_pca`; the run's
+``notes`` say where).
 
 References, computed in the same pass: uncompressed EK-FAC from kronfluence's own
 ``compute_pairwise_scores`` (``damping_factor=None``, the heuristic damping) on the same
@@ -53,10 +61,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from eogp_index.config import first_stage_width
 from eogp_index.fit.curvature import ModuleCurvature, factors_dir
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.fit.plan import ModuleShape
-from eogp_index.evaluation.config import DEFAULT_BUDGETS, DEFAULT_METHODS, METHODS  # noqa: F401  (re-exported)
+from eogp_index.evaluation.config import (  # noqa: F401  (DEFAULT_* and METHODS are re-exported)
+    DEFAULT_BUDGETS,
+    DEFAULT_METHODS,
+    K_FROM_PRECISION,
+    METHODS,
+    PCA_FAMILIES,
+)
 from eogp_index.evaluation import metrics
 from eogp_index.evaluation.baselines import (
     GaussianProjector,
@@ -67,7 +82,15 @@ from eogp_index.evaluation.baselines import (
     k_for_bytes,
 )
 from eogp_index.gradients.capture import GradientCapture
-from eogp_index.fit.projection import first_stage_from_curvature, fit_pca, make_srht, srht_apply
+from eogp_index.fit.projection import (
+    HadamardRotation,
+    first_stage_from_curvature,
+    fit_pca,
+    make_srht,
+    rotate_directions,
+    rotation_seed,
+    srht_apply,
+)
 from eogp_index.store.codecs import SignLayout, decode, encode
 from eogp_index.gradients.loss import IGNORE_INDEX, collate
 
@@ -82,14 +105,18 @@ __all__ = [
     "compute_scores",
     "fidelity_records",
     "kronfluence_scores",
+    "one_bit_gap",
     "method_label",
     "plan_methods",
 ]
 
-_FAMILY_SEED = {"eogp": 0, "eogp-r": 1, "ekfac-topk": 2, "logra-random": 3, "logra-pca": 4, "grass": 5, "gaussian": 6}
+_FAMILY_SEED = {"eogp": 0, "eogp-r": 1, "ekfac-topk": 2, "logra-random": 3, "logra-pca": 4, "grass": 5, "gaussian": 6,
+                "eogp-rot": 7}
 _LABELS = {
     "eogp": "EOGP",
+    "eogp-rot": "EOGP-rot",
     "eogp-fp16": "EOGP (FP16)",
+    "eogp-fp16-same-k": "EOGP (FP16, same k)",
     "eogp-r": "EOGP-R",
     "ekfac-topk": "EK-FAC top-k (1-bit)",
     "logra-random": "LoGra (random)",
@@ -155,6 +182,19 @@ class Documents:
         if n < 1:
             raise ConfigError(f"a document limit must be at least 1, got {n}")
         return Documents(self.ids[:n], self.input_ids[:n], self.labels[:n])
+
+    def sample(self, n: Optional[int], seed: int = 0) -> "Documents":
+        """A seeded random sample of ``n`` documents, in their original order (all when ``n`` is
+        None or at least ``len(self)``)."""
+        if n is None or n >= len(self):
+            return self
+        if n < 1:
+            raise ConfigError(f"a sample needs at least 1 document, got {n}")
+        import random
+
+        keep = sorted(random.Random(seed).sample(range(len(self)), n))
+        return Documents(tuple(self.ids[i] for i in keep), tuple(self.input_ids[i] for i in keep),
+                         tuple(self.labels[i] for i in keep))
 
     def pairs(self) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
         return list(zip(self.input_ids, self.labels))
@@ -226,19 +266,20 @@ def plan_methods(
     budgets: Sequence[int],
     methods: Sequence[str] = DEFAULT_METHODS,
     *,
-    num_fit: int,
-    m_factor: int = 8,
+    m: Optional[int] = None,
     gaussian_seeds: int = 3,
     seed: int = 0,
 ) -> Tuple[List[MethodConfig], List[Dict[str, Any]]]:
     """Dimensions of every (method, budget) pair; returns ``(configs, skipped)``.
 
     Each module gets ``budget // U`` bytes; ``k`` is the largest coordinate count that fits
-    (1-bit: ``8 (b - 2)``; FP16: ``b // 2``), LoGra and Gaussian use the largest rank with
-    ``rank**2 <= k``. ``skipped`` lists the pairs a module cannot support, with the reason.
+    (1-bit: ``8 (b - 2)``; FP16: ``b // 2``; ``eogp-fp16-same-k``: the 1-bit ``k``), LoGra and
+    Gaussian use the largest rank with ``rank**2 <= k``. ``skipped`` lists the pairs a module
+    cannot support, with the reason.
 
     Args:
-        num_fit: documents in the PCA fitting set (PCA cannot output more components).
+        m: first-stage width of ``eogp``/``eogp-r`` (capped at ``d_u``; a ``k_u`` above it is
+            skipped); None: the index's default rule.
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -253,8 +294,8 @@ def plan_methods(
             try:
                 if per_module < 1:
                     raise ConfigError(f"{budget} B over {len(modules)} modules leaves no byte per module")
-                config = _config_for(method, family, precision, budget, per_module, modules, num_fit=num_fit,
-                                     m_factor=m_factor, gaussian_seeds=gaussian_seeds, seed=seed)
+                config = _config_for(method, family, precision, budget, per_module, modules,
+                                     m=m, gaussian_seeds=gaussian_seeds, seed=seed)
             except ConfigError as exc:
                 skipped.append({"method": method, "budget": budget, "reason": str(exc)})
                 continue
@@ -262,9 +303,9 @@ def plan_methods(
     return configs, skipped
 
 
-def _config_for(method, family, precision, budget, per_module, modules, *, num_fit, m_factor, gaussian_seeds,
+def _config_for(method, family, precision, budget, per_module, modules, *, m, gaussian_seeds,
                 seed) -> MethodConfig:
-    k = k_for_bytes(per_module, precision)
+    k = k_for_bytes(per_module, K_FROM_PRECISION.get(method, precision))
     if family in ("logra-random", "logra-pca", "gaussian"):
         rank = math.isqrt(k)
         for mod in modules:
@@ -277,11 +318,9 @@ def _config_for(method, family, precision, budget, per_module, modules, *, num_f
     for mod in modules:
         if k > mod.d:
             raise ConfigError(f"k={k} exceeds the {mod.d} parameters of {mod.name}")
-    if family == "eogp" and k > num_fit:
-        raise ConfigError(f"PCA cannot output k={k} components from {num_fit} fitting documents")
-    if family in ("eogp", "eogp-r"):
-        m = tuple(min(mod.d, m_factor * k) for mod in modules)
-        return MethodConfig(method, budget, k=(k,) * len(modules), m=m, seeds=(seed,))
+    if family in PCA_FAMILIES + ("eogp-r",):
+        widths = tuple(first_stage_width(mod.d, k, m) for mod in modules)  # ConfigError: m < k
+        return MethodConfig(method, budget, k=(k,) * len(modules), m=widths, seeds=(seed,))
     return MethodConfig(method, budget, k=(k,) * len(modules), seeds=(seed,))
 
 
@@ -354,7 +393,7 @@ class SharedPass:
         # Widest first-stage prefix the PCA methods need, per module.
         self.pca_width = {n: 0 for n in self.names}
         for cfg in self.configs:
-            if cfg.family == "eogp":
+            if cfg.family in PCA_FAMILIES:
                 for n, m in zip(self.names, cfg.m):
                     self.pca_width[n] = max(self.pca_width[n], m)
         self._build_projectors()
@@ -362,6 +401,7 @@ class SharedPass:
         self.query_parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
         self.train_parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
         self.fit_parts: Dict[str, List[torch.Tensor]] = {n: [] for n in self.names}
+        self._bases: Dict[Tuple[str, int, int], torch.Tensor] = {}
         self.query: Dict[str, np.ndarray] = {}
         self.skipped: List[Dict[str, Any]] = []
         self.notes: List[str] = []
@@ -570,7 +610,7 @@ class SharedPass:
                     key = f"{cfg.id}#{s}"
                     if cfg.family in ("ekfac-topk", "eogp-r", "gaussian"):
                         s1, s2 = streamed[key], streamed.get(key + "|fp16")
-                    elif cfg.family == "eogp":
+                    elif cfg.family in PCA_FAMILIES:
                         s1, s2 = self._score_pca(cfg)
                     else:
                         s1, s2 = self._score_projected_curvature(cfg, key)
@@ -592,15 +632,28 @@ class SharedPass:
             return torch.cat(self.fit_parts[name], dim=0)
         return torch.cat(self.train_parts["pca"][name], dim=0)
 
+    def _pca_basis(self, name: str, m: int, k: int) -> torch.Tensor:
+        """Module ``name``'s top-``k`` PCA directions of its first ``m`` first-stage coordinates,
+        ``(m, k)``, fitted once for every method that uses them (EOGP, EOGP-rot, FP16 at the same k)."""
+        key = (name, m, k)
+        if key not in self._bases:
+            # Configs come budget by budget: bases of another k are not asked for again.
+            self._bases = {other: basis for other, basis in self._bases.items() if other[2] == k}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self._bases[key] = fit_pca(self._fit_coordinates(name)[:, :m], k)
+            for w in caught:
+                self.notes.append(f"PCA of {name} at m={m}, k={k}: {w.message}")
+        return self._bases[key]
+
     def _score_pca(self, cfg: MethodConfig) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         xs, ys = [], []
         for u, n in enumerate(self.names):
             m, k = cfg.m[u], cfg.k[u]
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                basis = fit_pca(self._fit_coordinates(n)[:, :m], k)  # (m, k)
-            for w in caught:
-                self.notes.append(f"{cfg.id} {n}: {w.message}")
+            basis = self._pca_basis(n, m, k)  # (m, k)
+            if cfg.family == "eogp-rot":  # the index's own rotation of this module (same seed rule)
+                rotation = HadamardRotation.draw(k, torch.Generator().manual_seed(rotation_seed(cfg.seeds[0], n)))
+                basis = rotate_directions(basis, rotation)
             train_first = torch.cat(self.train_parts["pca"][n], dim=0)[:, :m]
             query_first = torch.cat(self.query_parts["pca"][n], dim=0)[:, :m]
             xs.append((train_first.double() @ basis.double()).float().numpy())
@@ -768,7 +821,7 @@ def compute_scores(
     methods: Sequence[str] = DEFAULT_METHODS,
     modules: Optional[Sequence[str]] = None,
     damping_ratio: float = 0.1,
-    m_factor: int = 8,
+    m: Optional[int] = None,
     gaussian_seeds: int = 3,
     seed: int = 0,
     batch_size: int = 8,
@@ -786,6 +839,7 @@ def compute_scores(
             on all of them); queries: the query documents.
         work_dir: kronfluence's factors and scores go under ``work_dir/curvature``.
         pca_docs: fit EOGP's PCA on these documents instead of ``train``.
+        m: first-stage width of EOGP and EOGP-R (None: the index's default, see :func:`plan_methods`).
     """
     from eogp_index.config import CurvatureConfig
     from eogp_index.fit.curvature import fit_curvature
@@ -808,9 +862,10 @@ def compute_scores(
     say(f"EK-FAC fitted on {len(train)} documents in {timings['ekfac_fit_s']:.1f}s")
     kfac_values = load_kfac_eigenvalues(curvature_dir, names)
     shapes = tuple(ModuleShape(n, *curvature[n].shape) for n in names)
+    configs, skipped = plan_methods(shapes, budgets, methods, m=m, gaussian_seeds=gaussian_seeds, seed=seed)
     num_fit = len(pca_docs) if pca_docs is not None else len(train)
-    configs, skipped = plan_methods(shapes, budgets, methods, num_fit=num_fit, m_factor=m_factor,
-                                    gaussian_seeds=gaussian_seeds, seed=seed)
+    if any(c.family in PCA_FAMILIES and max(c.k) > num_fit for c in configs):
+        say(f"PCA fitted on {num_fit} documents: a larger k is completed with leading EK-FAC axes, as the index does")
 
     t0 = time.perf_counter()
     reference = kronfluence_scores(model, names, curvature_dir, queries, train, pad_token_id=pad_token_id,
@@ -874,8 +929,46 @@ def fidelity_records(scoreset: ScoreSet, *, ndcg_k: int = 20) -> Tuple[List[Dict
             lines["spearman"][label] = metrics.mean_spearman(scoreset.references[key], ref)[0]
     details = {"per_config": per_config, "reference_lines": lines,
                "index_vs_kronfluence_rel_err": scoreset.reference_error(),
-               "skipped": scoreset.skipped}
+               "skipped": scoreset.skipped,
+               "one_bit_gap": one_bit_gap(scoreset, ndcg_k=ndcg_k)}
     return records, details
+
+
+def one_bit_gap(scoreset: ScoreSet, *, ndcg_k: int = 20, base: str = "eogp", variant: str = "eogp-rot",
+                ceiling: str = "eogp-fp16-same-k") -> List[Dict[str, Any]]:
+    """How much of the gap between 1-bit ``base`` and FP16 at the same ``k`` (``ceiling``) the
+    1-bit ``variant`` closes, per budget where all three ran (issue #12's measure).
+
+    Per budget and metric (``ndcg@k``, ``spearman``): the three query means with their standard
+    errors (``std / sqrt(n_queries)``), ``diff`` = variant - base with the standard error of the
+    paired per-query differences, and ``gap_closed`` = (variant - base) / (ceiling - base), None
+    when the ceiling is not above the base. First seed only (these methods have one).
+    """
+    rows: List[Dict[str, Any]] = []
+    ref = scoreset.reference
+    per_query = {f"ndcg@{ndcg_k}": lambda s: metrics.ndcg_at_k_per_query(s, ref, ndcg_k),
+                 "spearman": lambda s: metrics.spearman_per_query(s, ref)}
+    for budget in sorted({c.budget for c in scoreset.configs}):
+        cfgs = [scoreset.config(method, budget) for method in (base, variant, ceiling)]
+        if any(c is None for c in cfgs):
+            continue
+        row: Dict[str, Any] = {"budget": budget, "k": list(cfgs[0].k), "m": list(cfgs[0].m or ())}
+        for metric, fn in per_query.items():
+            b, v, c = (np.asarray(fn(scoreset.scores[cfg.id][0]), dtype=np.float64) for cfg in cfgs)
+            means = [float(np.nanmean(x)) for x in (b, v, c)]
+            diff = v - b
+            gap = means[2] - means[0]
+            row[metric] = {"base": means[0], "variant": means[1], "ceiling": means[2],
+                           "se": [_se(x) for x in (b, v, c)], "diff": float(np.nanmean(diff)), "diff_se": _se(diff),
+                           "gap_closed": (means[1] - means[0]) / gap if gap > 0 else None}
+        rows.append(row)
+    return rows
+
+
+def _se(values: np.ndarray) -> float:
+    """Standard error of the mean of the finite entries."""
+    finite = values[np.isfinite(values)]
+    return float(finite.std(ddof=1) / math.sqrt(finite.size)) if finite.size > 1 else float("nan")
 
 
 

@@ -125,7 +125,7 @@ def _plain(docs: Documents, what: str) -> List[List[int]]:
     return [list(d) for d in docs.input_ids]
 
 
-def _load_inputs(data: DataConfig):
+def _load_inputs(data: DataConfig, seed: int = 0):
     from eogp_index.gradients.model import load_model
 
     if not (Path(data.model) / "config.json").is_file():
@@ -133,7 +133,9 @@ def _load_inputs(data: DataConfig):
     model, tokenizer = load_model(data.model, device="cpu")
     train = load_documents(data.train, tokenizer, max_tokens=data.max_tokens, limit=data.limit_train)
     queries = load_documents(data.queries, tokenizer, max_tokens=data.max_tokens, limit=data.limit_queries)
-    pca_docs = load_documents(data.pca_data, tokenizer, max_tokens=data.max_tokens) if data.pca_data else None
+    pca_docs = None
+    if data.pca_data:
+        pca_docs = load_documents(data.pca_data, tokenizer, max_tokens=data.max_tokens).sample(data.pca_sample, seed)
     return model, tokenizer, train, queries, pca_docs
 
 
@@ -143,7 +145,7 @@ def _load_inputs(data: DataConfig):
 def _scores(data: DataConfig, cfg: FidelityConfig, out: Path, log) -> Tuple[ScoreSet, Documents, Documents, bool]:
     from eogp_index.gradients.model import model_sha256, pad_token_id as _pad_id
 
-    model, tokenizer, train, queries, pca_docs = _load_inputs(data)
+    model, tokenizer, train, queries, pca_docs = _load_inputs(data, cfg.seed)
     key = hashlib.sha256(json.dumps({
         "model": model_sha256(model), "train": train.fingerprint(), "queries": queries.fingerprint(),
         "pca": pca_docs.fingerprint() if pca_docs is not None else None,
@@ -161,7 +163,7 @@ def _scores(data: DataConfig, cfg: FidelityConfig, out: Path, log) -> Tuple[Scor
         f"({len(cfg.methods)} methods x {len(cfg.budgets)} budgets)")
     scoreset = compute_scores(
         model, train, queries, out, budgets=cfg.budgets, methods=cfg.methods, modules=cfg.modules,
-        damping_ratio=cfg.damping_ratio, m_factor=cfg.m_factor, gaussian_seeds=cfg.gaussian_seeds, seed=cfg.seed,
+        damping_ratio=cfg.damping_ratio, m=cfg.m, gaussian_seeds=cfg.gaussian_seeds, seed=cfg.seed,
         batch_size=cfg.batch_size, pca_docs=pca_docs, pad_token_id=_pad_id(tokenizer), log=log)
     scoreset.key = key
     scoreset.save(cache)
@@ -174,6 +176,7 @@ def _setup_details(data: DataConfig, cfg: FidelityConfig, scoreset: ScoreSet) ->
     return {
         "model": data.model, "train": list(data.train), "queries": list(data.queries),
         "pca_data": list(data.pca_data) if data.pca_data else "the training documents",
+        "pca_sample": data.pca_sample if data.pca_data else None,
         "num_train": len(scoreset.train_ids), "num_queries": len(scoreset.query_ids),
         "max_tokens": data.max_tokens, "fidelity_config": asdict(cfg),
         "modules": [asdict(m) for m in scoreset.modules],
@@ -351,6 +354,22 @@ def details_markdown(details: Dict[str, Any]) -> str:
     if setup["skipped"]:
         lines += ["", "Not run (the curve ends there):", ""]
         lines += [f"- {method_label(s['method'])} at {s['budget']} B: {s['reason']}" for s in setup["skipped"]]
+    gap = (details.get("fidelity") or {}).get("one_bit_gap")
+    if gap:
+        lines += ["", "## 1-bit codes against FP16 at the same k", "",
+                  "EOGP and EOGP-rot in 1 bit, and EOGP's coordinates in FP16 at the same `k` (16 x the bytes). "
+                  "Query means ± standard error; Δ = EOGP-rot − EOGP ± the standard error of the paired "
+                  "per-query differences; closed = Δ / (FP16 − EOGP).", ""]
+        for metric in [key for key in gap[0] if key not in ("budget", "k", "m")]:
+            lines += [f"| {report.metric_label(metric)} | k per module | EOGP | EOGP-rot | FP16, same k | Δ | closed |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
+            for row in gap:
+                v = row[metric]
+                cells = [f"{_fmt(x)} ± {_fmt(se)}" for x, se in zip((v["base"], v["variant"], v["ceiling"]), v["se"])]
+                closed = "—" if v["gap_closed"] is None else f"{100 * v['gap_closed']:.0f}%"
+                lines.append(f"| {report.format_bytes(row['budget'])} | {_span(row['k'])} | " + " | ".join(cells)
+                             + f" | {_fmt(v['diff'], '+.3f')} ± {_fmt(v['diff_se'])} | {closed} |")
+            lines.append("")
     lds = details.get("lds")
     if lds:
         lines += ["", "## LDS references (uncompressed)", "",

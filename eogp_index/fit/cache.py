@@ -177,8 +177,8 @@ class FitFolder:
         atomic_write(self.module_path(index), write)
 
     def read_module_pca(self, index: int) -> torch.Tensor:
-        """A fitted P, memory-mapped (copy-on-write): pages are read when the projection is saved,
-        so the fit never holds every module's P in memory at once."""
+        """A fitted P, memory-mapped (copy-on-write): its pages are read as the projection file is
+        written and leave memory when the tensor is dropped, so the fit holds one module's P at a time."""
         return torch.from_numpy(np.load(self.module_path(index), mmap_mode="c"))
 
     def finish(self) -> None:

@@ -13,8 +13,9 @@ directory:
    its cache, one module at a time (the Gram route when ``n < m_u``).
 
 Memory: the model, kronfluence's factors, one batch's activations and coordinates, and one
-module's cache with its Gram matrix; nothing else grows with the number of modules (the fitted
-``P`` matrices are memory-mapped from disk until the projection file is written).
+module's cache with its Gram matrix; nothing else grows with the number of modules (each fitted
+``P`` is written to ``fit/pca/`` and read back, one module at a time, when the projection file
+is written).
 
 Every stage is kept in ``<out>/fit/`` (:mod:`eogp_index.fit.cache`): a killed fit, rerun, reuses
 the finished stages, batches and modules, and says so. Label sampling is seeded per batch, so
@@ -31,6 +32,7 @@ Writing the manifest and the projection file is the store's job
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +46,7 @@ from eogp_index.data.records import Example
 from eogp_index.errors import InputError
 from eogp_index.fit.cache import FitFolder
 from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
-from eogp_index.fit.projection import PCA_TORCH_DTYPES, Projection, build_projection, fit_pca
+from eogp_index.fit.projection import PCA_TORCH_DTYPES, Projection, build_projection, second_stage_directions
 from eogp_index.fit.sampling import split_fit_sets
 from eogp_index.gradients.capture import GradientCapture, batches, check_counted
 from eogp_index.gradients.loss import collate
@@ -156,7 +158,9 @@ def fit_projection(
         _fit_modules(fitted, folder, num_batches, ranks, progress)
         ranks.barrier()
         for i, module in enumerate(fitted.modules.values()):
-            module.pca = folder.read_module_pca(i)
+            # Read when the projection file is written, one module at a time, and dropped after:
+            # never every module's P in memory at once.
+            module.pca_loader = functools.partial(folder.read_module_pca, i)
     return FittedProjection(
         projection=fitted,
         weights_sha256=weights_sha256,
@@ -242,5 +246,5 @@ def _fit_modules(fitted: Projection, folder: FitFolder, num_batches: int, ranks:
     for i in tqdm(mine, desc="PCA per module", unit="module", disable=not progress):
         name, module = modules[i]
         z = folder.read_module(name, num_batches)  # (n, m) float16; fit_pca works in float64
-        folder.write_module(i, fit_pca(z, module.k).to(dtype))
+        folder.write_module(i, second_stage_directions(z, module).to(dtype))  # PCA, rotated for eogp-rot
         del z

@@ -30,12 +30,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from eogp_index.config import PCA_DTYPE_BYTES, ProjectionConfig, bytes_per_module
+from eogp_index.config import DEFAULT_M_HELP, PCA_DTYPE_BYTES, ProjectionConfig, bytes_per_module
 from eogp_index.errors import ModelError
 
 #: Weights are loaded in float32 (``gradients.model.load_model``).
 WEIGHT_BYTES = 4
 F32, F64 = 4, 8
+#: Resident memory of an eogp process before it builds any model or index data: the Python
+#: interpreter, torch, transformers, kronfluence, LanceDB, numba and their libraries. Measured
+#: (``benchmarks/fit_memory.py``, "process baseline") on x86-64 Linux with CPU torch 2.x; a CUDA
+#: build adds its own libraries and context (about 0.5-1 GB more).
+PROCESS_BYTES = 600_000_000
+#: The largest float32/float64 buffer that fit_pca and apply_pca upcast at once
+#: (``fit.projection._UPCAST_BYTES``).
+UPCAST_BLOCK_BYTES = 64 << 20
+#: The fit's phases, run one after another; its peak is the largest.
+FIT_PHASES = ("fit_curvature", "fit_first_stage", "fit_pca", "fit_save")
 
 
 @dataclass(frozen=True)
@@ -170,53 +180,85 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
     activations = autograd + logits + captured
     curvature_batch = min(batch_size, curvature_examples)
     curvature_act = (autograd + logits) * curvature_batch // batch_size
-    covariances = sum(F32 * (mod.d_in ** 2 + mod.d_out ** 2) for mod in shape.modules)
-    # PCA of one module from its cache (fit_pca, float64): the cache (float16) and its float64
-    # copy, then the n×n Gram matrix and its eigenvectors (n < m) or m×m twice, and P.
+    widest = max(mod.d for mod in shape.modules)
+    eigen_mem = eigen_max + other
+    # kronfluence holds every module's factors at once; its Λ pass also holds one module's
+    # per-example gradients of the batch and their rotation into the eigenbasis (float32).
+    kronfluence = factors + curvature_act + 2 * F32 * curvature_batch * widest
+    # The factors read back (eigenvectors and corrected eigenvalues of every module) while the
+    # kept columns are copied out of them (build_projection).
+    build = sum(F32 * (mod.d_in ** 2 + mod.d_out ** 2 + mod.d) for mod in shape.modules) + eigen_mem
+    # Per batch, one module at a time: its (B, r, c) eigenbasis block and the (B, m) rows taken
+    # from it (float32, upper bound r·c = d_u); every module's rows of the batch (float16).
+    first_stage_work = F32 * batch_size * (widest + max(r["m"] for r in rows)) + 2 * batch_size * sum_m
+
     def pca_peak(r: Dict[str, Any]) -> int:
+        """fit_pca of one module from its cache: the FP16 cache, the Gram (n < m) or covariance
+        matrix and its eigenvectors (float64), the float64 blocks it upcasts (<= 64 MiB each, two
+        at a time), the directions (float32) and P at its stored dtype."""
         n, m, k = n_pca, r["m"], r["k"]
-        gram = 2 * F64 * n * n if n < m else 2 * F64 * m * m
-        return (2 + F64) * n * m + gram + F64 * m * k
+        square = min(n, m)
+        blocks = 2 * min(F64 * n * m, UPCAST_BLOCK_BYTES)
+        return 2 * n * m + 2 * F64 * square * square + blocks + (F32 + p_dtype) * m * k
+
     pca_memory = max((pca_peak(r) for r in rows), default=0) if pca else 0
     resident_p = pca_total
     in_turn_p = largest["pca_bytes"]
     # apply_pca upcasts an FP16 P in float32 blocks of at most 64 MiB (none for an fp32 P)
-    upcast = min(F32 * largest["m"] * largest["k"], 64 << 20) if pca and projection.pca_dtype == "fp16" else 0
-    eigen_mem = eigen_max + other
+    upcast = min(F32 * largest["m"] * largest["k"], UPCAST_BLOCK_BYTES) if pca and projection.pca_dtype == "fp16" else 0
     hot = documents * ((sum(math.ceil(r["k"] / 8) for r in rows) + F32 * num) if precision == "1bit"
                        else F32 * sum(r["k"] for r in rows))
+    model = PROCESS_BYTES + weights
+    project = model + eigen_mem + activations + first_stage_work
     memory = {
-        "fit_curvature": {"bytes": weights + 2 * covariances + curvature_act,
-                          "counts": "weights (float32) + every module's covariances and eigenvectors (kronfluence, "
-                                    "float32) + one curvature batch's activations"},
-        "fit_first_stage": {"bytes": weights + eigen_mem + activations,
-                            "counts": "weights + kept eigenvector columns (upper bound) + one batch's activations "
-                                      "and captured module inputs"},
-        "fit_pca": {"bytes": pca_memory,
-                    "counts": f"the largest module's PCA: its cached coordinates ({n_pca} x m_u, float16, and a "
-                              "float64 copy), Gram or covariance matrix and eigenvectors (float64), P (float64)"},
-        "ingest": {"bytes": weights + eigen_mem + resident_p + activations,
-                   "counts": "weights + kept eigenvector columns (upper bound) + every module's P, resident (P under "
-                             "the memory limit) + one batch's activations and captured module inputs"},
-        "ingest_in_turn": {"bytes": weights + eigen_mem + in_turn_p + upcast + activations,
+        "process": {"bytes": PROCESS_BYTES,
+                    "counts": "the interpreter, torch, transformers, kronfluence, LanceDB and their libraries, "
+                              "before any model or index data (measured once on x86-64 Linux with CPU torch: "
+                              "benchmarks/fit_memory.py prints it; counted in every figure below)"},
+        "fit_curvature": {"bytes": model + max(kronfluence, build),
+                          "counts": "process + weights (float32) + the larger of kronfluence's fit (every module's "
+                                    "covariances, eigenvectors, eigenvalues and Λ, one curvature batch's activations "
+                                    "and one module's per-example gradients) and reading its factors back while the "
+                                    "kept eigenvector columns are copied out"},
+        "fit_first_stage": {"bytes": project,
+                            "counts": "process + weights + kept eigenvector columns (upper bound) + one batch's "
+                                      "activations, captured module inputs and first-stage blocks"},
+        "fit_pca": {"bytes": model + eigen_mem + pca_memory,
+                    "counts": f"process + weights + kept eigenvector columns + the largest module's PCA: its cached "
+                              f"coordinates ({n_pca} x m_u, float16), Gram or covariance matrix and eigenvectors "
+                              "(float64), float64 blocks of at most 64 MiB, P"},
+        "fit_save": {"bytes": model + eigen_mem + in_turn_p,
+                     "counts": "process + weights + kept eigenvector columns + one module's P: the projection file "
+                               "is written one tensor at a time"},
+        "ingest": {"bytes": project + resident_p + upcast,
+                   "counts": "what the first stage holds + every module's P, resident (P under the memory limit) "
+                             "and an upcast float32 block of it"},
+        "ingest_in_turn": {"bytes": project + in_turn_p + upcast,
                            "counts": "the same with P over the memory limit: one module's P at a time "
                                      f"({_size(in_turn_p)}) and its float32 block ({_size(upcast)})"},
-        "query": {"bytes": weights + eigen_mem + resident_p + activations + hot,
+        "query": {"bytes": project + resident_p + upcast + hot,
                   "counts": "what ingest holds, plus the in-memory copy of the codes it scans (packed signs and "
                             "float32 scales per row); with P in turn, "
-                            f"{_size(weights + eigen_mem + in_turn_p + upcast + activations + hot)}"},
+                            f"{_size(project + in_turn_p + upcast + hot)}"},
     }
-    memory["fit_peak"] = {"bytes": max(memory[k]["bytes"] for k in ("fit_curvature", "fit_first_stage", "fit_pca")),
-                          "counts": "the largest of the fit's three phases (they run one after another)"}
+    # The largest k this fit can give: a PCA of n examples has at most n directions (the rest
+    # would be completed with EK-FAC axes, with a warning), and no module outputs more than m_u.
+    widths = min(r["m"] for r in rows) if pca else min(r["d"] for r in rows)
+    k_max = min(n_pca, widths) if pca else widths
+    k_max_note = (f"min(PCA examples {n_pca}, smallest m_u {widths:,})" if pca
+                  else f"the smallest d_u ({widths:,})")
+    memory["fit_peak"] = {"bytes": max(memory[k]["bytes"] for k in FIT_PHASES),
+                          "counts": "the largest of the fit's phases (they run one after another)"}
     return {
         "model": {"name": shape.name, "num_parameters": shape.num_parameters, "weights_bytes": weights,
                   "attributed_parameters": attributed, "modules": num},
         "options": {"variant": projection.variant, "k": projection.k, "budget_kb": projection.budget_kb,
-                    "m": projection.m, "m_factor": projection.m_factor, "precision": precision,
+                    "m": projection.m, "precision": precision,
                     "pca_dtype": projection.pca_dtype, "pca_examples": n_pca,
                     "curvature_examples": curvature_examples, "batch_size": batch_size, "tokens": tokens,
                     "tokens_from": "--max-tokens" if max_tokens else "the model's context length"},
         "modules": rows,
+        "limits": {"k_max": k_max, "note": k_max_note},
         "per_example": {"bytes": per_example, "uncompressed_fp16_bytes": 2 * attributed,
                         "compression": (2 * attributed / per_example) if per_example else None},
         "shared": {"pca_bytes": pca_total, "eigenbasis_bytes_max": eigen_max, "other_bytes": other,
@@ -225,9 +267,9 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
                                            "bound (exact for modules with m_u = d_u)",
                    "curvature_factor_bytes": factors},
         "fit_cache": {"coordinate_bytes": 2 * n_pca * sum_m if pca else 0,
-                      "pca_bytes": F32 * sum(r["m"] * r["k"] for r in rows) if pca else 0,
+                      "pca_bytes": pca_total,
                       "note": "fit/ during eogp fit: the PCA set's first-stage coordinates (float16) and each "
-                              "module's fitted P (float32); deleted when the index is written"},
+                              f"module's fitted P ({projection.pca_dtype}); deleted when the index is written"},
         "memory": memory,
         "store": {"documents": documents, "codes_bytes": documents * per_example,
                   "hot_copy_bytes": hot,
@@ -257,7 +299,7 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
              "parameters",
              f"options     variant {opts['variant']}, precision {opts['precision']}, P in {opts['pca_dtype']}, "
              f"k {opts['k'] if opts['k'] is not None else '(budget ' + str(opts['budget_kb']) + ' KiB)'}, "
-             f"m {opts['m'] if opts['m'] is not None else str(opts['m_factor']) + 'k'}, "
+             f"m {opts['m'] if opts['m'] is not None else DEFAULT_M_HELP}, "
              f"{opts['pca_examples']} PCA examples, batch {opts['batch_size']} x {opts['tokens']} tokens "
              f"({opts['tokens_from']})",
              "",
@@ -276,6 +318,9 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
     per, shared, cache, store = plan["per_example"], plan["shared"], plan["fit_cache"], plan["store"]
     lines += [
         "",
+        f"largest k     {plan['limits']['k_max']:,}: {plan['limits']['note']}"
+        + ("" if max(r["k"] for r in plan["modules"]) <= plan["limits"]["k_max"] else
+           " -- k_u is above it: the PCA leaves directions undetermined (completed with EK-FAC axes)"),
         f"per example   {per['bytes']:,} bytes ({_size(per['bytes'])}); an uncompressed FP16 gradient is "
         f"{_size(per['uncompressed_fp16_bytes'])}"
         + (f", {per['compression']:,.0f}x more" if per["compression"] else ""),

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import struct
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -36,7 +37,6 @@ from pathlib import Path
 from typing import Callable, Dict, List, Literal, Optional, Sequence
 
 import torch
-from safetensors.torch import save_file
 
 from eogp_index.config import PCA_DTYPE_BYTES, ProjectionConfig, SecondStage, StorageConfig
 from eogp_index.fit.curvature import ModuleCurvature
@@ -68,6 +68,9 @@ class ModuleProjection:
         damping: ``λ_u``.
         pca_loader: for a projection loaded from disk, reads ``pca`` when it is used (then
             ``pca`` is read through it; see :class:`_LazyPca`).
+        rotation: variant ``eogp-rot``, while fitting: the rotation folded into ``pca`` when it is
+            fitted (:func:`second_stage_directions`). Not stored: the file's ``pca`` already
+            includes it, so a loaded projection has None.
     """
 
     shape: tuple[int, int]
@@ -82,10 +85,16 @@ class ModuleProjection:
     srht_signs: Optional[torch.Tensor] = None
     srht_rows: Optional[torch.Tensor] = None
     pca_loader: Optional[Callable[[], torch.Tensor]] = field(default=None, repr=False, compare=False)
+    rotation: Optional["HadamardRotation"] = field(default=None, repr=False, compare=False)
 
     @property
     def m(self) -> int:
         return int(self.local_index.numel())
+
+    @property
+    def has_pca(self) -> bool:
+        """Whether a ``P`` is set or can be read (without reading it)."""
+        return self._pca is not None or self.pca_loader is not None
 
     def first_stage(self, a: torch.Tensor, g: torch.Tensor, *, route: Optional[BlockRoute] = None) -> torch.Tensor:
         """Half-whitened top-``m`` EK-FAC coordinates, ``(B, m)`` float32.
@@ -261,15 +270,31 @@ def fit_pca(z: torch.Tensor, k: int) -> torch.Tensor:
     they are completed with the leading first-stage axes (largest EK-FAC eigenvalues first)
     orthogonalised against the span, and a warning says so.
     """
-    z = z.double()
     n, m = z.shape
+    # z may be a whole module's FP16 cache: it is upcast to float64 a block of at most
+    # _UPCAST_BYTES at a time, never as a whole (n·m·8 bytes, the fit's largest buffer otherwise).
     if n < m:
-        weights, vectors = torch.linalg.eigh(z @ z.T)
+        cols = max(1, _UPCAST_BYTES // (8 * n))
+        gram = z.new_zeros(n, n, dtype=torch.float64)
+        for i in range(0, m, cols):
+            block = z[:, i:i + cols].double()
+            gram.addmm_(block, block.T)
+        weights, vectors = torch.linalg.eigh(gram)
+        del gram
         weights, vectors = weights.flip(0)[:k], vectors.flip(1)[:, :k]
         rank = int((weights > weights[0] * 1e-10).sum()) if weights.numel() and weights[0] > 0 else 0
-        directions = (z.T @ vectors[:, :rank]) / weights[:rank].sqrt()
+        scaled = vectors[:, :rank] / weights[:rank].sqrt()
+        directions = torch.empty(m, rank, dtype=torch.float64 if rank < k else torch.float32, device=z.device)
+        for i in range(0, m, cols):
+            directions[i:i + cols] = z[:, i:i + cols].double().T @ scaled
     else:
-        weights, vectors = torch.linalg.eigh(z.T @ z)
+        rows = max(1, _UPCAST_BYTES // (8 * m))
+        covariance = z.new_zeros(m, m, dtype=torch.float64)
+        for i in range(0, n, rows):
+            block = z[i:i + rows].double()
+            covariance.addmm_(block.T, block)
+        weights, vectors = torch.linalg.eigh(covariance)
+        del covariance
         weights, directions = weights.flip(0)[:k], vectors.flip(1)[:, :k]
         rank = int((weights > weights[0] * 1e-10).sum()) if weights[0] > 0 else 0
         directions = directions[:, :rank]
@@ -279,21 +304,36 @@ def fit_pca(z: torch.Tensor, k: int) -> torch.Tensor:
             "leading EK-FAC axes orthogonal to it. Fit on more examples (num_fit_examples) for a full PCA.",
             stacklevel=2,
         )
-        # Pivot on the axes in eigenvalue order: keep each axis that adds a new direction.
-        # Orthogonalise against the whole basis twice (one pass loses orthogonality to rounding).
-        basis = directions
-        for j in range(m):
-            if basis.shape[1] == k:
-                break
-            v = torch.zeros(m, 1, dtype=z.dtype)
-            v[j] = 1.0
+        # Pivot on the axes in eigenvalue order: keep each axis that adds a new direction (its
+        # residual after the basis so far is above 1e-4). Axes are taken a block at a time:
+        # orthogonalised against the basis twice (one pass loses orthogonality to rounding), then
+        # a QR of the block, whose |R_ii| is axis i's residual after the basis and the block's
+        # earlier axes — what one axis at a time would give. Up to the first axis that adds
+        # nothing the block is kept; that axis is skipped and the next block starts after it.
+        basis = torch.empty(m, k, dtype=torch.float64, device=z.device)
+        basis[:, :rank] = directions
+        filled, j = rank, 0
+        while filled < k and j < m:
+            width = min(k - filled, m - j, _COMPLETION_BLOCK)
+            block = torch.zeros(m, width, dtype=torch.float64, device=z.device)
+            block[torch.arange(j, j + width), torch.arange(width)] = 1.0
+            done = basis[:, :filled]
             for _ in range(2):
-                v = v - basis @ (basis.T @ v)
-            norm = v.norm()
-            if norm > 1e-4:
-                basis = torch.cat([basis, v / norm], dim=1)
-        directions = basis
+                block -= done @ (done.T @ block)
+            q, r = torch.linalg.qr(block)
+            diagonal = r.diagonal()
+            small = (diagonal.abs() <= 1e-4).nonzero()
+            take = int(small[0]) if small.numel() else width
+            basis[:, filled:filled + take] = q[:, :take] * diagonal[:take].sign()
+            filled += take
+            j += take + (1 if take < width else 0)
+        directions = basis[:, :filled]
     return directions.float().contiguous()
+
+
+#: Axes orthogonalised at once when fit_pca completes a rank-deficient basis (bounds the
+#: ``(m, block)`` float64 buffer).
+_COMPLETION_BLOCK = 256
 
 
 @functools.lru_cache(maxsize=32)
@@ -340,6 +380,101 @@ def make_srht(m: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor,
     return signs, rows
 
 
+# -- rotations inside the PCA subspace (variant eogp-rot) ------------------------------------
+#
+# PCA coordinates have very unequal variances, and one bit gives each the same magnitude, so the
+# leading ones are under-weighted relative to the trailing ones (and the coordinates a small
+# fitting set leaves empty are pure noise). An orthogonal R spreads the energy evenly over the k
+# coordinates before the signs are taken. Scores in full precision are unchanged
+# ((P R)ᵀ q · (P R)ᵀ z = qᵀ P Pᵀ z); only what the signs keep changes. R is folded into P at fit
+# time (P' = P R), so the stored format, the codes and the kernels are those of EOGP.
+
+#: Rounds of the randomized Hadamard rotation: one round mixes each coordinate with a
+#: power-of-two block only; two give as good a rotation as a Haar-random one (measured:
+#: examples/eval_default.md, "Choosing the variant").
+HADAMARD_ROUNDS = 2
+
+
+@dataclass(frozen=True)
+class HadamardRotation:
+    """A randomized Hadamard rotation ``R`` of ``R^k``, any ``k`` (not only powers of two).
+
+    With ``p = 2^⌊log2 k⌋``, each round multiplies by random signs, applies the orthonormal
+    Hadamard ``H_p / sqrt(p)`` to the first ``p`` coordinates, multiplies by random signs again,
+    applies it to the last ``p`` coordinates (the two blocks overlap and cover all ``k`` when ``k``
+    is not a power of two; when it is, the second block is skipped), then permutes the coordinates
+    at random. Every step is orthogonal, so ``R`` is. Applying it costs ``O(k·sqrt(k))`` per vector
+    with :func:`fwht`'s two small matmuls (a butterfly would be ``O(k log k)``), once per row of
+    ``P`` at fit time: little next to fitting ``P`` itself.
+
+    Attributes:
+        signs: ``(rounds, 2, k)`` float64, ±1.
+        perms: ``(rounds, k)`` int64, permutations of ``range(k)``.
+    """
+
+    signs: torch.Tensor
+    perms: torch.Tensor
+
+    @property
+    def k(self) -> int:
+        return int(self.perms.shape[1])
+
+    @classmethod
+    def draw(cls, k: int, generator: torch.Generator, rounds: int = HADAMARD_ROUNDS) -> "HadamardRotation":
+        if k < 1 or rounds < 1:
+            raise ConfigError(f"a Hadamard rotation needs k >= 1 and rounds >= 1, got k={k}, rounds={rounds}")
+        signs = torch.randint(0, 2, (rounds, 2, k), generator=generator).double() * 2 - 1
+        perms = torch.stack([torch.randperm(k, generator=generator) for _ in range(rounds)])
+        return cls(signs=signs, perms=perms)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``x R`` over the last axis: ``(..., k) → (..., k)``, in ``x``'s dtype."""
+        k = self.k
+        if x.shape[-1] != k:
+            raise ConfigError(f"a rotation of R^{k} cannot rotate vectors of length {x.shape[-1]}")
+        p = 1 << (k.bit_length() - 1)
+        norm = 1.0 / math.sqrt(p)
+        x = x.clone()
+        for signs, perm in zip(self.signs.to(x), self.perms.to(x.device)):
+            x *= signs[0]
+            x[..., :p] = fwht(x[..., :p]) * norm
+            if p < k:
+                x *= signs[1]
+                x[..., k - p:] = fwht(x[..., k - p:]) * norm
+            x = x[..., perm]
+        return x
+
+    def matrix(self) -> torch.Tensor:
+        """``R`` itself, ``(k, k)`` float64 (row ``i`` is ``e_i R``)."""
+        return self.apply(torch.eye(self.k, dtype=torch.float64))
+
+
+def rotation_seed(seed: int, name: str) -> int:
+    """The seed of module ``name``'s rotation: from the projection seed and the module's name, so
+    that a module's ``R`` does not depend on which other modules are attributed, or on the rank
+    that fits it."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+
+
+def rotate_directions(pca: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
+    """``P R`` in float64, ``(m, k)`` → ``(m, k)`` float32, a block of rows at a time (bounded memory)."""
+    out = torch.empty(pca.shape, dtype=torch.float32, device=pca.device)
+    rows = max(1, _UPCAST_BYTES // (8 * max(1, pca.shape[1])))
+    for i in range(0, pca.shape[0], rows):
+        out[i:i + rows] = rotation.apply(pca[i:i + rows].double()).float()
+    return out
+
+
+def second_stage_directions(z: torch.Tensor, module: "ModuleProjection") -> torch.Tensor:
+    """A module's stored ``P``, ``(m, k)`` float32, from its fitting set's first-stage coordinates
+    ``z`` ``(n, m)``: the top-``k`` principal directions (:func:`fit_pca`), rotated by the module's
+    :class:`HadamardRotation` when it has one (variant ``eogp-rot``)."""
+    directions = fit_pca(z, module.k)
+    if module.rotation is not None:
+        directions = rotate_directions(directions, module.rotation)
+    return directions
+
+
 class Projection:
     """The ordered per-module projections of an index, with their on-disk format.
 
@@ -372,6 +507,15 @@ class Projection:
     def in_turn(self) -> bool:
         return self._lazy is not None and not self._lazy.resident
 
+    def rotation_record(self) -> Dict[str, object]:
+        """What the manifest records of the rotation folded into ``P`` (``projection.rotation``):
+        ``{"kind": "none"}``, or ``{"kind": "hadamard", "rounds": 2, "seed": s}`` (module ``u``'s
+        ``R`` is drawn from :func:`rotation_seed` ``(s, name_u)``; it is already in ``P``, so
+        readers need none of this to answer queries)."""
+        if self.config.rotation == "none":
+            return {"kind": "none"}
+        return {"kind": self.config.rotation, "rounds": HADAMARD_ROUNDS, "seed": self.config.seed}
+
     @property
     def pca_bytes(self) -> int:
         """Bytes of every module's ``P`` at its stored dtype (0 without a PCA stage)."""
@@ -390,21 +534,28 @@ class Projection:
     # -- on disk -----------------------------------------------------------------------------
     def save(self, path: Path) -> str:
         """Write the projection as safetensors (format 2, ``P`` at ``config.pca_dtype``); return the
-        file's SHA-256 (its identity)."""
+        file's SHA-256 (its identity).
+
+        The file is written one tensor at a time (:func:`write_safetensors`): each module's ``P``
+        is read (for a fit, from its memory-mapped file in ``fit/pca/``), written and released
+        before the next, so saving holds one module's ``P`` at a time, not all of them.
+        """
         pca_dtype = PCA_TORCH_DTYPES[self.config.pca_dtype]
-        tensors: Dict[str, torch.Tensor] = {}
+        entries: List[TensorEntry] = []
         modules_meta = []
         for name, p in self.modules.items():
-            tensors[f"{name}/activation_eigenvectors"] = p.activation_eigenvectors.contiguous()
-            tensors[f"{name}/gradient_eigenvectors"] = p.gradient_eigenvectors.contiguous()
-            tensors[f"{name}/local_index"] = p.local_index.contiguous()
-            tensors[f"{name}/whiten"] = p.whiten.contiguous()
-            pca = p.pca
-            if pca is not None:
-                tensors[f"{name}/pca"] = torch.as_tensor(pca).to(pca_dtype).contiguous()
+            for key in ("activation_eigenvectors", "gradient_eigenvectors", "local_index", "whiten"):
+                tensor = getattr(p, key)
+                entries.append(TensorEntry(f"{name}/{key}", tensor.dtype, tuple(tensor.shape),
+                                           functools.partial(getattr, p, key)))
+            if p.has_pca:
+                # read at write time (a loaded or fitted P is read from disk then, and dropped after)
+                entries.append(TensorEntry(f"{name}/pca", pca_dtype, (p.m, p.k), functools.partial(getattr, p, "pca")))
             if p.srht_signs is not None:
-                tensors[f"{name}/srht_signs"] = p.srht_signs.contiguous()
-                tensors[f"{name}/srht_rows"] = p.srht_rows.contiguous()
+                for key in ("srht_signs", "srht_rows"):
+                    tensor = getattr(p, key)
+                    entries.append(TensorEntry(f"{name}/{key}", tensor.dtype, tuple(tensor.shape),
+                                               functools.partial(getattr, p, key)))
             modules_meta.append({"name": name, "shape": list(p.shape), "m": p.m, "k": p.k, "damping": p.damping,
                                  "second_stage": p.second_stage})
         metadata = {
@@ -416,8 +567,7 @@ class Projection:
             "config": json.dumps(self.config.__dict__),
             "modules": json.dumps(modules_meta),
         }
-        save_file(tensors, str(path), metadata=metadata)
-        return file_sha256(path)
+        return write_safetensors(Path(path), entries, metadata)
 
     @classmethod
     def load(cls, path: Path, *, memory_limit: Optional[int] = None) -> "Projection":
@@ -449,6 +599,9 @@ class Projection:
         config_fields = json.loads(metadata["config"])
         # Format 1 stored P in float32 and had no pca_dtype: it is fp32, whatever today's default.
         config_fields.setdefault("pca_dtype", metadata.get("pca_dtype", "fp32"))
+        # Files written before m was independent of k record the old rule's m_factor; the widths
+        # themselves are in the per-module metadata, so the factor carries nothing.
+        config_fields.pop("m_factor", None)
         config = ProjectionConfig(**config_fields)
         keys = set(handle.keys())
         pca_keys = {}
@@ -544,6 +697,80 @@ def default_projection_memory() -> int:
     return available_memory() // 2
 
 
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor to write: its name, stored dtype and shape, and how to get it (called once, when its
+    bytes are written; the result is cast to ``dtype`` block by block)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+    read: Callable[[], torch.Tensor]
+
+
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+#: Bytes written per block: the most a conversion (e.g. float32 → FP16 P) holds at once.
+_WRITE_BLOCK_BYTES = 16 << 20
+
+
+def write_safetensors(path: Path, entries: Sequence[TensorEntry], metadata: Dict[str, str]) -> str:
+    """Write a safetensors file one tensor at a time, in blocks; return its SHA-256.
+
+    The header is known before any tensor is read (names, dtypes, shapes), so the file is written
+    front to back: the 8-byte little-endian header length, the JSON header padded with spaces to a
+    multiple of 8, then each tensor's bytes at its ``data_offsets``. Tensors are laid out by
+    decreasing element size (stable), so every tensor starts aligned to its own element size, as
+    ``safetensors.torch.save_file`` arranges. Each tensor is read only when its turn comes and is
+    released after, so a writer never holds more than one tensor (plus a block). The file is
+    written under a temporary name, flushed to disk and renamed into place.
+    """
+    if sys.byteorder != "little":  # pragma: no cover - safetensors is little endian; so are our targets
+        raise ConfigError("writing safetensors needs a little-endian machine")
+    order = sorted(entries, key=lambda e: -e.dtype.itemsize)
+    header: Dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for entry in order:
+        size = math.prod(entry.shape) * entry.dtype.itemsize
+        header[entry.name] = {"dtype": _SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+                              "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            def put(data) -> None:
+                handle.write(data)
+                digest.update(data)
+
+            put(struct.pack("<Q", len(raw)))
+            put(raw)
+            for entry in order:
+                tensor = torch.as_tensor(entry.read())
+                if tuple(tensor.shape) != tuple(entry.shape):
+                    raise ConfigError(f"{entry.name}: shape {tuple(tensor.shape)}, expected {tuple(entry.shape)}")
+                flat = tensor.detach().reshape(-1)
+                step = max(1, _WRITE_BLOCK_BYTES // entry.dtype.itemsize)
+                for start in range(0, flat.numel(), step):
+                    block = flat[start:start + step].to("cpu", entry.dtype).contiguous()
+                    put(memoryview(block.numpy()).cast("B"))
+                    del block
+                # Dropping the last reference unmaps a memory-mapped source: its pages leave this
+                # process's memory before the next tensor is read.
+                del tensor, flat
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return digest.hexdigest()
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -609,7 +836,7 @@ def build_projection(
     *,
     damping_ratio: float = 0.1,
 ) -> Projection:
-    """Choose ``(m_u, k_u)`` per module, build the first stages and draw the SRHTs.
+    """Choose ``(m_u, k_u)`` per module, build the first stages and draw the SRHTs and rotations.
 
     For EOGP the PCA matrices are fitted afterwards by :func:`fit_second_stage_pca`, from
     first-stage coordinates computed with the stages built here.
@@ -623,6 +850,8 @@ def build_projection(
         proj.second_stage = config.second_stage
         if config.second_stage == "srht":
             proj.srht_signs, proj.srht_rows = make_srht(m, k, generator)
+        if config.rotation == "hadamard":
+            proj.rotation = HadamardRotation.draw(k, torch.Generator().manual_seed(rotation_seed(config.seed, name)))
         modules[name] = proj
     return Projection(modules, config=config, damping_ratio=damping_ratio)
 
@@ -631,4 +860,4 @@ def fit_second_stage_pca(projection: Projection, first_stage: Dict[str, Sequence
     """Fit every module's ``P`` from its cached first-stage coordinates (list of ``(B, m)``)."""
     for name, proj in projection.modules.items():
         z = torch.cat([t.cpu() for t in first_stage[name]], dim=0)
-        proj.pca = fit_pca(z, proj.k)
+        proj.pca = second_stage_directions(z, proj)

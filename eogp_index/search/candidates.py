@@ -1,4 +1,22 @@
-"""FAISS first pass: C candidates by (weighted) Hamming distance on the stored signs, then exact rescoring.
+"""Candidate first passes: C candidates by (weighted) Hamming distance on the stored signs (FAISS), or
+the promising cells of a clustered copy of the codes, then exact rescoring.
+
+Two families sit behind one interface (:func:`build`, :func:`load`, :func:`open_candidates`,
+:func:`candidate_top_k`, ``query.candidates(C)``, ``eogp build-faiss --kind``):
+
+* ``flat``, ``ivf``, ``hnsw``: FAISS binary indexes over the signs (below). They cannot see the
+  per-row scales, which decide the top of a large store: on 1M rows their best line at ≥ 5×
+  the exact scan's speed reaches recall@20 0.57-0.59 (``benchmarks/candidates.py``).
+* ``clustered`` (:mod:`eogp_index.search.clustered`): a copy of the codes grouped into cells by
+  scale profile, the cells visited by an optimistic estimate of their best score and scanned
+  with the exact kernel, with an early stop (``benchmarks/client.py``: recall@20 >= 0.95 at
+  >= 5x in both directions). There ``C`` is the budget of rows scanned per side.
+
+Nothing is read from the table per query: FAISS positions map to row addresses through the hot
+copy's ids once per table version (:meth:`CandidateIndex.rowaddr_of`), filters are
+:meth:`StoredIndex.matching_rows`, and rescoring reads the hot copy.
+
+The FAISS indexes:
 
 The exact scan reads every stored row. For a store of millions of rows a cheaper first pass can
 pick ``C`` candidates and only those are rescored exactly with ``Σ_u s_iu⟨y_u, b_iu⟩``:
@@ -51,13 +69,14 @@ pick ``C`` candidates and only those are rescored exactly with ``Σ_u s_iu⟨y_u
   covered, and the hashes of the projection and model the codes were made with). The JSON is
   written last: it is the commit of a build or an extension. Version 1 (unreplicated signs) is
   refused with a request to rebuild.
-* **Freshness.** :meth:`CandidateIndex.extend` adds the rows whose ids are not covered yet
-  (replicated the same way), without rebuilding; :func:`candidate_top_k` calls
+* **Freshness.** :meth:`CandidateIndex.extend` adds the rows of the hot copy whose ids are not
+  covered yet (replicated the same way), without rebuilding; :func:`candidate_top_k` calls
   it when the table has a newer version than the one recorded, so a query never silently misses
-  ingested rows.
+  ingested rows. A compaction moves rows: :meth:`CandidateIndex.rowaddr_of` maps positions to
+  the new addresses by id, once per version.
 
-Rows are streamed from Lance in record batches sized in bytes (``BATCH_BYTES``), reading only
-``id`` and ``signs``; the whole table is never held at once.
+A build streams rows from Lance in record batches sized in bytes (``BATCH_BYTES``), reading
+only ``id`` and ``signs``; the whole table is never held at once.
 """
 
 from __future__ import annotations
@@ -95,8 +114,11 @@ MAX_REPLICAS = 16
 #: Factors tried by :func:`query_levels` per query (quantiles of ``|y|`` mapped to level ``R``).
 _LEVEL_GRID = np.linspace(0.25, 1.0, 64)
 _KEY_MASK = np.int64(0x7FFF_FFFF_FFFF_FFFF)
+#: The row address of a FAISS position whose row is no longer in the table.
+MISSING_ROW = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 
-Kind = Literal["flat", "ivf", "hnsw"]
+Kind = Literal["flat", "ivf", "hnsw", "clustered"]
+KINDS = ("flat", "ivf", "hnsw", "clustered")
 Direction = Literal["positive", "negative", "both"]
 
 
@@ -124,8 +146,20 @@ class FaissConfig:
         ef_construction: HNSW build beam (build time; lower = faster build, worse graph).
         train_points_per_list: IVF k-means sample size per list (FAISS warns below 39).
         train_iters: IVF k-means iterations.
-        use_gpu: ``auto`` searches a flat index on ``GpuIndexBinaryFlat`` when
-            ``faiss.get_num_gpus() > 0`` and FAISS is a GPU build; ``never`` stays on the CPU.
+        use_gpu: ``auto`` searches a flat index on ``GpuIndexBinaryFlat`` (and trains the
+            ``clustered`` kind's k-means on the GPU) when ``faiss.get_num_gpus() > 0`` and FAISS
+            is a GPU build; ``never`` stays on the CPU.
+        lists: ``clustered`` only: sign lists ``L`` (binary k-means over the signs; 1 = none).
+        scale_cells: ``clustered`` only: scale cells ``P`` (k-means over the log-scales).
+        z: ``clustered`` only, search time: standard deviations in a cell's optimistic estimate
+            (:mod:`eogp_index.search.clustered`); larger = more cells scanned, higher recall.
+        first_fraction: ``clustered`` only, search time: share of the rows scanned before the
+            early stop is applied (round 1).
+
+    The ``clustered`` kind (:mod:`eogp_index.search.clustered`) is no FAISS index: it regroups
+    a copy of the codes by scale profile and scans the promising cells with the exact kernel.
+    Measured with ``benchmarks/client.py`` (10M rows of codes modelled on the demo's) it is the
+    one that pays; the defaults ``scale_cells=64, z=4, first_fraction=0.01`` are its.
     """
 
     kind: Kind = "flat"
@@ -138,10 +172,21 @@ class FaissConfig:
     train_points_per_list: int = 64
     train_iters: int = 10
     use_gpu: Literal["auto", "never"] = "auto"
+    lists: int = 1
+    scale_cells: int = 64
+    z: float = 4.0
+    first_fraction: float = 0.01
 
     def __post_init__(self) -> None:
-        if self.kind not in ("flat", "ivf", "hnsw"):
-            raise ConfigError(f"FaissConfig.kind must be 'flat', 'ivf' or 'hnsw', got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ConfigError(f"FaissConfig.kind must be one of {list(KINDS)}, got {self.kind!r}")
+        for name in ("lists", "scale_cells"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"FaissConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if not float(self.z) >= 0:
+            raise ConfigError(f"FaissConfig.z must be >= 0, got {self.z!r}")
+        if not 0 < float(self.first_fraction) <= 1:
+            raise ConfigError(f"FaissConfig.first_fraction must be in (0, 1], got {self.first_fraction!r}")
         if self.use_gpu not in ("auto", "never"):
             raise ConfigError(f"FaissConfig.use_gpu must be 'auto' or 'never', got {self.use_gpu!r}")
         for name in ("nprobe", "hnsw_m", "ef_search", "ef_construction", "train_points_per_list", "train_iters"):
@@ -366,6 +411,7 @@ class CandidateIndex:
         self._keys = np.ascontiguousarray(keys, dtype=np.int64)
         self._ids = ids
         self._gpu = None  # lazily built GPU copy of a flat index; False once known unavailable
+        self._addr: Optional[Tuple[int, np.ndarray]] = None  # (table version, rowaddr per position)
         self._lock = threading.Lock()
         self._reindex_keys()
 
@@ -568,41 +614,51 @@ class CandidateIndex:
         """Add the stored rows whose ids are not covered yet; returns how many were added.
 
         Flat and HNSW add to the existing structure, IVF assigns new rows to its trained lists
-        (no retraining: rebuild after the corpus has changed a lot). Reads the ``id`` column of the
-        table, then only the new rows' signs. Rows deleted from the table stay in FAISS; they are
-        dropped when the candidates are fetched from the table.
+        (no retraining: rebuild after the corpus has changed a lot). The ids and signs come from
+        the hot copy (:meth:`StoredIndex.hot_codes`), not from the table. Rows deleted from the
+        table stay in FAISS; they map to no row (:meth:`rowaddr_of`) and are dropped.
         """
-        self.check_compatible(index)
-        dataset = index.store.dataset()
-        nbytes = index.layout.nbytes
-        new_offsets: List[np.ndarray] = []
-        start = 0
-        for batch in dataset.to_batches(columns=["id"], batch_size=max(1, BATCH_BYTES // 64), scan_in_order=True):
-            ids = batch.column("id")
-            keys = id_keys(ids.to_pylist())
-            pos = self._positions(keys)
-            known = pos >= 0
-            if known.any():
-                # A known key must belong to the same id; otherwise two ids collide.
-                same = pc.equal(ids.filter(pa.array(known)), self._ids.take(pa.array(pos[known])))
-                if not pc.all(same).as_py():
-                    bad = np.flatnonzero(known)[np.flatnonzero(~same.to_numpy(zero_copy_only=False))[0]]
-                    other = self._ids[int(pos[bad])].as_py()
-                    raise IncompatibleIndexError(
-                        f"example ids {ids[int(bad)].as_py()!r} and {other!r} have the same 63-bit FAISS key "
-                        f"({int(keys[bad])}) in {index.path}; rename one of the two examples and rebuild"
-                    )
-            new_offsets.append(start + np.flatnonzero(~known))
-            start += batch.num_rows
-        offsets = np.concatenate(new_offsets) if new_offsets else np.zeros(0, np.int64)
+        stored = getattr(index, "stored", index)
+        self.check_compatible(stored)
+        hot = stored.hot_codes()
+        ids = hot.columns.column("id").combine_chunks() if hot.num_rows else pa.array([], pa.string())
+        known = pc.is_in(ids, value_set=self._ids).to_numpy(zero_copy_only=False) if len(ids) else np.zeros(0, bool)
+        new = np.flatnonzero(~known)
         before = self.ntotal
-        if offsets.size:
-            self._add_rows(_stream(dataset, nbytes, offsets=offsets.astype(np.int64)), progress=progress,
-                           total=-(-offsets.size // _rows_per_batch(nbytes)), where=str(index.path))
-        self.meta["table_version"] = int(dataset.version)
+        if new.size:
+            step = _rows_per_batch(int(self.meta["nbytes"]))
+            batches = ((ids.take(pa.array(new[a:a + step])), np.asarray(hot.codes[new[a:a + step]]))
+                       for a in range(0, new.size, step))
+            self._add_rows(batches, progress=progress, total=-(-new.size // step), where=str(stored.path))
+        self.meta["table_version"] = int(hot.version)
         if save:
             self.save()
         return self.ntotal - before
+
+    def rowaddr_of(self, stored, positions: np.ndarray) -> np.ndarray:
+        """FAISS insertion positions → the rows' current Lance addresses ``(…,)`` uint64
+        (:data:`MISSING_ROW` for ``-1`` and for rows no longer in the table).
+
+        The mapping is made once per table version, by joining this index's ids with the hot
+        copy's (a compaction moves rows: their addresses change, their ids do not); a query
+        then looks addresses up by position, without reading the table.
+        """
+        stored = getattr(stored, "stored", stored)
+        hot = stored.hot_codes()
+        with self._lock:
+            if self._addr is None or self._addr[0] != hot.version or self._addr[1].size != self.ntotal:
+                addr = np.full(self.ntotal, MISSING_ROW, np.uint64)
+                if hot.num_rows and self.ntotal:
+                    at = pc.index_in(self._ids, value_set=hot.columns.column("id").combine_chunks())
+                    at = at.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+                    addr[at >= 0] = hot.rowaddr[at[at >= 0]]
+                self._addr = (hot.version, addr)
+            addr = self._addr[1]
+        positions = np.asarray(positions, np.int64)
+        out = np.full(positions.shape, MISSING_ROW, np.uint64)
+        valid = (positions >= 0) & (positions < addr.size)
+        out[valid] = addr[positions[valid]]
+        return out
 
     def _add_rows(self, batches, *, progress: bool, total: int, where: str) -> None:
         with self._lock:  # FAISS add is not safe against a concurrent search of the same object
@@ -738,8 +794,32 @@ def build(index, name: str = "default", config: FaissConfig = FaissConfig(), *,
     Raises:
         IncompatibleIndexError: the index stores coordinates, not signs.
         InputError: no rows stored yet, or an example id stored twice.
+
+    ``config.kind == "clustered"`` builds a :class:`~eogp_index.search.clustered.ClusteredIndex`.
     """
+    if config.kind == "clustered":
+        from eogp_index.search.clustered import ClusteredIndex
+
+        stored = getattr(index, "stored", index)
+        _paths(stored.path, name)
+        _require_signs(stored)
+        return ClusteredIndex.build(stored, name, config, progress=progress)
     return CandidateIndex.build(index, name, config, progress=progress)
+
+
+def load(index_dir: Union[str, Path], name: str = "default", *, config: Optional[FaissConfig] = None):
+    """Open candidate index ``name`` of ``index_dir``, whichever its kind (the JSON says)."""
+    meta_path = _paths(index_dir, name)["meta"]
+    if meta_path.exists():
+        try:
+            fmt = json.loads(meta_path.read_text()).get("format")
+        except (ValueError, OSError):
+            fmt = None
+        if fmt == "eogp-clustered":
+            from eogp_index.search.clustered import ClusteredIndex
+
+            return ClusteredIndex.load(index_dir, name, config=config or FaissConfig(kind="clustered"))
+    return CandidateIndex.load(index_dir, name, config=config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -785,12 +865,15 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
-def open_candidates(index, name: str = "default", *, refresh: bool = True) -> CandidateIndex:
-    """The FAISS index ``name`` of ``index``, checked compatible and covering every stored row.
+def open_candidates(index, name: str = "default", *, refresh: bool = True):
+    """The candidate index ``name`` of ``index``, checked compatible and covering every stored row.
 
     Loaded once per process and reused while its JSON is unchanged. With ``refresh`` and a table
-    newer than the recorded version, :meth:`CandidateIndex.extend` adds the new rows (and saves).
+    newer than the recorded version, :meth:`CandidateIndex.extend` adds the new rows (and saves);
+    a :class:`~eogp_index.search.clustered.ClusteredIndex` is refreshed (new rows to its delta,
+    or rebuilt after a compaction).
     """
+    index = getattr(index, "stored", index)
     meta_path = _paths(index.path, name)["meta"]
     try:
         stat = meta_path.stat()
@@ -801,14 +884,17 @@ def open_candidates(index, name: str = "default", *, refresh: bool = True) -> Ca
     with _CACHE_LOCK:
         cached = _CACHE.get(key)
         if cached is None or stamp is None or cached[0] != stamp:
-            cand = CandidateIndex.load(index.path, name)
+            cand = load(index.path, name)
             stat = meta_path.stat()
             _CACHE[key] = ((stat.st_mtime_ns, stat.st_size), cand)
         cand = _CACHE[key][1]
     cand.check_compatible(index)
-    # The dataset's version, not the cached table handle's: another process may have ingested.
-    if refresh and index.store.table is not None and index.store.dataset().version != cand.table_version:
-        cand.extend(index)
+    # The table's latest version: another process may have ingested (Store.version looks cheaply).
+    if refresh and index.store.version not in (0, cand.table_version):
+        if getattr(cand, "kind", None) == "clustered":
+            cand = cand.refresh(index)
+        else:
+            cand.extend(index)
         stat = meta_path.stat()
         with _CACHE_LOCK:
             _CACHE[key] = ((stat.st_mtime_ns, stat.st_size), cand)
@@ -832,22 +918,6 @@ def candidate_ids(cand: CandidateIndex, y: np.ndarray, layout: SignLayout, C: in
     return list(out)
 
 
-def _candidate_rows(stored, ids: Sequence[str], where: Optional[str]) -> np.ndarray:
-    """Row addresses ``(r,)`` uint64 of ``ids`` that also match ``where``, in table order."""
-    dataset = stored.store.dataset()
-    try:
-        table = dataset.to_table(columns=["id"], with_row_address=True)
-        mask = pc.is_in(table.column("id"), value_set=pa.array(list(ids), pa.string()))
-        if where:
-            allowed = dataset.to_table(columns=["id"], filter=where).column("id")
-            mask = pc.and_(mask, pc.is_in(table.column("id"), value_set=allowed.combine_chunks()))
-    except (ValueError, OSError):  # pylance reports bad filters as either
-        stored.store.read(["id"], where)  # raises the InputError that explains a bad filter
-        raise
-    rowaddr = table.column("_rowaddr").to_numpy().astype(np.uint64)
-    return np.sort(rowaddr[mask.to_numpy(zero_copy_only=False)])
-
-
 def candidate_top_k(stored, y: np.ndarray, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None,
                     faiss_name: str = "default") -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
     """One query's top ``k`` per side among ``C`` FAISS candidates per side, rescored exactly.
@@ -856,15 +926,21 @@ def candidate_top_k(stored, y: np.ndarray, k: int, C: int, sides: Sequence[str],
     from FAISS, the ``where`` filter is applied to them, and the survivors are scored exactly;
     the result equals the exact scan restricted to (candidates ∩ filter). With two sides the
     candidate set is the union of both sides' candidates. When the filter matches at most ``C``
-    rows, all of them are rescored instead (exact, and no more work).
+    rows, all of them are rescored instead (exact, and no more work). FAISS positions map to row
+    addresses through :meth:`CandidateIndex.rowaddr_of` (made once per table version), the filter
+    is :meth:`StoredIndex.matching_rows`, and the rows are rescored from the hot copy: nothing is
+    read from the table per query.
+
+    A ``clustered`` index (:mod:`eogp_index.search.clustered`) scans its promising cells, at
+    most ``C`` rows per side, with the exact kernel, and returns its best ``k + 8`` per side.
 
     Args:
-        stored: a :class:`~eogp_index.store.stored_index.StoredIndex` (or anything with its
-            ``path``, ``store``, ``manifest`` and ``layout``). y: ``(1, K)`` float32.
+        stored: a :class:`~eogp_index.store.stored_index.StoredIndex` (or an
+            ``AttributionIndex``). y: ``(1, K)`` float32.
 
     Returns:
-        ``{side: (rowaddr (r,) uint64, scores (r,) float32)}`` of every rescored row, in table
-        order (ranking picks the best): ``r <= 2C``, fewer when few survive the filter.
+        ``{side: (rowaddr (r,) uint64, scores (r,) float32)}`` of every rescored row (ranking
+        picks the best): ``r <= 2C``, fewer when few survive the filter.
 
     Raises:
         IncompatibleIndexError: not a 1-bit index, or the FAISS index was built from other codes.
@@ -873,22 +949,27 @@ def candidate_top_k(stored, y: np.ndarray, k: int, C: int, sides: Sequence[str],
     """
     if C < k:
         raise ConfigError(f"candidates C={C} must be at least k={k}")
+    stored = getattr(stored, "stored", stored)
     _require_signs(stored)
     cand = open_candidates(stored, faiss_name)
+    if getattr(cand, "kind", None) == "clustered":
+        found = cand.top_k(stored, y, k, C, sides, where=where)
+        return {side: (rowaddr, scores) for side, (rowaddr, scores, _) in found.items()}
     layout: SignLayout = stored.layout
-    small_filter = False
-    if where:
-        try:
-            small_filter = stored.store.dataset().count_rows(filter=where) <= C
-        except (ValueError, OSError):  # pylance reports bad filters as either
-            stored.store.read(["id"], where)  # raises the InputError that explains a bad filter
-            raise
-    if small_filter:
-        rowaddr = stored.store.read([], where, with_row_address=True).column("_rowaddr").to_numpy()
+    hot = stored.hot_codes()
+    matching = stored.matching_rows(where, hot) if where else None  # sorted hot positions
+    if matching is not None and matching.size <= C:
+        rows = matching  # the filter leaves no more rows than candidates: rescore them all
     else:
-        direction = "both" if len(sides) == 2 else sides[0]
-        rowaddr = _candidate_rows(stored, candidate_ids(cand, y, layout, C, direction), where)
-    rowaddr = np.asarray(rowaddr, np.uint64)
-    codes = stored.codec.from_arrow(stored.store.take_rows(rowaddr.tolist(), ["signs", "scales"]))
-    scores = rescore(codes.signs, codes.scales, y, layout)[0] if rowaddr.size else np.zeros(0, np.float32)
-    return {side: (rowaddr, scores) for side in sides}
+        y1 = np.asarray(y, np.float32).reshape(1, -1)
+        positions = [cand.search_with_distances(cand.query_codes(y1 if side == "positive" else -y1, layout), C)[1][0]
+                     for side in sides]
+        addr = cand.rowaddr_of(stored, np.concatenate(positions))
+        addr = np.unique(addr[addr != MISSING_ROW])
+        rows = hot.positions(addr)  # sorted: the hot copy is in row-address order
+        if matching is not None:
+            at = np.minimum(np.searchsorted(matching, rows), max(matching.size - 1, 0))
+            rows = rows[matching[at] == rows] if matching.size else rows[:0]
+    rows = np.asarray(rows, np.int64)
+    scores = rescore(hot.codes, hot.scales, y, layout, rows=rows)[0] if rows.size else np.zeros(0, np.float32)
+    return {side: (hot.rowaddr[rows].astype(np.uint64), scores) for side in sides}

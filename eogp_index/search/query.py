@@ -160,7 +160,7 @@ class InfluenceQuery:
         y = self._index.query_coordinates(self._queries) if coordinates is None else np.asarray(coordinates, np.float32)
         found = self.searcher().top_k(y, opts.k, sides, opts.where)
         modules = [self._module_terms(hits, y[q]) for q, hits in enumerate(found)] if opts.by_module else None
-        return ranked_tables(self._index.stored.store, found, with_direction=opts.direction == "both",
+        return ranked_tables(self._index.stored, found, with_direction=opts.direction == "both",
                              modules=modules)
 
     def _module_terms(self, hits, y: np.ndarray):
@@ -171,7 +171,12 @@ class InfluenceQuery:
             if found.rowaddr.size == 0:
                 out[side] = []
                 continue
-            codes = stored.codec.from_arrow(stored.store.take_rows(found.rowaddr.tolist(), list(stored.codec.columns)))
+            hot = stored.loaded_hot()
+            if hot is not None:
+                codes = hot.encoded.take(hot.positions(found.rowaddr))
+            else:
+                codes = stored.codec.from_arrow(stored.store.take_rows(found.rowaddr.tolist(),
+                                                                       list(stored.codec.columns)))
             out[side] = module_dicts(module_terms(codes, y, stored.layout), stored.manifest.module_names)
         return out
 

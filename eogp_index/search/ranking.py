@@ -3,7 +3,8 @@
 Every search route (the hot copy on CPU or GPU, the streamed table, torchrun shards, FAISS
 candidates) ends with :class:`Hits` per query and side. They are ordered here by one rule —
 best score first, equal scores by ascending Lance row address (table order) — and turned into
-the users' tables by :func:`ranked_tables`, which reads the rows' metadata from the store.
+the users' tables by :func:`ranked_tables`, which reads the rows' metadata (from the hot copy
+when it is loaded).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import numpy as np
 import pyarrow as pa
 
 from eogp_index.errors import ConfigError
-from eogp_index.store.table import Store
+from eogp_index.store.hot import numpy_to_arrow, strings_to_arrow
+from eogp_index.store.stored_index import StoredIndex
 
 Side = Literal["positive", "negative"]
 Direction = Literal["positive", "negative", "both"]
@@ -63,37 +65,39 @@ class Hits:
                          k, side)
 
 
-def ranked_tables(store: Store, found: Sequence[Dict[Side, Hits]], *, with_direction: bool,
+def ranked_tables(stored: StoredIndex, found: Sequence[Dict[Side, Hits]], *, with_direction: bool,
                   modules: Optional[Sequence[Dict[Side, List[dict]]]] = None) -> List[pa.Table]:
     """Each query's answer: ``[direction,] rank, id, score[, modules]`` leading, then the stored
-    metadata columns. The hits' rows are read from the table in one take for all the queries
-    (a Lance take costs milliseconds whatever its size: one per query would dominate a batch).
+    metadata columns. The hits' rows are read once for all the queries: from the hot copy when it
+    is loaded (an Arrow take, microseconds), else in one Lance take (milliseconds whatever its
+    size: one per query would dominate a batch).
 
     Args:
+        stored: the index's stored parts (:meth:`StoredIndex.rows` reads the rows).
         found: per query, ``{side: Hits}`` in the order the sides are shown.
         with_direction: add the ``direction`` column (for ``direction="both"``).
         modules: per query and side, one ``{module: term}`` dict per hit (``by_module``), shown as a
             struct column ``modules`` after ``score``.
     """
-    columns = store.metadata_columns()
     addresses = [hits.rowaddr for by_side in found for hits in by_side.values()]
     wanted = np.unique(np.concatenate(addresses)) if addresses else np.zeros(0, np.uint64)
-    if store.table is None:  # nothing ingested yet: empty answers with the id column
+    if stored.store.version == 0:  # nothing ingested yet: empty answers with the id column
         rows = pa.table({"id": pa.array([], pa.string())})
     else:
-        rows = store.take_rows(wanted.tolist(), columns)
+        rows = stored.rows(wanted)
     answers = []
     for q, by_side in enumerate(found):
         parts = []
         for side, hits in by_side.items():
-            part = rows.take(pa.array(np.searchsorted(wanted, hits.rowaddr), pa.int64()))
+            # (Arrays from buffers: pa.array imports pandas on first use, a cost for a first query.)
+            part = rows.take(numpy_to_arrow(np.searchsorted(wanted, hits.rowaddr).astype(np.int64)))
             if modules is not None:
                 terms = modules[q][side]
                 part = part.add_column(0, "modules", pa.array(terms) if terms else pa.nulls(0))
-            part = part.add_column(0, "score", pa.array(hits.scores, pa.float32()))
-            part = part.add_column(0, "rank", pa.array(np.arange(1, len(hits.scores) + 1), pa.int32()))
+            part = part.add_column(0, "score", numpy_to_arrow(np.asarray(hits.scores, np.float32)))
+            part = part.add_column(0, "rank", numpy_to_arrow(np.arange(1, len(hits.scores) + 1, dtype=np.int32)))
             if with_direction:
-                part = part.add_column(0, "direction", pa.array([side] * len(hits.scores), pa.string()))
+                part = part.add_column(0, "direction", strings_to_arrow([side] * len(hits.scores)))
             parts.append(part)
         result = pa.concat_tables(parts)
         front = [c for c in ("direction", "rank", "id", "score", "modules") if c in result.column_names]

@@ -63,6 +63,25 @@ def exact_scores(encoded: Encoded, y: np.ndarray, layout: SignLayout, *, rows: O
     return (y @ coords.T).astype(np.float32)
 
 
+def warm_kernels(stored: StoredIndex) -> None:
+    """Load the compiled scan kernels of ``stored``'s codec (one tiny scan, unfiltered and
+    filtered), so that the first query does not pay numba's start-up. Safe on another thread;
+    never raises (a failure only leaves the first query to pay)."""
+    try:
+        if stored.manifest.precision != "1bit":
+            return  # coordinates are scored by a matrix product: nothing to load
+        from eogp_index.search.scan import scan_top_k
+
+        layout = stored.layout
+        codes = np.zeros((64, layout.nbytes), np.uint8)
+        scales = np.ones((64, layout.num_modules), np.float32)
+        y = np.ones((1, layout.num_coords), np.float32)
+        scan_top_k(codes, scales, y, layout, 1)
+        scan_top_k(codes, scales, y, layout, 1, rows=np.arange(0, 64, 2))
+    except Exception:  # noqa: BLE001 - a warm-up only
+        pass
+
+
 def _best_of_scores(rowaddr: np.ndarray, scores: np.ndarray, k: int, sides: Sequence[Side]) -> Found:
     return [{side: Hits.best(rowaddr, row, k, side) for side in sides} for row in scores]
 
@@ -80,11 +99,9 @@ class HotSearcher:
         self.stored = stored
 
     def _rows(self, hot, where: Optional[str]) -> Optional[np.ndarray]:
-        """Hot-copy positions ``(r,)`` int64 of the rows matching ``where`` (Lance evaluates it)."""
-        if where is None:
-            return None
-        matching = self.stored.store.read([], where, with_row_address=True)
-        return hot.positions(matching.column("_rowaddr").to_numpy())
+        """Hot-copy positions ``(r,)`` int64 of the rows matching ``where``, sorted (None: every
+        row): evaluated on the hot columns and cached per table version (:mod:`eogp_index.store.filters`)."""
+        return self.stored.matching_rows(where, hot)
 
     def scores(self, y: np.ndarray, where: Optional[str] = None) -> tuple[np.ndarray, np.ndarray]:
         """Every matching row's exact score: rowaddr ``(r,)`` uint64 and ``(nq, r)`` float32."""

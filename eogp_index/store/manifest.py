@@ -19,6 +19,8 @@ from eogp_index.errors import IncompatibleIndexError, IndexNotFoundError
 FORMAT = "eogp-index"
 #: 2: rows carry content_sha256 and content_kind (and text with --store-text), and the index
 #: directory has sources.json (where each shard lives). Version 1 indexes are still read.
+#: The optional ``projection.rotation`` (variant eogp-rot) needs no bump: the rotation is folded
+#: into the stored P, so codes mean what they meant (signs of the coordinates P^T z).
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
@@ -72,6 +74,17 @@ class Manifest:
         """The stored precision of the PCA matrices ``P``: ``"fp16"`` or ``"fp32"`` (an index
         written before the field existed stored them in float32)."""
         return self.projection.get("pca_dtype", "fp32")
+
+    @property
+    def variant(self) -> str:
+        return self.projection["variant"]
+
+    @property
+    def rotation(self) -> Dict[str, Any]:
+        """The rotation folded into the stored ``P`` (``{"kind": "none"}`` or ``{"kind": "hadamard",
+        "rounds", "seed"}``). An index written before the field existed has none. Nothing reads it to
+        answer queries (``P`` already includes it): it records how the index was made."""
+        return dict(self.projection.get("rotation") or {"kind": "none"})
 
     @property
     def module_names(self) -> List[str]:

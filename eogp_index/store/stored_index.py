@@ -147,7 +147,7 @@ class StoredIndex:
             model=model_entry,
             projection={"file": PROJECTION_FILE, "sha256": proj_hash, "variant": projection.config.variant,
                         "seed": projection.config.seed, "num_fit_examples": fitted.pca_examples,
-                        "pca_dtype": projection.config.pca_dtype,
+                        "pca_dtype": projection.config.pca_dtype, "rotation": projection.rotation_record(),
                         "fingerprint": file_fingerprint(path / PROJECTION_FILE)},
             modules=[ModuleEntry(name=n, d_out=p.shape[0], d_in=p.shape[1], m=p.m, k=p.k, damping=p.damping)
                      for n, p in projection.modules.items()],
@@ -194,14 +194,59 @@ class StoredIndex:
                                          "the index was refitted partway. Rebuild it with `eogp fit --overwrite`.")
         return projection
 
-    def hot_codes(self):
-        """The in-memory copy of the stored codes (:class:`~eogp_index.store.hot.HotCodes`), refreshed
-        when the table has a newer version."""
+    def hot_codes(self, *, consolidate: bool = False):
+        """The hot copy of the stored rows (:class:`~eogp_index.store.hot.HotCodes`): memory-mapped
+        from ``<index>/hot`` when it holds the table's current version, else brought up to date
+        (new fragments read from the table). ``consolidate`` rewrites it as one segment.
+        """
         from eogp_index.store.hot import load_hot
 
-        if self._hot is None or self._hot.version != self.store.version:
-            self._hot = load_hot(self.store, self.codec, self.path / HOT_DIR)
+        # store.version is a stat of the table's version directory, not a Lance call; the first
+        # load may not even open the table (load_hot adopts the version the copy recorded).
+        if consolidate or self._hot is None or self._hot.version != self.store.version:
+            self._hot = None  # let the old copy's mappings go before the new one is made
+            self._hot = load_hot(self.store, self.codec, self.path / HOT_DIR, consolidate=consolidate)
         return self._hot
+
+    def has_hot_copy(self) -> bool:
+        """Whether ``<index>/hot`` holds a hot copy (of any version)."""
+        from eogp_index.store.hot import STATE_FILE
+
+        return (self.path / HOT_DIR / STATE_FILE).exists()
+
+    def loaded_hot(self):
+        """The hot copy if this process has loaded it and it is current, else None (loads nothing:
+        the streaming routes read the table instead)."""
+        hot = self._hot
+        return hot if hot is not None and hot.version == self.store.version else None
+
+    def matching_rows(self, where: Optional[str], hot=None):
+        """Sorted ``(m,)`` int64 positions in the hot copy (``hot``, default :meth:`hot_codes`) of
+        the rows matching the SQL filter ``where``; None without a filter.
+
+        Evaluated by DataFusion over the hot columns, or by Lance for what DataFusion does not
+        plan; cached per table version (:mod:`eogp_index.store.filters`).
+
+        Raises:
+            InputError: a filter that neither accepts, naming it and the stored columns.
+        """
+        if where is None:
+            return None
+        from eogp_index.store.filters import matching_positions
+
+        return matching_positions(self.hot_codes() if hot is None else hot, where, self.store)
+
+    def rows(self, rowaddr, columns: Optional[List[str]] = None):
+        """The non-code columns (all, or ``columns``) of the rows at Lance row addresses ``rowaddr``,
+        in that order, as a ``pyarrow.Table``: from the hot copy when it is loaded and current,
+        else taken from the table."""
+        import numpy as np
+
+        hot = self.loaded_hot()
+        if hot is not None and hot.num_rows:
+            return hot.take(hot.positions(np.asarray(rowaddr, np.uint64)), columns)
+        columns = list(columns) if columns is not None else self.store.metadata_columns()
+        return self.store.take_rows(list(np.asarray(rowaddr, np.uint64).tolist()), columns)
 
     @functools.cached_property
     def sources(self) -> Sources:

@@ -17,13 +17,17 @@ truncated          bool                                        cut to ``max_toke
 (metadata)         as brought by the user                      typed, usable in SQL filters
 =================  ==========================================  =================================
 
-Each :meth:`Store.add` is one Lance commit, so a reader sees a batch entirely or not at all.
+Each :meth:`Store.add` is one Lance commit, so a reader sees a batch entirely or not at all. The
+table is read and written with pylance (``import lance``); LanceDB is not imported on these paths
+(its import alone takes seconds).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -104,63 +108,194 @@ def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] =
     return table
 
 
+#: A local table's version directory whose last change is this recent is checked again on the
+#: next access: a commit within the file system's timestamp granularity of the one we saw would
+#: otherwise leave the directory's modification time unchanged.
+RACY_NS = 1_000_000_000
+#: An object-store table (no cheap "did it change" check) is asked for its latest version at most
+#: this often; a commit by this process is seen at once.
+REMOTE_REFRESH_S = 1.0
+
+
+def _is_local(uri: str) -> bool:
+    return "://" not in uri or uri.startswith("file://")
+
+
 class Store:
-    """The LanceDB table of an index.
+    """The Lance table of an index: one dataset, ``<uri>/<table_name>.lance``, read with pylance.
+
+    A store follows the table's latest version without asking Lance on every access: a local
+    table is re-read only when its ``_versions`` directory changed (one ``stat``), an
+    object-store table at most every :data:`REMOTE_REFRESH_S` seconds. Commits made through this
+    object are seen at once; commits by other processes on the next access (local) or within
+    that interval (object stores). :meth:`refresh` with ``force=True`` asks Lance now.
 
     Args:
-        uri: a LanceDB URI (a local directory or an object-store URI LanceDB supports).
+        uri: a directory or an object-store URI (``s3://bucket/prefix``) holding the table, laid
+            out as LanceDB lays out its tables (so LanceDB opens it too).
         table_name: the table's name inside it.
     """
 
     def __init__(self, uri: str | Path, table_name: str = "examples"):
-        import lancedb
-
         self.uri = str(uri)
         self.table_name = table_name
-        self._db = lancedb.connect(self.uri)
-        self._table = None
+        self.local = _is_local(self.uri)
+        base = self.uri.removeprefix("file://") if self.local else self.uri
+        self.path = str(Path(base) / f"{table_name}.lance") if self.local else f"{base.rstrip('/')}/{table_name}.lance"
+        self._dataset = None  # the LanceDataset, opened when first needed
+        self._version: Optional[int] = None  # the latest version seen (0: no table); None: not looked yet
+        self._stamp: Optional[tuple] = None  # (mtime_ns, inode) of _versions when last checked, local
+        self._checked_ns = 0  # wall clock of the last check (local) / monotonic clock (remote)
+        self._schema: Optional[tuple] = None  # (dataset, its Arrow schema)
+
+    # -- following the table's versions ------------------------------------------------------------
+    def _versions_dir(self) -> str:
+        return os.path.join(self.path, "_versions")
+
+    def refresh(self, *, force: bool = False) -> None:
+        """Follow commits made since the last look, cheaply (see the class docstring)."""
+        if self.local:
+            try:
+                stat = os.stat(self._versions_dir())
+            except FileNotFoundError:  # no table (yet, or any more)
+                self._dataset, self._stamp, self._version = None, None, 0
+                return
+            stamp = (stat.st_mtime_ns, stat.st_ino)
+            settled = self._checked_ns - stat.st_mtime_ns > RACY_NS
+            if not force and self._version is not None and stamp == self._stamp and settled:
+                return
+            self._stamp, self._checked_ns = stamp, time.time_ns()
+        else:
+            now = time.monotonic_ns()
+            if not force and self._version is not None and now - self._checked_ns < REMOTE_REFRESH_S * 1e9:
+                return
+            self._checked_ns = now
+        self._open_latest()
+
+    def _open_latest(self) -> None:
+        import lance
+
+        if self._dataset is None:
+            try:
+                self._dataset = lance.dataset(self.path)
+            except (FileNotFoundError, ValueError, OSError):  # no table there
+                self._dataset, self._version = None, 0
+                return
+        else:
+            latest = self._dataset.latest_version
+            if latest != self._dataset.version:
+                self._dataset = self._dataset.checkout_version(latest)
+        self._version = self._dataset.version
+
+    def stamp(self) -> Optional[tuple]:
+        """The local version directory's ``(mtime_ns, inode)`` at the current version, when no
+        commit can hide behind it (its last change is older than :data:`RACY_NS` before it was
+        looked at); None otherwise, and for object stores. See :meth:`adopt`."""
+        self.refresh()
+        if not self.local or self._stamp is None or self._checked_ns - self._stamp[0] <= RACY_NS:
+            return None
+        return self._stamp
+
+    def settle(self) -> None:
+        """Wait (at most :data:`RACY_NS`) until the last commit is old enough for :meth:`stamp`, then
+        look again: what ``eogp optimize`` does before it records the hot copy's stamp."""
+        if not self.local:
+            return
+        try:
+            mtime = os.stat(self._versions_dir()).st_mtime_ns
+        except FileNotFoundError:
+            return
+        wait = RACY_NS - (time.time_ns() - mtime)
+        if wait > 0:
+            time.sleep(wait / 1e9 + 0.01)
+        self.refresh(force=True)
+
+    def adopt(self, version: int, stamp: Optional[Sequence[int]]) -> bool:
+        """Take ``version`` as the table's latest without opening the table (no Lance import, no
+        manifest read), if its version directory still has ``stamp``, which :meth:`stamp` gave
+        when ``version`` was the latest (the hot copy records it). Only before the first look."""
+        if not self.local or stamp is None or self._version is not None:
+            return False
+        try:
+            stat = os.stat(self._versions_dir())
+        except FileNotFoundError:
+            return False
+        if (stat.st_mtime_ns, stat.st_ino) != tuple(stamp):
+            return False
+        self._stamp, self._version, self._checked_ns = tuple(stamp), int(version), time.time_ns()
+        return True
 
     @property
     def table(self):
-        """The LanceDB table, or ``None`` before the first row is stored."""
-        if self._table is None and self.table_name in self._db.list_tables().tables:
-            self._table = self._db.open_table(self.table_name)
-        return self._table
+        """The table as a ``lance.LanceDataset`` at its latest version, or ``None`` before the first
+        row is stored."""
+        self.refresh()
+        if self._dataset is None and self._version:  # adopted (or dropped under us): open it now
+            self._open_latest()
+        return self._dataset
 
-    def add(self, rows: pa.Table) -> int:
-        """Append rows in one commit; returns the table version after it."""
-        if self.table is None:
-            self._table = self._db.create_table(self.table_name, rows, mode="create", exist_ok=False)
-        else:
-            self._table.add(rows)
-        return self._table.version
-
-    def drop(self) -> None:
-        """Delete the table (``eogp fit --overwrite`` of an index whose table lives elsewhere)."""
-        self._db.drop_table(self.table_name)
-        self._table = None
-
-    @property
-    def schema(self) -> Optional[pa.Schema]:
-        return self.table.schema if self.table is not None else None
-
-    def count(self, where: Optional[str] = None) -> int:
-        if self.table is None:
-            return 0
-        return self.table.count_rows(where) if where else self.table.count_rows()
+    def dataset(self):
+        """The pylance dataset behind the table, at its latest version (the table must exist)."""
+        dataset = self.table
+        if dataset is None:
+            raise InputError(f"{self.path} holds no table yet; ingest first")
+        return dataset
 
     @property
     def version(self) -> int:
-        """The latest committed version (other processes may have committed since we opened)."""
-        if self.table is None:
+        """The latest committed version (0 before the first commit); no I/O unless it changed."""
+        self.refresh()
+        return self._version or 0
+
+    # -- writing ----------------------------------------------------------------------------------
+    def add(self, rows: pa.Table) -> int:
+        """Append rows in one commit; returns the table version after it."""
+        import lance
+
+        mode = "create" if self.table is None else "append"
+        self._dataset = lance.write_dataset(rows, self.path, mode=mode)
+        self._version = self._dataset.version
+        return self._version
+
+    def drop(self) -> None:
+        """Delete the table (``eogp fit --overwrite`` of an index whose table lives elsewhere)."""
+        import lance
+
+        if self.table is not None:
+            lance.LanceDataset.drop(self.path, ignore_not_found=True)
+        self._dataset, self._stamp, self._version = None, None, 0
+
+    # -- reading ----------------------------------------------------------------------------------
+    @property
+    def schema(self) -> Optional[pa.Schema]:
+        dataset = self.table
+        if dataset is None:
+            return None
+        if self._schema is None or self._schema[0] is not dataset:  # Lance converts it on every call
+            self._schema = (dataset, dataset.schema)
+        return self._schema[1]
+
+    def count(self, where: Optional[str] = None) -> int:
+        dataset = self.table
+        if dataset is None:
             return 0
-        self.table.checkout_latest()
-        return self.table.version
+        try:
+            return dataset.count_rows(where) if where else dataset.count_rows()
+        except (ValueError, OSError) as exc:
+            if where is None:
+                raise
+            raise self.filter_error(where, exc) from exc
+
+    def fragment_count(self) -> int:
+        """Fragments of the latest version (from its manifest, already in memory)."""
+        dataset = self.table
+        return len(dataset.get_fragments()) if dataset is not None else 0
 
     def metadata_columns(self) -> List[str]:
-        if self.table is None:
+        schema = self.schema
+        if schema is None:
             return []
-        return [name for name in self.table.schema.names if name not in CODE_COLUMNS]
+        return [name for name in schema.names if name not in CODE_COLUMNS]
 
     def existing_ids(self, where: Optional[str] = None) -> set[str]:
         """Ids already stored (optionally of the rows matching ``where``)."""
@@ -168,11 +303,6 @@ class Store:
             return set()
         ids = self.dataset().to_table(columns=["id"], filter=where).column("id")
         return set(ids.to_pylist())
-
-    def dataset(self):
-        """The pylance dataset behind the table, at its latest version."""
-        self.table.checkout_latest()
-        return self.table.to_lance()
 
     def read(self, columns: Sequence[str], where: Optional[str] = None, *, with_row_address: bool = False) -> pa.Table:
         """Read ``columns`` of the rows matching the SQL filter ``where`` (all rows if None).
@@ -220,20 +350,23 @@ class Store:
             return self.read(columns, "false")
         return self.dataset()._take_rows(pa.array(list(rowaddr), pa.uint64()), columns=list(columns))
 
+    # -- scalar indexes ---------------------------------------------------------------------------
     def create_scalar_index(self, column: str, kind: str = "BTREE") -> None:
         """Index a filter column (``BTREE`` for ranges and many distinct values, ``BITMAP`` for few).
 
         Lance uses the index for ``where`` filters on that column; see :meth:`explain`.
         """
-        import warnings
-
         if self.table is None:
             raise InputError("the index has no rows yet; ingest before indexing columns")
         if column not in self.metadata_columns() or column in RESERVED_COLUMNS[:4]:
             raise InputError(f"no filterable column {column!r}; the table's columns are {self.metadata_columns()}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # create_scalar_index is the documented call for this in lancedb 0.4x
-            self.table.create_scalar_index(column, index_type=kind, replace=True)
+        self.dataset().create_scalar_index(column, index_type=kind, replace=True)
+        self.refresh(force=True)
+
+    def index_names(self) -> List[str]:
+        """Names of the table's scalar indexes."""
+        dataset = self.table
+        return [str(index.name) for index in dataset.describe_indices()] if dataset is not None else []
 
     def explain(self, where: str) -> str:
         """Lance's plan for a filter: shows ``ScalarIndexQuery`` when a scalar index is used."""

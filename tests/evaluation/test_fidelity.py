@@ -14,12 +14,15 @@ import pytest
 import torch
 
 from tinymodels import make_examples, make_tiny_gpt2
+from eogp_index.config import first_stage_width
 from eogp_index.errors import ConfigError
 from eogp_index.evaluation import metrics
 from eogp_index.evaluation.baselines import bytes_for_coordinates
 from eogp_index.evaluation.fidelity import (
     DEFAULT_METHODS,
+    K_FROM_PRECISION,
     METHODS,
+    PCA_FAMILIES,
     Documents,
     MethodConfig,
     ModuleShape,
@@ -60,32 +63,37 @@ DEFAULT_SHAPES = tuple(ModuleShape(f"h.{layer}.{name}", d_out, d_in)
 
 def test_budgets_give_each_method_the_most_coordinates_that_fit():
     budgets = (64, 128, 256, 512, 1024, 2048, 4096)
-    configs, skipped = plan_methods(DEFAULT_SHAPES, budgets, tuple(METHODS), num_fit=512)
+    configs, skipped = plan_methods(DEFAULT_SHAPES, budgets, tuple(METHODS))
     seen = {(c.method, c.budget) for c in configs}
     for cfg in configs:
         per_module = cfg.budget // len(DEFAULT_SHAPES)
-        assert cfg.bytes_per_example <= cfg.budget
-        assert all(bytes_for_coordinates(k, cfg.precision) <= per_module for k in cfg.k)
+        sizing = K_FROM_PRECISION.get(cfg.method, cfg.precision)  # the precision whose bytes set k
+        if sizing == cfg.precision:
+            assert cfg.bytes_per_example <= cfg.budget
+        assert all(bytes_for_coordinates(k, sizing) <= per_module for k in cfg.k)
         if cfg.rank is not None:  # the next rank would not fit
             assert all(k == r * r for k, r in zip(cfg.k, cfg.rank))
             assert all(bytes_for_coordinates((r + 1) ** 2, cfg.precision) > per_module for r in cfg.rank)
         else:  # one more coordinate would not fit
-            assert all(bytes_for_coordinates(k + 1, cfg.precision) > per_module for k in cfg.k)
+            assert all(bytes_for_coordinates(k + 1, sizing) > per_module for k in cfg.k)
         if cfg.m is not None:
-            assert all(m == min(s.d, 8 * k) for m, s, k in zip(cfg.m, DEFAULT_SHAPES, cfg.k))
+            assert all(m == first_stage_width(s.d, k) for m, s, k in zip(cfg.m, DEFAULT_SHAPES, cfg.k))
     # 1-bit: k = 8 (b - 2) per module, so the payload is the budget exactly.
     eogp = {c.budget: c for c in configs if c.method == "eogp"}
     assert eogp[64].k[0] == 48 and eogp[64].bytes_per_example == 64
     assert eogp[512].k[0] == 496 and eogp[512].bytes_per_example == 512
-    # The PCA curve ends where k exceeds the 512 fitting documents; FP16 EOGP still fits at 4 KB.
-    assert ("eogp", 1024) not in seen and any(s["method"] == "eogp" and s["budget"] == 1024 for s in skipped)
-    assert ("eogp-fp16", 4096) in seen
+    # A k above the fitting documents is planned (the PCA is completed, as the index's fit does).
+    assert {("eogp", 4096), ("eogp-rot", 4096), ("eogp-fp16", 4096)} <= seen
+    assert not any(s["method"].startswith("eogp") for s in skipped)
+    # FP16 at the same k as 1-bit EOGP: the same k, 16 x the bytes of the signs.
+    same_k = {c.budget: c for c in configs if c.method == "eogp-fp16-same-k"}
+    assert same_k[2048].k == eogp[2048].k and same_k[2048].bytes_per_example == 2 * sum(eogp[2048].k)
     # LoGra at 4 KB: 512 B per module = 256 FP16 coordinates = rank 16.
     logra = {c.budget: c for c in configs if c.method == "logra-pca"}
     assert logra[4096].rank[0] == 16 and logra[4096].bytes_per_example == 4096
     assert {c.seeds for c in configs if c.method == "gaussian"} == {(0, 1, 2)}
     with pytest.raises(ConfigError, match="unknown method"):
-        plan_methods(DEFAULT_SHAPES, budgets, ("nope",), num_fit=512)
+        plan_methods(DEFAULT_SHAPES, budgets, ("nope",))
 
 
 def test_shared_pass_stores_the_planned_widths(scoreset):
@@ -96,7 +104,7 @@ def test_shared_pass_stores_the_planned_widths(scoreset):
     for cfg in scoreset.configs:
         s = scoreset.scores[cfg.id]
         assert s.shape == (len(cfg.seeds), nq, n) and np.all(np.isfinite(s))
-        assert cfg.bytes_per_example <= cfg.budget
+        assert cfg.bytes_per_example <= cfg.budget or cfg.method in K_FROM_PRECISION
         assert (cfg.id in scoreset.unquantized) == (cfg.precision == "1bit")
     # The transform's per-method outputs have exactly the planned widths.
     from eogp_index.gradients.model import replace_conv1d
@@ -110,11 +118,11 @@ def test_shared_pass_stores_the_planned_widths(scoreset):
     for cfg in scoreset.configs:
         for seed in cfg.seeds:
             key = f"{cfg.id}#{seed}"
-            if cfg.family == "eogp":
+            if cfg.family in PCA_FAMILIES:
                 assert key not in shared.query  # PCA is applied after the pass, to the "pca" prefix
             else:
                 assert shared.query[key].shape == (nq, sum(cfg.k)), key
-    widths = [max(c.m[u] for c in scoreset.configs if c.family == "eogp") for u in range(len(scoreset.modules))]
+    widths = [max(c.m[u] for c in scoreset.configs if c.family in PCA_FAMILIES) for u in range(len(scoreset.modules))]
     assert shared.query["pca"].shape == (nq, sum(widths))
     assert shared.query["ref:ekfac"].shape == (nq, sum(m.d for m in scoreset.modules))
 
@@ -147,11 +155,25 @@ def test_shared_transform_equals_the_library_projectors(scoreset):
                     elif cfg.family == "gaussian" and side == "query":
                         precondition = lambda d: shared.precondition(module.name, d)  # noqa: E731
                         expected = proj.project_query(a, g, precondition) * proj.inner_product_scale
-                    elif cfg.family == "eogp":
+                    elif cfg.family in PCA_FAMILIES:
                         continue
                     else:
                         expected = proj.project(a, g)
                     torch.testing.assert_close(out[key], expected, rtol=1e-4, atol=1e-5 * expected.abs().max())
+
+
+def test_rotated_and_same_k_eogp_scores(scoreset):
+    """EOGP-rot stores the signs of the rotated coordinates: its FP16 scores equal EOGP's (an
+    orthogonal R leaves inner products alone) while its 1-bit scores differ; FP16 EOGP at the same
+    k is exactly EOGP's unquantized score."""
+    for budget in BUDGETS:
+        eogp, rot, same_k = (scoreset.config(m, budget) for m in ("eogp", "eogp-rot", "eogp-fp16-same-k"))
+        assert eogp.k == rot.k == same_k.k and eogp.m == rot.m == same_k.m
+        np.testing.assert_array_equal(scoreset.scores[same_k.id], scoreset.unquantized[eogp.id])
+        plain, rotated = scoreset.unquantized[eogp.id], scoreset.unquantized[rot.id]
+        np.testing.assert_allclose(rotated, plain, rtol=0, atol=2e-3 * np.abs(plain).max())  # FP16 rounding
+        assert not np.allclose(scoreset.scores[rot.id], scoreset.scores[eogp.id], rtol=0,
+                               atol=1e-3 * np.abs(plain).max())
 
 
 def _fake_curvature(module: ModuleShape):
@@ -277,7 +299,8 @@ def test_cli_eval_fidelity_writes_json_markdown_and_pngs(tiny_model_dir, tmp_pat
     out = tmp_path / "eval"
     args = ["fidelity", "--model", str(tiny_model_dir / "model"), "--train", str(tiny_model_dir / "train.jsonl"),
             "--queries", str(tiny_model_dir / "queries.jsonl"), "--out", str(out), "--budgets", "16,20,64",
-            "--methods", "eogp,eogp-fp16,logra-random,grass", "--limit-queries", "5", "--quiet", "--json"]
+            "--methods", "eogp,eogp-rot,eogp-fp16-same-k,eogp-fp16,logra-random,grass", "--limit-queries", "5",
+            "--quiet", "--json"]
     result = CliRunner().invoke(eval_group, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
@@ -287,15 +310,20 @@ def test_cli_eval_fidelity_writes_json_markdown_and_pngs(tiny_model_dir, tmp_pat
     metrics_seen = {r["metric"] for r in payload["records"]}
     assert {"ndcg@20", "spearman", "pearson_1bit_fp16"} <= metrics_seen
     methods_seen = {r["method"] for r in payload["records"]}
-    assert {"EOGP", "EOGP (FP16)", "LoGra (random)", "GraSS"} <= methods_seen
+    assert {"EOGP", "EOGP-rot", "EOGP (FP16, same k)", "EOGP (FP16)", "LoGra (random)", "GraSS"} <= methods_seen
     assert "TracIn (uncompressed)" in payload["reference_lines"]["ndcg@20"]
     md = (out / "results.md").read_text()
     assert "| EOGP |" in md and "## Dimensions per module" in md
+    assert "## 1-bit codes against FP16 at the same k" in md  # EOGP-rot's share of the 1-bit gap, per budget
     for name in ("ndcg_at_20.png", "spearman.png", "pearson_1bit_fp16.png"):
         assert _is_png(out / name), name
     details = json.loads((out / "details.json").read_text())
     assert details["setup"]["num_train"] == 30 and details["setup"]["num_queries"] == 5
     assert details["setup"]["index_vs_kronfluence_rel_err"] < 1e-3
+    gap = details["fidelity"]["one_bit_gap"]
+    assert [row["budget"] for row in gap] == [16, 20, 64]
+    assert all(row["ndcg@20"]["diff"] == pytest.approx(row["ndcg@20"]["variant"] - row["ndcg@20"]["base"])
+               for row in gap)
     # A second run with the same inputs reuses the cached scores.
     result = CliRunner().invoke(eval_group, args[:-1], catch_exceptions=False)
     assert result.exit_code == 0 and "| EOGP |" in result.stdout
