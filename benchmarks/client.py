@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Queries over millions of rows as users make them: open, first query, filters, batches, candidates.
 
-For each store size of ``--rows`` (default ``1e6``; ``--rows 1e6,1e7`` adds 10M rows, which takes
-about an hour and a half on two busy cores and 2.7 GB of codes plus the table on disk) one run:
+For each store size of ``--rows`` (default ``1e6``; ``--rows 1e6,1e7`` adds 10M rows: 2.7 GB of
+codes plus the table on disk, and more than an hour on two busy cores, since a 256-row commit
+slowed from 15 to 81 ms over the first 22,000 commits; ``--first-pass-only`` measures just the
+clustered first pass on the drawn codes, about 5 minutes at 10M once they are drawn) one run:
 
 1. **A store of modelled codes.** Real codes come from the demo index (``--demo``, made by
    ``make demo INDEX=...``): its model and projection turn the demo corpus into projected
@@ -24,17 +26,27 @@ about an hour and a half on two busy cores and 2.7 GB of codes plus the table on
    :func:`~eogp_index.store.maintenance.optimize` that also rebuilds the hot copy). Metadata for
    filters: ``bucket`` (int, uniform over 0..999) and ``topic`` (``t0``..``t3``, 25% each).
 3. **Measured in a fresh process through** :class:`~eogp_index.client.AttributionIndex`, the
-   queries being the demo's held-out ``queries.jsonl``: import, open, first query, warm query;
+   queries being the demo's held-out ``queries.jsonl``: import; loading the model, then ``open``
+   given that model (the target is opening apart from the model's load); the first query after
+   it; warm queries;
    filters selecting 0.1%, 1% and 25% of the rows, each fresh (a filter string the process has
    not seen) and repeated, without and then with scalar indexes (BTREE on ``bucket``, BITMAP on
    ``topic``); a batch of 64 queries; the ``clustered`` candidates (build time, recall@20
    against the exact scan of the same rows and speed-up, in both directions); the process's
    peak RSS. Every figure is given end to end and as *search* (everything after the query's
    projected gradient exists: filter, scan, top-k, the rows' metadata), each also as a ratio
-   to the warm unfiltered query. Times are medians over ``--queries`` queries (candidates: best
-   of ``--repeat`` per query, exact and candidates alike).
+   to the warm unfiltered query: per query against the same query's warm time (a query's
+   gradient costs more the longer it is), then the median. Times are medians over ``--queries``
+   queries (filters: 4 queries, the same ones fresh and repeated; candidates: best of
+   ``--repeat`` per query, exact and candidates alike). The batch's ratio is printed next to its
+   arithmetic floor on this CPU (:func:`batch_floor_seconds`).
 4. **Duplicates check.** For each query's exact top-20: how many distinct sign codes, and the
    smallest Hamming distance between two of them next to the median distance of random pairs.
+
+The real codes (``real-codes.npz``), the fitted model (``model-<key>.pkl``) and the drawn codes
+(``codes-<key>-<n>.npy``, memory-mapped, drawn and encoded in blocks of 32,768 rows: decoded
+rows never all in memory) are kept in ``--work`` and reused by later runs. Drawing dominates a
+10M-row run (about 25 min on two busy cores; writing the table about 10 min).
 
 Targets (issue 13): a filter of share f costs at most (f + 0.1)× the unfiltered search at 1M
 rows; candidates reach recall@20 >= 0.95 at >= 5× the exact scan's speed at 10M rows, in both
@@ -49,9 +61,11 @@ directions. Examples::
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
+import pickle
 import resource
 import shutil
 import subprocess
@@ -110,9 +124,18 @@ def real_coordinates(demo: Path, cache: Path) -> Dict[str, np.ndarray]:
                                                 position=doc.position))
         return out
 
+    def project(examples, chunk=256):
+        # In chunks, collecting garbage between them: without, memory grows by ~2 GB per 1000 examples.
+        out = []
+        for a in range(0, len(examples), chunk):
+            out.append(index.project(examples[a:a + chunk]))
+            gc.collect()
+            print(f"  projected {min(len(examples), a + chunk)}/{len(examples)}", file=sys.stderr, flush=True)
+        return np.concatenate(out)
+
     full = docs(None)
-    parts = {"docs": index.project(docs(128)), "w64": index.project(windows(full, 64)),
-             "w32": index.project(windows(full, 32)), "k": np.array(index.layout.k)}
+    parts = {"docs": project(docs(128)), "w64": project(windows(full, 64)),
+             "w32": project(windows(full, 32)), "k": np.array(index.layout.k)}
     cache.parent.mkdir(parents=True, exist_ok=True)
     np.savez(cache, **parts)
     return parts
@@ -228,8 +251,18 @@ def compare_model(real: Dict[str, np.ndarray], y: np.ndarray, layout, args) -> D
 
 
 def modelled_codes(model: CodeModel, n: int, work: Path, key: str):
-    """``n`` modelled rows, drawn once and kept as ``codes-<key>-<n>.npy`` (memory-mapped)."""
+    """``n`` modelled rows, drawn once and kept as ``codes-<key>-<n>.npy`` (memory-mapped).
+
+    Rows are independent draws, so the first ``n`` rows of a larger kept draw are a draw of ``n``
+    rows: they are used when there is one (a memory-mapped view)."""
     codes_path, scales_path = work / f"codes-{key}-{n}.npy", work / f"scales-{key}-{n}.npy"
+    larger = sorted((int(p.stem.rsplit("-", 1)[1]), p) for p in work.glob(f"codes-{key}-*.npy")
+                    if int(p.stem.rsplit("-", 1)[1]) > n and (work / p.name.replace("codes-", "scales-", 1)).exists())
+    if not codes_path.exists() and larger:
+        size, path = larger[0]
+        print(f"  the first {n} rows of the kept draw of {size}", file=sys.stderr, flush=True)
+        return (np.load(path, mmap_mode="r")[:n],
+                np.load(work / path.name.replace("codes-", "scales-", 1), mmap_mode="r")[:n])
     if not (codes_path.exists() and scales_path.exists()):
         codes = np.lib.format.open_memmap(codes_path.with_suffix(".tmp"), mode="w+", dtype=np.uint8,
                                           shape=(n, model.layout.nbytes))
@@ -329,8 +362,15 @@ def measure(path: Path, args) -> Dict[str, Any]:
     texts = [json.loads(line)["text"] for line in QUERIES.read_text().splitlines() if line.strip()]
     nq = min(args.queries, len(texts))
     out: Dict[str, Any] = {"import_s": round(imported, 3)}
+    from eogp_index.gradients.model import load_model
+    from eogp_index.store.manifest import Manifest
+
+    # The target is opening apart from loading the model: the model is loaded first, on its own.
     t = time.perf_counter()
-    index = AttributionIndex.open(path)
+    model, tokenizer = load_model(Manifest.load(path).model["name"])
+    out["model_load_ms"] = _ms(time.perf_counter() - t)
+    t = time.perf_counter()
+    index = AttributionIndex.open(path, model=model, tokenizer=tokenizer)
     out["open_ms"] = _ms(time.perf_counter() - t)
     t = time.perf_counter()
     index.top_influential(texts[0], k=TOP)
@@ -361,9 +401,14 @@ def measure(path: Path, args) -> Dict[str, Any]:
     rows: List[Dict[str, Any]] = []
 
     def record(name, results, share=None):
+        """Medians of ``results`` (query ``q`` = position ``q``); each ratio is taken per query
+        against the same query's warm unfiltered time (the query's gradient varies with its
+        length), then the median."""
         e, s = float(np.median([r[0] for r in results])), float(np.median([r[1] for r in results]))
-        row = {"name": name, "query_ms": _ms(e), "search_ms": _ms(s), "query_ratio": round(e / e2e, 2),
-               "search_ratio": round(s / base, 2)}
+        qr = float(np.median([r[0] / warm[q][0] for q, r in enumerate(results)]))
+        sr = float(np.median([r[1] / warm[q][1] for q, r in enumerate(results)]))
+        row = {"name": name, "query_ms": _ms(e), "search_ms": _ms(s), "query_ratio": round(qr, 2),
+               "search_ratio": round(sr, 3)}
         if share is not None:
             row["target_search_ratio"] = round(share + 0.1, 3)
         rows.append(row)
@@ -389,8 +434,9 @@ def measure(path: Path, args) -> Dict[str, Any]:
             wheres = [fresh(share) for _ in range(min(nq, 4))]
             record(f"filter {100 * share:g}% fresh, {label}", [search(q, where=w) for q, w in enumerate(wheres)],
                    share)
+            # The same queries again, each with the filter it ran with: the filter is now seen.
             record(f"filter {100 * share:g}% repeated, {label}",
-                   [search(q + 4, where=w) for q, w in enumerate(wheres)], share)
+                   [search(q, where=w) for q, w in enumerate(wheres)], share)
     # A batch of 64 queries: one pass, against 64 single searches.
     batch = min(64, len(texts))
     t = time.perf_counter()
@@ -400,13 +446,24 @@ def measure(path: Path, args) -> Dict[str, Any]:
     t2 = time.perf_counter()
     rows.append({"name": f"batch of {batch}", "query_ms": _ms(t2 - t), "search_ms": _ms(t2 - t1),
                  "query_ratio": round((t2 - t) / e2e, 2), "search_ratio": round((t2 - t1) / base, 2),
-                 "search_per_query_ratio": round((t2 - t1) / batch / base, 3)})
+                 "search_per_query_ratio": round((t2 - t1) / batch / base, 3),
+                 "floor_ratio": round(batch_floor_seconds(batch, n, index.layout.nbytes) / base, 2)})
     out["figures"] = rows
     out["duplicates"] = duplicates(index, Y[:nq])
     if not args.no_candidates:
         out["candidates"] = candidates(index, texts, nq, n, args)
     out["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
     return out
+
+
+#: The batch floor's assumptions: one 64-wide int8 VPDPBUSD per cycle and core, at this clock.
+VNNI_PRODUCTS_PER_CYCLE, CLOCK_HZ = 64, 3.0e9
+
+
+def batch_floor_seconds(batch: int, rows: int, nbytes: int) -> float:
+    """The CPU's arithmetic floor for ``batch`` queries over ``rows`` rows: the exactness bound
+    needs int8 query × 1-bit code products, ``batch · rows · 8·nbytes`` of them, on every core."""
+    return batch * rows * 8 * nbytes / (VNNI_PRODUCTS_PER_CYCLE * CLOCK_HZ * (os.cpu_count() or 1))
 
 
 def duplicates(index, Y) -> Dict[str, Any]:
@@ -478,6 +535,74 @@ def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
     return out
 
 
+def first_pass_only(codes, scales, layout, Y: np.ndarray, work: Path, args) -> Dict[str, Any]:
+    """``--first-pass-only``: the clustered first pass straight over the drawn codes (no table).
+
+    The same :class:`~eogp_index.search.clustered.ClusteredIndex` as ``build-faiss --kind
+    clustered`` builds, made with :meth:`~ClusteredIndex.from_codes` from the memory-mapped codes
+    (row ``i`` has address ``i``), against the exact kernel the hot searcher runs
+    (:func:`~eogp_index.search.scan.scan_top_k`) over the same rows; per query and side, the best
+    of ``--repeat`` times each. Neither side fetches the rows' metadata (the full run's lines
+    do, on both sides alike), so the speed-up here is the kernels' alone.
+    """
+    from eogp_index.search.candidates import FaissConfig
+    from eogp_index.search.clustered import ClusteredIndex
+    from eogp_index.search.scan import scan_top_k
+
+    n = codes.shape[0]
+    C = max(TOP, int(args.candidate_share * n))
+    t = time.perf_counter()
+    cand = ClusteredIndex.from_codes(codes, scales, layout, FaissConfig(kind="clustered"), work / f"first-pass-{n}",
+                                     name="bench")
+    out: Dict[str, Any] = {"rows": n, "build_s": round(time.perf_counter() - t, 1), "C": C,
+                           "params": {"scale_cells": cand.config.scale_cells, "lists": cand.config.lists,
+                                      "first_fraction": cand.config.first_fraction}, "lines": []}
+
+    class CodesOnly:  # all ClusteredIndex.top_k reads of a store when no filter is given
+        pass
+
+    stored = CodesOnly()
+    stored.layout = layout
+
+    def best_of(fn):
+        best, value = np.inf, None
+        for _ in range(args.repeat):
+            t = time.perf_counter()
+            value = fn()
+            best = min(best, time.perf_counter() - t)
+        return best, value
+
+    nq = min(args.queries, Y.shape[0])
+    exact = {}
+    for side in ("positive", "negative"):
+        largest = side == "positive"
+        for q in range(nq):
+            seconds, top = best_of(lambda: scan_top_k(codes, scales, Y[q:q + 1], layout, TOP, largest=largest,
+                                                      smallest=not largest))
+            exact[(side, q)] = (seconds, set((top.largest_indices if largest else top.smallest_indices)[0].tolist()))
+        print(f"  exact {side} done", file=sys.stderr, flush=True)
+    for z in args.z:
+        cand.set_search(z=z)
+        for side in ("positive", "negative"):
+            times, recall, scanned = [], [], []
+            for q in range(nq):
+                seconds, found = best_of(lambda: cand.top_k(stored, Y[q:q + 1], TOP, C, [side])[side])
+                times.append(seconds)
+                recall.append(len(exact[(side, q)][1] & set(found[0][:TOP].astype(np.int64).tolist())) / TOP)
+                scanned.append(found[2] / n)
+            exact_s = float(np.mean([exact[(side, q)][0] for q in range(nq)]))
+            speedup = exact_s / float(np.mean(times))
+            out["lines"].append({
+                "z": z, "side": side, "recall_at_20": round(float(np.mean(recall)), 4),
+                "min_recall": round(float(np.min(recall)), 2), "exact_search_ms": _ms(exact_s),
+                "candidates_search_ms": _ms(float(np.mean(times))), "speedup": round(speedup, 2),
+                "rows_scanned_share": round(float(np.mean(scanned)), 4),
+                "meets_target": bool(np.mean(recall) >= TARGET_RECALL and speedup >= TARGET_SPEEDUP)})
+            print(f"  z={z} {side}: {out['lines'][-1]}", file=sys.stderr, flush=True)
+    shutil.rmtree(work / f"first-pass-{n}", ignore_errors=True)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
@@ -507,7 +632,9 @@ def render(result: Dict[str, Any]) -> str:
             f"(median commit {s['commit_ms_first_1000']} ms first 1000, {s['commit_ms_last_1000']} ms last 1000; "
             f"{s['optimizations_during_ingest']} compactions during ingest, {s['optimize_seconds_during_ingest']}s; "
             f"final optimize {s['final_optimize_seconds']}s, {s['fragments']} fragments)",
-            f"import {r['import_s']}s, open {r['open_ms']} ms, first query {r['first_query_ms']} ms; "
+            f"import {r['import_s']}s, model load {r.get('model_load_ms', '-')} ms, open (model given) "
+            f"{r['open_ms']} ms ({r['open_ms'] / r['warm_query_ms']:.2f}x the warm query), "
+            f"first query {r['first_query_ms']} ms ({r['first_query_ms'] / r['warm_query_ms']:.2f}x); "
             f"warm query {r['warm_query_ms']} ms of which search {r['warm_search_ms']} ms; "
             f"scalar indexes built in {r.get('scalar_index_s', '-')}s; peak RSS {r['peak_rss_gb']} GB",
             f"top-20 duplicates: distinct codes min {d['distinct_codes_in_top20']['min']} of {TOP}; closest pair "
@@ -517,18 +644,36 @@ def render(result: Dict[str, Any]) -> str:
         ]
         for f in r["figures"]:
             target = f.get("target_search_ratio")
-            extra = f"  per query {f['search_per_query_ratio']}" if "search_per_query_ratio" in f else ""
+            extra = (f"  per query {f['search_per_query_ratio']}, arithmetic floor {f['floor_ratio']}x"
+                     if "search_per_query_ratio" in f else "")
             lines.append(f"{f['name']:44s} {f['query_ms']:9.1f} {f['query_ratio']:6.2f} {f['search_ms']:10.1f} "
                          f"{f['search_ratio']:6.2f} {'' if target is None else f'<= {target:.2f}':>7s}{extra}")
         c = r.get("candidates")
         if c:
             lines.append(f"candidates ({c['kind']}, {c['params']}), built in {c['build_s']}s, C = {c['C']:,} rows:")
             for x in c["lines"]:
-                lines.append(f"  z={x['z']:<4} {x['side']:8s} recall@20 {x['recall_at_20']:.3f} (min {x['min_recall']:.2f}), "
-                             f"{x['rows_scanned_share']:.1%} of rows scanned, {x['candidates_search_ms']} ms vs exact "
+                lines.append(f"  z={x['z']:<4} {x['side']:8s} recall@20 {x['recall_at_20']:.3f} "
+                             f"(min {x['min_recall']:.2f}), "
+                             f"{x['rows_scanned_share']:.1%} of rows scanned, {x['candidates_search_ms']} ms "
+                             f"({x['candidates_search_ms'] / r['warm_search_ms']:.3f}x the warm search) vs exact "
                              f"{x['exact_search_ms']} ms: speed-up {x['speedup']}x  "
                              f"{'ok' if x['meets_target'] else 'MISSED'} (target recall >= {TARGET_RECALL} at >= "
                              f"{TARGET_SPEEDUP}x)")
+    return "\n".join(lines)
+
+
+def render_first_pass(runs: List[Dict[str, Any]]) -> str:
+    lines = []
+    for c in runs:
+        lines.append(f"first pass alone on {c['rows']:,} modelled rows (no table; {c['params']}), built in "
+                     f"{c['build_s']}s, C = {c['C']:,} rows:")
+        for x in c["lines"]:
+            lines.append(f"  z={x['z']:<4} {x['side']:8s} recall@20 {x['recall_at_20']:.3f} "
+                         f"(min {x['min_recall']:.2f}), "
+                         f"{x['rows_scanned_share']:.1%} of rows scanned, {x['candidates_search_ms']} ms vs exact "
+                         f"{x['exact_search_ms']} ms: speed-up {x['speedup']}x  "
+                         f"{'ok' if x['meets_target'] else 'MISSED'} (target recall >= {TARGET_RECALL} at >= "
+                         f"{TARGET_SPEEDUP}x)")
     return "\n".join(lines)
 
 
@@ -551,6 +696,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--z", type=float, nargs="+", default=[3.0, 4.0, 5.0],
                         help="the clustered candidates' z values to measure (the index default is 4)")
     parser.add_argument("--no-candidates", action="store_true")
+    parser.add_argument("--first-pass-only", action="store_true",
+                        help="only the clustered first pass against the exact kernel, straight over the drawn codes "
+                             "(no table, no AttributionIndex; first_pass_only)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads of the measuring process (the query gradient; 1 on a shared machine)")
     parser.add_argument("--json", action="store_true")
@@ -571,23 +719,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    y = AttributionIndex.open(args.demo).query_coordinates(texts)
-    t = time.perf_counter()
-    check = compare_model(real, y, layout, args)
     X = np.concatenate([real["docs"], real["w64"], real["w32"]])
-    model = CodeModel(X, layout, groups=args.groups, rank=args.rank)
     key = hashlib.sha256(X.tobytes() + f"{args.groups},{args.rank}".encode()).hexdigest()[:10]
+    fitted = args.work / f"model-{key}.pkl"  # the fit and its check, kept with the codes they drew
+    if fitted.exists():
+        model, check, fit_seconds = pickle.loads(fitted.read_bytes())
+    else:
+        y = AttributionIndex.open(args.demo).query_coordinates(texts)
+        t = time.perf_counter()
+        check = compare_model(real, y, layout, args)
+        model = CodeModel(X, layout, groups=args.groups, rank=args.rank)
+        fit_seconds = round(time.perf_counter() - t, 1)
+        fitted.write_bytes(pickle.dumps((model, check, fit_seconds)))
     result: Dict[str, Any] = {
         "model": {"description": (
             f"mixture of {args.groups} low-rank (rank {args.rank}) Gaussians over per-module directions, joint with "
             f"the log module norms, fitted to {len(X)} real projected gradients of the demo index "
             f"({len(real['docs'])} documents, {len(real['w64'])} 64-token and {len(real['w32'])} 32-token windows; "
             f"layout {len(layout.k)} modules x k={layout.k[0]}), every row a fresh draw, 1-bit encoded"),
-            "fit_seconds": round(time.perf_counter() - t, 1)},
+            "fit_seconds": fit_seconds},
         "model_check": check, "commit_rows": args.commit_rows, "runs": []}
     for n in [int(float(r)) for r in args.rows.split(",")]:
         print(f"{n} rows: drawing codes", file=sys.stderr, flush=True)
         codes, scales = modelled_codes(model, n, args.work, key)
+        if args.first_pass_only:
+            Y = AttributionIndex.open(args.demo).query_coordinates(texts[:args.queries])
+            result.setdefault("first_pass", []).append(first_pass_only(codes, scales, layout, Y, args.work, args))
+            print(render_first_pass(result["first_pass"]), file=sys.stderr, flush=True)
+            (args.work / "result-first-pass.json").write_text(json.dumps(result, indent=2))
+            continue
         path = args.work / f"store-{n}"
         store = build_store(args.demo, path, codes, scales, args.commit_rows)
         print(f"{n} rows: measuring", file=sys.stderr, flush=True)
@@ -603,6 +763,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shutil.rmtree(path, ignore_errors=True)
         print(render(result), file=sys.stderr, flush=True)
         (args.work / "result.json").write_text(json.dumps(result, indent=2))
+    if args.first_pass_only:
+        print(json.dumps(result, indent=2) if args.json else render_first_pass(result["first_pass"]))
+        return 0
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 

@@ -401,7 +401,7 @@ class SharedPass:
         self.query_parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
         self.train_parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
         self.fit_parts: Dict[str, List[torch.Tensor]] = {n: [] for n in self.names}
-        self._bases: Dict[Tuple[str, int, int], torch.Tensor] = {}
+        self._bases: Dict[Tuple[str, int], torch.Tensor] = {}
         self.query: Dict[str, np.ndarray] = {}
         self.skipped: List[Dict[str, Any]] = []
         self.notes: List[str] = []
@@ -475,7 +475,8 @@ class SharedPass:
         w = self.first[name].first_stage(a, g)  # (B, d): half-whitened EK-FAC coords, sorted
         out: Dict[str, torch.Tensor] = {}
         if side == "fit":
-            out["pca"] = w[:, : self.pca_width[name]]
+            # A copy, not a view: the passes keep these, and a view would keep all d_u columns of w.
+            out["pca"] = w[:, : self.pca_width[name]].clone()
             return out
         if self.references:
             out["ref:ekfac"] = w
@@ -483,7 +484,7 @@ class SharedPass:
                 out["ref:kfac"] = w * self.kfac_ratio[name]
             out["ref:tracin"] = torch.einsum("bto,bti->boi", g, a).reshape(a.shape[0], -1)
         if self.pca_width[name]:
-            out["pca"] = w[:, : self.pca_width[name]]
+            out["pca"] = w[:, : self.pca_width[name]].clone()
         u = self.names.index(name)
         dense_query = None
         factored: Dict[str, torch.Tensor] = {}
@@ -634,17 +635,25 @@ class SharedPass:
 
     def _pca_basis(self, name: str, m: int, k: int) -> torch.Tensor:
         """Module ``name``'s top-``k`` PCA directions of its first ``m`` first-stage coordinates,
-        ``(m, k)``, fitted once for every method that uses them (EOGP, EOGP-rot, FP16 at the same k)."""
-        key = (name, m, k)
+        ``(m, k)``, shared by every method that uses them (EOGP, EOGP-rot, FP16 at the same k).
+
+        PCA directions are nested (the top ``k`` of a fit at a larger ``k`` are the fit at
+        ``k``, completion axes included, as they come in EK-FAC order), so each ``(module, m)``
+        is fitted once, at the largest ``k`` any config asks of it, and sliced: one ``n × n``
+        eigendecomposition per module instead of one per budget.
+        """
+        key = (name, m)
         if key not in self._bases:
-            # Configs come budget by budget: bases of another k are not asked for again.
-            self._bases = {other: basis for other, basis in self._bases.items() if other[2] == k}
+            # Configs come budget by budget with the same m: a basis of another m is not asked for again.
+            self._bases = {other: basis for other, basis in self._bases.items() if other[0] != name}
+            u = self.names.index(name)
+            k_max = max(c.k[u] for c in self.configs if c.family in PCA_FAMILIES and c.m[u] == m)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                self._bases[key] = fit_pca(self._fit_coordinates(name)[:, :m], k)
+                self._bases[key] = fit_pca(self._fit_coordinates(name)[:, :m], max(k, k_max))
             for w in caught:
-                self.notes.append(f"PCA of {name} at m={m}, k={k}: {w.message}")
-        return self._bases[key]
+                self.notes.append(f"PCA of {name} at m={m}, fitted at k={max(k, k_max)} for every k: {w.message}")
+        return self._bases[key][:, :k]
 
     def _score_pca(self, cfg: MethodConfig) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         xs, ys = [], []

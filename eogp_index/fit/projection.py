@@ -390,8 +390,8 @@ def make_srht(m: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor,
 # time (P' = P R), so the stored format, the codes and the kernels are those of EOGP.
 
 #: Rounds of the randomized Hadamard rotation: one round mixes each coordinate with a
-#: power-of-two block only; two give as good a rotation as a Haar-random one (measured:
-#: examples/eval_default.md, "Choosing the variant").
+#: power-of-two block only; two give as good a rotation as a Haar-random one (measured offline
+#: on both shipped cases for issue #12: NDCG@20 within about 0.01 of Haar's at every budget).
 HADAMARD_ROUNDS = 2
 
 
