@@ -486,6 +486,18 @@ def duplicates(index, Y) -> Dict[str, Any]:
             "random_pair_hamming_median": float(np.median(typical)), "bits": int(index.layout.nbytes * 8)}
 
 
+def first_pass_line(z: float, side: str, exact_s: Sequence[float], cand_s: Sequence[float],
+                    recall: Sequence[float], scanned: Sequence[float]) -> Dict[str, Any]:
+    """One line of the first pass's table from per-query figures: the exact scan's and the
+    candidates' seconds, recall@20 and the share of rows scanned."""
+    speedup = float(np.mean(exact_s)) / float(np.mean(cand_s))
+    return {"z": z, "side": side, "recall_at_20": round(float(np.mean(recall)), 4),
+            "min_recall": round(float(np.min(recall)), 2), "exact_search_ms": _ms(float(np.mean(exact_s))),
+            "candidates_search_ms": _ms(float(np.mean(cand_s))), "speedup": round(speedup, 2),
+            "rows_scanned_share": round(float(np.mean(scanned)), 4),
+            "meets_target": bool(np.mean(recall) >= TARGET_RECALL and speedup >= TARGET_SPEEDUP)}
+
+
 def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
     """Build the clustered candidates; recall@20 and speed-up against the exact scan, both sides,
     for each ``z`` of ``--z`` (the exact answers and times are measured once per query and side)."""
@@ -524,14 +536,8 @@ def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
                 cand_t.append(seconds)
                 recall.append(len(exact[(side, q)][1] & ids) / TOP)
                 scanned.append(cand.top_k(index.stored, y, TOP, C, [side])[side][2] / n)
-            exact_s = float(np.mean([exact[(side, q)][0] for q in range(nq)]))
-            speedup = exact_s / float(np.mean(cand_t))
-            out["lines"].append({
-                "z": z, "side": side, "recall_at_20": round(float(np.mean(recall)), 4),
-                "min_recall": round(float(np.min(recall)), 2), "exact_search_ms": _ms(exact_s),
-                "candidates_search_ms": _ms(float(np.mean(cand_t))), "speedup": round(speedup, 2),
-                "rows_scanned_share": round(float(np.mean(scanned)), 4),
-                "meets_target": bool(np.mean(recall) >= TARGET_RECALL and speedup >= TARGET_SPEEDUP)})
+            exact_s = [exact[(side, q)][0] for q in range(nq)]
+            out["lines"].append(first_pass_line(z, side, exact_s, cand_t, recall, scanned))
     return out
 
 
@@ -590,14 +596,8 @@ def first_pass_only(codes, scales, layout, Y: np.ndarray, work: Path, args) -> D
                 times.append(seconds)
                 recall.append(len(exact[(side, q)][1] & set(found[0][:TOP].astype(np.int64).tolist())) / TOP)
                 scanned.append(found[2] / n)
-            exact_s = float(np.mean([exact[(side, q)][0] for q in range(nq)]))
-            speedup = exact_s / float(np.mean(times))
-            out["lines"].append({
-                "z": z, "side": side, "recall_at_20": round(float(np.mean(recall)), 4),
-                "min_recall": round(float(np.min(recall)), 2), "exact_search_ms": _ms(exact_s),
-                "candidates_search_ms": _ms(float(np.mean(times))), "speedup": round(speedup, 2),
-                "rows_scanned_share": round(float(np.mean(scanned)), 4),
-                "meets_target": bool(np.mean(recall) >= TARGET_RECALL and speedup >= TARGET_SPEEDUP)})
+            exact_s = [exact[(side, q)][0] for q in range(nq)]
+            out["lines"].append(first_pass_line(z, side, exact_s, times, recall, scanned))
             print(f"  z={z} {side}: {out['lines'][-1]}", file=sys.stderr, flush=True)
     shutil.rmtree(work / f"first-pass-{n}", ignore_errors=True)
     return out

@@ -165,23 +165,11 @@ def gram_spectra(shared, names, widths_of) -> dict:
     return out
 
 
-def store(x, precision: str, k):
-    """What is stored for ``(n, K)`` coordinates, decoded back (as ``eogp eval fidelity`` stores them)."""
-    import numpy as np
-
-    from eogp_index.store.codecs import SignLayout, decode, encode
-
-    if precision == "1bit":
-        layout = SignLayout(tuple(int(v) for v in k))
-        return decode(encode(x, layout, "1bit"), layout)
-    if precision == "fp16":
-        return x.astype(np.float16).astype(np.float32)
-    return x.astype(np.float32)
-
-
 def pca_scores(spectra, names, cfg):
     """``(queries, train)`` EOGP scores of one (width, budget) pair from :func:`gram_spectra`."""
     import numpy as np
+
+    from eogp_index.evaluation.fidelity import stored_coordinates
 
     xs, ys = [], []
     for u, name in enumerate(names):
@@ -193,7 +181,7 @@ def pca_scores(spectra, names, cfg):
         xs.append((vectors[:, :k] * root).float().numpy())
         ys.append((cross @ (vectors[:, :k] / root)).numpy())
     x, y = np.concatenate(xs, axis=1), np.concatenate(ys, axis=1)
-    return y @ store(x, cfg.precision, cfg.k).astype(np.float64).T
+    return y @ stored_coordinates(x, cfg.precision, cfg.k).astype(np.float64).T
 
 
 def table(result: dict) -> str:

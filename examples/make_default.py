@@ -153,17 +153,20 @@ def collect_docstrings(modules=MODULES, min_chars: int = MIN_CHARS) -> list[dict
     return docs
 
 
-def split_corpus(docs: list[dict], seed: int = SPLIT_SEED) -> dict[str, list[dict]]:
-    """Seeded split into queries / train (short documents) and pretrain (everything else)."""
+def split_corpus(docs: list[dict], seed: int = SPLIT_SEED, max_pretrain: int | None = None) -> dict[str, list[dict]]:
+    """Seeded split into queries / train (short documents) and pretrain (everything else, a seeded
+    sample of ``max_pretrain`` when given)."""
     rng = random.Random(seed)
     short = [i for i, d in enumerate(docs) if d["n_chars"] <= SHORT_MAX_CHARS]
     if len(short) < N_TRAIN + N_QUERIES:
-        raise SystemExit(f"only {len(short)} short docstrings; need {N_TRAIN + N_QUERIES}")
+        raise SystemExit(f"only {len(short)} short documents; need {N_TRAIN + N_QUERIES}")
     rng.shuffle(short)
     query_idx = sorted(short[:N_QUERIES])
     train_idx = sorted(short[N_QUERIES : N_QUERIES + N_TRAIN])
     taken = set(query_idx) | set(train_idx)
     pretrain_idx = [i for i in range(len(docs)) if i not in taken]
+    if max_pretrain is not None and len(pretrain_idx) > max_pretrain:
+        pretrain_idx = sorted(rng.sample(pretrain_idx, max_pretrain))
     out = {}
     for split, prefix, idx in (("pretrain", "pretrain", pretrain_idx), ("train", "train", train_idx),
                                ("queries", "query", query_idx)):

@@ -46,14 +46,14 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 from make_default import (  # noqa: E402  (shared corpus-writing helpers)
-    FINETUNE, MIN_CHARS, N_QUERIES, N_TRAIN, SHORT_MAX_CHARS, VOCAB_SIZE, _sha256, write_jsonl,
+    FINETUNE, MIN_CHARS, N_QUERIES, N_TRAIN, SHORT_MAX_CHARS, VOCAB_SIZE, _sha256, split_corpus, write_jsonl,
 )
 from eogp_index.evaluation import tinylm  # noqa: E402
 
 MAN_ROOT = Path("/usr/share/man")
 SECTIONS = ("1", "5", "7", "8")
 N_PAGES = 2000
-MAX_PRETRAIN = 16000     # pretraining passages kept (a seeded sample)
+MAX_PRETRAIN = 16000     # pretraining passages kept (a seeded sample): about one pass of the pretraining steps; keeps the repo small
 MAX_CHARS = 1200          # pretraining documents are cut at paragraph boundaries below this
 SPLIT_SEED = 20261124
 PRETRAIN = tinylm.PretrainRecipe(steps=500)
@@ -135,23 +135,6 @@ def collect(n_pages: int = N_PAGES, seed: int = SPLIT_SEED) -> tuple[list[dict],
     return docs, [str(p.relative_to(MAN_ROOT)) for p in picked]
 
 
-def split_corpus(docs: list[dict], seed: int = SPLIT_SEED) -> dict[str, list[dict]]:
-    rng = random.Random(seed)
-    short = [i for i, d in enumerate(docs) if d["n_chars"] <= SHORT_MAX_CHARS]
-    if len(short) < N_TRAIN + N_QUERIES:
-        raise SystemExit(f"only {len(short)} short documents; need {N_TRAIN + N_QUERIES}")
-    rng.shuffle(short)
-    query_idx = sorted(short[:N_QUERIES])
-    train_idx = sorted(short[N_QUERIES:N_QUERIES + N_TRAIN])
-    taken = set(query_idx) | set(train_idx)
-    pretrain_idx = [i for i in range(len(docs)) if i not in taken]
-    if len(pretrain_idx) > MAX_PRETRAIN:  # about one pass of the pretraining steps; keeps the repo small
-        pretrain_idx = sorted(rng.sample(pretrain_idx, MAX_PRETRAIN))
-    return {split: [{"id": f"{prefix}-{k:05d}", **docs[i]} for k, i in enumerate(idx)]
-            for split, prefix, idx in (("pretrain", "pretrain", pretrain_idx), ("train", "train", train_idx),
-                                       ("queries", "query", query_idx))}
-
-
 README = """\
 # eogp-index second evaluation case: manual pages, wider model
 
@@ -189,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
 
     docs, pages = collect(args.pages)
-    splits = split_corpus(docs)
+    splits = split_corpus(docs, seed=SPLIT_SEED, max_pretrain=MAX_PRETRAIN)
     print(f"corpus: {len(docs)} passages from {len(pages)} pages -> "
           + ", ".join(f"{k} {len(v)}" for k, v in splits.items()), flush=True)
     for sub in ("corpus", "base", "model"):

@@ -335,7 +335,7 @@ def _stack(parts: List[torch.Tensor]) -> np.ndarray:
     return torch.cat(parts, dim=0).numpy() if parts else np.zeros((0, 0), np.float32)
 
 
-def _store(x: np.ndarray, precision: str, k: Sequence[int]) -> np.ndarray:
+def stored_coordinates(x: np.ndarray, precision: str, k: Sequence[int]) -> np.ndarray:
     """What is stored for ``(n, K)`` coordinates, decoded back to float32."""
     if precision == "1bit":
         layout = SignLayout(tuple(int(v) for v in k))
@@ -583,10 +583,10 @@ class SharedPass:
                                axis=1)
             precision, k = streamed
             y = self.query[key].astype(np.float64)
-            stored = _store(x, precision, k).astype(np.float64)
+            stored = stored_coordinates(x, precision, k).astype(np.float64)
             self.stream_scores.setdefault(key, []).append(y @ stored.T)
             if precision == "1bit":
-                unq = _store(x, "fp16", k).astype(np.float64)
+                unq = stored_coordinates(x, "fp16", k).astype(np.float64)
                 self.stream_scores.setdefault(key + "|fp16", []).append(y @ unq.T)
 
     # -- post-hoc fitting -------------------------------------------------------------------
@@ -668,8 +668,8 @@ class SharedPass:
             xs.append((train_first.double() @ basis.double()).float().numpy())
             ys.append((query_first.double() @ basis.double()).numpy())
         x, y = np.concatenate(xs, axis=1), np.concatenate(ys, axis=1)
-        stored = _store(x, cfg.precision, cfg.k).astype(np.float64)
-        unq = _store(x, "fp16", cfg.k).astype(np.float64) if cfg.precision == "1bit" else None
+        stored = stored_coordinates(x, cfg.precision, cfg.k).astype(np.float64)
+        unq = stored_coordinates(x, "fp16", cfg.k).astype(np.float64) if cfg.precision == "1bit" else None
         return y @ stored.T, (y @ unq.T if unq is not None else None)
 
     def _score_projected_curvature(self, cfg: MethodConfig, key: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
@@ -681,8 +681,8 @@ class SharedPass:
             xs.append(train.float().numpy())
             ys.append(curvature.precondition(query.double()).numpy())
         x, y = np.concatenate(xs, axis=1), np.concatenate(ys, axis=1)
-        stored = _store(x, cfg.precision, cfg.k).astype(np.float64)
-        unq = _store(x, "fp16", cfg.k).astype(np.float64) if cfg.precision == "1bit" else None
+        stored = stored_coordinates(x, cfg.precision, cfg.k).astype(np.float64)
+        unq = stored_coordinates(x, "fp16", cfg.k).astype(np.float64) if cfg.precision == "1bit" else None
         return y @ stored.T, (y @ unq.T if unq is not None else None)
 
 
