@@ -2,9 +2,9 @@
 """Queries over millions of rows as users make them: open, first query, filters, batches, candidates.
 
 For each store size of ``--rows`` (default ``1e6``; ``--rows 1e6,1e7`` adds 10M rows: 2.7 GB of
-codes plus the table on disk, and more than an hour on two busy cores, since a 256-row commit
-slowed from 15 to 81 ms over the first 22,000 commits; ``--first-pass-only`` measures just the
-clustered first pass on the drawn codes, about 5 minutes at 10M once they are drawn) one run:
+codes plus the table on disk, about 25 minutes to draw them and 5 to write the table, whose
+39,063 commits stay at 3-5 ms each; ``--first-pass-only`` measures just the clustered first pass
+on the drawn codes, about 5 minutes at 10M once they are drawn) one run:
 
 1. **A store of modelled codes.** Real codes come from the demo index (``--demo``, made by
    ``make demo INDEX=...``): its model and projection turn the demo corpus into projected
@@ -46,7 +46,7 @@ clustered first pass on the drawn codes, about 5 minutes at 10M once they are dr
 The real codes (``real-codes.npz``), the fitted model (``model-<key>.pkl``) and the drawn codes
 (``codes-<key>-<n>.npy``, memory-mapped, drawn and encoded in blocks of 32,768 rows: decoded
 rows never all in memory) are kept in ``--work`` and reused by later runs. Drawing dominates a
-10M-row run (about 25 min on two busy cores; writing the table about 10 min).
+10M-row run (about 25 min on two busy cores; writing the table about 5 min).
 
 Targets (issue 13): a filter of share f costs at most (f + 0.1)× the unfiltered search at 1M
 rows; candidates reach recall@20 >= 0.95 at >= 5× the exact scan's speed at 10M rows, in both

@@ -4,6 +4,7 @@ versions, the hot copy; ingest compacting by itself; answers unchanged by any of
 from __future__ import annotations
 
 import json
+import os
 from datetime import timedelta
 
 import numpy as np
@@ -12,7 +13,9 @@ from click.testing import CliRunner
 
 from eogp_index.cli import cli
 from eogp_index.errors import ConfigError
-from eogp_index.store.maintenance import OptimizeReport, needs_optimize, optimize, small_fragments
+from eogp_index.store.maintenance import (CLEANUP_INTERVAL, OptimizeReport, maybe_optimize, needs_optimize, optimize,
+                                          small_fragments)
+from eogp_index.store.table import Store
 from eogp_index.store.stored_index import StoredIndex
 from tinymodels import make_examples
 
@@ -54,6 +57,62 @@ def test_optimize_compacts_removes_versions_and_rebuilds_the_hot_copy(fitted_ind
 
     again = optimize(index.stored, retention=timedelta(0))  # nothing left to do
     assert (again.fragments_removed, again.fragments_added, again.fragments_after) == (0, 0, 1)
+
+
+def _rows(start: int, n: int = 4):
+    import pyarrow as pa
+
+    return pa.table({"id": [f"r{i}" for i in range(start, start + n)], "position": pa.array(range(start, start + n))})
+
+
+@pytest.mark.parametrize("v2_names", [True, False])
+def test_two_writers_see_each_other_at_once_and_lose_no_rows(tmp_path, v2_names):
+    # Store.add commits from its open dataset and follows others' commits by probing for the
+    # next version's manifest instead of listing every version: each handle must still see the
+    # other's commits on its next access (all within the racy second) and never drop them. A
+    # table with Lance's older manifest names (v2_names False) is followed by asking Lance.
+    import lance
+
+    a, b = Store(tmp_path), Store(tmp_path)
+    if v2_names:
+        a.add(_rows(0))
+    else:
+        lance.write_dataset(_rows(0), a.path, enable_v2_manifest_paths=False)
+        assert os.path.exists(os.path.join(a.path, "_versions", "1.manifest"))
+    assert b.version == 1 and b.count() == 4
+    for i in range(1, 7):
+        writer, reader = (a, b) if i % 2 else (b, a)
+        writer.add(_rows(4 * i))
+        assert reader.version == writer.version == i + 1 and reader.count() == 4 * (i + 1)
+    stale = Store(tmp_path)
+    assert stale.version == 7
+    a.add(_rows(100)), a.add(_rows(200))  # `stale` holds version 7 while two commits land
+    assert stale.add(_rows(300)) == 10  # committed over them, not instead of them
+    ids = set(Store(tmp_path).read(["id"]).column("id").to_pylist())
+    assert len(ids) == 40 and {"r0", "r27", "r100", "r203", "r303"} <= ids
+
+
+def test_ingest_removes_old_versions_at_most_once_per_interval(tmp_path):
+    # Lance's cleanup reads every manifest; during an ingest it runs at the first compaction and
+    # then at most once per CLEANUP_INTERVAL x retention, not at every compaction.
+    store = Store(tmp_path)
+    for i in range(6):
+        store.add(_rows(4 * i))
+    first = maybe_optimize(store, threshold=2, retention=timedelta(0))
+    assert first is not None and first.versions_removed >= 6 and store.cleaned_at is not None
+    for i in range(6, 10):
+        store.add(_rows(4 * i))
+    hour = timedelta(hours=1)
+    cleaned = store.cleaned_at
+    second = maybe_optimize(store, threshold=2, retention=hour)
+    assert second is not None and second.fragments_after == 1  # compacted, but not cleaned
+    assert store.cleaned_at == cleaned and second.versions_removed == 0
+    store.cleaned_at -= CLEANUP_INTERVAL * hour.total_seconds()  # as if a quarter hour had passed
+    for i in range(10, 14):
+        store.add(_rows(4 * i))
+    third = maybe_optimize(store, threshold=2, retention=hour)
+    assert third is not None and store.cleaned_at > cleaned
+    assert store.count() == 56
 
 
 def test_filters_after_compaction_equal_lance(fitted_index):

@@ -8,6 +8,7 @@ from eogp_index.config import ProjectionConfig, StorageConfig
 from eogp_index.fit.curvature import ModuleCurvature
 from eogp_index.fit.projection import (
     Projection,
+    apply_pca,
     build_projection,
     first_stage_from_curvature,
     fit_pca,
@@ -184,3 +185,23 @@ def test_projection_roundtrips_through_safetensors(tmp_path):
         assert loaded.k == proj.k and loaded.names == ["a", "b"] and len(digest) == 64
         a, g = torch.randn(2, 3, 5), torch.randn(2, 3, 6)
         torch.testing.assert_close(loaded.transform("a", a, g), proj.transform("a", a, g))
+
+
+@pytest.mark.parametrize("block_bytes", [64 << 20, 4 * 7 * 5])  # one block; blocks of 5 rows, the last short
+def test_apply_pca_upcasts_fp16_p_exactly_through_a_reused_buffer(monkeypatch, block_bytes):
+    # An FP16 P is applied in float32 through a per-thread buffer reused across calls and shapes:
+    # every call must equal the float32 product with P upcast, whatever the buffer held before.
+    import eogp_index.fit.projection as projection
+
+    monkeypatch.setattr(projection, "_UPCAST_BYTES", block_bytes)
+    g = torch.Generator().manual_seed(3)
+    shapes = [(23, 7), (4, 3), (23, 7), (9, 11)]  # a smaller P between two large ones
+    for m, k in shapes:
+        pca = torch.randn(m, k, generator=g).half()
+        z = torch.randn(6, m, generator=g)
+        expected = z.double() @ pca.double()
+        got = apply_pca(z, pca)
+        assert got.dtype == torch.float32 and got.shape == (6, k)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-5)
+        if block_bytes > m * k * 4:  # one block: the very product of a float32 P
+            assert torch.equal(got, z @ pca.float())

@@ -188,9 +188,10 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
     # The factors read back (eigenvectors and corrected eigenvalues of every module) while the
     # kept columns are copied out of them (build_projection).
     build = sum(F32 * (mod.d_in ** 2 + mod.d_out ** 2 + mod.d) for mod in shape.modules) + eigen_mem
-    # Per batch, one module at a time: its (B, r, c) eigenbasis block and the (B, m) rows taken
-    # from it (float32, upper bound r·c = d_u); every module's rows of the batch (float16).
-    first_stage_work = F32 * batch_size * (widest + max(r["m"] for r in rows)) + 2 * batch_size * sum_m
+    # Per batch, one module at a time: one example's (r, c) eigenbasis block at a time, with the
+    # intermediate product of the per-example routes, and the batch's (B, m) rows taken from it
+    # (float32, each block at most d_u); every module's rows of the batch (float16).
+    first_stage_work = F32 * (2 * widest + batch_size * max(r["m"] for r in rows)) + 2 * batch_size * sum_m
 
     def pca_peak(r: Dict[str, Any]) -> int:
         """fit_pca of one module from its cache: the FP16 cache, the Gram (n < m) or covariance

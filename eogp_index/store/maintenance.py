@@ -45,6 +45,9 @@ DEFAULT_TARGET_ROWS = 1 << 18
 #: do not pile up as manifests.
 DEFAULT_RETENTION = timedelta(hours=1)
 
+#: During an ingest, old versions are removed at most once per this fraction of the retention.
+CLEANUP_INTERVAL = 0.25
+
 
 @dataclass(frozen=True)
 class OptimizeReport:
@@ -168,6 +171,7 @@ def optimize(store_or_index, *, retention: Optional[timedelta] = DEFAULT_RETENTI
         stats = store.dataset().cleanup_old_versions(older_than=retention, delete_unverified=False,
                                                      error_if_tagged_old_versions=False)
         versions_removed, bytes_removed = int(stats.old_versions), int(stats.bytes_removed)
+        store.cleaned_at = time.monotonic()
         store.refresh(force=True)
     steps["cleanup"] = time.perf_counter() - t
 
@@ -190,13 +194,23 @@ def optimize(store_or_index, *, retention: Optional[timedelta] = DEFAULT_RETENTI
         steps={k: round(v, 3) for k, v in steps.items()})
 
 
-def maybe_optimize(stored, *, threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD) -> Optional[OptimizeReport]:
+def maybe_optimize(stored, *, threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD,
+                   retention: timedelta = DEFAULT_RETENTION) -> Optional[OptimizeReport]:
     """During an ingest, after a commit: :func:`optimize` (without the hot copy, the rows are still
     moving) once more than ``threshold`` small fragments wait; None when not due or
-    ``threshold`` is None."""
-    if threshold is None or not needs_optimize(stored.store, threshold=threshold):
+    ``threshold`` is None.
+
+    Old versions are removed at most once per :data:`CLEANUP_INTERVAL` × ``retention`` through
+    the same store: Lance's cleanup reads every version's manifest, and until versions age past
+    ``retention`` there is nothing to remove, so cleaning at every compaction made each one
+    slower than the last (1.2 s at 8,000 versions, for nothing).
+    """
+    store = _parts(stored)[0]
+    if threshold is None or not needs_optimize(store, threshold=threshold):
         return None
-    return optimize(stored, rebuild_hot=False)
+    now = time.monotonic()
+    due = store.cleaned_at is None or now - store.cleaned_at >= CLEANUP_INTERVAL * retention.total_seconds()
+    return optimize(stored, rebuild_hot=False, retention=retention if due else None)
 
 
 def after_ingest(stored, *, optimized: bool, threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD,

@@ -147,6 +147,9 @@ class Store:
         self._stamp: Optional[tuple] = None  # (mtime_ns, inode) of _versions when last checked, local
         self._checked_ns = 0  # wall clock of the last check (local) / monotonic clock (remote)
         self._schema: Optional[tuple] = None  # (dataset, its Arrow schema)
+        #: monotonic time of the last removal of old versions through this object (set by
+        #: ``maintenance.optimize``; ``maybe_optimize`` spaces them out)
+        self.cleaned_at: Optional[float] = None
 
     # -- following the table's versions ------------------------------------------------------------
     def _versions_dir(self) -> str:
@@ -164,13 +167,37 @@ class Store:
             settled = self._checked_ns - stat.st_mtime_ns > RACY_NS
             if not force and self._version is not None and stamp == self._stamp and settled:
                 return
+            same_table = self._stamp is not None and stamp[1] == self._stamp[1]
             self._stamp, self._checked_ns = stamp, time.time_ns()
+            if not force and same_table and self._is_latest_v2():
+                return
         else:
             now = time.monotonic_ns()
             if not force and self._version is not None and now - self._checked_ns < REMOTE_REFRESH_S * 1e9:
                 return
             self._checked_ns = now
         self._open_latest()
+
+    def _manifest_v2(self, version: int) -> str:
+        """Where Lance's V2 manifest naming (its default for new tables) puts version's
+        manifest: ``_versions/{2^64 - 1 - version:020d}.manifest``, so that a listing finds the
+        latest first."""
+        return os.path.join(self._versions_dir(), f"{(1 << 64) - 1 - version:020d}.manifest")
+
+    def _is_latest_v2(self) -> bool:
+        """Whether the open dataset is still the latest version, answered with two ``stat`` calls.
+
+        Versions are consecutive and a commit is the creation of the next manifest, so the open
+        version is the latest exactly when the next one's manifest does not exist. Asking Lance
+        instead (``latest_version``) lists ``_versions``, whose files pile up between cleanups:
+        during a long ingest that listing, once per commit, made each commit slower than the last.
+        False (ask Lance) for a table without V2 manifest names.
+        """
+        if self._dataset is None or not self._version:
+            return False
+        if not os.path.exists(self._manifest_v2(self._version)):
+            return False
+        return not os.path.exists(self._manifest_v2(self._version + 1))
 
     def _open_latest(self) -> None:
         import lance
@@ -252,8 +279,13 @@ class Store:
         """Append rows in one commit; returns the table version after it."""
         import lance
 
-        mode = "create" if self.table is None else "append"
-        self._dataset = lance.write_dataset(rows, self.path, mode=mode)
+        if self.table is None:
+            self._dataset = lance.write_dataset(rows, self.path, mode="create")
+        else:
+            # Committed from the open dataset: Lance rebases it over commits made meanwhile by
+            # others (appends never conflict), without re-opening the table from its path,
+            # which lists every version's manifest.
+            self._dataset.insert(rows)
         self._version = self._dataset.version
         return self._version
 
