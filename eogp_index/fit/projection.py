@@ -250,26 +250,26 @@ def _kept_from_blocks(route: BlockRoute, g: torch.Tensor, a: torch.Tensor, count
         index: ``(m,)`` positions of the kept entries in the flattened ``(r, c)`` block.
     """
     r, c = q_s.shape[1], q_a.shape[1]
+    block = g.new_empty(r, c)
     if route == "factors":
         xs, ys = (g @ q_s).split(counts), (a @ q_a).split(counts)  # (n_b, r), (n_b, c)
+        def form(x, y):
+            return torch.mm(x.T, y, out=block)
     elif route == "rotate_after_g":
         xs, ys = g.split(counts), (a @ q_a).split(counts)  # (n_b, d_out), (n_b, c)
         middle = g.new_empty(g.shape[1], c)
+        def form(x, y):
+            return torch.mm(q_s.T, torch.mm(x.T, y, out=middle), out=block)
     elif route == "rotate_after_a":
         xs, ys = (g @ q_s).split(counts), a.split(counts)  # (n_b, r), (n_b, d_in')
         middle = g.new_empty(r, a.shape[1])
+        def form(x, y):
+            return torch.mm(torch.mm(x.T, y, out=middle), q_a, out=block)
     else:
         raise ConfigError(f"unknown first-stage route {route!r}; expected one of {BlockRoute.__args__}")
-    block = g.new_empty(r, c)
     kept = g.new_empty(len(counts), index.numel())
     for b, (x, y) in enumerate(zip(xs, ys)):
-        if route == "factors":
-            torch.mm(x.T, y, out=block)
-        elif route == "rotate_after_g":
-            torch.mm(q_s.T, torch.mm(x.T, y, out=middle), out=block)
-        else:
-            torch.mm(torch.mm(x.T, y, out=middle), q_a, out=block)
-        torch.index_select(block.view(-1), 0, index, out=kept[b])
+        torch.index_select(form(x, y).view(-1), 0, index, out=kept[b])
     return kept
 
 
