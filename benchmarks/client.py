@@ -486,6 +486,16 @@ def duplicates(index, Y) -> Dict[str, Any]:
             "random_pair_hamming_median": float(np.median(typical)), "bits": int(index.layout.nbytes * 8)}
 
 
+def best_of(fn, repeat: int):
+    """``(seconds, value)``: the fastest of ``repeat`` calls of ``fn`` and what the last returned."""
+    best, value = np.inf, None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        value = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, value
+
+
 def first_pass_line(z: float, side: str, exact_s: Sequence[float], cand_s: Sequence[float],
                     recall: Sequence[float], scanned: Sequence[float]) -> Dict[str, Any]:
     """One line of the first pass's table from per-query figures: the exact scan's and the
@@ -514,12 +524,8 @@ def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
     Y = index.query_coordinates(texts[:nq])
 
     def timed(builder, y):
-        best, table = np.inf, None
-        for _ in range(args.repeat):
-            t = time.perf_counter()
-            table = builder.to_list(coordinates=y)[0]
-            best = min(best, time.perf_counter() - t)
-        return best, set(table.column("id").to_pylist())
+        seconds, table = best_of(lambda: builder.to_list(coordinates=y)[0], args.repeat)
+        return seconds, set(table.column("id").to_pylist())
 
     # Untimed first runs: the copy's pages and the kernels' compiled forms are loaded once.
     for side in ("positive", "negative"):
@@ -570,21 +576,13 @@ def first_pass_only(codes, scales, layout, Y: np.ndarray, work: Path, args) -> D
     stored = CodesOnly()
     stored.layout = layout
 
-    def best_of(fn):
-        best, value = np.inf, None
-        for _ in range(args.repeat):
-            t = time.perf_counter()
-            value = fn()
-            best = min(best, time.perf_counter() - t)
-        return best, value
-
     nq = min(args.queries, Y.shape[0])
     exact = {}
     for side in ("positive", "negative"):
         largest = side == "positive"
         for q in range(nq):
             seconds, top = best_of(lambda: scan_top_k(codes, scales, Y[q:q + 1], layout, TOP, largest=largest,
-                                                      smallest=not largest))
+                                                      smallest=not largest), args.repeat)
             exact[(side, q)] = (seconds, set((top.largest_indices if largest else top.smallest_indices)[0].tolist()))
         print(f"  exact {side} done", file=sys.stderr, flush=True)
     for z in args.z:
@@ -592,7 +590,7 @@ def first_pass_only(codes, scales, layout, Y: np.ndarray, work: Path, args) -> D
         for side in ("positive", "negative"):
             times, recall, scanned = [], [], []
             for q in range(nq):
-                seconds, found = best_of(lambda: cand.top_k(stored, Y[q:q + 1], TOP, C, [side])[side])
+                seconds, found = best_of(lambda: cand.top_k(stored, Y[q:q + 1], TOP, C, [side])[side], args.repeat)
                 times.append(seconds)
                 recall.append(len(exact[(side, q)][1] & set(found[0][:TOP].astype(np.int64).tolist())) / TOP)
                 scanned.append(found[2] / n)
