@@ -30,7 +30,7 @@ INDEX_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 #: Which record fields hold what (``fit`` and ``ingest``); the command gets them as ``record``.
 _record_options = option_group(
     *(field_option(RecordSpec, name) for name in ("text_field", "messages_field", "input_ids_field", "labels_field",
-                                                  "id_field")),
+                                                  "prompt_field", "completion_field", "id_field")),
     field_option(RecordSpec, "metadata_fields", "--metadata", multiple=True),
     into="record",
 )
@@ -254,7 +254,8 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
 @click.argument("index_dir", type=INDEX_DIR)
 @click.option("--text", "texts", multiple=True, help="A query text (repeatable).")
 @click.option("--queries", "queries_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="JSONL file of queries: {text} / {messages} / {input_ids} records.")
+              help="JSONL file of queries: {text} / {messages} / {input_ids} / {prompt, completion} records, or "
+                   "preference queries {prompt, chosen, rejected}.")
 @click.option("--limit-queries", type=click.IntRange(min=1), default=None,
               help="Use only the first N queries of --queries.")
 @click.option("-k", "k", type=click.IntRange(min=1), default=10, show_default=True,

@@ -34,7 +34,7 @@ from eogp_index.gradients.model import (
     pad_token_id,
     replace_conv1d,
 )
-from eogp_index.data.records import Example, RecordSpec, tokenize_record
+from eogp_index.data.records import Example, RecordSpec, preference_pair, tokenize_record
 from eogp_index.search.explain import Explanation, explain_documents
 from eogp_index.search.query import InfluenceQuery, Query, QueryOptions
 from eogp_index.search.searchers import HotSearcher, TorchSearcher, warm_kernels
@@ -181,10 +181,16 @@ class AttributionIndex:
         return concat_modules([out[name].numpy() for name in names])
 
     def query_examples(self, queries: Sequence[Query]) -> List[Example]:
-        """Tokenize queries (texts, chats, ids or record dicts) as training records are tokenized."""
+        """Tokenize queries (texts, chats, ids or record dicts) as training records are tokenized.
+
+        A preference query (two texts) has no single example: :meth:`query_coordinates` takes it.
+        """
         spec = RecordSpec(max_tokens=self.manifest.max_tokens)
         out = []
         for i, query in enumerate(queries):
+            if preference_pair(query) is not None:
+                raise InputError(f"query {i}: a preference query ({{prompt, chosen, rejected}}) measures two "
+                                 "completions; it is answered by query, select and scores, not here")
             if isinstance(query, str):
                 record: Dict[str, Any] = {"text": query}
             elif isinstance(query, dict):
@@ -200,8 +206,28 @@ class AttributionIndex:
         return out
 
     def query_coordinates(self, queries: Sequence[Query]) -> np.ndarray:
-        """Projected, unquantized query coordinates ``(n_queries, K)`` float32."""
-        return self.project(self.query_examples(queries))
+        """Projected, unquantized query coordinates ``(n_queries, K)`` float32.
+
+        A preference query ``{"prompt", "chosen", "rejected"}`` measures
+        ``loss(chosen | prompt) - loss(rejected | prompt)``: its coordinates are the chosen
+        completion's minus the rejected one's (scores are linear in them), so a positive score
+        means training on the document raises ``log p(chosen | prompt) - log p(rejected | prompt)``.
+        """
+        parts: List[Query] = []
+        owner: List[int] = []
+        sign: List[float] = []
+        for i, query in enumerate(queries):
+            pair = preference_pair(query)
+            for part, s in (zip(pair, (1.0, -1.0)) if pair is not None else [(query, 1.0)]):
+                parts.append(part)
+                owner.append(i)
+                sign.append(s)
+        x = self.project(self.query_examples(parts))
+        if len(parts) == len(queries):
+            return x
+        y = np.zeros((len(queries), x.shape[1]), np.float32)
+        np.add.at(y, np.asarray(owner), x * np.asarray(sign, np.float32)[:, None])
+        return y
 
     # -- storing ----------------------------------------------------------------------------------
     def ingest(self, examples: Iterable[Example], *, progress: bool = True, store_text: Optional[int] = None,

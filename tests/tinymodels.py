@@ -6,6 +6,7 @@ tests/, so importing names from "conftest" is ambiguous. Nothing here downloads 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import List
@@ -75,11 +76,14 @@ def make_word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", pad_token="t0", eos_token="t0")
 
 
-def kronfluence_scores(index, queries, train, *, per_token: bool = False):
+def kronfluence_scores(index, queries, train, *, per_token: bool = False, preference: bool = False):
     """kronfluence's own uncompressed EK-FAC pairwise scores from the index's factors, float64:
     ``(n_queries, n_train)``, or ``(n_queries, n_train, T_max)`` per training token.
 
-    ``queries`` and ``train`` are examples with ``input_ids`` and ``labels``.
+    ``queries`` and ``train`` are examples with ``input_ids`` and ``labels``; with ``preference``
+    each query is a ``(chosen, rejected)`` pair of examples, measured in kronfluence's
+    ``Task.compute_measurement`` as ``loss(chosen) - loss(rejected)`` (two forward passes, which
+    kronfluence accumulates with ``has_shared_parameters``).
     """
     import logging
 
@@ -91,17 +95,37 @@ def kronfluence_scores(index, queries, train, *, per_token: bool = False):
     from eogp_index.fit.task import LanguageModelingTask
     from eogp_index.gradients.loss import collate
 
-    task = LanguageModelingTask(modules=index.manifest.module_names)
+    from eogp_index.gradients.loss import logits_of, per_example_loss
+
+    class PreferenceTask(LanguageModelingTask):
+        def compute_measurement(self, batch, model):
+            chosen, rejected = batch
+            return (per_example_loss(logits_of(model, chosen), chosen["labels"]).sum()
+                    - per_example_loss(logits_of(model, rejected), rejected["labels"]).sum())
+
+    def collate_any(items):
+        if preference and isinstance(items[0][0][0], (tuple, list)):  # (chosen, rejected) pairs
+            return collate([c for c, _ in items], 0), collate([r for _, r in items], 0)
+        return collate(items, 0)
+
+    def pair(e):
+        return (e.input_ids, e.labels)
+
+    task = (PreferenceTask if preference else LanguageModelingTask)(modules=index.manifest.module_names)
     prepared = prepare_model(index.model, task)
     try:
         analyzer = Analyzer(analysis_name=ANALYSIS_NAME, model=prepared, task=task, cpu=True, disable_tqdm=True,
                             output_dir=str(index.path / "curvature"), log_level=logging.WARNING)
+        if preference:
+            fitted_args = analyzer.load_factor_args
+            analyzer.load_factor_args = lambda factors_name: dataclasses.replace(
+                fitted_args(factors_name), has_shared_parameters=True)
         analyzer.compute_pairwise_scores(
             scores_name="reference", factors_name=FACTORS_NAME,
-            query_dataset=_ExampleDataset([(e.input_ids, e.labels) for e in queries]),
-            train_dataset=_ExampleDataset([(e.input_ids, e.labels) for e in train]),
+            query_dataset=_ExampleDataset([(pair(q[0]), pair(q[1])) if preference else pair(q) for q in queries]),
+            train_dataset=_ExampleDataset([pair(e) for e in train]),
             per_device_query_batch_size=2, per_device_train_batch_size=len(train) if per_token else 3,
-            dataloader_kwargs=DataLoaderKwargs(collate_fn=lambda b: collate(b, 0)),
+            dataloader_kwargs=DataLoaderKwargs(collate_fn=collate_any),
             score_args=ScoreArguments(damping_factor=None, compute_per_token_scores=per_token),
             overwrite_output_dir=True)
         return analyzer.load_pairwise_scores("reference")["all_modules"].double().numpy()

@@ -15,6 +15,14 @@ one kind of content:
   writes after it for that turn (its end-of-turn token(s), e.g. ``eos_token``, and a trailing
   newline if the template emits one). Everything else is ``-100``. Each of those renderings
   must tokenize to a prefix of the full conversation's tokens, else the record is rejected.
+* ``prompt`` and ``completion`` (TRL's prompt-completion format): both strings, or both lists of
+  messages. Only the completion counts in the loss, as TRL's ``SFTTrainer`` does. Strings: the
+  tokens of ``prompt + completion`` (``add_special_tokens=True``) whose position lies past the
+  tokens of ``prompt`` alone are labelled. Messages: the tokens of the rendering of
+  ``prompt + completion`` past the rendering of ``prompt`` with ``add_generation_prompt=True``
+  are labelled. Either way the prompt's tokens must be a prefix of the whole's, else the record
+  is rejected (a tokenizer that merges across the boundary: end the prompt with a space or
+  newline that the completion does not start with).
 * ``input_ids`` (a list of ints) with optional ``labels`` (same length, ``-100`` = not counted;
   default ``labels = input_ids``): used as given; ids must lie in ``[0, len(tokenizer))``.
 
@@ -77,8 +85,9 @@ def location_of(shard: str, position: int) -> str:
 class RecordSpec:
     """Where a record keeps its content, id and metadata, and how long an example may be.
 
-    text_field, messages_field, input_ids_field, labels_field: the record keys of the three
-        content kinds (and of the optional labels that go with ``input_ids``); all distinct.
+    text_field, messages_field, input_ids_field, labels_field, prompt_field, completion_field:
+        the record keys of the four content kinds (text, chat, token ids with their optional
+        labels, prompt with completion); all distinct.
     id_field: when given, the example id is this field's value (a non-empty str, or an int,
         stored as its decimal string); it must be present in every record and unique in the
         run. When None, ids are :func:`stable_id` of shard name, position and content.
@@ -98,6 +107,13 @@ class RecordSpec:
     )
     input_ids_field: str = field(default="input_ids", metadata={"help": "Field of pre-tokenized ids."})
     labels_field: str = field(default="labels", metadata={"help": "Field of labels for the ids (-100 = ignored)."})
+    prompt_field: str = field(
+        default="prompt", metadata={"help": "Field holding a prompt (text or messages) not counted in the loss."}
+    )
+    completion_field: str = field(
+        default="completion",
+        metadata={"help": "Field holding the completion of prompt_field (text or messages); loss on it only."},
+    )
     id_field: str | None = field(
         default=None, metadata={"help": "Field to use as the example id (default: a stable hash)."}
     )
@@ -114,6 +130,8 @@ class RecordSpec:
             "messages_field": self.messages_field,
             "input_ids_field": self.input_ids_field,
             "labels_field": self.labels_field,
+            "prompt_field": self.prompt_field,
+            "completion_field": self.completion_field,
         }
         for name, value in content.items():
             if not isinstance(value, str) or not value:
@@ -202,8 +220,11 @@ class Example:
 
     @property
     def content_kind(self) -> str:
-        """``text``, ``chat`` or ``tokens``: how the stored text (or the shard's record) is read back."""
+        """``text``, ``chat``, ``completion`` or ``tokens``: how the stored text (or the shard's
+        record) is read back."""
         content = self.content or {}
+        if "completion" in content:
+            return "completion"
         return "text" if "text" in content else "chat" if "messages" in content else "tokens"
 
     @property
@@ -249,12 +270,39 @@ def content_sha256(content: dict[str, Any]) -> str:
     return hashlib.sha256(_canonical_json(content)).hexdigest()
 
 
+#: The fields of a preference query (TRL's preference format, strings or message lists).
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
+
+
+def preference_pair(record: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The chosen and rejected prompt-completion records of a preference query, else None.
+
+    A preference query ``{"prompt", "chosen", "rejected"}`` measures
+    ``loss(chosen | prompt) - loss(rejected | prompt)`` = ``-(log p(chosen | prompt) -
+    log p(rejected | prompt))``, completion tokens only: its gradient is the chosen record's
+    minus the rejected record's, and a document with a positive score raises the margin.
+    """
+    if not isinstance(record, dict) or not any(record.get(name) is not None for name in PREFERENCE_FIELDS[1:]):
+        return None
+    missing = [name for name in PREFERENCE_FIELDS if record.get(name) is None]
+    extra = sorted(set(record) - set(PREFERENCE_FIELDS) - {"id"})
+    if missing or extra:
+        raise InputError(
+            f"a preference query holds exactly the fields {list(PREFERENCE_FIELDS)}; this one "
+            + (f"lacks {missing}" if missing else f"also has {extra}")
+        )
+    prompt = record["prompt"]
+    return ({"prompt": prompt, "completion": record["chosen"]}, {"prompt": prompt, "completion": record["rejected"]})
+
+
 def record_of(content: dict[str, Any], spec: "RecordSpec") -> dict[str, Any]:
     """A record holding ``content`` under ``spec``'s field names (the inverse of tokenizing's read)."""
     if "text" in content:
         return {spec.text_field: content["text"]}
     if "messages" in content:
         return {spec.messages_field: content["messages"]}
+    if "completion" in content:
+        return {spec.prompt_field: content["prompt"], spec.completion_field: content["completion"]}
     record = {spec.input_ids_field: content["input_ids"]}
     if content.get("labels") is not None:
         record[spec.labels_field] = content["labels"]
@@ -456,18 +504,60 @@ def _chat_tokens(
             (start, end, f"messages[:{index}] with add_generation_prompt=True"),
             (end, full, f"messages[:{index + 1}]"),
         ):
-            if longer[: len(shorter)] != shorter:
-                at = _first_difference(shorter, longer)
-                raise InputError(
-                    f"field {field_name!r}: the chat template is not prefix-stable at assistant "
-                    f"message {index}: the tokens of {what} are not a prefix of the longer "
-                    f"rendering (they differ from token {at}), so the loss mask cannot be "
-                    "placed; use a template that renders earlier turns the same way whatever "
-                    "follows them (and that tokenizes cleanly at turn boundaries)",
-                    location=location,
-                )
+            _check_prefix(shorter, longer, field_name, location,
+                          f"the chat template is not prefix-stable at assistant message {index}: the tokens "
+                          f"of {what}", "use a template that renders earlier turns the same way whatever "
+                          "follows them (and that tokenizes cleanly at turn boundaries)")
         labels[len(start) : len(end)] = full[len(start) : len(end)]
     return full, labels
+
+
+def _check_prefix(shorter: Sequence[int], longer: Sequence[int], field_name: str, location: str,
+                  what: str, fix: str) -> None:
+    """Refuse a record whose loss mask cannot be placed: ``shorter`` must start ``longer``."""
+    if list(longer[: len(shorter)]) != list(shorter):
+        at = _first_difference(shorter, longer)
+        raise InputError(
+            f"field {field_name!r}: {what} are not a prefix of the longer rendering (they differ from "
+            f"token {at}), so the loss mask cannot be placed; {fix}",
+            location=location,
+        )
+
+
+def _completion_tokens(
+    tokenizer: Any, prompt: Any, completion: Any, spec: RecordSpec, location: str
+) -> tuple[list[int], list[int], dict[str, Any]]:
+    """Token ids, completion-only labels and the hashed content of a prompt-completion record."""
+    fields = (spec.prompt_field, spec.completion_field)
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if not completion:
+            raise InputError(f"field {spec.completion_field!r}: empty completion", location=location)
+        start = _encode_text(tokenizer, prompt, add_special_tokens=True)
+        full = _encode_text(tokenizer, prompt + completion, add_special_tokens=True)
+        fix = ("end the prompt where the tokenizer splits (e.g. with the space or newline before the "
+               "completion) so that the prompt tokenizes the same alone and followed by its completion")
+    elif isinstance(prompt, list) and isinstance(completion, list):
+        prompt = _check_messages(prompt, spec.prompt_field, location)
+        completion = _check_messages(completion, spec.completion_field, location)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                f"{location}: fields {list(fields)} hold messages, but the tokenizer has no chat template; "
+                "pass a tokenizer with one (tokenizer.chat_template = '...')"
+            )
+        start = _render_chat(tokenizer, prompt, add_generation_prompt=True, field_name=fields[0],
+                             location=location)
+        full = _render_chat(tokenizer, prompt + completion, add_generation_prompt=False,
+                            field_name=fields[1], location=location)
+        fix = "use a template that renders the prompt's turns the same way whatever follows them"
+    else:
+        raise InputError(
+            f"fields {list(fields)}: expected two strings or two lists of messages, got "
+            f"{_type_name(prompt)} and {_type_name(completion)}",
+            location=location,
+        )
+    _check_prefix(start, full, spec.completion_field, location, "the tokens of the prompt alone", fix)
+    labels = [IGNORE_INDEX] * len(start) + full[len(start):]
+    return full, labels, {"prompt": prompt, "completion": completion}
 
 
 def tokenize_record(
@@ -493,22 +583,26 @@ def tokenize_record(
     location = location_of(shard, position)
     if not isinstance(record, dict):
         raise InputError(f"a record must be an object, got {_type_name(record)}", location=location)
-    present = [
-        name
-        for name in (spec.text_field, spec.messages_field, spec.input_ids_field)
-        if record.get(name) is not None
-    ]
+    kinds = (spec.text_field, spec.messages_field, spec.input_ids_field, spec.completion_field)
+    present = [name for name in kinds if record.get(name) is not None]
+    if record.get(spec.prompt_field) is not None and not present:
+        raise InputError(
+            f"field {spec.prompt_field!r} without {spec.completion_field!r}: a prompt-completion record "
+            f"holds both (a preference record, with 'chosen' and 'rejected', is a query only)",
+            location=location,
+        )
     if not present:
         raise InputError(
             f"missing content: the record has none of the fields {spec.text_field!r}, "
-            f"{spec.messages_field!r}, {spec.input_ids_field!r} (present keys: "
-            f"{sorted(record)[:20]})",
+            f"{spec.messages_field!r}, {spec.input_ids_field!r}, {spec.prompt_field!r} + "
+            f"{spec.completion_field!r} (present keys: {sorted(record)[:20]})",
             location=location,
         )
     if len(present) > 1:
         raise InputError(
             f"more than one content field: {present}; a record holds exactly one of "
-            f"{spec.text_field!r}, {spec.messages_field!r}, {spec.input_ids_field!r}",
+            f"{spec.text_field!r}, {spec.messages_field!r}, {spec.input_ids_field!r}, "
+            f"{spec.prompt_field!r} + {spec.completion_field!r}",
             location=location,
         )
     (content_field,) = present
@@ -537,6 +631,16 @@ def tokenize_record(
         input_ids = _encode_text(tokenizer, value, add_special_tokens=True)
         labels = list(input_ids)
         hashed: Any = {"text": value}
+    elif content_field == spec.completion_field:
+        kind = "completion"
+        if record.get(spec.prompt_field) is None:
+            raise InputError(
+                f"field {spec.completion_field!r} without {spec.prompt_field!r}: a completion needs its prompt "
+                f"(a whole document with no prompt is a {spec.text_field!r} record)",
+                location=location,
+            )
+        input_ids, labels, hashed = _completion_tokens(tokenizer, record[spec.prompt_field], value, spec,
+                                                       location)
     elif content_field == spec.messages_field:
         kind = "chat"
         messages = _check_messages(value, content_field, location)
@@ -580,6 +684,8 @@ def tokenize_record(
             why = f"after truncation to max_tokens={spec.max_tokens} (of {original_length})"
         elif kind == "chat":
             why = "the conversation has no assistant turn with tokens"
+        elif kind == "completion":
+            why = "the completion adds no tokens to the prompt's"
         elif len(input_ids) < 2:
             why = "a single token has nothing before it to be predicted from"
         else:

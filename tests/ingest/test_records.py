@@ -279,6 +279,51 @@ def test_rejected_metadata_does_not_fix_the_field_type(tokenizer, jsonl_writer, 
     assert [type(o) for o in out] == [Rejected, Example, Example]
 
 
+# --- prompt-completion ------------------------------------------------------------------
+
+
+def test_prompt_completion_text_labels_the_completion_only(tokenizer):
+    example = _tok({"prompt": "what is the capital of france?", "completion": " paris is the capital"}, tokenizer)
+    prompt = tokenizer("what is the capital of france?")["input_ids"]
+    whole = tokenizer("what is the capital of france? paris is the capital")["input_ids"]
+    assert example.input_ids == tuple(whole)
+    assert example.labels == tuple([IGNORE_INDEX] * len(prompt) + whole[len(prompt):])
+    assert tokenizer.decode(example.input_ids[len(prompt):]) == " paris is the capital"
+    assert example.num_loss_tokens == len(whole) - len(prompt)
+    assert example.content_kind == "completion"
+
+
+def test_prompt_completion_messages_label_what_follows_the_generation_prompt(tokenizer):
+    prompt, completion = CHAT[:2], [CHAT[2]]
+    example = _tok({"prompt": prompt, "completion": completion}, tokenizer)
+    chat = _tok({"messages": prompt + completion}, tokenizer)
+    assert example.input_ids == chat.input_ids
+    assert example.labels == chat.labels  # one assistant turn: the same mask as the chat record's
+
+
+def test_prompt_that_merges_with_its_completion_is_rejected(tokenizer):
+    # "hel" + "lo" tokenizes as "hello": the prompt's tokens are not a prefix of the whole's.
+    with pytest.raises(InputError, match=r"field 'completion': the tokens of the prompt alone are not a prefix"):
+        _tok({"prompt": "hel", "completion": "lo world"}, tokenizer)
+
+
+def test_prompt_completion_round_trips_through_its_stored_text(tokenizer):
+    from eogp_index.store.stored_index import _record_from_text
+
+    spec = RecordSpec(prompt_field="question", completion_field="answer")
+    example = _tok({"question": CHAT[:2], "answer": [CHAT[2]]}, tokenizer, spec=spec)
+    again = _tok(_record_from_text(example.display_text, example.content_kind, spec), tokenizer, spec=spec)
+    assert again.content_sha256 == example.content_sha256 and again.labels == example.labels
+
+
+def test_text_record_may_carry_a_prompt_field():
+    from eogp_index.data.records import tokenize_record as tokenize
+
+    example = tokenize({"input_ids": [1, 2, 3], "prompt": "kept as an ordinary field"}, shard="s", position=0,
+                       spec=RecordSpec(), tokenizer=None)
+    assert example.content_kind == "tokens"
+
+
 # --- spec validation --------------------------------------------------------------------
 
 
@@ -287,6 +332,7 @@ def test_rejected_metadata_does_not_fix_the_field_type(tokenizer, jsonl_writer, 
     [
         ({"text_field": ""}, "text_field must be a non-empty string"),
         ({"messages_field": "text"}, "content fields must be distinct"),
+        ({"completion_field": "prompt"}, "content fields must be distinct"),
         ({"id_field": ""}, "id_field must be None or a non-empty string"),
         ({"id_field": "text"}, "id_field 'text' is also a content field"),
         ({"metadata_fields": "source"}, "metadata_fields must be a tuple"),
@@ -331,6 +377,10 @@ BAD_RECORDS = [
     ("empty input_ids", {"input_ids": [], "doc_id": "b", "lang": "en"}, r"field 'input_ids': empty document"),
     ("one token", {"input_ids": [5], "doc_id": "b", "lang": "en"}, r"no loss tokens \(a single token"),
     ("no assistant", {"messages": [{"role": "user", "content": "hi"}], "doc_id": "b", "lang": "en"}, r"field 'messages': no loss tokens"),
+    ("prompt alone", {"prompt": "a", "doc_id": "b", "lang": "en"}, r"field 'prompt' without 'completion'"),
+    ("completion alone", {"completion": "a", "doc_id": "b", "lang": "en"}, r"field 'completion' without 'prompt'"),
+    ("prompt and completion of two kinds", {"prompt": "a", "completion": [{"role": "assistant", "content": "b"}], "doc_id": "b", "lang": "en"}, r"fields \['prompt', 'completion'\]: expected two strings or two lists of messages, got str and list"),
+    ("empty completion", {"prompt": "a", "completion": "", "doc_id": "b", "lang": "en"}, r"field 'completion': empty completion"),
     ("missing metadata", {"text": "a", "doc_id": "b"}, r"missing metadata field 'lang'"),
     ("metadata nested", {"text": "a", "doc_id": "b", "lang": ["en"]}, r"field 'lang': metadata values must be str, int, float or bool, got list"),
     ("metadata wrong type", {"text": "a", "doc_id": "b", "lang": 3}, r"field 'lang': metadata value 3 is int, but the field is str"),
