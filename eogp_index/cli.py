@@ -18,7 +18,7 @@ from eogp_index.cli_options import field_option, option_group
 from eogp_index.cliutil import distributed_option, process_group, torchrun_rank, under_torchrun, worker_device
 from eogp_index.cliutil import emit as _emit
 from eogp_index.cliutil import fail_cleanly as _fail_cleanly
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, SelectOptions, StorageConfig
 from eogp_index.errors import EOGPError
 from eogp_index.evaluation.cli import eval_group
 from eogp_index.data.records import RecordSpec
@@ -368,6 +368,89 @@ def _queries(texts, queries_file, limit: Optional[int]) -> List[Any]:
     if not queries:
         raise click.UsageError("give --text or --queries")
     return queries
+
+
+_target_options = option_group(
+    click.option("--text", "texts", multiple=True, help="A target query text (repeatable)."),
+    click.option("--queries", "queries_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                 help="JSONL file of target queries (as for `eogp query`)."),
+    _model_option, field_option(GradientConfig, "device"), _projection_memory_option,
+)
+_OUT_FILE = click.Path(dir_okay=False, path_type=Path)
+
+
+@cli.command()
+@click.argument("index_dir", type=INDEX_DIR)
+@_target_options
+@option_group(*(field_option(SelectOptions, name) for name in ("top", "score", "direction", "where", "ids_only")),
+              into="options")
+@click.option("--out", "out", required=True, type=_OUT_FILE,
+              help="The subset to write: .jsonl, .jsonl.gz or .parquet (written whole or not at all).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@_fail_cleanly
+def select(index_dir, texts, queries_file, model_name, device, projection_memory_gb, options, out, as_json):
+    """Write the documents most influential for a target set, with their scores.
+
+    Every stored row (matching --where) is scored against the target queries
+    (--score mean: the mean over them, exact in one scan; max: each document's
+    best, LESS's rule); the top N, or top P% of the matching rows, are written
+    with their original records and a "score" field, read back from their shards
+    with the content hash checked (or from stored text), in corpus order. A JSONL
+    shard's lines are copied byte for byte, "score" added last. --ids-only
+    writes id and score only, best first. The table is streamed.
+
+    \b
+    Example:
+        eogp select my-index --queries target.jsonl --top 10% --out subset.jsonl.gz
+        eogp select my-index --queries target.jsonl --top 1000 --score max --out subset.parquet
+    """
+    from eogp_index.search.select import output_kind, select_documents, write_selection
+
+    output_kind(out)  # a bad name fails before the model loads
+    index = _open_for_queries(index_dir, model_name, device, projection_memory_gb)
+    selection = select_documents(index, _queries(texts, queries_file, None), SelectOptions(**options))
+    written = write_selection(index.stored, selection, out)
+    scores = selection.scores.tolist()
+    summary = {"out": str(out), "selected": written, "min_score": min(scores, default=None),
+               "max_score": max(scores, default=None)}
+    _emit(summary, as_json, lambda s: click.echo(f"wrote {s['selected']} documents to {s['out']}"
+                                                 + (f" (scores {s['min_score']:+.4e} … {s['max_score']:+.4e})"
+                                                    if s["selected"] else "")))
+
+
+@cli.command()
+@click.argument("index_dir", type=INDEX_DIR)
+@_target_options
+@click.option("--where", default=None, help="SQL filter on stored columns.")
+@click.option("--out", "out", required=True, type=_OUT_FILE,
+              help="Parquet file of (id, query, score, metadata...), written whole or not at all.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@_fail_cleanly
+def scores(index_dir, texts, queries_file, model_name, device, projection_memory_gb, where, out, as_json):
+    """Export every document's score for every query to Parquet.
+
+    One row per (document, query): id, query (the query's 0-based position),
+    score and the stored metadata columns, streamed from the table; ready for
+    DuckDB or pandas.
+
+    \b
+    Example:
+        eogp scores my-index --queries probes.jsonl --out scores.parquet
+        duckdb -c "SELECT source, avg(score) FROM 'scores.parquet' GROUP BY source"
+    """
+    from eogp_index.search.select import output_kind, write_scores
+
+    output_kind(out)
+    index = _open_for_queries(index_dir, model_name, device, projection_memory_gb)
+    written = write_scores(index, _queries(texts, queries_file, None), out, where=where)
+    _emit({"out": str(out), "rows": written}, as_json, lambda s: click.echo(f"wrote {s['rows']} scores to {s['out']}"))
+
+
+def _open_for_queries(index_dir, model_name, device, projection_memory_gb):
+    from eogp_index.client import AttributionIndex
+
+    return AttributionIndex.open(index_dir, model_name=model_name,
+                                 gradients=GradientConfig(device=device, projection_memory_gb=projection_memory_gb))
 
 
 @cli.command()

@@ -241,3 +241,51 @@ class GradientConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+_TOP = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%?)\s*$")
+
+
+@dataclass(frozen=True)
+class SelectOptions:
+    """What to select.
+
+    top: ``"N"`` documents, or ``"P%"`` of the rows matching ``where`` (rounded down, as LESS
+        does; at least one when any row matches).
+    score: ``mean`` or ``max`` over the target queries. direction: ``positive`` keeps the
+        documents whose training most lowers the targets' loss, ``negative`` the most harmful.
+    where: SQL filter on the stored columns; only matching rows are candidates.
+    ids_only: write only ``id`` and ``score``, without reading the records back.
+    """
+
+    top: str = field(default="10%", metadata={"help": "How many documents: a count N or a share P% of the rows."})
+    score: Literal["mean", "max"] = field(
+        default="mean", metadata={"help": "A document's score over the target queries: their mean, or LESS's max."})
+    direction: Literal["positive", "negative"] = field(
+        default="positive", metadata={"help": "Keep the most helpful (positive) or most harmful (negative)."})
+    where: Optional[str] = field(default=None, metadata={"help": "SQL filter on stored columns."})
+    ids_only: bool = field(default=False, metadata={"help": "Write only id and score, not the records."})
+
+    def __post_init__(self) -> None:
+        self.parse_top()
+        if self.score not in ("mean", "max"):
+            raise ConfigError(f"score must be 'mean' or 'max', got {self.score!r}")
+        if self.direction not in ("positive", "negative"):
+            raise ConfigError(f"direction must be 'positive' or 'negative', got {self.direction!r}")
+
+    def parse_top(self) -> Tuple[float, bool]:
+        """``(value, is_percent)`` of :attr:`top`."""
+        match = _TOP.match(str(self.top))
+        value = float(match.group(1)) if match else 0.0
+        percent = bool(match and match.group(2))
+        if not match or value <= 0 or (percent and value > 100) or (not percent and value != int(value)):
+            raise ConfigError(f"--top takes a positive count N (e.g. 1000) or a share P% with 0 < P <= 100 "
+                              f"(e.g. 10%), got {self.top!r}")
+        return value, percent
+
+    def count(self, rows: int) -> int:
+        """How many documents of ``rows`` candidates are selected."""
+        value, percent = self.parse_top()
+        if not percent:
+            return min(int(value), rows)
+        return min(rows, max(1 if rows else 0, math.floor(rows * value / 100)))

@@ -295,6 +295,24 @@ def preference_pair(record: Any) -> tuple[dict[str, Any], dict[str, Any]] | None
     return ({"prompt": prompt, "completion": record["chosen"]}, {"prompt": prompt, "completion": record["rejected"]})
 
 
+def record_content(record: dict[str, Any], spec: "RecordSpec") -> dict[str, Any] | None:
+    """The content of a record as :func:`tokenize_record` hashes it (:attr:`Example.content`),
+    without tokenizing; None when the record has no content field. For checking a record read
+    back against its stored ``content_sha256``."""
+    def get(name: str) -> Any:
+        return record.get(name) if isinstance(record, dict) else None
+
+    if get(spec.completion_field) is not None and get(spec.prompt_field) is not None:
+        return {"prompt": get(spec.prompt_field), "completion": get(spec.completion_field)}
+    if get(spec.text_field) is not None:
+        return {"text": get(spec.text_field)}
+    if get(spec.messages_field) is not None:
+        return {"messages": get(spec.messages_field)}
+    if get(spec.input_ids_field) is not None:
+        return {"input_ids": list(get(spec.input_ids_field)), "labels": get(spec.labels_field)}
+    return None
+
+
 def record_of(content: dict[str, Any], spec: "RecordSpec") -> dict[str, Any]:
     """A record holding ``content`` under ``spec``'s field names (the inverse of tokenizing's read)."""
     if "text" in content:

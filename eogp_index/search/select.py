@@ -1,0 +1,391 @@
+"""Data selection and score export: the documents most influential for a target set, as a file.
+
+:func:`select_documents` ranks every stored row (matching ``where``) by its influence on a set
+of target queries and keeps the top ``N`` or top ``P%``; :func:`write_selection` writes those
+documents' original records, each with a ``score`` field, ready for fine-tuning;
+:func:`write_scores` exports every (row, query) score. All three stream the table in record
+batches (:data:`~eogp_index.search.searchers.STREAM_BATCH_BYTES`), so memory holds one batch,
+the running selection and its records, never the whole table; outputs are written atomically
+(:func:`atomic_output`).
+
+A document's score over the target set:
+
+* ``mean`` (the default): the mean of its scores over the queries, exact in one scan because
+  scores are linear in the projected query gradient (``⟨ȳ, x_i⟩``);
+* ``max``: its best score over the queries, LESS's rule (``direction="negative"``: its lowest).
+
+Example:
+    >>> picked = select_documents(index, targets, SelectOptions(top="10%"))  # doctest: +SKIP
+    >>> write_selection(index.stored, picked, "subset.jsonl.gz")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+
+from eogp_index.config import SelectOptions
+from eogp_index.data.records import content_sha256, location_of, record_content
+from eogp_index.errors import ConfigError, InputError
+from eogp_index.search.searchers import STREAM_BATCH_BYTES, exact_scores
+from eogp_index.store.stored_index import StoredIndex, _record_from_text
+
+__all__ = ["SelectOptions", "Selection", "select_documents", "write_selection", "write_scores", "atomic_output"]
+
+OUTPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Selected rows, best first: Lance row addresses ``(n,)`` uint64 and scores ``(n,)`` float32."""
+
+    rowaddr: np.ndarray
+    scores: np.ndarray
+    options: SelectOptions
+
+
+def scored_batches(stored: StoredIndex, y: np.ndarray, *, where: Optional[str] = None,
+                   columns: Sequence[str] = (), batch_bytes: int = STREAM_BATCH_BYTES
+                   ) -> Iterator[Tuple[pa.RecordBatch, np.ndarray]]:
+    """The matching rows in record batches, each with its exact scores ``(nq, b)`` float32.
+
+    Only the codec's columns, ``_rowaddr`` and ``columns`` are read.
+    """
+    store, codec = stored.store, stored.codec
+    if store.table is None:
+        return
+    wanted = list(dict.fromkeys([*codec.columns, *columns]))
+    scanner = store.dataset().scanner(columns=wanted, filter=where, with_row_address=True,
+                                      batch_size_bytes=batch_bytes)
+    for batch in store.batches(scanner, where):
+        if batch.num_rows:
+            yield batch, exact_scores(codec.from_arrow(batch), y, stored.layout)
+
+
+def select_documents(index, queries: Sequence[Any], options: SelectOptions = SelectOptions(), *,
+                     batch_bytes: int = STREAM_BATCH_BYTES) -> Selection:
+    """The top documents for a target set of queries (texts, chats, records; see :class:`SelectOptions`)."""
+    if not queries:
+        raise InputError("select needs at least one target query")
+    stored: StoredIndex = index.stored
+    total = stored.count(options.where) if stored.store.table is not None else 0
+    keep = options.count(total)
+    y = index.query_coordinates(list(queries))
+    if options.score == "mean":
+        y = y.astype(np.float64).mean(axis=0, keepdims=True).astype(np.float32)
+    sign = 1.0 if options.direction == "positive" else -1.0
+    best_addr = np.zeros(0, np.uint64)
+    best_key = np.zeros(0, np.float32)  # sign * score: larger is better
+    for batch, scores in (scored_batches(stored, y, where=options.where, batch_bytes=batch_bytes) if keep else ()):
+        key = sign * (scores[0] if options.score == "mean" else (scores.max(0) if sign > 0 else scores.min(0)))
+        rowaddr = batch.column("_rowaddr").to_numpy().astype(np.uint64)
+        best_addr = np.concatenate([best_addr, rowaddr])
+        best_key = np.concatenate([best_key, key.astype(np.float32)])
+        if best_key.size > keep:
+            part = np.argpartition(-best_key, keep - 1)[:keep]
+            best_addr, best_key = best_addr[part], best_key[part]
+    order = np.lexsort((best_addr, -best_key))  # best first; ties by row address
+    return Selection(best_addr[order], (sign * best_key[order]).astype(np.float32), options)
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+def output_kind(path: Path) -> str:
+    """``jsonl``, ``jsonl.gz`` or ``parquet``, from the output file's name."""
+    name = Path(path).name.lower()
+    for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
+        if name.endswith(suffix):
+            return suffix[1:]
+    raise ConfigError(f"--out {path}: name the output .jsonl, .jsonl.gz or .parquet")
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path) -> Iterator[Any]:
+    """A binary file that appears at ``path`` whole, or not at all.
+
+    On Linux the file is written unnamed (``O_TMPFILE``) and linked in only when complete, so
+    a process killed mid-write (even by SIGKILL) leaves nothing behind; elsewhere it is written
+    to a hidden temporary name in the same folder, removed on any error, then renamed.
+    """
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"--out {path}: the folder {folder} does not exist")
+    fd = None
+    if hasattr(os, "O_TMPFILE"):
+        with contextlib.suppress(OSError):  # file systems without O_TMPFILE support
+            fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o644)
+    if fd is not None:
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+            staged = folder / f".{path.name}.{os.getpid()}.done"
+            # linkat(AT_SYMLINK_FOLLOW) names the open file; a plain link() of the /proc path would not.
+            proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.link(f"self/fd/{handle.fileno()}", staged, src_dir_fd=proc, follow_symlinks=True)
+            finally:
+                os.close(proc)
+        os.replace(staged, path)
+        return
+    handle = tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".partial", delete=False)
+    try:
+        with handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(handle.name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(handle.name)
+        raise
+
+
+class _Writer:
+    """Rows to a JSONL (optionally gzipped) or Parquet file object; JSONL lines may be given raw."""
+
+    def __init__(self, handle, kind: str):
+        self.kind = kind
+        self.handle = gzip.GzipFile(fileobj=handle, mode="wb", mtime=0) if kind == "jsonl.gz" else handle
+        self.parquet = None
+
+    def line(self, raw: bytes) -> None:
+        self.handle.write(raw + b"\n")
+
+    def records(self, rows: List[Dict[str, Any]]) -> None:
+        if self.kind == "parquet":
+            self.table(pa.Table.from_pylist(rows))
+        else:
+            for row in rows:
+                self.line(json.dumps(row, ensure_ascii=False).encode("utf-8"))
+
+    def table(self, table: pa.Table) -> None:
+        if self.kind != "parquet":
+            self.records(table.to_pylist())
+            return
+        import pyarrow.parquet as pq
+
+        if self.parquet is None:
+            self.parquet = pq.ParquetWriter(self.handle, table.schema)
+        elif table.schema != self.parquet.schema_arrow:
+            try:
+                table = table.select(self.parquet.schema_arrow.names).cast(self.parquet.schema_arrow)
+            except (KeyError, ValueError, pa.ArrowInvalid) as exc:
+                raise InputError(f"the selected records' columns differ between shards ({table.schema.names} vs "
+                                 f"{self.parquet.schema_arrow.names}); write .jsonl instead of .parquet") from exc
+        self.parquet.write_table(table)
+
+    def close(self, empty_schema: Optional[pa.Schema] = None) -> None:
+        if self.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            if self.parquet is None:
+                self.parquet = pq.ParquetWriter(self.handle, empty_schema or pa.schema([("id", pa.string()),
+                                                                                         ("score", pa.float32())]))
+            self.parquet.close()
+        elif self.kind == "jsonl.gz":
+            self.handle.close()
+
+
+def with_score(line: bytes, score: float) -> bytes:
+    """A JSON object's line with ``"score": score`` added as its last field, bytes otherwise kept."""
+    body = line.rstrip(b"\r\n").rstrip()
+    if not body.endswith(b"}"):
+        raise InputError("a selected line is not a JSON object")
+    head = body[:-1].rstrip()
+    sep = b"" if head.endswith(b"{") else b", "
+    return head + sep + b'"score": ' + json.dumps(float(score)).encode() + b"}"
+
+
+def write_selection(stored: StoredIndex, selection: Selection, out: Path) -> int:
+    """Write the selected documents to ``out`` (.jsonl, .jsonl.gz or .parquet); returns how many.
+
+    Records are written in corpus order (shard by shard, line by line), each read back from its
+    shard with its content hash checked against the stored one (as ``explain`` does), or rebuilt
+    from the stored text when the shard cannot be read; a JSON Lines shard's lines are copied
+    byte for byte with ``"score"`` added last. With ``ids_only`` only ``id`` and ``score`` are
+    written, best first.
+    """
+    kind = output_kind(out)
+    columns = ["id", "shard", "position", "content_sha256", "content_kind"]
+    has_text = stored.store.schema is not None and "text" in stored.store.schema.names
+    if not selection.options.ids_only and not stored.manifest.has_content_hashes:
+        raise InputError(f"{stored.path} records no content hashes (index format "
+                         f"{stored.manifest.format_version}), so records read back could not be checked; "
+                         "use --ids-only, or re-ingest into an index made by this version")
+    rows = stored.store.take_rows(selection.rowaddr.tolist(), ["id"] if selection.options.ids_only else
+                                  columns + (["text"] if has_text else []))
+    with atomic_output(out) as handle:
+        writer = _Writer(handle, kind)
+        if selection.options.ids_only:
+            writer.table(pa.table({"id": rows.column("id"), "score": pa.array(selection.scores, pa.float32())}))
+        else:
+            for shard, picked in _by_shard(rows.to_pylist(), selection.scores):
+                _write_shard(stored, writer, shard, picked)
+        writer.close()
+    return len(selection.rowaddr)
+
+
+def _by_shard(rows: List[Dict[str, Any]], scores: np.ndarray) -> Iterator[Tuple[str, List[Dict[str, Any]]]]:
+    groups: Dict[str, List[Dict[str, Any]]] = defaultdict(list)
+    for row, score in zip(rows, scores.tolist()):
+        groups[row["shard"]].append({**row, "score": score})
+    for shard in sorted(groups):
+        yield shard, sorted(groups[shard], key=lambda r: r["position"])
+
+
+def _write_shard(stored: StoredIndex, writer: _Writer, shard: str, picked: List[Dict[str, Any]]) -> None:
+    from eogp_index.data.readers import detect_format
+
+    try:
+        uri, spec = stored.sources.shard(shard)
+        fmt, compression = detect_format(uri)
+        readable = Path(uri.split("::")[0]).exists()
+    except InputError:
+        readable, uri, spec, fmt, compression = False, None, None, None, None
+    if not readable:
+        if any(row.get("text") is None for row in picked):
+            missing = next(row for row in picked if row.get("text") is None)
+            raise InputError(f"example {missing['id']!r}: its shard {shard!r} cannot be read "
+                             f"({uri or 'not recorded in sources.json'}) and its text is not stored; restore the "
+                             "shard where it was ingested from, or use --ids-only")
+        spec = _stored_text_spec(stored, shard)
+        writer.records([_checked({**_record_from_text(r["text"], r["content_kind"], spec)}, r, spec, "its stored text")
+                        | {"score": r["score"]} for r in picked])
+        return
+    if fmt == "jsonl":
+        for row, line in zip(picked, _jsonl_lines(Path(uri), compression, [r["position"] for r in picked], shard)):
+            _checked(json.loads(line), row, spec, uri)
+            writer.line(with_score(line, row["score"]))
+    elif fmt == "parquet" and writer.kind == "parquet":
+        for table, rows in _parquet_rows(Path(uri), picked):
+            for row, record in zip(rows, table.to_pylist()):
+                _checked(record, row, spec, uri)
+            writer.table(table.append_column("score", pa.array([r["score"] for r in rows], pa.float64())))
+    else:
+        from eogp_index.data.readers import iter_raw_records
+
+        wanted = {r["position"]: r for r in picked}
+        out = []
+        for raw in iter_raw_records(uri, shard=shard):
+            row = wanted.get(raw.position)
+            if row is not None and isinstance(raw.record, dict):
+                out.append(_checked(raw.record, row, spec, uri) | {"score": row["score"]})
+        _require_all(out, picked, shard, uri)
+        writer.records(out)
+
+
+def _stored_text_spec(stored: StoredIndex, shard: str):
+    from eogp_index.data.records import RecordSpec
+
+    recorded = stored.sources.data["shards"].get(shard, {}).get("record_spec", {})
+    return RecordSpec(**recorded) if recorded else RecordSpec()
+
+
+def _checked(record: Dict[str, Any], row: Dict[str, Any], spec, where: str) -> Dict[str, Any]:
+    """``record`` if its content hashes to the stored one; else an :class:`InputError` naming it."""
+    content = record_content(record, spec)
+    if content is None or content_sha256(content) != row["content_sha256"]:
+        raise InputError(
+            f"example {row['id']!r}: the record at {location_of(row['shard'], row['position'])} in {where} has "
+            "changed since it was ingested (its content hash differs), so it would not be the document that was "
+            "scored. Restore the shard as it was, or ingest the new version into a new index")
+    return record
+
+
+def _require_all(found: Sequence[Any], picked: Sequence[Dict[str, Any]], shard: str, uri: str) -> None:
+    if len(found) != len(picked):
+        raise InputError(f"shard {shard!r} at {uri} no longer holds all the selected records ({len(found)} of "
+                         f"{len(picked)} found); restore it as it was ingested")
+
+
+def _parquet_rows(path: Path, picked: List[Dict[str, Any]]) -> Iterator[Tuple[pa.Table, List[Dict[str, Any]]]]:
+    """The selected rows of a Parquet shard with all its columns, one record batch at a time."""
+    import pyarrow.parquet as pq
+
+    start, i = 0, 0
+    with pq.ParquetFile(path) as parquet:
+        for batch in parquet.iter_batches(batch_size=8192):
+            stop = start + batch.num_rows
+            rows = []
+            while i < len(picked) and picked[i]["position"] < stop:
+                rows.append(picked[i])
+                i += 1
+            if rows:
+                offsets = pa.array([r["position"] - start for r in rows], pa.int64())
+                yield pa.Table.from_batches([batch.take(offsets)]), rows
+            start = stop
+    _require_all(picked[:i], picked, path.name, str(path))
+
+
+def _jsonl_lines(path: Path, compression: Optional[str], positions: Sequence[int], shard: str) -> Iterator[bytes]:
+    """The raw lines (without the line break) at ``positions`` (sorted, 0-based) of a JSONL shard."""
+    from eogp_index.data.readers import _open_binary
+
+    wanted = iter(positions)
+    target = next(wanted, None)
+    found = 0
+    with _open_binary(path, compression) as handle:
+        for position, line in enumerate(handle):
+            if target is None:
+                break
+            if position == target:
+                if position == 0 and line.startswith(b"\xef\xbb\xbf"):
+                    line = line[3:]
+                yield line.rstrip(b"\n").rstrip(b"\r")
+                found += 1
+                target = next(wanted, None)
+    if target is not None:
+        raise InputError(f"shard {shard!r} at {path} ends before line {target + 1}; restore it as it was ingested")
+
+
+# -- score export ----------------------------------------------------------------------------------
+
+def write_scores(index, queries: Sequence[Any], out: Path, *, where: Optional[str] = None,
+                 batch_bytes: int = STREAM_BATCH_BYTES) -> int:
+    """Every matching row's score for every query, to Parquet: ``id``, ``query`` (the query's
+    0-based position), ``score`` and the stored metadata columns; returns the rows written.
+
+    Streamed: one record batch of the table at a time becomes ``n_queries`` row groups.
+    """
+    import pyarrow.parquet as pq
+
+    if output_kind(out) != "parquet":
+        raise ConfigError(f"--out {out}: scores are written as Parquet; name the file .parquet")
+    if not queries:
+        raise InputError("scores needs at least one query")
+    stored: StoredIndex = index.stored
+    y = index.query_coordinates(list(queries))
+    from eogp_index.store.table import CODE_COLUMNS
+
+    metadata = [c for c in stored.store.metadata_columns() if c not in CODE_COLUMNS and c not in ("id", "text")]
+    written = 0
+    with atomic_output(out) as handle:
+        writer = None
+        for batch, scores in scored_batches(stored, y, where=where, columns=["id", *metadata],
+                                            batch_bytes=batch_bytes):
+            rest = batch.select(["id", *metadata])
+            for q in range(scores.shape[0]):
+                table = pa.Table.from_batches([rest]).add_column(
+                    1, "query", pa.array(np.full(batch.num_rows, q, np.int32))).add_column(
+                    2, "score", pa.array(scores[q]))
+                if writer is None:
+                    writer = pq.ParquetWriter(handle, table.schema)
+                writer.write_table(table)
+                written += table.num_rows
+        if writer is None:
+            schema = pa.schema([("id", pa.string()), ("query", pa.int32()), ("score", pa.float32())])
+            writer = pq.ParquetWriter(handle, schema)
+        writer.close()
+    return written

@@ -1,0 +1,203 @@
+"""`eogp select` and `eogp scores` on a real tiny model and index, from JSONL, JSONL.gz and Parquet shards."""
+
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from tinymodels import make_tiny_gpt2, make_word_tokenizer
+from eogp_index.cli import cli
+
+__import__("transformers").logging.set_verbosity_error()
+__import__("transformers").utils.logging.disable_progress_bar()
+
+TARGETS = [{"text": "t3 t9 t27 t18 t54"}, {"prompt": "t5 t6", "completion": " t7 t8 t9"}, {"text": "t40 t41 t2 t3"}]
+
+
+def _words(i: int, n: int) -> str:
+    return " ".join(f"t{(i * 11 + j * j * 5 + j) % 63 + 1}" for j in range(n))  # no two documents alike
+
+
+def _jsonl_lines():
+    """Lines written as people write them: odd spacing, key order, escapes, a blank line."""
+    lines = []
+    for i in range(20):
+        record = {"text": _words(i, 5 + i % 7), "id": f"a{i}", "source": "web" if i % 3 else "books",
+                  "note": "caf\u00e9 \u2028 x"}
+        if i % 4 == 0:
+            lines.append(json.dumps(record))  # ASCII escapes, ", " separators
+        elif i % 4 == 1:
+            lines.append(json.dumps(record, ensure_ascii=False, separators=(",", ":")))
+        elif i % 4 == 2:
+            lines.append("  " + json.dumps(record, indent=None, sort_keys=True) + "   ")
+        else:
+            lines.append(json.dumps({"prompt": _words(i, 3), "completion": " " + _words(i + 1, 4), "id": f"a{i}",
+                                     "source": "chat", "note": "{}"}))
+        if i == 5:
+            lines.append("")
+    return lines
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("select")
+    make_tiny_gpt2().save_pretrained(root / "model")
+    make_word_tokenizer().save_pretrained(root / "model")
+    lines = _jsonl_lines()
+    (root / "a.jsonl").write_bytes(("\n".join(lines) + "\n").encode())
+    (root / "b.jsonl.gz").write_bytes(gzip.compress("".join(
+        json.dumps({"id": f"b{i}", "text": _words(i + 30, 6), "source": "news", "note": ""}) + "\n"
+        for i in range(12)).encode()))
+    pq.write_table(pa.table({"id": [f"c{i}" for i in range(14)], "text": [_words(i + 60, 7) for i in range(14)],
+                             "source": ["code"] * 14, "note": ["n"] * 14,
+                             "stars": pa.array(range(14), pa.int16()),
+                             "tags": [[f"x{i}", "y"] for i in range(14)]}), root / "c.parquet", row_group_size=5)
+    runner = CliRunner()
+    fit = runner.invoke(cli, ["fit", str(root / "model"), "--data", str(root / "a.jsonl"), "--out", str(root / "idx"),
+                              "-k", "16", "--curvature-examples", "20", "--pca-examples", "20", "--max-tokens", "24"])
+    assert fit.exit_code == 0, fit.output
+    ingest = runner.invoke(cli, ["ingest", str(root / "idx"), str(root / "a.jsonl"), str(root / "b.jsonl.gz"),
+                                 str(root / "c.parquet"), "--id-field", "id", "--metadata", "source"])
+    assert ingest.exit_code == 0, ingest.output
+    (root / "targets.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TARGETS))
+    from eogp_index.client import AttributionIndex
+
+    index = AttributionIndex.open(root / "idx")
+    ids, scores = index.scores(TARGETS)
+    sources = dict(zip(*[index.store.read(["id", "source"]).column(c).to_pylist() for c in ("id", "source")]))
+    return root, {"ids": ids, "scores": scores.astype(np.float64), "source": sources}
+
+
+def _run(*args):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def _select(root, out, *args):
+    return json.loads(_run("select", root / "idx", "--queries", root / "targets.jsonl", "--out", root / out,
+                           *args, "--json").stdout)
+
+
+def _reference(reference, how="mean", keep=None):
+    per_query = reference["scores"]
+    score = per_query.mean(0) if how == "mean" else per_query.max(0) if how == "max" else per_query.min(0)
+    return dict(zip(reference["ids"], score)) if keep is None else {
+        i: s for i, s in zip(reference["ids"], score) if keep(i)}
+
+
+def _top(scores: dict, n: int, largest=True):
+    return sorted(scores, key=lambda i: -scores[i] if largest else scores[i])[:n]
+
+
+def test_selected_jsonl_records_are_input_lines_plus_score(workspace):
+    root, reference = workspace
+    summary = _select(root, "subset.jsonl", "--top", "9", "--where", "shard != 'c.parquet'")
+    assert summary["selected"] == 9
+    out = [line.decode() for line in (root / "subset.jsonl").read_bytes().split(b"\n")[:-1]]  # U+2028 stays
+    inputs = {json.loads(line)["id"]: line for line in _jsonl_lines() if line}
+    inputs |= {json.loads(line)["id"]: line for line in gzip.decompress((root / "b.jsonl.gz").read_bytes())
+               .decode().splitlines()}
+    expected = _reference(reference, keep=lambda i: not i.startswith("c"))
+    assert sorted(json.loads(line)["id"] for line in out) == sorted(_top(expected, 9))
+    for line in out:
+        record = json.loads(line)
+        original = inputs[record["id"]].rstrip()
+        assert line == original[:-1] + f', "score": {json.dumps(record["score"])}}}'  # byte for byte, plus score
+        assert record["score"] == pytest.approx(expected[record["id"]], rel=1e-4, abs=1e-6)
+
+
+def test_count_is_right_at_a_percentage_and_gzip_output(workspace):
+    root, reference = workspace
+    rows = sum(1 for s in reference["source"].values() if s != "books")
+    summary = _select(root, "share.jsonl.gz", "--top", "25%", "--where", "source != 'books'")
+    assert summary["selected"] == math.floor(rows * 25 / 100) == len(
+        gzip.decompress((root / "share.jsonl.gz").read_bytes()).splitlines())
+    assert _select(root, "all.jsonl", "--top", "100%")["selected"] == len(reference["ids"])
+
+
+def test_parquet_output_keeps_the_input_columns(workspace):
+    root, reference = workspace
+    _select(root, "subset.parquet", "--top", "5", "--where", "source = 'code'")
+    table = pq.read_table(root / "subset.parquet")
+    source = pq.read_schema(root / "c.parquet")
+    assert table.schema.names == source.names + ["score"]
+    assert [table.schema.field(n).type for n in source.names] == list(source.types)
+    expected = _reference(reference, keep=lambda i: i.startswith("c"))
+    assert sorted(table.column("id").to_pylist()) == sorted(_top(expected, 5))
+    original = pq.read_table(root / "c.parquet").to_pylist()
+    for row in table.to_pylist():
+        assert {k: v for k, v in row.items() if k != "score"} == original[int(row["id"][1:])]
+
+
+def test_max_rule_negative_direction_ids_only(workspace):
+    root, reference = workspace
+    _select(root, "worst.jsonl", "--top", "6", "--score", "max", "--direction", "negative", "--ids-only")
+    rows = [json.loads(line) for line in (root / "worst.jsonl").read_text().splitlines()]
+    # LESS's rule, harmful side: a document's lowest score over the targets, most negative first.
+    expected = _reference(reference, how="min")
+    assert [r["id"] for r in rows] == _top(expected, 6, largest=False)
+    assert set(rows[0]) == {"id", "score"}
+    np.testing.assert_allclose([r["score"] for r in rows], [expected[r["id"]] for r in rows], rtol=1e-5, atol=1e-7)
+
+
+def test_a_changed_shard_is_refused(workspace):
+    root, _ = workspace
+    path = root / "b.jsonl.gz"
+    saved = path.read_bytes()
+    lines = gzip.decompress(saved).decode().splitlines()
+    try:
+        path.write_bytes(gzip.compress("".join(line.replace('"text": "', '"text": "t1 ') + "\n" for line in lines)
+                                       .encode()))
+        result = CliRunner().invoke(cli, ["select", str(root / "idx"), "--queries", str(root / "targets.jsonl"),
+                                          "--top", "3", "--where", "source = 'news'", "--out",
+                                          str(root / "changed.jsonl")])
+    finally:
+        path.write_bytes(saved)
+    assert result.exit_code == 1 and "has changed since it was ingested" in result.output
+    assert not (root / "changed.jsonl").exists()
+
+
+def test_sigkill_while_writing_leaves_no_output_file(workspace):
+    root, _ = workspace
+    out = root / "killed" / "subset.jsonl"
+    out.parent.mkdir()
+    # Killed for real, after the first record has been written to the file.
+    script = (
+        "import os, signal, sys\n"
+        "from eogp_index.search import select\n"
+        "line = select._Writer.line\n"
+        "def line_then_die(self, raw):\n"
+        "    line(self, raw); self.handle.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "select._Writer.line = line_then_die\n"
+        "from eogp_index.cli import main\n"
+        "main(sys.argv[1:])\n")
+    done = subprocess.run([sys.executable, "-c", script, "select", str(root / "idx"), "--queries",
+                           str(root / "targets.jsonl"), "--top", "5", "--out", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == -9, done.stderr
+    assert os.listdir(out.parent) == []
+
+
+def test_scores_export_every_row_and_query(workspace):
+    root, reference = workspace
+    summary = json.loads(_run("scores", root / "idx", "--queries", root / "targets.jsonl", "--out",
+                              root / "scores.parquet", "--json").stdout)
+    table = pq.read_table(root / "scores.parquet")
+    n = len(reference["ids"])
+    assert summary["rows"] == table.num_rows == n * len(TARGETS)
+    assert table.schema.names[:3] == ["id", "query", "score"] and "source" in table.schema.names
+    got = {(r["id"], r["query"]): r["score"] for r in table.select(["id", "query", "score"]).to_pylist()}
+    want = {(i, q): reference["scores"][q, j] for j, i in enumerate(reference["ids"]) for q in range(len(TARGETS))}
+    assert got.keys() == want.keys()
+    np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-5, atol=1e-7)
+    assert {r["id"]: r["source"] for r in table.select(["id", "source"]).to_pylist()} == reference["source"]
+
