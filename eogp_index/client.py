@@ -331,7 +331,9 @@ class AttributionIndex:
     def scores(self, queries: Sequence[Query], *, where: Optional[str] = None) -> tuple[List[str], np.ndarray]:
         """Exact scores of every stored row (matching ``where``): ids and ``(n_queries, n_rows)`` float32.
 
-        Positive = training on the example lowers the query's loss (kronfluence's convention).
+        Positive = training on the example lowers the query's loss (kronfluence's convention);
+        for a preference query ``{"prompt", "chosen", "rejected"}``, raises the margin
+        ``log p(chosen | prompt) - log p(rejected | prompt)`` (:meth:`query_coordinates`).
         """
         y = self.query_coordinates(queries)
         searcher = TorchSearcher(self.stored, self.device) if self.device.startswith("cuda") else HotSearcher(self.stored)

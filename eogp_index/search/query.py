@@ -59,8 +59,9 @@ class QueryOptions:
 
     Attributes:
         k: rows per side. where: SQL filter on the stored columns (Lance's dialect).
-        direction: ``positive`` (documents whose training lowers the query's loss), ``negative``
-            or ``both``. route: ``auto`` (the hot copy, on the index's device), ``hot``,
+        direction: ``positive`` (documents whose training lowers the query's loss; for a
+            preference query, raises ``log p(chosen | prompt) - log p(rejected | prompt)``),
+            ``negative`` or ``both``. route: ``auto`` (the hot copy, on the index's device), ``hot``,
             ``stream`` (the table in batches, for stores larger than memory), ``sharded``
             (torchrun workers share the fragments), ``candidates`` (FAISS first pass).
         candidates: FAISS candidates per side, for the ``candidates`` route.
