@@ -11,7 +11,8 @@ bits flipped), then measures in fresh processes, one per measurement, the peak r
   written with :func:`write_selection` (``ids_only``: the grown rows have no shard records);
 * **select max**: the same with ``--score max`` over 8 target queries.
 
-Each line gives the measurement's peak RSS and its ratio to the query's.
+Each line gives the measurement's peak RSS, its ratio to the query's, and how much it grew past
+the peak of opening the index (model loaded, before the operation).
 
     python benchmarks/selection.py --rows 1000000
     python benchmarks/selection.py --rows 200000      # quicker
@@ -72,6 +73,7 @@ def measure(path: Path, what: str) -> None:
     from eogp_index.search.select import select_documents, write_selection
 
     index = AttributionIndex.open(path / "grown", model_name=str(path / "model"))
+    opened = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     started = time.perf_counter()
     if what == "query":
         index.top_influential(QUERIES[0], k=20)
@@ -81,7 +83,7 @@ def measure(path: Path, what: str) -> None:
         selection = select_documents(index, QUERIES, SelectOptions(top="10%", score=how, ids_only=True))
         picked = write_selection(index.stored, selection, path / "subset.parquet")
     print(json.dumps({"what": what, "rows": index.store.count(), "picked": picked,
-                      "seconds": time.perf_counter() - started,
+                      "seconds": time.perf_counter() - started, "opened_rss_mb": opened,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
@@ -111,6 +113,7 @@ def main(argv=None) -> None:
     print(f"{results[0]['rows']:,} rows")
     for r in results:
         print(f"  {r['what']:<11} peak RSS {r['peak_rss_mb']:8.0f} MB  ({r['peak_rss_mb'] / base:4.2f} x query)  "
+              f"+{r['peak_rss_mb'] - r['opened_rss_mb']:6.0f} MB over the opened index  "
               f"{r['picked']:>9,} picked  {r['seconds']:6.1f} s")
 
 

@@ -3,6 +3,7 @@
 ==========================  ===============================================================
 ``POST /v1/query``          ranked hits of one query (the rows of ``eogp query --json``)
 ``POST /v1/explain``        why one stored document ranks: per module and per token
+``POST /v1/select``         a training subset for target queries, as a file (``eogp select``)
 ``GET /v1/info``            the manifest, row count, filterable columns, the server's limits
 ``GET /v1/examples/{id}``   one stored row (metadata, and text when stored)
 ``GET /healthz``            liveness and queue depth
@@ -39,6 +40,7 @@ from eogp_index.serve.config import ServeConfig
 from eogp_index.serve.engine import Engine, QueryJob, RequestError
 from eogp_index.serve.middleware import AccessLog, BearerToken, BodyLimit, error_payload
 from eogp_index.serve.schemas import ErrorResponse, ExplainRequest, QueryRequest, QueryResponse
+from eogp_index.serve.selection import add_select_route
 from eogp_index.version import __version__
 
 log = logging.getLogger("eogp.serve")
@@ -234,6 +236,8 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
         record = _explain_record(body.query)
         return JSON(await guarded(request, batcher.call(engine.explain, record, "query", body.id,
                                                         timeout=config.timeout_s)))
+
+    add_select_route(app, engine, batcher, config, guarded, _ERRORS)
 
     @app.get("/v1/info", tags=["index"])
     async def info(request: Request) -> Dict[str, Any]:

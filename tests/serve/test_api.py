@@ -205,3 +205,35 @@ def test_the_page_and_its_assets_are_served_from_the_package(client):
     for path in STATIC.iterdir():  # works offline: nothing is fetched from elsewhere
         text = path.read_text()
         assert "http://" not in text and "https://" not in text and "//cdn" not in text, path.name
+
+
+def test_select_downloads_what_eogp_select_writes(client, index_dir, tmp_path):
+    from eogp_index.cli import cli
+
+    body = {"queries": [QUERY, {"prompt": "t9 t8", "completion": " t7 t6"}], "top": "25%", "where": "kind != 'class'"}
+    response = client.post("/v1/select", json=body)
+    assert response.status_code == 200, response.text
+    assert 'filename="selection.jsonl"' in response.headers["content-disposition"]
+    (tmp_path / "targets.jsonl").write_text(json.dumps({"text": QUERY}) + "\n" + json.dumps(body["queries"][1]) + "\n")
+    args = ["select", str(index_dir), "--queries", str(tmp_path / "targets.jsonl"), "--top", "25%", "--where",
+            "kind != 'class'", "--device", "cpu", "--out", str(tmp_path / "cli.jsonl")]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    assert response.content == (tmp_path / "cli.jsonl").read_bytes()
+    lines = response.content.decode().splitlines()
+    assert len(lines) == 27 * 25 // 100 and all("score" in json.loads(line) for line in lines)  # 27 rows match
+
+    ids_only = client.post("/v1/select", json={**body, "ids_only": True, "format": "parquet"})
+    import io
+
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(io.BytesIO(ids_only.content))
+    assert table.column_names == ["id", "score"] and table.num_rows == len(lines)
+
+
+def test_select_refusals_name_the_field(client):
+    assert "at least one" in _error(client.post("/v1/select", json={"queries": []}), 400, "queries")
+    assert "--top" in _error(client.post("/v1/select", json={"queries": [QUERY], "top": "0%"}), 400, "top")
+    assert "kynd" in _error(client.post("/v1/select", json={"queries": [QUERY], "where": "kynd = 1"}), 400, "where")
+    assert "lacks" in _error(client.post("/v1/select", json={"queries": [{"prompt": "t1", "chosen": " t2"}]}),
+                             400, "queries")

@@ -164,3 +164,40 @@ def test_the_page_queries_filters_and_explains(browser, server, tmp_path):
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     if os.environ.get("EOGP_SCREENSHOT"):
         shutil.copyfile(shot, Path(os.environ["EOGP_SCREENSHOT"]))
+
+
+def test_the_page_downloads_a_selection(browser, server, served_index, tmp_path):
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    from eogp_index.config import SelectOptions
+    from eogp_index.search.select import select_documents
+
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    browser.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)})
+    browser.get(server + "/")
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#columns .chip"), "the column list")
+    browser.find_element(By.ID, "query-text").send_keys("t1 t2 t3 t4 t5")
+    browser.find_element(By.ID, "where").send_keys("kind = 'class'")
+    top = browser.find_element(By.ID, "select-top")
+    top.clear()
+    top.send_keys("5")
+    browser.find_element(By.ID, "download-selection").click()
+    saved = downloads / "selection.jsonl"
+    _wait(browser, lambda d: saved.exists() and not list(downloads.glob("*.crdownload")), "the downloaded file")
+    assert "5 documents" in browser.find_element(By.ID, "status").text
+    records = [json.loads(line) for line in saved.read_text().splitlines()]
+    expected = select_documents(served_index, ["t1 t2 t3 t4 t5"], SelectOptions(top="5", where="kind = 'class'"))
+    ids = served_index.store.take_rows(expected.rowaddr.tolist(), ["id"]).column("id").to_pylist()
+    assert sorted(r["id"] for r in records) == sorted(ids)
+    assert all(r["kind"] == "class" and "text" in r and "score" in r for r in records)
+
+    # A bad share is shown on the page, on the field it came from.
+    top.clear()
+    top.send_keys("250%")
+    browser.find_element(By.ID, "download-selection").click()
+    _wait(browser, lambda d: d.find_element(By.ID, "error").is_displayed(), "the error")
+    assert "--top" in browser.find_element(By.ID, "error").text
+    assert "invalid" in top.get_attribute("class")

@@ -27,10 +27,15 @@ class ApiError extends Error {
   constructor(status, field, message) { super(message); this.status = status; this.field = field; }
 }
 
-async function api(path, body, retried = false) {
+function authHeaders() {
   const headers = { "Content-Type": "application/json" };
   const token = localStorage.getItem("eogp-token");
   if (token) headers.Authorization = `Bearer ${token}`;
+  return headers;
+}
+
+async function api(path, body, retried = false) {
+  const headers = authHeaders();
   let response;
   try {
     response = await fetch(path, body === undefined ? { headers } :
@@ -53,7 +58,8 @@ async function api(path, body, retried = false) {
 }
 
 // -- errors and status -------------------------------------------------------------------------
-const FIELD_INPUTS = { where: "where", k: "k", text: "query-text", messages: "turns", direction: "direction" };
+const FIELD_INPUTS = { where: "where", k: "k", text: "query-text", messages: "turns", direction: "direction",
+                       top: "select-top" };
 
 function showError(err) {
   const box = $("error");
@@ -255,10 +261,43 @@ async function selectHit(row, item) {
   }
 }
 
+// -- selection: the query's most helpful documents as a file (POST /v1/select) -----------------
+async function downloadSelection() {
+  clearError();
+  const query = currentQuery();
+  const body = { queries: [query.text !== undefined ? query.text : query], top: $("select-top").value.trim() };
+  const where = $("where").value.trim();
+  if (where) body.where = where;
+  $("status").textContent = "selecting…";
+  $("download-selection").disabled = true;
+  try {
+    const response = await fetch("/v1/select", { method: "POST", headers: authHeaders(), body: JSON.stringify(body) });
+    if (!response.ok) {
+      let error = null;
+      try { error = (await response.json()).error; } catch (_) { /* not JSON */ }
+      throw new ApiError(response.status, error ? error.field : null,
+        error ? error.message : `the server answered ${response.status} ${response.statusText}`);
+    }
+    const blob = await response.blob();
+    const lines = (await blob.text()).split("\n").filter((line) => line).length;
+    const link = el("a", { href: URL.createObjectURL(blob), download: "selection.jsonl" });
+    document.body.append(link);
+    link.click();
+    link.remove();
+    $("status").textContent = `selection.jsonl: ${lines} documents`;
+  } catch (err) {
+    $("status").textContent = "";
+    showError(err instanceof ApiError ? err : new ApiError(0, null, err.message));
+  } finally {
+    $("download-selection").disabled = false;
+  }
+}
+
 // -- wiring ------------------------------------------------------------------------------------
 document.querySelectorAll(".tab").forEach((tab) => tab.addEventListener("click", () => setMode(tab.dataset.mode)));
 $("add-turn").addEventListener("click", () => addTurn("user"));
 $("query-form").addEventListener("submit", search);
+$("download-selection").addEventListener("click", downloadSelection);
 $("query-text").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("query-form").requestSubmit();
 });
