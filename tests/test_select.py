@@ -201,3 +201,21 @@ def test_scores_export_every_row_and_query(workspace):
     np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-5, atol=1e-7)
     assert {r["id"]: r["source"] for r in table.select(["id", "source"]).to_pylist()} == reference["source"]
 
+
+
+def test_a_moved_shard_without_stored_text_is_refused(workspace):
+    root, _ = workspace
+    path = root / "b.jsonl.gz"
+    path.rename(root / "b.moved")
+    try:
+        result = CliRunner().invoke(cli, ["select", str(root / "idx"), "--queries", str(root / "targets.jsonl"),
+                                          "--top", "3", "--where", "source = 'news'", "--out",
+                                          str(root / "moved.jsonl")])
+        ids_only = CliRunner().invoke(cli, ["select", str(root / "idx"), "--queries", str(root / "targets.jsonl"),
+                                            "--top", "3", "--where", "source = 'news'", "--ids-only", "--out",
+                                            str(root / "moved-ids.jsonl")])
+    finally:
+        (root / "b.moved").rename(path)
+    assert result.exit_code == 1 and "cannot be read" in result.output and "--ids-only" in result.output
+    assert not (root / "moved.jsonl").exists()
+    assert ids_only.exit_code == 0 and len((root / "moved-ids.jsonl").read_text().splitlines()) == 3

@@ -168,7 +168,7 @@ class _Writer:
             self.table(pa.Table.from_pylist(rows))
         else:
             for row in rows:
-                self.line(json.dumps(row, ensure_ascii=False).encode("utf-8"))
+                self.line(json.dumps(row, ensure_ascii=False, default=str).encode("utf-8"))
 
     def table(self, table: pa.Table) -> None:
         if self.kind != "parquet":
@@ -219,19 +219,18 @@ def write_selection(stored: StoredIndex, selection: Selection, out: Path) -> int
     """
     kind = output_kind(out)
     columns = ["id", "shard", "position", "content_sha256", "content_kind"]
-    has_text = stored.store.schema is not None and "text" in stored.store.schema.names
     if not selection.options.ids_only and not stored.manifest.has_content_hashes:
         raise InputError(f"{stored.path} records no content hashes (index format "
                          f"{stored.manifest.format_version}), so records read back could not be checked; "
                          "use --ids-only, or re-ingest into an index made by this version")
-    rows = stored.store.take_rows(selection.rowaddr.tolist(), ["id"] if selection.options.ids_only else
-                                  columns + (["text"] if has_text else []))
+    rows = stored.store.take_rows(selection.rowaddr.tolist(), ["id"] if selection.options.ids_only else columns)
     with atomic_output(out) as handle:
         writer = _Writer(handle, kind)
         if selection.options.ids_only:
             writer.table(pa.table({"id": rows.column("id"), "score": pa.array(selection.scores, pa.float32())}))
         else:
-            for shard, picked in _by_shard(rows.to_pylist(), selection.scores):
+            listed = rows.append_column("_rowaddr", pa.array(selection.rowaddr, pa.uint64())).to_pylist()
+            for shard, picked in _by_shard(listed, selection.scores):
                 _write_shard(stored, writer, shard, picked)
         writer.close()
     return len(selection.rowaddr)
@@ -255,8 +254,13 @@ def _write_shard(stored: StoredIndex, writer: _Writer, shard: str, picked: List[
     except InputError:
         readable, uri, spec, fmt, compression = False, None, None, None, None
     if not readable:
-        if any(row.get("text") is None for row in picked):
-            missing = next(row for row in picked if row.get("text") is None)
+        # Stored text is read only here, for the shard that cannot be read, one shard at a time.
+        has_text = "text" in stored.store.schema.names
+        texts = stored.store.take_rows([r["_rowaddr"] for r in picked], ["text"]).column("text").to_pylist() \
+            if has_text else [None] * len(picked)
+        picked = [{**row, "text": text} for row, text in zip(picked, texts)]
+        if any(row["text"] is None for row in picked):
+            missing = next(row for row in picked if row["text"] is None)
             raise InputError(f"example {missing['id']!r}: its shard {shard!r} cannot be read "
                              f"({uri or 'not recorded in sources.json'}) and its text is not stored; restore the "
                              "shard where it was ingested from, or use --ids-only")

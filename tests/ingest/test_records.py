@@ -316,6 +316,17 @@ def test_prompt_completion_round_trips_through_its_stored_text(tokenizer):
     assert again.content_sha256 == example.content_sha256 and again.labels == example.labels
 
 
+@pytest.mark.parametrize("record", [{"text": "hello world"}, {"messages": CHAT},
+                                    {"prompt": "hello", "completion": " world"},
+                                    {"prompt": CHAT[:2], "completion": [CHAT[2]]},
+                                    {"input_ids": [5, 6, 7]}, {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}],
+                         ids=["text", "chat", "completion", "completion-chat", "ids", "ids-labels"])
+def test_record_content_hashes_as_the_tokenized_example(tokenizer, record):
+    from eogp_index.data.records import content_sha256, record_content
+
+    assert content_sha256(record_content(record | {"source": "x"}, RecordSpec())) == _tok(record, tokenizer).content_sha256
+
+
 def test_text_record_may_carry_a_prompt_field():
     from eogp_index.data.records import tokenize_record as tokenize
 

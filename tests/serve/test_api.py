@@ -237,3 +237,17 @@ def test_select_refusals_name_the_field(client):
     assert "kynd" in _error(client.post("/v1/select", json={"queries": [QUERY], "where": "kynd = 1"}), 400, "where")
     assert "lacks" in _error(client.post("/v1/select", json={"queries": [{"prompt": "t1", "chosen": " t2"}]}),
                              400, "queries")
+
+
+def test_select_rebuilds_records_from_stored_text_when_the_shard_is_gone(client, index_dir):
+    shard = index_dir.parent / "shard.jsonl"
+    originals = {json.loads(line)["id"]: json.loads(line) for line in shard.read_text().splitlines()}
+    shard.rename(shard.with_suffix(".moved"))
+    try:
+        response = client.post("/v1/select", json={"queries": [QUERY], "top": "4"})
+    finally:
+        shard.with_suffix(".moved").rename(shard)
+    assert response.status_code == 200, response.text
+    records = [json.loads(line) for line in response.content.decode().splitlines()]
+    assert len(records) == 4 and all(set(r) == {"text", "score"} for r in records)
+    assert {r["text"] for r in records} <= {o["text"] for o in originals.values()}
