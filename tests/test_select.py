@@ -219,3 +219,20 @@ def test_a_moved_shard_without_stored_text_is_refused(workspace):
     assert result.exit_code == 1 and "cannot be read" in result.output and "--ids-only" in result.output
     assert not (root / "moved.jsonl").exists()
     assert ids_only.exit_code == 0 and len((root / "moved-ids.jsonl").read_text().splitlines()) == 3
+
+
+def test_selection_does_not_depend_on_the_batches_and_ties_keep_the_lower_rows(workspace):
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import SelectOptions
+    from eogp_index.search.select import _best, select_documents
+
+    root, _ = workspace
+    index = AttributionIndex.open(root / "idx")
+    for options in (SelectOptions(top="7"), SelectOptions(top="30%", score="max", direction="negative")):
+        whole = select_documents(index, TARGETS, options)
+        batched = select_documents(index, TARGETS, options, batch_bytes=1)  # one row per batch
+        np.testing.assert_array_equal(whole.rowaddr, batched.rowaddr)
+        np.testing.assert_array_equal(whole.scores, batched.scores)
+    rowaddr = np.array([9, 3, 7, 1, 5], np.uint64)
+    addr, key = _best(rowaddr, np.array([2.0, 1.0, 1.0, 0.5, 1.0], np.float32), 3)
+    assert sorted(addr.tolist()) == [3, 5, 9]

@@ -89,13 +89,23 @@ def select_documents(index, queries: Sequence[Any], options: SelectOptions = Sel
     for batch, scores in (scored_batches(stored, y, where=options.where, batch_bytes=batch_bytes) if keep else ()):
         key = sign * (scores[0] if options.score == "mean" else (scores.max(0) if sign > 0 else scores.min(0)))
         rowaddr = batch.column("_rowaddr").to_numpy().astype(np.uint64)
-        best_addr = np.concatenate([best_addr, rowaddr])
-        best_key = np.concatenate([best_key, key.astype(np.float32)])
-        if best_key.size > keep:
-            part = np.argpartition(-best_key, keep - 1)[:keep]
-            best_addr, best_key = best_addr[part], best_key[part]
+        best_addr, best_key = _best(np.concatenate([best_addr, rowaddr]),
+                                    np.concatenate([best_key, key.astype(np.float32)]), keep)
     order = np.lexsort((best_addr, -best_key))  # best first; ties by row address
     return Selection(best_addr[order], (sign * best_key[order]).astype(np.float32), options)
+
+
+def _best(rowaddr: np.ndarray, key: np.ndarray, keep: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The ``keep`` largest keys, ties at the boundary broken by the lower row address, so that
+    the selection does not depend on how the table was split into batches."""
+    if key.size <= keep:
+        return rowaddr, key
+    threshold = -np.partition(-key, keep - 1)[keep - 1]
+    above = np.flatnonzero(key > threshold)
+    tied = np.flatnonzero(key == threshold)
+    tied = tied[np.argsort(rowaddr[tied], kind="stable")[:keep - above.size]]
+    chosen = np.concatenate([above, tied])
+    return rowaddr[chosen], key[chosen]
 
 
 # -- writing ---------------------------------------------------------------------------------------
