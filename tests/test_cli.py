@@ -148,6 +148,17 @@ def test_a_bad_filter_is_one_line_without_lance_source_paths(workspace):
     assert ".rs:" not in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("where, problem", [
+    ("kind = 'a' ANDD n > 3", "at column 12: 'ANDD n > 3' is left over"),
+    ("1=1; DROP TABLE x", "at column 4: ';' starts a second statement"),
+    ("EXISTS (SELECT 1)", "at column 9: subqueries are not filters"),
+    ("\"kind\" = 'a'", "write `kind`"),
+])
+def test_a_filter_that_is_not_one_condition_on_columns_is_refused_with_its_position(workspace, where, problem):
+    root, _, _ = workspace
+    _refused(_run("query", root / "idx", "--text", "t1 t2", "--where", where), problem, "backticks")
+
+
 def test_explain_by_module_and_stored_text(workspace, tmp_path):
     root, _, _ = workspace
     fit = _run("fit", root / "model", "--data", root / "shard.jsonl", "--out", tmp_path / "txt", "-k", "8",

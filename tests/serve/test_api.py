@@ -108,6 +108,17 @@ def test_requests_that_arrive_together_share_one_pass_and_keep_their_own_options
     assert "invalid where filter" in _error(answers[7], 400, "where")
 
 
+@pytest.mark.parametrize("where, problem", [
+    ("kind = 'class' garbage", "at column 16: 'garbage' is left over"),
+    ("n > 3; DROP TABLE examples", "at column 6: ';' starts a second statement"),
+    ("kind IN (SELECT kind FROM examples)", "at column 10: subqueries are not filters"),
+    ("'class' = 'class'", "at column 1: the comparison 'class' = 'class' names no column"),
+])
+def test_a_filter_that_is_not_one_condition_on_columns_is_refused_with_its_position(client, where, problem):
+    message = _error(client.post("/v1/query", json={"text": QUERY, "where": where}), 400, "where")
+    assert problem in message and "backticks" in message
+
+
 def test_user_errors_name_the_field_and_what_to_fix(client):
     message = _error(client.post("/v1/query", json={"text": QUERY, "where": "kynd = 'a'"}), 400, "where")
     assert "kynd" in message and "'kind'" in message  # lists the columns to choose from
