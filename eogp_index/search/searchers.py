@@ -1,8 +1,9 @@
 """One searcher per route: where the stored codes are read from and which kernel scores them.
 
 Every searcher answers the same question — the exact top ``k`` rows per query and side among
-the rows matching ``where`` — and returns :class:`~eogp_index.search.ranking.Hits`; ranking
-and metadata are :mod:`eogp_index.search.ranking`'s job. The routes:
+the rows matching ``where`` — and returns :class:`~eogp_index.search.ranking.Hits`; ranking,
+keeping each side to rows of its sign, and metadata are :mod:`eogp_index.search.ranking`'s job
+(applied to every route's answer by the query builder). The routes:
 
 ========================  ================================================================
 :class:`HotSearcher`      the in-memory hot copy, CPU kernels (the default)
