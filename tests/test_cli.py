@@ -170,6 +170,11 @@ def test_explain_by_module_and_stored_text(workspace, tmp_path):
                            "--json").stdout)[0]["results"]
     assert all(abs(sum(h["modules"].values()) - h["score"]) <= 1e-5 * abs(h["score"]) for h in hits)
     assert all(h["text"].split()[0].startswith("t") for h in hits)  # the stored document text
+    # In the terminal the terms are one readable line per hit; the raw, full-precision dict is --json's.
+    printed = _run("query", tmp_path / "txt", "--text", "t1 t2 t3", "-k", "2", "--by-module")
+    assert printed.exit_code == 0, printed.output
+    assert printed.output.count("by module: ") == len(hits) and "modules=" not in printed.output
+    assert "{" not in printed.output and repr(hits[0]["score"]) not in printed.output
     explained = _run("explain", tmp_path / "txt", "--text", "t1 t2 t3", "--id", hits[0]["id"], "--json")
     assert explained.exit_code == 0, explained.output
     (e,) = json.loads(explained.stdout)

@@ -210,6 +210,10 @@ def _semantic_problem(where: str, expr) -> Optional[str]:
 
     for node in _walk(expr):
         variant = node.variant_name()
+        if variant == "Alias":  # ``n > 3 AS x``: DataFusion reads a trailing alias into the expression
+            found = re.search(r"(?i)\bas\s+(`[^`]*`|\S+)\s*$", where)
+            at = f"at column {found.start() + 1}: " if found else ""
+            return f"{at}{found[0].strip() if found else 'an alias'!r} is left over; a filter has no alias"
         if variant in SUBQUERY_VARIANTS or node.rex_type() == RexType.ScalarSubquery:
             return _subquery_problem(where)
         compares = variant in COMPARISON_VARIANTS or (
