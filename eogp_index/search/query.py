@@ -34,7 +34,6 @@ from eogp_index.search.searchers import (
     StreamSearcher,
     TorchSearcher,
 )
-from eogp_index.store.filters import check_filter
 from eogp_index.store.stored_index import StoredIndex
 
 #: A query: a text, a chat (list of ``{"role", "content"}``), token ids, or a record dict
@@ -159,8 +158,6 @@ class InfluenceQuery:
         """
         opts = self.options
         sides = sides_of(opts.direction)
-        if opts.where is not None:  # before the model runs; every route, Lance's included, gets it checked
-            check_filter(opts.where, self._index.stored.store)
         y = self._index.query_coordinates(self._queries) if coordinates is None else np.asarray(coordinates, np.float32)
         found = of_their_sign(self.searcher().top_k(y, opts.k, sides, opts.where))  # every route
         modules = [self._module_terms(hits, y[q]) for q, hits in enumerate(found)] if opts.by_module else None

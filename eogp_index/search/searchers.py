@@ -26,6 +26,7 @@ import numpy as np
 
 from eogp_index.search.ranking import Hits, Side
 from eogp_index.store.codecs import Encoded, SignLayout
+from eogp_index.store.filters import check_filter
 from eogp_index.store.stored_index import StoredIndex
 
 #: Record batches streamed from Lance are sized in bytes: wide codes make rows large.
@@ -159,6 +160,8 @@ class StreamSearcher:
               *, fragment_ids: Optional[Sequence[int]] = None) -> Found:
         best: Found = [{side: Hits.empty() for side in sides} for _ in range(y.shape[0])]
         store, codec = self.stored.store, self.stored.codec
+        if where is not None:  # Lance alone would drop what it cannot parse (store/filters.py)
+            check_filter(where, store.schema, store)
         if store.table is None:
             return best
         dataset = store.dataset()

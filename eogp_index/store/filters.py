@@ -146,7 +146,8 @@ def _syntax_problem(where: str, error: str) -> Optional[str]:
     found = _SYNTAX_ERROR.search(error)
     if found is None:
         return None
-    what = found["what"].replace("Expected: end of expression", "expected the end of the filter")
+    what = found["what"].replace('\\"', '"')  # Rust's debug quoting of the token found
+    what = what.replace("Expected: end of expression", "expected the end of the filter")
     what = what.replace("Expected: ", "expected ")
     if found["column"] is None:
         return f"the filter ends too early ({what})"
@@ -241,15 +242,18 @@ def _problem(where: str, schema: pa.Schema) -> Optional[str]:
     return _semantic_problem(where, expr)
 
 
-def check_filter(where: str, store: Store) -> None:
+def check_filter(where: str, schema: Optional[pa.Schema], store: Store) -> None:
     """Refuse a filter that is not exactly one SQL expression over the stored columns.
+
+    Args:
+        schema: the columns filters see (the hot copy's, or the table's; None: no table yet).
+        store: the table, whose columns the error lists.
 
     Raises:
         InputError: text left over after the expression, a second statement, a subquery, or a
             comparison naming no column; the message gives the position and the stored columns.
     """
-    schema = store.schema if store.schema is not None else pa.schema([])
-    problem = _problem(where, schema)
+    problem = _problem(where, schema if schema is not None else pa.schema([]))
     if problem is not None:
         raise store.filter_error(where, ValueError(problem))
 
@@ -286,7 +290,7 @@ def matching_positions(hot: HotCodes, where: str, store: Store) -> np.ndarray:
     found = cached_positions(hot, where)
     if found is not None:
         return found
-    check_filter(where, store)
+    check_filter(where, hot.columns.schema, store)  # the hot copy's columns: no need to open the table
     if hot.num_rows == 0:
         return np.zeros(0, np.int64)
     try:
