@@ -170,6 +170,9 @@ REFUSED = [
     ("1 = 1", "at column 1: the comparison 1 = 1 names no column"),
     ("n > 3 OR 'a' LIKE 'a%'", "at column 10: the comparison 'a' LIKE 'a%' names no column"),
     ("source = 'web' AND 2 BETWEEN 1 AND 3", "at column 20: the comparison 2 BETWEEN 1 AND 3 names no column"),
+    # Names only Lance resolves (in any case) do not hide the rest of the filter from the check.
+    ("SOURCE = 'web' OR 1 = 1", "at column 19: the comparison 1 = 1 names no column"),
+    ("SOURCE = 'web' AND EXISTS (SELECT 1)", "at column 28: subqueries are not filters"),
 ]
 
 

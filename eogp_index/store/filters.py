@@ -61,6 +61,9 @@ _SYNTAX_ERROR = re.compile(r'SQL error: (?:Parser|Tokenizer)Error\("(?P<what>.*?
                            r'Column: (?P<column>\d+))?"\)', re.S)
 
 _NAMED_TABLE = re.compile(r"Error during planning: table '[^']*' not found")
+#: ``Schema error: No field named "KIND".`` (quoted) or ``... named kynd.``; not a dotted path.
+_UNKNOWN_NAME = re.compile(r'Schema error: No field named (?:"([^"]+)"|([^\s."]+))\.(?:\s|$)')
+MAX_UNKNOWN_NAMES = 16
 
 
 class UnplannedFilter(Exception):
@@ -231,15 +234,21 @@ def _semantic_problem(where: str, expr) -> Optional[str]:
 
 @functools.lru_cache(maxsize=256)
 def _problem(where: str, schema: pa.Schema) -> Optional[str]:
-    try:
-        expr = _checking_frame(schema).parse_sql_expr(where)
-    except Exception as exc:  # DataFusion raises plain Exceptions
-        if _NAMED_TABLE.search(str(exc)):  # only a subquery's FROM names a table
-            return _subquery_problem(where)
-        # Names it cannot resolve (Lance's case-insensitive names, a misspelt column) are Lance's
-        # to judge; only what is wrong in any table is refused here.
-        return _syntax_problem(where, str(exc))
-    return _semantic_problem(where, expr)
+    for _ in range(MAX_UNKNOWN_NAMES + 1):
+        try:
+            expr = _checking_frame(schema).parse_sql_expr(where)
+        except Exception as exc:  # DataFusion raises plain Exceptions
+            if _NAMED_TABLE.search(str(exc)):  # only a subquery's FROM names a table
+                return _subquery_problem(where)
+            unknown = _UNKNOWN_NAME.search(str(exc))
+            if unknown is None:
+                return _syntax_problem(where, str(exc))
+            # A name DataFusion does not resolve (Lance's in any case, or a misspelt one: Lance
+            # judges those) is added as a column, so that the rest of the filter is still checked.
+            schema = schema.append(pa.field(unknown[1] or unknown[2], pa.string()))
+            continue
+        return _semantic_problem(where, expr)
+    return None
 
 
 def check_filter(where: str, schema: Optional[pa.Schema], store: Store) -> None:
