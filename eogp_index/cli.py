@@ -608,7 +608,7 @@ def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
     \b
     Example:
         eogp serve my-index --port 8000
-        curl -s localhost:8000/v1/query -d '{"text": "Parse a CSV file.", "k": 5}'
+        curl -s localhost:8000/v1/query -H 'Content-Type: application/json' -d '{"text": "Parse a CSV file.", "k": 5}'
     """
     try:
         import uvicorn  # noqa: F401  (the serve extra; say how to get it before loading the model)
@@ -730,7 +730,7 @@ def _print_results(results: list) -> None:
         click.echo(f"\nquery: {' '.join(text.split())[:100]}")
         for row in item["results"]:
             # The user's own metadata says what a document is; bookkeeping columns come after.
-            user = [k for k in row if k not in RESERVED_COLUMNS and k not in ("rank", "score", "direction")]
+            user = [k for k in row if k not in RESERVED_COLUMNS and k not in ("rank", "score", "direction", "modules")]
             shown = user[:4] + [k for k in ("shard", "position") if k in row][: max(0, 2 - len(user[:4]))]
             preview = ", ".join(f"{k}={row[k]}" for k in shown)
             side = f"{row['direction'][:3]} " if "direction" in row else ""

@@ -436,6 +436,34 @@ def recall_at(index, k, C, direction, faiss_name, where=None):
     return len(exact & set(got.column("id").to_pylist())) / len(exact), got
 
 
+def test_each_side_holds_only_rows_of_its_sign_on_every_route(index, tmp_path):
+    """Fewer rows of a sign match than k: the side is shorter, never topped up with the other sign."""
+    other = _copy(index, tmp_path)
+    build(other, "cl", CLUSTERED, progress=False)
+    ids, scores = other.scores([_query()])
+    order = np.argsort(scores[0])
+    chosen = [ids[i] for i in (*order[:2], *order[-3:])]  # the two most negative, the three most positive
+    where = "id IN (" + ", ".join(f"'{i}'" for i in chosen) + ")"
+    exact = dict(zip(ids, scores[0]))
+    expected = [("positive", i) for i in sorted(chosen, key=lambda i: -exact[i]) if exact[i] > 0] + \
+               [("negative", i) for i in sorted(chosen, key=lambda i: exact[i]) if exact[i] < 0]
+    assert [side for side, _ in expected] == ["positive"] * 3 + ["negative"] * 2
+    search = other.search(_query()).where(where).limit(8).direction("both")
+    routes = {"hot": search, "stream": search.route("stream"), "sharded": search.route("sharded")}
+    routes.update({name: search.candidates(other.store.count(), faiss_name=name)
+                   for name in ("flat", "ivf", "hnsw", "plain", "cl")})
+    for route, query in routes.items():
+        got = query.to_arrow()
+        assert list(zip(got.column("direction").to_pylist(), got.column("id").to_pylist())) == expected, route
+    for direction, sign in (("positive", 1), ("negative", -1)):
+        got = search.direction(direction).to_arrow()
+        assert got.num_rows == (3 if sign > 0 else 2) and all(sign * s > 0 for s in got.column("score").to_pylist())
+    nothing_hurts = "id IN (" + ", ".join(f"'{ids[i]}'" for i in order[-3:]) + ")"
+    assert search.where(nothing_hurts).direction("negative").to_arrow().num_rows == 0
+    helps = search.where(nothing_hurts).by_module().to_arrow()  # one side empty, the other with its terms
+    assert helps.column("direction").to_pylist() == ["positive"] * 3 and all(helps.column("modules").to_pylist())
+
+
 def test_clustered_build_save_load(index, tmp_path):
     other = _copy(index, tmp_path)
     built = build(other, "cl", CLUSTERED, progress=False)

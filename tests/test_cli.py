@@ -148,6 +148,17 @@ def test_a_bad_filter_is_one_line_without_lance_source_paths(workspace):
     assert ".rs:" not in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("where, problem", [
+    ("kind = 'a' ANDD n > 3", "at column 12: 'ANDD n > 3' is left over"),
+    ("1=1; DROP TABLE x", "at column 4: ';' starts a second statement"),
+    ("EXISTS (SELECT 1)", "at column 9: subqueries are not filters"),
+    ("\"kind\" = 'a'", "write `kind`"),
+])
+def test_a_filter_that_is_not_one_condition_on_columns_is_refused_with_its_position(workspace, where, problem):
+    root, _, _ = workspace
+    _refused(_run("query", root / "idx", "--text", "t1 t2", "--where", where), problem, "backticks")
+
+
 def test_explain_by_module_and_stored_text(workspace, tmp_path):
     root, _, _ = workspace
     fit = _run("fit", root / "model", "--data", root / "shard.jsonl", "--out", tmp_path / "txt", "-k", "8",
@@ -159,6 +170,11 @@ def test_explain_by_module_and_stored_text(workspace, tmp_path):
                            "--json").stdout)[0]["results"]
     assert all(abs(sum(h["modules"].values()) - h["score"]) <= 1e-5 * abs(h["score"]) for h in hits)
     assert all(h["text"].split()[0].startswith("t") for h in hits)  # the stored document text
+    # In the terminal the terms are one readable line per hit; the raw, full-precision dict is --json's.
+    printed = _run("query", tmp_path / "txt", "--text", "t1 t2 t3", "-k", "2", "--by-module")
+    assert printed.exit_code == 0, printed.output
+    assert printed.output.count("by module: ") == len(hits) and "modules=" not in printed.output
+    assert "{" not in printed.output and repr(hits[0]["score"]) not in printed.output
     explained = _run("explain", tmp_path / "txt", "--text", "t1 t2 t3", "--id", hits[0]["id"], "--json")
     assert explained.exit_code == 0, explained.output
     (e,) = json.loads(explained.stdout)

@@ -28,8 +28,7 @@ FILTERS = [
     "(n > 5 AND flag) OR title = 'doc 3'", "score_x > 0.5", "score_x < 0", "score_x >= 0.25 AND score_x < 0.75",
     "flag", "NOT flag", "flag = false", "flag IS NULL", "`group` = 1", "`group` IN (0, 2) AND NOT (`with space` > 10)",
     "`with space` >= 20", "id >= 'row-5'", "position % 2 = 0", "num_tokens > 8 AND shard = 'synthetic'",
-    "\"source\" = 'web'",  # double quotes make a string in Lance's dialect, not a name: no row
-    "true", "false",
+    "true", "false", "n > 1 + 2", "lower(source) LIKE 'w%'", "NOT (n = 3) -- a comment",
 ]
 #: Filters only Lance takes (its own extensions): evaluated by Lance, same answers.
 LANCE_ONLY = ["SOURCE = 'web'", "_rowid < 5", "regexp_match(title, 'doc 1.')"]
@@ -116,7 +115,8 @@ def test_filtered_search_equals_scoring_everything_then_filtering(rich, where):
     kept = np.array([i for i, row_id in enumerate(ids) if row_id in keep], dtype=np.int64)
     for direction, sign in (("positive", -1.0), ("negative", 1.0)):
         table = rich.search(QUERY).where(where).limit(7).direction(direction).to_arrow()
-        order = kept[np.lexsort((kept, sign * scores[0][kept]))][:7]
+        of_sign = kept[sign * scores[0][kept] < 0]  # a side holds only scores of its sign
+        order = of_sign[np.lexsort((of_sign, sign * scores[0][of_sign]))][:7]
         assert table.column("id").to_pylist() == [ids[i] for i in order], (where, direction)
         np.testing.assert_allclose(table.column("score").to_numpy(), scores[0][order], rtol=1e-6)
         # The answer's metadata is the table's (from the hot copy).
@@ -152,6 +152,43 @@ def test_a_bad_filter_is_an_input_error_naming_it_and_the_columns(rich, where, r
     assert f"invalid where filter {where!r}" in message and reason in message
     assert "source" in message and "backticks" in message
     assert ".rs:" not in message and "/rust/" not in message, message
+
+
+#: Filters Lance would run wrongly (it drops what follows a complete expression, and compares two
+#: strings where double quotes were meant as a name): refused, at the position of the problem.
+REFUSED = [
+    ("source = 'web' ANDD n > 3", "at column 16: 'ANDD n > 3' is left over"),
+    ("source = 'web' garbage", "at column 16: 'garbage' is left over"),
+    ("1=1; DROP TABLE examples", "at column 4: ';' starts a second statement"),
+    ("n > 3;", "at column 6: ';' starts a second statement"),
+    ("SOURCE = 'web' AND flag flag", "at column 25: 'flag' is left over"),  # Lance's own names too
+    ("n = 3\nOR n = 4 x", "at line 2, column 10"),
+    ("EXISTS (SELECT 1)", "at column 9: subqueries are not filters"),
+    ("n IN (SELECT n FROM examples)", "at column 7: subqueries are not filters"),
+    ("n = 3 OR n = (select 1)", "at column 15: subqueries are not filters"),
+    ("\"source\" = 'web'", "at column 1: the comparison 'source' = 'web' names no column"),
+    ("1 = 1", "at column 1: the comparison 1 = 1 names no column"),
+    ("n > 3 OR 'a' LIKE 'a%'", "at column 10: the comparison 'a' LIKE 'a%' names no column"),
+    ("source = 'web' AND 2 BETWEEN 1 AND 3", "at column 20: the comparison 2 BETWEEN 1 AND 3 names no column"),
+    # Names only Lance resolves (in any case) do not hide the rest of the filter from the check.
+    ("SOURCE = 'web' OR 1 = 1", "at column 19: the comparison 1 = 1 names no column"),
+    ("SOURCE = 'web' AND EXISTS (SELECT 1)", "at column 28: subqueries are not filters"),
+]
+
+
+@pytest.mark.parametrize("where, problem", REFUSED)
+def test_a_filter_with_more_or_other_than_one_condition_on_columns_is_refused_where_it_goes_wrong(
+        rich, where, problem):
+    expect = f"invalid where filter {where!r}: {problem}"
+    for run in (lambda: rich.search(QUERY).where(where).to_arrow(),
+                lambda: rich.search(QUERY).where(where).route("stream").to_arrow(),
+                lambda: rich.scores([QUERY], where=where),
+                lambda: rich.stored.matching_rows(where)):
+        with pytest.raises(InputError) as caught:
+            run()
+        assert expect in str(caught.value) and "backticks" in str(caught.value), str(caught.value)
+    if '"' in where:
+        assert '"source" in double quotes is a string here, not a column: write `source`' in str(caught.value)
 
 
 def test_filters_on_an_index_without_rows_match_nothing(fitted_index_template, tmp_path):

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from eogp_index.errors import ConfigError
 from eogp_index.search.explain import module_dicts, module_terms
-from eogp_index.search.ranking import Direction, ranked_tables, sides_of
+from eogp_index.search.ranking import Direction, of_their_sign, ranked_tables, sides_of
 from eogp_index.search.searchers import (
     CandidateSearcher,
     HotSearcher,
@@ -61,7 +61,8 @@ class QueryOptions:
         k: rows per side. where: SQL filter on the stored columns (Lance's dialect).
         direction: ``positive`` (documents whose training lowers the query's loss; for a
             preference query, raises ``log p(chosen | prompt) - log p(rejected | prompt)``),
-            ``negative`` or ``both``. route: ``auto`` (the hot copy, on the index's device), ``hot``,
+            ``negative`` (the opposite) or ``both``; a side holds only scores of its sign, so it may
+            hold fewer than ``k`` rows, or none. route: ``auto`` (the hot copy, on the index's device), ``hot``,
             ``stream`` (the table in batches, for stores larger than memory), ``sharded``
             (torchrun workers share the fragments), ``candidates`` (FAISS first pass).
         candidates: FAISS candidates per side, for the ``candidates`` route.
@@ -159,7 +160,7 @@ class InfluenceQuery:
         opts = self.options
         sides = sides_of(opts.direction)
         y = self._index.query_coordinates(self._queries) if coordinates is None else np.asarray(coordinates, np.float32)
-        found = self.searcher().top_k(y, opts.k, sides, opts.where)
+        found = of_their_sign(self.searcher().top_k(y, opts.k, sides, opts.where))  # every route
         modules = [self._module_terms(hits, y[q]) for q, hits in enumerate(found)] if opts.by_module else None
         return ranked_tables(self._index.stored, found, with_direction=opts.direction == "both",
                              modules=modules)

@@ -5,6 +5,11 @@ candidates) ends with :class:`Hits` per query and side. They are ordered here by
 best score first, equal scores by ascending Lance row address (table order) — and turned into
 the users' tables by :func:`ranked_tables`, which reads the rows' metadata (from the hot copy
 when it is loaded).
+
+A side holds only rows of its sign (:func:`of_their_sign`): a positive score on the positive
+side (training on the document lowers the query's loss), a negative one on the negative side,
+a zero on neither. A side with fewer than ``k`` such rows among those searched is shorter, or
+empty, rather than filled with rows of the other sign.
 """
 
 from __future__ import annotations
@@ -56,6 +61,14 @@ class Hits:
         order = np.lexsort((rowaddr, -scores if side == "positive" else scores))[:k]
         return Hits(rowaddr[order], scores[order])
 
+    def of_sign(self, side: Side) -> "Hits":
+        """The hits of ``side``'s sign (scores ``> 0`` positive, ``< 0`` negative), order kept.
+
+        Exact on a side's top ``k``: its rows of the other sign can only stand after all of its
+        own, so what remains is the top of the rows of that sign."""
+        keep = self.scores > 0 if side == "positive" else self.scores < 0
+        return self if keep.all() else Hits(self.rowaddr[keep], self.scores[keep])
+
     @staticmethod
     def merge(parts: Sequence["Hits"], k: int, side: Side) -> "Hits":
         """Exact top ``k`` of the union of several top-k lists (e.g. one per shard or batch)."""
@@ -63,6 +76,11 @@ class Hits:
             return Hits.empty()
         return Hits.best(np.concatenate([p.rowaddr for p in parts]), np.concatenate([p.scores for p in parts]),
                          k, side)
+
+
+def of_their_sign(found: Sequence[Dict[Side, Hits]]) -> List[Dict[Side, Hits]]:
+    """Each query's sides keeping only the hits of that side's sign (:meth:`Hits.of_sign`)."""
+    return [{side: hits.of_sign(side) for side, hits in by_side.items()} for by_side in found]
 
 
 def ranked_tables(stored: StoredIndex, found: Sequence[Dict[Side, Hits]], *, with_direction: bool,
@@ -99,7 +117,8 @@ def ranked_tables(stored: StoredIndex, found: Sequence[Dict[Side, Hits]], *, wit
             if with_direction:
                 part = part.add_column(0, "direction", strings_to_arrow([side] * len(hits.scores)))
             parts.append(part)
-        result = pa.concat_tables(parts)
+        # An empty side's modules column has no type yet: it takes the other side's.
+        result = pa.concat_tables(parts, promote_options="default")
         front = [c for c in ("direction", "rank", "id", "score", "modules") if c in result.column_names]
         answers.append(result.select(front + [c for c in result.column_names if c not in front]))
     return answers

@@ -1,8 +1,9 @@
 """One searcher per route: where the stored codes are read from and which kernel scores them.
 
 Every searcher answers the same question — the exact top ``k`` rows per query and side among
-the rows matching ``where`` — and returns :class:`~eogp_index.search.ranking.Hits`; ranking
-and metadata are :mod:`eogp_index.search.ranking`'s job. The routes:
+the rows matching ``where`` — and returns :class:`~eogp_index.search.ranking.Hits`; ranking,
+keeping each side to rows of its sign, and metadata are :mod:`eogp_index.search.ranking`'s job
+(applied to every route's answer by the query builder). The routes:
 
 ========================  ================================================================
 :class:`HotSearcher`      the in-memory hot copy, CPU kernels (the default)
@@ -25,6 +26,7 @@ import numpy as np
 
 from eogp_index.search.ranking import Hits, Side
 from eogp_index.store.codecs import Encoded, SignLayout
+from eogp_index.store.filters import check_filter
 from eogp_index.store.stored_index import StoredIndex
 
 #: Record batches streamed from Lance are sized in bytes: wide codes make rows large.
@@ -158,6 +160,8 @@ class StreamSearcher:
               *, fragment_ids: Optional[Sequence[int]] = None) -> Found:
         best: Found = [{side: Hits.empty() for side in sides} for _ in range(y.shape[0])]
         store, codec = self.stored.store, self.stored.codec
+        if where is not None:  # Lance alone would drop what it cannot parse (store/filters.py)
+            check_filter(where, store.schema, store)
         if store.table is None:
             return best
         dataset = store.dataset()

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eogp_index.serve.batching import MicroBatcher, QueueFull
 from eogp_index.serve.config import ServeConfig
 from eogp_index.serve.engine import Engine, QueryJob, RequestError
-from eogp_index.serve.middleware import AccessLog, BearerToken, BodyLimit, error_payload
+from eogp_index.serve.middleware import AccessLog, BearerToken, BodyLimit, JsonBody, error_payload
 from eogp_index.serve.schemas import ErrorResponse, ExplainRequest, QueryRequest, QueryResponse
 from eogp_index.serve.selection import add_select_route
 from eogp_index.version import __version__
@@ -259,7 +259,8 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
         return FileResponse(STATIC / "index.html")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    # Outermost first: the log sees every response, then the size limit, then the token.
+    # Outermost first: the log sees every response, then the size limit, the token, the JSON body.
+    app.add_middleware(JsonBody)
     app.add_middleware(BearerToken, token=config.token)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(AccessLog)

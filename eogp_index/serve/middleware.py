@@ -1,4 +1,4 @@
-"""ASGI middleware of the server: request size limit, bearer token, structured access log.
+"""ASGI middleware of the server: request size limit, bearer token, JSON bodies, structured access log.
 
 Plain ASGI (no ``BaseHTTPMiddleware``): nothing is buffered, and each layer is a few lines.
 Refusals use the API's error shape, ``{"error": {"status", "field", "message"}}``.
@@ -73,23 +73,45 @@ class BodyLimit:
 class BearerToken:
     """With a token set, ``/v1/`` endpoints need ``Authorization: Bearer TOKEN`` (401 otherwise).
 
-    The page, its assets, ``/healthz`` and the OpenAPI schema stay open: they hold no data.
+    The scheme is read in any case (``bearer``, ``BEARER``: RFC 7235 makes it case-insensitive);
+    the token is compared exactly. The page, its assets, ``/healthz`` and the OpenAPI schema stay
+    open: they hold no data.
     """
 
     def __init__(self, app, token: Optional[str]):
         self.app = app
-        self.expected = f"Bearer {token}".encode() if token else None
+        self.expected = token.encode() if token else None
 
     async def __call__(self, scope, receive, send):
         if self.expected is None or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if not secrets.compare_digest(given, self.expected):
-            what = "no Authorization header" if not given else "a wrong token"
+        scheme, _, credentials = given.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not secrets.compare_digest(credentials.strip(), self.expected):
+            what = ("no Authorization header" if not given else "a wrong token" if scheme.lower() == b"bearer"
+                    else f"the scheme {scheme.decode('latin-1')[:20]!r}")
             return await send_error(send, 401, "authorization",
                                     f"this server needs 'Authorization: Bearer <token>' and got {what}; "
                                     "ask whoever started `eogp serve --token` for it",
                                     headers={"WWW-Authenticate": "Bearer"})
+        await self.app(scope, receive, send)
+
+
+class JsonBody:
+    """Request bodies of ``/v1/`` are JSON whatever their Content-Type claims.
+
+    ``curl -d`` sends ``application/x-www-form-urlencoded``, for which FastAPI would not parse
+    the body at all; here the header is set to ``application/json``, so a JSON body is read as
+    one and anything else is refused as invalid JSON, with that parser's message.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
         await self.app(scope, receive, send)
 
 

@@ -103,9 +103,22 @@ def test_requests_that_arrive_together_share_one_pass_and_keep_their_own_options
                 continue
             got, want = answer.json()["results"], single.json()["results"]
             assert [(r.get("direction"), r["id"]) for r in got] == [(r.get("direction"), r["id"]) for r in want]
-            assert len(got) == body["k"] * (2 if body.get("direction", "both") == "both" else 1)
+            for side, sign in (("positive", 1), ("negative", -1)):  # up to k per side, each of its sign
+                scores = [r["score"] for r in got if r.get("direction", body.get("direction")) == side]
+                assert len(scores) <= body["k"] and all(sign * score > 0 for score in scores)
     assert _error(answers[6], 400, "text")
     assert "invalid where filter" in _error(answers[7], 400, "where")
+
+
+@pytest.mark.parametrize("where, problem", [
+    ("kind = 'class' garbage", "at column 16: 'garbage' is left over"),
+    ("n > 3; DROP TABLE examples", "at column 6: ';' starts a second statement"),
+    ("kind IN (SELECT kind FROM examples)", "at column 10: subqueries are not filters"),
+    ("'class' = 'class'", "at column 1: the comparison 'class' = 'class' names no column"),
+])
+def test_a_filter_that_is_not_one_condition_on_columns_is_refused_with_its_position(client, where, problem):
+    message = _error(client.post("/v1/query", json={"text": QUERY, "where": where}), 400, "where")
+    assert problem in message and "backticks" in message
 
 
 def test_user_errors_name_the_field_and_what_to_fix(client):
@@ -166,6 +179,27 @@ def test_bearer_token(served_index):
         assert guarded.get("/v1/info", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert guarded.get("/v1/info", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert guarded.get("/healthz").status_code == 200 and guarded.get("/").status_code == 200
+        # RFC 7235: the scheme is case-insensitive; the token is not.
+        for given in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret"):
+            assert guarded.get("/v1/info", headers={"Authorization": given}).status_code == 200, given
+        for given in ("bearer S3CRET", "Basic s3cret", "s3cret", "Bearer"):
+            assert guarded.get("/v1/info", headers={"Authorization": given}).status_code == 401, given
+        assert "'Basic'" in _error(guarded.get("/v1/info", headers={"Authorization": "Basic s3cret"}), 401,
+                                   "authorization")
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain",
+                                          "application/json; charset=utf-8", "multipart/form-data"])
+def test_a_json_body_is_read_whatever_its_content_type_claims(client, content_type):
+    body = {"text": QUERY, "k": 2, "where": "kind = 'class'"}
+    expected = client.post("/v1/query", json=body).json()["results"]
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    answer = client.post("/v1/query", content=json.dumps(body).encode(), headers=headers)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["results"] == expected
+    # Not JSON at all, as a form would send it: the message says what is wrong with it.
+    form = client.post("/v1/query", content=b"text=t1+t2&k=2", headers=headers)
+    assert "not valid JSON" in _error(form, 422, "body")
 
 
 def test_info_examples_health_and_schema(client, served_index):

@@ -147,13 +147,17 @@ async function search(event) {
                  by_module: true };
   const where = $("where").value.trim();
   if (where) body.where = where;
+  // What is on the page answers the previous query: gone before this one is asked, so that
+  // neither a failed search nor the new answer stands beside stale hits or explanations.
+  $("results").replaceChildren();
+  clearDetail();
   $("status").textContent = "searching…";
   $("search").disabled = true;
   try {
     const answer = await api("/v1/query", body);
     state.lastQuery = query.text !== undefined ? query.text : query.messages;
     $("status").textContent = `${answer.results.length} hits in ${Math.round(answer.took_ms)} ms`;
-    renderResults(answer.results);
+    renderResults(answer.results, body.direction);
   } catch (err) {
     $("status").textContent = "";
     showError(err);
@@ -162,21 +166,30 @@ async function search(event) {
   }
 }
 
-function renderResults(rows) {
+function clearDetail() {
+  state.selected = null;
+  $("detail").replaceChildren(el("p", { class: "muted placeholder",
+    text: "Select a result to see its score by module and by token." }));
+}
+
+// A side lists only documents of its sign (the server's rule), so it may be short or empty.
+const SIDES = {
+  positive: { title: "Helps: training on these lowers the query's loss", none: "No documents help this query." },
+  negative: { title: "Hurts: training on these raises the query's loss", none: "No documents hurt this query." },
+};
+
+function renderResults(rows, direction) {
   const container = $("results");
   container.replaceChildren();
-  if (!rows.length) {
-    container.append(el("p", { class: "muted", text: "No stored document matches." }));
-    return;
-  }
-  const top = Math.max(...rows.map((row) => Math.abs(row.score))) || 1;
-  const sides = rows[0].direction ? ["positive", "negative"] : [null];
+  const top = Math.max(0, ...rows.map((row) => Math.abs(row.score))) || 1;
+  const sides = direction === "both" ? ["positive", "negative"] : [direction];
   for (const side of sides) {
-    const hits = rows.filter((row) => side === null || row.direction === side);
-    if (!hits.length) continue;
-    if (side) container.append(el("h2", { class: `side ${side}`,
-      text: side === "positive" ? "Helps: training on these lowers the query's loss" :
-                                  "Hurts: training on these raises the query's loss" }));
+    const hits = rows.filter((row) => (row.direction || direction) === side);
+    if (direction === "both") container.append(el("h2", { class: `side ${side}`, text: SIDES[side].title }));
+    if (!hits.length) {
+      container.append(el("p", { class: `muted none ${side}`, text: SIDES[side].none }));
+      continue;
+    }
     const list = el("ol", { class: "hits" });
     for (const row of hits) list.append(hitItem(row, top));
     container.append(list);
