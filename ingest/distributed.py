@@ -248,7 +248,7 @@ class _Worker:
         self.on_error = on_error
         self.commit_every = commit_every
         self.spec = effective_spec(index, spec)
-        check_metadata_fields(index, self.spec)
+        check_metadata_fields(index, self.spec, new_allowed=False)
         self.rows_per_step = commit_rows(batch_size, index.gradients.batch_size)
         shards = expand_shards(list(patterns))
         shard_names(shards, root=shard_root)  # names must be unique across all workers' shards
@@ -441,6 +441,13 @@ class _Worker:
         import pyarrow as pa
         from lance.fragment import write_fragments
 
+        new = [name for name in rows.column_names if name not in self.schema.names]
+        if new:  # a field that had only nulls when the table was made: never drop its values
+            raise InputError(
+                f"metadata fields {new} have values here but are not columns of the table (their first "
+                "rows held only nulls when the table was made); workers under torchrun cannot add columns: "
+                "ingest a shard holding values of these fields without torchrun first, then rerun",
+                reason="new metadata fields")
         try:
             rows = rows.select(self.schema.names).cast(self.schema)
         except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:

@@ -166,8 +166,12 @@ def effective_spec(index: AttributionIndex, spec: RecordSpec) -> RecordSpec:
     return spec
 
 
-def check_metadata_fields(index: AttributionIndex, spec: RecordSpec) -> None:
-    """Refuse metadata fields the table cannot take, before any record is read."""
+def check_metadata_fields(index: AttributionIndex, spec: RecordSpec, *, new_allowed: bool = True) -> None:
+    """Refuse metadata fields the table cannot take, before any record is read.
+
+    A field the existing table lacks becomes a new column (the rows stored before hold null),
+    unless ``new_allowed`` is False (a run under torchrun, whose workers write to a fixed schema).
+    """
     reserved = [name for name in spec.metadata_fields if name in RESERVED_COLUMNS]
     if reserved:
         raise ConfigError(
@@ -175,14 +179,15 @@ def check_metadata_fields(index: AttributionIndex, spec: RecordSpec) -> None:
             "leave them out of RecordSpec.metadata_fields (--metadata)"
         )
     schema = index.store.schema
-    if schema is None:
+    if schema is None or new_allowed:
         return
     new = [name for name in spec.metadata_fields if name not in schema.names]
     if new:
         known = [n for n in index.store.metadata_columns() if n not in RESERVED_COLUMNS]
         raise ConfigError(
             f"metadata fields {new} are not columns of the existing table {index.store.table_name!r} "
-            f"(its metadata columns: {known}); ingest with the metadata fields the table was built with"
+            f"(its metadata columns: {known}); workers under torchrun cannot add columns: ingest one "
+            "shard with the new fields without torchrun first (that adds the columns), then the rest"
         )
 
 
@@ -428,7 +433,7 @@ def run_ingest(
         patterns: shard files (JSON Lines, plain/.gz/.zst; Parquet; ``save_to_disk``
             directories, ``dir::split`` for a split), or globs; read in sorted path order.
         spec: which record fields hold the content, id and metadata (``metadata_fields`` become
-            typed table columns) and ``max_tokens`` (default: the index's).
+            typed, nullable table columns; a list of scalars becomes an Arrow list) and ``max_tokens`` (default: the index's).
         on_error: ``"raise"``: the first bad record raises :class:`InputError` naming its shard
             and line/row, and nothing of the batch it falls in is stored. Batches committed
             before it stay stored; fix the record and run again to continue from there.
@@ -456,8 +461,8 @@ def run_ingest(
     Raises:
         InputError: a bad record (``on_error="raise"``) or a shard that cannot be read at all
             (a missing file, an unsupported format, a corrupt compressed stream: in both modes).
-        ConfigError: bad options, metadata fields the existing table lacks, or another ingest
-            holding the index.
+        ConfigError: bad options, or another ingest holding the index. A metadata field the
+            existing table lacks is added as a column (older rows hold null).
     """
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")

@@ -137,11 +137,62 @@ def test_ingest_twice_stores_each_example_once(index_dir, tmp_path, tokenizer):
     assert table.num_rows == 10 and set(table.column("shard").to_pylist()) == {"books.parquet"}
 
 
-def test_new_metadata_field_on_existing_table_is_refused(index_dir, tmp_path):
+def test_new_metadata_field_joins_an_existing_table_and_old_rows_hold_null(index_dir, tmp_path):
     shards = corpus(tmp_path, n_jsonl=4, n_parquet=0)[:1]
     run_ingest(open_index(index_dir), shards, spec=RecordSpec(metadata_fields=("source",)), progress=False)
-    with pytest.raises(ConfigError, match=r"metadata fields \['n'\] are not columns of the existing table"):
-        run_ingest(open_index(index_dir), shards, spec=RecordSpec(metadata_fields=("source", "n")), progress=False)
+    index = open_index(index_dir)
+    index.stored.hot_codes()  # a hot copy made before the column exists must not hide it afterwards
+    late = write_lines(tmp_path / "late.jsonl", [{"text": doc(i, "late"), "source": "web", "n": i} for i in range(3)])
+    summary = run_ingest(index, [late], spec=RecordSpec(metadata_fields=("source", "n")), progress=False)
+    assert summary.stored == 3
+    store = open_index_store(index_dir)
+    assert str(store.schema.field("n").type) == "int64"
+    assert store.count("n IS NULL") == 4 and store.count("n >= 0") == 3
+    reopened = open_index(index_dir)
+    for route in ("hot", "stream"):
+        hits = reopened.search(doc(1)).limit(10).direction("positive").where("n IS NULL").route(route).to_arrow()
+        assert hits.num_rows > 0 and hits.column("n").null_count == hits.num_rows, route
+
+
+def test_corpus_with_nulls_lists_a_surrogate_and_a_late_field_stores_every_valid_record(index_dir, tmp_path):
+    spec = RecordSpec(id_field="id", metadata_fields=("lang", "stars", "score", "ok", "tags", "sizes", "late"))
+    lines = [
+        {"id": "a", "text": doc(0), "lang": "en", "stars": 3, "score": 0.5, "ok": True, "tags": ["x", "y"], "sizes": [1]},
+        {"id": "b", "text": doc(1), "lang": None, "stars": None, "score": None, "ok": None, "tags": None},
+        {"id": "c", "text": doc(2) + " \ud800 broken"},                                 # 3 lone surrogate: rejected
+        {"id": "d", "text": doc(3), "tags": [], "sizes": [2, None, 4], "score": 2},
+        {"id": "e", "messages": [{"role": "user", "content": "hi \udfff"},
+                                 {"role": "assistant", "content": "ok"}]},             # 5 surrogate in a chat
+        {"id": "f", "text": doc(5), "tags": ["z", 1]},                                  # 6 mixed list items
+        {"id": "g", "text": doc(6), "stars": 1.5},                                       # 7 float in an int field
+        {"id": "h", "text": doc(7), "lang": "fr", "tags": ["\u0000nul", "\uffff"]},   # NUL, non-character: kept
+    ]
+    early = tmp_path / "early.jsonl"
+    early.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    late = write_lines(tmp_path / "late.jsonl", [{"id": "i", "text": doc(8), "late": ["new"]},
+                                                 {"id": "j", "text": doc(9), "late": [{"no": 1}]}])  # 2 a dict item
+    rejects = tmp_path / "rejects.jsonl"
+    summary = run_ingest(open_index(index_dir), [early, late], spec=spec, on_error="skip", rejects_path=rejects,
+                         batch_size=4, progress=False)
+    entries = [json.loads(line) for line in rejects.read_text().splitlines()]
+    assert [e["location"] for e in entries] == ["early.jsonl:3", "early.jsonl:5", "early.jsonl:6", "early.jsonl:7",
+                                                "late.jsonl:2"]
+    assert "field 'text': character" in entries[0]["reason"] and "surrogate" in entries[0]["reason"]
+    assert "field 'messages[0].content'" in entries[1]["reason"]
+    assert "field 'tags'" in entries[2]["reason"] and "field 'stars'" in entries[3]["reason"]
+    assert "field 'late'" in entries[4]["reason"]
+    assert (summary.stored, summary.rejected) == (5, 5)
+    store = open_index_store(index_dir)
+    rows = {r["id"]: r for r in store.read(["id", *spec.metadata_fields]).to_pylist()}
+    assert sorted(rows) == ["a", "b", "d", "h", "i"]
+    assert rows["a"] == {"id": "a", "lang": "en", "stars": 3, "score": 0.5, "ok": True, "tags": ["x", "y"],
+                         "sizes": [1], "late": None}
+    assert rows["b"]["lang"] is None and rows["b"]["tags"] is None and rows["d"]["score"] == 2.0
+    assert rows["d"]["tags"] == [] and rows["d"]["sizes"] == [2, None, 4]
+    assert rows["h"]["tags"] == ["\x00nul", "\uffff"] and rows["i"]["late"] == ["new"]
+    assert str(store.schema.field("tags").type) == "list<item: string>"
+    assert sorted(store.read(["id"], "array_has(tags, 'x')").column("id").to_pylist()) == ["a"]
+    assert sorted(store.read(["id"], "lang IS NULL").column("id").to_pylist()) == ["b", "d", "i"]
 
 
 # -- kill -9 and resume ---------------------------------------------------------------------------

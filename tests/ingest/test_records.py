@@ -331,8 +331,13 @@ BAD_RECORDS = [
     ("empty input_ids", {"input_ids": [], "doc_id": "b", "lang": "en"}, r"field 'input_ids': empty document"),
     ("one token", {"input_ids": [5], "doc_id": "b", "lang": "en"}, r"no loss tokens \(a single token"),
     ("no assistant", {"messages": [{"role": "user", "content": "hi"}], "doc_id": "b", "lang": "en"}, r"field 'messages': no loss tokens"),
-    ("missing metadata", {"text": "a", "doc_id": "b"}, r"missing metadata field 'lang'"),
-    ("metadata nested", {"text": "a", "doc_id": "b", "lang": ["en"]}, r"field 'lang': metadata values must be str, int, float or bool, got list"),
+    ("metadata list in a str field", {"text": "a", "doc_id": "b", "lang": ["en"]}, r"field 'lang': metadata value \['en'\] is a list of str, but the field is str"),
+    ("metadata nested", {"text": "a", "doc_id": "b", "lang": {"en": 1}}, r"field 'lang': metadata values must be str, int, float, bool, null or a list of these, got dict"),
+    ("metadata list of lists", {"text": "a", "doc_id": "b", "lang": [["en"]]}, r"field 'lang': a metadata list holds str, int, float, bool or null items, item 0 is list"),
+    ("metadata surrogate", {"text": "a", "doc_id": "b", "lang": "e\ud800n"}, r"field 'lang': character 1 is U\+D800, a lone UTF-16 surrogate"),
+    ("text surrogate", {"text": "ab\udc00", "doc_id": "b", "lang": "en"}, r"field 'text': character 2 is U\+DC00"),
+    ("id surrogate", {"text": "a", "doc_id": "\ud83d", "lang": "en"}, r"field 'doc_id': character 0 is U\+D83D"),
+    ("chat surrogate", {"messages": [{"role": "user", "content": "\udfff"}, {"role": "assistant", "content": "b"}], "doc_id": "b", "lang": "en"}, r"field 'messages\[0\]\.content': character 0 is U\+DFFF"),
     ("metadata wrong type", {"text": "a", "doc_id": "b", "lang": 3}, r"field 'lang': metadata value 3 is int, but the field is str"),
     ("duplicate id", {"text": "again", "doc_id": "g1", "lang": "en"}, r"duplicate id 'g1': already used by the record at bad\.jsonl:1"),
     ("malformed json", '{"text": "unterminated', r"malformed JSON"),
@@ -364,7 +369,7 @@ def test_bad_record_skipped_with_reason(tokenizer, jsonl_writer, tmp_path, case,
     assert (rejected.shard, rejected.position, rejected.location) == ("bad.jsonl", 3, "bad.jsonl:4")
     assert re.search(pattern, rejected.reason)
     assert not rejected.reason.startswith("bad.jsonl")  # the reason is without the location
-    expected_id = bad.get("doc_id") if isinstance(bad, dict) else None
+    expected_id = bad.get("doc_id") if isinstance(bad, dict) and case != "id surrogate" else None
     assert rejected.record_id == expected_id
 
 
