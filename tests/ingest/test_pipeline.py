@@ -391,3 +391,75 @@ def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenize
     rerun = json.loads(again.stdout[again.stdout.index("{"):])
     assert (rerun["stored"], rerun["skipped_existing"]) == (0, 32)
     assert open_index_store(distributed).count() == 32
+
+
+# -- generated metadata: nulls and lists of every type ------------------------------------------
+METADATA_TYPES = {"str": lambda rng: rng.choice(["en", "fr", "", "\x00", "\ufdd0", "é"]),
+                  "int": lambda rng: rng.randrange(-2**63, 2**63), "float": lambda rng: rng.uniform(-1e9, 1e9),
+                  "bool": lambda rng: rng.random() < 0.5}
+
+
+def _wrong_metadata(rng, kind: str, is_list: bool):
+    """A value no field of this kind takes: another type, a nested value or bad text."""
+    other = rng.choice([k for k in METADATA_TYPES if k != kind and (kind, k) != ("float", "int")])
+    value = METADATA_TYPES[other](rng)
+    return rng.choice([[value] if is_list else value, {"a": 1}, [[1]], "bad \ud800" if kind == "str" else [value],
+                       2**64 if kind == "int" else value])
+
+
+def _generated_metadata(rng, first: bool):
+    """One record's metadata (a scalar and a list field per type) and whether it is valid."""
+    record, valid = {}, True
+    for kind, make in METADATA_TYPES.items():
+        for is_list in (False, True):
+            name = f"{'l' if is_list else 'm'}_{kind}"
+            roll = 0.5 if first else rng.random()
+            if roll < 0.04:
+                record[name], valid = _wrong_metadata(rng, kind, is_list), False
+            elif roll < 0.2:
+                continue  # absent
+            elif roll < 0.35:
+                record[name] = None
+            elif is_list:
+                record[name] = [None if rng.random() < 0.2 and not first else make(rng) for _ in range(rng.randrange(
+                    1 if first else 0, 4))]
+            else:
+                record[name] = rng.randrange(-5, 5) if kind == "float" and rng.random() < 0.3 else make(rng)
+    return record, valid
+
+
+def test_generated_nulls_and_lists_of_every_metadata_type_store_every_valid_record(index_dir, tmp_path):
+    import random
+
+    rng = random.Random(7)
+    records, valid = [], []
+    for i in range(40):
+        metadata, ok = _generated_metadata(rng, first=i == 0)
+        records.append({"id": f"r{i}", "text": doc(i), **metadata})
+        valid.append(ok)
+    shard = tmp_path / "generated.jsonl"
+    shard.write_text("".join(json.dumps(r) + "\n" for r in records))
+    fields = tuple(f"{p}_{k}" for k in METADATA_TYPES for p in "ml")
+    rejects = tmp_path / "rejects.jsonl"
+    summary = run_ingest(open_index(index_dir), [shard], spec=RecordSpec(id_field="id", metadata_fields=fields),
+                         on_error="skip", rejects_path=rejects, batch_size=4, progress=False)
+    rejected = [json.loads(line) for line in rejects.read_text().splitlines()] if rejects.exists() else []
+    assert [e["location"] for e in rejected] == [f"generated.jsonl:{i + 1}" for i, ok in enumerate(valid) if not ok]
+    assert all(any(f"'{name}" in e["reason"] for name in fields) for e in rejected), rejected
+    assert summary.stored == sum(valid) >= 10 and summary.rejected == len(rejected) >= 3
+    store = open_index_store(index_dir)
+    rows = {row.pop("id"): row for row in store.read(["id", *fields]).to_pylist()}
+    for record, ok in zip(records, valid):
+        if not ok:
+            assert record["id"] not in rows
+            continue
+        expected = {name: record.get(name) for name in fields}
+        for name in ("m_float", "l_float"):  # ints in a float field are stored as floats
+            value = expected[name]
+            expected[name] = [None if v is None else float(v) for v in value] if isinstance(value, list) else (
+                None if value is None else float(value))
+        assert rows[record["id"]] == expected
+    for name in fields:  # null-aware filters see exactly the records without a value
+        nulls = sorted(r["id"] for r, ok in zip(records, valid) if ok and r.get(name) is None)
+        assert sorted(store.read(["id"], f"{name} IS NULL").column("id").to_pylist()) == nulls
+    assert str(store.schema.field("l_bool").type) == "list<item: bool>"
