@@ -166,9 +166,11 @@ def effective_spec(index: AttributionIndex, spec: RecordSpec) -> RecordSpec:
     return spec
 
 
-def check_metadata_fields(index: AttributionIndex, spec: RecordSpec, *, new_allowed: bool = True) -> None:
+def check_metadata_fields(index, spec: RecordSpec, *, new_allowed: bool = True) -> None:
     """Refuse metadata fields the table cannot take, before any record is read.
 
+    index: an :class:`AttributionIndex` or the :class:`~eogp_index.store.stored_index.StoredIndex`
+    under it (only its table is read).
     A field the existing table lacks becomes a new column (the rows stored before hold null),
     unless ``new_allowed`` is False (a run under torchrun, whose workers write to a fixed schema).
     """
@@ -189,6 +191,20 @@ def check_metadata_fields(index: AttributionIndex, spec: RecordSpec, *, new_allo
             f"(its metadata columns: {known}); workers under torchrun cannot add columns: ingest one "
             "shard with the new fields without torchrun first (that adds the columns), then the rest"
         )
+
+
+def check_before_loading(stored, patterns: Sequence[str | Path], spec: RecordSpec, *,
+                         shard_root: str | Path | None, store_text: Optional[int], distributed: bool = False) -> None:
+    """The checks of an ingest that need no model, so that a mistake is reported before the model
+    loads (minutes, for a large one): every shard exists and has a supported format, shard names
+    are unique, the metadata fields fit the table, the ``store_text`` setting agrees with the index.
+
+    stored: the index's :class:`~eogp_index.store.stored_index.StoredIndex` (no weights loaded).
+    Raises :class:`InputError` or :class:`ConfigError`, as the run itself would.
+    """
+    shard_names(expand_shards(list(patterns)), root=shard_root)
+    check_metadata_fields(stored, spec, new_allowed=not distributed)
+    stored.agree_store_text(store_text)
 
 
 def _metadata_fits(example: Example, schema: Optional[pa.Schema]) -> Optional[str]:
