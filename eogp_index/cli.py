@@ -264,7 +264,8 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
 @click.argument("index_dir", type=INDEX_DIR)
 @click.option("--text", "texts", multiple=True, help="A query text (repeatable).")
 @click.option("--queries", "queries_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="JSONL file of queries: {text} / {messages} / {input_ids} records.")
+              help="JSONL file of queries: {text} / {messages} / {input_ids} records. A bad line is reported "
+                   "by its line number and the other queries are still answered (exit status 1).")
 @click.option("--limit-queries", type=click.IntRange(min=1), default=None,
               help="Use only the first N queries of --queries.")
 @click.option("-k", "k", type=click.IntRange(min=1), default=10, show_default=True,

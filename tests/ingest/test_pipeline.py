@@ -155,12 +155,12 @@ def test_new_metadata_field_joins_an_existing_table_and_old_rows_hold_null(index
 
 
 def test_corpus_with_nulls_lists_a_surrogate_and_a_late_field_stores_every_valid_record(index_dir, tmp_path):
-    spec = RecordSpec(id_field="id", metadata_fields=("lang", "stars", "score", "ok", "tags", "sizes", "late"))
+    spec = RecordSpec(id_field="id", metadata_fields=("lang", "stars", "quality", "ok", "tags", "sizes", "late"))
     lines = [
-        {"id": "a", "text": doc(0), "lang": "en", "stars": 3, "score": 0.5, "ok": True, "tags": ["x", "y"], "sizes": [1]},
-        {"id": "b", "text": doc(1), "lang": None, "stars": None, "score": None, "ok": None, "tags": None},
+        {"id": "a", "text": doc(0), "lang": "en", "stars": 3, "quality": 0.5, "ok": True, "tags": ["x", "y"], "sizes": [1]},
+        {"id": "b", "text": doc(1), "lang": None, "stars": None, "quality": None, "ok": None, "tags": None},
         {"id": "c", "text": doc(2) + " \ud800 broken"},                                 # 3 lone surrogate: rejected
-        {"id": "d", "text": doc(3), "tags": [], "sizes": [2, None, 4], "score": 2},
+        {"id": "d", "text": doc(3), "tags": [], "sizes": [2, None, 4], "quality": 2},
         {"id": "e", "messages": [{"role": "user", "content": "hi \udfff"},
                                  {"role": "assistant", "content": "ok"}]},             # 5 surrogate in a chat
         {"id": "f", "text": doc(5), "tags": ["z", 1]},                                  # 6 mixed list items
@@ -185,14 +185,20 @@ def test_corpus_with_nulls_lists_a_surrogate_and_a_late_field_stores_every_valid
     store = open_index_store(index_dir)
     rows = {r["id"]: r for r in store.read(["id", *spec.metadata_fields]).to_pylist()}
     assert sorted(rows) == ["a", "b", "d", "h", "i"]
-    assert rows["a"] == {"id": "a", "lang": "en", "stars": 3, "score": 0.5, "ok": True, "tags": ["x", "y"],
+    assert rows["a"] == {"id": "a", "lang": "en", "stars": 3, "quality": 0.5, "ok": True, "tags": ["x", "y"],
                          "sizes": [1], "late": None}
-    assert rows["b"]["lang"] is None and rows["b"]["tags"] is None and rows["d"]["score"] == 2.0
+    assert rows["b"]["lang"] is None and rows["b"]["tags"] is None and rows["d"]["quality"] == 2.0
     assert rows["d"]["tags"] == [] and rows["d"]["sizes"] == [2, None, 4]
     assert rows["h"]["tags"] == ["\x00nul", "\uffff"] and rows["i"]["late"] == ["new"]
     assert str(store.schema.field("tags").type) == "list<item: string>"
     assert sorted(store.read(["id"], "array_has(tags, 'x')").column("id").to_pylist()) == ["a"]
     assert sorted(store.read(["id"], "lang IS NULL").column("id").to_pylist()) == ["b", "d", "i"]
+    index = open_index(index_dir)
+    for where, ids in (("array_has(tags, 'x')", ["a"]), ("lang IS NULL", ["b", "d", "i"]),
+                       ("array_length(sizes) = 3", ["d"]), ("late IS NOT NULL", ["i"])):
+        for route in ("hot", "stream"):  # the hot copy's DataFusion and Lance alike
+            hits = index.search(doc(0)).limit(10).direction("both").where(where).route(route).to_arrow()
+            assert sorted(set(hits.column("id").to_pylist())) == ids, (where, route)
 
 
 # -- kill -9 and resume ---------------------------------------------------------------------------
