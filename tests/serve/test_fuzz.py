@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from eogp_index.serve.app import create_app  # noqa: E402
 from eogp_index.serve.config import ServeConfig  # noqa: E402
+from oddtext import with_odd  # noqa: E402
 
 #: (method, path, JSON body or raw bytes, the field the answer must name)
 Case = Tuple[str, str, Any, str]
@@ -185,32 +186,6 @@ def test_at_least_200_generated_bad_requests_get_4xx_naming_the_field(client, se
 
 
 # -- invalid Unicode in every text field ------------------------------------------------------------
-def _odd_code_point(rng: random.Random) -> str:
-    """A code point that breaks naive text handling: a lone UTF-16 surrogate (not Unicode text),
-    NUL or a non-character (valid, if unusual)."""
-    kind = rng.choice(["surrogate", "surrogate", "nul", "noncharacter"])
-    if kind == "surrogate":
-        return chr(rng.randrange(0xD800, 0xE000))
-    if kind == "nul":
-        return "\x00"
-    plane = rng.randrange(17) << 16
-    return chr(rng.choice([0xFDD0 + rng.randrange(32), plane | 0xFFFE, plane | 0xFFFF]))
-
-
-def _with_odd(rng: random.Random, text: str) -> Tuple[str, bool]:
-    """``text`` with one to three odd code points put in at random places, and whether the result
-    is invalid (two surrogates side by side may make a valid pair, which JSON reads as one character)."""
-    for _ in range(rng.randrange(1, 4)):
-        at = rng.randrange(len(text) + 1)
-        text = text[:at] + _odd_code_point(rng) + text[at:]
-    read = json.loads(json.dumps(text))  # as the server reads it
-    try:
-        read.encode("utf-8")
-    except UnicodeEncodeError:
-        return text, True
-    return text, False
-
-
 def _unicode_cases(rng: random.Random, n: int = 12) -> List[Tuple[str, str, bytes, str, bool]]:
     """(method, path, raw JSON body, the field at fault, whether it holds invalid Unicode) for each
     text field of each endpoint. JSON escapes the surrogates (``"\\ud800"``), as clients send them."""
@@ -228,7 +203,7 @@ def _unicode_cases(rng: random.Random, n: int = 12) -> List[Tuple[str, str, byte
     cases = []
     for (path, field_name), make in makers.items():
         for _ in range(n):
-            value, invalid = _with_odd(rng, _text(rng, rng.randrange(1, 6)) if field_name != "id" else "doc-1")
+            value, invalid = with_odd(rng, _text(rng, rng.randrange(1, 6)) if field_name != "id" else "doc-1")
             cases.append(("POST", path, json.dumps(make(value)).encode(), field_name.split(".")[0], invalid))
     return cases
 
