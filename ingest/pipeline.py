@@ -166,6 +166,10 @@ def effective_spec(index: AttributionIndex, spec: RecordSpec) -> RecordSpec:
     return spec
 
 
+#: The columns :func:`eogp_index.search.ranking.ranked_tables` puts before a hit's stored columns.
+ANSWER_COLUMNS = ("direction", "rank", "score", "modules")
+
+
 def check_metadata_fields(index, spec: RecordSpec, *, new_allowed: bool = True) -> None:
     """Refuse metadata fields the table cannot take, before any record is read.
 
@@ -179,6 +183,13 @@ def check_metadata_fields(index, spec: RecordSpec, *, new_allowed: bool = True) 
         raise ConfigError(
             f"metadata fields {reserved} clash with the table's own columns {list(RESERVED_COLUMNS)}; "
             "leave them out of RecordSpec.metadata_fields (--metadata)"
+        )
+    answer = [name for name in spec.metadata_fields if name in ANSWER_COLUMNS]
+    if answer:
+        raise ConfigError(
+            f"metadata fields {answer} clash with the columns every query answer leads with "
+            f"{list(ANSWER_COLUMNS)}; rename the field in the records (e.g. {answer[0]}_value) or leave it out "
+            "of RecordSpec.metadata_fields (--metadata)"
         )
     schema = index.store.schema
     if schema is None or new_allowed:

@@ -154,6 +154,14 @@ def test_new_metadata_field_joins_an_existing_table_and_old_rows_hold_null(index
         assert hits.num_rows > 0 and hits.column("n").null_count == hits.num_rows, route
 
 
+@pytest.mark.parametrize("name", ["shard", "score"])
+def test_metadata_field_named_like_a_table_or_answer_column_is_refused_before_reading(index_dir, tmp_path, name):
+    shard = write_lines(tmp_path / "a.jsonl", [{"text": doc(0), name: 1}])
+    with pytest.raises(ConfigError, match=rf"metadata fields \['{name}'\] clash with the"):
+        run_ingest(open_index(index_dir), [shard], spec=RecordSpec(metadata_fields=(name,)), progress=False)
+    assert stored_ids(index_dir) == []
+
+
 def test_corpus_with_nulls_lists_a_surrogate_and_a_late_field_stores_every_valid_record(index_dir, tmp_path):
     spec = RecordSpec(id_field="id", metadata_fields=("lang", "stars", "quality", "ok", "tags", "sizes", "late"))
     lines = [
