@@ -122,6 +122,7 @@ def fit(model, data, fit_data, out, projection, storage, curvature, modules, gra
     from eogp_index.data.readers import expand_shards
     from eogp_index.fit.sampling import sample_shards
     from eogp_index.gradients.model import load_model
+    from eogp_index.store.stored_index import check_index_dir
 
     if bool(data) == bool(fit_data):
         raise click.UsageError("give the shards to fit on with --data, or with --fit-data (not both)")
@@ -139,8 +140,10 @@ def fit(model, data, fit_data, out, projection, storage, curvature, modules, gra
     fit_log = logging.getLogger("eogp_index.fit")
     fit_log.addHandler(handler)
     fit_log.setLevel(logging.INFO)
-    expand_shards(list(fit_data or data))  # a missing shard or a stray file: said before the model loads
     try:
+        # Said before the model loads: a missing shard, a stray file, an index already at --out.
+        expand_shards(list(fit_data or data))
+        check_index_dir(out, "overwrite" if overwrite else "create")
         with _fit_process_group(gradients.resolved_device()) if sharded else contextlib.nullcontext():
             loaded, tokenizer = load_model(model, device=gradients.resolved_device())
             wanted = curvature.num_examples + (projection.num_fit_examples if projection.second_stage == "pca" else 0)
@@ -237,12 +240,15 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
 
     from eogp_index.store.stored_index import StoredIndex
 
-    check_before_loading(StoredIndex.open(index_dir), list(shards), spec, shard_root=shard_root,
-                         store_text=options["store_text"], distributed=sharded)
+    def check() -> None:  # what needs no model, said before it loads
+        check_before_loading(StoredIndex.open(index_dir), list(shards), spec, shard_root=shard_root,
+                             store_text=options["store_text"], distributed=sharded)
+
     if sharded:
         from ingest.distributed import run_distributed_ingest
 
         try:
+            check()
             summary = run_distributed_ingest(index_dir, list(shards), commit_every=commit_every or 1,
                                              gradients=gradients, model_path=model_name, **options)
         except EOGPError:
@@ -254,6 +260,7 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
 
         from eogp_index.client import AttributionIndex
 
+        check()
         index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
         summary = run_ingest(index, list(shards), **options)
     if torchrun_rank() == 0:

@@ -230,3 +230,5 @@ def test_checks_that_need_no_model_run_before_it_loads(workspace, tmp_path, case
     _refused(_run("ingest", root / "idx", *args, *no_model), *expected)
     if case in ("missing shard", "no match", "unsupported format"):
         _refused(_run("fit", tmp_path / "no-model", "--data", args[0], "--out", tmp_path / "i"), *expected)
+    if case == "missing shard":  # and an index already at --out
+        _refused(_run("fit", tmp_path / "no-model", "--data", shard, "--out", root / "idx"), "already holds an index")
