@@ -290,9 +290,11 @@ class Store:
         if self.table is None:
             self._dataset = lance.write_dataset(rows, self.path, mode="create")
         else:
-            new = [field for field in rows.schema if field.name not in self._dataset.schema.names]
+            names = self.schema.names  # (cached per dataset version)
+            new = [field for field in rows.schema if field.name not in names]
             if new:  # a metadata field the table lacks: a null column for the rows stored before
-                self._dataset.add_columns(new)
+                self._dataset.add_columns(new)  # (in place: the cached schema of this dataset is stale)
+                self._schema = None
             # Committed from the open dataset: Lance rebases it over commits made meanwhile by
             # others (appends never conflict), without re-opening the table from its path,
             # which lists every version's manifest.

@@ -143,7 +143,8 @@ def test_new_metadata_field_joins_an_existing_table_and_old_rows_hold_null(index
     index = open_index(index_dir)
     index.stored.hot_codes()  # a hot copy made before the column exists must not hide it afterwards
     late = write_lines(tmp_path / "late.jsonl", [{"text": doc(i, "late"), "source": "web", "n": i} for i in range(3)])
-    summary = run_ingest(index, [late], spec=RecordSpec(metadata_fields=("source", "n")), progress=False)
+    summary = run_ingest(index, [late], spec=RecordSpec(metadata_fields=("source", "n")), batch_size=2,
+                         progress=False)  # the batch after the one that adds the column finds it there
     assert summary.stored == 3
     store = open_index_store(index_dir)
     assert str(store.schema.field("n").type) == "int64"
