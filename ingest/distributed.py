@@ -416,9 +416,17 @@ class _Worker:
         failure = _first_error([error for _, error in offers])
         if failure is not None:
             self._abort(failure)
-        schema = next((s for s, _ in offers if s is not None), None)
-        if schema is None:
+        schemas = [s for s, _ in offers if s is not None]
+        if not schemas:
             return  # nobody has rows yet
+        import pyarrow as pa
+
+        try:  # every worker's columns: a field may have values in one worker's first rows only
+            schema = pa.unify_schemas(schemas)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:  # the same on every worker: all stop alike
+            self._abort(_Aborted(0, _error_of(InputError(
+                f"the workers' first rows give a metadata field different types ({exc}); make each field's "
+                "type the same everywhere", reason="metadata type mismatch"))))
         result = None
         if self.comm.rank == 0:
             try:
@@ -448,6 +456,9 @@ class _Worker:
                 "rows held only nulls when the table was made); workers under torchrun cannot add columns: "
                 "ingest a shard holding values of these fields without torchrun first, then rerun",
                 reason="new metadata fields")
+        for field in self.schema:  # a field without a value in these rows: null, typed as the table's
+            if field.name not in rows.column_names:
+                rows = rows.append_column(field, pa.nulls(rows.num_rows, field.type))
         try:
             rows = rows.select(self.schema.names).cast(self.schema)
         except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:

@@ -376,7 +376,8 @@ def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenize
     # Shards of whole gradient batches: both runs then project exactly the same batches.
     for k in range(4):
         rows = [{"text": doc(10 * k + i, f"s{k}"), "source": f"s{k}"} for i in range(2 * GRADIENT_BATCH)]
-        if k % 2:
+        if k % 2:  # a field with values in worker 1's shards only: worker 0's rows hold null
+            rows = [row | {"license": f"l{i % 3}"} for i, row in enumerate(rows)]
             pq.write_table(pa.Table.from_pylist(rows), data / f"part-{k}.parquet")
         else:
             write_lines(data / f"part-{k}.jsonl", rows)
@@ -384,15 +385,17 @@ def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenize
     single = Path(shutil.copytree(fitted.index, tmp_path / "single"))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "eogp_index.cli", "ingest", str(distributed), str(data / "*"),
-               "--metadata", "source", "--batch-size", str(GRADIENT_BATCH), "--device", "cpu", "--json"]
+               "--metadata", "source", "--metadata", "license", "--batch-size", str(GRADIENT_BATCH), "--device", "cpu",
+               "--json"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     reported = json.loads(result.stdout[result.stdout.index("{"):])
     assert reported["stored"] == 32 and reported["workers"] == 2
 
-    spec = RecordSpec(metadata_fields=("source",))
+    spec = RecordSpec(metadata_fields=("source", "license"))
     run_ingest(open_index(single), [str(data / "*")], spec=spec, batch_size=GRADIENT_BATCH, progress=False)
-    columns = ["id", "signs", "scales", "shard", "position", "num_tokens", "num_loss_tokens", "truncated", "source"]
+    columns = ["id", "signs", "scales", "shard", "position", "num_tokens", "num_loss_tokens", "truncated", "source",
+               "license"]
     two = open_index_store(distributed).read(columns).sort_by("id")
     one = open_index_store(single).read(columns).sort_by("id")
     assert two.num_rows == one.num_rows == 32
