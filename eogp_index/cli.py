@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import click
 
@@ -118,8 +119,10 @@ def fit(model, data, fit_data, out, projection, storage, curvature, modules, gra
     import logging
 
     from eogp_index.client import AttributionIndex
+    from eogp_index.data.readers import expand_shards
     from eogp_index.fit.sampling import sample_shards
     from eogp_index.gradients.model import load_model
+    from eogp_index.store.stored_index import check_index_dir
 
     if bool(data) == bool(fit_data):
         raise click.UsageError("give the shards to fit on with --data, or with --fit-data (not both)")
@@ -138,6 +141,9 @@ def fit(model, data, fit_data, out, projection, storage, curvature, modules, gra
     fit_log.addHandler(handler)
     fit_log.setLevel(logging.INFO)
     try:
+        # Said before the model loads: a missing shard, a stray file, an index already at --out.
+        expand_shards(list(fit_data or data))
+        check_index_dir(out, "overwrite" if overwrite else "create")
         with _fit_process_group(gradients.resolved_device()) if sharded else contextlib.nullcontext():
             loaded, tokenizer = load_model(model, device=gradients.resolved_device())
             wanted = curvature.num_examples + (projection.num_fit_examples if projection.second_stage == "pca" else 0)
@@ -227,10 +233,22 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
     options = dict(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
                    progress=not as_json, shard_root=shard_root,
                    store_text=store_text_max_bytes if store_text else None)
-    if under_torchrun(distributed):
+    sharded = under_torchrun(distributed)
+    if commit_every is not None and not sharded:
+        raise click.UsageError("--commit-every applies to torchrun workers; run under torchrun or drop it")
+    from ingest.pipeline import check_before_loading
+
+    from eogp_index.store.stored_index import StoredIndex
+
+    def check() -> None:  # what needs no model, said before it loads
+        check_before_loading(StoredIndex.open(index_dir), list(shards), spec, shard_root=shard_root,
+                             store_text=options["store_text"], distributed=sharded)
+
+    if sharded:
         from ingest.distributed import run_distributed_ingest
 
         try:
+            check()
             summary = run_distributed_ingest(index_dir, list(shards), commit_every=commit_every or 1,
                                              gradients=gradients, model_path=model_name, **options)
         except EOGPError:
@@ -238,12 +256,11 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
                 raise click.exceptions.Exit(1)
             raise
     else:
-        if commit_every is not None:
-            raise click.UsageError("--commit-every applies to torchrun workers; run under torchrun or drop it")
         from ingest.pipeline import run_ingest
 
         from eogp_index.client import AttributionIndex
 
+        check()
         index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
         summary = run_ingest(index, list(shards), **options)
     if torchrun_rank() == 0:
@@ -255,7 +272,8 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
 @click.option("--text", "texts", multiple=True, help="A query text (repeatable).")
 @click.option("--queries", "queries_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="JSONL file of queries: {text} / {messages} / {input_ids} / {prompt, completion} records, or "
-                   "preference queries {prompt, chosen, rejected}.")
+                   "preference queries {prompt, chosen, rejected}. A bad line is reported by its line number and "
+                   "the other queries are still answered (exit status 1).")
 @click.option("--limit-queries", type=click.IntRange(min=1), default=None,
               help="Use only the first N queries of --queries.")
 @click.option("-k", "k", type=click.IntRange(min=1), default=10, show_default=True,
@@ -288,7 +306,8 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
     """
     from eogp_index.client import AttributionIndex
 
-    queries = _queries(texts, queries_file, limit_queries)
+    labels, queries = _queries(texts, queries_file, limit_queries)
+    errors: List[str] = []
     sharded = under_torchrun(distributed)
     if sharded and (candidates is not None or stream):
         raise click.UsageError("--candidates and --stream choose single-process routes; drop them under torchrun")
@@ -299,14 +318,22 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
         if index.store.count() == 0 and torchrun_rank() == 0:
             click.echo(f"{index_dir} has no rows yet: nothing has been ingested. "
                        f"Store documents first: eogp ingest {index_dir} SHARDS...", err=True)
-        search = index.search(queries, many=True).limit(k).where(where).direction(direction).by_module(by_module)
-        if candidates is not None:
-            search = search.candidates(candidates)
-        elif stream or sharded:
-            search = search.route("sharded" if sharded else "stream")
-        tables = search.to_list()  # one gradient pass for all the queries
+        queries = _answerable(index, labels, queries, errors)
+        tables = []
+        if queries:
+            search = index.search(queries, many=True).limit(k).where(where).direction(direction).by_module(by_module)
+            if candidates is not None:
+                search = search.candidates(candidates)
+            elif stream or sharded:
+                search = search.route("sharded" if sharded else "stream")
+            tables = search.to_list(coordinates=index.query_coordinates(queries))  # one gradient pass for all
     if torchrun_rank() == 0:
         _emit([{"query": q, "results": t.to_pylist()} for q, t in zip(queries, tables)], as_json, _print_results)
+        if errors:
+            raise click.ClickException(f"{len(errors)} of {len(errors) + len(queries)} queries were not answered:\n"
+                                       + "\n".join(errors))
+    elif errors:
+        raise click.exceptions.Exit(1)
 
 
 @cli.command()
@@ -340,7 +367,9 @@ def explain(index_dir, texts, queries_file, ids, top, color, model_name, device,
     from eogp_index.client import AttributionIndex
     from eogp_index.search.render import explanation_terminal
 
-    queries = _queries(texts, queries_file, 1)
+    labels, queries = _queries(texts, queries_file, 1)
+    if queries[0] is None:
+        raise click.ClickException(labels[0])
     if bool(ids) == (top is not None):
         raise click.UsageError("give --id ID (repeatable) or --top N")
     index = AttributionIndex.open(index_dir, model_name=model_name,
@@ -353,21 +382,53 @@ def explain(index_dir, texts, queries_file, ids, top, color, model_name, device,
           lambda _: click.echo("\n\n".join(explanation_terminal(e, color=use_color) for e in explanations)))
 
 
-def _queries(texts, queries_file, limit: Optional[int]) -> List[Any]:
-    """Queries from --text options and a --queries JSONL file, the first ``limit`` of them."""
+def _queries(texts, queries_file, limit: Optional[int]) -> Tuple[List[str], List[Any]]:
+    """Queries from --text options and a --queries JSONL file, the first ``limit`` of them, and
+    where each comes from (``--text 1``, ``queries.jsonl:3``). A line that is not a JSON object is
+    a None query labelled ``location: reason`` (the good queries are still answered)."""
+    labels = [f"--text {i + 1}" for i in range(len(texts))]
     queries: List[Any] = list(texts)
     if queries_file is not None:
         from eogp_index.data.readers import iter_raw_records
+        from eogp_index.data.records import location_of
 
         for raw in iter_raw_records(queries_file):
-            if not isinstance(raw.record, dict):
-                raise click.ClickException(f"{raw.record.location}: {raw.record.reason}")
-            queries.append(raw.record)
-    if limit is not None:
-        queries = queries[:limit]
+            if limit is not None and len(queries) >= limit:
+                break
+            if isinstance(raw.record, dict):
+                labels.append(location_of(raw.shard, raw.position))
+                queries.append(raw.record)
+            else:  # in file order among the queries: reported by _tokenized
+                labels.append(f"{raw.record.location}: {raw.record.reason}")
+                queries.append(None)
+    labels, queries = labels[:limit], queries[:limit]
     if not queries:
         raise click.UsageError("give --text or --queries")
-    return queries
+    return labels, queries
+
+
+def _answerable(index, labels: List[str], queries: List[Any], errors: List[str]) -> List[Any]:
+    """The queries that tokenize (both completions, for a preference query); each one that does
+    not (or is not a JSON object: None) is added to ``errors`` as ``location: reason``, in order."""
+    from eogp_index.data.records import preference_pair
+    from eogp_index.errors import ConfigError, InputError
+
+    good = []
+    for label, query in zip(labels, queries):
+        if query is None:
+            errors.append(label)
+            continue
+        try:
+            pair = preference_pair(query)
+            index.query_examples(list(pair) if pair is not None else [query])
+        except InputError as exc:
+            errors.append(f"{label}: {exc.reason}")
+            continue
+        except ConfigError as exc:  # e.g. a chat for a tokenizer without a chat template
+            errors.append(f"{label}: {re.sub(r'^query:row [0-9]+: ', '', str(exc))}")
+            continue
+        good.append(query)
+    return good
 
 
 _target_options = option_group(
@@ -408,7 +469,7 @@ def select(index_dir, texts, queries_file, model_name, device, projection_memory
 
     output_kind(out)  # a bad name fails before the model loads
     index = _open_for_queries(index_dir, model_name, device, projection_memory_gb)
-    selection = select_documents(index, _queries(texts, queries_file, None), SelectOptions(**options))
+    selection = select_documents(index, _target_set(texts, queries_file), SelectOptions(**options))
     written = write_selection(index.stored, selection, out)
     scores = selection.scores.tolist()
     summary = {"out": str(out), "selected": written, "min_score": min(scores, default=None),
@@ -442,8 +503,18 @@ def scores(index_dir, texts, queries_file, model_name, device, projection_memory
 
     output_kind(out)
     index = _open_for_queries(index_dir, model_name, device, projection_memory_gb)
-    written = write_scores(index, _queries(texts, queries_file, None), out, where=where)
+    written = write_scores(index, _target_set(texts, queries_file), out, where=where)
     _emit({"out": str(out), "rows": written}, as_json, lambda s: click.echo(f"wrote {s['rows']} scores to {s['out']}"))
+
+
+def _target_set(texts, queries_file) -> List[Any]:
+    """Every query of a target set; a line that is not a JSON object is refused by its line number
+    (a set missing some of its queries would select other documents without a word)."""
+    labels, queries = _queries(texts, queries_file, None)
+    bad = [label for label, query in zip(labels, queries) if query is None]
+    if bad:
+        raise click.UsageError("the target set has lines that are not queries:\n" + "\n".join(bad))
+    return queries
 
 
 def _open_for_queries(index_dir, model_name, device, projection_memory_gb):

@@ -248,7 +248,7 @@ class _Worker:
         self.on_error = on_error
         self.commit_every = commit_every
         self.spec = effective_spec(index, spec)
-        check_metadata_fields(index, self.spec)
+        check_metadata_fields(index, self.spec, new_allowed=False)
         self.rows_per_step = commit_rows(batch_size, index.gradients.batch_size)
         shards = expand_shards(list(patterns))
         shard_names(shards, root=shard_root)  # names must be unique across all workers' shards
@@ -416,9 +416,17 @@ class _Worker:
         failure = _first_error([error for _, error in offers])
         if failure is not None:
             self._abort(failure)
-        schema = next((s for s, _ in offers if s is not None), None)
-        if schema is None:
+        schemas = [s for s, _ in offers if s is not None]
+        if not schemas:
             return  # nobody has rows yet
+        import pyarrow as pa
+
+        try:  # every worker's columns: a field may have values in one worker's first rows only
+            schema = pa.unify_schemas(schemas)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:  # the same on every worker: all stop alike
+            self._abort(_Aborted(0, _error_of(InputError(
+                f"the workers' first rows give a metadata field different types ({exc}); make each field's "
+                "type the same everywhere", reason="metadata type mismatch"))))
         result = None
         if self.comm.rank == 0:
             try:
@@ -441,6 +449,16 @@ class _Worker:
         import pyarrow as pa
         from lance.fragment import write_fragments
 
+        new = [name for name in rows.column_names if name not in self.schema.names]
+        if new:  # a field that had only nulls when the table was made: never drop its values
+            raise InputError(
+                f"metadata fields {new} have values here but are not columns of the table (their first "
+                "rows held only nulls when the table was made); workers under torchrun cannot add columns: "
+                "ingest a shard holding values of these fields without torchrun first, then rerun",
+                reason="new metadata fields")
+        for field in self.schema:  # a field without a value in these rows: null, typed as the table's
+            if field.name not in rows.column_names:
+                rows = rows.append_column(field, pa.nulls(rows.num_rows, field.type))
         try:
             rows = rows.select(self.schema.names).cast(self.schema)
         except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:

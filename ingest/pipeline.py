@@ -166,24 +166,56 @@ def effective_spec(index: AttributionIndex, spec: RecordSpec) -> RecordSpec:
     return spec
 
 
-def check_metadata_fields(index: AttributionIndex, spec: RecordSpec) -> None:
-    """Refuse metadata fields the table cannot take, before any record is read."""
+#: The columns :func:`eogp_index.search.ranking.ranked_tables` puts before a hit's stored columns.
+ANSWER_COLUMNS = ("direction", "rank", "score", "modules")
+
+
+def check_metadata_fields(index, spec: RecordSpec, *, new_allowed: bool = True) -> None:
+    """Refuse metadata fields the table cannot take, before any record is read.
+
+    index: an :class:`AttributionIndex` or the :class:`~eogp_index.store.stored_index.StoredIndex`
+    under it (only its table is read).
+    A field the existing table lacks becomes a new column (the rows stored before hold null),
+    unless ``new_allowed`` is False (a run under torchrun, whose workers write to a fixed schema).
+    """
     reserved = [name for name in spec.metadata_fields if name in RESERVED_COLUMNS]
     if reserved:
         raise ConfigError(
             f"metadata fields {reserved} clash with the table's own columns {list(RESERVED_COLUMNS)}; "
             "leave them out of RecordSpec.metadata_fields (--metadata)"
         )
+    answer = [name for name in spec.metadata_fields if name in ANSWER_COLUMNS]
+    if answer:
+        raise ConfigError(
+            f"metadata fields {answer} clash with the columns every query answer leads with "
+            f"{list(ANSWER_COLUMNS)}; rename the field in the records (e.g. {answer[0]}_value) or leave it out "
+            "of RecordSpec.metadata_fields (--metadata)"
+        )
     schema = index.store.schema
-    if schema is None:
+    if schema is None or new_allowed:
         return
     new = [name for name in spec.metadata_fields if name not in schema.names]
     if new:
         known = [n for n in index.store.metadata_columns() if n not in RESERVED_COLUMNS]
         raise ConfigError(
             f"metadata fields {new} are not columns of the existing table {index.store.table_name!r} "
-            f"(its metadata columns: {known}); ingest with the metadata fields the table was built with"
+            f"(its metadata columns: {known}); workers under torchrun cannot add columns: ingest one "
+            "shard with the new fields without torchrun first (that adds the columns), then the rest"
         )
+
+
+def check_before_loading(stored, patterns: Sequence[str | Path], spec: RecordSpec, *,
+                         shard_root: str | Path | None, store_text: Optional[int], distributed: bool = False) -> None:
+    """The checks of an ingest that need no model, so that a mistake is reported before the model
+    loads (minutes, for a large one): every shard exists and has a supported format, shard names
+    are unique, the metadata fields fit the table, the ``store_text`` setting agrees with the index.
+
+    stored: the index's :class:`~eogp_index.store.stored_index.StoredIndex` (no weights loaded).
+    Raises :class:`InputError` or :class:`ConfigError`, as the run itself would.
+    """
+    shard_names(expand_shards(list(patterns)), root=shard_root)
+    check_metadata_fields(stored, spec, new_allowed=not distributed)
+    stored.agree_store_text(store_text)
 
 
 def _metadata_fits(example: Example, schema: Optional[pa.Schema]) -> Optional[str]:
@@ -428,7 +460,7 @@ def run_ingest(
         patterns: shard files (JSON Lines, plain/.gz/.zst; Parquet; ``save_to_disk``
             directories, ``dir::split`` for a split), or globs; read in sorted path order.
         spec: which record fields hold the content, id and metadata (``metadata_fields`` become
-            typed table columns) and ``max_tokens`` (default: the index's).
+            typed, nullable table columns; a list of scalars becomes an Arrow list) and ``max_tokens`` (default: the index's).
         on_error: ``"raise"``: the first bad record raises :class:`InputError` naming its shard
             and line/row, and nothing of the batch it falls in is stored. Batches committed
             before it stay stored; fix the record and run again to continue from there.
@@ -456,8 +488,8 @@ def run_ingest(
     Raises:
         InputError: a bad record (``on_error="raise"``) or a shard that cannot be read at all
             (a missing file, an unsupported format, a corrupt compressed stream: in both modes).
-        ConfigError: bad options, metadata fields the existing table lacks, or another ingest
-            holding the index.
+        ConfigError: bad options, or another ingest holding the index. A metadata field the
+            existing table lacks is added as a column (older rows hold null).
     """
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")

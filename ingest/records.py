@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.data.records import (  # noqa: F401  (re-exported: the ingest layer's vocabulary)
@@ -21,6 +21,7 @@ from eogp_index.data.records import (  # noqa: F401  (re-exported: the ingest la
     RecordSpec,
     _is_int,
     _type_name,
+    check_text,
     location_of,
     stable_id,
     tokenize_record,
@@ -69,7 +70,8 @@ class RunState:
 
     def __init__(self) -> None:
         self._ids: dict[str, tuple[str, int]] = {}
-        self._types: dict[str, tuple[type, str]] = {}
+        #: each metadata field's (is a list, scalar or item type, where it was fixed)
+        self._types: dict[str, tuple[bool, Optional[type], str]] = {}
 
     def admit(self, example: Example) -> Example:
         """Check ``example`` against the earlier ones and register it.
@@ -88,28 +90,40 @@ class RunState:
             )
         metadata = dict(example.metadata)
         promoted = False
-        new_types: dict[str, tuple[type, str]] = {}
+        new_types: dict[str, tuple[bool, Optional[type], str]] = {}
         for name, value in metadata.items():
-            kind = type(value)
+            if value is None:
+                continue  # a null fits every type
+            is_list, kind = _kind_of(value)
+            if kind is object:
+                raise InputError(
+                    f"field {name!r}: metadata list {value!r} mixes item types; the items of a list field "
+                    "share one type (str, int, float or bool)",
+                    location=location,
+                )
             known = self._types.get(name)
             if known is None:
-                new_types[name] = (kind, location)
+                new_types[name] = (is_list, kind, location)
                 continue
-            expected, where = known
-            if kind is expected:
-                continue
-            if expected is float and kind is int:
-                metadata[name] = float(value)  # documented promotion: int -> float only
-                promoted = True
-                continue
+            expected_list, expected, where = known
+            if is_list == expected_list:
+                if kind is None or kind is expected:
+                    continue  # (an empty or all-null list fits every list field)
+                if expected is None:  # a list field's first typed items
+                    new_types[name] = (is_list, kind, location)
+                    continue
+                if expected is float and kind is int:  # documented promotion: int -> float only
+                    metadata[name] = [None if v is None else float(v) for v in value] if is_list else float(value)
+                    promoted = True
+                    continue
             hint = (
                 " (write the first value as a float, e.g. 3.0, to make the field a float)"
-                if expected is int and kind is float
+                if expected is int and kind is float and is_list == expected_list
                 else ""
             )
             raise InputError(
-                f"field {name!r}: metadata value {value!r} is {kind.__name__}, but the field "
-                f"is {expected.__name__} (fixed by its first value, at {where}); every record "
+                f"field {name!r}: metadata value {value!r} is {_kind_name(is_list, kind)}, but the field is "
+                f"{_kind_name(expected_list, expected)} (fixed by its first value, at {where}); every record "
                 f"must use the same type{hint}",
                 location=location,
             )
@@ -118,6 +132,22 @@ class RunState:
         if promoted:
             example = replace(example, metadata=metadata)
         return example
+
+
+def _kind_of(value: Any) -> tuple[bool, Optional[type]]:
+    """(is a list, the type of its scalars) of a metadata value; None for a null or an all-null list."""
+    if isinstance(value, list):
+        kinds = [type(item) for item in value if item is not None]
+        for kind in kinds:
+            if kind is not kinds[0] and {kind, kinds[0]} != {int, float}:
+                return True, object  # mixed items: no field type takes them
+        return True, (float if float in kinds else kinds[0]) if kinds else None
+    return False, None if value is None else type(value)
+
+
+def _kind_name(is_list: bool, kind: Optional[type]) -> str:
+    name = "mixed" if kind is object else kind.__name__ if kind is not None else "null"
+    return f"a list of {name}" if is_list else name
 
 
 def iter_examples(
@@ -178,7 +208,12 @@ def _peek_id(record: Any, spec: RecordSpec) -> str | None:
     if spec.id_field is None or not isinstance(record, dict):
         return None
     value = record.get(spec.id_field)
-    if _is_int(value) or (isinstance(value, str) and value):
+    if _is_int(value):
         return str(value)
+    if isinstance(value, str) and value:
+        try:
+            return check_text(value, spec.id_field)
+        except InputError:  # not text: the rejects file names the record by its location only
+            return None
     return None
 

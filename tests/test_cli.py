@@ -195,3 +195,56 @@ def test_projection_memory_limit_applies_modules_in_turn_with_the_same_answer(wo
     assert in_turn.exit_code == 0, in_turn.output
     assert json.loads(in_turn.stdout) == kept
     _refused(_run(*args, "--projection-memory-gb", "0"), "--projection-memory-gb")
+
+
+def test_queries_file_answers_every_good_query_and_reports_the_bad_ones_by_line(workspace, tmp_path):
+    root, _, _ = workspace
+    lines = ['{"text": "t1 t2 t3 t4"}', '{"text": "t5 t6', '{"text": "t7 t8 t9"}', '{"text": "t1"}',
+             '{"text": "t2 t3 \\ud800"}', '[1, 2]', '{"messages": [{"role": "user", "content": "t4 t5"}]}',
+             '{"input_ids": [3, 4, 5, 6]}']
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text("\n".join(lines) + "\n")
+    result = _run("query", root / "idx", "--queries", queries, "-k", "2", "--json")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    answered = json.loads(result.stdout)
+    assert [a["query"] for a in answered] == [json.loads(lines[i]) for i in (0, 2, 7)]
+    assert all(len(a["results"]) == 4 for a in answered)
+    reported = [line for line in result.stderr.splitlines() if line.startswith("queries.jsonl:")]
+    assert [line.split(":")[1] for line in reported] == ["2", "4", "5", "6", "7"]
+    assert "malformed JSON" in reported[0] and "no loss tokens" in reported[1] and "surrogate" in reported[2]
+    assert "JSON list" in reported[3] and "no chat template" in reported[4]
+    assert "5 of 8 queries were not answered" in result.stderr
+
+
+def test_missing_model_and_model_without_tokenizer_are_clean_errors(workspace, tmp_path):
+    root, _, _ = workspace
+    _refused(_run("fit", "/nonexistent/model", "--data", root / "shard.jsonl", "--out", tmp_path / "i"),
+             "model directory '/nonexistent/model' does not exist")
+    bare = tmp_path / "bare-model"
+    make_tiny_gpt2().save_pretrained(bare)  # the same weights as the index's model, no tokenizer files
+    _refused(_run("fit", bare, "--data", root / "shard.jsonl", "--out", tmp_path / "i"),
+             "has no usable tokenizer", "tokenizer.save_pretrained")
+    _refused(_run("query", root / "idx", "--text", "t1 t2 t3", "--model", bare), "has no usable tokenizer")
+
+
+@pytest.mark.parametrize("case", ["missing shard", "no match", "unsupported format", "reserved metadata",
+                                  "store-text mismatch"])
+def test_checks_that_need_no_model_run_before_it_loads(workspace, tmp_path, case):
+    root, _, _ = workspace
+    # No model can load from here: the refusal below must come before any loading is tried.
+    no_model = ["--model", tmp_path / "no-model"]
+    (tmp_path / "no-model").mkdir()
+    (tmp_path / "data.csv").write_text("text\nt1 t2\n")
+    shard = root / "shard.jsonl"
+    args, expected = {
+        "missing shard": ([tmp_path / "gone.jsonl"], ["gone.jsonl", "does not exist"]),
+        "no match": ([tmp_path / "nothing-*.jsonl"], ["matches no file"]),
+        "unsupported format": ([tmp_path / "data.csv"], ["data.csv"]),
+        "reserved metadata": ([shard, "--metadata", "shard"], ["clash with the table's own columns"]),
+        "store-text mismatch": ([shard, "--store-text"], ["ingested without stored text"]),
+    }[case]
+    _refused(_run("ingest", root / "idx", *args, *no_model), *expected)
+    if case in ("missing shard", "no match", "unsupported format"):
+        _refused(_run("fit", tmp_path / "no-model", "--data", args[0], "--out", tmp_path / "i"), *expected)
+    if case == "missing shard":  # and an index already at --out
+        _refused(_run("fit", tmp_path / "no-model", "--data", shard, "--out", root / "idx"), "already holds an index")

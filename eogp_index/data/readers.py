@@ -309,7 +309,7 @@ def _iter_jsonl(path: Path, shard: str, compression: str | None) -> Iterator[Raw
                 yield RawRecord(
                     shard,
                     position,
-                    ParseError(location, f"malformed JSON: {exc.msg} at column {exc.colno}"),
+                    ParseError(location, f"malformed JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"),
                 )
                 continue
             if not isinstance(value, dict):

@@ -30,6 +30,14 @@ Labels follow the Hugging Face causal-LM convention: the model shifts them by on
 ``labels[t]`` is predicted from ``input_ids[:t]`` and ``labels[0]`` is never used.
 ``Example.num_loss_tokens`` therefore counts ``labels[1:] != -100``.
 
+Text must be Unicode text: every string the record contributes (the text, each message's role,
+content and extra string values, the id, string metadata) is checked once, here, and a string
+holding a lone UTF-16 surrogate (U+D800 to U+DFFF, which JSON's ``"\\ud800"`` escapes and
+scraped data produce) is that record's error, naming the field and the character's offset. No
+text is rewritten: a surrogate is not a character, so no replacement could be what the author
+meant. Every other code point is accepted as it is, NUL and the non-characters (U+FFFE, U+FDD0)
+included, since UTF-8, the tokenizers and the table store them unchanged.
+
 A field whose value is ``None`` (JSON null, Arrow null) counts as absent. Every problem with a
 record raises :class:`~eogp_index.errors.InputError` whose message starts with the record's
 location (``"train.jsonl:17"``, see :func:`location_of`) and names the field;
@@ -42,7 +50,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from eogp_index.errors import ConfigError, InputError
 
@@ -50,6 +58,7 @@ __all__ = [
     "IGNORE_INDEX",
     "Example",
     "RecordSpec",
+    "check_text",
     "location_of",
     "stable_id",
     "tokenize_record",
@@ -59,6 +68,7 @@ __all__ = [
 IGNORE_INDEX = -100
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_METADATA_SCALARS = (str, int, float, bool)
 _ID_HEX_CHARS = 24  # 96 bits: collisions are negligible far beyond any corpus size
 
 
@@ -91,11 +101,13 @@ class RecordSpec:
     id_field: when given, the example id is this field's value (a non-empty str, or an int,
         stored as its decimal string); it must be present in every record and unique in the
         run. When None, ids are :func:`stable_id` of shard name, position and content.
-    metadata_fields: record keys copied into ``Example.metadata`` (typed columns in the store).
-        Values must be str, int (within int64), float or bool and present (not null) in every
-        record; each field keeps the type of its first value in the run, except that an int
-        is accepted in a float field (and stored as a float). A float in an int field is an
-        error: write the first value as a float (``3.0``).
+    metadata_fields: record keys copied into ``Example.metadata`` (typed, nullable columns in
+        the store). A value is a str, an int (within int64), a float, a bool, or a list of one of
+        these (an Arrow list column; its items may be null); a record without the field, or with
+        null, holds None (a null in the column). Each field keeps the type of its first non-null
+        value in the run (for lists, of its first item), except that an int is accepted in a
+        float field (and stored as a float). A float in an int field is an error: write the
+        first value as a float (``3.0``).
     max_tokens: keep only the first ``max_tokens`` tokens (and labels) of longer examples and
         mark them ``truncated``; None keeps everything. At least 2 (one loss position).
     """
@@ -342,6 +354,39 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_text(value: str, field_name: str, location: Optional[str] = None) -> str:
+    """``value`` unchanged when it is Unicode text, else :class:`InputError` naming ``field_name``.
+
+    Text is a sequence of Unicode scalar values: what UTF-8 can encode. A Python string may also
+    hold lone UTF-16 surrogates (``json.loads('"\\ud800"')``); they are refused here, where
+    records and queries are read, rather than failing in the tokenizer or the table.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(
+            f"field {field_name!r}: character {exc.start} is U+{ord(value[exc.start]):04X}, a lone UTF-16 "
+            "surrogate, which is not Unicode text; fix the source text (a surrogate pair written as two "
+            "escapes, e.g. \\ud83d\\ude00, is read as one character and is fine)",
+            location=location,
+        ) from None
+    return value
+
+
+def _check_strings(value: Any, field_name: str, location: str) -> None:
+    """:func:`check_text` on every string inside a JSON-like value (keys included)."""
+    if isinstance(value, str):
+        check_text(value, field_name, location)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                check_text(key, field_name, location)
+            _check_strings(item, f"{field_name}.{key}", location)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_strings(item, f"{field_name}[{index}]", location)
+
+
 def _record_id(record: dict[str, Any], spec: RecordSpec, location: str) -> str | None:
     """The ``id_field`` value as a string, or None when ids are derived from content."""
     if spec.id_field is None:
@@ -355,7 +400,7 @@ def _record_id(record: dict[str, Any], spec: RecordSpec, location: str) -> str |
     if _is_int(value):
         return str(value)
     if isinstance(value, str) and value:
-        return value
+        return check_text(value, spec.id_field, location)
     raise InputError(
         f"field {spec.id_field!r}: an id must be a non-empty string or an int, got "
         f"{_type_name(value)} {value!r}",
@@ -363,27 +408,36 @@ def _record_id(record: dict[str, Any], spec: RecordSpec, location: str) -> str |
     )
 
 
+def _metadata_scalar(value: Any, where: str, location: str) -> Any:
+    if isinstance(value, str):
+        return check_text(value, where, location)
+    if _is_int(value) and not _INT64_MIN <= value <= _INT64_MAX:
+        raise InputError(f"field {where!r}: int {value} does not fit in int64", location=location)
+    return value
+
+
 def _metadata(record: dict[str, Any], spec: RecordSpec, location: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in spec.metadata_fields:
         value = record.get(name)
-        if value is None:
-            raise InputError(
-                f"missing metadata field {name!r} (listed in RecordSpec.metadata_fields; "
-                "every record needs a non-null value)",
-                location=location,
-            )
-        if not isinstance(value, (str, int, float, bool)):
-            raise InputError(
-                f"field {name!r}: metadata values must be str, int, float or bool, got "
-                f"{_type_name(value)}",
-                location=location,
-            )
-        if _is_int(value) and not _INT64_MIN <= value <= _INT64_MAX:
-            raise InputError(
-                f"field {name!r}: int {value} does not fit in int64", location=location
-            )
-        out[name] = value
+        if isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                if item is not None and not isinstance(item, _METADATA_SCALARS):
+                    raise InputError(
+                        f"field {name!r}: a metadata list holds str, int, float, bool or null items, item "
+                        f"{index} is {_type_name(item)}",
+                        location=location,
+                    )
+            value = [_metadata_scalar(item, f"{name}[{index}]", location) for index, item in enumerate(value)]
+        elif value is not None:
+            if not isinstance(value, _METADATA_SCALARS):
+                raise InputError(
+                    f"field {name!r}: metadata values must be str, int, float, bool, null or a list of "
+                    f"these, got {_type_name(value)}",
+                    location=location,
+                )
+            value = _metadata_scalar(value, name, location)
+        out[name] = value  # absent and null alike: a null in the column
     return out
 
 
@@ -646,6 +700,7 @@ def tokenize_record(
             )
         if not value:
             raise InputError(f"field {content_field!r}: empty document", location=location)
+        check_text(value, content_field, location)
         input_ids = _encode_text(tokenizer, value, add_special_tokens=True)
         labels = list(input_ids)
         hashed: Any = {"text": value}
@@ -662,6 +717,7 @@ def tokenize_record(
     elif content_field == spec.messages_field:
         kind = "chat"
         messages = _check_messages(value, content_field, location)
+        _check_strings(messages, content_field, location)
         input_ids, labels = _chat_tokens(tokenizer, messages, content_field, location)
         hashed = {"messages": messages}
     else:

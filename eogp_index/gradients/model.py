@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import os
 import re
 from typing import List, Optional, Sequence
 
@@ -98,13 +99,54 @@ def module_shape(model: nn.Module, name: str) -> tuple[int, int]:
 
 
 def load_model(name_or_path: str, *, device: str = "cpu", dtype: Optional[torch.dtype] = None):
-    """Load a HuggingFace causal LM and its tokenizer (hub name or local directory)."""
+    """Load a HuggingFace causal LM and its tokenizer (hub name or local directory).
+
+    Raises:
+        ModelError: no model there (a missing directory, a name the hub does not know, no
+            weights), or no usable tokenizer beside it (see :func:`check_tokenizer`).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    name = str(name_or_path)
+    looks_local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
+    if looks_local and not os.path.isdir(os.path.expanduser(name)):
+        raise ModelError(f"model directory {name!r} does not exist; give a local model directory (config.json, "
+                         "weights and tokenizer files, as save_pretrained writes them) or a hub name")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or torch.float32)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load a causal LM from {name!r}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+                         ) from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelError(f"cannot load the tokenizer of {name!r}: {exc}; save it beside the model "
+                         "(tokenizer.save_pretrained(directory))") from exc
+    check_tokenizer(tokenizer, name)
     model.to(device).eval()
     return model, tokenizer
+
+
+#: A probe every usable tokenizer turns into tokens.
+_TOKENIZER_PROBE = "The quick brown fox."
+
+
+def check_tokenizer(tokenizer, name: str) -> None:
+    """Refuse a tokenizer that cannot tokenize: transformers returns one without a vocabulary
+    for a model directory holding no tokenizer files, and every document would then be empty.
+
+    Raises:
+        ModelError: naming the directory and saying how to add the tokenizer.
+    """
+    try:
+        ids = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    except Exception:  # noqa: BLE001  (a vocabulary without an unknown token may refuse the probe's words)
+        ids = None
+    why = f"it has {len(tokenizer)} token(s)" + (f" and turns {_TOKENIZER_PROBE!r} into none" if ids == [] else "")
+    if len(tokenizer) < 2 or ids == []:
+        raise ModelError(f"{name!r} has no usable tokenizer ({why}); the directory needs the tokenizer files "
+                         "(tokenizer.json or vocab files and tokenizer_config.json): save them beside the model "
+                         "with tokenizer.save_pretrained(directory)")
 
 
 def pad_token_id(tokenizer) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eogp_index.data.records import Example, RecordSpec, tokenize_record
+from eogp_index.data.records import Example, RecordSpec, check_text, tokenize_record
 from eogp_index.errors import ConfigError, EOGPError, InputError
 from eogp_index.serve.config import ServeConfig
 from eogp_index.store.stored_ids import sql_string
@@ -162,8 +162,17 @@ class Engine:
         return out
 
     # -- explanations and lookups -----------------------------------------------------------------
+    @staticmethod
+    def _id_filter(example_id: str) -> str:
+        """The filter selecting ``example_id``'s row; an id that is not Unicode text names no row."""
+        try:
+            check_text(example_id, "id")
+        except InputError as exc:
+            raise RequestError("id", _user_message(exc)) from None
+        return f"id = {sql_string(example_id)}"
+
     def _require_row(self, example_id: str) -> None:
-        if not self.index.store.count(f"id = {sql_string(example_id)}"):
+        if not self.index.store.count(self._id_filter(example_id)):
             raise RequestError("id", f"no stored document has id {example_id!r}; take ids from /v1/query results",
                                status=404)
 
@@ -183,7 +192,8 @@ class Engine:
     def example(self, example_id: str) -> Dict[str, Any]:
         """The stored row of ``example_id``, its code columns left out."""
         store = self.index.store
-        rows = store.read(self.metadata_columns(), where=f"id = {sql_string(example_id)}") if store.table else None
+        where = self._id_filter(example_id)
+        rows = store.read(self.metadata_columns(), where=where) if store.table else None
         if rows is None or rows.num_rows == 0:
             raise RequestError("id", f"no stored document has id {example_id!r}", status=404)
         return rows.slice(0, 1).to_pylist()[0]

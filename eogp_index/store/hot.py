@@ -459,11 +459,14 @@ def load_hot(store: Store, codec: Codec, cache_dir: Optional[Path], *, consolida
     # Where each cached fragment's rows are: {key: (segment, first row, end row)}.
     cached: Dict[FragmentKey, Piece] = {}
     segments: Dict[str, _Segment] = {}
+    names = _column_names(dataset.schema)
     for folder in _segment_folders(cache_dir):
         try:
             seg = _Segment(folder, codec)
         except (FileNotFoundError, ValueError, KeyError, OSError, pa.ArrowInvalid):
             continue  # another layout, or half removed: rebuilt below
+        if seg.columns.schema.names != names:
+            continue  # the table has gained a column (a new metadata field) since: its fragments are read again
         segments[seg.name] = seg
         for fid, physical, deleted, start, stop in seg.fragments:
             cached.setdefault((fid, physical, deleted), (seg.name, start, stop))

@@ -66,6 +66,15 @@ def _read_record(uri: str, shard: str, position: int) -> Dict[str, Any]:
                      "changed since ingest. Restore it as it was")
 
 
+def check_index_dir(path: Union[str, Path], mode: str = "create") -> None:
+    """Refuse to create an index at ``path`` when one is finished there (``mode="create"``); cheap,
+    so that ``eogp fit`` says so before it loads the model."""
+    if mode not in ("create", "overwrite"):
+        raise ConfigError(f"mode must be 'create' or 'overwrite', got {mode!r}")
+    if mode == "create" and (Path(path) / MANIFEST_FILE).exists():
+        raise ConfigError(f"{path} already holds an index; pass mode='overwrite' (--overwrite) to replace it")
+
+
 def prepare_index_dir(path: Union[str, Path], *, table_uri: Optional[str] = None,
                       mode: str = "create") -> Path:
     """Make ``path`` ready for a new index.
@@ -76,11 +85,8 @@ def prepare_index_dir(path: Union[str, Path], *, table_uri: Optional[str] = None
     an index or an interrupted fit, and the table at ``table_uri``.
     """
     path = Path(path)
-    if mode not in ("create", "overwrite"):
-        raise ConfigError(f"mode must be 'create' or 'overwrite', got {mode!r}")
+    check_index_dir(path, mode)
     if (path / MANIFEST_FILE).exists() or (path / FIT_DIR).is_dir():
-        if (path / MANIFEST_FILE).exists() and mode != "overwrite":
-            raise ConfigError(f"{path} already holds an index; pass mode='overwrite' (--overwrite) to replace it")
         if mode == "overwrite":
             shutil.rmtree(path)
     if table_uri is not None:

@@ -64,8 +64,10 @@ class RowInfo:
 def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] = None) -> pa.Table:
     """Assemble an Arrow table for :meth:`Store.add`.
 
-    Metadata values become typed columns; with ``schema`` (the table's, once it exists) they are
-    cast to it, and a value that does not fit raises :class:`InputError` naming the field.
+    Metadata values become typed, nullable columns (a list of scalars: an Arrow ``list``); with
+    ``schema`` (the table's, once it exists) they are cast to it, and a value that does not fit
+    raises :class:`InputError` naming the field. A field with no value yet (only nulls) makes no
+    column; a field the table lacks comes after the table's columns (:meth:`Store.add` adds it).
     """
     columns: Dict[str, pa.Array] = {"id": pa.array(list(info.ids), pa.string())}
     for name, values in encoded.columns().items():
@@ -86,26 +88,28 @@ def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] =
         values = [row.get(name) for row in info.metadata]
         target = schema.field(name).type if schema is not None and name in schema.names else None
         try:
-            columns[name] = pa.array(values, type=target)
+            column = pa.array(values, type=target)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise InputError(
                 f"metadata field {name!r} has values that do not fit column type {target or 'inferred'}: {exc}",
                 reason=f"metadata type mismatch in {name!r}",
             ) from exc
+        if target is None and _untyped(column.type):
+            continue  # only nulls (or empty lists) so far: the column is made when a value says its type
+        columns[name] = column
     table = pa.table(columns)
     if schema is not None:
         missing = [f.name for f in schema if f.name not in table.column_names]
         for name in missing:  # a metadata column absent from this batch: null, typed as the table's
             table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
-        extra = [n for n in table.column_names if n not in schema.names]
-        if extra:
-            raise InputError(
-                f"metadata fields {extra} are not columns of the existing table (its columns: {schema.names}); "
-                "ingest with the same metadata fields as before",
-                reason="new metadata fields",
-            )
-        table = table.select(schema.names)
+        new = [name for name in table.column_names if name not in schema.names]  # added by Store.add
+        table = table.select(schema.names + new)
     return table
+
+
+def _untyped(kind: pa.DataType) -> bool:
+    """Whether Arrow inferred no type: all nulls, or lists without a non-null item."""
+    return pa.types.is_null(kind) or (pa.types.is_list(kind) and _untyped(kind.value_type))
 
 
 #: A local table's version directory whose last change is this recent is checked again on the
@@ -276,12 +280,21 @@ class Store:
 
     # -- writing ----------------------------------------------------------------------------------
     def add(self, rows: pa.Table) -> int:
-        """Append rows in one commit; returns the table version after it."""
+        """Append rows in one commit; returns the table version after it.
+
+        Columns of ``rows`` the table lacks (a new metadata field) are added to the table first,
+        in a commit of their own that stores nothing: the rows already there hold null.
+        """
         import lance
 
         if self.table is None:
             self._dataset = lance.write_dataset(rows, self.path, mode="create")
         else:
+            names = self.schema.names  # (cached per dataset version)
+            new = [field for field in rows.schema if field.name not in names]
+            if new:  # a metadata field the table lacks: a null column for the rows stored before
+                self._dataset.add_columns(new)  # (in place: the cached schema of this dataset is stale)
+                self._schema = None
             # Committed from the open dataset: Lance rebases it over commits made meanwhile by
             # others (appends never conflict), without re-opening the table from its path,
             # which lists every version's manifest.

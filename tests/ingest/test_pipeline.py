@@ -137,11 +137,82 @@ def test_ingest_twice_stores_each_example_once(index_dir, tmp_path, tokenizer):
     assert table.num_rows == 10 and set(table.column("shard").to_pylist()) == {"books.parquet"}
 
 
-def test_new_metadata_field_on_existing_table_is_refused(index_dir, tmp_path):
+def test_new_metadata_field_joins_an_existing_table_and_old_rows_hold_null(index_dir, tmp_path):
     shards = corpus(tmp_path, n_jsonl=4, n_parquet=0)[:1]
     run_ingest(open_index(index_dir), shards, spec=RecordSpec(metadata_fields=("source",)), progress=False)
-    with pytest.raises(ConfigError, match=r"metadata fields \['n'\] are not columns of the existing table"):
-        run_ingest(open_index(index_dir), shards, spec=RecordSpec(metadata_fields=("source", "n")), progress=False)
+    index = open_index(index_dir)
+    index.stored.hot_codes()  # a hot copy made before the column exists must not hide it afterwards
+    late = write_lines(tmp_path / "late.jsonl", [{"text": doc(i, "late"), "source": "web", "n": i} for i in range(3)])
+    summary = run_ingest(index, [late], spec=RecordSpec(metadata_fields=("source", "n")), batch_size=2,
+                         progress=False)  # the batch after the one that adds the column finds it there
+    assert summary.stored == 3
+    store = open_index_store(index_dir)
+    assert str(store.schema.field("n").type) == "int64"
+    assert store.count("n IS NULL") == 4 and store.count("n >= 0") == 3
+    reopened = open_index(index_dir)
+    for route in ("hot", "stream"):
+        hits = reopened.search(doc(1)).limit(10).direction("positive").where("n IS NULL").route(route).to_arrow()
+        assert hits.num_rows > 0 and hits.column("n").null_count == hits.num_rows, route
+
+
+@pytest.mark.parametrize("name", ["shard", "score"])
+def test_metadata_field_named_like_a_table_or_answer_column_is_refused_before_reading(index_dir, tmp_path, name):
+    shard = write_lines(tmp_path / "a.jsonl", [{"text": doc(0), name: 1}])
+    with pytest.raises(ConfigError, match=rf"metadata fields \['{name}'\] clash with the"):
+        run_ingest(open_index(index_dir), [shard], spec=RecordSpec(metadata_fields=(name,)), progress=False)
+    assert stored_ids(index_dir) == []
+
+
+def test_corpus_with_nulls_lists_a_surrogate_and_a_late_field_stores_every_valid_record(index_dir, tmp_path):
+    spec = RecordSpec(id_field="id", metadata_fields=("lang", "stars", "quality", "ok", "tags", "sizes", "late"))
+    lines = [
+        {"id": "a", "text": doc(0), "lang": "en", "stars": 3, "quality": 0.5, "ok": True, "tags": ["x", "y"], "sizes": [1]},
+        {"id": "b", "text": doc(1), "lang": None, "stars": None, "quality": None, "ok": None, "tags": None},
+        {"id": "c", "text": doc(2) + " \ud800 broken"},                                 # 3 lone surrogate: rejected
+        {"id": "d", "text": doc(3), "tags": [], "sizes": [2, None, 4], "quality": 2},
+        {"id": "e", "messages": [{"role": "user", "content": "hi \udfff"},
+                                 {"role": "assistant", "content": "ok"}]},             # 5 surrogate in a chat
+        {"id": "f", "text": doc(5), "tags": ["z", 1]},                                  # 6 mixed list items
+        {"id": "g", "text": doc(6), "stars": 1.5},                                       # 7 float in an int field
+        {"id": "h", "text": doc(7), "lang": "fr", "tags": ["\u0000nul", "\uffff"]},   # NUL, non-character: kept
+    ]
+    early = tmp_path / "early.jsonl"
+    early.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    late = write_lines(tmp_path / "late.jsonl", [{"id": "i", "text": doc(8), "late": ["new"]},
+                                                 {"id": "j", "text": doc(9), "late": [{"no": 1}]}])  # 2 a dict item
+    rejects = tmp_path / "rejects.jsonl"
+    summary = run_ingest(open_index(index_dir), [early, late], spec=spec, on_error="skip", rejects_path=rejects,
+                         batch_size=4, progress=False)
+    entries = [json.loads(line) for line in rejects.read_text().splitlines()]
+    assert [e["location"] for e in entries] == ["early.jsonl:3", "early.jsonl:5", "early.jsonl:6", "early.jsonl:7",
+                                                "late.jsonl:2"]
+    assert "field 'text': character" in entries[0]["reason"] and "surrogate" in entries[0]["reason"]
+    assert "field 'messages[0].content'" in entries[1]["reason"]
+    assert "field 'tags'" in entries[2]["reason"] and "field 'stars'" in entries[3]["reason"]
+    assert "field 'late'" in entries[4]["reason"]
+    assert (summary.stored, summary.rejected) == (5, 5)
+    store = open_index_store(index_dir)
+    rows = {r["id"]: r for r in store.read(["id", *spec.metadata_fields]).to_pylist()}
+    assert sorted(rows) == ["a", "b", "d", "h", "i"]
+    assert rows["a"] == {"id": "a", "lang": "en", "stars": 3, "quality": 0.5, "ok": True, "tags": ["x", "y"],
+                         "sizes": [1], "late": None}
+    assert rows["b"]["lang"] is None and rows["b"]["tags"] is None and rows["d"]["quality"] == 2.0
+    assert rows["d"]["tags"] == [] and rows["d"]["sizes"] == [2, None, 4]
+    assert rows["h"]["tags"] == ["\x00nul", "\uffff"] and rows["i"]["late"] == ["new"]
+    assert str(store.schema.field("tags").type) == "list<item: string>"
+    assert sorted(store.read(["id"], "array_has(tags, 'x')").column("id").to_pylist()) == ["a"]
+    assert sorted(store.read(["id"], "lang IS NULL").column("id").to_pylist()) == ["b", "d", "i"]
+    from eogp_index.store.filters import HotFilter
+
+    index = open_index(index_dir)
+    hot = index.stored.hot_codes()
+    on_hot_copy = HotFilter(hot.filterable)  # DataFusion itself, without the fallback to Lance
+    for where, ids in (("array_has(tags, 'x')", ["a"]), ("lang IS NULL", ["b", "d", "i"]),
+                       ("array_length(sizes) = 3", ["d"]), ("late IS NOT NULL", ["i"])):
+        assert sorted(hot.take(on_hot_copy.positions(where), ["id"]).column("id").to_pylist()) == ids, where
+        for route in ("hot", "stream"):  # the hot copy and Lance alike
+            hits = index.search(doc(0)).limit(10).direction("both").where(where).route(route).to_arrow()
+            assert sorted(set(hits.column("id").to_pylist())) == ids, (where, route)
 
 
 # -- kill -9 and resume ---------------------------------------------------------------------------
@@ -310,7 +381,8 @@ def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenize
     # Shards of whole gradient batches: both runs then project exactly the same batches.
     for k in range(4):
         rows = [{"text": doc(10 * k + i, f"s{k}"), "source": f"s{k}"} for i in range(2 * GRADIENT_BATCH)]
-        if k % 2:
+        if k % 2:  # a field with values in worker 1's shards only: worker 0's rows hold null
+            rows = [row | {"license": f"l{i % 3}"} for i, row in enumerate(rows)]
             pq.write_table(pa.Table.from_pylist(rows), data / f"part-{k}.parquet")
         else:
             write_lines(data / f"part-{k}.jsonl", rows)
@@ -318,15 +390,17 @@ def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenize
     single = Path(shutil.copytree(fitted.index, tmp_path / "single"))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "eogp_index.cli", "ingest", str(distributed), str(data / "*"),
-               "--metadata", "source", "--batch-size", str(GRADIENT_BATCH), "--device", "cpu", "--json"]
+               "--metadata", "source", "--metadata", "license", "--batch-size", str(GRADIENT_BATCH), "--device", "cpu",
+               "--json"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     reported = json.loads(result.stdout[result.stdout.index("{"):])
     assert reported["stored"] == 32 and reported["workers"] == 2
 
-    spec = RecordSpec(metadata_fields=("source",))
+    spec = RecordSpec(metadata_fields=("source", "license"))
     run_ingest(open_index(single), [str(data / "*")], spec=spec, batch_size=GRADIENT_BATCH, progress=False)
-    columns = ["id", "signs", "scales", "shard", "position", "num_tokens", "num_loss_tokens", "truncated", "source"]
+    columns = ["id", "signs", "scales", "shard", "position", "num_tokens", "num_loss_tokens", "truncated", "source",
+               "license"]
     two = open_index_store(distributed).read(columns).sort_by("id")
     one = open_index_store(single).read(columns).sort_by("id")
     assert two.num_rows == one.num_rows == 32
@@ -340,3 +414,75 @@ def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenize
     rerun = json.loads(again.stdout[again.stdout.index("{"):])
     assert (rerun["stored"], rerun["skipped_existing"]) == (0, 32)
     assert open_index_store(distributed).count() == 32
+
+
+# -- generated metadata: nulls and lists of every type ------------------------------------------
+METADATA_TYPES = {"str": lambda rng: rng.choice(["en", "fr", "", "\x00", "\ufdd0", "é"]),
+                  "int": lambda rng: rng.randrange(-2**63, 2**63), "float": lambda rng: rng.uniform(-1e9, 1e9),
+                  "bool": lambda rng: rng.random() < 0.5}
+
+
+def _wrong_metadata(rng, kind: str, is_list: bool):
+    """A value no field of this kind takes: another type, a nested value or bad text."""
+    other = rng.choice([k for k in METADATA_TYPES if k != kind and (kind, k) != ("float", "int")])
+    value = METADATA_TYPES[other](rng)
+    return rng.choice([[value] if is_list else value, {"a": 1}, [[1]], "bad \ud800" if kind == "str" else [value],
+                       2**64 if kind == "int" else value])
+
+
+def _generated_metadata(rng, first: bool):
+    """One record's metadata (a scalar and a list field per type) and whether it is valid."""
+    record, valid = {}, True
+    for kind, make in METADATA_TYPES.items():
+        for is_list in (False, True):
+            name = f"{'l' if is_list else 'm'}_{kind}"
+            roll = 0.5 if first else rng.random()
+            if roll < 0.04:
+                record[name], valid = _wrong_metadata(rng, kind, is_list), False
+            elif roll < 0.2:
+                continue  # absent
+            elif roll < 0.35:
+                record[name] = None
+            elif is_list:
+                record[name] = [None if rng.random() < 0.2 and not first else make(rng) for _ in range(rng.randrange(
+                    1 if first else 0, 4))]
+            else:
+                record[name] = rng.randrange(-5, 5) if kind == "float" and rng.random() < 0.3 else make(rng)
+    return record, valid
+
+
+def test_generated_nulls_and_lists_of_every_metadata_type_store_every_valid_record(index_dir, tmp_path):
+    import random
+
+    rng = random.Random(7)
+    records, valid = [], []
+    for i in range(40):
+        metadata, ok = _generated_metadata(rng, first=i == 0)
+        records.append({"id": f"r{i}", "text": doc(i), **metadata})
+        valid.append(ok)
+    shard = tmp_path / "generated.jsonl"
+    shard.write_text("".join(json.dumps(r) + "\n" for r in records))
+    fields = tuple(f"{p}_{k}" for k in METADATA_TYPES for p in "ml")
+    rejects = tmp_path / "rejects.jsonl"
+    summary = run_ingest(open_index(index_dir), [shard], spec=RecordSpec(id_field="id", metadata_fields=fields),
+                         on_error="skip", rejects_path=rejects, batch_size=4, progress=False)
+    rejected = [json.loads(line) for line in rejects.read_text().splitlines()] if rejects.exists() else []
+    assert [e["location"] for e in rejected] == [f"generated.jsonl:{i + 1}" for i, ok in enumerate(valid) if not ok]
+    assert all(any(f"'{name}" in e["reason"] for name in fields) for e in rejected), rejected
+    assert summary.stored == sum(valid) >= 10 and summary.rejected == len(rejected) >= 3
+    store = open_index_store(index_dir)
+    rows = {row.pop("id"): row for row in store.read(["id", *fields]).to_pylist()}
+    for record, ok in zip(records, valid):
+        if not ok:
+            assert record["id"] not in rows
+            continue
+        expected = {name: record.get(name) for name in fields}
+        for name in ("m_float", "l_float"):  # ints in a float field are stored as floats
+            value = expected[name]
+            expected[name] = [None if v is None else float(v) for v in value] if isinstance(value, list) else (
+                None if value is None else float(value))
+        assert rows[record["id"]] == expected
+    for name in fields:  # null-aware filters see exactly the records without a value
+        nulls = sorted(r["id"] for r, ok in zip(records, valid) if ok and r.get(name) is None)
+        assert sorted(store.read(["id"], f"{name} IS NULL").column("id").to_pylist()) == nulls
+    assert str(store.schema.field("l_bool").type) == "list<item: bool>"

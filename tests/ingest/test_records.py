@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -392,8 +393,13 @@ BAD_RECORDS = [
     ("completion alone", {"completion": "a", "doc_id": "b", "lang": "en"}, r"field 'completion' without 'prompt'"),
     ("prompt and completion of two kinds", {"prompt": "a", "completion": [{"role": "assistant", "content": "b"}], "doc_id": "b", "lang": "en"}, r"fields \['prompt', 'completion'\]: expected two strings or two lists of messages, got str and list"),
     ("empty completion", {"prompt": "a", "completion": "", "doc_id": "b", "lang": "en"}, r"field 'completion': empty completion"),
-    ("missing metadata", {"text": "a", "doc_id": "b"}, r"missing metadata field 'lang'"),
-    ("metadata nested", {"text": "a", "doc_id": "b", "lang": ["en"]}, r"field 'lang': metadata values must be str, int, float or bool, got list"),
+    ("metadata list in a str field", {"text": "a", "doc_id": "b", "lang": ["en"]}, r"field 'lang': metadata value \['en'\] is a list of str, but the field is str"),
+    ("metadata nested", {"text": "a", "doc_id": "b", "lang": {"en": 1}}, r"field 'lang': metadata values must be str, int, float, bool, null or a list of these, got dict"),
+    ("metadata list of lists", {"text": "a", "doc_id": "b", "lang": [["en"]]}, r"field 'lang': a metadata list holds str, int, float, bool or null items, item 0 is list"),
+    ("metadata surrogate", {"text": "a", "doc_id": "b", "lang": "e\ud800n"}, r"field 'lang': character 1 is U\+D800, a lone UTF-16 surrogate"),
+    ("text surrogate", {"text": "ab\udc00", "doc_id": "b", "lang": "en"}, r"field 'text': character 2 is U\+DC00"),
+    ("id surrogate", {"text": "a", "doc_id": "\ud83d", "lang": "en"}, r"field 'doc_id': character 0 is U\+D83D"),
+    ("chat surrogate", {"messages": [{"role": "user", "content": "\udfff"}, {"role": "assistant", "content": "b"}], "doc_id": "b", "lang": "en"}, r"field 'messages\[0\]\.content': character 0 is U\+DFFF"),
     ("metadata wrong type", {"text": "a", "doc_id": "b", "lang": 3}, r"field 'lang': metadata value 3 is int, but the field is str"),
     ("duplicate id", {"text": "again", "doc_id": "g1", "lang": "en"}, r"duplicate id 'g1': already used by the record at bad\.jsonl:1"),
     ("malformed json", '{"text": "unterminated', r"malformed JSON"),
@@ -425,7 +431,7 @@ def test_bad_record_skipped_with_reason(tokenizer, jsonl_writer, tmp_path, case,
     assert (rejected.shard, rejected.position, rejected.location) == ("bad.jsonl", 3, "bad.jsonl:4")
     assert re.search(pattern, rejected.reason)
     assert not rejected.reason.startswith("bad.jsonl")  # the reason is without the location
-    expected_id = bad.get("doc_id") if isinstance(bad, dict) else None
+    expected_id = bad.get("doc_id") if isinstance(bad, dict) and case != "id surrogate" else None
     assert rejected.record_id == expected_id
 
 
@@ -433,3 +439,54 @@ def test_skip_mode_still_raises_config_errors(tokenizer_factory, jsonl_writer, t
     path = jsonl_writer(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     with pytest.raises(ConfigError, match=r"chat\.jsonl:1: .*no chat template"):
         list(iter_examples([path], RecordSpec(), tokenizer_factory(None), on_error="skip"))
+
+
+# --- generated odd text in every text field of a record -----------------------------------
+
+def _record_with_odd_text(rng, i: int):
+    """A valid record with odd code points in one of its text fields: the record, that field's
+    name as errors name it, and whether the record is invalid."""
+    from oddtext import with_odd
+
+    record = {"doc_id": f"r{i}", "lang": "en", "tags": ["a", "b"],
+              "messages": [{"role": "user", "content": "hello world", "name": "ann"},
+                           {"role": "assistant", "content": "the lazy dog"}]}
+    where = rng.choice(["text", "content", "assistant", "role", "name", "doc_id", "lang", "tags"])
+    odd, invalid = with_odd(rng, "the quick brown fox")
+    if where == "text":
+        del record["messages"]
+        record["text"] = odd
+    elif where in ("content", "role", "name"):
+        record["messages"][0][where] = odd
+        where = f"messages[0].{where}"
+    elif where == "assistant":
+        record["messages"][1]["content"] = odd
+        where = "messages[1].content"
+    elif where == "tags":
+        record["tags"] = ["a", odd]
+        where = "tags[1]"
+    else:
+        record[where] = odd
+    return record, where, invalid
+
+
+def test_generated_odd_text_in_every_record_field_rejects_exactly_the_invalid_records(tokenizer, tmp_path):
+    import random
+
+    rng = random.Random(11)
+    cases = [_record_with_odd_text(rng, i) for i in range(60)]
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record, _, _ in cases))  # surrogates as \ud800 escapes
+    spec = RecordSpec(id_field="doc_id", metadata_fields=("lang", "tags"))
+    out = list(iter_examples([path], spec, tokenizer, on_error="skip"))
+    assert len(out) == len(cases)
+    assert 15 <= sum(invalid for _, _, invalid in cases) <= 45
+    for (record, field_name, invalid), item in zip(cases, out):
+        if not invalid:
+            assert isinstance(item, Example), (record, item)
+            content = item.content["text"] if "text" in record else item.content["messages"]
+            assert content == record.get("text", record.get("messages"))  # kept as written: NUL, non-characters
+            assert item.metadata == {"lang": record["lang"], "tags": record["tags"]}
+            continue
+        assert isinstance(item, Rejected), record
+        assert f"field '{field_name}': character" in item.reason and "surrogate" in item.reason, item.reason

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from eogp_index.serve.app import create_app  # noqa: E402
 from eogp_index.serve.config import ServeConfig  # noqa: E402
+from oddtext import with_odd  # noqa: E402
 
 #: (method, path, JSON body or raw bytes, the field the answer must name)
 Case = Tuple[str, str, Any, str]
@@ -182,3 +183,49 @@ def test_at_least_200_generated_bad_requests_get_4xx_naming_the_field(client, se
     assert problems == [], f"{len(problems)} of {len(cases)} cases:\n" + "\n".join(problems[:40])
     # No endpoint changes stored rows.
     assert (served_index.store.version, served_index.store.count()) == (version, rows)
+
+
+# -- invalid Unicode in every text field ------------------------------------------------------------
+def _unicode_cases(rng: random.Random, n: int = 12) -> List[Tuple[str, str, bytes, str, bool]]:
+    """(method, path, raw JSON body, the field at fault, whether it holds invalid Unicode) for each
+    text field of each endpoint. JSON escapes the surrogates (``"\\ud800"``), as clients send them."""
+    def chat(content: str, role: str = "user") -> List[Dict[str, str]]:
+        return [{"role": role, "content": content}, {"role": "assistant", "content": _text(rng, 3)}]
+
+    makers = {
+        ("/v1/query", "text"): lambda s: {"text": s, "k": 3},
+        ("/v1/query", "messages"): lambda s: {"messages": chat(s), "k": 3},
+        ("/v1/query", "messages.role"): lambda s: {"messages": chat(_text(rng, 3), role=s), "k": 3},
+        ("/v1/query", "where"): lambda s: _query_body(rng, where=f"kind = '{s}'"),
+        ("/v1/explain", "query"): lambda s: {"query": rng.choice([s, {"text": s}, chat(s)]), "id": "doc-1"},
+        ("/v1/explain", "id"): lambda s: {"query": _text(rng, 4), "id": s},
+    }
+    cases = []
+    for (path, field_name), make in makers.items():
+        for _ in range(n):
+            value, invalid = with_odd(rng, _text(rng, rng.randrange(1, 6)) if field_name != "id" else "doc-1")
+            cases.append(("POST", path, json.dumps(make(value)).encode(), field_name.split(".")[0], invalid))
+    return cases
+
+
+def test_invalid_unicode_in_any_text_field_is_a_4xx_naming_it_and_valid_odd_text_is_answered(client):
+    problems: List[str] = []
+    cases = _unicode_cases(random.Random(SEED + 1))
+    for method, path, body, field, invalid in cases:
+        response = _send(client, method, path, body)
+        shown = f"{path} {body[:100]!r}"
+        if response.status_code >= 500 or "Traceback" in response.text:
+            problems.append(f"{shown}: {response.status_code} {response.text[:200]}")
+            continue
+        if response.status_code == 200:
+            if invalid:
+                problems.append(f"{shown}: invalid Unicode was answered 200")
+            continue
+        error = response.json().get("error") or {}
+        named = str(error.get("field")).split(".")[0].split("[")[0]
+        if not 400 <= response.status_code < 500 or named != field:
+            problems.append(f"{shown}: expected a 4xx naming {field!r}, got {response.status_code} {error}")
+        elif invalid and "surrogate" not in error.get("message", "") and field != "where":
+            problems.append(f"{shown}: the message does not say what is wrong: {error.get('message')}")
+    assert sum(invalid for *_, invalid in cases) >= 20
+    assert problems == [], f"{len(problems)} of {len(cases)} cases:\n" + "\n".join(problems[:30])
