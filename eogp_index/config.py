@@ -226,11 +226,19 @@ class GradientConfig:
                           "dropped (slower, bounded). Default: $EOGP_PROJECTION_MEMORY_GB, else half the "
                           "available memory.", "min": 0.0, "min_open": True},
     )
+    block_documents: Optional[int] = field(
+        default=None,
+        metadata={"help": "When P does not stay in memory: documents per ingest block. Their first-stage "
+                          "coordinates are cached on disk, then each module's P is read once for the whole block "
+                          "(one commit per block). Default: sized from the free disk and memory, at most 11,000; "
+                          "one gradient batch reads P per batch.", "min": 1},
+    )
 
     def __post_init__(self) -> None:
         _positive("GradientConfig.batch_size", self.batch_size, allow_none=False)
         _positive("GradientConfig.max_tokens", self.max_tokens)
         _positive("GradientConfig.projection_memory_gb", self.projection_memory_gb)
+        _positive("GradientConfig.block_documents", self.block_documents)
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"GradientConfig.device must be 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N' "
                               f"(--device), got {self.device!r}")

@@ -1,0 +1,125 @@
+"""Block ingest: each module's ``P`` read once per block of documents, as the paper's Appendix E does.
+
+When the ``P`` matrices do not stay in memory (``--projection-memory-gb``), per-batch ingest
+reads every module's ``P`` in every gradient batch. Block ingest splits the work instead:
+
+1. the first stage of every gradient batch of the block runs on the model, and its coordinates
+   (``{module: (B, m_u)}`` at ``P``'s dtype, FP16 by default) are written to
+   ``<index>/ingest-cache/batch-NNNNNN.safetensors`` by a background thread while the next batch
+   runs;
+2. then, module after module, ``P`` is read once and applied to the whole block's cached
+   coordinates (:meth:`~eogp_index.fit.projection.ModuleProjection.second_groups`);
+3. the block is encoded and stored in one commit, and the cache is removed.
+
+The coordinates are those of per-batch ingest, bit for bit: the second stage rounds the first
+stage to ``P``'s dtype on every route, and is applied to the same row groups.
+
+A kill leaves the table without any of the block (it is one commit) and a partial cache, which
+the next run removes before it starts: the block is redone, and every document is stored once.
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import pyarrow as pa
+import torch
+
+from eogp_index.client import AttributionIndex
+from eogp_index.fit.blocks import default_block_documents, free_disk_bytes, whole_batches
+from eogp_index.fit.projection import available_memory
+from eogp_index.store.codecs import concat_modules
+from ingest.records import Example
+
+CACHE_DIR = "ingest-cache"
+
+
+def block_documents(index: AttributionIndex) -> Optional[int]:
+    """Documents per block for ``index`` (whole gradient batches), or None for per-batch ingest:
+    when ``P`` stays in memory (nothing to amortize) or a block would be one batch."""
+    projection = index.projection
+    if not projection.in_turn:
+        return None
+    batch = index.gradients.batch_size
+    asked = index.gradients.block_documents
+    if asked is not None:
+        documents = whole_batches(asked, batch)
+    else:
+        itemsize = projection.cache_dtype.itemsize
+        documents = default_block_documents(projection.m, projection.k, itemsize, batch,
+                                            free_disk=free_disk_bytes(Path(index.path) / CACHE_DIR),
+                                            free_memory=available_memory())
+    return documents if documents > batch else None
+
+
+class BlockCache:
+    """``<index>/ingest-cache/``: one block's first-stage coordinates, a file per gradient batch,
+    written by one background thread."""
+
+    def __init__(self, index_dir: Path):
+        self.dir = Path(index_dir) / CACHE_DIR
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eogp-block-cache")
+        self._pending: List[Future] = []
+
+    def path(self, batch: int) -> Path:
+        return self.dir / f"batch-{batch:06d}.safetensors"
+
+    def write(self, batch: int, coords: Dict[str, torch.Tensor]) -> None:
+        """Queue one batch's ``{module: (B, m_u)}`` for writing; they leave the device now."""
+        from safetensors.torch import save_file
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        host = {name: z.detach().to("cpu").contiguous() for name, z in coords.items()}
+        self._pending.append(self._writer.submit(save_file, host, str(self.path(batch))))
+
+    def wait(self) -> None:
+        """Block until every queued batch is on disk (a failed write raises here)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def read(self, name: str, batches: int) -> List[torch.Tensor]:
+        """Module ``name``'s coordinates of batches ``0..batches-1``: one ``(B, m_u)`` tensor each."""
+        from safetensors import safe_open
+
+        out = []
+        for batch in range(batches):
+            with safe_open(str(self.path(batch)), framework="pt") as handle:
+                out.append(handle.get_tensor(name))
+        return out
+
+    def clear(self) -> None:
+        """Remove the cache: a block left by a killed run (never committed), or one just committed."""
+        self.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def close(self) -> None:
+        try:
+            self.clear()
+        finally:
+            self._writer.shutdown(wait=True)
+
+
+def encode_block(index: AttributionIndex, block: Sequence[Example], cache: BlockCache,
+                 on_chunk: Optional[Callable[[Sequence[Example]], None]] = None, *,
+                 store_text: Optional[int] = None) -> pa.Table:
+    """Rows of ``block``: its first stage cached batch by batch, then each module's ``P`` read once."""
+    sizes: List[int] = []
+
+    def cache_batch(i: int, batch: Sequence[Example], outputs: Dict[str, torch.Tensor]) -> None:
+        cache.write(i, outputs)
+        sizes.append(len(batch))
+        if on_chunk is not None:
+            on_chunk(batch)
+
+    index.first_stage_groups(block, on_batch=cache_batch)
+    cache.wait()
+    coords = []
+    for name in index.manifest.module_names:
+        groups = [z.to(index.device) for z in cache.read(name, len(sizes))]
+        coords.append(torch.cat(index.projection.modules[name].second_groups(groups)).cpu().numpy())
+        del groups
+    return index.rows(block, concat_modules(coords), store_text=store_text)
