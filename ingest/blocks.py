@@ -4,7 +4,7 @@ When the ``P`` matrices do not stay in memory (``--projection-memory-gb``), per-
 reads every module's ``P`` in every gradient batch. Block ingest splits the work instead:
 
 1. the first stage of every gradient batch of the block runs on the model, and its coordinates
-   (``{module: (B, m_u)}`` at ``P``'s dtype, FP16 by default) are written to
+   (``{module: (B, m_u)}`` in FP16) are written to
    ``<index>/ingest-cache/batch-NNNNNN.safetensors`` by a background thread while the next batch
    runs;
 2. then, module after module, ``P`` is read once and applied to the whole block's cached
@@ -12,7 +12,7 @@ reads every module's ``P`` in every gradient batch. Block ingest splits the work
 3. the block is encoded and stored in one commit, and the cache is removed.
 
 The coordinates are those of per-batch ingest, bit for bit: the second stage rounds the first
-stage to ``P``'s dtype on every route, and is applied to the same row groups.
+stage to FP16 on every route, and is applied to the same row groups.
 
 A kill leaves the table without any of the block (it is one commit) and a partial cache, which
 the next run removes before it starts: the block is redone, and every document is stored once.

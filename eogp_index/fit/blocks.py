@@ -4,8 +4,8 @@ When the ``P`` matrices do not stay in memory (``GradientConfig.projection_memor
 them is the price of projecting: every module's ``P`` is read whenever it is applied. Applied in
 the backward hook, that is once per gradient batch (``Σ_u 2·m_u·k_u / B`` bytes per document).
 Block ingest (``ingest.blocks``) follows the paper's Appendix E instead: the first-stage
-coordinates of a block of documents are cached on disk (``Σ_u m_u`` values per document, at
-``P``'s dtype), then each module's ``P`` is read once and applied to the whole block. The block
+coordinates of a block of documents are cached on disk (``Σ_u m_u`` values per document, in
+FP16), then each module's ``P`` is read once and applied to the whole block. The block
 trades cache disk (``block × Σ_u 2·m_u`` bytes) for ``P`` reads (``Σ_u 2·m_u·k_u / block`` per
 document); :func:`default_block_documents` sizes it from the free disk and memory, and
 :func:`p_reads` gives both sides for ``eogp plan``.
@@ -20,6 +20,8 @@ from typing import Any, Dict, Optional, Sequence
 #: The most documents in a default block: about the paper's (Appendix E: "batches of approximately
 #: 11,000 documents, over which matrix-loading costs are amortized"). A kill redoes at most a block.
 MAX_BLOCK_DOCUMENTS = 11_000
+#: Bytes per cached first-stage coordinate (FP16: ``fit.projection.FIRST_STAGE_DTYPE``).
+FIRST_STAGE_ITEMSIZE = 2
 #: Shares of the free disk and of the available memory a default block may take.
 DISK_SHARE = 0.5
 MEMORY_SHARE = 0.25
@@ -74,7 +76,7 @@ def p_reads(plan: Dict[str, Any], *, block_documents: Optional[int] = None) -> D
     rows = plan["modules"]
     p_total = sum(r["pca_bytes"] for r in rows)
     batch = int(plan["options"]["batch_size"])
-    itemsize = 2 if plan["options"]["pca_dtype"] == "fp16" else 4
+    itemsize = FIRST_STAGE_ITEMSIZE
     block = whole_batches(block_documents or MAX_BLOCK_DOCUMENTS, batch)
     per_doc_cache = cache_bytes_per_document([r["m"] for r in rows], itemsize) if p_total else 0
     documents = int(plan["store"]["documents"])
@@ -106,7 +108,7 @@ def format_p_reads(reads: Dict[str, Any]) -> str:
         f"P reads       per ingested document, of {size(reads['p_total_bytes'])} of P: resident {size(per['resident'])} "
         f"(read once for the {reads['documents']:,} documents); in turn per batch of {reads['batch_size']} {size(per['per_batch'])}; "
         f"in turn per block of {reads['block_documents']:,} {size(per['block'])} (--block-documents)",
-        f"block cache   {size(reads['cache_bytes_per_document'])} per document (first-stage coordinates at P's dtype), "
+        f"block cache   {size(reads['cache_bytes_per_document'])} per document (first-stage coordinates in FP16), "
         f"{size(reads['cache_bytes'])} of disk for the block (INDEX/ingest-cache/, removed once it is committed), "
         f"{size(reads['block_memory_bytes'])} of memory while each P is applied",
     ])

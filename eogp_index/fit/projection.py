@@ -22,9 +22,9 @@ read when it is applied and dropped after, so one module's ``P`` is held at a ti
 and batched queries instead apply each ``P`` once to the first-stage coordinates of many
 batches (:meth:`ModuleProjection.second_groups`), as the paper's Appendix E does.
 
-The second stage sees the first-stage coordinates rounded to ``P``'s stored dtype (FP16 by
-default): the precision the fit's PCA was fitted on and the one block ingest caches them in, so
-that every route gives the same coordinates.
+The second stage sees the first-stage coordinates rounded to FP16 (:data:`FIRST_STAGE_DTYPE`):
+the precision the fit's PCA was fitted on and the one block ingest caches them in, so that every
+route gives the same coordinates.
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFound
 PROJECTION_FORMAT_VERSION = 2
 READABLE_PROJECTION_VERSIONS = (1, 2)
 PCA_TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+#: The precision of first-stage coordinates kept between the two stages: in the fit's cache (the
+#: PCA is fitted on them), block ingest's cache and batched queries. The second stage rounds them
+#: to it on every route, the per-batch one included.
+FIRST_STAGE_DTYPE = torch.float16
 #: Rows of an FP16 ``P`` upcast to float32 at once are capped so that the float32 copy stays
 #: under this many bytes: applying a 1 GB FP16 ``P`` never needs a 2 GB float32 one.
 _UPCAST_BYTES = 64 << 20
@@ -188,20 +192,20 @@ def apply_pca(z: torch.Tensor, pca: torch.Tensor) -> torch.Tensor:
 def apply_pca_groups(groups: Sequence[torch.Tensor], pca: torch.Tensor) -> List[torch.Tensor]:
     """``round(z_i) @ P`` in float32 for each ``(B_i, m)`` group: ``(B_i, k)`` each.
 
-    ``z_i`` is first rounded to ``P``'s stored dtype (a no-op for a float32 ``P``, or for
-    coordinates already cached at it). An FP16 ``P`` is upcast a block of rows at a time (at most
-    ``_UPCAST_BYTES`` of float32), each block once for all the groups, so the products and sums
-    are float32 whatever ``P``'s dtype. Each group is its own matmul, the one it would be alone:
-    a BLAS's result for a row may depend on how many rows share the call, and grouping rows as
-    the gradient batches were keeps every route's coordinates identical.
+    ``z_i`` is first rounded to :data:`FIRST_STAGE_DTYPE` (a no-op for coordinates already kept
+    at it). An FP16 ``P`` is upcast a block of rows at a time (at most ``_UPCAST_BYTES`` of
+    float32), each block once for all the groups, so the products and sums are float32 whatever
+    ``P``'s dtype. Each group is its own matmul, the one it would be alone: a BLAS's result for a
+    row may depend on how many rows share the call, and grouping rows as the gradient batches were
+    keeps every route's coordinates identical.
 
     Raises:
-        ModelError: a coordinate overflows ``P``'s dtype (FP16: ``|z| > 65504``).
+        ModelError: a coordinate overflows FP16 (``|z| > 65504``).
     """
     pca = pca.to(groups[0].device) if groups else pca
-    rounded = [_at_precision(z, pca.dtype) for z in groups]
+    rounded = [_at_precision(z, FIRST_STAGE_DTYPE) for z in groups]
     if pca.dtype == torch.float32:
-        return [z @ pca for z in rounded]
+        return [z.float() @ pca for z in rounded]
     m, k = pca.shape
     rows = min(m, max(1, _UPCAST_BYTES // (4 * max(1, k))))
     outs = [z.new_zeros(z.shape[0], k, dtype=torch.float32) for z in rounded]
@@ -222,7 +226,7 @@ def _at_precision(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not torch.isfinite(rounded).all() and torch.isfinite(z).all():
         raise ModelError(f"first-stage coordinates overflow {dtype} (|z| up to {z.abs().max().item():.3g}): the "
                          "half-whitened gradients are far larger than the curvature predicts; check that the model "
-                         "is the one the index was fitted with, or refit with --pca-dtype fp32")
+                         "is the one the index was fitted with")
     return rounded
 
 
@@ -596,9 +600,10 @@ class Projection:
 
     @property
     def cache_dtype(self) -> torch.dtype:
-        """The dtype first-stage coordinates are rounded to before ``P`` (:func:`apply_pca_groups`),
-        and kept in between (block ingest's cache, batched queries)."""
-        return PCA_TORCH_DTYPES[self.config.pca_dtype] if self.config.second_stage == "pca" else torch.float32
+        """The dtype first-stage coordinates are kept at between the stages (block ingest's cache,
+        batched queries): :data:`FIRST_STAGE_DTYPE`, which the second stage rounds them to anyway;
+        float32 without a ``P``."""
+        return FIRST_STAGE_DTYPE if self.config.second_stage == "pca" else torch.float32
 
     @property
     def pca_bytes(self) -> int:
