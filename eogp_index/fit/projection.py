@@ -219,14 +219,21 @@ def apply_pca_groups(groups: Sequence[torch.Tensor], pca: torch.Tensor) -> List[
 
 
 def _at_precision(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``z`` rounded to ``dtype`` (kept as it is when it already is)."""
+    """``z`` rounded to ``dtype`` (kept as it is when it already is).
+
+    A ``z`` that requires a gradient (the explanations' pullback through the second stage) keeps
+    its dtype and gets the rounded values with the identity as their gradient, so that the
+    adjoint of the second stage is ``P`` itself, not a rounded copy of it.
+    """
     if z.dtype == dtype:
         return z
-    rounded = z.to(dtype)
+    rounded = z.detach().to(dtype)
     if not torch.isfinite(rounded).all() and torch.isfinite(z).all():
         raise ModelError(f"first-stage coordinates overflow {dtype} (|z| up to {z.abs().max().item():.3g}): the "
                          "half-whitened gradients are far larger than the curvature predicts; check that the model "
                          "is the one the index was fitted with")
+    if z.requires_grad:
+        return z + (rounded.to(z.dtype) - z).detach()  # exact: z and its rounding are within a factor 2
     return rounded
 
 
