@@ -18,7 +18,7 @@ from eogp_index.cli_options import field_option, option_group
 from eogp_index.cliutil import distributed_option, process_group, torchrun_rank, under_torchrun, worker_device
 from eogp_index.cliutil import emit as _emit
 from eogp_index.cliutil import fail_cleanly as _fail_cleanly
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+from eogp_index.config import MAX_BLOCK_DOCUMENTS, CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import EOGPError
 from eogp_index.evaluation.cli import eval_group
 from eogp_index.data.records import RecordSpec
@@ -558,8 +558,8 @@ def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
 @click.option("--documents", type=click.IntRange(min=0), default=1_000_000, show_default=True,
               help="Documents in the store, for its size.")
 @field_option(GradientConfig, "block_documents",
-              help="Documents per ingest block when P does not stay in memory (default: 11,000; an ingest sizes "
-                   "its own from the free disk and memory, at most that).")
+              help=f"Documents per ingest block when P does not stay in memory (default: {MAX_BLOCK_DOCUMENTS:,}; "
+                   "an ingest sizes its own from the free disk and memory, at most that).")
 @click.option("--all-modules", is_flag=True, help="One line per module (default: modules alike in every block, grouped).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_fail_cleanly

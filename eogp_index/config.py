@@ -210,6 +210,12 @@ class StorageConfig:
             raise ConfigError(f"StorageConfig.precision must be '1bit', 'fp16' or 'fp32', got {self.precision!r}")
 
 
+#: The most documents in a default ingest block (``GradientConfig.block_documents``): about the
+#: paper's (Appendix E: "batches of approximately 11,000 documents, over which matrix-loading
+#: costs are amortized"). A kill redoes at most a block.
+MAX_BLOCK_DOCUMENTS = 11_000
+
+
 @dataclass(frozen=True)
 class GradientConfig:
     """Per-example gradient computation (training examples and queries alike)."""
@@ -230,8 +236,8 @@ class GradientConfig:
         default=None,
         metadata={"help": "When P does not stay in memory: documents per ingest block. Their first-stage "
                           "coordinates are cached on disk, then each module's P is read once for the whole block "
-                          "(one commit per block). Default: sized from the free disk and memory, at most 11,000; "
-                          "one gradient batch reads P per batch.", "min": 1},
+                          f"(one commit per block). Default: sized from the free disk and memory, at most "
+                          f"{MAX_BLOCK_DOCUMENTS:,}; the gradient batch size reads P in every batch.", "min": 1},
     )
 
     def __post_init__(self) -> None:

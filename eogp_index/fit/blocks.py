@@ -17,9 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-#: The most documents in a default block: about the paper's (Appendix E: "batches of approximately
-#: 11,000 documents, over which matrix-loading costs are amortized"). A kill redoes at most a block.
-MAX_BLOCK_DOCUMENTS = 11_000
+from eogp_index.config import MAX_BLOCK_DOCUMENTS
+
 #: Bytes per cached first-stage coordinate (FP16: ``fit.projection.FIRST_STAGE_DTYPE``).
 FIRST_STAGE_ITEMSIZE = 2
 #: Shares of the free disk and of the available memory a default block may take.
