@@ -173,3 +173,17 @@ def test_block_ingest_reads_a_thousandth_of_p_per_document_at_olmo2_1b(tmp_path)
     assert small["cache_bytes"] < reads["cache_bytes"]
     text = CliRunner().invoke(cli, ["plan", str(tmp_path / "config.json"), "-k", "2048", "--m", "262144"]).output
     assert "P reads" in text and "block cache" in text
+
+
+def test_default_block_is_sized_by_free_disk_and_memory_in_whole_batches():
+    from eogp_index.config import MAX_BLOCK_DOCUMENTS
+    from eogp_index.fit.blocks import DISK_SHARE, MEMORY_SHARE, default_block_documents
+
+    ms, ks = [1000, 3000], [10, 30]  # 8,000 B of FP16 cache per document; 6,000 + 160 B of memory
+    plenty = 10 ** 15
+    assert default_block_documents(ms, ks, 2, 8, free_disk=plenty, free_memory=plenty) == MAX_BLOCK_DOCUMENTS // 8 * 8
+    by_disk = default_block_documents(ms, ks, 2, 8, free_disk=int(800_000 / DISK_SHARE), free_memory=plenty)
+    assert by_disk == 96  # 100 documents' cache, rounded down to whole batches of 8
+    by_memory = default_block_documents(ms, ks, 2, 8, free_disk=plenty, free_memory=int(61_600 / MEMORY_SHARE))
+    assert by_memory == 8  # 10 documents' worth: one batch
+    assert default_block_documents(ms, ks, 2, 8, free_disk=0, free_memory=0) == 8  # never less than a batch
