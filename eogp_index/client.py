@@ -187,20 +187,16 @@ class AttributionIndex:
                                pad_token_id=pad_token_id(self.tokenizer), device=self.device, progress=progress)
         return concat_modules([out[name].numpy() for name in names])
 
-    def first_stage_groups(self, examples: Sequence[Example], *, progress: bool = False,
-                           on_batch=None) -> Dict[str, List[torch.Tensor]]:
+    def first_stage_groups(self, examples: Sequence[Example], *,
+                           progress: bool = False) -> Dict[str, List[torch.Tensor]]:
         """First-stage coordinates at the projection's cache dtype, one ``(B, m_u)`` group per
-        gradient batch: ``{module: [group, ...]}`` (on the model's device). With ``on_batch``,
-        ``on_batch(i, batch, {module: (B, m_u)})`` takes each batch's instead, and nothing is kept."""
+        gradient batch: ``{module: [group, ...]}`` (on the model's device)."""
         names = self.manifest.module_names
         capture = GradientCapture(self.model, names, self.projection.cached_first_stage_transform)
         groups: Dict[str, List[torch.Tensor]] = {name: [] for name in names}
-        for i, (batch, outputs) in enumerate(run_batches(capture, examples, batch_size=self.gradients.batch_size,
-                                                         pad_token_id=pad_token_id(self.tokenizer),
-                                                         device=self.device, progress=progress)):
-            if on_batch is not None:
-                on_batch(i, batch, outputs)
-                continue
+        for _, outputs in run_batches(capture, examples, batch_size=self.gradients.batch_size,
+                                      pad_token_id=pad_token_id(self.tokenizer), device=self.device,
+                                      progress=progress):
             for name in names:
                 groups[name].append(outputs[name])
         return groups

@@ -14,12 +14,17 @@ reads every module's ``P`` in every gradient batch. Block ingest splits the work
 The coordinates are those of per-batch ingest, bit for bit: the second stage rounds the first
 stage to FP16 on every route, and is applied to the same row groups.
 
-A kill leaves the table without any of the block (it is one commit) and a partial cache, which
-the next run removes before it starts: the block is redone, and every document is stored once.
+Resumable like the fit's cache (:mod:`eogp_index.fit.cache`): a kill leaves the table without any
+of the block (it is one commit) and the block's cache, whose ``block.json`` records what the
+block was (its examples' hash, the projection, the model, the batch size). The next run's first
+block is the same documents when nothing else changed: it reuses every batch file found (each is
+written under a temporary name and renamed, so a file present is complete) and computes the
+rest. Any other block clears the cache first. Every document is stored once.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -30,11 +35,15 @@ import torch
 
 from eogp_index.client import AttributionIndex
 from eogp_index.fit.blocks import default_block_documents, free_disk_bytes, whole_batches
+from eogp_index.fit.cache import atomic_write, examples_sha256
+from eogp_index.gradients.capture import batches
 from eogp_index.fit.projection import available_memory
 from eogp_index.store.codecs import concat_modules
 from ingest.records import Example
 
 CACHE_DIR = "ingest-cache"
+BLOCK_RECORD = "block.json"
+BLOCK_FORMAT_VERSION = 1
 
 
 def block_documents(index: AttributionIndex) -> Optional[int]:
@@ -57,7 +66,7 @@ def block_documents(index: AttributionIndex) -> Optional[int]:
 
 class BlockCache:
     """``<index>/ingest-cache/``: one block's first-stage coordinates, a file per gradient batch,
-    written by one background thread."""
+    written by one background thread, and ``block.json``, what the block is."""
 
     def __init__(self, index_dir: Path):
         self.dir = Path(index_dir) / CACHE_DIR
@@ -67,13 +76,33 @@ class BlockCache:
     def path(self, batch: int) -> Path:
         return self.dir / f"batch-{batch:06d}.safetensors"
 
+    def begin(self, index: AttributionIndex, block: Sequence[Example]) -> List[int]:
+        """Start ``block``: the batches a killed run already cached for this very block (reused),
+        or none, the cache cleared and the new block recorded."""
+        record = {"format": "eogp-ingest-block", "format_version": BLOCK_FORMAT_VERSION,
+                  "projection_sha256": index.manifest.projection["sha256"],
+                  "weights_fingerprint": index.manifest.model.get("weights_fingerprint"),
+                  "batch_size": index.gradients.batch_size, "documents": len(block),
+                  "examples_sha256": examples_sha256(block)}
+        path = self.dir / BLOCK_RECORD
+        try:
+            found = json.loads(path.read_text())
+        except (OSError, ValueError):  # none, or not ours: start over
+            found = None
+        if found == record:
+            return [i for i in range(-(-len(block) // index.gradients.batch_size)) if self.path(i).exists()]
+        self.clear()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(record)))
+        return []
+
     def write(self, batch: int, coords: Dict[str, torch.Tensor]) -> None:
         """Queue one batch's ``{module: (B, m_u)}`` for writing; they leave the device now."""
         from safetensors.torch import save_file
 
-        self.dir.mkdir(parents=True, exist_ok=True)
         host = {name: z.detach().to("cpu").contiguous() for name, z in coords.items()}
-        self._pending.append(self._writer.submit(save_file, host, str(self.path(batch))))
+        self._pending.append(self._writer.submit(atomic_write, self.path(batch),
+                                                 lambda tmp: save_file(host, str(tmp))))
 
     def wait(self) -> None:
         """Block until every queued batch is on disk (a failed write raises here)."""
@@ -92,13 +121,15 @@ class BlockCache:
         return out
 
     def clear(self) -> None:
-        """Remove the cache: a block left by a killed run (never committed), or one just committed."""
+        """Remove the cache: a block just committed, or one a killed run left that is not the one
+        starting."""
         self.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def close(self) -> None:
+        """Stop the writer; what is cached stays (a block that failed is resumed by the next run)."""
         try:
-            self.clear()
+            self.wait()
         finally:
             self._writer.shutdown(wait=True)
 
@@ -106,20 +137,19 @@ class BlockCache:
 def encode_block(index: AttributionIndex, block: Sequence[Example], cache: BlockCache,
                  on_chunk: Optional[Callable[[Sequence[Example]], None]] = None, *,
                  store_text: Optional[int] = None) -> pa.Table:
-    """Rows of ``block``: its first stage cached batch by batch, then each module's ``P`` read once."""
-    sizes: List[int] = []
-
-    def cache_batch(i: int, batch: Sequence[Example], outputs: Dict[str, torch.Tensor]) -> None:
-        cache.write(i, outputs)
-        sizes.append(len(batch))
+    """Rows of ``block``: its first stage cached batch by batch (batches a killed run cached for
+    it are reused), then each module's ``P`` read once."""
+    done = set(cache.begin(index, block))
+    parts = list(batches(block, index.gradients.batch_size))
+    for i, batch in enumerate(parts):
+        if i not in done:
+            cache.write(i, {name: groups[0] for name, groups in index.first_stage_groups(batch).items()})
         if on_chunk is not None:
             on_chunk(batch)
-
-    index.first_stage_groups(block, on_batch=cache_batch)
     cache.wait()
     coords = []
     for name in index.manifest.module_names:
-        groups = [z.to(index.device) for z in cache.read(name, len(sizes))]
+        groups = [z.to(index.device) for z in cache.read(name, len(parts))]
         coords.append(torch.cat(index.projection.modules[name].second_groups(groups)).cpu().numpy())
         del groups
     return index.rows(block, concat_modules(coords), store_text=store_text)

@@ -18,7 +18,8 @@ Lance commit. What that buys:
   ``duplicates``), so the table never holds an id twice.
 * **P read per block.** When the ``P`` matrices do not stay in memory, documents go in blocks
   (``GradientConfig.block_documents``): each module's ``P`` is read once per block instead of
-  once per gradient batch, and a block is one commit (:mod:`ingest.blocks`).
+  once per gradient batch; a block is one commit, and a killed block's cached batches are
+  reused by the next run (:mod:`ingest.blocks`).
 * **Fragment hygiene.** Every commit adds a fragment; past ``optimize_threshold`` small ones the
   table is compacted between commits, and a run ends with the index ready to query (compacted
   if due, hot copy up to date): :mod:`eogp_index.store.maintenance`.
@@ -478,8 +479,6 @@ def run_ingest(
     bar = _progress_bar(progress, "ingest")
     try:
         with index_lock(index.path):
-            if cache is not None:
-                cache.clear()  # a block a killed run left uncommitted: redone
             record_sources(index, patterns, spec, shard_root=shard_root, store_text=store_text)
             reader = ExampleReader(index, patterns, spec=spec, on_error=on_error, shard_root=shard_root,
                                    stored=StoredIds(index.store))
@@ -509,6 +508,8 @@ def run_ingest(
                 tally.tokens += sum(ex.num_tokens for ex in batch)
                 _postfix(bar, tally, started)
                 optimized += maybe_optimize(index.stored, threshold=optimize_threshold) is not None
+            if cache is not None:
+                cache.clear()  # a block a killed run left, when this run had nothing left to store
             if tally.stored and optimize_threshold is not None:
                 optimized += after_ingest(index.stored, optimized=optimized > 0,
                                           threshold=optimize_threshold) is not None

@@ -272,8 +272,8 @@ KILLED_BLOCK_INGEST = textwrap.dedent("""
 """)
 
 
-def test_block_ingest_killed_mid_block_redoes_the_block(index_dir, tmp_path, tokenizer):
-    from ingest.blocks import CACHE_DIR
+def test_block_ingest_killed_mid_block_resumes_the_block(fitted, index_dir, tmp_path, tokenizer, monkeypatch):
+    from ingest.blocks import CACHE_DIR, BlockCache
 
     total = 30
     shard = write_lines(tmp_path / "big.jsonl", [{"text": doc(i)} for i in range(total)])
@@ -283,16 +283,26 @@ def test_block_ingest_killed_mid_block_redoes_the_block(index_dir, tmp_path, tok
                                 lambda committed: committed >= 6 and any(cache.glob("batch-*.safetensors")))
     assert 6 <= after_kill < total, f"kill landed outside the shard (rows: {after_kill})"
     assert after_kill % 6 == 0  # whole blocks only
-    assert any(cache.glob("batch-*.safetensors"))  # the block in flight, cached but never committed
+    cached = len(list(cache.glob("batch-*.safetensors")))  # the block in flight, never committed
+    assert 1 <= cached <= 3
 
+    written = []
+    write = BlockCache.write
+    monkeypatch.setattr(BlockCache, "write", lambda self, batch, coords: written.append(batch) or
+                        write(self, batch, coords))
     index = AttributionIndex.open(index_dir, gradients=GradientConfig(
         batch_size=2, projection_memory_gb=NO_P_IN_MEMORY, block_documents=6))
     summary = run_ingest(index, [str(shard)], spec=RecordSpec(), progress=False)
     assert summary.skipped_existing == after_kill and summary.stored == total - after_kill
+    assert len(written) == (total - after_kill) // 2 - cached  # the killed block's cached batches reused
     ids = stored_ids(index_dir)
     assert len(ids) == total and len(set(ids)) == total
     assert set(ids) == set(expected_ids([shard], RecordSpec(), tokenizer))
     assert not cache.exists()
+    # The same codes as an ingest never killed, with P in memory.
+    whole = Path(shutil.copytree(fitted.index, tmp_path / "whole"))
+    run_ingest(open_index(whole), [str(shard)], spec=RecordSpec(), progress=False)
+    assert _codes_by_id(index_dir) == _codes_by_id(whole)
 
 
 # -- bad input ------------------------------------------------------------------------------------
