@@ -565,7 +565,9 @@ class Projection:
     Attributes:
         modules: ``{name: ModuleProjection}`` in module order.
         in_turn: for a loaded projection, whether the ``P`` matrices exceed the memory limit and
-            are read module by module in every batch (False: each is read once and kept).
+            are read module by module whenever they are applied: per gradient batch in the
+            backward hook, or once for many batches (:meth:`ModuleProjection.second_groups`).
+            False: each is read once and kept.
     """
 
     def __init__(self, modules: Dict[str, ModuleProjection], *, config: ProjectionConfig, damping_ratio: float,
