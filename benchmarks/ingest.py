@@ -33,6 +33,15 @@ on two loaded cores, so ``--index DIR`` keeps the fitted index and later runs re
     python benchmarks/ingest.py --json          # machine-readable
     python benchmarks/ingest.py --model DIR --corpus 'data/*.jsonl' --device cuda --docs 4096
     python benchmarks/ingest.py --random-model '{"n_embd": 512, "n_inner": 2048, "n_head": 8}'  # wider
+
+``--blocks`` times something else: ``eogp ingest``'s own loop (:func:`ingest.pipeline.run_ingest`,
+reading a JSON Lines shard of the same documents) with ``P`` forced out of memory
+(``--projection-memory-gb``, tiny by default), per gradient batch (``P`` read in every batch)
+against per block (``P`` read once per ``--block-documents``), in rotating order in one run. It
+prints seconds per document and ``P`` bytes read per document of each, and checks that both
+stored the same codes::
+
+    python benchmarks/ingest.py --blocks --docs 256 --block-documents 128
 """
 
 from __future__ import annotations
@@ -215,8 +224,8 @@ def arithmetic(shapes, batch, flops, entries, projectors) -> Dict[str, Any]:
             "logra_projection_gflops": logra / 1e9}
 
 
-def run(args) -> Dict[str, Any]:
-    started = time.perf_counter()
+def prepare(args):
+    """The device, the workload, and its documents split into fitting and timed ones."""
     device = GradientConfig(device=args.device).resolved_device()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -224,7 +233,12 @@ def run(args) -> Dict[str, Any]:
     examples = workload.examples
     if len(examples) < args.fit_examples + 2 * args.batch_size:
         raise SystemExit(f"only {len(examples)} documents; need at least {args.fit_examples + 2 * args.batch_size}")
-    fit, timed = examples[: args.fit_examples], examples[args.fit_examples:]
+    return device, workload, examples[: args.fit_examples], examples[args.fit_examples:]
+
+
+def run(args) -> Dict[str, Any]:
+    started = time.perf_counter()
+    device, workload, fit, timed = prepare(args)
     with tempfile.TemporaryDirectory(prefix="eogp-bench-") as tmp:
         workdir = Path(tmp)
         fit_started = time.perf_counter()
@@ -379,6 +393,86 @@ def render(result: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _write_shard(path: Path, examples: Sequence[Example]) -> Path:
+    """The documents as a JSON Lines shard of token ids, as ``eogp ingest`` reads them."""
+    with open(path, "w") as handle:
+        for ex in examples:
+            handle.write(json.dumps({"id": ex.id, "input_ids": list(ex.input_ids), "labels": list(ex.labels)}) + "\n")
+    return path
+
+
+def run_blocks(args) -> Dict[str, Any]:
+    """Per-batch against block ingest, ``P`` out of memory: seconds and ``P`` bytes read per document."""
+    from ingest.pipeline import run_ingest
+    from ingest.records import RecordSpec
+
+    started = time.perf_counter()
+    device, workload, fit, timed = prepare(args)
+    block = args.block_documents or len(timed)
+    modes = {"per_batch": args.batch_size, "block": block}
+    seconds = {mode: 0.0 for mode in modes}
+    p_read = {mode: 0 for mode in modes}
+    codes = {}
+    with tempfile.TemporaryDirectory(prefix="eogp-bench-") as tmp:
+        workdir = Path(tmp)
+        AttributionIndex.create(
+            workdir / "fitted", workload.model, workload.tokenizer, fit, model_name=workload.source,
+            projection=ProjectionConfig(k=args.k, m=args.m, num_fit_examples=len(fit)),
+            curvature=CurvatureConfig(num_examples=min(args.curvature_examples, len(fit)), batch_size=args.batch_size),
+            gradients=GradientConfig(batch_size=args.batch_size, device=device), progress=False)
+        shard = _write_shard(workdir / "docs.jsonl", timed)
+        order = list(modes)
+        for round_ in range(args.rounds):
+            for mode in order[round_ % 2:] + order[: round_ % 2]:
+                path = Path(shutil.copytree(workdir / "fitted", workdir / f"{mode}-{round_}"))
+                gradients = GradientConfig(batch_size=args.batch_size, device=device, block_documents=modes[mode],
+                                           projection_memory_gb=args.projection_memory_gb)
+                # The fit and every open swap GPT-2's Conv1D layers in place: a fresh model each time.
+                workload = load_workload(args)
+                index = AttributionIndex.open(path, model=workload.model, tokenizer=workload.tokenizer,
+                                              gradients=gradients)
+                p_total = index.projection.pca_bytes
+                t0 = time.perf_counter()
+                summary = run_ingest(index, [str(shard)], spec=RecordSpec(id_field="id"), progress=False,
+                                     optimize_threshold=None)
+                seconds[mode] += time.perf_counter() - t0
+                p_read[mode] += index.projection.pca_bytes_read
+                assert summary.stored == len(timed), summary
+                table = index.store.read(["id", *index.codec.columns]).sort_by("id")
+                codes.setdefault(mode, table)
+                shutil.rmtree(path)
+    docs = len(timed) * args.rounds
+    result = {
+        "workload": workload.source, "device": device, "threads": torch.get_num_threads(),
+        "documents": len(timed), "rounds": args.rounds, "batch_size": args.batch_size, "block_documents": block,
+        "projection_memory_gb": args.projection_memory_gb, "p_total_bytes": p_total,
+        "modes": {mode: {"seconds_per_document": seconds[mode] / docs, "p_bytes_read_per_document": p_read[mode] / docs}
+                  for mode in modes},
+        "same_codes": codes["per_batch"].equals(codes["block"]),
+    }
+    result["block_speedup"] = seconds["per_batch"] / seconds["block"]
+    result["total_seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def render_blocks(result: Dict[str, Any]) -> str:
+    lines = [
+        f"workload: {result['workload']}",
+        f"device: {result['device']} ({result['threads']} threads); {result['documents']} documents x "
+        f"{result['rounds']} rounds; P {result['p_total_bytes'] / 1e6:.1f} MB, out of memory "
+        f"(--projection-memory-gb {result['projection_memory_gb']:g}); gradient batch {result['batch_size']}, "
+        f"block {result['block_documents']}",
+        "",
+        f"{'ingest':<12}{'s/document':>14}{'P read/document':>18}",
+    ]
+    for mode, row in result["modes"].items():
+        lines.append(f"{mode:<12}{row['seconds_per_document']:>14.4f}{row['p_bytes_read_per_document'] / 1e6:>15.2f} MB")
+    lines += ["", f"block ingest / per-batch ingest, time: {1 / result['block_speedup']:.3f} "
+              f"({result['block_speedup']:.2f}x faster); same stored codes: {result['same_codes']} "
+              f"(total {result['total_seconds']}s)"]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -407,11 +501,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--index", default=None, metavar="DIR",
                         help="keep the fitted index in DIR and reuse it when DIR holds one (the same model and "
                              "options; fitting GPT-2 small takes longer than timing it); each run ingests into a copy")
+    parser.add_argument("--blocks", action="store_true",
+                        help="time eogp ingest per gradient batch against per block, P out of memory (see above)")
+    parser.add_argument("--block-documents", type=int, default=None,
+                        help="with --blocks: documents per block (default: all of --docs in one block)")
+    parser.add_argument("--projection-memory-gb", type=float, default=1e-9,
+                        help="with --blocks: the memory P may hold (default 1e-9: none, P is read when applied)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --blocks: ingests of each kind (default 2)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
     if args.gpt2_small:
         args.random_model = GPT2_SMALL
+    if args.blocks:
+        result = run_blocks(args)
+        print(json.dumps(result, indent=2) if args.json else render_blocks(result))
+        return 0 if result["same_codes"] else 1
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 1 if args.check and not all(result["meets_targets"].values()) else 0

@@ -19,7 +19,8 @@ from eogp_index.cli_options import field_option, option_group
 from eogp_index.cliutil import distributed_option, process_group, torchrun_rank, under_torchrun, worker_device
 from eogp_index.cliutil import emit as _emit
 from eogp_index.cliutil import fail_cleanly as _fail_cleanly
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, SelectOptions, StorageConfig
+from eogp_index.config import (MAX_BLOCK_DOCUMENTS, CurvatureConfig, GradientConfig, ProjectionConfig, SelectOptions,
+                               StorageConfig)
 from eogp_index.errors import EOGPError
 from eogp_index.evaluation.cli import eval_group
 from eogp_index.data.records import RecordSpec
@@ -201,6 +202,7 @@ def _fit_process_group(device: str):
 @_model_option
 @field_option(GradientConfig, "device")
 @_projection_memory_option
+@field_option(GradientConfig, "block_documents")
 @click.option("--shard-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Name shards by their path relative to this directory (needed when file names repeat); "
                    "keep it the same across runs.")
@@ -215,8 +217,8 @@ def _fit_process_group(device: str):
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_record_options
 @_fail_cleanly
-def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, projection_memory_gb, shard_root,
-           store_text, store_text_max_bytes, distributed, commit_every, as_json, record):
+def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, projection_memory_gb, block_documents,
+           shard_root, store_text, store_text_max_bytes, distributed, commit_every, as_json, record):
     """Store corpus shards in an index. Safe to rerun: stored examples are skipped.
 
     Under torchrun (several workers, or --distributed) the shards are dealt out to the
@@ -229,7 +231,7 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
     """
     spec = RecordSpec(**record)  # max_tokens: the index's
     gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device,
-                               projection_memory_gb=projection_memory_gb)
+                               projection_memory_gb=projection_memory_gb, block_documents=block_documents)
     options = dict(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
                    progress=not as_json, shard_root=shard_root,
                    store_text=store_text_max_bytes if store_text else None)
@@ -711,10 +713,14 @@ def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
 @click.option("--documents", type=click.IntRange(min=0), default=1_000_000, show_default=True,
               help="Documents in the store, for its size.")
+@field_option(GradientConfig, "block_documents",
+              help=f"Documents per ingest block when P does not stay in memory (default: {MAX_BLOCK_DOCUMENTS:,}; "
+                   "an ingest sizes its own from the free disk and memory, at most that).")
 @click.option("--all-modules", is_flag=True, help="One line per module (default: modules alike in every block, grouped).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_fail_cleanly
-def plan(model, projection, storage, num_examples, gradients, modules, documents, all_modules, as_json):
+def plan(model, projection, storage, num_examples, gradients, modules, documents, block_documents, all_modules,
+         as_json):
     """Print the storage accounting of an index before fitting it: nothing runs.
 
     MODEL is a hub name, a local model directory or a config.json; only its
@@ -722,13 +728,16 @@ def plan(model, projection, storage, num_examples, gradients, modules, documents
     weights). Takes eogp fit's options and gives, per attributed module, d_u,
     m_u and k_u; the bytes per example; the shared bytes (eigenbases, P); the
     fit's cache on disk; estimates of the peak memory of fit, ingest and query
-    (each says what it counts); and the store's size for --documents.
+    (each says what it counts); the store's size for --documents; and the P
+    read per ingested document (resident, per batch, per block) against the
+    block cache's disk.
 
     \b
     Example:
         eogp plan examples/default/model -k 256 --documents 1000000
         eogp plan allenai/OLMo-2-0425-1B --budget-kb 28 --pca-examples 10000 --max-tokens 512 --json
     """
+    from eogp_index.fit.blocks import format_p_reads, p_reads
     from eogp_index.fit.plan import format_plan, make_plan, model_shape
 
     if projection["k"] is None and projection["budget_kb"] is None:
@@ -738,7 +747,9 @@ def plan(model, projection, storage, num_examples, gradients, modules, documents
     shape = model_shape(model, list(modules) or None)
     result = make_plan(shape, config, precision=StorageConfig(**storage).precision, curvature_examples=num_examples,
                        batch_size=gradients.batch_size, max_tokens=gradients.max_tokens, documents=documents)
-    _emit(result, as_json, lambda data: click.echo(format_plan(data, all_modules=all_modules)))
+    result["p_reads"] = p_reads(result, block_documents=block_documents)
+    _emit(result, as_json, lambda data: click.echo(format_plan(data, all_modules=all_modules) + "\n"
+                                                   + format_p_reads(data["p_reads"])))
 
 
 @cli.command()

@@ -20,12 +20,13 @@ from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
+import torch
 from torch import nn
 
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.fit.fitting import fit_projection
-from eogp_index.gradients.capture import GradientCapture, batches, project_examples
+from eogp_index.gradients.capture import GradientCapture, batches, project_examples, run_batches
 from eogp_index.gradients.model import (
     freeze,
     load_model,
@@ -175,10 +176,30 @@ class AttributionIndex:
         if not examples:
             return np.zeros((0, self.layout.num_coords), np.float32)
         names = self.manifest.module_names
+        if self.projection.in_turn:
+            # P does not stay in memory: the first stage of every batch, then each module's P read
+            # once for all of them (the paper's batched queries), not once per batch.
+            groups = self.first_stage_groups(examples, progress=progress)
+            return concat_modules([torch.cat(self.projection.modules[name].second_groups(groups.pop(name))).cpu()
+                                   .numpy() for name in names])
         capture = GradientCapture(self.model, names, self.projection.transform)
         out = project_examples(capture, examples, batch_size=self.gradients.batch_size,
                                pad_token_id=pad_token_id(self.tokenizer), device=self.device, progress=progress)
         return concat_modules([out[name].numpy() for name in names])
+
+    def first_stage_groups(self, examples: Sequence[Example], *,
+                           progress: bool = False) -> Dict[str, List[torch.Tensor]]:
+        """First-stage coordinates at the projection's cache dtype, one ``(B, m_u)`` group per
+        gradient batch: ``{module: [group, ...]}`` (on the model's device)."""
+        names = self.manifest.module_names
+        capture = GradientCapture(self.model, names, self.projection.cached_first_stage_transform)
+        groups: Dict[str, List[torch.Tensor]] = {name: [] for name in names}
+        for _, outputs in run_batches(capture, examples, batch_size=self.gradients.batch_size,
+                                      pad_token_id=pad_token_id(self.tokenizer), device=self.device,
+                                      progress=progress):
+            for name in names:
+                groups[name].append(outputs[name])
+        return groups
 
     def query_examples(self, queries: Sequence[Query]) -> List[Example]:
         """Tokenize queries (texts, chats, ids or record dicts) as training records are tokenized.
@@ -282,7 +303,12 @@ class AttributionIndex:
             store_text: keep each document's text (at most this many UTF-8 bytes; a longer one is
                 stored as null and read back from its shard when explained); None stores none.
         """
-        encoded = self.codec.encode(self.project(examples))
+        return self.rows(examples, self.project(examples), store_text=store_text)
+
+    def rows(self, examples: Sequence[Example], coordinates: np.ndarray, *,
+             store_text: Optional[int] = None) -> pa.Table:
+        """:meth:`encode_rows` from the examples' projected coordinates ``(n, K)`` float32."""
+        encoded = self.codec.encode(coordinates)
         hashed = self.manifest.has_content_hashes
         info = RowInfo(ids=[ex.id for ex in examples], shards=[ex.shard for ex in examples],
                        positions=[ex.position for ex in examples], num_tokens=[ex.num_tokens for ex in examples],

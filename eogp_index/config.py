@@ -210,6 +210,12 @@ class StorageConfig:
             raise ConfigError(f"StorageConfig.precision must be '1bit', 'fp16' or 'fp32', got {self.precision!r}")
 
 
+#: The most documents in a default ingest block (``GradientConfig.block_documents``): about the
+#: paper's (Appendix E: "batches of approximately 11,000 documents, over which matrix-loading
+#: costs are amortized"). A kill redoes at most a block.
+MAX_BLOCK_DOCUMENTS = 11_000
+
+
 @dataclass(frozen=True)
 class GradientConfig:
     """Per-example gradient computation (training examples and queries alike)."""
@@ -226,11 +232,19 @@ class GradientConfig:
                           "dropped (slower, bounded). Default: $EOGP_PROJECTION_MEMORY_GB, else half the "
                           "available memory.", "min": 0.0, "min_open": True},
     )
+    block_documents: Optional[int] = field(
+        default=None,
+        metadata={"help": "When P does not stay in memory: documents per ingest block. Their first-stage "
+                          "coordinates are cached on disk, then each module's P is read once for the whole block "
+                          f"(one commit per block). Default: sized from the free disk and memory, at most "
+                          f"{MAX_BLOCK_DOCUMENTS:,}; the gradient batch size reads P in every batch.", "min": 1},
+    )
 
     def __post_init__(self) -> None:
         _positive("GradientConfig.batch_size", self.batch_size, allow_none=False)
         _positive("GradientConfig.max_tokens", self.max_tokens)
         _positive("GradientConfig.projection_memory_gb", self.projection_memory_gb)
+        _positive("GradientConfig.block_documents", self.block_documents)
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"GradientConfig.device must be 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N' "
                               f"(--device), got {self.device!r}")

@@ -16,6 +16,10 @@ Lance commit. What that buys:
 * **Duplicate ids.** An id used twice in the run, or already stored for a *different* shard
   or position (say, by an earlier ingest of other shards), is a bad record too (counted in
   ``duplicates``), so the table never holds an id twice.
+* **P read per block.** When the ``P`` matrices do not stay in memory, documents go in blocks
+  (``GradientConfig.block_documents``): each module's ``P`` is read once per block instead of
+  once per gradient batch; a block is one commit, and a killed block's cached batches are
+  reused by the next run (:mod:`ingest.blocks`).
 * **Fragment hygiene.** Every commit adds a fragment; past ``optimize_threshold`` small ones the
   table is compacted between commits, and a run ends with the index ready to query (compacted
   if due, hot copy up to date): :mod:`eogp_index.store.maintenance`.
@@ -47,6 +51,7 @@ from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, after_inges
 from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
 from eogp_index.data.readers import location_of
+from ingest.blocks import BlockCache, block_documents, encode_block
 from ingest.records import Example, RecordSpec, Rejected, iter_examples
 
 __all__ = ["ExampleReader", "IngestSummary", "RejectsFile", "StoredIds", "Tally", "run_ingest",
@@ -469,7 +474,8 @@ def run_ingest(
             ``shard, position, location, reason, record_id``; default
             ``<index>/rejects/<UTC time>-<pid>.jsonl``, created only if something is rejected.
         batch_size: rows per commit (default 256, rounded up to whole gradient batches). A
-            kill loses at most the batch in flight; each commit adds a Lance fragment.
+            kill loses at most the batch in flight; each commit adds a Lance fragment. In block
+            ingest (``P`` not in memory) a commit is a block (``index.gradients.block_documents``).
         progress: show a progress bar (documents, stored doc/s and tok/s).
         shard_root: name shards by their path relative to this directory instead of by file
             name (needed when two shards share a file name); keep it the same across runs.
@@ -496,7 +502,9 @@ def run_ingest(
     started = time.perf_counter()
     spec = effective_spec(index, spec)
     check_metadata_fields(index, spec)
-    rows_per_commit = commit_rows(batch_size, index.gradients.batch_size)
+    block = block_documents(index)
+    rows_per_commit = block or commit_rows(batch_size, index.gradients.batch_size)
+    cache = BlockCache(index.path) if block else None
     rejects = RejectsFile(Path(rejects_path) if rejects_path is not None else default_rejects_path(index.path))
     tally = Tally()
     optimized = 0
@@ -521,17 +529,26 @@ def run_ingest(
                     if bar is not None:
                         bar.update(len(chunk))
 
-                rows = encode_batch(index, batch, on_chunk, store_text=store_text)
+                if cache is not None:
+                    rows = encode_block(index, batch, cache, on_chunk, store_text=store_text)
+                else:
+                    rows = encode_batch(index, batch, on_chunk, store_text=store_text)
                 index.store.add(rows)  # one commit: the batch is visible entirely or not at all
+                if cache is not None:
+                    cache.clear()
                 tally.stored += len(batch)
                 tally.tokens += sum(ex.num_tokens for ex in batch)
                 _postfix(bar, tally, started)
                 optimized += maybe_optimize(index.stored, threshold=optimize_threshold) is not None
+            if cache is not None:
+                cache.clear()  # a block a killed run left, when this run had nothing left to store
             if tally.stored and optimize_threshold is not None:
                 optimized += after_ingest(index.stored, optimized=optimized > 0,
                                           threshold=optimize_threshold) is not None
     finally:
         rejects.close()
+        if cache is not None:
+            cache.close()
         if bar is not None:
             _postfix(bar, tally, started)
             bar.close()

@@ -248,3 +248,33 @@ def test_checks_that_need_no_model_run_before_it_loads(workspace, tmp_path, case
         _refused(_run("fit", tmp_path / "no-model", "--data", args[0], "--out", tmp_path / "i"), *expected)
     if case == "missing shard":  # and an index already at --out
         _refused(_run("fit", tmp_path / "no-model", "--data", shard, "--out", root / "idx"), "already holds an index")
+
+
+def test_p_out_of_memory_is_read_once_per_block_and_once_per_batch_of_queries(workspace, tmp_path, monkeypatch):
+    import shutil
+
+    from eogp_index.fit.projection import _LazyPca
+
+    root, fitted, _ = workspace
+    reads = []
+    get = _LazyPca.get
+    monkeypatch.setattr(_LazyPca, "get", lambda self, key: reads.append(key) or get(self, key))
+    modules = len(fitted["modules"])
+    index = shutil.copytree(root / "idx", tmp_path / "idx")
+    lines = [json.dumps({"id": f"new{i}", "text": " ".join(f"t{(i * 5 + j) % 63 + 1}" for j in range(5 + i % 7)),
+                         "kind": "ab"[i % 2], "n": 100 + i}) for i in range(20)]
+    (tmp_path / "new.jsonl").write_text("\n".join(lines) + "\n")
+    ingest = _run("ingest", index, tmp_path / "new.jsonl", "--id-field", "id", "--metadata", "kind", "--metadata",
+                  "n", "--batch-size", "4", "--projection-memory-gb", "1e-9", "--block-documents", "8", "--json")
+    assert ingest.exit_code == 0, ingest.output
+    assert json.loads(ingest.stdout)["stored"] == 20
+    assert len(reads) == 3 * modules  # blocks of 8, 8 and 4 documents (5 gradient batches)
+    assert not (index / "ingest-cache").exists()
+    # 20 queries in 3 gradient batches of 8: each module's P read once for all of them.
+    (tmp_path / "queries.jsonl").write_text("\n".join(json.dumps({"text": json.loads(line)["text"]})
+                                                      for line in lines) + "\n")
+    reads.clear()
+    queried = _run("query", index, "--queries", tmp_path / "queries.jsonl", "-k", "3", "--projection-memory-gb",
+                   "1e-9", "--json")
+    assert queried.exit_code == 0, queried.output
+    assert len(json.loads(queried.stdout)) == 20 and len(reads) == modules and len(set(reads)) == modules

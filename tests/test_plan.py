@@ -138,3 +138,52 @@ def test_verify_hashes_model_and_projection_in_full(workspace, tmp_path):
     (copy / "projection.safetensors").write_bytes(bytes(data))
     bad = CliRunner().invoke(cli, ["verify", str(copy)])
     assert bad.exit_code == 1 and "projection" in bad.output and "DIFFERS" in bad.output
+
+
+#: OLMo-2-1B's shape (allenai/OLMo-2-0425-1B's config, written out: nothing is downloaded).
+OLMO2_1B = {"model_type": "olmo2", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 100352,
+            "max_position_embeddings": 4096}
+
+
+def test_block_ingest_reads_a_thousandth_of_p_per_document_at_olmo2_1b(tmp_path):
+    """At m_u = 262,144 and k_u = 2,048 (the paper's setting), P is 120 GB: read per gradient batch
+    that is 15 GB per document; per block of documents at most 1/1,000 of P, for a block cache of
+    Σ m_u x 2 B (about 59 MB) per document."""
+    (tmp_path / "config.json").write_text(json.dumps(OLMO2_1B))
+    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "config.json"), "-k", "2048", "--m", "262144",
+                                      "--max-tokens", "512", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    reads, rows = plan["p_reads"], plan["modules"]
+    assert len(rows) == 112 and all(r["m"] == 262144 and r["k"] == 2048 for r in rows)
+    p_total = reads["p_total_bytes"]
+    assert p_total == 112 * 262144 * 2048 * 2 == plan["shared"]["pca_bytes"]
+    per = reads["per_document"]
+    assert per["per_batch"] == p_total / 8
+    assert per["block"] <= p_total / 1000
+    assert reads["cache_bytes_per_document"] == 2 * sum(r["m"] for r in rows)
+    assert 58e6 < reads["cache_bytes_per_document"] < 60e6
+    assert reads["cache_bytes"] == reads["block_documents"] * reads["cache_bytes_per_document"]
+    # A smaller block: less cache disk, more P read per document.
+    small = json.loads(CliRunner().invoke(cli, ["plan", str(tmp_path / "config.json"), "-k", "2048", "--m", "262144",
+                                                "--max-tokens", "512", "--block-documents", "1000",
+                                                "--json"]).stdout)["p_reads"]
+    assert small["block_documents"] == 1000 and small["per_document"]["block"] == p_total / 1000
+    assert small["cache_bytes"] < reads["cache_bytes"]
+    text = CliRunner().invoke(cli, ["plan", str(tmp_path / "config.json"), "-k", "2048", "--m", "262144"]).output
+    assert "P reads" in text and "block cache" in text
+
+
+def test_default_block_is_sized_by_free_disk_and_memory_in_whole_batches():
+    from eogp_index.config import MAX_BLOCK_DOCUMENTS
+    from eogp_index.fit.blocks import DISK_SHARE, MEMORY_SHARE, default_block_documents
+
+    ms, ks = [1000, 3000], [10, 30]  # 8,000 B of FP16 cache per document; 6,000 + 160 B of memory
+    plenty = 10 ** 15
+    assert default_block_documents(ms, ks, 2, 8, free_disk=plenty, free_memory=plenty) == MAX_BLOCK_DOCUMENTS // 8 * 8
+    by_disk = default_block_documents(ms, ks, 2, 8, free_disk=int(800_000 / DISK_SHARE), free_memory=plenty)
+    assert by_disk == 96  # 100 documents' cache, rounded down to whole batches of 8
+    by_memory = default_block_documents(ms, ks, 2, 8, free_disk=plenty, free_memory=int(61_600 / MEMORY_SHARE))
+    assert by_memory == 8  # 10 documents' worth: one batch
+    assert default_block_documents(ms, ks, 2, 8, free_disk=0, free_memory=0) == 8  # never less than a batch

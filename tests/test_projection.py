@@ -5,10 +5,12 @@ import torch
 from scipy.linalg import hadamard
 
 from eogp_index.config import ProjectionConfig, StorageConfig
+from eogp_index.errors import ModelError
 from eogp_index.fit.curvature import ModuleCurvature
 from eogp_index.fit.projection import (
     Projection,
     apply_pca,
+    apply_pca_groups,
     build_projection,
     first_stage_from_curvature,
     fit_pca,
@@ -190,7 +192,8 @@ def test_projection_roundtrips_through_safetensors(tmp_path):
 @pytest.mark.parametrize("block_bytes", [64 << 20, 4 * 7 * 5])  # one block; blocks of 5 rows, the last short
 def test_apply_pca_upcasts_fp16_p_exactly_through_a_reused_buffer(monkeypatch, block_bytes):
     # An FP16 P is applied in float32 through a per-thread buffer reused across calls and shapes:
-    # every call must equal the float32 product with P upcast, whatever the buffer held before.
+    # every call must equal the float32 product of the coordinates rounded to FP16 (as the fit's
+    # PCA saw them) and P upcast, whatever the buffer held before.
     import eogp_index.fit.projection as projection
 
     monkeypatch.setattr(projection, "_UPCAST_BYTES", block_bytes)
@@ -199,9 +202,20 @@ def test_apply_pca_upcasts_fp16_p_exactly_through_a_reused_buffer(monkeypatch, b
     for m, k in shapes:
         pca = torch.randn(m, k, generator=g).half()
         z = torch.randn(6, m, generator=g)
-        expected = z.double() @ pca.double()
+        expected = z.half().double() @ pca.double()
         got = apply_pca(z, pca)
         assert got.dtype == torch.float32 and got.shape == (6, k)
         torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-5)
         if block_bytes > m * k * 4:  # one block: the very product of a float32 P
-            assert torch.equal(got, z @ pca.float())
+            assert torch.equal(got, z.half().float() @ pca.float())
+        # Several row groups at once (P upcast once for all): each gets what it gets alone, also
+        # from coordinates already at P's dtype (block ingest's cache).
+        groups = [z[:1], z[1:5], z[5:]]
+        for group, alone in zip(apply_pca_groups([t.half() for t in groups], pca), groups):
+            assert torch.equal(group, apply_pca(alone, pca))
+
+
+def test_apply_pca_refuses_coordinates_that_overflow_fp16():
+    pca = torch.ones(3, 2).half()
+    with pytest.raises(ModelError, match="overflow"):
+        apply_pca(torch.tensor([[1.0, 7e4, 0.0]]), pca)

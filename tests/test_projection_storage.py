@@ -124,7 +124,8 @@ def test_lazy_and_in_turn_modes_give_identical_coordinates(indexes):
     y_turn = in_turn.project(TRAIN)  # 24 examples in 5 batches
     assert not in_turn.projection._lazy._kept  # nothing kept between modules
     names = in_turn.manifest.module_names
-    assert len(reads) == 5 * len(names) and set(reads) == {f"{n}/pca" for n in names}  # once per module per batch
+    # Once per module for the 5 batches: the first stage of every batch, then each P applied to all.
+    assert sorted(reads) == sorted(f"{n}/pca" for n in names)
     np.testing.assert_array_equal(y_eager, y_turn)
     # And the same scores through a query.
     q = {"input_ids": list(QUERIES[0].input_ids), "labels": list(QUERIES[0].labels)}
@@ -324,10 +325,11 @@ def test_memory_limit_option_and_default(monkeypatch):
 
 def test_fp16_p_is_upcast_in_blocks_without_changing_the_result(monkeypatch):
     """A large FP16 P is applied in row blocks of float32 (so it never needs a float32 copy of
-    itself); the blocks give z·P as one upcast does, up to float32 summation order."""
+    itself); the blocks give z·P as one upcast does (z rounded to FP16 as the fit's PCA saw it),
+    up to float32 summation order."""
     gen = torch.Generator().manual_seed(0)
     z, p = torch.randn(5, 300, generator=gen), torch.randn(300, 7, generator=gen).half()
-    whole = z.double() @ p.double()
+    whole = z.half().double() @ p.double()
     monkeypatch.setattr(projection_module, "_UPCAST_BYTES", 4 * 7 * 64)  # 64 rows per block: 5 blocks
     blocked = projection_module.apply_pca(z, p)
     assert blocked.dtype == torch.float32

@@ -17,8 +17,14 @@ cheap sampled fingerprint (checked on every open, :func:`file_fingerprint`).
 
 A loaded projection reads the ``P`` matrices lazily from the memory-mapped file. When they all
 fit a memory limit each is read once, on first use, and kept; otherwise every module's ``P`` is
-read when its transform runs — in the backward hook, one module after another — and dropped
-after, so a batch holds one module's ``P`` at a time (the paper's "modules in turn").
+read when it is applied and dropped after, so one module's ``P`` is held at a time (the paper's
+"modules in turn"). Applied in the backward hook that is once per gradient batch; block ingest
+and batched queries instead apply each ``P`` once to the first-stage coordinates of many
+batches (:meth:`ModuleProjection.second_groups`), as the paper's Appendix E does.
+
+The second stage sees the first-stage coordinates rounded to FP16 (:data:`FIRST_STAGE_DTYPE`):
+the precision the fit's PCA was fitted on and the one block ingest caches them in, so that every
+route gives the same coordinates.
 """
 
 from __future__ import annotations
@@ -40,13 +46,17 @@ import torch
 
 from eogp_index.config import PCA_DTYPE_BYTES, ProjectionConfig, SecondStage, StorageConfig
 from eogp_index.fit.curvature import ModuleCurvature
-from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError
+from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, ModelError
 
 #: 2: ``P`` stored at ``ProjectionConfig.pca_dtype`` (FP16 by default), recorded in the metadata.
 #: 1: everything float32, no ``pca_dtype``. Both are read.
 PROJECTION_FORMAT_VERSION = 2
 READABLE_PROJECTION_VERSIONS = (1, 2)
 PCA_TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+#: The precision of first-stage coordinates kept between the two stages: in the fit's cache (the
+#: PCA is fitted on them), block ingest's cache and batched queries. The second stage rounds them
+#: to it on every route, the per-batch one included.
+FIRST_STAGE_DTYPE = torch.float16
 #: Rows of an FP16 ``P`` upcast to float32 at once are capped so that the float32 copy stays
 #: under this many bytes: applying a 1 GB FP16 ``P`` never needs a 2 GB float32 one.
 _UPCAST_BYTES = 64 << 20
@@ -143,11 +153,16 @@ class ModuleProjection:
 
     def second(self, z: torch.Tensor) -> torch.Tensor:
         """``(B, m)`` first-stage coordinates → ``(B, k)`` final coordinates."""
+        return self.second_groups([z])[0]
+
+    def second_groups(self, groups: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """:meth:`second` of several row groups (``(B_i, m)`` → ``(B_i, k)`` each), with ``P``
+        read once for all of them: each group gives exactly what :meth:`second` gives it alone."""
         if self.second_stage == "pca":
-            return apply_pca(z, self.pca)
+            return apply_pca_groups(groups, self.pca)
         if self.second_stage == "srht":
-            return srht_apply(z, self.srht_signs.to(z.device), self.srht_rows.to(z.device))
-        return z
+            return [srht_apply(z, self.srht_signs.to(z.device), self.srht_rows.to(z.device)) for z in groups]
+        return list(groups)
 
     def project(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """``(B, k)`` float32 coordinates of a batch."""
@@ -170,26 +185,56 @@ ModuleProjection.pca = property(_get_pca, _set_pca)  # type: ignore[assignment]
 
 
 def apply_pca(z: torch.Tensor, pca: torch.Tensor) -> torch.Tensor:
-    """``z @ P`` in float32, ``(B, m) @ (m, k) → (B, k)``, whatever ``P``'s stored dtype.
+    """``z @ P`` in float32, ``(B, m) @ (m, k) → (B, k)``: :func:`apply_pca_groups` of one group."""
+    return apply_pca_groups([z], pca)[0]
 
-    An FP16 ``P`` is upcast a block of rows at a time (at most ``_UPCAST_BYTES`` of float32), so
-    the products and sums are float32: the only difference from a float32 ``P`` is ``P``'s own
-    rounding to FP16.
+
+def apply_pca_groups(groups: Sequence[torch.Tensor], pca: torch.Tensor) -> List[torch.Tensor]:
+    """``round(z_i) @ P`` in float32 for each ``(B_i, m)`` group: ``(B_i, k)`` each.
+
+    ``z_i`` is first rounded to :data:`FIRST_STAGE_DTYPE` (a no-op for coordinates already kept
+    at it). An FP16 ``P`` is upcast a block of rows at a time (at most ``_UPCAST_BYTES`` of
+    float32), each block once for all the groups, so the products and sums are float32 whatever
+    ``P``'s dtype. Each group is its own matmul, the one it would be alone: a BLAS's result for a
+    row may depend on how many rows share the call, and grouping rows as the gradient batches were
+    keeps every route's coordinates identical.
+
+    Raises:
+        ModelError: a coordinate overflows FP16 (``|z| > 65504``).
     """
-    pca = pca.to(z.device)
-    if pca.dtype == z.dtype:
-        return z @ pca
+    pca = pca.to(groups[0].device) if groups else pca
+    rounded = [_at_precision(z, FIRST_STAGE_DTYPE) for z in groups]
+    if pca.dtype == torch.float32:
+        return [z.float() @ pca for z in rounded]
     m, k = pca.shape
     rows = min(m, max(1, _UPCAST_BYTES // (4 * max(1, k))))
-    scratch = _upcast_scratch(rows * k, z)
-    out = z.new_zeros(z.shape[0], k)
+    outs = [z.new_zeros(z.shape[0], k, dtype=torch.float32) for z in rounded]
+    scratch = _upcast_scratch(rows * k, outs[0]) if outs else None
     for i in range(0, m, rows):
         block = pca[i:i + rows]
-        if scratch is None:
-            out.addmm_(z[:, i:i + rows], block.to(z.dtype))
-        else:
-            out.addmm_(z[:, i:i + rows], scratch[:block.numel()].view(block.shape).copy_(block))
-    return out
+        upcast = block.float() if scratch is None else scratch[:block.numel()].view(block.shape).copy_(block)
+        for z, out in zip(rounded, outs):
+            out.addmm_(z[:, i:i + rows].float(), upcast)
+    return outs
+
+
+def _at_precision(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``z`` rounded to ``dtype`` (kept as it is when it already is).
+
+    A ``z`` that requires a gradient (the explanations' pullback through the second stage) keeps
+    its dtype and gets the rounded values with the identity as their gradient, so that the
+    adjoint of the second stage is ``P`` itself, not a rounded copy of it.
+    """
+    if z.dtype == dtype:
+        return z
+    rounded = z.detach().to(dtype)
+    if not torch.isfinite(rounded).all() and torch.isfinite(z).all():
+        raise ModelError(f"first-stage coordinates overflow {dtype} (|z| up to {z.abs().max().item():.3g}): the "
+                         "half-whitened gradients are far larger than the curvature predicts; check that the model "
+                         "is the one the index was fitted with")
+    if z.requires_grad:
+        return z + (rounded.to(z.dtype) - z).detach()  # exact: z and its rounding are within a factor 2
+    return rounded
 
 
 _scratch = threading.local()  # a server's worker thread and the main thread may both project
@@ -520,7 +565,9 @@ class Projection:
     Attributes:
         modules: ``{name: ModuleProjection}`` in module order.
         in_turn: for a loaded projection, whether the ``P`` matrices exceed the memory limit and
-            are read module by module in every batch (False: each is read once and kept).
+            are read module by module whenever they are applied: per gradient batch in the
+            backward hook, or once for many batches (:meth:`ModuleProjection.second_groups`).
+            False: each is read once and kept.
     """
 
     def __init__(self, modules: Dict[str, ModuleProjection], *, config: ProjectionConfig, damping_ratio: float,
@@ -556,6 +603,18 @@ class Projection:
         return {"kind": self.config.rotation, "rounds": HADAMARD_ROUNDS, "seed": self.config.seed}
 
     @property
+    def pca_bytes_read(self) -> int:
+        """Bytes of ``P`` read from the projection file since it was loaded (0 when not loaded)."""
+        return self._lazy.bytes_read if self._lazy is not None else 0
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype first-stage coordinates are kept at between the stages (block ingest's cache,
+        batched queries): :data:`FIRST_STAGE_DTYPE`, which the second stage rounds them to anyway;
+        float32 without a ``P``."""
+        return FIRST_STAGE_DTYPE if self.config.second_stage == "pca" else torch.float32
+
+    @property
     def pca_bytes(self) -> int:
         """Bytes of every module's ``P`` at its stored dtype (0 without a PCA stage)."""
         if self._lazy is not None:
@@ -569,6 +628,11 @@ class Projection:
 
     def first_stage_transform(self, name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return self.modules[name].first_stage(a, g)
+
+    def cached_first_stage_transform(self, name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """The first stage at :attr:`cache_dtype`, ``(B, m)``: what the second stage rounds it to
+        anyway, so keeping it so (block ingest's cache, batched queries) changes no coordinate."""
+        return _at_precision(self.modules[name].first_stage(a, g), self.cache_dtype)
 
     # -- on disk -----------------------------------------------------------------------------
     def save(self, path: Path) -> str:
@@ -687,12 +751,15 @@ class _LazyPca:
         self.resident = self.total_bytes <= self.limit
         self._kept: Dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()  # a server's worker thread and the main thread may both project
+        #: Bytes of ``P`` read from the file so far (what the plan's "P read per document" counts).
+        self.bytes_read = 0
 
     def get(self, key: str) -> torch.Tensor:
         with self._lock:
             tensor = self._kept.get(key)
             if tensor is None:
                 tensor = self._handle.get_tensor(key)
+                self.bytes_read += tensor.numel() * tensor.element_size()
                 if self.resident:
                     self._kept[key] = tensor
             return tensor

@@ -132,9 +132,11 @@ def check_counted(examples: Sequence[Any]) -> None:
                              location=getattr(ex, "shard", "") or None)
 
 
-def project_examples(capture: GradientCapture, examples: Sequence[Any], *, batch_size: int, pad_token_id: int,
-                     device: str, progress: bool = False, desc: str = "projecting") -> Dict[str, torch.Tensor]:
-    """Run ``capture`` over tokenized examples in batches: ``{module: (n, ...) float32 on the CPU}``.
+def run_batches(capture: GradientCapture, examples: Sequence[Any], *, batch_size: int, pad_token_id: int,
+                device: str, progress: bool = False,
+                desc: str = "projecting") -> Iterator[Tuple[List[Any], Dict[str, torch.Tensor]]]:
+    """Run ``capture`` over tokenized examples, a batch at a time: yields each batch and its
+    ``{module: (B, ...)}`` outputs, as the transform gives them (on the model's device).
 
     ``examples`` have ``input_ids``, ``labels`` and ``id`` (an
     :class:`~eogp_index.data.records.Example`); an example with no counted label has no
@@ -142,12 +144,20 @@ def project_examples(capture: GradientCapture, examples: Sequence[Any], *, batch
     """
     from tqdm.auto import tqdm
 
-    parts: Dict[str, List[torch.Tensor]] = {name: [] for name in capture.modules}
     total = -(-len(examples) // batch_size)
     for batch in tqdm(batches(examples, batch_size), desc=desc, total=total, unit="batch", disable=not progress):
         check_counted(batch)
         collated = collate([(ex.input_ids, ex.labels) for ex in batch], pad_token_id)
         outputs, _ = capture.run({key: value.to(device) for key, value in collated.items()})
+        yield batch, outputs
+
+
+def project_examples(capture: GradientCapture, examples: Sequence[Any], *, batch_size: int, pad_token_id: int,
+                     device: str, progress: bool = False, desc: str = "projecting") -> Dict[str, torch.Tensor]:
+    """:func:`run_batches`, gathered: ``{module: (n, ...) float32 on the CPU}``."""
+    parts: Dict[str, List[torch.Tensor]] = {name: [] for name in capture.modules}
+    for _, outputs in run_batches(capture, examples, batch_size=batch_size, pad_token_id=pad_token_id,
+                                  device=device, progress=progress, desc=desc):
         for name in capture.modules:
             parts[name].append(outputs[name].cpu())
     return {name: torch.cat(chunks) if chunks else torch.zeros(0) for name, chunks in parts.items()}

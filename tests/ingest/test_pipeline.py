@@ -236,18 +236,17 @@ KILLED_INGEST = textwrap.dedent("""
 """)
 
 
-def test_killed_ingest_resumes_without_duplicates_or_gaps(index_dir, tmp_path, tokenizer):
+def kill_mid_shard(script_text: str, index_dir: Path, shard: Path, tmp_path: Path, ready) -> int:
+    """Run ``script_text`` (``python script INDEX SHARD``) in a real process, SIGKILL it once
+    ``ready(committed rows)`` holds, and return the rows the table holds after the kill."""
     import lance
 
-    total = 40
-    shard = write_lines(tmp_path / "big.jsonl", [{"text": doc(i)} for i in range(total)])
     script = tmp_path / "ingest_script.py"
-    script.write_text(KILLED_INGEST)
+    script.write_text(script_text)
     log = open(tmp_path / "child.log", "wb")
     child = subprocess.Popen([sys.executable, str(script), str(index_dir), str(shard)], cwd=REPO,
                              stdout=log, stderr=subprocess.STDOUT)
     uri = str(index_dir / "examples.lance")
-    committed = 0
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and child.poll() is None:
@@ -255,7 +254,7 @@ def test_killed_ingest_resumes_without_duplicates_or_gaps(index_dir, tmp_path, t
                 committed = lance.dataset(uri).count_rows()
             except Exception:  # no table yet
                 committed = 0
-            if committed >= 2:
+            if ready(committed):
                 break
             time.sleep(0.02)
         os.kill(child.pid, signal.SIGKILL)
@@ -263,7 +262,13 @@ def test_killed_ingest_resumes_without_duplicates_or_gaps(index_dir, tmp_path, t
         child.wait(timeout=60)
         log.close()
     assert child.returncode == -signal.SIGKILL, (tmp_path / "child.log").read_text()[-2000:]
-    after_kill = lance.dataset(uri).count_rows()
+    return lance.dataset(uri).count_rows()
+
+
+def test_killed_ingest_resumes_without_duplicates_or_gaps(index_dir, tmp_path, tokenizer):
+    total = 40
+    shard = write_lines(tmp_path / "big.jsonl", [{"text": doc(i)} for i in range(total)])
+    after_kill = kill_mid_shard(KILLED_INGEST, index_dir, shard, tmp_path, lambda committed: committed >= 2)
     assert 2 <= after_kill < total, f"kill landed outside the shard (rows: {after_kill})"
     assert after_kill % 2 == 0  # whole batches only: a reader never sees half a batch
 
@@ -272,6 +277,103 @@ def test_killed_ingest_resumes_without_duplicates_or_gaps(index_dir, tmp_path, t
     ids = stored_ids(index_dir)
     assert len(ids) == total and len(set(ids)) == total
     assert set(ids) == set(expected_ids([shard], RecordSpec(), tokenizer))
+
+
+# -- block ingest: P read once per block ------------------------------------------------------------
+NO_P_IN_MEMORY = 1e-9  # GiB: no module's P stays in memory, so every P is read when it is applied
+
+
+def _codes_by_id(path: Path) -> dict:
+    table = open_index_store(path).read(["id", "signs", "scales"])
+    return {row["id"]: (row["signs"], row["scales"]) for row in table.to_pylist()}
+
+
+def test_block_ingest_stores_the_codes_of_per_batch_ingest_and_reads_each_p_once_per_block(fitted, tmp_path,
+                                                                                          tokenizer):
+    from ingest.blocks import CACHE_DIR
+
+    total = 22  # blocks of 8, 8 and 6 documents; the last gradient batch of the last block has 2
+    shard = write_lines(tmp_path / "docs.jsonl", [{"text": doc(i)} for i in range(total)])
+    resident = Path(shutil.copytree(fitted.index, tmp_path / "resident"))
+    blocked = Path(shutil.copytree(fitted.index, tmp_path / "blocked"))
+    run_ingest(open_index(resident), [str(shard)], batch_size=GRADIENT_BATCH, progress=False)
+    index = AttributionIndex.open(blocked, gradients=GradientConfig(
+        batch_size=GRADIENT_BATCH, projection_memory_gb=NO_P_IN_MEMORY, block_documents=8))
+    assert index.projection.in_turn
+    p_total = index.projection.pca_bytes
+    summary = run_ingest(index, [str(shard)], progress=False)
+    assert summary.stored == total
+    # Each module's P read once per block (3 blocks), not once per gradient batch (6 batches).
+    assert index.projection.pca_bytes_read == 3 * p_total
+    assert not (blocked / CACHE_DIR).exists()  # removed once the blocks are committed
+    codes, expected = _codes_by_id(blocked), _codes_by_id(resident)
+    assert sorted(codes) == sorted(expected) and len(codes) == total
+    assert all(codes[i] == expected[i] for i in expected)  # every sign byte and FP16 scale
+
+    # Batched queries: each P read once for the whole batch of queries (3 gradient batches),
+    # with the coordinates P held in memory gives.
+    examples = [e for e in iter_examples([shard], RecordSpec(), tokenizer) if isinstance(e, Example)][:10]
+    before = index.projection.pca_bytes_read
+    batched = index.project(examples)
+    assert index.projection.pca_bytes_read - before == p_total
+    kept = open_index(resident)
+    assert not kept.projection.in_turn
+    assert (batched == kept.project(examples)).all()
+
+
+KILLED_BLOCK_INGEST = textwrap.dedent("""
+    import sys, time
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import GradientConfig
+    from ingest import blocks
+    from ingest.pipeline import run_ingest
+    from ingest.records import RecordSpec
+
+    index = AttributionIndex.open(sys.argv[1], gradients=GradientConfig(
+        batch_size=2, projection_memory_gb=1e-9, block_documents=6))
+    write = blocks.BlockCache.write
+
+    def slow_write(self, batch, coords):
+        # Widen each block's first stage so that the test's SIGKILL lands inside a block.
+        write(self, batch, coords)
+        time.sleep(0.3)
+
+    blocks.BlockCache.write = slow_write
+    run_ingest(index, [sys.argv[2]], spec=RecordSpec(), progress=False)
+""")
+
+
+def test_block_ingest_killed_mid_block_resumes_the_block(fitted, index_dir, tmp_path, tokenizer, monkeypatch):
+    from ingest.blocks import CACHE_DIR, BlockCache
+
+    total = 30
+    shard = write_lines(tmp_path / "big.jsonl", [{"text": doc(i)} for i in range(total)])
+    cache = index_dir / CACHE_DIR
+    # A block committed, and the next one's first batch cached: the kill lands inside a block.
+    after_kill = kill_mid_shard(KILLED_BLOCK_INGEST, index_dir, shard, tmp_path,
+                                lambda committed: committed >= 6 and any(cache.glob("batch-*.safetensors")))
+    assert 6 <= after_kill < total, f"kill landed outside the shard (rows: {after_kill})"
+    assert after_kill % 6 == 0  # whole blocks only
+    cached = len(list(cache.glob("batch-*.safetensors")))  # the block in flight, never committed
+    assert 1 <= cached <= 3
+
+    written = []
+    write = BlockCache.write
+    monkeypatch.setattr(BlockCache, "write", lambda self, batch, coords: written.append(batch) or
+                        write(self, batch, coords))
+    index = AttributionIndex.open(index_dir, gradients=GradientConfig(
+        batch_size=2, projection_memory_gb=NO_P_IN_MEMORY, block_documents=6))
+    summary = run_ingest(index, [str(shard)], spec=RecordSpec(), progress=False)
+    assert summary.skipped_existing == after_kill and summary.stored == total - after_kill
+    assert len(written) == (total - after_kill) // 2 - cached  # the killed block's cached batches reused
+    ids = stored_ids(index_dir)
+    assert len(ids) == total and len(set(ids)) == total
+    assert set(ids) == set(expected_ids([shard], RecordSpec(), tokenizer))
+    assert not cache.exists()
+    # The same codes as an ingest never killed, with P in memory.
+    whole = Path(shutil.copytree(fitted.index, tmp_path / "whole"))
+    run_ingest(open_index(whole), [str(shard)], spec=RecordSpec(), progress=False)
+    assert _codes_by_id(index_dir) == _codes_by_id(whole)
 
 
 # -- bad input ------------------------------------------------------------------------------------
