@@ -520,7 +520,8 @@ def build_faiss(index_dir, kind, name, replicas, extend_only, as_json):
 @_projection_memory_option
 @_model_option
 @option_group(*(field_option(ServeConfig, name) for name in ("batch_window_ms", "max_batch", "queue_size", "timeout_s",
-                                                              "max_k", "max_query_tokens", "max_request_bytes")),
+                                                              "max_k", "max_query_tokens", "max_request_bytes",
+                                                              "max_queries")),
               into="limits")
 @_fail_cleanly
 def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):

@@ -49,6 +49,18 @@ Route = Literal["auto", "hot", "stream", "sharded", "candidates"]
 ROUTES = ("auto", "hot", "stream", "sharded", "candidates")
 
 
+def aggregate_coordinates(y: np.ndarray, how: Aggregate) -> np.ndarray:
+    """One measurement from several queries: ``(nq, K)`` projected gradients → ``(1, K)`` float32.
+
+    The measurement is the mean (sum) of the queries' losses; its gradient, and so its
+    projection (linear), is the mean (sum) of theirs. Summed in float64, rounded once.
+    """
+    if y.shape[0] == 0:
+        raise ConfigError("aggregate needs at least one query")
+    total = np.asarray(y, np.float64).sum(axis=0, keepdims=True)
+    return (total / y.shape[0] if how == "mean" else total).astype(np.float32)
+
+
 class Projects(Protocol):
     """What a query needs from the index: its stored parts, a device, and the query projection."""
 
@@ -184,14 +196,7 @@ class InfluenceQuery:
             coordinates: the queries' projected gradients when already computed.
         """
         y = self._index.query_coordinates(self._queries) if coordinates is None else np.asarray(coordinates, np.float32)
-        if self.options.aggregate is None:
-            return y
-        if y.shape[0] == 0:
-            raise ConfigError("aggregate needs at least one query")
-        # The measurement is the mean (sum) of the queries' losses; its gradient, and so its
-        # projection, is the mean (sum) of theirs. Summed in float64, then rounded once.
-        total = y.astype(np.float64).sum(axis=0, keepdims=True)
-        return (total / y.shape[0] if self.options.aggregate == "mean" else total).astype(np.float32)
+        return y if self.options.aggregate is None else aggregate_coordinates(y, self.options.aggregate)
 
     def to_list(self, *, coordinates: Optional[np.ndarray] = None) -> List[pa.Table]:
         """One answer table per query, or one for aggregated queries (see :meth:`to_arrow`); with
