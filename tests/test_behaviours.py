@@ -195,3 +195,21 @@ def test_group_by_errors_name_the_fix(fitted_index):
     # One roll-up per query when the queries are not aggregated.
     each = fitted_index.search(QUERIES, many=True).group_by("group").to_list()
     assert len(each) == 3 and all(pc.sum(t["rows"]).as_py() == 40 for t in each)
+
+
+def test_roll_up_of_dictionary_and_plain_columns_with_nulls_and_ties():
+    from eogp_index.search.rollup import roll_up
+
+    import pyarrow as pa
+
+    scores = np.array([3.0, -1.0, 3.0, 0.5, -2.0, 1.0, -1.0])
+    values = ["a", "b", "a", None, "b", "c", None]
+    for column in (pa.array(values), pa.array(values).dictionary_encode(), pa.chunked_array([values[:3], values[3:]])):
+        rows = roll_up(column, scores, 2, "source").to_pylist()
+        assert [r["source"] for r in rows] == ["a", "c", None, "b"]  # by sum, most positive first
+        by = {r["source"]: r for r in rows}
+        assert (by["a"]["rows"], by["a"]["sum"], by["a"]["top_positive"]) == (2, 6.0, 2)  # the tied 3.0s
+        assert (by[None]["rows"], by[None]["sum"], by[None]["max"]) == (2, -0.5, 0.5)
+        assert by["b"]["top_negative"] == 2 and by["b"]["share_negative"] == pytest.approx(3 / 4)
+        assert by[None]["top_negative"] == 0  # -1.0 ties with b's -1.0, which comes first in table order
+        assert sum(r["share_positive"] for r in rows) == pytest.approx(1.0)

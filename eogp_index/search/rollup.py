@@ -1,8 +1,8 @@
 """Roll-ups: influence summed by a metadata column (which sources, licenses, documents carry it).
 
 Every row matching the query's filter is scored exactly once (the full-scores pass of the hot
-copy); the rows are then grouped by the values of one stored column with Arrow's hash
-aggregation. Each group gets:
+copy); the rows are then grouped by the values of one stored column (its dictionary codes, or
+Arrow's dictionary encoding of it) and summed per group with ``numpy.bincount``. Each group gets:
 
 ==================  ================================================================
 ``<column>``        the group's value (null rows form one group)
@@ -22,7 +22,7 @@ ties by their value. A column of window rows' ``parent_id`` rolls windows up to 
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -41,28 +41,45 @@ def check_group_column(column: str, available: Sequence[str]) -> None:
                          "(metadata columns are named at ingest with --metadata)")
 
 
-def top_mask(scores: np.ndarray, k: int, largest: bool) -> np.ndarray:
-    """``(n,)`` bool: the ``k`` best of ``scores`` (largest or smallest), equal scores in position order."""
+def top_masks(scores: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``(n,)`` bool masks of the ``k`` largest and the ``k`` smallest of ``scores``, equal scores
+    in position order (the ranked answer's rule), from one partition."""
     n = scores.shape[0]
-    mask = np.zeros(n, bool)
+    masks = (np.zeros(n, bool), np.zeros(n, bool))
     if n == 0:
-        return mask
-    key = -scores if largest else scores
-    if k < n:
-        kth = np.partition(key, k - 1)[k - 1]
-        cand = np.flatnonzero(key <= kth)  # every row that may be among the k, ties at the edge included
-    else:
-        cand = np.arange(n)
-    order = np.lexsort((cand, key[cand]))[:k]
-    mask[cand[order]] = True
-    return mask
+        return masks
+    k = min(k, n)
+    cut = np.partition(scores, sorted({k - 1, n - k}))
+    low, high = cut[k - 1], cut[n - k]
+    for mask, near, key in ((masks[0], scores >= high, -scores), (masks[1], scores <= low, scores)):
+        cand = np.flatnonzero(near)  # every row that may be among the k, ties at the edge included
+        mask[cand[np.lexsort((cand, key[cand]))[:k]]] = True
+    return masks
+
+
+def _group_indices(values) -> Tuple[pa.Array, np.ndarray]:
+    """The distinct values ``(G,)`` (a null one last, when there are nulls) and each row's group
+    ``(n,)`` int64: a dictionary column's own codes, else Arrow's dictionary encoding."""
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    try:
+        encoded = values if pa.types.is_dictionary(values.type) else pc.dictionary_encode(values)
+    except (pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+        raise InputError(f"group_by: a column of type {values.type} cannot be grouped ({exc}); group by a column "
+                         "of strings, numbers, dates or booleans") from None
+    keys = encoded.dictionary
+    index = encoded.indices.fill_null(len(keys)).to_numpy(zero_copy_only=False).astype(np.int64)
+    if encoded.null_count:
+        keys = pa.concat_arrays([keys, pa.nulls(1, keys.type)])
+    return keys, index
 
 
 def roll_up(values, scores: np.ndarray, k: int, column: str, *, descending: bool = True) -> pa.Table:
     """The roll-up of one query's scores by a column's values (see the module docstring).
 
     Args:
-        values: ``(n,)`` the column's values of the scored rows (Arrow array or chunked array).
+        values: ``(n,)`` the column's values of the scored rows (Arrow array or chunked array,
+            dictionary-coded or not).
         scores: ``(n,)`` their scores, in the same order. k: rows per side counted as top hits.
         column: the name of the group column in the result.
         descending: sort the groups by ``sum``, largest first (else smallest first).
@@ -71,37 +88,31 @@ def roll_up(values, scores: np.ndarray, k: int, column: str, *, descending: bool
         ``<column>`` then :data:`ROLLUP_COLUMNS`, one row per group.
     """
     s = np.asarray(scores, np.float64)
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks()
-    if pa.types.is_dictionary(values.type):
-        values = values.dictionary_decode()
-    table = pa.table({"key": values, "score": s, "positive": np.maximum(s, 0.0), "negative": np.minimum(s, 0.0),
-                      "top_positive": top_mask(s, k, True).astype(np.int64),
-                      "top_negative": top_mask(s, k, False).astype(np.int64)})
-    try:
-        grouped = table.group_by("key").aggregate([
-            ("score", "count"), ("score", "sum"), ("score", "mean"), ("score", "max"), ("top_positive", "sum"),
-            ("top_negative", "sum"), ("positive", "sum"), ("negative", "sum")])
-    except (pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
-        raise InputError(f"group_by: column {column!r} of type {values.type} cannot be grouped ({exc}); group by "
-                         "a column of strings, numbers, dates or booleans") from None
-    total_pos, total_neg = float(table["positive"].to_numpy().sum()), float(table["negative"].to_numpy().sum())
-    pos = grouped["positive_sum"].to_numpy()
-    neg = grouped["negative_sum"].to_numpy()
+    keys, index = _group_indices(values)
+    size = len(keys)
+    top_positive, top_negative = top_masks(np.asarray(scores, np.float32), k)  # (ranked as float32, as hits are)
+    positive, negative = np.maximum(s, 0.0), np.minimum(s, 0.0)
+    rows = np.bincount(index, minlength=size)
+    best = np.full(size, -np.inf)
+    np.maximum.at(best, index, s)
+    sums = {name: np.bincount(index, weights=w, minlength=size)
+            for name, w in (("sum", s), ("positive", positive), ("negative", negative))}
+    total_pos, total_neg = float(positive.sum()), float(negative.sum())
+    used = np.flatnonzero(rows)  # a dictionary may hold values no matching row has
     out = pa.table({
-        column: grouped["key"],
-        "rows": grouped["score_count"],
-        "sum": grouped["score_sum"],
-        "mean": grouped["score_mean"],
-        "max": grouped["score_max"],
-        "top_positive": grouped["top_positive_sum"],
-        "top_negative": grouped["top_negative_sum"],
+        column: keys.take(pa.array(used)),
+        "rows": rows[used],
+        "sum": sums["sum"][used],
+        "mean": sums["sum"][used] / rows[used],
+        "max": best[used],
+        "top_positive": np.bincount(index[top_positive], minlength=size)[used],
+        "top_negative": np.bincount(index[top_negative], minlength=size)[used],
         # (+ 0.0: a group without negative scores has a share of 0, not -0)
-        "share_positive": pos / total_pos + 0.0 if total_pos > 0 else np.zeros_like(pos),
-        "share_negative": neg / total_neg + 0.0 if total_neg < 0 else np.zeros_like(neg),
+        "share_positive": sums["positive"][used] / total_pos + 0.0 if total_pos > 0 else np.zeros(used.size),
+        "share_negative": sums["negative"][used] / total_neg + 0.0 if total_neg < 0 else np.zeros(used.size),
     })
-    keys = [("sum", "descending" if descending else "ascending"), (column, "ascending")]
-    return out.take(pc.sort_indices(out, sort_keys=keys))  # (nulls last)
+    keys_order = [("sum", "descending" if descending else "ascending"), (column, "ascending")]
+    return out.take(pc.sort_indices(out, sort_keys=keys_order))  # (nulls last)
 
 
 def empty_roll_up(column: str, type_: pa.DataType) -> pa.Table:

@@ -13,7 +13,9 @@ and metadata are :mod:`eogp_index.search.ranking`'s job. The routes:
 ========================  ================================================================
 
 :func:`exact_scores` is the only place that looks at what a codec stored: packed signs go to
-the scaled-sign kernels, coordinates to a matrix product.
+the scaled-sign kernels, coordinates to a matrix product. The exact searchers take
+``normalize``: with ``"unit"`` they score the codes divided by their norms
+(:mod:`eogp_index.search.normalize`) with the same kernels.
 """
 
 from __future__ import annotations
