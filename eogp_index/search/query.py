@@ -31,7 +31,7 @@ from eogp_index.errors import ConfigError
 from eogp_index.search.explain import module_dicts, module_terms
 from eogp_index.search.normalize import normalized_codes
 from eogp_index.search.ranking import Direction, ranked_tables, sides_of
-from eogp_index.search.rollup import check_group_column, empty_roll_up, roll_up
+from eogp_index.search.rollup import check_group_column, empty_roll_up, group_codes, roll_up
 from eogp_index.search.searchers import (
     CandidateSearcher,
     HotSearcher,
@@ -59,6 +59,24 @@ def aggregate_coordinates(y: np.ndarray, how: Aggregate) -> np.ndarray:
         raise ConfigError("aggregate needs at least one query")
     total = np.asarray(y, np.float64).sum(axis=0, keepdims=True)
     return (total / y.shape[0] if how == "mean" else total).astype(np.float32)
+
+
+#: Group codes kept per hot copy (that is, per table version): a page re-asking a roll-up
+#: by the same column and filter skips encoding the column again.
+_GROUP_CODES_KEPT = 8
+
+
+def _cached_group_codes(hot, column: str, where: Optional[str], rows: Optional[np.ndarray]):
+    """:func:`~eogp_index.search.rollup.group_codes` of ``column`` over the hot rows matching
+    ``where`` (positions ``rows``; None: all), kept with the hot copy."""
+    kept = hot.cache.setdefault("group_codes", {})
+    key = (column, where)
+    if key not in kept:
+        values = hot.filterable.column(column)
+        if len(kept) >= _GROUP_CODES_KEPT:
+            kept.pop(next(iter(kept)))
+        kept[key] = group_codes(values if rows is None else values.take(rows))
+    return kept[key]
 
 
 class Projects(Protocol):
@@ -255,9 +273,8 @@ class InfluenceQuery:
             type_ = stored.store.schema.field(opts.group_by).type
             return [empty_roll_up(opts.group_by, type_) for _ in range(y.shape[0])]
         _, scores = searcher.scores(y, opts.where)
-        column = hot.filterable.column(opts.group_by)
-        values = column if rows is None else column.take(rows)
-        return [roll_up(values, row, opts.k, opts.group_by, descending=opts.direction != "negative")
+        codes = _cached_group_codes(hot, opts.group_by, opts.where, rows)
+        return [roll_up(codes, row, opts.k, opts.group_by, descending=opts.direction != "negative")
                 for row in scores]
 
     def to_arrow(self) -> pa.Table:

@@ -2,7 +2,7 @@
 
 Every row matching the query's filter is scored exactly once (the full-scores pass of the hot
 copy); the rows are then grouped by the values of one stored column (its dictionary codes, or
-Arrow's dictionary encoding of it) and summed per group with ``numpy.bincount``. Each group gets:
+Arrow's dictionary encoding of it) and summed per group in one pass. Each group gets:
 
 ==================  ================================================================
 ``<column>``        the group's value (null rows form one group)
@@ -41,25 +41,60 @@ def check_group_column(column: str, available: Sequence[str]) -> None:
                          "(metadata columns are named at ingest with --metadata)")
 
 
-def top_masks(scores: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
-    """``(n,)`` bool masks of the ``k`` largest and the ``k`` smallest of ``scores``, equal scores
-    in position order (the ranked answer's rule), from one partition."""
+def top_positions(scores: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Positions of the ``k`` largest and the ``k`` smallest of ``scores`` ``(n,)``, best first,
+    equal scores in position order (the ranked answer's rule), from one partition."""
     n = scores.shape[0]
-    masks = (np.zeros(n, bool), np.zeros(n, bool))
     if n == 0:
-        return masks
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     k = min(k, n)
     cut = np.partition(scores, sorted({k - 1, n - k}))
     low, high = cut[k - 1], cut[n - k]
-    for mask, near, key in ((masks[0], scores >= high, -scores), (masks[1], scores <= low, scores)):
+    out = []
+    for near, key in ((scores >= high, -scores), (scores <= low, scores)):
         cand = np.flatnonzero(near)  # every row that may be among the k, ties at the edge included
-        mask[cand[np.lexsort((cand, key[cand]))[:k]]] = True
-    return masks
+        out.append(cand[np.lexsort((cand, key[cand]))[:k]])
+    return out[0], out[1]
 
 
-def _group_indices(values) -> Tuple[pa.Array, np.ndarray]:
+def _group_sums(index, scores, size):
+    """One pass over the rows: per group ``(rows, sum, positive sum, negative sum, max)``, float64
+    sums in row order. ``index`` ``(n,)`` int64 group of each row; ``scores`` ``(n,)`` float32."""
+    rows = np.zeros(size, np.int64)
+    total = np.zeros(size)
+    positive = np.zeros(size)
+    negative = np.zeros(size)
+    best = np.full(size, -np.inf)
+    for i in range(index.shape[0]):
+        g = index[i]
+        value = np.float64(scores[i])
+        rows[g] += 1
+        total[g] += value
+        if value > 0:
+            positive[g] += value
+        elif value < 0:
+            negative[g] += value
+        if value > best[g]:
+            best[g] = value
+    return rows, total, positive, negative, best
+
+
+_COMPILED: dict = {}
+
+
+def _group_sums_kernel():
+    """:func:`_group_sums` compiled by numba (on first use: importing this module loads no numba)."""
+    if "sums" not in _COMPILED:
+        from numba import njit
+
+        _COMPILED["sums"] = njit(cache=True, boundscheck=False)(_group_sums)
+    return _COMPILED["sums"]
+
+
+def group_codes(values) -> Tuple[pa.Array, np.ndarray]:
     """The distinct values ``(G,)`` (a null one last, when there are nulls) and each row's group
-    ``(n,)`` int64: a dictionary column's own codes, else Arrow's dictionary encoding."""
+    ``(n,)`` int64: a dictionary column's own codes, else Arrow's dictionary encoding. They
+    depend on the rows only, not on the query: callers may keep them per table version."""
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
     try:
@@ -79,7 +114,7 @@ def roll_up(values, scores: np.ndarray, k: int, column: str, *, descending: bool
 
     Args:
         values: ``(n,)`` the column's values of the scored rows (Arrow array or chunked array,
-            dictionary-coded or not).
+            dictionary-coded or not), or their :func:`group_codes`.
         scores: ``(n,)`` their scores, in the same order. k: rows per side counted as top hits.
         column: the name of the group column in the result.
         descending: sort the groups by ``sum``, largest first (else smallest first).
@@ -87,29 +122,24 @@ def roll_up(values, scores: np.ndarray, k: int, column: str, *, descending: bool
     Returns:
         ``<column>`` then :data:`ROLLUP_COLUMNS`, one row per group.
     """
-    s = np.asarray(scores, np.float64)
-    keys, index = _group_indices(values)
+    scores = np.ascontiguousarray(scores, np.float32)
+    keys, index = values if isinstance(values, tuple) else group_codes(values)
     size = len(keys)
-    top_positive, top_negative = top_masks(np.asarray(scores, np.float32), k)  # (ranked as float32, as hits are)
-    positive, negative = np.maximum(s, 0.0), np.minimum(s, 0.0)
-    rows = np.bincount(index, minlength=size)
-    best = np.full(size, -np.inf)
-    np.maximum.at(best, index, s)
-    sums = {name: np.bincount(index, weights=w, minlength=size)
-            for name, w in (("sum", s), ("positive", positive), ("negative", negative))}
+    top_positive, top_negative = top_positions(scores, k)
+    rows, total, positive, negative, best = _group_sums_kernel()(index, scores, size)
     total_pos, total_neg = float(positive.sum()), float(negative.sum())
     used = np.flatnonzero(rows)  # a dictionary may hold values no matching row has
     out = pa.table({
         column: keys.take(pa.array(used)),
         "rows": rows[used],
-        "sum": sums["sum"][used],
-        "mean": sums["sum"][used] / rows[used],
+        "sum": total[used],
+        "mean": total[used] / rows[used],
         "max": best[used],
         "top_positive": np.bincount(index[top_positive], minlength=size)[used],
         "top_negative": np.bincount(index[top_negative], minlength=size)[used],
         # (+ 0.0: a group without negative scores has a share of 0, not -0)
-        "share_positive": sums["positive"][used] / total_pos + 0.0 if total_pos > 0 else np.zeros(used.size),
-        "share_negative": sums["negative"][used] / total_neg + 0.0 if total_neg < 0 else np.zeros(used.size),
+        "share_positive": positive[used] / total_pos + 0.0 if total_pos > 0 else np.zeros(used.size),
+        "share_negative": negative[used] / total_neg + 0.0 if total_neg < 0 else np.zeros(used.size),
     })
     keys_order = [("sum", "descending" if descending else "ascending"), (column, "ascending")]
     return out.take(pc.sort_indices(out, sort_keys=keys_order))  # (nulls last)
