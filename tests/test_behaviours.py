@@ -213,3 +213,28 @@ def test_roll_up_of_dictionary_and_plain_columns_with_nulls_and_ties():
         assert by["b"]["top_negative"] == 2 and by["b"]["share_negative"] == pytest.approx(3 / 4)
         assert by[None]["top_negative"] == 0  # -1.0 ties with b's -1.0, which comes first in table order
         assert sum(r["share_positive"] for r in rows) == pytest.approx(1.0)
+
+
+def test_window_rows_roll_up_to_their_documents_by_parent_id(tmp_path):
+    """Rows that are windows of longer documents carry a ``parent_id``: grouping by it gives each
+    document's summed influence, the sum of its windows' exact scores."""
+    from eogp_index.data.records import Example
+
+    windows = [Example.from_ids(id=f"doc{i // 3}-w{i % 3}", input_ids=list(e.input_ids), labels=list(e.labels),
+                                shard="windows", position=i, metadata={"parent_id": f"doc{i // 3}"})
+               for i, e in enumerate(make_examples(15, seed=5))]
+    index = AttributionIndex.create(
+        tmp_path / "idx", make_tiny_gpt2(), TinyTokenizer(), windows, model_name="tiny", progress=False,
+        projection=ProjectionConfig(variant="eogp", k=8, m=32), curvature=CurvatureConfig(num_examples=15, batch_size=5),
+        gradients=GradientConfig(batch_size=5))
+    index.ingest(windows, progress=False)
+    documents = index.search(QUERIES[1]).limit(2).group_by("parent_id").to_arrow().to_pylist()
+    ids, scores = index.scores([QUERIES[1]])
+    expected = {}
+    for example_id, score in zip(ids, scores[0].astype(np.float64)):
+        expected.setdefault(example_id.split("-")[0], []).append(score)
+    assert {d["parent_id"]: d["rows"] for d in documents} == {doc: 3 for doc in expected}
+    for d in documents:
+        assert d["sum"] == pytest.approx(sum(expected[d["parent_id"]]), rel=1e-5, abs=1e-7)
+        assert d["max"] == pytest.approx(max(expected[d["parent_id"]]), rel=1e-6)
+    assert [d["parent_id"] for d in documents] == sorted(expected, key=lambda doc: -sum(expected[doc]))

@@ -197,3 +197,11 @@ def test_a_behaviour_query_rolls_up_by_kind_and_a_click_filters_to_a_group(brows
     assert browser.find_element(By.ID, "where").get_attribute("value") == "kind = 'class'"
     metas = [h.find_element(By.CSS_SELECTOR, ".meta").text for h in browser.find_elements(By.CSS_SELECTOR, "li.hit")]
     assert len(metas) == 6 and all("kind class" in m for m in metas), metas
+
+    # A column with a group per document: the chart draws both ends of the ranking and counts the rest.
+    browser.find_element(By.ID, "where").clear()
+    Select(browser.find_element(By.ID, "group-by")).select_by_value("id")
+    browser.find_element(By.ID, "search").click()
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#groups .group-bar"), "the per-document chart")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#groups .group-bar")) == 25
+    assert "15 more groups" in browser.find_element(By.ID, "groups").text

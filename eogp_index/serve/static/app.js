@@ -298,13 +298,23 @@ function filterToGroup(column, value) {
   $("query-form").requestSubmit();
 }
 
+const CHART_HEAD = 20;  // groups drawn from the top of the ranking
+const CHART_TAIL = 5;   // and from its bottom (the most negative)
+
 function renderGroups(groups, column) {
   const box = $("groups");
   box.replaceChildren();
   if (!groups || !column) return;
   const top = Math.max(...groups.map((g) => Math.abs(g.sum))) || 1;
   box.append(el("h2", { text: `Influence by ${column} (sum of scores; click a group to see its hits)` }));
-  for (const group of groups) {
+  // Many groups (a column of ids or documents): the two ends of the ranking, the middle counted.
+  const hidden = Math.max(0, groups.length - (CHART_HEAD + CHART_TAIL));
+  const shown = hidden ? [...groups.slice(0, CHART_HEAD), null, ...groups.slice(-CHART_TAIL)] : groups;
+  for (const group of shown) {
+    if (group === null) {
+      box.append(el("p", { class: "muted", text: `… ${hidden} more groups with sums in between` }));
+      continue;
+    }
     const width = (50 * Math.abs(group.sum) / top).toFixed(1);
     const fill = el("div", { class: `fill ${group.sum >= 0 ? "pos" : "neg"}`,
       style: group.sum >= 0 ? `left:50%;width:${width}%` : `left:${(50 - width).toFixed(1)}%;width:${width}%` });
