@@ -656,13 +656,18 @@ def _query_line(q: Any) -> str:
     return " ".join(text.split())[:100]
 
 
-def _print_groups(results: list) -> None:
+def _print_groups(results: list, head: int = 20, tail: int = 5) -> None:
+    """The groups of each roll-up; past ``head + tail`` groups, both ends of the ranking."""
     for item in results:
-        column = item["group_by"]
+        column, groups = item["group_by"], item["groups"]
         click.echo(f"\nquery: {_query_line(item['query'])}")
         click.echo(f"  {column[:24]:<24} {'rows':>7} {'sum':>11} {'mean':>11} {'max':>11} {'top+':>5} {'top-':>5} "
                    f"{'share+':>7} {'share-':>7}")
-        for g in item["groups"]:
+        hidden = max(0, len(groups) - head - tail)
+        for g in groups[:head] + [None] + groups[-tail:] if hidden else groups:
+            if g is None:
+                click.echo(f"  … {hidden} more groups (--json lists them all)")
+                continue
             click.echo(f"  {str(g[column])[:24]:<24} {g['rows']:>7} {g['sum']:>+11.4e} {g['mean']:>+11.4e} "
                        f"{g['max']:>+11.4e} {g['top_positive']:>5} {g['top_negative']:>5} "
                        f"{g['share_positive']:>7.1%} {g['share_negative']:>7.1%}")

@@ -200,5 +200,7 @@ def test_query_a_behaviour_normalized_and_grouped(workspace, tmp_path):
     assert sum(g["top_positive"] for g in groups) == 3 and groups[0]["sum"] >= groups[1]["sum"]
     human = _run("query", root / "idx", "--queries", behaviour, "--aggregate", "mean", "--group-by", "kind")
     assert human.exit_code == 0 and "mean of 3 queries" in human.output and "share+" in human.output
+    per_document = _run("query", root / "idx", "--text", "t1 t2 t3", "--group-by", "id")
+    assert per_document.exit_code == 0 and "… 5 more groups" in per_document.output  # 30 rows: 20 + 5 shown
     bad = _run("query", root / "idx", "--text", "t1 t2", "--group-by", "source")
     assert bad.exit_code != 0 and "group by one of" in bad.output and "Traceback" not in bad.output

@@ -145,7 +145,8 @@ class Engine:
         return example
 
     def run_queries(self, jobs: Sequence[QueryJob]) -> List[Any]:
-        """One answer per job, in order: a ``pyarrow.Table`` (its ranked hits) or a :class:`RequestError`."""
+        """One answer per job, in order: an :class:`Answer` (its ranked hits, and its roll-up with
+        ``group_by``) or a :class:`RequestError`."""
         started = time.perf_counter()
         out: List[Any] = [None] * len(jobs)
         examples: Dict[int, List[Example]] = {}
