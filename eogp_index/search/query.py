@@ -61,9 +61,9 @@ def aggregate_coordinates(y: np.ndarray, how: Aggregate) -> np.ndarray:
     return (total / y.shape[0] if how == "mean" else total).astype(np.float32)
 
 
-#: Group codes kept per hot copy (that is, per table version): a page re-asking a roll-up
-#: by the same column and filter skips encoding the column again.
-_GROUP_CODES_KEPT = 8
+#: Group codes kept per hot copy (that is, per table version; 4 bytes a row each): a page
+#: re-asking a roll-up by the same column and filter skips encoding the column again.
+_GROUP_CODES_KEPT = 4
 
 
 def _cached_group_codes(hot, column: str, where: Optional[str], rows: Optional[np.ndarray]):

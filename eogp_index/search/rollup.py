@@ -59,7 +59,7 @@ def top_positions(scores: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
 
 def _group_sums(index, scores, size):
     """One pass over the rows: per group ``(rows, sum, positive sum, negative sum, max)``, float64
-    sums in row order. ``index`` ``(n,)`` int64 group of each row; ``scores`` ``(n,)`` float32."""
+    sums in row order. ``index`` ``(n,)`` int32 group of each row; ``scores`` ``(n,)`` float32."""
     rows = np.zeros(size, np.int64)
     total = np.zeros(size)
     positive = np.zeros(size)
@@ -93,7 +93,7 @@ def _group_sums_kernel():
 
 def group_codes(values) -> Tuple[pa.Array, np.ndarray]:
     """The distinct values ``(G,)`` (a null one last, when there are nulls) and each row's group
-    ``(n,)`` int64: a dictionary column's own codes, else Arrow's dictionary encoding. They
+    ``(n,)`` int32: a dictionary column's own codes, else Arrow's dictionary encoding. They
     depend on the rows only, not on the query: callers may keep them per table version."""
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
@@ -103,7 +103,7 @@ def group_codes(values) -> Tuple[pa.Array, np.ndarray]:
         raise InputError(f"group_by: a column of type {values.type} cannot be grouped ({exc}); group by a column "
                          "of strings, numbers, dates or booleans") from None
     keys = encoded.dictionary
-    index = encoded.indices.fill_null(len(keys)).to_numpy(zero_copy_only=False).astype(np.int64)
+    index = encoded.indices.fill_null(len(keys)).to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
     if encoded.null_count:
         keys = pa.concat_arrays([keys, pa.nulls(1, keys.type)])
     return keys, index
