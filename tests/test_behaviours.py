@@ -238,3 +238,17 @@ def test_window_rows_roll_up_to_their_documents_by_parent_id(tmp_path):
         assert d["sum"] == pytest.approx(sum(expected[d["parent_id"]]), rel=1e-5, abs=1e-7)
         assert d["max"] == pytest.approx(max(expected[d["parent_id"]]), rel=1e-6)
     assert [d["parent_id"] for d in documents] == sorted(expected, key=lambda doc: -sum(expected[doc]))
+
+
+def test_top_positions_equal_a_stable_sort_with_ties_and_sorted_input():
+    from eogp_index.search.rollup import top_positions
+
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        n, k = int(rng.integers(1, 50)), int(rng.integers(1, 12))
+        scores = (rng.integers(-3, 4, n) if trial % 2 else rng.standard_normal(n)).astype(np.float32)
+        if trial % 5 == 0:
+            scores = np.sort(scores)[::-1 if trial % 10 else 1].copy()  # every row enters a heap
+        largest, smallest = top_positions(scores, k)
+        assert largest.tolist() == np.lexsort((np.arange(n), -scores))[:k].tolist()
+        assert smallest.tolist() == np.lexsort((np.arange(n), scores))[:k].tolist()

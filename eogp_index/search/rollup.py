@@ -42,18 +42,28 @@ def check_group_column(column: str, available: Sequence[str]) -> None:
 
 
 def top_positions(scores: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Positions of the ``k`` largest and the ``k`` smallest of ``scores`` ``(n,)``, best first,
-    equal scores in position order (the ranked answer's rule), from one partition."""
-    n = scores.shape[0]
-    if n == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    k = min(k, n)
-    cut = np.partition(scores, sorted({k - 1, n - k}))
-    low, high = cut[k - 1], cut[n - k]
+    """Positions ``(min(k, n),)`` int64 of the ``k`` largest and the ``k`` smallest of ``scores``
+    ``(n,)`` float32, best first, equal scores in position order (the ranked answer's rule).
+
+    The scan's heap pass (``kernels.select._top_positions``) finds ``k`` rows holding the ``k``
+    best values, ties at the edge in any order; every row strictly better than the edge value is
+    among them, and the rows equal to it are then taken in position order.
+    """
+    from eogp_index.search.kernels.select import _top_positions
+
+    scores = np.ascontiguousarray(scores, np.float32)
+    kk = min(int(k), scores.shape[0])
     out = []
-    for near, key in ((scores >= high, -scores), (scores <= low, scores)):
-        cand = np.flatnonzero(near)  # every row that may be among the k, ties at the edge included
-        out.append(cand[np.lexsort((cand, key[cand]))[:k]])
+    for sign in (1.0, -1.0):
+        if kk == 0:
+            out.append(np.zeros(0, np.int64))
+            continue
+        kept = _top_positions(scores, sign, kk)
+        edge = (sign * scores[kept]).min()
+        better = kept[sign * scores[kept] > edge]
+        tied = np.flatnonzero(sign * scores == edge)[: kk - better.size]
+        pick = np.concatenate([better, tied])
+        out.append(pick[np.lexsort((pick, -sign * scores[pick]))])
     return out[0], out[1]
 
 
@@ -82,13 +92,13 @@ def _group_sums(index, scores, size):
 _COMPILED: dict = {}
 
 
-def _group_sums_kernel():
-    """:func:`_group_sums` compiled by numba (on first use: importing this module loads no numba)."""
-    if "sums" not in _COMPILED:
+def _kernel(name: str, function):
+    """``function`` compiled by numba, on first use (importing this module loads no numba)."""
+    if name not in _COMPILED:
         from numba import njit
 
-        _COMPILED["sums"] = njit(cache=True, boundscheck=False)(_group_sums)
-    return _COMPILED["sums"]
+        _COMPILED[name] = njit(cache=True, boundscheck=False)(function)
+    return _COMPILED[name]
 
 
 def group_codes(values) -> Tuple[pa.Array, np.ndarray]:
@@ -126,7 +136,7 @@ def roll_up(values, scores: np.ndarray, k: int, column: str, *, descending: bool
     keys, index = values if isinstance(values, tuple) else group_codes(values)
     size = len(keys)
     top_positive, top_negative = top_positions(scores, k)
-    rows, total, positive, negative, best = _group_sums_kernel()(index, scores, size)
+    rows, total, positive, negative, best = _kernel("sums", _group_sums)(index, scores, size)
     total_pos, total_neg = float(positive.sum()), float(negative.sum())
     used = np.flatnonzero(rows)  # a dictionary may hold values no matching row has
     out = pa.table({
