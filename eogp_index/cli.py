@@ -19,8 +19,8 @@ from eogp_index.cli_options import field_option, option_group
 from eogp_index.cliutil import distributed_option, process_group, torchrun_rank, under_torchrun, worker_device
 from eogp_index.cliutil import emit as _emit
 from eogp_index.cliutil import fail_cleanly as _fail_cleanly
-from eogp_index.config import (MAX_BLOCK_DOCUMENTS, CurvatureConfig, GradientConfig, ProjectionConfig, SelectOptions,
-                               StorageConfig)
+from eogp_index.config import (MAX_BLOCK_DOCUMENTS, AnswerConfig, CurvatureConfig, GradientConfig, ProjectionConfig,
+                               SelectOptions, StorageConfig)
 from eogp_index.errors import EOGPError
 from eogp_index.evaluation.cli import eval_group
 from eogp_index.data.records import RecordSpec
@@ -287,6 +287,8 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
 @click.option("--stream", is_flag=True, help="Scan the table in batches instead of an in-memory copy.")
 @click.option("--by-module", is_flag=True,
               help="Split each hit's score into its per-module terms (they sum to the score).")
+@option_group(field_option(AnswerConfig, "aggregate"), field_option(AnswerConfig, "normalize"),
+              field_option(AnswerConfig, "group_by", metavar="COLUMN"), into="answer")
 @_model_option
 @field_option(GradientConfig, "device")
 @_projection_memory_option
@@ -294,16 +296,18 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @_fail_cleanly
 def query(index_dir, texts, queries_file, limit_queries, k, where, direction, candidates, stream, by_module,
-          model_name, device, projection_memory_gb, distributed, as_json):
+          answer, model_name, device, projection_memory_gb, distributed, as_json):
     """Show the stored examples that most influence each query.
 
     Positive scores: training on the example lowers the query's loss. Under torchrun
     (several workers, or --distributed) each worker scans a share of the table and
-    rank 0 prints the merged, still exact, top k.
+    rank 0 prints the merged, still exact, top k. A behaviour shown by several
+    queries is one measurement with --aggregate; --group-by sums influence by a column.
 
     \b
     Example:
         eogp query my-index --text "Parse a CSV file." -k 5 --where "num_tokens > 50"
+        eogp query my-index --queries behaviour.jsonl --aggregate mean --group-by source
         torchrun --nproc_per_node 4 -m eogp_index.cli query my-index --text "Parse a CSV file." --json
     """
     from eogp_index.client import AttributionIndex
@@ -324,13 +328,19 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
         tables = []
         if queries:
             search = index.search(queries, many=True).limit(k).where(where).direction(direction).by_module(by_module)
+            search = search.aggregate(answer["aggregate"]).normalize(answer["normalize"]).group_by(answer["group_by"])
             if candidates is not None:
                 search = search.candidates(candidates)
             elif stream or sharded:
                 search = search.route("sharded" if sharded else "stream")
-            tables = search.to_list(coordinates=index.query_coordinates(queries))  # one gradient pass for all
+            tables = search.to_list()  # one gradient pass for all the queries
     if torchrun_rank() == 0:
-        _emit([{"query": q, "results": t.to_pylist()} for q, t in zip(queries, tables)], as_json, _print_results)
+        asked = [{"aggregate": answer["aggregate"], "queries": queries}] if answer["aggregate"] and queries else queries
+        if answer["group_by"]:
+            _emit([{"query": q, "group_by": answer["group_by"], "groups": t.to_pylist()} for q, t in zip(asked, tables)],
+                  as_json, _print_groups)
+        else:
+            _emit([{"query": q, "results": t.to_pylist()} for q, t in zip(asked, tables)], as_json, _print_results)
         if errors:
             raise click.ClickException(f"{len(errors)} of {len(errors) + len(queries)} queries were not answered:\n"
                                        + "\n".join(errors))
@@ -667,7 +677,8 @@ def build_faiss(index_dir, kind, name, replicas, extend_only, as_json):
 @_projection_memory_option
 @_model_option
 @option_group(*(field_option(ServeConfig, name) for name in ("batch_window_ms", "max_batch", "queue_size", "timeout_s",
-                                                              "max_k", "max_query_tokens", "max_request_bytes")),
+                                                              "max_k", "max_query_tokens", "max_request_bytes",
+                                                              "max_queries")),
               into="limits")
 @_fail_cleanly
 def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
@@ -802,14 +813,37 @@ def _print_info(data: dict) -> None:
     click.echo(f"rows        {data['rows']}  (table version {data['table_version']})")
 
 
+def _query_line(q: Any) -> str:
+    """One line naming a query (or an aggregated set of them) in human output."""
+    if isinstance(q, dict) and "aggregate" in q and "queries" in q:
+        return f"{q['aggregate']} of {len(q['queries'])} queries: " + _query_line(q["queries"][0])[:60] + " …"
+    text = q if isinstance(q, str) else q.get("text") if isinstance(q, dict) else None
+    text = text if text is not None else json.dumps(q)
+    return " ".join(text.split())[:100]
+
+
+def _print_groups(results: list, head: int = 20, tail: int = 5) -> None:
+    """The groups of each roll-up; past ``head + tail`` groups, both ends of the ranking."""
+    for item in results:
+        column, groups = item["group_by"], item["groups"]
+        click.echo(f"\nquery: {_query_line(item['query'])}")
+        click.echo(f"  {column[:24]:<24} {'rows':>7} {'sum':>11} {'mean':>11} {'max':>11} {'top+':>5} {'top-':>5} "
+                   f"{'share+':>7} {'share-':>7}")
+        hidden = max(0, len(groups) - head - tail)
+        for g in groups[:head] + [None] + groups[-tail:] if hidden else groups:
+            if g is None:
+                click.echo(f"  … {hidden} more groups (--json lists them all)")
+                continue
+            click.echo(f"  {str(g[column])[:24]:<24} {g['rows']:>7} {g['sum']:>+11.4e} {g['mean']:>+11.4e} "
+                       f"{g['max']:>+11.4e} {g['top_positive']:>5} {g['top_negative']:>5} "
+                       f"{g['share_positive']:>7.1%} {g['share_negative']:>7.1%}")
+
+
 def _print_results(results: list) -> None:
     from eogp_index.store.table import RESERVED_COLUMNS
 
     for item in results:
-        q = item["query"]
-        text = q if isinstance(q, str) else q.get("text") if isinstance(q, dict) else None
-        text = text if text is not None else json.dumps(q)
-        click.echo(f"\nquery: {' '.join(text.split())[:100]}")
+        click.echo(f"\nquery: {_query_line(item['query'])}")
         for row in item["results"]:
             # The user's own metadata says what a document is; bookkeeping columns come after.
             user = [k for k in row if k not in RESERVED_COLUMNS and k not in ("rank", "score", "direction", "modules")]

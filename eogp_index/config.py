@@ -303,3 +303,44 @@ class SelectOptions:
         if not percent:
             return min(int(value), rows)
         return min(rows, max(1 if rows else 0, math.floor(rows * value / 100)))
+
+
+Aggregate = Literal["mean", "sum"]
+AGGREGATES = ("mean", "sum")
+Normalize = Literal["none", "unit"]
+NORMALIZATIONS = ("none", "unit")
+
+
+@dataclass(frozen=True)
+class AnswerConfig:
+    """What a query measures and how it is answered, beyond its top hits.
+
+    ``aggregate`` makes a set of queries one measurement (a behaviour): the mean (or sum) of
+    their losses. Scores are linear in the projected query gradient, so its scores are exact and
+    cost one scan. ``normalize="unit"`` divides each stored training code by its exact norm
+    (cosine to the query, against high-norm outliers); ``none`` is the paper's influence.
+    ``group_by`` rolls the scores of every matching row up by a stored column.
+    """
+
+    aggregate: Optional[Aggregate] = field(default=None, metadata={
+        "help": "Answer all the queries as one measurement, their mean (or summed) loss: exact, one scan."})
+    normalize: Normalize = field(default="none", metadata={
+        "help": "unit: divide each training code by its norm (cosine to the query); none: the paper's influence."})
+    group_by: Optional[str] = field(default=None, metadata={
+        "help": "Roll the scores of every row matching --where up by this stored column (rows, sum, mean, max, "
+                "top-k counts, shares of the positive and negative influence) instead of listing hits."})
+
+    def __post_init__(self) -> None:
+        if self.aggregate is not None and self.aggregate not in AGGREGATES:
+            raise ConfigError(f"aggregate must be one of {list(AGGREGATES)} (or None: each query on its own), "
+                              f"got {self.aggregate!r}")
+        check_normalize(self.normalize)
+        if self.group_by is not None and (not isinstance(self.group_by, str) or not self.group_by):
+            raise ConfigError(f"group_by must name a stored column, got {self.group_by!r}")
+
+
+def check_normalize(normalize: str) -> None:
+    """Refuse a normalization other than ``none`` or ``unit``."""
+    if normalize not in NORMALIZATIONS:
+        raise ConfigError(f"normalize must be one of {list(NORMALIZATIONS)}, got {normalize!r} "
+                          "(none: the paper's influence; unit: each training code divided by its norm)")

@@ -278,3 +278,28 @@ def test_p_out_of_memory_is_read_once_per_block_and_once_per_batch_of_queries(wo
                    "1e-9", "--json")
     assert queried.exit_code == 0, queried.output
     assert len(json.loads(queried.stdout)) == 20 and len(reads) == modules and len(set(reads)) == modules
+
+
+def test_query_a_behaviour_normalized_and_grouped(workspace, tmp_path):
+    root, _, _ = workspace
+    behaviour = tmp_path / "behaviour.jsonl"
+    texts = ["t1 t2 t3 t4", "t5 t6 t7", "t8 t9 t10 t11 t12"]
+    behaviour.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    one = _run("query", root / "idx", "--queries", behaviour, "--aggregate", "mean", "--normalize", "unit", "-k", "3",
+               "--json")
+    assert one.exit_code == 0, one.output
+    answers = json.loads(one.stdout)
+    assert len(answers) == 1 and answers[0]["query"] == {"aggregate": "mean", "queries": [{"text": t} for t in texts]}
+    assert len(answers[0]["results"]) == 6
+    grouped = _run("query", root / "idx", "--queries", behaviour, "--aggregate", "sum", "--group-by", "kind",
+                   "--where", "n < 20", "-k", "3", "--json")
+    assert grouped.exit_code == 0, grouped.output
+    groups = json.loads(grouped.stdout)[0]["groups"]
+    assert sorted(g["kind"] for g in groups) == ["a", "b"] and sum(g["rows"] for g in groups) == 20
+    assert sum(g["top_positive"] for g in groups) == 3 and groups[0]["sum"] >= groups[1]["sum"]
+    human = _run("query", root / "idx", "--queries", behaviour, "--aggregate", "mean", "--group-by", "kind")
+    assert human.exit_code == 0 and "mean of 3 queries" in human.output and "share+" in human.output
+    per_document = _run("query", root / "idx", "--text", "t1 t2 t3", "--group-by", "id")
+    assert per_document.exit_code == 0 and "… 5 more groups" in per_document.output  # 30 rows: 20 + 5 shown
+    bad = _run("query", root / "idx", "--text", "t1 t2", "--group-by", "source")
+    assert bad.exit_code != 0 and "group by one of" in bad.output and "Traceback" not in bad.output

@@ -76,9 +76,12 @@ def make_word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", pad_token="t0", eos_token="t0")
 
 
-def kronfluence_scores(index, queries, train, *, per_token: bool = False, preference: bool = False):
+def kronfluence_scores(index, queries, train, *, per_token: bool = False, preference: bool = False,
+                       aggregate_queries: bool = False):
     """kronfluence's own uncompressed EK-FAC pairwise scores from the index's factors, float64:
-    ``(n_queries, n_train)``, or ``(n_queries, n_train, T_max)`` per training token.
+    ``(n_queries, n_train)``, or ``(n_queries, n_train, T_max)`` per training token; with
+    ``aggregate_queries`` ``(1, n_train)``, the scores of the queries' summed loss (kronfluence's
+    aggregated query gradients).
 
     ``queries`` and ``train`` are examples with ``input_ids`` and ``labels``; with ``preference``
     each query is a ``(chosen, rejected)`` pair of examples, measured in kronfluence's
@@ -126,7 +129,8 @@ def kronfluence_scores(index, queries, train, *, per_token: bool = False, prefer
             train_dataset=_ExampleDataset([pair(e) for e in train]),
             per_device_query_batch_size=2, per_device_train_batch_size=len(train) if per_token else 3,
             dataloader_kwargs=DataLoaderKwargs(collate_fn=collate_any),
-            score_args=ScoreArguments(damping_factor=None, compute_per_token_scores=per_token),
+            score_args=ScoreArguments(damping_factor=None, compute_per_token_scores=per_token,
+                                      aggregate_query_gradients=aggregate_queries),
             overwrite_output_dir=True)
         return analyzer.load_pairwise_scores("reference")["all_modules"].double().numpy()
     finally:

@@ -4,6 +4,8 @@ Example:
     >>> (index.search("The Eiffel Tower is in Paris.")            # doctest: +SKIP
     ...       .where("source = 'news'").limit(10).direction("both")
     ...       .to_arrow())
+    >>> (index.search(["Paris is in France.", "Rome is in Italy."], many=True)   # doctest: +SKIP
+    ...       .aggregate("mean").normalize("unit").group_by("source").to_arrow())
 
 A query goes through three steps, the same for every route:
 
@@ -24,9 +26,12 @@ from typing import Any, Dict, List, Literal, Optional, Protocol, Sequence, Union
 import numpy as np
 import pyarrow as pa
 
+from eogp_index.config import Aggregate, AnswerConfig, Normalize
 from eogp_index.errors import ConfigError
 from eogp_index.search.explain import module_dicts, module_terms
+from eogp_index.search.normalize import normalized_codes
 from eogp_index.search.ranking import Direction, of_their_sign, ranked_tables, sides_of
+from eogp_index.search.rollup import check_group_column, empty_roll_up, group_codes, roll_up
 from eogp_index.search.searchers import (
     CandidateSearcher,
     HotSearcher,
@@ -44,6 +49,36 @@ Route = Literal["auto", "hot", "stream", "sharded", "candidates"]
 ROUTES = ("auto", "hot", "stream", "sharded", "candidates")
 
 
+def aggregate_coordinates(y: np.ndarray, how: Aggregate) -> np.ndarray:
+    """One measurement from several queries: ``(nq, K)`` projected gradients → ``(1, K)`` float32.
+
+    The measurement is the mean (sum) of the queries' losses; its gradient, and so its
+    projection (linear), is the mean (sum) of theirs. Summed in float64, rounded once.
+    """
+    if y.shape[0] == 0:
+        raise ConfigError("aggregate needs at least one query")
+    total = np.asarray(y, np.float64).sum(axis=0, keepdims=True)
+    return (total / y.shape[0] if how == "mean" else total).astype(np.float32)
+
+
+#: Group codes kept per hot copy (that is, per table version; 4 bytes a row each): a page
+#: re-asking a roll-up by the same column and filter skips encoding the column again.
+_GROUP_CODES_KEPT = 4
+
+
+def _cached_group_codes(hot, column: str, where: Optional[str], rows: Optional[np.ndarray]):
+    """:func:`~eogp_index.search.rollup.group_codes` of ``column`` over the hot rows matching
+    ``where`` (positions ``rows``; None: all), kept with the hot copy."""
+    kept = hot.cache.setdefault("group_codes", {})
+    key = (column, where)
+    if key not in kept:
+        values = hot.filterable.column(column)
+        if len(kept) >= _GROUP_CODES_KEPT:
+            kept.pop(next(iter(kept)))
+        kept[key] = group_codes(values if rows is None else values.take(rows))
+    return kept[key]
+
+
 class Projects(Protocol):
     """What a query needs from the index: its stored parts, a device, and the query projection."""
 
@@ -54,7 +89,7 @@ class Projects(Protocol):
 
 
 @dataclass(frozen=True)
-class QueryOptions:
+class QueryOptions(AnswerConfig):
     """The options of one query; validated where they are set.
 
     Attributes:
@@ -68,6 +103,8 @@ class QueryOptions:
         candidates: FAISS candidates per side, for the ``candidates`` route.
         faiss_name: which FAISS index of the index directory.
         by_module: add each hit's per-module terms ``s_iu⟨y_u, b_iu⟩`` (they sum to its score).
+        aggregate, normalize, group_by: :class:`~eogp_index.config.AnswerConfig`'s
+            (:mod:`eogp_index.search.normalize`, :mod:`eogp_index.search.rollup`).
     """
 
     k: int = 20
@@ -79,6 +116,7 @@ class QueryOptions:
     by_module: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if isinstance(self.k, bool) or not isinstance(self.k, (int, np.integer)) or self.k < 1:
             raise ConfigError(f"k must be a positive integer, got {self.k!r}")
         sides_of(self.direction)
@@ -90,6 +128,12 @@ class QueryOptions:
             raise ConfigError(f"candidates C={self.candidates} must be at least k={self.k}")
         if self.where is not None and not isinstance(self.where, str):
             raise ConfigError(f"where must be an SQL string, got {type(self.where).__name__}")
+        if self.normalize != "none" and self.route == "candidates":
+            raise ConfigError("normalize='unit' needs an exact scan; FAISS candidates are picked for unnormalized "
+                              "scores: drop --candidates or --normalize")
+        if self.group_by is not None and self.route not in ("auto", "hot"):
+            raise ConfigError(f"group_by scores every matching row of the hot copy; the {self.route} route "
+                              "lists top hits only: drop the route (or --stream/--candidates) to group")
 
 
 class InfluenceQuery:
@@ -97,7 +141,8 @@ class InfluenceQuery:
 
     Args:
         index: the :class:`~eogp_index.client.AttributionIndex` (anything :class:`Projects`).
-        queries: one query, or a list of them (each answered on its own).
+        queries: one query, or a list of them (``many=True``): each answered on its own, or all
+            as one behaviour with :meth:`aggregate`.
     """
 
     def __init__(self, index: Projects, queries: Union[Query, List[Query]], *, many: bool = False,
@@ -136,6 +181,20 @@ class InfluenceQuery:
         """Choose where codes are read from: ``hot``, ``stream``, ``sharded`` (see :class:`QueryOptions`)."""
         return self._with(route=route)
 
+    def aggregate(self, how: Optional[Aggregate] = "mean") -> "InfluenceQuery":
+        """Answer the queries as one behaviour: scores of their ``mean`` (or ``sum``) loss, exact,
+        in one scan (``index.search([...], many=True).aggregate("mean").to_arrow()``)."""
+        return self._with(aggregate=how)
+
+    def normalize(self, how: Normalize = "unit") -> "InfluenceQuery":
+        """``unit``: score each training code divided by its norm (cosine); ``none``: influence."""
+        return self._with(normalize=how)
+
+    def group_by(self, column: Optional[str]) -> "InfluenceQuery":
+        """Roll the scores of every matching row up by a stored column (``.group_by("source")``):
+        :meth:`to_arrow` then answers one row per group (:mod:`eogp_index.search.rollup`)."""
+        return self._with(group_by=column)
+
     # -- running ----------------------------------------------------------------------------------
     def searcher(self):
         """The searcher the options compile to (one per route)."""
@@ -143,23 +202,35 @@ class InfluenceQuery:
         if opts.route == "candidates":
             return CandidateSearcher(stored, opts.candidates, faiss_name=opts.faiss_name)
         if opts.route == "stream":
-            return StreamSearcher(stored)
+            return StreamSearcher(stored, normalize=opts.normalize)
         if opts.route == "sharded":
-            return ShardedSearcher(stored)
+            return ShardedSearcher(stored, normalize=opts.normalize)
         if self._index.device.startswith("cuda"):
-            return TorchSearcher(stored, self._index.device)
-        return HotSearcher(stored)
+            return TorchSearcher(stored, self._index.device, normalize=opts.normalize)
+        return HotSearcher(stored, normalize=opts.normalize)
+
+    def coordinates(self, coordinates: Optional[np.ndarray] = None) -> np.ndarray:
+        """The projected queries ``(nq, K)`` float32, or their one aggregated row ``(1, K)``.
+
+        Args:
+            coordinates: the queries' projected gradients when already computed.
+        """
+        y = self._index.query_coordinates(self._queries) if coordinates is None else np.asarray(coordinates, np.float32)
+        return y if self.options.aggregate is None else aggregate_coordinates(y, self.options.aggregate)
 
     def to_list(self, *, coordinates: Optional[np.ndarray] = None) -> List[pa.Table]:
-        """One answer table per query (see :meth:`to_arrow`).
+        """One answer table per query, or one for aggregated queries (see :meth:`to_arrow`); with
+        :meth:`group_by`, their roll-ups (:meth:`roll_ups`).
 
         Args:
             coordinates: the queries' projected gradients ``(nq, K)`` float32 when already
                 computed (a server projects the queries of many requests in one pass).
         """
         opts = self.options
+        if opts.group_by is not None:
+            return self.roll_ups(coordinates=coordinates)
         sides = sides_of(opts.direction)
-        y = self._index.query_coordinates(self._queries) if coordinates is None else np.asarray(coordinates, np.float32)
+        y = self.coordinates(coordinates)
         found = of_their_sign(self.searcher().top_k(y, opts.k, sides, opts.where))  # every route
         modules = [self._module_terms(hits, y[q]) for q, hits in enumerate(found)] if opts.by_module else None
         return ranked_tables(self._index.stored, found, with_direction=opts.direction == "both",
@@ -179,12 +250,40 @@ class InfluenceQuery:
             else:
                 codes = stored.codec.from_arrow(stored.store.take_rows(found.rowaddr.tolist(),
                                                                        list(stored.codec.columns)))
+            codes = normalized_codes(codes, stored.layout, self.options.normalize)
             out[side] = module_dicts(module_terms(codes, y, stored.layout), stored.manifest.module_names)
         return out
 
+    def roll_ups(self, *, coordinates: Optional[np.ndarray] = None) -> List[pa.Table]:
+        """One roll-up table per query (one in all when aggregated) by ``group_by``'s column, over
+        every row matching ``where``: see :func:`~eogp_index.search.rollup.roll_up` for its columns.
+
+        Args:
+            coordinates: the queries' projected gradients ``(nq, K)`` when already computed.
+        """
+        opts = self.options
+        if opts.group_by is None:
+            raise ConfigError("roll_ups needs a column: .group_by(column)")
+        stored = self._index.stored
+        hot = stored.hot_codes()
+        check_group_column(opts.group_by, [f.name for f in stored.store.schema or [] if
+                                           f.name not in stored.codec.columns])
+        y = self.coordinates(coordinates)
+        searcher = self.searcher()
+        rows = stored.matching_rows(opts.where, hot)
+        if hot.num_rows == 0 or (rows is not None and rows.size == 0):
+            type_ = stored.store.schema.field(opts.group_by).type
+            return [empty_roll_up(opts.group_by, type_) for _ in range(y.shape[0])]
+        _, scores = searcher.scores(y, opts.where)
+        codes = _cached_group_codes(hot, opts.group_by, opts.where, rows)
+        return [roll_up(codes, row, opts.k, opts.group_by, descending=opts.direction != "negative")
+                for row in scores]
+
     def to_arrow(self) -> pa.Table:
-        """The answer to a single query: ``[direction,] rank, id, score`` and the stored metadata
-        columns, best first; no rows when nothing is stored (or nothing matches ``where``)."""
-        if self._many:
-            raise ConfigError("this builder holds several queries; use to_list() for one table per query")
+        """The answer to a single query (or to aggregated ones): ``[direction,] rank, id, score`` and
+        the stored metadata columns, best first; no rows when nothing is stored (or nothing
+        matches ``where``). With :meth:`group_by`: one row per group."""
+        if self._many and self.options.aggregate is None:
+            raise ConfigError("this builder holds several queries; use to_list() for one table per query, "
+                              "or .aggregate('mean') to answer them as one")
         return self.to_list()[0]

@@ -14,7 +14,9 @@ keeping each side to rows of its sign, and metadata are :mod:`eogp_index.search.
 ========================  ================================================================
 
 :func:`exact_scores` is the only place that looks at what a codec stored: packed signs go to
-the scaled-sign kernels, coordinates to a matrix product.
+the scaled-sign kernels, coordinates to a matrix product. The exact searchers take
+``normalize``: with ``"unit"`` they score the codes divided by their norms
+(:mod:`eogp_index.search.normalize`) with the same kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from eogp_index.config import check_normalize
+from eogp_index.search.normalize import hot_normalized, normalized_codes
 from eogp_index.search.ranking import Hits, Side
 from eogp_index.store.codecs import Encoded, SignLayout
 from eogp_index.store.filters import check_filter
@@ -97,8 +101,10 @@ class HotSearcher:
 
     device = "cpu"
 
-    def __init__(self, stored: StoredIndex):
+    def __init__(self, stored: StoredIndex, *, normalize: str = "none"):
+        check_normalize(normalize)
         self.stored = stored
+        self.normalize = normalize
 
     def _rows(self, hot, where: Optional[str]) -> Optional[np.ndarray]:
         """Hot-copy positions ``(r,)`` int64 of the rows matching ``where``, sorted (None: every
@@ -112,7 +118,8 @@ class HotSearcher:
         rowaddr = hot.rowaddr if rows is None else hot.rowaddr[rows]
         if rowaddr.size == 0:
             return rowaddr, np.zeros((y.shape[0], 0), np.float32)
-        return rowaddr, exact_scores(hot.encoded, y, self.stored.layout, rows=rows, device=self.device)
+        encoded = hot_normalized(hot, self.stored.layout, self.normalize)
+        return rowaddr, exact_scores(encoded, y, self.stored.layout, rows=rows, device=self.device)
 
     def top_k(self, y: np.ndarray, k: int, sides: Sequence[Side], where: Optional[str] = None) -> Found:
         hot = self.stored.hot_codes()
@@ -124,7 +131,8 @@ class HotSearcher:
             return _best_of_scores(rowaddr, scores, k, sides)
         from eogp_index.search.scan import scan_top_k
 
-        top = scan_top_k(hot.codes, hot.scales, y, self.stored.layout, k, rows=rows,
+        scales = hot_normalized(hot, self.stored.layout, self.normalize).scales
+        top = scan_top_k(hot.codes, scales, y, self.stored.layout, k, rows=rows,
                          largest="positive" in sides, smallest="negative" in sides)
         picks = {"positive": (top.largest_indices, top.largest_scores),
                  "negative": (top.smallest_indices, top.smallest_scores)}
@@ -135,8 +143,8 @@ class HotSearcher:
 class TorchSearcher(HotSearcher):
     """The hot copy scored on a CUDA device with torch (every matching row, then ranked)."""
 
-    def __init__(self, stored: StoredIndex, device: str):
-        super().__init__(stored)
+    def __init__(self, stored: StoredIndex, device: str, *, normalize: str = "none"):
+        super().__init__(stored, normalize=normalize)
         self.device = device
 
 
@@ -147,9 +155,11 @@ class StreamSearcher:
     larger than memory can be scanned; each batch's top ``k`` is merged into a running top ``k``.
     """
 
-    def __init__(self, stored: StoredIndex, *, batch_bytes: int = STREAM_BATCH_BYTES):
+    def __init__(self, stored: StoredIndex, *, batch_bytes: int = STREAM_BATCH_BYTES, normalize: str = "none"):
+        check_normalize(normalize)
         self.stored = stored
         self.batch_bytes = batch_bytes
+        self.normalize = normalize
 
     def fragment_ids(self) -> List[int]:
         if self.stored.store.table is None:
@@ -177,7 +187,8 @@ class StreamSearcher:
             if batch.num_rows == 0:
                 continue
             rowaddr = batch.column("_rowaddr").to_numpy().astype(np.uint64)
-            scores = exact_scores(codec.from_arrow(batch), y, self.stored.layout)
+            encoded = normalized_codes(codec.from_arrow(batch), self.stored.layout, self.normalize)
+            scores = exact_scores(encoded, y, self.stored.layout)
             for q, found in enumerate(best):
                 for side in sides:
                     found[side] = Hits.merge([found[side], Hits.best(rowaddr, scores[q], k, side)], k, side)

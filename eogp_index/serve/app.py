@@ -1,7 +1,7 @@
 """The ASGI app of ``eogp serve``: FastAPI routes over an :class:`~eogp_index.serve.engine.Engine`.
 
 ==========================  ===============================================================
-``POST /v1/query``          ranked hits of one query (the rows of ``eogp query --json``)
+``POST /v1/query``          ranked hits of one query or behaviour (the rows of ``eogp query --json``)
 ``POST /v1/explain``        why one stored document ranks: per module and per token
 ``POST /v1/select``         a training subset for target queries, as a file (``eogp select``)
 ``GET /v1/info``            the manifest, row count, filterable columns, the server's limits
@@ -97,6 +97,30 @@ def _query_record(body: QueryRequest) -> Tuple[Dict[str, Any], str]:
         if body.labels is not None:
             record["labels"] = body.labels
     return record, field
+
+
+def _behaviour_records(body: QueryRequest, config: ServeConfig) -> Tuple[Dict[str, Any], ...]:
+    """The records of a behaviour query (``queries`` with ``aggregate``); none for a single query."""
+    if body.queries is None:
+        if body.aggregate is not None:
+            raise RequestError("aggregate", "aggregate goes with queries: give the behaviour's queries as a list")
+        return ()
+    given = [name for name in _CONTENT if getattr(body, name) is not None]
+    if given:
+        raise RequestError(given[0], f"give either queries (a behaviour) or {given[0]} (one query), not both")
+    if body.aggregate is None:
+        raise RequestError("aggregate", "queries are answered as one measurement: add \"aggregate\": \"mean\" "
+                                        "(or \"sum\"); send one request per query to rank each on its own")
+    if not 1 <= len(body.queries) <= config.max_queries:
+        raise RequestError("queries", f"queries must hold 1 to {config.max_queries} queries (max_queries), "
+                                      f"got {len(body.queries)}")
+    records = []
+    for i, query in enumerate(body.queries):
+        try:
+            records.append(_explain_record(query))
+        except RequestError as exc:
+            raise RequestError(f"queries[{i}]", exc.message) from None
+    return tuple(records)
 
 
 def _explain_record(query: Any) -> Dict[str, Any]:
@@ -217,17 +241,24 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
     async def query(body: QueryRequest, request: Request):
         """The stored documents that most influence the query, best first (``eogp query --json``'s rows)."""
         started = time.perf_counter()
-        record, field = _query_record(body)
+        records = _behaviour_records(body, config)
+        record, field = ({"queries": list(records)}, "queries") if records else _query_record(body)
         if not 1 <= body.k <= config.max_k:
             raise RequestError("k", f"k must be between 1 and {config.max_k} (max_k), got {body.k}")
         where = body.where.strip() if body.where is not None and body.where.strip() else None
+        group_by = body.group_by.strip() if body.group_by is not None and body.group_by.strip() else None
         job = QueryJob(record=record, field=field, k=body.k, where=where, direction=body.direction,
-                       by_module=body.by_module)
-        table = await guarded(request, batcher.submit(job, timeout=config.timeout_s))
-        if isinstance(table, RequestError):
-            raise table
-        query_as_sent = body.text if field == "text" else record[field] if field == "messages" else record
-        return JSON({"query": query_as_sent, "results": table.to_pylist(),
+                       by_module=body.by_module, records=records, aggregate=body.aggregate,
+                       normalize=body.normalize, group_by=group_by)
+        answer = await guarded(request, batcher.submit(job, timeout=config.timeout_s))
+        if isinstance(answer, RequestError):
+            raise answer
+        if records:
+            query_as_sent: Any = {"queries": body.queries, "aggregate": body.aggregate}
+        else:
+            query_as_sent = body.text if field == "text" else record[field] if field == "messages" else record
+        extra = {"groups": answer.groups.to_pylist()} if answer.groups is not None else {}
+        return JSON({"query": query_as_sent, "results": answer.results.to_pylist(), **extra,
                      "took_ms": round(1000 * (time.perf_counter() - started), 2)})
 
     @app.post("/v1/explain", responses=_ERRORS, tags=["query"])

@@ -38,9 +38,11 @@ class ServeConfig:
         "help": "Longest query, in tokens before the index's truncation.", "min": 1})
     max_request_bytes: int = field(default=1 << 20, metadata={
         "help": "Largest request body, in bytes (413 beyond it).", "min": 1})
+    max_queries: int = field(default=64, metadata={
+        "help": "Most queries in one behaviour query (queries answered together with aggregate).", "min": 1})
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "queue_size", "max_k", "max_query_tokens", "max_request_bytes"):
+        for name in ("max_batch", "queue_size", "max_k", "max_query_tokens", "max_request_bytes", "max_queries"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ServeConfig.{name} must be a positive integer, got {value!r}")

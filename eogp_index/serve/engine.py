@@ -5,6 +5,8 @@ checked on its own (a bad one fails alone), all good ones are projected in one g
 and requests that share a filter, direction and ``by_module`` share one scan — asked for the
 largest ``k`` among them, then each cut to its own ``k`` (a top-k list is a prefix of a longer
 one: same order, ties in table order), so every request gets what ``eogp query --json`` prints.
+A behaviour request's queries are projected in the same pass and become its one (mean or
+summed) row; a ``group_by`` request also gets its roll-up.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +23,7 @@ import pyarrow.compute as pc
 
 from eogp_index.data.records import Example, RecordSpec, check_text, tokenize_record
 from eogp_index.errors import ConfigError, EOGPError, InputError
+from eogp_index.search.query import aggregate_coordinates
 from eogp_index.serve.config import ServeConfig
 from eogp_index.store.stored_ids import sql_string
 from eogp_index.store.table import CODE_COLUMNS
@@ -53,11 +56,29 @@ class QueryJob:
     where: Optional[str]
     direction: str
     by_module: bool
+    #: A behaviour: these queries' records, answered as one measurement (``aggregate``), instead of ``record``.
+    records: Tuple[Dict[str, Any], ...] = ()
+    aggregate: Optional[str] = None
+    normalize: str = "none"
+    group_by: Optional[str] = None
 
     @property
-    def group(self) -> Tuple[Optional[str], str, bool]:
+    def group(self) -> Tuple[Optional[str], str, bool, str, Optional[str]]:
         """Requests with the same key share one scan."""
-        return (self.where, self.direction, self.by_module)
+        return (self.where, self.direction, self.by_module, self.normalize, self.group_by)
+
+    def examples_of(self, engine: "Engine") -> List[Example]:
+        """The job's query examples: its one query, or each of its behaviour's (errors name ``queries[i]``)."""
+        if not self.records:
+            return [engine.tokenize(self.record, self.field)]
+        return [engine.tokenize(record, f"queries[{i}]") for i, record in enumerate(self.records)]
+
+
+class Answer(NamedTuple):
+    """One answered query: its ranked hits and, with ``group_by``, its roll-up."""
+
+    results: pa.Table
+    groups: Optional[pa.Table] = None
 
 
 def _user_message(exc: EOGPError, field: Optional[str] = None) -> str:
@@ -124,37 +145,47 @@ class Engine:
         return example
 
     def run_queries(self, jobs: Sequence[QueryJob]) -> List[Any]:
-        """One answer per job, in order: a ``pyarrow.Table`` (its ranked hits) or a :class:`RequestError`."""
+        """One answer per job, in order: an :class:`Answer` (its ranked hits, and its roll-up with
+        ``group_by``) or a :class:`RequestError`."""
         started = time.perf_counter()
         out: List[Any] = [None] * len(jobs)
-        examples: Dict[int, Example] = {}
+        examples: Dict[int, List[Example]] = {}
         for i, job in enumerate(jobs):
             try:
-                examples[i] = self.tokenize(job.record, job.field)
+                examples[i] = job.examples_of(self)
             except RequestError as exc:
                 out[i] = exc
         live = sorted(examples)
         if not live:
             return out
-        y = self.index.project([examples[i] for i in live])  # one gradient pass for the whole batch
+        # One gradient pass for the whole batch; a behaviour's queries become its one row.
+        projected_rows = self.index.project([e for i in live for e in examples[i]])
+        bounds = np.cumsum([0] + [len(examples[i]) for i in live])
+        y = np.concatenate([projected_rows[a:b] if jobs[i].aggregate is None else
+                            aggregate_coordinates(projected_rows[a:b], jobs[i].aggregate)
+                            for i, a, b in zip(live, bounds[:-1], bounds[1:])])
         row_of = {i: j for j, i in enumerate(live)}
         projected = time.perf_counter()
         groups: Dict[tuple, List[int]] = defaultdict(list)
         for i in live:
             groups[jobs[i].group].append(i)
-        for (where, direction, by_module), members in groups.items():
+        for (where, direction, by_module, normalize, group_by), members in groups.items():
             k = max(jobs[i].k for i in members)
             search = (self.index.search([jobs[i].record for i in members], many=True)
-                      .limit(k).where(where).direction(direction).by_module(by_module))
+                      .limit(k).where(where).direction(direction).by_module(by_module).normalize(normalize))
+            rows = y[[row_of[i] for i in members]]
             try:
-                tables = search.to_list(coordinates=y[[row_of[i] for i in members]])
-            except InputError as exc:  # the filter: the queries themselves were tokenized already
-                error = RequestError("where", _user_message(exc))
+                tables = search.to_list(coordinates=rows)
+                # (Each request's own k counts its rows among the top ones.)
+                rolled = ([search.limit(jobs[i].k).group_by(group_by).to_list(coordinates=rows[j:j + 1])[0]
+                           for j, i in enumerate(members)] if group_by else [None] * len(members))
+            except InputError as exc:  # the filter or column: the queries themselves were tokenized already
+                error = RequestError("group_by" if "group_by" in str(exc) else "where", _user_message(exc))
                 for i in members:
                     out[i] = error
                 continue
-            for i, table in zip(members, tables):
-                out[i] = cut_to_k(table, jobs[i].k)
+            for i, table, grouped in zip(members, tables, rolled):
+                out[i] = Answer(cut_to_k(table, jobs[i].k), grouped)
         log.info("batch", extra={"fields": {
             "event": "batch", "queries": len(jobs), "projected": len(live), "scans": len(groups),
             "project_ms": round(1000 * (projected - started), 1),
@@ -216,5 +247,6 @@ class Engine:
         cfg = self.config
         data["limits"] = {"max_k": cfg.max_k, "max_query_tokens": cfg.max_query_tokens,
                           "max_request_bytes": cfg.max_request_bytes, "timeout_s": cfg.timeout_s,
-                          "max_batch": cfg.max_batch, "batch_window_ms": cfg.batch_window_ms}
+                          "max_batch": cfg.max_batch, "batch_window_ms": cfg.batch_window_ms,
+                          "max_queries": cfg.max_queries}
         return data

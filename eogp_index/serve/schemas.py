@@ -35,6 +35,15 @@ class QueryRequest(BaseModel):
     direction: Literal["positive", "negative", "both"] = Field(
         "both", description="positive: documents whose training lowers the query's loss; negative: raises it.")
     by_module: bool = Field(False, description="Add each hit's per-module score terms (`modules`).")
+    queries: Optional[List[Union[str, List[Message], Dict[str, Any]]]] = Field(
+        None, description="A behaviour shown by several queries (texts, chats or records), answered as one "
+                          "measurement with `aggregate` instead of text, messages or input_ids.")
+    aggregate: Optional[Literal["mean", "sum"]] = Field(
+        None, description="How `queries` make one measurement: the mean (or sum) of their losses.")
+    normalize: Literal["none", "unit"] = Field(
+        "none", description="unit: each training code divided by its norm (cosine); none: the paper's influence.")
+    group_by: Optional[str] = Field(
+        None, description="Also roll the scores of every row matching `where` up by this stored column (`groups`).")
 
 
 class ExplainRequest(BaseModel):
@@ -52,6 +61,9 @@ class QueryResponse(BaseModel):
     query: Any = Field(description="The query as sent (text, messages or a record).")
     results: List[Dict[str, Any]] = Field(
         description="[direction,] rank, id, score[, modules] and the stored metadata columns, best first.")
+    groups: Optional[List[Dict[str, Any]]] = Field(
+        None, description="With group_by: one row per group (rows, sum, mean, max, top_positive, top_negative, "
+                          "share_positive, share_negative), sorted by sum.")
     took_ms: float
 
 

@@ -285,3 +285,36 @@ def test_select_rebuilds_records_from_stored_text_when_the_shard_is_gone(client,
     records = [json.loads(line) for line in response.content.decode().splitlines()]
     assert len(records) == 4 and all(set(r) == {"text", "score"} for r in records)
     assert {r["text"] for r in records} <= {o["text"] for o in originals.values()}
+
+
+def test_a_behaviour_query_with_a_roll_up_answers_as_the_library(client, served_index):
+    queries = ["t1 t2 t3 t4 t5", "t7 t8 t9 t10", {"input_ids": [5, 9, 13, 2, 7], "labels": [-100, -100, 13, 2, 7]}]
+    body = {"queries": queries, "aggregate": "mean", "normalize": "unit", "group_by": "kind", "k": 4,
+            "where": "n < 30", "direction": "both"}
+    answer = client.post("/v1/query", json=body)
+    assert answer.status_code == 200, answer.text
+    got = answer.json()
+    records = [{"text": queries[0]}, {"text": queries[1]}, queries[2]]
+    search = (served_index.search(records, many=True).aggregate("mean").normalize("unit").where("n < 30")
+              .limit(4).direction("both"))
+    expected = search.to_arrow()
+    assert got["query"] == {"queries": queries, "aggregate": "mean"}
+    assert [r["id"] for r in got["results"]] == expected.column("id").to_pylist()
+    assert [r["score"] for r in got["results"]] == pytest.approx(expected.column("score").to_pylist(), rel=1e-5)
+    groups = search.group_by("kind").to_arrow().to_pylist()
+    assert [g["kind"] for g in got["groups"]] == [g["kind"] for g in groups]
+    assert sum(g["rows"] for g in got["groups"]) == 30
+    assert [g["sum"] for g in got["groups"]] == pytest.approx([g["sum"] for g in groups], rel=1e-5)
+    assert "groups" not in client.post("/v1/query", json={"text": QUERY, "k": 2}).json()
+
+
+def test_behaviour_errors_name_the_field(client):
+    assert "aggregate" in _error(client.post("/v1/query", json={"queries": [QUERY, QUERY]}), 400, "aggregate")
+    assert "not both" in _error(client.post("/v1/query", json={"queries": [QUERY], "aggregate": "mean",
+                                                               "text": QUERY}), 400, "text")
+    assert "empty document" in _error(client.post("/v1/query", json={"queries": [QUERY, ""], "aggregate": "sum"}),
+                                      400, "queries[1]")
+    assert "max_queries" in _error(client.post("/v1/query", json={"queries": [QUERY] * 65, "aggregate": "sum"}),
+                                   400, "queries")
+    assert "'kind'" in _error(client.post("/v1/query", json={"text": QUERY, "group_by": "kynd"}), 400, "group_by")
+    assert _error(client.post("/v1/query", json={"text": QUERY, "normalize": "l2"}), 422, "normalize")

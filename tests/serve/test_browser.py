@@ -263,3 +263,44 @@ def test_the_page_downloads_a_selection(browser, server, served_index, tmp_path)
     _wait(browser, lambda d: d.find_element(By.ID, "error").is_displayed(), "the error")
     assert "--top" in browser.find_element(By.ID, "error").text
     assert "invalid" in top.get_attribute("class")
+
+
+def test_a_behaviour_query_rolls_up_by_kind_and_a_click_filters_to_a_group(browser, server):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(server + "/")
+    _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#group-by option")) > 1, "the group-by columns")
+    browser.find_element(By.CSS_SELECTOR, ".tab[data-mode='behaviour']").click()
+    box = browser.find_element(By.ID, "behaviour-text")
+    assert box.is_displayed() and not browser.find_element(By.ID, "query-text").is_displayed()
+    box.send_keys("t1 t2 t3 t4 t5\nt7 t8 t9 t10\nt11 t12 t13")
+    Select(browser.find_element(By.ID, "aggregate")).select_by_value("mean")
+    Select(browser.find_element(By.ID, "group-by")).select_by_value("kind")
+    k_input = browser.find_element(By.ID, "k")
+    k_input.clear()
+    k_input.send_keys("3")
+    browser.find_element(By.ID, "search").click()
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#groups .group-bar")
+          or d.find_element(By.ID, "error").is_displayed(), "the group chart")
+    assert not browser.find_element(By.ID, "error").is_displayed(), browser.find_element(By.ID, "error").text
+    bars = browser.find_elements(By.CSS_SELECTOR, "#groups .group-bar")
+    assert sorted(b.get_attribute("data-group") for b in bars) == ["class", "function", "module"]
+    assert all(b.find_elements(By.CSS_SELECTOR, ".axis .fill") for b in bars)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "li.hit")) == 6  # the behaviour's hits, k = 3 per side
+
+    # Clicking a group makes it the filter: its hits only, and the chart gives way to them.
+    next(b for b in bars if b.get_attribute("data-group") == "class").click()
+    _wait(browser, lambda d: not d.find_elements(By.CSS_SELECTOR, "#groups .group-bar")
+          and d.find_element(By.ID, "status").text not in ("", "searching…"), "the group's hits")
+    assert browser.find_element(By.ID, "where").get_attribute("value") == "kind = 'class'"
+    metas = [h.find_element(By.CSS_SELECTOR, ".meta").text for h in browser.find_elements(By.CSS_SELECTOR, "li.hit")]
+    assert len(metas) == 6 and all("kind class" in m for m in metas), metas
+
+    # A column with a group per document: the chart draws both ends of the ranking and counts the rest.
+    browser.find_element(By.ID, "where").clear()
+    Select(browser.find_element(By.ID, "group-by")).select_by_value("id")
+    browser.find_element(By.ID, "search").click()
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#groups .group-bar"), "the per-document chart")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#groups .group-bar")) == 25
+    assert "15 more groups" in browser.find_element(By.ID, "groups").text

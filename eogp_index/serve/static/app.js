@@ -59,7 +59,8 @@ async function api(path, body, retried = false) {
 
 // -- errors and status -------------------------------------------------------------------------
 const FIELD_INPUTS = { where: "where", k: "k", text: "query-text", messages: "turns", direction: "direction",
-                       top: "select-top" };
+                       top: "select-top", queries: "behaviour-text", aggregate: "aggregate", normalize: "normalize",
+                       group_by: "group-by" };
 
 function showError(err) {
   const box = $("error");
@@ -94,6 +95,7 @@ async function loadInfo() {
       return chip;
     });
     $("columns").replaceChildren(el("span", { class: "muted", text: "Columns: " }), ...chips);
+    fillGroupBy(ordered);
   } catch (err) {
     $("index-info").textContent = "";
     showError(err);
@@ -114,6 +116,7 @@ function setMode(mode) {
   document.querySelectorAll(".tab").forEach((tab) => tab.classList.toggle("active", tab.dataset.mode === mode));
   $("query-text").hidden = mode !== "text";
   $("chat-box").hidden = mode !== "chat";
+  $("behaviour-box").hidden = mode !== "behaviour";
   if (mode === "chat" && !$("turns").children.length) { addTurn("user"); addTurn("assistant"); }
 }
 
@@ -132,6 +135,7 @@ function addTurn(role) {
 
 function currentQuery() {
   if (state.mode === "text") return { text: $("query-text").value };
+  if (state.mode === "behaviour") return behaviourQuery();
   const messages = [...document.querySelectorAll("#turns .turn")].map((turn) => ({
     role: turn.querySelector(".role").value, content: turn.querySelector(".content").value }));
   return { messages };
@@ -147,16 +151,20 @@ async function search(event) {
                  by_module: true };
   const where = $("where").value.trim();
   if (where) body.where = where;
+  if ($("normalize").value !== "none") body.normalize = $("normalize").value;
+  if ($("group-by").value) body.group_by = $("group-by").value;
   // What is on the page answers the previous query: gone before this one is asked, so that
-  // neither a failed search nor the new answer stands beside stale hits or explanations.
+  // neither a failed search nor the new answer stands beside stale hits, groups or explanations.
   $("results").replaceChildren();
+  $("groups").replaceChildren();
   clearDetail();
   $("status").textContent = "searching…";
   $("search").disabled = true;
   try {
     const answer = await api("/v1/query", body);
-    state.lastQuery = query.text !== undefined ? query.text : query.messages;
+    state.lastQuery = query.queries !== undefined ? null : query.text !== undefined ? query.text : query.messages;
     $("status").textContent = `${answer.results.length} hits in ${Math.round(answer.took_ms)} ms`;
+    renderGroups(answer.groups, body.group_by);
     renderResults(answer.results, body.direction);
   } catch (err) {
     $("status").textContent = "";
@@ -258,6 +266,11 @@ async function selectHit(row, item) {
     row.modules ? moduleBars(row.modules) : el("p", { class: "muted", text: "(no per-module terms)" }),
     el("h3", { text: "Score by token" }),
     tokens);
+  if (state.lastQuery === null) {
+    tokens.replaceChildren(el("p", { class: "muted",
+      text: "Token contributions are explained for one query at a time: ask one of the behaviour's prompts." }));
+    return;
+  }
   try {
     const why = await api("/v1/explain", { query: state.lastQuery, id: row.id });
     if (state.selected !== row.id) return;  // another hit was selected meanwhile
@@ -278,7 +291,9 @@ async function selectHit(row, item) {
 async function downloadSelection() {
   clearError();
   const query = currentQuery();
-  const body = { queries: [query.text !== undefined ? query.text : query], top: $("select-top").value.trim() };
+  // A behaviour's prompts are the target set; a single query is a set of one.
+  const queries = query.queries !== undefined ? query.queries : [query.text !== undefined ? query.text : query];
+  const body = { queries, top: $("select-top").value.trim() };
   const where = $("where").value.trim();
   if (where) body.where = where;
   $("status").textContent = "selecting…";
@@ -303,6 +318,69 @@ async function downloadSelection() {
     showError(err instanceof ApiError ? err : new ApiError(0, null, err.message));
   } finally {
     $("download-selection").disabled = false;
+  }
+}
+
+// -- behaviours and roll-ups --------------------------------------------------------------------
+// A behaviour: one prompt per line, answered as one measurement (the mean or summed loss).
+function behaviourQuery() {
+  const queries = $("behaviour-text").value.split("\n").map((line) => line.trim()).filter(Boolean);
+  return { queries, aggregate: $("aggregate").value };
+}
+
+function fillGroupBy(columns) {
+  const select = $("group-by");
+  for (const column of columns) {
+    if (column.name === "text" || column.name === "content_sha256") continue;  // one group per row
+    select.append(el("option", { value: column.name, text: column.name }));
+  }
+}
+
+// An SQL condition that selects one group's rows.
+function groupCondition(column, value) {
+  const name = /^[A-Za-z_][A-Za-z0-9_]*$/.test(column) ? column : `\`${column}\``;
+  if (value === null) return `${name} IS NULL`;
+  if (typeof value === "number" || typeof value === "boolean") return `${name} = ${value}`;
+  return `${name} = '${String(value).replaceAll("'", "''")}'`;
+}
+
+function filterToGroup(column, value) {
+  const condition = groupCondition(column, value);
+  const where = $("where").value.trim();
+  $("where").value = where && where !== condition ? `(${where}) AND ${condition}` : condition;
+  $("group-by").value = "";
+  $("query-form").requestSubmit();
+}
+
+const CHART_HEAD = 20;  // groups drawn from the top of the ranking
+const CHART_TAIL = 5;   // and from its bottom (the most negative)
+
+function renderGroups(groups, column) {
+  const box = $("groups");
+  box.replaceChildren();
+  if (!groups || !column) return;
+  const top = Math.max(...groups.map((g) => Math.abs(g.sum))) || 1;
+  box.append(el("h2", { text: `Influence by ${column} (sum of scores; click a group to see its hits)` }));
+  // Many groups (a column of ids or documents): the two ends of the ranking, the middle counted.
+  const hidden = Math.max(0, groups.length - (CHART_HEAD + CHART_TAIL));
+  const shown = hidden ? [...groups.slice(0, CHART_HEAD), null, ...groups.slice(-CHART_TAIL)] : groups;
+  for (const group of shown) {
+    if (group === null) {
+      box.append(el("p", { class: "muted", text: `… ${hidden} more groups with sums in between` }));
+      continue;
+    }
+    const width = (50 * Math.abs(group.sum) / top).toFixed(1);
+    const fill = el("div", { class: `fill ${group.sum >= 0 ? "pos" : "neg"}`,
+      style: group.sum >= 0 ? `left:50%;width:${width}%` : `left:${(50 - width).toFixed(1)}%;width:${width}%` });
+    const label = group[column] === null ? "(none)" : String(group[column]);
+    const bar = el("button", { type: "button", class: "group-bar", "data-group": label,
+      title: `${group.rows} rows · mean ${fmt(group.mean)} · max ${fmt(group.max)} · ` +
+             `${group.top_positive} in the top helpers, ${group.top_negative} in the top hurters · ` +
+             `${(100 * group.share_positive).toFixed(1)}% of the positive influence` },
+      el("span", { class: "name", text: label }), el("div", { class: "axis" }, fill),
+      el("span", { class: "value", text: fmt(group.sum) }), el("span", { class: "rows", text: `${group.rows} rows` }));
+    bar.addEventListener("click", () => filterToGroup(column, group[column]));
+    box.append(bar);
   }
 }
 
