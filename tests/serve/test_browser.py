@@ -295,7 +295,8 @@ def test_a_behaviour_query_rolls_up_by_kind_and_a_click_filters_to_a_group(brows
           and d.find_element(By.ID, "status").text not in ("", "searching…"), "the group's hits")
     assert browser.find_element(By.ID, "where").get_attribute("value") == "kind = 'class'"
     metas = [h.find_element(By.CSS_SELECTOR, ".meta").text for h in browser.find_elements(By.CSS_SELECTOR, "li.hit")]
-    assert len(metas) == 6 and all("kind class" in m for m in metas), metas
+    # Up to k = 3 per side: a side holds only rows of its sign.
+    assert 0 < len(metas) <= 6 and all("kind class" in m for m in metas), metas
 
     # A column with a group per document: the chart draws both ends of the ranking and counts the rest.
     browser.find_element(By.ID, "where").clear()
