@@ -68,6 +68,9 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("model")
+@click.option("--adapter", "adapter", default=None, type=click.Path(exists=True, file_okay=False),
+              help="A LoRA adapter directory (saved by peft) to load onto MODEL; its LoRA matrices are attributed "
+                   "unless --module names base layers.")
 @click.option("--data", "data", multiple=True,
               help="Shard files or globs (JSONL[.gz/.zst], Parquet, datasets.save_to_disk dirs) to fit on.")
 @click.option("--fit-data", "fit_data", multiple=True,
@@ -93,11 +96,13 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @_record_options
 @_fail_cleanly
-def fit(model, data, fit_data, out, projection, storage, curvature, modules, gradients, seed, table_uri, overwrite,
-        distributed, as_json, record):
+def fit(model, adapter, data, fit_data, out, projection, storage, curvature, modules, gradients, seed, table_uri,
+        overwrite, distributed, as_json, record):
     """Fit EK-FAC curvature and the projection; create an empty index.
 
-    MODEL is a HuggingFace hub name or a local model directory. The fitting
+    MODEL is a HuggingFace hub name, a local model directory, or a LoRA
+    adapter directory saved by peft (its base is loaded from its
+    adapter_config.json; --adapter puts one on another base). The fitting
     examples are a seeded random sample of all the records of --data (or
     --fit-data), read in one pass: --curvature-examples fit the EK-FAC factors
     and --pca-examples others fit the PCA. When there are too few for two
@@ -119,7 +124,7 @@ def fit(model, data, fit_data, out, projection, storage, curvature, modules, gra
 
     from eogp_index.client import AttributionIndex
     from eogp_index.fit.sampling import sample_shards
-    from eogp_index.gradients.model import load_model
+    from eogp_index.gradients.model import load_model, model_and_adapter
 
     if bool(data) == bool(fit_data):
         raise click.UsageError("give the shards to fit on with --data, or with --fit-data (not both)")
@@ -139,12 +144,13 @@ def fit(model, data, fit_data, out, projection, storage, curvature, modules, gra
     fit_log.setLevel(logging.INFO)
     try:
         with _fit_process_group(gradients.resolved_device()) if sharded else contextlib.nullcontext():
-            loaded, tokenizer = load_model(model, device=gradients.resolved_device())
+            model, adapter = model_and_adapter(model, adapter)
+            loaded, tokenizer = load_model(model, adapter=adapter, device=gradients.resolved_device())
             wanted = curvature.num_examples + (projection.num_fit_examples if projection.second_stage == "pca" else 0)
             examples, seen = sample_shards(list(fit_data or data), spec, tokenizer, wanted, seed)
             if torchrun_rank() == 0:
                 click.echo(f"fitting on {len(examples)} documents sampled from {seen} records", err=True)
-            index = AttributionIndex.create(out, loaded, tokenizer, examples, model_name=model,
+            index = AttributionIndex.create(out, loaded, tokenizer, examples, model_name=model, adapter=adapter,
                                             modules=list(modules) or None, curvature=curvature,
                                             projection=projection, storage=StorageConfig(**storage),
                                             gradients=gradients, table_uri=table_uri,
