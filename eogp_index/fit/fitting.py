@@ -50,6 +50,7 @@ from eogp_index.fit.projection import PCA_TORCH_DTYPES, Projection, build_projec
 from eogp_index.fit.sampling import split_fit_sets
 from eogp_index.gradients.capture import GradientCapture, batches, check_counted
 from eogp_index.gradients.loss import collate
+from eogp_index.gradients.coverage import report_coverage
 from eogp_index.gradients.model import find_attributed_modules, model_sha256, pad_token_id, replace_conv1d
 
 CURVATURE_DIR = "curvature"
@@ -134,6 +135,8 @@ def fit_projection(
     device = gradients.resolved_device()
     model.to(device).eval()
     names = find_attributed_modules(model, modules)
+    if ranks.rank == 0:
+        report_coverage(model, names, log)
     pad_id = pad_token_id(tokenizer)
     use_pca = projection.second_stage == "pca"
     sets = split_fit_sets(examples, curvature.num_examples, projection.num_fit_examples if use_pca else 0,

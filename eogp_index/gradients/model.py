@@ -77,6 +77,15 @@ def _matches(name: str, pattern: str) -> bool:
     return any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
+def moe_blocks(model: nn.Module) -> List[str]:
+    """Names of the sparse mixture-of-experts blocks: the modules with a child named ``experts``.
+
+    Such a block flattens batch and tokens before routing, so the layers inside it (experts,
+    router, shared experts) see no per-example inputs.
+    """
+    return [name for name, module in model.named_modules() if "experts" in dict(module.named_children())]
+
+
 def find_attributed_modules(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> List[str]:
     """Names of the linear layers to attribute, in model order.
 
@@ -107,9 +116,12 @@ def find_attributed_modules(model: nn.Module, patterns: Optional[Sequence[str]] 
     if lora:  # an adapter: its own matrices are what was trained
         return lora
     # Default: linear layers inside a repeated block (…​.h.3.… / ….layers.3.…) whose leaf name is a
-    # known attention/MLP projection. The numeric path component is what marks a block.
+    # known attention/MLP projection. The numeric path component is what marks a block. Layers
+    # inside a sparse MoE block (shared experts) are left out: they see no per-example inputs.
     block = re.compile(r"\.\d+\.")
-    chosen = [n for n in linear_names if block.search(n) and n.rsplit(".", 1)[-1] in _DEFAULT_LEAF_NAMES]
+    moe = tuple(f"{name}." for name in moe_blocks(model))
+    chosen = [n for n in linear_names if block.search(n) and n.rsplit(".", 1)[-1] in _DEFAULT_LEAF_NAMES
+              and not any(n.startswith(prefix) for prefix in moe)]
     if not chosen:
         raise ModelError(
             "found no attention/MLP linear layers to attribute; name them explicitly "
