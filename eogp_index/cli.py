@@ -568,12 +568,14 @@ def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
 def plan(model, projection, storage, num_examples, gradients, modules, documents, all_modules, as_json):
     """Print the storage accounting of an index before fitting it: nothing runs.
 
-    MODEL is a hub name, a local model directory or a config.json; only its
-    config is read (the model is built on PyTorch's meta device, without
-    weights). Takes eogp fit's options and gives, per attributed module, d_u,
-    m_u and k_u; the bytes per example; the shared bytes (eigenbases, P); the
-    fit's cache on disk; estimates of the peak memory of fit, ingest and query
-    (each says what it counts); and the store's size for --documents.
+    MODEL is a hub name, a local model directory, a LoRA adapter directory or
+    a config.json; only its config is read (the model is built on PyTorch's
+    meta device, without weights). Takes eogp fit's options and gives, per
+    attributed module, d_u, m_u and k_u; the bytes per example; the shared
+    bytes (eigenbases, P); the fit's cache on disk; estimates of the peak
+    memory of fit, ingest and query (each says what it counts); the store's
+    size for --documents; and the coverage: the attributed share of the
+    model's parameters by kind, and what is left out and why.
 
     \b
     Example:

@@ -62,7 +62,7 @@ def _through_the_cli(index, model_args, shard, text):
     assert explained.exit_code == 0, explained.output
     (e,) = json.loads(explained.stdout)
     assert e["id"] == hits[0]["id"] and abs(e["score"] - hits[0]["score"]) <= 1e-4 * abs(hits[0]["score"])
-    return json.loads((index / "manifest.json").read_text()), hits
+    return json.loads((index / "manifest.json").read_text()), hits, fit.stderr
 
 
 def test_an_adapter_on_the_shipped_model_goes_through_fit_ingest_query_and_explain(tmp_path):
@@ -70,12 +70,21 @@ def test_an_adapter_on_the_shipped_model_goes_through_fit_ingest_query_and_expla
     shard = tmp_path / "shard.jsonl"
     with gzip.open(SHIPPED.parent / "corpus" / "train.jsonl.gz", "rt") as lines:
         shard.write_text("".join(itertools.islice(lines, 20)))
-    manifest, _ = _through_the_cli(tmp_path / "idx", [adapter], shard, "Return the sum of a and b.")
+    manifest, _, fit_log = _through_the_cli(tmp_path / "idx", [adapter], shard, "Return the sum of a and b.")
     names = [m["name"] for m in manifest["modules"]]
     assert len(names) == 8 and all(".lora_A." in n or ".lora_B." in n for n in names)
     assert manifest["model"]["name"] == str(SHIPPED.resolve())
     assert manifest["model"]["adapter"]["path"] == str(adapter.resolve())
     assert manifest["model"]["tokenizer"] == str(SHIPPED.resolve())  # the adapter has none: the base's
+    # r (d_in + d_out) per adapted layer: c_attn 128 -> 384, c_fc 128 -> 512, in both blocks
+    lora = {"attention": 2 * 2 * (128 + 384), "mlp": 2 * 2 * (128 + 512)}
+    assert f"coverage      {sum(lora.values()):,} of the LoRA adapter's parameters attributed (100.0%" in fit_log
+    plan = _run("plan", adapter, "-k", "8", "--json")
+    assert plan.exit_code == 0, plan.output
+    coverage = json.loads(plan.stdout)["model"]["coverage"]
+    assert coverage["scope"] == "adapter" and coverage["left_out"] == []
+    assert {k: (v["attributed"], v["total"]) for k, v in coverage["by_kind"].items()} == {
+        kind: (n, n) for kind, n in lora.items()}
 
     save_lora(SHIPPED, adapter, ["c_attn", "c_fc"], seed=2)  # the adapter is retrained in place
     refused = _run("query", tmp_path / "idx", "--text", "Return the sum.", "-k", "3")
@@ -92,7 +101,7 @@ def test_an_adapter_on_a_named_tiny_llama_uses_its_own_tokenizer(tmp_path):
     shard.write_text("".join(json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 5 + j) % 63 + 1}"
                                                                          for j in range(5 + i % 7))}) + "\n"
                              for i in range(20)))
-    manifest, hits = _through_the_cli(tmp_path / "idx", [base, "--adapter", adapter], shard, "t1 t2 t3 t4")
+    manifest, hits, _ = _through_the_cli(tmp_path / "idx", [base, "--adapter", adapter], shard, "t1 t2 t3 t4")
     assert [m["name"].rsplit(".", 3)[-3:-1] for m in manifest["modules"][:2]] == [["q_proj", "lora_A"],
                                                                                  ["q_proj", "lora_B"]]
     assert len(manifest["modules"]) == 2 * 3 * 2

@@ -90,29 +90,35 @@ def model_shape(name_or_config: str, patterns: Optional[Sequence[str]] = None) -
     """
     from transformers import AutoConfig
 
+    from eogp_index.gradients.model import model_and_adapter
+
     path = Path(name_or_config)
+    base, adapter = model_and_adapter(name_or_config) if path.is_dir() else (name_or_config, None)
     try:
         if path.is_file():
             fields = json.loads(path.read_text())
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         else:
-            config = AutoConfig.from_pretrained(name_or_config)
+            config = AutoConfig.from_pretrained(base)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot read a model config from {name_or_config!r} ({exc}); give a hub name, a model "
                          "directory or a config.json with a model_type") from exc
-    return shape_of_config(config, name=str(name_or_config), patterns=patterns)
+    return shape_of_config(config, name=str(name_or_config), patterns=patterns, adapter=adapter)
 
 
-def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = None) -> ModelShape:
-    """:func:`model_shape` from a ``transformers`` config object."""
+def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = None,
+                    adapter: Optional[str] = None) -> ModelShape:
+    """:func:`model_shape` from a ``transformers`` config object, with ``adapter``'s LoRA layers if given."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from eogp_index.gradients.coverage import model_coverage
-    from eogp_index.gradients.model import find_attributed_modules, module_shape, replace_conv1d
+    from eogp_index.gradients.model import add_lora_layers, find_attributed_modules, module_shape, replace_conv1d
 
     with torch.device("meta"):  # shapes only: no weight is allocated, however large the model
         model = AutoModelForCausalLM.from_config(config)
+        if adapter is not None:
+            add_lora_layers(model, adapter)
         replace_conv1d(model)
     names = find_attributed_modules(model, patterns)
     modules = tuple(ModuleShape(n, *module_shape(model, n)) for n in names)

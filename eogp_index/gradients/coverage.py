@@ -141,7 +141,7 @@ def model_coverage(model: nn.Module, attributed: Sequence[str]) -> Coverage:
                     attributed=sum(a for a, _ in by_kind.values()), total=sum(t for _, t in by_kind.values()),
                     by_kind={k: (by_kind[k][0], by_kind[k][1]) for k in KINDS if k in by_kind},
                     blocks=(in_blocks[0], in_blocks[1]), left_out=left_out, frozen_base=frozen,
-                    tied_head=head is not None and embeddings is not None
+                    tied_head=not adapter and head is not None and embeddings is not None
                     and getattr(head, "weight", None) is getattr(embeddings, "weight", False))
 
 

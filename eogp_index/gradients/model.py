@@ -218,6 +218,18 @@ def load_model(name_or_path: str, *, adapter: Optional[str] = None, device: str 
     return model, tokenizer
 
 
+def add_lora_layers(model: nn.Module, adapter: str) -> nn.Module:
+    """Put an adapter's LoRA layers into ``model`` in place, without reading its weights: the
+    shapes ``eogp plan`` counts (works on a model built on the ``meta`` device)."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError as exc:
+        raise ConfigError(f"{adapter} is a LoRA adapter: reading it needs peft "
+                          "(pip install 'eogp-index[adapters]')") from exc
+    adapter_config(adapter)
+    return inject_adapter_in_model(LoraConfig.from_pretrained(adapter), model)
+
+
 def load_indexed_model(entry: Dict[str, Any], override: Optional[str] = None, *, device: str = "cpu"):
     """Load the model a manifest's ``model`` entry names, with its adapter if it has one.
 
