@@ -86,7 +86,7 @@ def cli() -> None:
     into="curvature",
 )
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
-@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device")),
+@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device", "experts")),
               into="gradients")
 @field_option(ProjectionConfig, "seed", help="Seed of the fitting samples, the sampled labels and the SRHT.")
 @click.option("--table-uri", default=None,
@@ -558,7 +558,8 @@ def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
 @_projection_options
 @option_group(field_option(StorageConfig, "precision"), into="storage")
 @field_option(CurvatureConfig, "num_examples", "--curvature-examples")
-@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size")), into="gradients")
+@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "experts")),
+              into="gradients")
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
 @click.option("--documents", type=click.IntRange(min=0), default=1_000_000, show_default=True,
               help="Documents in the store, for its size.")
@@ -588,7 +589,7 @@ def plan(model, projection, storage, num_examples, gradients, modules, documents
         projection["k"] = 256
     config = ProjectionConfig(**projection)
     gradients = GradientConfig(**gradients)
-    shape = model_shape(model, list(modules) or None)
+    shape = model_shape(model, list(modules) or None, experts=gradients.experts)
     result = make_plan(shape, config, precision=StorageConfig(**storage).precision, curvature_examples=num_examples,
                        batch_size=gradients.batch_size, max_tokens=gradients.max_tokens, documents=documents)
     _emit(result, as_json, lambda data: click.echo(format_plan(data, all_modules=all_modules)))

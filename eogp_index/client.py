@@ -26,6 +26,7 @@ from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig,
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.fit.fitting import fit_projection
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples
+from eogp_index.gradients.experts import dense_experts
 from eogp_index.gradients.model import (
     adapter_fingerprint,
     freeze,
@@ -122,7 +123,8 @@ class AttributionIndex:
                 curvature={"num_examples": fitted.curvature_examples, "seed": curvature.seed,
                            "batch_size": curvature.batch_size, "factors_dir": "curvature",
                            "fitting_set": "fit/fitting_set.json", "disjoint_from_pca": fitted.disjoint},
-                table_uri=table_uri, weights_fingerprint=weights_fingerprint, adapter=adapter_entry)
+                table_uri=table_uri, weights_fingerprint=weights_fingerprint, adapter=adapter_entry,
+                experts=gradients.experts)
         if distributed:
             dist.barrier()  # every rank is done with the fit's files
         if rank == 0 and fitted.folder is not None:
@@ -172,6 +174,8 @@ class AttributionIndex:
         else:  # written before fingerprints: the full hash
             check_compatible(stored.manifest, model_hash=model_sha256(model), where=str(stored.path))
         replace_conv1d(model)
+        if stored.manifest.model.get("experts") == "dense":  # as the fit rebuilt them
+            dense_experts(model)
         freeze(model)
         model.to(gradients.resolved_device()).eval()
         return cls(stored, model, tokenizer, gradients=gradients)

@@ -18,6 +18,8 @@ SecondStage = Literal["pca", "srht", "none"]
 Precision = Literal["1bit", "fp16", "fp32"]
 PRECISIONS = ("1bit", "fp16", "fp32")
 PcaDtype = Literal["fp16", "fp32"]
+#: How a mixture of experts' fused expert tensors are treated (eogp_index.gradients.experts).
+Experts = Literal["fused", "dense"]
 PCA_DTYPES = ("fp16", "fp32")
 #: Bytes per element of a stored PCA matrix, by ``ProjectionConfig.pca_dtype``.
 PCA_DTYPE_BYTES = {"fp16": 2, "fp32": 4}
@@ -225,6 +227,13 @@ class GradientConfig:
                           "once and kept; over it the modules' P are read one at a time in every batch and "
                           "dropped (slower, bounded). Default: $EOGP_PROJECTION_MEMORY_GB, else half the "
                           "available memory.", "min": 0.0, "min_open": True},
+    )
+    experts: Experts = field(
+        default="fused",
+        metadata={"help": "Mixtures of experts kept as fused 3-D tensors: 'fused' leaves them out (they have no "
+                          "per-example inputs); 'dense' rebuilds each expert as nn.Linear layers run on every token "
+                          "with the unrouted ones zeroed, the same function, so they are attributed (E/top_k times "
+                          "the experts' compute). Fit and plan only: an index reloads it from its manifest."},
     )
 
     def __post_init__(self) -> None:

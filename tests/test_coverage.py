@@ -82,12 +82,99 @@ def test_layers_inside_a_sparse_moe_block_are_left_out_by_default_and_refused_by
         GradientCapture(model, ["model.layers.0.mlp.shared_expert.gate_proj"], dense_gradient).run(batch)
 
 
-def test_fit_reports_coverage_and_warns_below_half_of_the_blocks(tmp_path):
+def _olmoe(seed=0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     fields = dict(OLMOE)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields)).eval()
+    with torch.no_grad():  # experts whose outputs matter: transformers initialises them near zero
+        for name, parameter in model.named_parameters():
+            if ".experts." in name:
+                parameter.normal_(0.0, 0.5)
+    return model
+
+
+def test_plan_with_dense_experts_attributes_every_expert():
+    shape = model_shape_of(OLMOE, experts="dense")
+    coverage = shape.coverage
+    assert coverage["by_kind"]["experts"] == {"attributed": L * E * 3 * I * H, "total": L * E * 3 * I * H}
+    assert [m.name for m in shape.modules if ".experts." in m.name][:2] == [
+        "model.layers.0.mlp.experts.0.gate_up_proj", "model.layers.0.mlp.experts.0.down_proj"]
+    assert [(m.d_out, m.d_in) for m in shape.modules if ".experts." in m.name][:2] == [(2 * I, H), (H, I)]
+    assert not any("fused" in e["reason"] for e in coverage["left_out"])
+
+
+def model_shape_of(config, **kwargs):
+    from transformers import AutoConfig
+
+    from eogp_index.fit.plan import shape_of_config
+
+    fields = dict(config)
+    return shape_of_config(AutoConfig.for_model(fields.pop("model_type"), **fields), name="olmoe", **kwargs)
+
+
+def test_dense_experts_compute_the_fused_function_and_its_per_example_gradients():
+    """The rebuilt experts' per-example gradients (one batch, padded) equal autograd's on the
+    fused tensors, one example at a time."""
+    import copy
+
+    from eogp_index.gradients.experts import dense_experts
+    from eogp_index.gradients.loss import per_example_loss
+
+    fused = _olmoe()
+    dense = copy.deepcopy(fused)
+    assert dense_experts(dense) == L
+    examples = make_examples(3, seed=5)
+    batch = collate([(e.input_ids, e.labels) for e in examples], 0)
+    with torch.no_grad():
+        expected = fused(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = dense(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}" for layer in range(L) for e in range(E)
+             for proj in ("gate_up_proj", "down_proj")]
+    captured, _ = GradientCapture(dense, names, dense_gradient).run(batch)
+    routed = 0
+    for b, example in enumerate(examples):
+        one = collate([(example.input_ids, example.labels)], 0)
+        fused.zero_grad()
+        per_example_loss(fused(input_ids=one["input_ids"], attention_mask=one["attention_mask"]).logits,
+                         one["labels"]).sum().backward()
+        for layer in range(L):
+            experts = fused.model.layers[layer].mlp.experts
+            for e in range(E):
+                for proj in ("gate_up_proj", "down_proj"):
+                    want = getattr(experts, proj).grad[e]
+                    have = captured[f"model.layers.{layer}.mlp.experts.{e}.{proj}"][b]
+                    routed += bool(want.abs().max() > 0)
+                    torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()) + 1e-12)
+    assert routed > 0
+
+
+def test_full_width_dense_expert_scores_equal_kronfluence(tmp_path):
+    import numpy as np
+
+    from tinymodels import TinyTokenizer, kronfluence_scores
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+
+    train, queries = make_examples(12, seed=1), make_examples(3, seed=2, prefix="q", masked_prompt=True)
+    index = AttributionIndex.create(tmp_path / "idx", _olmoe(), TinyTokenizer(), train, model_name="olmoe",
+                                    modules=["*.experts.*"], projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
+                                    storage=StorageConfig(precision="fp32"),
+                                    curvature=CurvatureConfig(num_examples=12, batch_size=4),
+                                    gradients=GradientConfig(batch_size=5, experts="dense"), progress=False)
+    assert len(index.manifest.modules) == L * E * 2 and index.manifest.model["experts"] == "dense"
+    index.ingest(train, progress=False)
+    ids, ours = index.scores([{"input_ids": list(q.input_ids), "labels": list(q.labels)} for q in queries])
+    reference = kronfluence_scores(index, queries, train)
+    order = [ids.index(e.id) for e in train]
+    rel = np.linalg.norm(ours[:, order] - reference) / np.linalg.norm(reference)
+    assert rel <= 1e-4, rel
+
+
+def test_fit_reports_coverage_and_warns_below_half_of_the_blocks(tmp_path):
+    model = _olmoe()
     model.save_pretrained(tmp_path / "olmoe")
     make_word_tokenizer().save_pretrained(tmp_path / "olmoe")
     shard = tmp_path / "shard.jsonl"
@@ -99,3 +186,14 @@ def test_fit_reports_coverage_and_warns_below_half_of_the_blocks(tmp_path):
     assert fit.exit_code == 0, fit.output
     assert "coverage      2,048 of the model's parameters attributed" in fit.stderr
     assert "left out: experts, 3,072 parameters (model.layers.*.mlp.experts): fused expert tensors" in fit.stderr
+
+    dense = _run("fit", tmp_path / "olmoe", "--data", shard, "--out", tmp_path / "dense", "-k", "4",
+                 "--curvature-examples", "8", "--pca-examples", "8", "--max-tokens", "12", "--experts", "dense")
+    assert dense.exit_code == 0, dense.output
+    assert f"  experts      {L * E * 3 * I * H:>14,} of {L * E * 3 * I * H:>14,} (100.0%)" in dense.stderr
+    ingest = _run("ingest", tmp_path / "dense", shard, "--json")
+    assert ingest.exit_code == 0 and json.loads(ingest.stdout)["stored"] == 12, ingest.output
+    query = _run("query", tmp_path / "dense", "--text", "t1 t2 t3", "-k", "2", "--by-module", "--json")
+    assert query.exit_code == 0, query.output
+    (hit, *_) = json.loads(query.stdout)[0]["results"]
+    assert any(".mlp.experts.3.down_proj" in module for module in hit["modules"])

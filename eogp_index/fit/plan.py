@@ -80,7 +80,8 @@ class ModelShape:
     coverage: Optional[Dict[str, Any]] = None
 
 
-def model_shape(name_or_config: str, patterns: Optional[Sequence[str]] = None) -> ModelShape:
+def model_shape(name_or_config: str, patterns: Optional[Sequence[str]] = None, *,
+                experts: str = "fused") -> ModelShape:
     """The attributed modules of a model given as a hub name, a local directory or a config.json
     file, without its weights: the model is built on the ``meta`` device (nothing is allocated;
     a hub name downloads its config only).
@@ -103,16 +104,18 @@ def model_shape(name_or_config: str, patterns: Optional[Sequence[str]] = None) -
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot read a model config from {name_or_config!r} ({exc}); give a hub name, a model "
                          "directory or a config.json with a model_type") from exc
-    return shape_of_config(config, name=str(name_or_config), patterns=patterns, adapter=adapter)
+    return shape_of_config(config, name=str(name_or_config), patterns=patterns, adapter=adapter, experts=experts)
 
 
 def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = None,
-                    adapter: Optional[str] = None) -> ModelShape:
-    """:func:`model_shape` from a ``transformers`` config object, with ``adapter``'s LoRA layers if given."""
+                    adapter: Optional[str] = None, experts: str = "fused") -> ModelShape:
+    """:func:`model_shape` from a ``transformers`` config object, with ``adapter``'s LoRA layers if
+    given, and fused experts rebuilt as linear layers with ``experts="dense"``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from eogp_index.gradients.coverage import model_coverage
+    from eogp_index.gradients.experts import dense_experts
     from eogp_index.gradients.model import add_lora_layers, find_attributed_modules, module_shape, replace_conv1d
 
     with torch.device("meta"):  # shapes only: no weight is allocated, however large the model
@@ -120,6 +123,8 @@ def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = No
         if adapter is not None:
             add_lora_layers(model, adapter)
         replace_conv1d(model)
+        if experts == "dense":
+            dense_experts(model)
     names = find_attributed_modules(model, patterns)
     modules = tuple(ModuleShape(n, *module_shape(model, n)) for n in names)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

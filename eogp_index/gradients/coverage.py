@@ -8,7 +8,8 @@ attributed modules are grouped by the reason they are out:
 * fused expert tensors: several transformers families keep a mixture of experts' weights as 3-D
   parameters of one module, not as ``nn.Linear`` layers; kronfluence tracks ``nn.Linear`` (and
   ``nn.Conv2d``) modules only, and the experts see tokens gathered from the whole batch, so there
-  is no per-example gradient to capture;
+  is no per-example gradient to capture (``experts="dense"`` rebuilds them:
+  :mod:`eogp_index.gradients.experts`);
 * layers inside a sparse MoE block (routers, shared experts): the block flattens batch and
   tokens before routing, so they too see no per-example inputs;
 * non-linear layers: embeddings, normalisation layers and other modules kronfluence cannot track;
@@ -37,7 +38,8 @@ _BLOCK = re.compile(r"\.\d+\.")
 _REASONS = {
     "fused": "fused expert tensors (3-D parameters, not nn.Linear layers): kronfluence tracks nn.Linear and "
              "nn.Conv2d modules only, and the experts see tokens gathered from the whole batch, so no "
-             "per-example gradient exists to capture",
+             "per-example gradient exists to capture; --experts dense attributes them (each expert as "
+             "nn.Linear layers run on every token: E/top_k times the experts' compute)",
     "moe": "layers inside a sparse MoE block (routers, shared experts): the block flattens batch and tokens "
            "before routing, so they see no per-example inputs and kronfluence cannot take per-example gradients "
            "of them",

@@ -117,11 +117,14 @@ def find_attributed_modules(model: nn.Module, patterns: Optional[Sequence[str]] 
         return lora
     # Default: linear layers inside a repeated block (…​.h.3.… / ….layers.3.…) whose leaf name is a
     # known attention/MLP projection. The numeric path component is what marks a block. Layers
-    # inside a sparse MoE block (shared experts) are left out: they see no per-example inputs.
+    # inside a sparse MoE block (shared experts, experts fed gathered tokens) are left out: they
+    # see no per-example inputs; experts made dense (gradients.experts) do.
     block = re.compile(r"\.\d+\.")
     moe = tuple(f"{name}." for name in moe_blocks(model))
+    per_example = tuple(f"{name}.experts." for name in moe_blocks(model)
+                        if getattr(model.get_submodule(name).experts, "per_example_inputs", False))
     chosen = [n for n in linear_names if block.search(n) and n.rsplit(".", 1)[-1] in _DEFAULT_LEAF_NAMES
-              and not any(n.startswith(prefix) for prefix in moe)]
+              and (n.startswith(per_example) or not n.startswith(moe))]
     if not chosen:
         raise ModelError(
             "found no attention/MLP linear layers to attribute; name them explicitly "

@@ -119,7 +119,7 @@ class StoredIndex:
     def create(cls, path: Union[str, Path], fitted, *, model_name: str, tokenizer_name: Optional[str],
                precision: str, damping_ratio: float, curvature: Dict[str, Any], max_tokens: Optional[int],
                table_uri: Optional[str] = None, weights_fingerprint: Optional[str] = None,
-               adapter: Optional[Dict[str, str]] = None) -> "StoredIndex":
+               adapter: Optional[Dict[str, str]] = None, experts: str = "fused") -> "StoredIndex":
         """Write a fitted projection and its manifest into ``path`` (prepared by :func:`prepare_index_dir`).
 
         Args:
@@ -133,6 +133,8 @@ class StoredIndex:
                 it, opening hashes every weight.
             adapter: a LoRA adapter on the base ``model_name``: ``{"path", "fingerprint"}``
                 (:func:`~eogp_index.gradients.model.adapter_fingerprint`); its path is recorded absolute.
+            experts: ``"dense"`` when fused experts were rebuilt as linear layers
+                (:mod:`eogp_index.gradients.experts`), recorded so that opening rebuilds them.
         """
         from eogp_index.fit.projection import file_fingerprint
         from eogp_index.version import __version__
@@ -146,6 +148,8 @@ class StoredIndex:
                        "tokenizer": tokenizer_name}
         if weights_fingerprint is not None:
             model_entry["weights_fingerprint"] = weights_fingerprint
+        if experts != "fused":
+            model_entry["experts"] = experts
         if adapter is not None:
             model_entry["adapter"] = {"path": str(Path(adapter["path"]).resolve()),
                                       "fingerprint": adapter["fingerprint"]}

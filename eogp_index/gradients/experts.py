@@ -1,0 +1,106 @@
+"""Fused experts made trackable: each expert as ``nn.Linear`` layers run densely on the batch.
+
+transformers keeps a mixture of experts' weights as two 3-D tensors of one module,
+``gate_up_proj`` ``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)``, and runs each expert on the
+tokens routed to it, gathered from the flattened batch. kronfluence tracks ``nn.Linear``
+modules, and per-example gradients need inputs shaped ``(batch, tokens, features)``: neither
+holds there. :class:`DenseExperts` computes the same function with expert ``e`` as two
+``nn.Linear`` layers (``experts.e.gate_up_proj``, ``experts.e.down_proj``) applied to every
+token of ``(B, T, H)``, the tokens not routed to ``e`` zeroed first. A zero input row adds
+nothing to a layer's input covariance or its weight gradient, and the output gradient of an
+unrouted token is zero (its routing weight is), so the factors and per-example gradients are
+exactly those of the routed computation. The cost: every expert runs on every token, ``E /
+top_k`` times the experts' compute and ``E`` times their activations.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+
+class _Expert(nn.Module):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn: nn.Module):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(gate_up.shape[1], gate_up.shape[0], bias=False,
+                                      device=gate_up.device, dtype=gate_up.dtype)
+        self.down_proj = nn.Linear(down.shape[1], down.shape[0], bias=False, device=down.device, dtype=down.dtype)
+        if gate_up.device.type != "meta":
+            with torch.no_grad():
+                self.gate_up_proj.weight.copy_(gate_up)
+                self.down_proj.weight.copy_(down)
+        self.act_fn = act_fn
+
+
+class DenseExperts(nn.ModuleList):
+    """A fused experts module's function with one :class:`_Expert` per expert, run densely.
+
+    ``forward(hidden_states (B·T, H), top_k_index (B·T, K), top_k_weights (B·T, K)) -> (B·T, H)``,
+    as the fused module's; ``batch_shape`` ``(B, T)`` is set by a pre-hook on the MoE block
+    (:func:`dense_experts`), so the layers see ``(B, T, ·)``.
+    """
+
+    #: Its layers see (batch, tokens, features) inputs: they have per-example gradients.
+    per_example_inputs = True
+
+    def __init__(self, fused: nn.Module):
+        super().__init__(_Expert(fused.gate_up_proj[e], fused.down_proj[e], fused.act_fn)
+                         for e in range(fused.gate_up_proj.shape[0]))
+        self.batch_shape: Optional[Tuple[int, int]] = None
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        n, hidden = hidden_states.shape
+        shape = self.batch_shape if self.batch_shape is not None and self.batch_shape[0] * self.batch_shape[1] == n \
+            else (1, n)
+        x = hidden_states.view(*shape, hidden)
+        num = len(self)
+        # (B·T, E) routing weights and routed flags; an index of E (no expert) falls in the dropped column
+        weights = torch.zeros(n, num + 1, dtype=top_k_weights.dtype, device=hidden_states.device)
+        weights.scatter_add_(1, top_k_index, top_k_weights)
+        routed = torch.zeros(n, num + 1, dtype=hidden_states.dtype, device=hidden_states.device)
+        routed.scatter_(1, top_k_index, 1.0)
+        weights, routed = weights[:, :num].view(*shape, num), routed[:, :num].view(*shape, num)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            gate, up = expert.gate_up_proj(x * routed[..., e:e + 1]).chunk(2, dim=-1)
+            out = out + expert.down_proj(expert.act_fn(gate) * up) * weights[..., e:e + 1].to(x.dtype)
+        return out.view(n, hidden)
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    """transformers' fused layout, and only it: ``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)``
+    as its only parameters (no biases, not transposed), gate before up, and an ``act_fn``."""
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != {"gate_up_proj", "down_proj"} or not hasattr(module, "act_fn"):
+        return False
+    if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False):
+        return False
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    return (gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[0] == down.shape[0]
+            and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1])
+
+
+def _record_batch_shape(experts: DenseExperts):
+    def hook(block: nn.Module, args, kwargs) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        experts.batch_shape = tuple(hidden.shape[:2]) if hidden is not None and hidden.dim() == 3 else None
+
+    return hook
+
+
+def dense_experts(model: nn.Module) -> int:
+    """Replace every fused experts module of the transformers layout by :class:`DenseExperts`, in
+    place (same outputs; see the module docstring for the cost). Returns how many were replaced."""
+    replaced = 0
+    for block in list(model.modules()):
+        fused = dict(block.named_children()).get("experts")
+        if fused is None or not _is_fused_experts(fused):
+            continue
+        dense = DenseExperts(fused)
+        block.experts = dense
+        block.register_forward_pre_hook(_record_batch_shape(dense), with_kwargs=True)
+        replaced += 1
+    return replaced
