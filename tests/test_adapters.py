@@ -5,15 +5,15 @@ import gzip
 import itertools
 import json
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
-from tinymodels import ROOT, TinyTokenizer, kronfluence_scores, make_examples, make_tiny_llama, make_word_tokenizer
+from tinymodels import (ROOT, TinyTokenizer, full_width_index, make_examples, make_tiny_llama, make_word_tokenizer,
+                        relative_error_to_kronfluence)
 from eogp_index.cli import cli
 from eogp_index.client import AttributionIndex
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+from eogp_index.config import GradientConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError
 from eogp_index.gradients.model import find_attributed_modules, load_model, replace_conv1d
 
@@ -122,19 +122,10 @@ def test_full_width_adapter_scores_equal_kronfluence_on_the_same_peft_model(tmp_
     train = make_examples(16, seed=1)
     queries = make_examples(3, seed=2, prefix="q", masked_prompt=True)
     model, _ = load_model(str(llama_adapter[1]))
-    index = AttributionIndex.create(tmp_path / "idx", model, TinyTokenizer(), train, model_name=str(llama_adapter[0]),
-                                    adapter=str(llama_adapter[1]),
-                                    projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
-                                    storage=StorageConfig(precision="fp32"),
-                                    curvature=CurvatureConfig(num_examples=16, batch_size=4),
-                                    gradients=GradientConfig(batch_size=5), progress=False)
+    index = full_width_index(tmp_path / "idx", model, train, model_name=str(llama_adapter[0]),
+                             adapter=str(llama_adapter[1]), gradients=GradientConfig(batch_size=5))
     assert all(".lora_" in name for name in index.manifest.module_names)
-    assert all(m.k == m.d_out * m.d_in for m in index.manifest.modules)
-    index.ingest(train, progress=False)
-    ids, ours = index.scores([{"input_ids": list(q.input_ids), "labels": list(q.labels)} for q in queries])
-    reference = kronfluence_scores(index, queries, train)
-    order = [ids.index(e.id) for e in train]
-    rel = np.linalg.norm(ours[:, order] - reference) / np.linalg.norm(reference)
+    rel = relative_error_to_kronfluence(index, queries, train)
     assert rel <= 1e-4, rel
 
 
