@@ -86,10 +86,14 @@ def test_an_adapter_on_the_shipped_model_goes_through_fit_ingest_query_and_expla
     assert {k: (v["attributed"], v["total"]) for k, v in coverage["by_kind"].items()} == {
         kind: (n, n) for kind, n in lora.items()}
 
+    verified = _run("verify", tmp_path / "idx", "--json")  # every byte of base and adapter
+    assert verified.exit_code == 0 and json.loads(verified.stdout)["ok"], verified.output
+
     save_lora(SHIPPED, adapter, ["c_attn", "c_fc"], seed=2)  # the adapter is retrained in place
     refused = _run("query", tmp_path / "idx", "--text", "Return the sum.", "-k", "3")
     assert refused.exit_code != 0 and "Traceback" not in refused.output
     assert "the adapter changed since the index was built" in refused.output
+    assert not json.loads(_run("verify", tmp_path / "idx", "--json").stdout)["ok"]
 
 
 def test_an_adapter_on_a_named_tiny_llama_uses_its_own_tokenizer(tmp_path):
