@@ -15,6 +15,7 @@ from eogp_index.cli import cli
 from eogp_index.client import AttributionIndex
 from eogp_index.config import GradientConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError
+from eogp_index.gradients.coverage import model_coverage
 from eogp_index.gradients.model import find_attributed_modules, load_model, replace_conv1d
 
 pytest.importorskip("peft")
@@ -140,6 +141,11 @@ def test_module_names_base_layers_of_an_adapted_model_and_the_default_is_the_ada
                                                             for i in range(2)]
     assert find_attributed_modules(model)[:2] == ["model.layers.0.self_attn.q_proj.lora_A.default",
                                                   "model.layers.0.self_attn.q_proj.lora_B.default"]
+    adapter = model_coverage(model, find_attributed_modules(model))
+    assert adapter.scope == "adapter" and adapter.share == 1.0
+    assert adapter.frozen_base == sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    base = model_coverage(model, find_attributed_modules(model, ["*.q_proj"]))  # the whole model's share
+    assert base.scope == "model" and base.by_kind["attention"][0] == 2 * 16 * 16
 
 
 def test_an_adapter_the_index_cannot_reload_is_refused(tmp_path, llama_adapter):

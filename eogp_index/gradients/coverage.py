@@ -16,8 +16,8 @@ attributed modules are grouped by the reason they are out:
 * linear layers outside the default set (the output head, which the paper leaves out, and
   anything else ``--module`` did not name).
 
-With a LoRA adapter, coverage is counted over the adapter's own parameters (what was trained);
-the frozen base is reported alongside.
+When a LoRA adapter's matrices are attributed, coverage is counted over the adapter's own
+parameters (what was trained), and the frozen base is reported alongside.
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ def model_coverage(model: nn.Module, attributed: Sequence[str]) -> Coverage:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     blocks = moe_blocks(model)
     params = list(model.named_parameters())  # a tied head shares the embeddings' tensor: counted once
-    adapter = any(is_adapter_tensor(name) for name, _ in params)
+    # LoRA matrices attributed: the share is of the adapter's parameters; base layers named
+    # instead (--module): of the whole model's, as without an adapter.
+    adapter = any(is_adapter_tensor(name) for name in chosen)
     by_kind: Dict[str, List[int]] = {}
     in_blocks = [0, 0]
     groups: Dict[Tuple[str, str], List[Any]] = {}
