@@ -20,6 +20,7 @@ PRECISIONS = ("1bit", "fp16", "fp32")
 PcaDtype = Literal["fp16", "fp32"]
 #: How a mixture of experts' fused expert tensors are treated (eogp_index.gradients.experts).
 Experts = Literal["fused", "dense"]
+EXPERTS = ("fused", "dense")
 PCA_DTYPES = ("fp16", "fp32")
 #: Bytes per element of a stored PCA matrix, by ``ProjectionConfig.pca_dtype``.
 PCA_DTYPE_BYTES = {"fp16": 2, "fp32": 4}
@@ -243,6 +244,8 @@ class GradientConfig:
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"GradientConfig.device must be 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N' "
                               f"(--device), got {self.device!r}")
+        if self.experts not in EXPERTS:
+            raise ConfigError(f"GradientConfig.experts must be one of {list(EXPERTS)} (--experts), got {self.experts!r}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

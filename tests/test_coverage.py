@@ -96,6 +96,11 @@ def _olmoe(seed=0):
 
 
 def test_plan_with_dense_experts_attributes_every_expert():
+    from eogp_index.config import GradientConfig
+    from eogp_index.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--experts"):
+        GradientConfig(experts="sparse")
     shape = model_shape_of(OLMOE, experts="dense")
     coverage = shape.coverage
     assert coverage["by_kind"]["experts"] == {"attributed": L * E * 3 * I * H, "total": L * E * 3 * I * H}

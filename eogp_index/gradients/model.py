@@ -120,8 +120,9 @@ def find_attributed_modules(model: nn.Module, patterns: Optional[Sequence[str]] 
     # inside a sparse MoE block (shared experts, experts fed gathered tokens) are left out: they
     # see no per-example inputs; experts made dense (gradients.experts) do.
     block = re.compile(r"\.\d+\.")
-    moe = tuple(f"{name}." for name in moe_blocks(model))
-    per_example = tuple(f"{name}.experts." for name in moe_blocks(model)
+    blocks = moe_blocks(model)
+    moe = tuple(f"{name}." for name in blocks)
+    per_example = tuple(f"{name}.experts." for name in blocks
                         if getattr(model.get_submodule(name).experts, "per_example_inputs", False))
     chosen = [n for n in linear_names if block.search(n) and n.rsplit(".", 1)[-1] in _DEFAULT_LEAF_NAMES
               and (n.startswith(per_example) or not n.startswith(moe))]
