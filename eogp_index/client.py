@@ -26,7 +26,7 @@ from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig,
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.fit.fitting import fit_projection
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples
-from eogp_index.gradients.experts import dense_experts
+from eogp_index.gradients.experts import make_experts_trackable
 from eogp_index.gradients.model import (
     adapter_fingerprint,
     freeze,
@@ -174,8 +174,7 @@ class AttributionIndex:
         else:  # written before fingerprints: the full hash
             check_compatible(stored.manifest, model_hash=model_sha256(model), where=str(stored.path))
         replace_conv1d(model)
-        if stored.manifest.model.get("experts") == "dense":  # as the fit rebuilt them
-            dense_experts(model)
+        make_experts_trackable(model, dense=stored.manifest.model.get("experts") == "dense")  # as the fit did
         freeze(model)
         model.to(gradients.resolved_device()).eval()
         return cls(stored, model, tokenizer, gradients=gradients)

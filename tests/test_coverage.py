@@ -61,25 +61,61 @@ def test_plan_prints_the_hand_counted_coverage_of_an_olmoe_config_and_names_what
             "tensors") in text
 
 
-def test_layers_inside_a_sparse_moe_block_are_left_out_by_default_and_refused_by_the_capture():
+def _qwen_moe(seed=0):
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    from eogp_index.gradients.coverage import model_coverage
-    from eogp_index.gradients.model import find_attributed_modules
-
-    torch.manual_seed(0)
-    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+    torch.manual_seed(seed)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
         vocab_size=V, hidden_size=H, intermediate_size=I, moe_intermediate_size=I, shared_expert_intermediate_size=12,
         num_hidden_layers=L, num_attention_heads=2, num_key_value_heads=2, num_experts=E, num_experts_per_tok=2,
         max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+
+
+def _per_example_autograd(model, examples, parameter):
+    """``parameter``'s gradient of each example's loss alone, ``(n, *shape)``: the reference."""
+    from eogp_index.gradients.loss import per_example_loss
+
+    grads = []
+    for example in examples:
+        one = collate([(example.input_ids, example.labels)], 0)
+        model.zero_grad()
+        per_example_loss(model(input_ids=one["input_ids"], attention_mask=one["attention_mask"]).logits,
+                         one["labels"]).sum().backward()
+        grads.append(parameter.grad.detach().clone())
+    return torch.stack(grads)
+
+
+def test_shared_experts_get_per_example_inputs_and_the_router_is_left_out():
+    """Qwen-MoE calls its shared expert on the flattened (B·T, H) tokens: given (B, T, H) it is
+    attributed by default, with autograd's per-example gradients; a layer still fed flattened
+    tokens is refused by the capture."""
+    import copy
+
+    from eogp_index.gradients.coverage import model_coverage
+    from eogp_index.gradients.experts import make_experts_trackable
+    from eogp_index.gradients.model import find_attributed_modules
+
+    model = _qwen_moe()
+    reference = copy.deepcopy(model)
+    assert not any(".mlp." in n for n in find_attributed_modules(model))  # as loaded: flattened inputs
+    make_experts_trackable(model)
     names = find_attributed_modules(model)
-    assert names and not any(".mlp." in n for n in names)  # attention only: the shared expert is inside the block
-    shared = [e for e in model_coverage(model, names).left_out
-              if any("shared_expert.gate_proj" in m for m in e.modules)]
-    assert shared and shared[0].parameters == L * 3 * 12 * H and "sparse MoE block" in shared[0].reason
-    batch = collate([(e.input_ids, e.labels) for e in make_examples(2, seed=3)], 0)
+    shared = [f"model.layers.{layer}.mlp.shared_expert.{proj}" for layer in range(L)
+              for proj in ("gate_proj", "up_proj", "down_proj")]
+    assert [n for n in names if ".mlp." in n] == shared
+    coverage = model_coverage(model, names)
+    assert coverage.by_kind["experts"] == (L * 3 * 12 * H, L * 3 * 12 * H + L * E * 3 * I * H)
+    (router,) = [e for e in coverage.left_out if e.kind == "router" and "model.layers.*.mlp.gate" in e.modules]
+    assert "sparse MoE block" in router.reason and "model.layers.*.mlp.shared_expert_gate" in router.modules
+
+    examples = make_examples(3, seed=5)
+    batch = collate([(e.input_ids, e.labels) for e in examples], 0)
+    captured, _ = GradientCapture(model, shared, dense_gradient).run(batch)
+    for name in shared:
+        want = _per_example_autograd(reference, examples, reference.get_submodule(name).weight)
+        torch.testing.assert_close(captured[name], want, rtol=1e-4, atol=1e-6 * float(want.abs().max()))
     with pytest.raises(ModelError, match="no per-example gradient"):
-        GradientCapture(model, ["model.layers.0.mlp.shared_expert.gate_proj"], dense_gradient).run(batch)
+        GradientCapture(model, ["model.layers.0.mlp.shared_expert_gate"], dense_gradient).run(batch)
 
 
 def _olmoe(seed=0):
@@ -124,12 +160,11 @@ def test_dense_experts_compute_the_fused_function_and_its_per_example_gradients(
     fused tensors, one example at a time."""
     import copy
 
-    from eogp_index.gradients.experts import dense_experts
-    from eogp_index.gradients.loss import per_example_loss
+    from eogp_index.gradients.experts import make_experts_trackable
 
     fused = _olmoe()
     dense = copy.deepcopy(fused)
-    assert dense_experts(dense) == L
+    assert make_experts_trackable(dense, dense=True) == L
     examples = make_examples(3, seed=5)
     batch = collate([(e.input_ids, e.labels) for e in examples], 0)
     with torch.no_grad():
@@ -140,30 +175,30 @@ def test_dense_experts_compute_the_fused_function_and_its_per_example_gradients(
              for proj in ("gate_up_proj", "down_proj")]
     captured, _ = GradientCapture(dense, names, dense_gradient).run(batch)
     routed = 0
-    for b, example in enumerate(examples):
-        one = collate([(example.input_ids, example.labels)], 0)
-        fused.zero_grad()
-        per_example_loss(fused(input_ids=one["input_ids"], attention_mask=one["attention_mask"]).logits,
-                         one["labels"]).sum().backward()
-        for layer in range(L):
-            experts = fused.model.layers[layer].mlp.experts
+    for layer in range(L):
+        experts = fused.model.layers[layer].mlp.experts
+        for proj in ("gate_up_proj", "down_proj"):
+            want = _per_example_autograd(fused, examples, getattr(experts, proj))  # (n, E, out, in)
             for e in range(E):
-                for proj in ("gate_up_proj", "down_proj"):
-                    want = getattr(experts, proj).grad[e]
-                    have = captured[f"model.layers.{layer}.mlp.experts.{e}.{proj}"][b]
-                    routed += bool(want.abs().max() > 0)
-                    torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()) + 1e-12)
+                have = captured[f"model.layers.{layer}.mlp.experts.{e}.{proj}"]
+                routed += int((want[:, e].flatten(1).abs().amax(1) > 0).sum())
+                torch.testing.assert_close(have, want[:, e], rtol=1e-4, atol=1e-6 * float(want.abs().max()))
     assert routed > 0
 
 
-def test_full_width_dense_expert_scores_equal_kronfluence(tmp_path):
+@pytest.mark.parametrize("make_model, experts, modules, count", [
+    (lambda: _olmoe(), "dense", ["*.experts.*"], L * E * 2),  # every routed expert, rebuilt
+    (lambda: _qwen_moe(), "fused", ["*.shared_expert.*"], L * 3),  # the shared experts, unflattened
+], ids=["olmoe-dense-experts", "qwen-moe-shared-experts"])
+def test_full_width_expert_scores_equal_kronfluence(tmp_path, make_model, experts, modules, count):
     from tinymodels import full_width_index, relative_error_to_kronfluence
     from eogp_index.config import GradientConfig
 
     train, queries = make_examples(12, seed=1), make_examples(3, seed=2, prefix="q", masked_prompt=True)
-    index = full_width_index(tmp_path / "idx", _olmoe(), train, model_name="olmoe", modules=["*.experts.*"],
-                             gradients=GradientConfig(batch_size=5, experts="dense"))
-    assert len(index.manifest.modules) == L * E * 2 and index.manifest.model["experts"] == "dense"
+    index = full_width_index(tmp_path / "idx", make_model(), train, model_name="moe", modules=modules,
+                             gradients=GradientConfig(batch_size=5, experts=experts))
+    assert len(index.manifest.modules) == count
+    assert index.manifest.model.get("experts", "fused") == experts
     rel = relative_error_to_kronfluence(index, queries, train)
     assert rel <= 1e-4, rel
 

@@ -51,7 +51,7 @@ from eogp_index.fit.sampling import split_fit_sets
 from eogp_index.gradients.capture import GradientCapture, batches, check_counted
 from eogp_index.gradients.loss import collate
 from eogp_index.gradients.coverage import report_coverage
-from eogp_index.gradients.experts import dense_experts
+from eogp_index.gradients.experts import make_experts_trackable
 from eogp_index.gradients.model import find_attributed_modules, model_sha256, pad_token_id, replace_conv1d
 
 CURVATURE_DIR = "curvature"
@@ -133,8 +133,7 @@ def fit_projection(
     out_dir = Path(out_dir)
     weights_sha256 = model_sha256(model)  # before the Conv1D swap: the checkpoint's own bytes
     replace_conv1d(model)
-    if gradients.experts == "dense":
-        dense_experts(model)
+    make_experts_trackable(model, dense=gradients.experts == "dense")
     device = gradients.resolved_device()
     model.to(device).eval()
     names = find_attributed_modules(model, modules)

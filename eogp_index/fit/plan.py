@@ -115,7 +115,7 @@ def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = No
     from transformers import AutoModelForCausalLM
 
     from eogp_index.gradients.coverage import model_coverage
-    from eogp_index.gradients.experts import dense_experts
+    from eogp_index.gradients.experts import make_experts_trackable
     from eogp_index.gradients.model import add_lora_layers, find_attributed_modules, module_shape, replace_conv1d
 
     with torch.device("meta"):  # shapes only: no weight is allocated, however large the model
@@ -123,8 +123,7 @@ def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = No
         if adapter is not None:
             add_lora_layers(model, adapter)
         replace_conv1d(model)
-        if experts == "dense":
-            dense_experts(model)
+        make_experts_trackable(model, dense=experts == "dense")
     names = find_attributed_modules(model, patterns)
     modules = tuple(ModuleShape(n, *module_shape(model, n)) for n in names)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -10,8 +10,9 @@ attributed modules are grouped by the reason they are out:
   ``nn.Conv2d``) modules only, and the experts see tokens gathered from the whole batch, so there
   is no per-example gradient to capture (``experts="dense"`` rebuilds them:
   :mod:`eogp_index.gradients.experts`);
-* layers inside a sparse MoE block (routers, shared experts): the block flattens batch and
-  tokens before routing, so they too see no per-example inputs;
+* routers and other layers inside a sparse MoE block: the block flattens batch and tokens
+  before routing, so they too see no per-example inputs (shared experts are given some:
+  :func:`~eogp_index.gradients.experts.make_experts_trackable`);
 * non-linear layers: embeddings, normalisation layers and other modules kronfluence cannot track;
 * linear layers outside the default set (the output head, which the paper leaves out, and
   anything else ``--module`` did not name).
@@ -40,9 +41,8 @@ _REASONS = {
              "nn.Conv2d modules only, and the experts see tokens gathered from the whole batch, so no "
              "per-example gradient exists to capture; --experts dense attributes them (each expert as "
              "nn.Linear layers run on every token: E/top_k times the experts' compute)",
-    "moe": "layers inside a sparse MoE block (routers, shared experts): the block flattens batch and tokens "
-           "before routing, so they see no per-example inputs and kronfluence cannot take per-example gradients "
-           "of them",
+    "moe": "routers and other layers inside a sparse MoE block: the block flattens batch and tokens before "
+           "routing, so they see no per-example inputs and kronfluence cannot take per-example gradients of them",
     "embedding": "embedding lookups, not linear layers (the paper leaves embeddings out)",
     "norm": "normalisation layers, not linear layers (the paper leaves them out)",
     "head": "the output head: a linear layer the paper leaves out (name it with --module to attribute it)",

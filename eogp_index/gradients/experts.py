@@ -11,6 +11,11 @@ nothing to a layer's input covariance or its weight gradient, and the output gra
 unrouted token is zero (its routing weight is), so the factors and per-example gradients are
 exactly those of the routed computation. The cost: every expert runs on every token, ``E /
 top_k`` times the experts' compute and ``E`` times their activations.
+
+Shared experts (``shared_expert`` / ``shared_experts``: an MLP every token goes through) are
+ordinary ``nn.Linear`` layers, but some blocks call them on the flattened ``(B·T, H)`` tokens;
+:func:`make_experts_trackable` hands them ``(B, T, H)`` instead (the rows are the batch's
+tokens in order, so this is a reshape), at no cost, so they are attributed like any MLP.
 """
 
 from __future__ import annotations
@@ -34,27 +39,39 @@ class _Expert(nn.Module):
         self.act_fn = act_fn
 
 
+class _BatchShape:
+    """``(B, T)`` of the hidden states the MoE block was last called with, set by its pre-hook."""
+
+    def __init__(self) -> None:
+        self.shape: Optional[Tuple[int, int]] = None
+
+    def of(self, rows: int) -> Tuple[int, int]:
+        """``(B, T)`` for ``rows`` flattened tokens: the block's, when they are its ``B·T`` tokens."""
+        if self.shape is not None and self.shape[0] * self.shape[1] == rows:
+            return self.shape
+        return (1, rows)
+
+
 class DenseExperts(nn.ModuleList):
     """A fused experts module's function with one :class:`_Expert` per expert, run densely.
 
     ``forward(hidden_states (B·T, H), top_k_index (B·T, K), top_k_weights (B·T, K)) -> (B·T, H)``,
-    as the fused module's; ``batch_shape`` ``(B, T)`` is set by a pre-hook on the MoE block
-    (:func:`dense_experts`), so the layers see ``(B, T, ·)``.
+    as the fused module's; the layers see ``(B, T, ·)``, ``(B, T)`` taken from the MoE block's
+    input (:func:`make_experts_trackable`).
     """
 
     #: Its layers see (batch, tokens, features) inputs: they have per-example gradients.
     per_example_inputs = True
 
-    def __init__(self, fused: nn.Module):
+    def __init__(self, fused: nn.Module, batch: _BatchShape):
         super().__init__(_Expert(fused.gate_up_proj[e], fused.down_proj[e], fused.act_fn)
                          for e in range(fused.gate_up_proj.shape[0]))
-        self.batch_shape: Optional[Tuple[int, int]] = None
+        self.batch = batch
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         n, hidden = hidden_states.shape
-        shape = self.batch_shape if self.batch_shape is not None and self.batch_shape[0] * self.batch_shape[1] == n \
-            else (1, n)
+        shape = self.batch.of(n)
         x = hidden_states.view(*shape, hidden)
         num = len(self)
         # (B·T, E) routing weights and routed flags; an index of E (no expert) falls in the dropped column
@@ -83,24 +100,57 @@ def _is_fused_experts(module: nn.Module) -> bool:
             and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1])
 
 
-def _record_batch_shape(experts: DenseExperts):
+def _record_batch_shape(batch: _BatchShape):
     def hook(block: nn.Module, args, kwargs) -> None:
         hidden = args[0] if args else kwargs.get("hidden_states")
-        experts.batch_shape = tuple(hidden.shape[:2]) if hidden is not None and hidden.dim() == 3 else None
+        batch.shape = tuple(hidden.shape[:2]) if hidden is not None and hidden.dim() == 3 else None
 
     return hook
 
 
-def dense_experts(model: nn.Module) -> int:
-    """Replace every fused experts module of the transformers layout by :class:`DenseExperts`, in
-    place (same outputs; see the module docstring for the cost). Returns how many were replaced."""
+def _unflatten_inputs(batch: _BatchShape):
+    """A pre-hook giving a shared expert ``(B, T, H)`` for the block's flattened ``(B·T, H)`` tokens."""
+    def hook(module: nn.Module, args):
+        if args and args[0].dim() == 2 and batch.of(args[0].shape[0]) == batch.shape:
+            module._flattened_rows = args[0].shape[0]
+            return (args[0].view(*batch.shape, args[0].shape[-1]), *args[1:])
+        module._flattened_rows = None
+        return None
+
+    return hook
+
+
+def _flatten_output(module: nn.Module, args, output: torch.Tensor):
+    """The shared expert's output flattened back, as the block expects it."""
+    rows = getattr(module, "_flattened_rows", None)
+    return output.reshape(rows, output.shape[-1]) if rows is not None else None
+
+
+def _shared_experts(block: nn.Module):
+    """A block's shared-expert MLPs (``shared_expert``, ``shared_experts``; not a gate layer)."""
+    return [child for name, child in block.named_children()
+            if name.startswith("shared_expert") and not name.endswith("_gate") and not isinstance(child, nn.Linear)]
+
+
+def make_experts_trackable(model: nn.Module, *, dense: bool = False) -> int:
+    """Give every sparse MoE block's shared experts per-example inputs, and with ``dense`` replace
+    its fused experts (transformers' layout) by :class:`DenseExperts` (same outputs; see the
+    module docstring for the cost). In place; idempotent. Returns how many fused experts modules
+    were replaced."""
     replaced = 0
     for block in list(model.modules()):
-        fused = dict(block.named_children()).get("experts")
-        if fused is None or not _is_fused_experts(fused):
+        children = dict(block.named_children())
+        if "experts" not in children:
             continue
-        dense = DenseExperts(fused)
-        block.experts = dense
-        block.register_forward_pre_hook(_record_batch_shape(dense), with_kwargs=True)
-        replaced += 1
+        batch = getattr(block, "_eogp_batch", None)
+        if batch is None:  # first call: the hooks, once
+            batch = block._eogp_batch = _BatchShape()
+            block.register_forward_pre_hook(_record_batch_shape(batch), with_kwargs=True)
+            for shared in _shared_experts(block):
+                shared.register_forward_pre_hook(_unflatten_inputs(batch))
+                shared.register_forward_hook(_flatten_output)
+                shared.per_example_inputs = True
+        if dense and _is_fused_experts(children["experts"]):
+            block.experts = DenseExperts(children["experts"], batch)
+            replaced += 1
     return replaced

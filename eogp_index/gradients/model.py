@@ -81,7 +81,8 @@ def moe_blocks(model: nn.Module) -> List[str]:
     """Names of the sparse mixture-of-experts blocks: the modules with a child named ``experts``.
 
     Such a block flattens batch and tokens before routing, so the layers inside it (experts,
-    router, shared experts) see no per-example inputs.
+    router, often shared experts) see no per-example inputs unless
+    :func:`~eogp_index.gradients.experts.make_experts_trackable` gives them some.
     """
     return [name for name, module in model.named_modules() if "experts" in dict(module.named_children())]
 
@@ -117,13 +118,14 @@ def find_attributed_modules(model: nn.Module, patterns: Optional[Sequence[str]] 
         return lora
     # Default: linear layers inside a repeated block (…​.h.3.… / ….layers.3.…) whose leaf name is a
     # known attention/MLP projection. The numeric path component is what marks a block. Layers
-    # inside a sparse MoE block (shared experts, experts fed gathered tokens) are left out: they
-    # see no per-example inputs; experts made dense (gradients.experts) do.
+    # inside a sparse MoE block are left out (experts fed gathered tokens have no per-example
+    # inputs), except in the parts given per-example inputs (gradients.experts).
     block = re.compile(r"\.\d+\.")
     blocks = moe_blocks(model)
     moe = tuple(f"{name}." for name in blocks)
-    per_example = tuple(f"{name}.experts." for name in blocks
-                        if getattr(model.get_submodule(name).experts, "per_example_inputs", False))
+    per_example = tuple(f"{name}.{child}." for name in blocks
+                        for child, module in model.get_submodule(name).named_children()
+                        if getattr(module, "per_example_inputs", False))
     chosen = [n for n in linear_names if block.search(n) and n.rsplit(".", 1)[-1] in _DEFAULT_LEAF_NAMES
               and (n.startswith(per_example) or not n.startswith(moe))]
     if not chosen:
