@@ -227,3 +227,27 @@ def test_fit_reports_coverage_and_warns_below_half_of_the_blocks(tmp_path):
     assert query.exit_code == 0, query.output
     (hit, *_) = json.loads(query.stdout)[0]["results"]
     assert any(".mlp.experts.3.down_proj" in module for module in hit["modules"])
+
+
+def test_a_fused_layout_that_computes_something_else_is_not_rebuilt():
+    from eogp_index.gradients.experts import make_experts_trackable
+
+    class UpFirstExperts(torch.nn.Module):  # the same tensors, combined otherwise: act(up) * gate
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H))
+            self.down_proj = torch.nn.Parameter(torch.randn(E, H, I))
+            self.act_fn = torch.nn.SiLU()
+
+        def forward(self, hidden, index, weights):
+            out = torch.zeros_like(hidden)
+            for row in range(hidden.shape[0]):
+                for slot, e in enumerate(index[row].tolist()):
+                    gate, up = (self.gate_up_proj[e] @ hidden[row]).chunk(2)
+                    out[row] += weights[row, slot] * (self.down_proj[e] @ (self.act_fn(up) * gate))
+            return out
+
+    block = torch.nn.Module()
+    block.experts = UpFirstExperts()
+    with pytest.raises(ModelError, match="--experts dense cannot rebuild it"):
+        make_experts_trackable(block, dense=True)

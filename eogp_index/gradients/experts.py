@@ -25,6 +25,8 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from eogp_index.errors import ModelError
+
 
 class _Expert(nn.Module):
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn: nn.Module):
@@ -100,6 +102,27 @@ def _is_fused_experts(module: nn.Module) -> bool:
             and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1])
 
 
+def _check_same_function(name: str, fused: nn.Module, dense: DenseExperts) -> None:
+    """Refuse a rebuild that would compute something else: the structure matched transformers'
+    layout, but a family may combine the same tensors otherwise (no check on the ``meta`` device)."""
+    weight = fused.gate_up_proj
+    if weight.device.type == "meta":
+        return
+    num, hidden = weight.shape[0], weight.shape[2]
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(8, hidden, generator=generator).to(weight.device, weight.dtype)
+    top_k = min(2, num)
+    index = torch.stack([torch.randperm(num, generator=generator)[:top_k] for _ in range(8)]).to(weight.device)
+    weights = torch.rand(8, top_k, generator=generator).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        expected, got = fused(tokens, index, weights), dense(tokens, index, weights)
+    tolerance = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 2e-2
+    if not torch.allclose(got, expected, rtol=tolerance, atol=tolerance * float(expected.abs().max())):
+        raise ModelError(f"{name} ({type(fused).__name__}) does not compute act(gate) * up then down per expert as "
+                         "transformers' fused layout does; --experts dense cannot rebuild it (use --experts fused: "
+                         "its experts are then left out)")
+
+
 def _record_batch_shape(batch: _BatchShape):
     def hook(block: nn.Module, args, kwargs) -> None:
         hidden = args[0] if args else kwargs.get("hidden_states")
@@ -138,7 +161,7 @@ def make_experts_trackable(model: nn.Module, *, dense: bool = False) -> int:
     module docstring for the cost). In place; idempotent. Returns how many fused experts modules
     were replaced."""
     replaced = 0
-    for block in list(model.modules()):
+    for block_name, block in list(model.named_modules()):
         children = dict(block.named_children())
         if "experts" not in children:
             continue
@@ -151,6 +174,8 @@ def make_experts_trackable(model: nn.Module, *, dense: bool = False) -> int:
                 shared.register_forward_hook(_flatten_output)
                 shared.per_example_inputs = True
         if dense and _is_fused_experts(children["experts"]):
-            block.experts = DenseExperts(children["experts"], batch)
+            rebuilt = DenseExperts(children["experts"], batch)
+            _check_same_function(f"{block_name}.experts", children["experts"], rebuilt)
+            block.experts = rebuilt
             replaced += 1
     return replaced
