@@ -251,3 +251,15 @@ def test_a_fused_layout_that_computes_something_else_is_not_rebuilt():
     block.experts = UpFirstExperts()
     with pytest.raises(ModelError, match="--experts dense cannot rebuild it"):
         make_experts_trackable(block, dense=True)
+
+
+def test_fit_refuses_a_module_without_per_example_inputs_before_the_curvature_pass(tmp_path):
+    _qwen_moe().save_pretrained(tmp_path / "qwen")
+    make_word_tokenizer().save_pretrained(tmp_path / "qwen")
+    shard = tmp_path / "shard.jsonl"
+    shard.write_text("".join(json.dumps({"text": f"t{i + 1} t{i + 2} t{i + 3} t{i + 4}"}) + "\n" for i in range(8)))
+    fit = _run("fit", tmp_path / "qwen", "--data", shard, "--out", tmp_path / "idx", "-k", "4",
+               "--curvature-examples", "4", "--pca-examples", "4", "--module", "model.layers.*.mlp.*")
+    assert fit.exit_code != 0 and "Traceback" not in fit.output
+    assert "'model.layers.0.mlp.shared_expert_gate' takes inputs of shape (" in fit.output
+    assert not list((tmp_path / "idx").rglob("*.safetensors"))  # kronfluence never ran
