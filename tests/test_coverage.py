@@ -1,5 +1,7 @@
-"""Coverage: the attributed share of a model by kind, checked against a hand count on tiny random
-MoE configs, what is left out and why, and the fit's warning when the blocks are mostly left out."""
+"""Coverage and mixtures of experts: the attributed share of a model by kind, checked against a
+hand count on tiny random MoE configs, what is left out and why, the fit's warning when the
+blocks are mostly left out; shared experts given per-example inputs and fused experts rebuilt
+(--experts dense), both checked against autograd's per-example gradients and kronfluence."""
 
 import json
 
