@@ -70,6 +70,9 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("model")
+@click.option("--adapter", "adapter", default=None, type=click.Path(exists=True, file_okay=False),
+              help="A LoRA adapter directory (saved by peft) to load onto MODEL; its LoRA matrices are attributed "
+                   "unless --module names base layers.")
 @click.option("--data", "data", multiple=True,
               help="Shard files or globs (JSONL[.gz/.zst], Parquet, datasets.save_to_disk dirs) to fit on.")
 @click.option("--fit-data", "fit_data", multiple=True,
@@ -85,7 +88,7 @@ def cli() -> None:
     into="curvature",
 )
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
-@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device")),
+@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device", "experts")),
               into="gradients")
 @field_option(ProjectionConfig, "seed", help="Seed of the fitting samples, the sampled labels and the SRHT.")
 @click.option("--table-uri", default=None,
@@ -95,11 +98,13 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @_record_options
 @_fail_cleanly
-def fit(model, data, fit_data, out, projection, storage, curvature, modules, gradients, seed, table_uri, overwrite,
-        distributed, as_json, record):
+def fit(model, adapter, data, fit_data, out, projection, storage, curvature, modules, gradients, seed, table_uri,
+        overwrite, distributed, as_json, record):
     """Fit EK-FAC curvature and the projection; create an empty index.
 
-    MODEL is a HuggingFace hub name or a local model directory. The fitting
+    MODEL is a HuggingFace hub name, a local model directory, or a LoRA
+    adapter directory saved by peft (its base is loaded from its
+    adapter_config.json; --adapter puts one on another base). The fitting
     examples are a seeded random sample of all the records of --data (or
     --fit-data), read in one pass: --curvature-examples fit the EK-FAC factors
     and --pca-examples others fit the PCA. When there are too few for two
@@ -122,7 +127,7 @@ def fit(model, data, fit_data, out, projection, storage, curvature, modules, gra
     from eogp_index.client import AttributionIndex
     from eogp_index.data.readers import expand_shards
     from eogp_index.fit.sampling import sample_shards
-    from eogp_index.gradients.model import load_model
+    from eogp_index.gradients.model import load_model, model_and_adapter
     from eogp_index.store.stored_index import check_index_dir
 
     if bool(data) == bool(fit_data):
@@ -146,12 +151,13 @@ def fit(model, data, fit_data, out, projection, storage, curvature, modules, gra
         expand_shards(list(fit_data or data))
         check_index_dir(out, "overwrite" if overwrite else "create")
         with _fit_process_group(gradients.resolved_device()) if sharded else contextlib.nullcontext():
-            loaded, tokenizer = load_model(model, device=gradients.resolved_device())
+            model, adapter = model_and_adapter(model, adapter)
+            loaded, tokenizer = load_model(model, adapter=adapter, device=gradients.resolved_device())
             wanted = curvature.num_examples + (projection.num_fit_examples if projection.second_stage == "pca" else 0)
             examples, seen = sample_shards(list(fit_data or data), spec, tokenizer, wanted, seed)
             if torchrun_rank() == 0:
                 click.echo(f"fitting on {len(examples)} documents sampled from {seen} records", err=True)
-            index = AttributionIndex.create(out, loaded, tokenizer, examples, model_name=model,
+            index = AttributionIndex.create(out, loaded, tokenizer, examples, model_name=model, adapter=adapter,
                                             modules=list(modules) or None, curvature=curvature,
                                             projection=projection, storage=StorageConfig(**storage),
                                             gradients=gradients, table_uri=table_uri,
@@ -720,7 +726,8 @@ def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
 @_projection_options
 @option_group(field_option(StorageConfig, "precision"), into="storage")
 @field_option(CurvatureConfig, "num_examples", "--curvature-examples")
-@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size")), into="gradients")
+@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "experts")),
+              into="gradients")
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
 @click.option("--documents", type=click.IntRange(min=0), default=1_000_000, show_default=True,
               help="Documents in the store, for its size.")
@@ -734,14 +741,16 @@ def plan(model, projection, storage, num_examples, gradients, modules, documents
          as_json):
     """Print the storage accounting of an index before fitting it: nothing runs.
 
-    MODEL is a hub name, a local model directory or a config.json; only its
-    config is read (the model is built on PyTorch's meta device, without
-    weights). Takes eogp fit's options and gives, per attributed module, d_u,
-    m_u and k_u; the bytes per example; the shared bytes (eigenbases, P); the
-    fit's cache on disk; estimates of the peak memory of fit, ingest and query
-    (each says what it counts); the store's size for --documents; and the P
-    read per ingested document (resident, per batch, per block) against the
-    block cache's disk.
+    MODEL is a hub name, a local model directory, a LoRA adapter directory or
+    a config.json; only its config is read (the model is built on PyTorch's
+    meta device, without weights). Takes eogp fit's options and gives, per
+    attributed module, d_u, m_u and k_u; the bytes per example; the shared
+    bytes (eigenbases, P); the fit's cache on disk; estimates of the peak
+    memory of fit, ingest and query (each says what it counts); the store's
+    size for --documents; the P read per ingested document (resident, per
+    batch, per block) against the block cache's disk; and the coverage: the
+    attributed share of the model's parameters by kind, and what is left out
+    and why.
 
     \b
     Example:
@@ -755,7 +764,7 @@ def plan(model, projection, storage, num_examples, gradients, modules, documents
         projection["k"] = 256
     config = ProjectionConfig(**projection)
     gradients = GradientConfig(**gradients)
-    shape = model_shape(model, list(modules) or None)
+    shape = model_shape(model, list(modules) or None, experts=gradients.experts)
     result = make_plan(shape, config, precision=StorageConfig(**storage).precision, curvature_examples=num_examples,
                        batch_size=gradients.batch_size, max_tokens=gradients.max_tokens, documents=documents)
     result["p_reads"] = p_reads(result, block_documents=block_documents)

@@ -27,9 +27,11 @@ from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig,
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.fit.fitting import fit_projection
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples, run_batches
+from eogp_index.gradients.experts import make_experts_trackable
 from eogp_index.gradients.model import (
+    adapter_fingerprint,
     freeze,
-    load_model,
+    load_indexed_model,
     model_fingerprint,
     model_sha256,
     pad_token_id,
@@ -77,7 +79,7 @@ class AttributionIndex:
     # -- building ---------------------------------------------------------------------------------
     @classmethod
     def create(cls, path: Union[str, Path], model: nn.Module, tokenizer, examples: Sequence[Example], *,
-               model_name: str, modules: Optional[Sequence[str]] = None,
+               model_name: str, adapter: Optional[str] = None, modules: Optional[Sequence[str]] = None,
                curvature: CurvatureConfig = CurvatureConfig(), projection: ProjectionConfig = ProjectionConfig(k=256),
                storage: StorageConfig = StorageConfig(), gradients: GradientConfig = GradientConfig(),
                table_uri: Optional[str] = None, mode: Literal["create", "overwrite"] = "create",
@@ -89,6 +91,9 @@ class AttributionIndex:
                 factors (``curvature.num_examples``) and the PCA (``projection.num_fit_examples``);
                 with too few for both the sets overlap, with a warning.
             model_name: recorded in the manifest; :meth:`open` reloads the model from it.
+            adapter: the directory of the LoRA adapter loaded into ``model``
+                (:func:`~eogp_index.gradients.model.load_model`), reloaded with the base on open;
+                required exactly when ``model`` has LoRA layers.
             table_uri: a LanceDB URI (object store or directory) for the table; ``None`` keeps it
                 inside ``path``.
             mode: ``"create"`` refuses an existing index directory, and resumes an interrupted fit
@@ -109,6 +114,7 @@ class AttributionIndex:
             dist.barrier()
         path = Path(path)
         weights_fingerprint = model_fingerprint(model)  # before fitting swaps GPT-2's Conv1D, like weights_sha256
+        adapter_entry = _adapter_entry(model, adapter)
         fitted = fit_projection(model, tokenizer, examples, path, modules=modules, curvature=curvature,
                                 projection=projection, storage=storage, gradients=gradients, progress=progress)
         if rank == 0:
@@ -118,7 +124,8 @@ class AttributionIndex:
                 curvature={"num_examples": fitted.curvature_examples, "seed": curvature.seed,
                            "batch_size": curvature.batch_size, "factors_dir": "curvature",
                            "fitting_set": "fit/fitting_set.json", "disjoint_from_pca": fitted.disjoint},
-                table_uri=table_uri, weights_fingerprint=weights_fingerprint)
+                table_uri=table_uri, weights_fingerprint=weights_fingerprint, adapter=adapter_entry,
+                experts=gradients.experts)
         if distributed:
             dist.barrier()  # every rank is done with the fit's files
         if rank == 0 and fitted.folder is not None:
@@ -136,8 +143,9 @@ class AttributionIndex:
 
         Args:
             model, tokenizer: an already loaded model and its tokenizer.
-            model_name: load the model from here instead of the manifest's name (the model moved);
-                its weights must still hash to the manifest's.
+            model_name: load the model from here instead of the manifest's name (the model moved;
+                an adapter directory replaces base and adapter); its weights must still hash to the
+                manifest's.
 
         The model and projection are checked by the sampled fingerprints in the manifest (an
         index written before them: by full SHA-256s); :func:`~eogp_index.store.verify.verify_index` (``eogp verify``)
@@ -157,15 +165,17 @@ class AttributionIndex:
         stored.projection_memory = _projection_memory(gradients)
         stored.projection  # noqa: B018  (loads and checks the projection before the model is loaded)
         if model is None:
-            model, loaded = load_model(model_name or stored.manifest.model["name"], device=gradients.resolved_device())
+            model, loaded = load_indexed_model(stored.manifest.model, model_name, device=gradients.resolved_device())
             tokenizer = tokenizer or loaded
         elif tokenizer is None:
             raise ConfigError("AttributionIndex.open: pass the tokenizer together with the model")
         if stored.manifest.model.get("weights_fingerprint"):
-            check_compatible(stored.manifest, model_fingerprint=model_fingerprint(model), where=str(stored.path))
+            check_compatible(stored.manifest, model_fingerprint=model_fingerprint(model),
+                             adapter_fingerprint=adapter_fingerprint(model), where=str(stored.path))
         else:  # written before fingerprints: the full hash
             check_compatible(stored.manifest, model_hash=model_sha256(model), where=str(stored.path))
         replace_conv1d(model)
+        make_experts_trackable(model, dense=stored.manifest.model.get("experts") == "dense")  # as the fit did
         freeze(model)
         model.to(gradients.resolved_device()).eval()
         return cls(stored, model, tokenizer, gradients=gradients)
@@ -410,3 +420,19 @@ def _bar(examples: Iterable[Example], index: AttributionIndex):
     from tqdm.auto import tqdm
 
     return tqdm(batches(examples, index.gradients.batch_size), desc="ingesting", unit="batch")
+
+
+def _adapter_entry(model: nn.Module, adapter: Optional[str]) -> Optional[Dict[str, str]]:
+    """The manifest's record of ``model``'s LoRA adapter, loaded from ``adapter``: ``{"path", "fingerprint"}``.
+
+    Raises:
+        ConfigError: the model has LoRA layers and no adapter directory is given, or the reverse.
+    """
+    fingerprint = adapter_fingerprint(model)
+    if (fingerprint is None) != (adapter is None):
+        raise ConfigError(
+            "the model has LoRA layers but no adapter directory was given: pass adapter=<the directory it was "
+            "loaded from>, so that the index can reload it" if adapter is None else
+            f"adapter={adapter!r} was given but the model has no LoRA layers: load it with "
+            "eogp_index.gradients.model.load_model(base, adapter=...)")
+    return None if fingerprint is None else {"path": str(adapter), "fingerprint": fingerprint}

@@ -18,6 +18,9 @@ SecondStage = Literal["pca", "srht", "none"]
 Precision = Literal["1bit", "fp16", "fp32"]
 PRECISIONS = ("1bit", "fp16", "fp32")
 PcaDtype = Literal["fp16", "fp32"]
+#: How a mixture of experts' fused expert tensors are treated (eogp_index.gradients.experts).
+Experts = Literal["fused", "dense"]
+EXPERTS = ("fused", "dense")
 PCA_DTYPES = ("fp16", "fp32")
 #: Bytes per element of a stored PCA matrix, by ``ProjectionConfig.pca_dtype``.
 PCA_DTYPE_BYTES = {"fp16": 2, "fp32": 4}
@@ -239,6 +242,13 @@ class GradientConfig:
                           f"(one commit per block). Default: sized from the free disk and memory, at most "
                           f"{MAX_BLOCK_DOCUMENTS:,}; the gradient batch size reads P in every batch.", "min": 1},
     )
+    experts: Experts = field(
+        default="fused",
+        metadata={"help": "Mixtures of experts kept as fused 3-D tensors: 'fused' leaves them out (they have no "
+                          "per-example inputs); 'dense' rebuilds each expert as nn.Linear layers run on every token "
+                          "with the unrouted ones zeroed, the same function, so they are attributed (E/top_k times "
+                          "the experts' compute). Fit and plan only: an index reloads it from its manifest."},
+    )
 
     def __post_init__(self) -> None:
         _positive("GradientConfig.batch_size", self.batch_size, allow_none=False)
@@ -248,6 +258,8 @@ class GradientConfig:
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"GradientConfig.device must be 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N' "
                               f"(--device), got {self.device!r}")
+        if self.experts not in EXPERTS:
+            raise ConfigError(f"GradientConfig.experts must be one of {list(EXPERTS)} (--experts), got {self.experts!r}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -199,7 +199,8 @@ def run_distributed_ingest(
         RuntimeError: another worker failed (its message is included).
     """
     from eogp_index.client import AttributionIndex
-    from eogp_index.gradients.model import load_model
+    from eogp_index.gradients.model import load_indexed_model
+    from eogp_index.store.manifest import Manifest
 
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -215,7 +216,8 @@ def run_distributed_ingest(
             gradients = GradientConfig(batch_size=gradients.batch_size, max_tokens=gradients.max_tokens, device=device)
         model = tokenizer = None
         if model_path is not None:
-            model, tokenizer = load_model(model_path, device=gradients.resolved_device())
+            model, tokenizer = load_indexed_model(Manifest.load(Path(index_path)).model, model_path,
+                                                  device=gradients.resolved_device())
         index = AttributionIndex.open(index_path, model=model, tokenizer=tokenizer, gradients=gradients)
         worker = _Worker(index, comm, patterns, spec=spec, on_error=on_error, rejects_path=rejects_path,
                          batch_size=batch_size, commit_every=commit_every, progress=progress, shard_root=shard_root,

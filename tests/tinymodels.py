@@ -135,3 +135,30 @@ def kronfluence_scores(index, queries, train, *, per_token: bool = False, prefer
         return analyzer.load_pairwise_scores("reference")["all_modules"].double().numpy()
     finally:
         _unwrap_tracked_modules(index.model)
+
+
+def full_width_index(path, model, train, **create_kwargs):
+    """An index at full width (``m_u = k_u = d_u``, no PCA, float32 coordinates) over ``train``,
+    whose scores are EK-FAC influence itself: what kronfluence's are compared with."""
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import CurvatureConfig, ProjectionConfig, StorageConfig
+
+    index = AttributionIndex.create(path, model, TinyTokenizer(), train,
+                                    projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
+                                    storage=StorageConfig(precision="fp32"),
+                                    curvature=CurvatureConfig(num_examples=len(train), batch_size=4),
+                                    progress=False, **create_kwargs)
+    assert all(m.k == m.d_out * m.d_in for m in index.manifest.modules)
+    index.ingest(train, progress=False)
+    return index
+
+
+def relative_error_to_kronfluence(index, queries, train) -> float:
+    """``‖ours − kronfluence‖ / ‖kronfluence‖`` over the scores of ``queries`` against ``train``."""
+    import numpy as np
+
+    ids, ours = index.scores([{"input_ids": list(q.input_ids), "labels": list(q.labels)} for q in queries])
+    reference = kronfluence_scores(index, queries, train)
+    order = [ids.index(e.id) for e in train]
+    return float(np.linalg.norm(ours[:, order] - reference) / np.linalg.norm(reference))
+

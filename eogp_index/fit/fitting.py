@@ -49,7 +49,9 @@ from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
 from eogp_index.fit.projection import PCA_TORCH_DTYPES, Projection, build_projection, second_stage_directions
 from eogp_index.fit.sampling import split_fit_sets
 from eogp_index.gradients.capture import GradientCapture, batches, check_counted
-from eogp_index.gradients.loss import collate
+from eogp_index.gradients.loss import IGNORE_INDEX, collate
+from eogp_index.gradients.coverage import report_coverage
+from eogp_index.gradients.experts import make_experts_trackable
 from eogp_index.gradients.model import find_attributed_modules, model_sha256, pad_token_id, replace_conv1d
 
 CURVATURE_DIR = "curvature"
@@ -131,14 +133,18 @@ def fit_projection(
     out_dir = Path(out_dir)
     weights_sha256 = model_sha256(model)  # before the Conv1D swap: the checkpoint's own bytes
     replace_conv1d(model)
+    make_experts_trackable(model, dense=gradients.experts == "dense")
     device = gradients.resolved_device()
     model.to(device).eval()
     names = find_attributed_modules(model, modules)
+    if ranks.rank == 0:
+        report_coverage(model, names, log)
     pad_id = pad_token_id(tokenizer)
     use_pca = projection.second_stage == "pca"
     sets = split_fit_sets(examples, curvature.num_examples, projection.num_fit_examples if use_pca else 0,
                           curvature_seed=curvature.seed, pca_seed=projection.seed)
     check_counted(sets.pca)
+    _probe_capture(model, names, sets.pca or sets.curvature, pad_id, device)
     settings = {"weights_sha256": weights_sha256, "modules": list(names), "curvature": curvature.__dict__,
                 "projection": projection.__dict__, "precision": storage.precision,
                 "max_tokens": gradients.max_tokens, "gradient_batch_size": gradients.batch_size}
@@ -170,6 +176,16 @@ def fit_projection(
         disjoint=sets.disjoint,
         folder=folder,
     )
+
+
+def _probe_capture(model: nn.Module, names: Sequence[str], examples: Sequence[Example], pad_id: int,
+                   device: str) -> None:
+    """Two examples through the gradient capture before kronfluence's curvature pass, so that a
+    module the capture refuses (one without per-example inputs) is refused at once, not after it."""
+    counted = [ex for ex in examples[:16] if any(label != IGNORE_INDEX for label in list(ex.labels)[1:])][:2]
+    if counted:
+        batch = collate([(ex.input_ids, ex.labels) for ex in counted], pad_id)
+        GradientCapture(model, names, lambda name, a, g: a[:, :0]).run({k: v.to(device) for k, v in batch.items()})
 
 
 def _reused(folder: FitFolder, num_batches: int, num_modules: int, use_pca: bool) -> str:

@@ -65,7 +65,9 @@ class ModuleShape:
 class ModelShape:
     """What the plan needs to know about a model: its attributed modules and its size.
 
-    ``context`` is the longest sequence it takes (used when ``--max-tokens`` is not given).
+    ``context`` is the longest sequence it takes (used when ``--max-tokens`` is not given);
+    ``coverage`` the attributed share of its parameters (:meth:`Coverage.to_json
+    <eogp_index.gradients.coverage.Coverage.to_json>`).
     """
 
     name: str
@@ -75,9 +77,11 @@ class ModelShape:
     num_layers: int
     vocab_size: int
     context: int
+    coverage: Optional[Dict[str, Any]] = None
 
 
-def model_shape(name_or_config: str, patterns: Optional[Sequence[str]] = None) -> ModelShape:
+def model_shape(name_or_config: str, patterns: Optional[Sequence[str]] = None, *,
+                experts: str = "fused") -> ModelShape:
     """The attributed modules of a model given as a hub name, a local directory or a config.json
     file, without its weights: the model is built on the ``meta`` device (nothing is allocated;
     a hub name downloads its config only).
@@ -87,29 +91,39 @@ def model_shape(name_or_config: str, patterns: Optional[Sequence[str]] = None) -
     """
     from transformers import AutoConfig
 
+    from eogp_index.gradients.model import model_and_adapter
+
     path = Path(name_or_config)
+    base, adapter = model_and_adapter(name_or_config) if path.is_dir() else (name_or_config, None)
     try:
         if path.is_file():
             fields = json.loads(path.read_text())
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         else:
-            config = AutoConfig.from_pretrained(name_or_config)
+            config = AutoConfig.from_pretrained(base)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot read a model config from {name_or_config!r} ({exc}); give a hub name, a model "
                          "directory or a config.json with a model_type") from exc
-    return shape_of_config(config, name=str(name_or_config), patterns=patterns)
+    return shape_of_config(config, name=str(name_or_config), patterns=patterns, adapter=adapter, experts=experts)
 
 
-def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = None) -> ModelShape:
-    """:func:`model_shape` from a ``transformers`` config object."""
+def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = None,
+                    adapter: Optional[str] = None, experts: str = "fused") -> ModelShape:
+    """:func:`model_shape` from a ``transformers`` config object, with ``adapter``'s LoRA layers if
+    given, and fused experts rebuilt as linear layers with ``experts="dense"``."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eogp_index.gradients.model import find_attributed_modules, module_shape, replace_conv1d
+    from eogp_index.gradients.coverage import model_coverage
+    from eogp_index.gradients.experts import make_experts_trackable
+    from eogp_index.gradients.model import add_lora_layers, find_attributed_modules, module_shape, replace_conv1d
 
     with torch.device("meta"):  # shapes only: no weight is allocated, however large the model
         model = AutoModelForCausalLM.from_config(config)
+        if adapter is not None:
+            add_lora_layers(model, adapter)
         replace_conv1d(model)
+        make_experts_trackable(model, dense=experts == "dense")
     names = find_attributed_modules(model, patterns)
     modules = tuple(ModuleShape(n, *module_shape(model, n)) for n in names)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -118,6 +132,7 @@ def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = No
         hidden_size=int(getattr(text, "hidden_size")), num_layers=int(getattr(text, "num_hidden_layers")),
         vocab_size=int(getattr(text, "vocab_size")),
         context=int(getattr(text, "max_position_embeddings", 0) or getattr(text, "n_positions", 0) or 2048),
+        coverage=model_coverage(model, names).to_json(),
     )
 
 
@@ -252,7 +267,7 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
                           "counts": "the largest of the fit's phases (they run one after another)"}
     return {
         "model": {"name": shape.name, "num_parameters": shape.num_parameters, "weights_bytes": weights,
-                  "attributed_parameters": attributed, "modules": num},
+                  "attributed_parameters": attributed, "modules": num, "coverage": shape.coverage},
         "options": {"variant": projection.variant, "k": projection.k, "budget_kb": projection.budget_kb,
                     "m": projection.m, "precision": precision,
                     "pca_dtype": projection.pca_dtype, "pca_examples": n_pca,
@@ -337,6 +352,10 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
     for key in ("fit_peak", "fit_curvature", "fit_first_stage", "fit_pca", "ingest", "ingest_in_turn", "query"):
         entry = plan["memory"][key]
         lines.append(f"  {key:<16} {_size(entry['bytes']):>10}  {entry['counts']}")
+    if model.get("coverage"):
+        from eogp_index.gradients.coverage import format_coverage
+
+        lines += format_coverage(model["coverage"])
     lines += [
         f"store         {store['documents']:,} documents: codes {_size(store['codes_bytes'])}, in-memory copy for "
         f"queries {_size(store['hot_copy_bytes'])}, total <= {_size(store['total_bytes_max'])}",

@@ -76,6 +76,12 @@ class GradientCapture:
 
         def on_forward(name: str):
             def hook(module: nn.Linear, inputs, output: torch.Tensor) -> None:
+                if inputs[0].shape[:2] != mask.shape[:2]:
+                    raise ModelError(
+                        f"module {name!r} takes inputs of shape {tuple(inputs[0].shape)}, not (batch, tokens, "
+                        f"features) = {tuple(mask.shape[:2])} + (features,): it runs on tokens flattened or "
+                        "gathered across the batch (as layers inside a sparse MoE block do), so it has no "
+                        "per-example gradient; leave it out of --module")
                 a = inputs[0].detach().float() * mask.to(inputs[0].device, torch.float32)
                 if module.bias is not None:
                     a = torch.cat([a, mask.to(a.device, a.dtype).expand(*a.shape[:-1], 1)], dim=-1)

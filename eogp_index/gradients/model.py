@@ -4,20 +4,26 @@ The paper attributes the attention and MLP linear layers (biases included) and e
 embeddings, the LM head and normalisation layers. kronfluence tracks ``nn.Linear`` only, so
 GPT-2's ``Conv1D`` layers (a linear layer with a transposed weight) are swapped for
 ``nn.Linear`` layers holding the same numbers: the model's outputs do not change.
+
+A LoRA adapter (a ``peft`` adapter directory) is loaded onto its base, unmerged: its
+``lora_A``/``lora_B`` matrices are ``nn.Linear`` layers of their own, and they are what is
+attributed unless modules are named.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
 import re
-from typing import List, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from eogp_index.errors import ModelError
+from eogp_index.errors import ConfigError, ModelError
 
 # Llama / OLMo / Mistral / Qwen projections, GPT-2 / GPT-J / GPT-NeoX names.
 _DEFAULT_LEAF_NAMES = (
@@ -53,13 +59,43 @@ def replace_conv1d(model: nn.Module) -> int:
     return swapped
 
 
+#: What peft names a LoRA adapter's own parameters and layers (``….q_proj.lora_A.default``).
+LORA_MARK = "lora_"
+#: The ``nn.Linear`` peft keeps the adapted layer's own weights in (``….q_proj.base_layer``).
+BASE_LAYER = ".base_layer"
+
+
+def _lora_linear(name: str) -> bool:
+    """A LoRA matrix: ``….lora_A.<adapter>`` or ``….lora_B.<adapter>``."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B")
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """``name`` is ``pattern`` or matches it as a glob; under a LoRA adapter a base layer is also
+    matched by the name of the layer it adapts (``*.q_proj`` picks ``….q_proj.base_layer``)."""
+    names = (name, name[: -len(BASE_LAYER)]) if name.endswith(BASE_LAYER) else (name,)
+    return any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
+def moe_blocks(model: nn.Module) -> List[str]:
+    """Names of the sparse mixture-of-experts blocks: the modules with a child named ``experts``.
+
+    Such a block flattens batch and tokens before routing, so the layers inside it (experts,
+    router, often shared experts) see no per-example inputs unless
+    :func:`~eogp_index.gradients.experts.make_experts_trackable` gives them some.
+    """
+    return [name for name, module in model.named_modules() if "experts" in dict(module.named_children())]
+
+
 def find_attributed_modules(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> List[str]:
     """Names of the linear layers to attribute, in model order.
 
     Args:
         model: a model whose ``Conv1D`` layers were already replaced (:func:`replace_conv1d`).
         patterns: optional module names or shell-style patterns (``"*.mlp.*"``); ``None`` picks
-            the attention and MLP linear layers inside the model's blocks.
+            the LoRA matrices of a model with a LoRA adapter, else the attention and MLP linear
+            layers inside the model's blocks.
 
     Raises:
         ModelError: no linear layer matches.
@@ -70,18 +106,29 @@ def find_attributed_modules(model: nn.Module, patterns: Optional[Sequence[str]] 
         if isinstance(module, nn.Linear) and module is not output_head
     ]
     if patterns:
-        chosen = [n for n in linear_names if any(n == p or fnmatch.fnmatchcase(n, p) for p in patterns)]
-        missing = [p for p in patterns if not any(n == p or fnmatch.fnmatchcase(n, p) for n in linear_names)]
+        chosen = [n for n in linear_names if any(_matches(n, p) for p in patterns)]
+        missing = [p for p in patterns if not any(_matches(n, p) for n in linear_names)]
         if missing:
             raise ModelError(
                 f"no nn.Linear module matches {missing}; the model's linear modules are "
                 f"{linear_names[:8]}{' …' if len(linear_names) > 8 else ''}"
             )
         return chosen
+    lora = [n for n in linear_names if _lora_linear(n)]
+    if lora:  # an adapter: its own matrices are what was trained
+        return lora
     # Default: linear layers inside a repeated block (…​.h.3.… / ….layers.3.…) whose leaf name is a
-    # known attention/MLP projection. The numeric path component is what marks a block.
+    # known attention/MLP projection. The numeric path component is what marks a block. Layers
+    # inside a sparse MoE block are left out (experts fed gathered tokens have no per-example
+    # inputs), except in the parts given per-example inputs (gradients.experts).
     block = re.compile(r"\.\d+\.")
-    chosen = [n for n in linear_names if block.search(n) and n.rsplit(".", 1)[-1] in _DEFAULT_LEAF_NAMES]
+    blocks = moe_blocks(model)
+    moe = tuple(f"{name}." for name in blocks)
+    per_example = tuple(f"{name}.{child}." for name in blocks
+                        for child, module in model.get_submodule(name).named_children()
+                        if getattr(module, "per_example_inputs", False))
+    chosen = [n for n in linear_names if block.search(n) and n.rsplit(".", 1)[-1] in _DEFAULT_LEAF_NAMES
+              and (n.startswith(per_example) or not n.startswith(moe))]
     if not chosen:
         raise ModelError(
             "found no attention/MLP linear layers to attribute; name them explicitly "
@@ -98,8 +145,66 @@ def module_shape(model: nn.Module, name: str) -> tuple[int, int]:
     return module.out_features, module.in_features + (1 if module.bias is not None else 0)
 
 
-def load_model(name_or_path: str, *, device: str = "cpu", dtype: Optional[torch.dtype] = None):
+ADAPTER_CONFIG = "adapter_config.json"
+#: Files that mark a directory as holding a tokenizer of its own.
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def is_adapter_dir(path: Any) -> bool:
+    """A local directory saved by ``peft`` (it has ``adapter_config.json``)."""
+    return path is not None and (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_config(adapter: str) -> Dict[str, Any]:
+    """``adapter_config.json`` of a LoRA adapter directory, checked.
+
+    Raises:
+        ConfigError: not an adapter directory, unreadable, or not a LoRA adapter.
+    """
+    path = Path(adapter) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"{adapter}: not a peft adapter directory (no {ADAPTER_CONFIG}); give the directory "
+                          "that peft's save_pretrained wrote")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot be read as JSON ({exc}); save the adapter again with peft") from exc
+    if str(config.get("peft_type", "")).upper() != "LORA":
+        raise ConfigError(f"{path}: peft_type is {config.get('peft_type')!r}; eogp-index attributes LoRA "
+                          "adapters only (merge another kind into its base and give the merged model)")
+    return config
+
+
+def model_and_adapter(name_or_path: str, adapter: Optional[str] = None) -> Tuple[str, Optional[str]]:
+    """``(base, adapter)`` for a model argument: an adapter directory names its base in
+    ``adapter_config.json`` (``base_model_name_or_path``); ``adapter`` puts one on a named base.
+
+    Raises:
+        ConfigError: both are adapters, or the adapter names no base.
+    """
+    if adapter is not None:
+        if is_adapter_dir(name_or_path):
+            raise ConfigError(f"{name_or_path} is itself an adapter: give its base model with --adapter "
+                              f"{adapter}, or the adapter directory alone")
+        adapter_config(adapter)
+        return name_or_path, adapter
+    if not is_adapter_dir(name_or_path):
+        return name_or_path, None
+    base = adapter_config(name_or_path).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"{Path(name_or_path) / ADAPTER_CONFIG}: base_model_name_or_path is empty; give the base "
+                          f"model and the adapter: eogp fit BASE --adapter {name_or_path}")
+    return str(base), name_or_path
+
+
+def load_model(name_or_path: str, *, adapter: Optional[str] = None, device: str = "cpu",
+               dtype: Optional[torch.dtype] = None):
     """Load a HuggingFace causal LM and its tokenizer (hub name or local directory).
+
+    ``name_or_path`` may be a LoRA adapter directory (its base is loaded from
+    ``adapter_config.json``), or ``adapter`` an adapter for the named base. The adapter is
+    loaded unmerged; the model returned is the base model with peft's LoRA layers in it. The
+    tokenizer is the adapter directory's when it has one, else the base's.
 
     Raises:
         ModelError: no model there (a missing directory, a name the hub does not know, no
@@ -107,22 +212,33 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: Optional[torch.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    name = str(name_or_path)
+    base, adapter = model_and_adapter(name_or_path, adapter)
+    name = str(base)
     looks_local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
     if looks_local and not os.path.isdir(os.path.expanduser(name)):
         raise ModelError(f"model directory {name!r} does not exist; give a local model directory (config.json, "
                          "weights and tokenizer files, as save_pretrained writes them) or a hub name")
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype or torch.float32)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load a causal LM from {name!r}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
                          ) from exc
+    tokenizer_from = base
+    if adapter is not None:
+        try:
+            from peft import PeftModel
+        except ImportError as exc:
+            raise ConfigError(f"{adapter} is a LoRA adapter: loading it needs peft "
+                              "(pip install 'eogp-index[adapters]')") from exc
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=False).get_base_model()
+        if any((Path(adapter) / f).is_file() for f in _TOKENIZER_FILES):
+            tokenizer_from = adapter
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     except (OSError, ValueError, TypeError) as exc:
-        raise ModelError(f"cannot load the tokenizer of {name!r}: {exc}; save it beside the model "
+        raise ModelError(f"cannot load the tokenizer of {str(tokenizer_from)!r}: {exc}; save it beside the model "
                          "(tokenizer.save_pretrained(directory))") from exc
-    check_tokenizer(tokenizer, name)
+    check_tokenizer(tokenizer, str(tokenizer_from))
     model.to(device).eval()
     return model, tokenizer
 
@@ -147,6 +263,30 @@ def check_tokenizer(tokenizer, name: str) -> None:
         raise ModelError(f"{name!r} has no usable tokenizer ({why}); the directory needs the tokenizer files "
                          "(tokenizer.json or vocab files and tokenizer_config.json): save them beside the model "
                          "with tokenizer.save_pretrained(directory)")
+
+
+def add_lora_layers(model: nn.Module, adapter: str) -> nn.Module:
+    """Put an adapter's LoRA layers into ``model`` in place, without reading its weights: the
+    shapes ``eogp plan`` counts (works on a model built on the ``meta`` device)."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError as exc:
+        raise ConfigError(f"{adapter} is a LoRA adapter: reading it needs peft "
+                          "(pip install 'eogp-index[adapters]')") from exc
+    adapter_config(adapter)
+    return inject_adapter_in_model(LoraConfig.from_pretrained(adapter), model)
+
+
+def load_indexed_model(entry: Dict[str, Any], override: Optional[str] = None, *, device: str = "cpu"):
+    """Load the model a manifest's ``model`` entry names, with its adapter if it has one.
+
+    ``override`` (``--model``) replaces where the base is loaded from, or, when it is an
+    adapter directory itself, both base and adapter.
+    """
+    adapter = (entry.get("adapter") or {}).get("path")
+    if override is not None and is_adapter_dir(override):
+        adapter = None
+    return load_model(override or entry["name"], adapter=adapter, device=device)
 
 
 def pad_token_id(tokenizer) -> int:
@@ -193,7 +333,7 @@ def fingerprint_ranges(numel: int, element_size: int) -> List[tuple[int, int]]:
     return [(s, s + per) for s in starts]
 
 
-def model_fingerprint(model: nn.Module) -> str:
+def model_fingerprint(model: nn.Module, only: Optional[Callable[[str], bool]] = None) -> str:
     """A cheap identity of the weights as loaded, checked on every open instead of :func:`model_sha256`.
 
     ``sample1:`` + SHA-256 over the state dict's sorted names, dtypes and shapes, every tensor of
@@ -203,11 +343,14 @@ def model_fingerprint(model: nn.Module) -> str:
     checkpoint, architecture, dtype or any retraining, fine-tune or re-quantization that moves
     the sampled bytes — all of them, in practice — but not an edit confined to unsampled entries
     of a large matrix; ``eogp verify`` (:func:`model_sha256`) hashes every byte. Taken, like the
-    full hash, before GPT-2's ``Conv1D`` layers are swapped.
+    full hash, before GPT-2's ``Conv1D`` layers are swapped. ``only`` keeps the tensors whose
+    names it accepts (:func:`adapter_fingerprint`).
     """
     digest = hashlib.sha256()
     state = model.state_dict()
     for name in sorted(state):
+        if only is not None and not only(name):
+            continue
         tensor = state[name].detach()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         flat = tensor.reshape(-1)
@@ -216,6 +359,22 @@ def model_fingerprint(model: nn.Module) -> str:
             part = flat[start:stop].to("cpu").contiguous()
             digest.update(part.view(torch.uint8).numpy().tobytes())
     return FINGERPRINT_PREFIX + digest.hexdigest()
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """A LoRA adapter's own tensor in the adapted model's state dict (``….lora_B.default.weight``)."""
+    return LORA_MARK in name
+
+
+def adapter_fingerprint(model: nn.Module) -> Optional[str]:
+    """:func:`model_fingerprint` of the LoRA adapter's tensors alone; ``None`` without an adapter.
+
+    The whole model's fingerprint already covers them; this one lets a refusal say that it is
+    the adapter, not the base, that changed.
+    """
+    if not any(is_adapter_tensor(name) for name, _ in model.named_parameters()):
+        return None
+    return model_fingerprint(model, only=is_adapter_tensor)
 
 
 def freeze(model: nn.Module) -> nn.Module:

@@ -141,12 +141,22 @@ def validate(data: Dict[str, Any], *, source: Path) -> None:
 
 def check_compatible(manifest: Manifest, *, model_hash: Optional[str] = None, projection_hash: Optional[str] = None,
                      model_fingerprint: Optional[str] = None, projection_fingerprint: Optional[str] = None,
-                     where: str = "this index") -> None:
+                     adapter_fingerprint: Optional[str] = None, where: str = "this index") -> None:
     """Refuse a model or projection other than the one the index was built with.
 
     ``*_hash`` are full SHA-256s (``manifest.model.weights_sha256``, ``manifest.projection.sha256``);
-    ``*_fingerprint`` the sampled fingerprints the manifest records when it has them.
+    ``*_fingerprint`` the sampled fingerprints the manifest records when it has them;
+    ``adapter_fingerprint`` that of the loaded model's LoRA adapter (``None``: it has none).
     """
+    adapter = manifest.model.get("adapter")
+    if adapter is not None and model_fingerprint is not None and adapter_fingerprint != adapter["fingerprint"]:
+        state = "has no LoRA adapter" if adapter_fingerprint is None else "has another one"
+        raise IncompatibleIndexError(
+            f"{where} was built for the LoRA adapter {adapter['path']!r} on {manifest.model['name']!r}, but the "
+            f"model given {state} (adapter fingerprint {str(adapter_fingerprint)[:20]}…, the index's "
+            f"{adapter['fingerprint'][:20]}…): the adapter changed since the index was built, and scores would "
+            "be wrong. Load the adapter the index was built with, or build a new index."
+        )
     if model_fingerprint is not None and model_fingerprint != manifest.model.get("weights_fingerprint"):
         raise IncompatibleIndexError(
             f"{where} was built for model {manifest.model['name']!r} (weights fingerprint "

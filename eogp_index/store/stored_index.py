@@ -124,7 +124,8 @@ class StoredIndex:
     @classmethod
     def create(cls, path: Union[str, Path], fitted, *, model_name: str, tokenizer_name: Optional[str],
                precision: str, damping_ratio: float, curvature: Dict[str, Any], max_tokens: Optional[int],
-               table_uri: Optional[str] = None, weights_fingerprint: Optional[str] = None) -> "StoredIndex":
+               table_uri: Optional[str] = None, weights_fingerprint: Optional[str] = None,
+               adapter: Optional[Dict[str, str]] = None, experts: str = "fused") -> "StoredIndex":
         """Write a fitted projection and its manifest into ``path`` (prepared by :func:`prepare_index_dir`).
 
         Args:
@@ -136,6 +137,10 @@ class StoredIndex:
                 (:func:`~eogp_index.gradients.model.model_fingerprint`, taken where
                 ``fitted.weights_sha256`` was), checked on open instead of the full hash; without
                 it, opening hashes every weight.
+            adapter: a LoRA adapter on the base ``model_name``: ``{"path", "fingerprint"}``
+                (:func:`~eogp_index.gradients.model.adapter_fingerprint`); its path is recorded absolute.
+            experts: ``"dense"`` when fused experts were rebuilt as linear layers
+                (:mod:`eogp_index.gradients.experts`), recorded so that opening rebuilds them.
         """
         from eogp_index.fit.projection import file_fingerprint
         from eogp_index.version import __version__
@@ -149,6 +154,11 @@ class StoredIndex:
                        "tokenizer": tokenizer_name}
         if weights_fingerprint is not None:
             model_entry["weights_fingerprint"] = weights_fingerprint
+        if experts != "fused":
+            model_entry["experts"] = experts
+        if adapter is not None:
+            model_entry["adapter"] = {"path": str(Path(adapter["path"]).resolve()),
+                                      "fingerprint": adapter["fingerprint"]}
         manifest = Manifest(
             model=model_entry,
             projection={"file": PROJECTION_FILE, "sha256": proj_hash, "variant": projection.config.variant,
