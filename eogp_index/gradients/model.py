@@ -11,12 +11,12 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import re
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from eogp_index.errors import ModelError
+from eogp_index.errors import ConfigError, ModelError
 
 # Llama / OLMo / Mistral / Qwen projections, GPT-2 / GPT-J / GPT-NeoX names.
 _DEFAULT_LEAF_NAMES = (
@@ -24,6 +24,9 @@ _DEFAULT_LEAF_NAMES = (
     "c_attn", "c_proj", "c_fc", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
     "fc_in", "fc_out", "out_proj", "qkv_proj", "gate_up_proj", "fc1", "fc2", "wq", "wk", "wv", "wo",
 )
+
+
+_MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def replace_conv1d(model: nn.Module) -> int:
@@ -97,14 +100,44 @@ def module_shape(model: nn.Module, name: str) -> tuple[int, int]:
     return module.out_features, module.in_features + (1 if module.bias is not None else 0)
 
 
-def load_model(name_or_path: str, *, device: str = "cpu", dtype: Optional[torch.dtype] = None):
-    """Load a HuggingFace causal LM and its tokenizer (hub name or local directory)."""
+def load_model(name_or_path: str, *, device: str = "cpu", dtype: Union[str, torch.dtype, None] = "float32"):
+    """Load a HuggingFace causal LM and its tokenizer (hub name or local directory).
+
+    Args:
+        dtype: ``"auto"`` keeps the checkpoint's own dtype (``from_pretrained(dtype="auto")``);
+            ``"float32"``, ``"bfloat16"``, ``"float16"`` or a ``torch.dtype`` loads in that one.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or torch.float32)
+    wanted = "auto" if dtype == "auto" else torch_dtype(dtype or "float32")
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=wanted)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     model.to(device).eval()
+    dtype_name(model)  # refuses a checkpoint in a dtype gradients are not taken in (float64, int8, ...)
     return model, tokenizer
+
+
+def torch_dtype(name: Union[str, torch.dtype]) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (one of the model dtypes an index is built in)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _MODEL_DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(_MODEL_DTYPES)} (--dtype), got {name!r}")
+    return _MODEL_DTYPES[name]
+
+
+def dtype_name(model: nn.Module) -> str:
+    """The dtype of the model's floating-point weights, by name (``"bfloat16"``).
+
+    Raises:
+        ConfigError: weights in a dtype other than float32, bfloat16 or float16, or in several.
+    """
+    found = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    names = sorted(str(d).removeprefix("torch.") for d in found)
+    if len(names) != 1 or names[0] not in _MODEL_DTYPES:
+        raise ConfigError(f"the model's weights are {', '.join(names) or 'not floating point'}; an index is built "
+                          f"with one of {sorted(_MODEL_DTYPES)}: load it with --dtype float32 (or model.to(...))")
+    return names[0]
 
 
 def pad_token_id(tokenizer) -> int:

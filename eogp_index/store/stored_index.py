@@ -118,7 +118,8 @@ class StoredIndex:
     @classmethod
     def create(cls, path: Union[str, Path], fitted, *, model_name: str, tokenizer_name: Optional[str],
                precision: str, damping_ratio: float, curvature: Dict[str, Any], max_tokens: Optional[int],
-               table_uri: Optional[str] = None, weights_fingerprint: Optional[str] = None) -> "StoredIndex":
+               table_uri: Optional[str] = None, weights_fingerprint: Optional[str] = None,
+               model_dtype: str = "float32") -> "StoredIndex":
         """Write a fitted projection and its manifest into ``path`` (prepared by :func:`prepare_index_dir`).
 
         Args:
@@ -130,6 +131,7 @@ class StoredIndex:
                 (:func:`~eogp_index.gradients.model.model_fingerprint`, taken where
                 ``fitted.weights_sha256`` was), checked on open instead of the full hash; without
                 it, opening hashes every weight.
+            model_dtype: the dtype the model ran in (``"bfloat16"``), which every later open uses.
         """
         from eogp_index.fit.projection import file_fingerprint
         from eogp_index.version import __version__
@@ -140,7 +142,7 @@ class StoredIndex:
         layout = SignLayout(projection.k)
         model_entry = {"name": str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name,
                        "weights_sha256": fitted.weights_sha256, "num_parameters": fitted.num_parameters,
-                       "tokenizer": tokenizer_name}
+                       "tokenizer": tokenizer_name, "dtype": model_dtype}
         if weights_fingerprint is not None:
             model_entry["weights_fingerprint"] = weights_fingerprint
         manifest = Manifest(
