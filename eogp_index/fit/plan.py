@@ -308,8 +308,8 @@ def fit_curvature_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
     factors = sum(factor_bytes)
     # kronfluence reads every module's factors into host memory at once (aggregating the
     # partitions, eigendecomposing, then a copy for the Λ pass); reading them back for the
-    # projection holds every module's eigenvectors and Λ while the kept columns are copied.
-    build = sum(F32 * (r["d_in"] ** 2 + r["d_out"] ** 2 + r["d"]) for r in inp.rows) + inp.eigen
+    # projection holds one module's eigenvectors and Λ at a time, and the kept columns of all.
+    build = max(F32 * (r["d_in"] ** 2 + r["d_out"] ** 2 + r["d"]) for r in inp.rows) + inp.eigen
     host = PROCESS_BYTES + max(2 * factors, build)
     on_cpu = inp.device == "cpu"
     peak = inp.model + held + work + (host - PROCESS_BYTES if on_cpu else 0)
@@ -326,8 +326,8 @@ def fit_curvature_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
         "module_partitions": parts,
         "host_bytes": host,
         "host_counts": "process + every module's factors twice (kronfluence aggregates, decomposes and copies "
-                       "them in host memory) or, if larger, reading them back while the kept eigenvector columns "
-                       "are copied out (upper bound before the fit)",
+                       "them in host memory) or, if larger, every module's kept eigenvector columns (upper bound "
+                       "before the fit) and one module's factors, read back one at a time",
     }
 
 
