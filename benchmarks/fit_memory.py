@@ -2,14 +2,16 @@
 """Fit memory: does the peak RSS of ``eogp fit`` grow with the number of modules, and does
 ``eogp plan`` predict the peaks of fit, ingest and query?
 
-GPT-2-shaped models of width 256 (random init, built from configs, the shipped tokenizer's
-vocabulary), with 2 and 8 layers (8 and 32 attributed modules), are fitted with
-``m = 65,536`` first-stage coordinates per module on 512 PCA fitting examples of the default
-corpus, at ``k = 64`` and at the largest ``k`` the plan allows (``k_max``: a PCA of 512
-examples has at most 512 directions). Each fit, each ingest of ``--ingest`` documents into the
-fitted index and each query run runs in its own subprocess, which reports its own peak RSS
-(``VmHWM``), and, for the fit, the peak of each phase (the peak is reset between phases through
-``/proc/self/clear_refs``). ``eogp plan``'s estimate is printed beside every measured peak.
+GPT-2-shaped models (random init, built from configs, the shipped tokenizer's vocabulary) of
+width 256 or 768 (``--width``), with 2 or 8 layers (``--layers``: 8 and 32 attributed modules),
+in float32 and bfloat16 (``--dtype``), are fitted with ``m = 65,536`` first-stage coordinates
+per module on 512 PCA fitting examples of the default corpus, at ``k = 64`` or at the largest
+``k`` the plan allows (``--k 0``: ``k_max``; a PCA of 512 examples has at most 512 directions).
+The bfloat16 ingest's peak is printed as a ratio of the float32 one's. Each fit, each ingest
+of ``--ingest`` documents into the fitted index and each query run runs in its own subprocess,
+which reports its own peak RSS (``VmHWM``), and, for the fit, the peak of each phase (the peak
+is reset between phases through ``/proc/self/clear_refs``). ``eogp plan``'s estimate is printed
+beside every measured peak.
 
 Keeping every module's first-stage coordinates of the fitting set in memory as float32 (the fit
 before the on-disk cache) would add ``24 modules × 512 × 65,536 × 4 B = 3.2 GB`` from 2 to 8
@@ -17,13 +19,15 @@ layers; measured then: 2.96 GB and 8.06 GB (growth 5.1 GB). What still grows wit
 the model and kronfluence's factors (held for every module at once while it fits them).
 Nothing is asserted: the figures are printed.
 
-    python benchmarks/fit_memory.py                      # both depths, k = 64 and k = k_max
-    python benchmarks/fit_memory.py --k 64 --layers 2 --json
+    python benchmarks/fit_memory.py                      # width 256, 2 layers, k = 64, float32 and bf16
+    python benchmarks/fit_memory.py --width 256 768 --layers 2 8 --k 64 0
+    python benchmarks/fit_memory.py --dtype bfloat16 --json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import subprocess
@@ -75,19 +79,19 @@ def peak() -> int:
     return max(PEAK[0], hwm())
 
 
-def _gpt2(tokenizer, layers: int, max_tokens: int):
+def _gpt2(tokenizer, layers: int, max_tokens: int, width: int):
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=len(tokenizer), n_positions=max_tokens, n_embd=256, n_layer=layers, n_head=4,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2Config(vocab_size=len(tokenizer), n_positions=max_tokens, n_embd=width, n_layer=layers,
+                      n_head=width // 64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def _model(tokenizer, layers: int, max_tokens: int):
+def _model(tokenizer, layers: int, max_tokens: int, width: int, dtype: str):
     import torch
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)  # the same weights in the fit, ingest and query processes
-    return GPT2LMHeadModel(_gpt2(tokenizer, layers, max_tokens)).eval()
+    return GPT2LMHeadModel(_gpt2(tokenizer, layers, max_tokens, width)).to(getattr(torch, dtype)).eval()
 
 
 def child(args: argparse.Namespace) -> None:
@@ -109,7 +113,7 @@ def child(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     gradients = GradientConfig(batch_size=BATCH, max_tokens=args.max_tokens, device="cpu")
     process = hwm()  # everything imported, nothing built
-    model = _model(tokenizer, args.layers, args.max_tokens)
+    model = _model(tokenizer, args.layers, args.max_tokens, args.width[0], args.dtype[0])
     start = time.perf_counter()
     if args.child == "fit":
         import eogp_index.fit.fitting as fitting
@@ -133,7 +137,7 @@ def child(args: argparse.Namespace) -> None:
         AttributionIndex.create(args.out, model, tokenizer, examples, model_name="random-gpt2",
                                 projection=ProjectionConfig(k=args.k, m=M, num_fit_examples=PCA_EXAMPLES),
                                 curvature=CurvatureConfig(num_examples=args.curvature_examples, batch_size=BATCH),
-                                gradients=gradients, mode="overwrite", progress=False)
+                                gradients=gradients, mode="overwrite", progress=False, dtype=args.dtype[0])
     elif args.child == "ingest":
         examples, _ = sample_shards([CORPUS], RecordSpec(max_tokens=args.max_tokens), tokenizer, args.ingest, seed=1)
         index = AttributionIndex.open(args.out, model=model, tokenizer=tokenizer, gradients=gradients)
@@ -145,41 +149,49 @@ def child(args: argparse.Namespace) -> None:
             index.top_influential(query, k=20)
     reset_hwm("end")
     phases = {k: v / 1e9 for k, v in STRETCHES.items()}
-    print(json.dumps({"run": args.child, "layers": args.layers, "k": args.k, "peak_rss_gb": peak() / 1e9,
+    print(json.dumps({"run": args.child, "layers": args.layers, "k": args.k, "width": args.width[0],
+                      "dtype": args.dtype[0], "peak_rss_gb": peak() / 1e9,
                       "process_gb": process / 1e9, "phases_gb": phases,
                       "seconds": time.perf_counter() - start, "modules": 4 * args.layers}))
 
 
-def plan_for(layers: int, k: int, args: argparse.Namespace) -> dict:
-    """``eogp plan``'s accounting for one run (:mod:`eogp_index.fit.plan`)."""
+def plan_for(layers: int, k: int, width: int, dtype: str, args: argparse.Namespace) -> dict:
+    """``eogp plan``'s accounting for one run (:mod:`eogp_index.fit.plan`): on the CPU, with the
+    run's batch of ``BATCH`` documents."""
     from transformers import AutoTokenizer
 
     from eogp_index.config import ProjectionConfig
     from eogp_index.fit.plan import make_plan, shape_of_config
 
-    config = _gpt2(AutoTokenizer.from_pretrained(MODEL), layers, args.max_tokens)
-    return make_plan(shape_of_config(config, name="random-gpt2"),
-                     ProjectionConfig(k=k, m=M, num_fit_examples=PCA_EXAMPLES), curvature_examples=args.curvature_examples,
-                     batch_size=BATCH, max_tokens=args.max_tokens, documents=args.ingest)
+    config = _gpt2(AutoTokenizer.from_pretrained(MODEL), layers, args.max_tokens, width)
+    projection = ProjectionConfig(k=k, m=M, num_fit_examples=PCA_EXAMPLES)
+    return make_plan(shape_of_config(config, name="random-gpt2"), projection,
+                     curvature_examples=args.curvature_examples, batch_size=BATCH, max_tokens=args.max_tokens,
+                     documents=args.ingest, dtype=dtype, device="cpu")
 
 
-def run_child(kind: str, layers: int, k: int, out: Path, args: argparse.Namespace) -> dict:
+def run_child(kind: str, layers: int, k: int, width: int, dtype: str, out: Path, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--child", kind, "--layers", str(layers), "--k", str(k),
+               "--width", str(width), "--dtype", dtype,
                "--max-tokens", str(args.max_tokens), "--curvature-examples", str(args.curvature_examples),
                "--ingest", str(args.ingest), "--queries", str(args.queries), "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{kind} of {layers} layers, k={k} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"{layers} layers, k = {k}, {kind}: peak RSS {result['peak_rss_gb']:.2f} GB in {result['seconds']:.0f}s",
+    print(f"width {width}, {layers} layers, k = {k}, {dtype}, {kind}: peak RSS {result['peak_rss_gb']:.2f} GB "
+          f"in {result['seconds']:.0f}s",
           file=sys.stderr, flush=True)
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--k", type=int, nargs="+", default=None, help="k values (default 64 and the plan's k_max)")
-    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--k", type=int, nargs="+", default=[64], help="k values (0: the plan's k_max)")
+    parser.add_argument("--layers", type=int, nargs="+", default=[2])
+    parser.add_argument("--width", type=int, nargs="+", default=[256], help="hidden sizes (the issue's: 256 768)")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16", "float16"], help="the model's precision in every run")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--curvature-examples", type=int, default=128)
     parser.add_argument("--ingest", type=int, default=256, help="documents ingested after each fit")
@@ -193,30 +205,31 @@ def main() -> None:
         args.layers, args.k = args.layers[0], args.k[0]
         child(args)
         return
-    ks = args.k or [64, plan_for(args.layers[0], 64, args)["limits"]["k_max"]]
+    k_max = plan_for(args.layers[0], 64, args.width[0], "float32", args)["limits"]["k_max"]
+    ks = [k or k_max for k in args.k]
     results = []
     work = Path(tempfile.mkdtemp(prefix="fit-memory-"))
     try:
-        for k in ks:
-            for layers in args.layers:
-                out = work / f"L{layers}-k{k}"
-                runs = ["fit"] if args.no_ingest else ["fit", "ingest", "query"]
-                row = {"layers": layers, "k": k, "modules": 4 * layers}
-                for kind in runs:
-                    row[kind] = run_child(kind, layers, k, out, args)
-                row["plan"] = plan_for(layers, k, args)
-                results.append(row)
-                shutil.rmtree(out, ignore_errors=True)
+        for width, k, layers, dtype in itertools.product(args.width, ks, args.layers, args.dtype):
+            out = work / f"W{width}-L{layers}-k{k}-{dtype}"
+            runs = ["fit"] if args.no_ingest else ["fit", "ingest", "query"]
+            row = {"width": width, "layers": layers, "k": k, "dtype": dtype, "modules": 4 * layers}
+            for kind in runs:
+                row[kind] = run_child(kind, layers, k, width, dtype, out, args)
+            row["plan"] = plan_for(layers, k, width, dtype, args)
+            results.append(row)
+            shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps(results, indent=2))
         return
     print(f"m = {M:,} per module, {PCA_EXAMPLES} PCA fitting examples, {args.curvature_examples} curvature examples, "
-          f"max {args.max_tokens} tokens, batch {BATCH}, width 256; peak RSS (VmHWM) of each run in its own process; "
+          f"max {args.max_tokens} tokens, batch {BATCH}; peak RSS (VmHWM) of each run in its own process; "
           f"ingest of {args.ingest} documents and {args.queries} queries into the fitted index")
     print(f"process baseline (imports, no model): {results[0]['fit']['process_gb']:.2f} GB")
-    print(f"{'k':>5} {'layers':>6} {'run':<16} {'measured':>9} {'plan':>9} {'plan/measured':>14}")
+    print(f"{'width':>5} {'k':>5} {'layers':>6} {'dtype':<9} {'run':<16} {'measured':>9} {'plan':>9} "
+          f"{'plan/measured':>14}")
     for r in results:
         memory = r["plan"]["memory"]
         lines = [("fit (peak)", r["fit"]["peak_rss_gb"], memory["fit_peak"]["bytes"] / 1e9)]
@@ -228,13 +241,16 @@ def main() -> None:
         for name, measured, planned in lines:
             ratio = f"{planned / measured:.2f}" if measured else "-"
             shown = f"{measured:.2f}GB" if measured is not None else "-"
-            print(f"{r['k']:>5} {r['layers']:>6} {name:<16} {shown:>9} {planned:>7.2f}GB {ratio:>14}")
+            print(f"{r['width']:>5} {r['k']:>5} {r['layers']:>6} {r['dtype']:<9} {name:<16} {shown:>9} "
+                  f"{planned:>7.2f}GB {ratio:>14}")
         print(f"{'':>12} between the fit's phases: " + ", ".join(f"{k} {v:.2f}GB" for k, v in between.items()))
-    for k in ks:
-        rows = {r["layers"]: r["fit"]["peak_rss_gb"] for r in results if r["k"] == k}
+    for width, k, dtype in itertools.product(args.width, ks, args.dtype):
+        rows = {r["layers"]: r["fit"]["peak_rss_gb"] for r in results
+                if (r["width"], r["k"], r["dtype"]) == (width, k, dtype)}
         if len(rows) >= 2:
             lo, hi = min(rows), max(rows)
-            print(f"k = {k}: fit growth from {lo} to {hi} layers {rows[hi] - rows[lo]:.2f} GB (target < 1.0 GB; "
+            print(f"width {width}, k = {k}, {dtype}: fit growth from {lo} to {hi} layers {rows[hi] - rows[lo]:.2f} GB "
+                  "(target < 1.0 GB; "
                   f"every module's float32 coordinates in RAM would add {ALL_IN_RAM_GROWTH_GB:.1f} GB; "
                   "measured before the cache: 2.96 -> 8.06 GB, +5.1 GB)")
     worst = max(max(p / m, m / p) for r in results for _, m, p in
@@ -242,6 +258,13 @@ def main() -> None:
                 + [(kind, r[kind]["peak_rss_gb"], r["plan"]["memory"][kind]["bytes"] / 1e9)
                    for kind in ("ingest", "query") if kind in r])
     print(f"plan vs measured peaks (fit, ingest, query): worst factor {worst:.2f} (target within 1.5x)")
+    for r in results:
+        other = next((o for o in results if o["dtype"] == "float32" and r["dtype"] != "float32"
+                      and (o["width"], o["k"], o["layers"]) == (r["width"], r["k"], r["layers"])), None)
+        if other is not None and "ingest" in r:
+            print(f"width {r['width']}, {r['layers']} layers, k = {r['k']}: {r['dtype']} ingest / float32 ingest "
+                  f"{r['ingest']['peak_rss_gb'] / other['ingest']['peak_rss_gb']:.2f} (target <= 0.6; both "
+                  f"include the {r['fit']['process_gb']:.2f} GB process baseline)")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,11 @@ _projection_options = option_group(
 )
 #: How much of the PCA matrices may stay in memory (``ingest``, ``query``, ``explain``, ``serve``).
 _projection_memory_option = field_option(GradientConfig, "projection_memory_gb")
+#: The model's precision (every command that loads it).
+_dtype_option = field_option(GradientConfig, "dtype")
+#: The memory budget and the batch's tokens (``fit``, ``ingest``, ``plan``).
+_budget_options = (field_option(GradientConfig, "memory_budget_gb", "--memory-budget"),
+                   field_option(GradientConfig, "batch_tokens"))
 _model_option = click.option(
     "--model", "model_name", default=None,
     help="Load the model from here instead of the path or name in the manifest (it must be the same model).")
@@ -88,8 +93,8 @@ def cli() -> None:
     into="curvature",
 )
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
-@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device", "experts")),
-              into="gradients")
+@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device", "dtype", "experts")),
+              *_budget_options, into="gradients")
 @field_option(ProjectionConfig, "seed", help="Seed of the fitting samples, the sampled labels and the SRHT.")
 @click.option("--table-uri", default=None,
               help="LanceDB URI for the table (e.g. s3://bucket/prefix); default: inside --out.")
@@ -152,7 +157,8 @@ def fit(model, adapter, data, fit_data, out, projection, storage, curvature, mod
         check_index_dir(out, "overwrite" if overwrite else "create")
         with _fit_process_group(gradients.resolved_device()) if sharded else contextlib.nullcontext():
             model, adapter = model_and_adapter(model, adapter)
-            loaded, tokenizer = load_model(model, adapter=adapter, device=gradients.resolved_device())
+            loaded, tokenizer = load_model(model, adapter=adapter, device=gradients.resolved_device(),
+                                           dtype=gradients.dtype)
             wanted = curvature.num_examples + (projection.num_fit_examples if projection.second_stage == "pca" else 0)
             examples, seen = sample_shards(list(fit_data or data), spec, tokenizer, wanted, seed)
             if torchrun_rank() == 0:
@@ -207,8 +213,10 @@ def _fit_process_group(device: str):
               help="Examples per batch, one commit each (under torchrun: per worker and step).")
 @_model_option
 @field_option(GradientConfig, "device")
+@_dtype_option
 @_projection_memory_option
 @field_option(GradientConfig, "block_documents")
+@option_group(*_budget_options, into="budget")
 @click.option("--shard-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Name shards by their path relative to this directory (needed when file names repeat); "
                    "keep it the same across runs.")
@@ -223,7 +231,8 @@ def _fit_process_group(device: str):
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_record_options
 @_fail_cleanly
-def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, projection_memory_gb, block_documents,
+def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, dtype, projection_memory_gb,
+           block_documents, budget,
            shard_root, store_text, store_text_max_bytes, distributed, commit_every, as_json, record):
     """Store corpus shards in an index. Safe to rerun: stored examples are skipped.
 
@@ -236,8 +245,8 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
         torchrun --nproc_per_node 8 -m eogp_index.cli ingest my-index 'data/*.parquet' --commit-every 4
     """
     spec = RecordSpec(**record)  # max_tokens: the index's
-    gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device,
-                               projection_memory_gb=projection_memory_gb, block_documents=block_documents)
+    gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device, dtype=dtype,
+                               projection_memory_gb=projection_memory_gb, block_documents=block_documents, **budget)
     options = dict(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
                    progress=not as_json, shard_root=shard_root,
                    store_text=store_text_max_bytes if store_text else None)
@@ -270,9 +279,19 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
 
         check()
         index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
+        if not as_json:
+            click.echo(_sizing_line(index.sizing), err=True)
         summary = run_ingest(index, list(shards), **options)
     if torchrun_rank() == 0:
         _emit(summary.to_json(), as_json, lambda s: click.echo("\n".join(f"{k:>18}: {v}" for k, v in s.items())))
+
+
+def _sizing_line(sizing) -> str:
+    """What AttributionIndex.open chose for the memory budget, in one line."""
+    return (f"memory budget {sizing['budget'] / 1e9:.3g} GB ({sizing['budget_from']}): batches of "
+            f"{sizing['documents']} documents of up to {sizing['document_tokens']} tokens (from {sizing['from']}), "
+            f"P {'resident' if sizing['p_resident'] else 'read one module at a time'}; eogp plan INDEX prints the "
+            "estimates")
 
 
 @cli.command()
@@ -297,12 +316,13 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
               field_option(AnswerConfig, "group_by", metavar="COLUMN"), into="answer")
 @_model_option
 @field_option(GradientConfig, "device")
+@_dtype_option
 @_projection_memory_option
 @distributed_option
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @_fail_cleanly
 def query(index_dir, texts, queries_file, limit_queries, k, where, direction, candidates, stream, by_module,
-          answer, model_name, device, projection_memory_gb, distributed, as_json):
+          answer, model_name, device, dtype, projection_memory_gb, distributed, as_json):
     """Show the stored examples that most influence each query.
 
     Positive scores: training on the example lowers the query's loss. Under torchrun
@@ -324,7 +344,7 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
     if sharded and (candidates is not None or stream):
         raise click.UsageError("--candidates and --stream choose single-process routes; drop them under torchrun")
     with process_group():
-        gradients = GradientConfig(device=worker_device(device) if sharded else device,
+        gradients = GradientConfig(device=worker_device(device) if sharded else device, dtype=dtype,
                                    projection_memory_gb=projection_memory_gb)
         index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
         if index.store.count() == 0 and torchrun_rank() == 0:
@@ -365,10 +385,11 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
 @click.option("--color/--no-color", default=None, help="Shade tokens with colour (default: when a terminal).")
 @_model_option
 @field_option(GradientConfig, "device")
+@_dtype_option
 @_projection_memory_option
 @click.option("--json", "as_json", is_flag=True, help="Print the explanations as JSON.")
 @_fail_cleanly
-def explain(index_dir, texts, queries_file, ids, top, color, model_name, device, projection_memory_gb, as_json):
+def explain(index_dir, texts, queries_file, ids, top, color, model_name, device, dtype, projection_memory_gb, as_json):
     """Explain why documents rank for a query: by module and by token.
 
     Recomputes each document's per-token gradient contributions (one forward and
@@ -391,7 +412,8 @@ def explain(index_dir, texts, queries_file, ids, top, color, model_name, device,
     if bool(ids) == (top is not None):
         raise click.UsageError("give --id ID (repeatable) or --top N")
     index = AttributionIndex.open(index_dir, model_name=model_name,
-                                  gradients=GradientConfig(device=device, projection_memory_gb=projection_memory_gb))
+                                  gradients=GradientConfig(device=device, dtype=dtype,
+                                                           projection_memory_gb=projection_memory_gb))
     if top is not None:
         ids = tuple(index.top_influential(queries[0], k=top).column("id").to_pylist())
     explanations = index.explain_many(queries[0], list(ids))
@@ -680,6 +702,7 @@ def build_faiss(index_dir, kind, name, replicas, extend_only, as_json):
 @option_group(field_option(ServeConfig, "host"), field_option(ServeConfig, "port"),
               field_option(ServeConfig, "token", envvar="EOGP_SERVE_TOKEN"), into="serving")
 @field_option(GradientConfig, "device")
+@_dtype_option
 @_projection_memory_option
 @_model_option
 @option_group(*(field_option(ServeConfig, name) for name in ("batch_window_ms", "max_batch", "queue_size", "timeout_s",
@@ -687,7 +710,7 @@ def build_faiss(index_dir, kind, name, replicas, extend_only, as_json):
                                                               "max_queries")),
               into="limits")
 @_fail_cleanly
-def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
+def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, limits):
     """Serve influence queries over HTTP, with a web page, to many users at once.
 
     Loads the model and the hot copy once. Queries that arrive together share one
@@ -715,7 +738,7 @@ def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
                    err=True)
     configure_logging()
     index = open_index(index_dir, device=device, batch_size=config.max_batch, model_name=model_name,
-                       projection_memory_gb=projection_memory_gb)
+                       projection_memory_gb=projection_memory_gb, dtype=dtype)
     app = create_app(index, config)
     click.echo(f"serving {index_dir} on http://{config.host}:{config.port}/ (Ctrl-C stops)", err=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
@@ -726,8 +749,12 @@ def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
 @_projection_options
 @option_group(field_option(StorageConfig, "precision"), into="storage")
 @field_option(CurvatureConfig, "num_examples", "--curvature-examples")
-@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "experts")),
-              into="gradients")
+@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "dtype", "experts")),
+              *_budget_options, into="gradients")
+@click.option("--document-tokens", type=click.IntRange(min=1), default=None,
+              help="The documents' length in tokens, for the batch (default: --max-tokens, else the model's context).")
+@click.option("--device", "device_kind", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="Where the budget is: on cpu, kronfluence's host memory counts in it too.")
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
 @click.option("--documents", type=click.IntRange(min=0), default=1_000_000, show_default=True,
               help="Documents in the store, for its size.")
@@ -737,36 +764,47 @@ def serve(index_dir, serving, device, projection_memory_gb, model_name, limits):
 @click.option("--all-modules", is_flag=True, help="One line per module (default: modules alike in every block, grouped).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_fail_cleanly
-def plan(model, projection, storage, num_examples, gradients, modules, documents, block_documents, all_modules,
-         as_json):
-    """Print the storage accounting of an index before fitting it: nothing runs.
+def plan(model, projection, storage, num_examples, gradients, document_tokens, device_kind, modules, documents,
+         block_documents, all_modules, as_json):
+    """Plan an index before fitting it, or read a fitted one's: nothing runs.
 
     MODEL is a hub name, a local model directory, a LoRA adapter directory or
     a config.json; only its config is read (the model is built on PyTorch's
     meta device, without weights). Takes eogp fit's options and gives, per
     attributed module, d_u, m_u and k_u; the bytes per example; the shared
-    bytes (eigenbases, P); the fit's cache on disk; estimates of the peak
-    memory of fit, ingest and query (each says what it counts); the store's
-    size for --documents; the P read per ingested document (resident, per
-    batch, per block) against the block cache's disk; and the coverage: the
-    attributed share of the model's parameters by kind, and what is left out
-    and why.
+    bytes (eigenbases, P); the fit's cache on disk; the batch (documents x
+    tokens) and kronfluence's module partitions eogp fit and ingest would use;
+    the peak memory of each phase against --memory-budget, saying which one
+    does not fit and what would make it fit; the disk each phase needs; the P
+    read per ingested document (resident, per batch, per block) against the
+    block cache's disk; the store's size for --documents; and the coverage:
+    the attributed share of the model's parameters by kind, and what is left
+    out and why. Before a fit the kept eigenvector columns are an upper bound
+    (marked <=); given an INDEX directory instead of MODEL, the plan reads its
+    manifest and projection file and they are exact.
 
     \b
     Example:
         eogp plan examples/default/model -k 256 --documents 1000000
-        eogp plan allenai/OLMo-2-0425-1B --budget-kb 28 --pca-examples 10000 --max-tokens 512 --json
+        eogp plan olmo-2-1b/config.json -k 2048 --m 262144 --dtype bfloat16 --max-tokens 512 --memory-budget 80
+        eogp plan my-index --memory-budget 24
     """
     from eogp_index.fit.blocks import format_p_reads, p_reads
-    from eogp_index.fit.plan import format_plan, make_plan, model_shape
+    from eogp_index.fit.plan import format_plan, make_plan, model_shape, plan_of_index
 
-    if projection["k"] is None and projection["budget_kb"] is None:
-        projection["k"] = 256
-    config = ProjectionConfig(**projection)
     gradients = GradientConfig(**gradients)
-    shape = model_shape(model, list(modules) or None, experts=gradients.experts)
-    result = make_plan(shape, config, precision=StorageConfig(**storage).precision, curvature_examples=num_examples,
-                       batch_size=gradients.batch_size, max_tokens=gradients.max_tokens, documents=documents)
+    budget = None if gradients.memory_budget_gb is None else int(gradients.memory_budget_gb * 1e9)
+    options = dict(curvature_examples=num_examples, batch_size=gradients.batch_size, max_tokens=gradients.max_tokens,
+                   documents=documents, dtype=gradients.dtype, memory_budget=budget,
+                   batch_tokens=gradients.batch_tokens, document_tokens=document_tokens, device=device_kind)
+    if (Path(model) / "manifest.json").is_file():
+        result = plan_of_index(Path(model), **options)
+    else:
+        if projection["k"] is None and projection["budget_kb"] is None:
+            projection["k"] = 256
+        shape = model_shape(model, list(modules) or None, experts=gradients.experts)
+        result = make_plan(shape, ProjectionConfig(**projection), precision=StorageConfig(**storage).precision,
+                           **options)
     result["p_reads"] = p_reads(result, block_documents=block_documents)
     _emit(result, as_json, lambda data: click.echo(format_plan(data, all_modules=all_modules) + "\n"
                                                    + format_p_reads(data["p_reads"])))

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -23,19 +24,21 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
-from eogp_index.errors import ConfigError, InputError
+from eogp_index.config import CurvatureConfig, GradientConfig, ModelDtype, ProjectionConfig, StorageConfig
+from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
 from eogp_index.fit.fitting import fit_projection
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples, run_batches
 from eogp_index.gradients.experts import make_experts_trackable
 from eogp_index.gradients.model import (
     adapter_fingerprint,
+    dtype_name,
     freeze,
     load_indexed_model,
     model_fingerprint,
     model_sha256,
     pad_token_id,
     replace_conv1d,
+    torch_dtype,
 )
 from eogp_index.data.records import Example, RecordSpec, preference_pair, tokenize_record
 from eogp_index.search.explain import Explanation, explain_documents
@@ -51,7 +54,7 @@ from eogp_index.store.maintenance import (
     maybe_optimize,
     optimize,
 )
-from eogp_index.store.manifest import check_compatible
+from eogp_index.store.manifest import check_compatible, open_dtype
 from eogp_index.store.stored_ids import StoredIds
 from eogp_index.store.stored_index import StoredIndex, prepare_index_dir
 from eogp_index.store.table import RowInfo, build_rows
@@ -67,6 +70,8 @@ class AttributionIndex:
         self.tokenizer = tokenizer
         self.gradients = gradients
         self.device = gradients.resolved_device()
+        #: The batch :meth:`open` chose for the memory budget (``eogp plan INDEX``'s), or None.
+        self.sizing: Optional[Dict[str, Any]] = None
 
     # The stored parts, as attributes of the index itself.
     path = property(lambda self: self.stored.path)
@@ -83,7 +88,7 @@ class AttributionIndex:
                curvature: CurvatureConfig = CurvatureConfig(), projection: ProjectionConfig = ProjectionConfig(k=256),
                storage: StorageConfig = StorageConfig(), gradients: GradientConfig = GradientConfig(),
                table_uri: Optional[str] = None, mode: Literal["create", "overwrite"] = "create",
-               progress: bool = True) -> "AttributionIndex":
+               progress: bool = True, dtype: Optional[ModelDtype] = None) -> "AttributionIndex":
         """Fit curvature and projection on ``examples`` and write an empty index at ``path``.
 
         Args:
@@ -98,6 +103,9 @@ class AttributionIndex:
                 inside ``path``.
             mode: ``"create"`` refuses an existing index directory, and resumes an interrupted fit
                 found there (``path/fit`` without a manifest); ``"overwrite"`` replaces either.
+            dtype: the model's precision (default ``gradients.dtype``): ``"bfloat16"``,
+                ``"float16"`` or ``"float32"`` casts the model to it in place; ``"auto"`` keeps the
+                dtype it was loaded in. Recorded in the manifest: the index is opened in it.
 
         Under ``torch.distributed`` every rank calls this: the work is split
         (:mod:`eogp_index.fit.fitting`), rank 0 writes the index, and every rank returns it.
@@ -113,6 +121,7 @@ class AttributionIndex:
         if distributed:
             dist.barrier()
         path = Path(path)
+        gradients = _in_dtype(model, dtype or gradients.dtype, gradients)
         weights_fingerprint = model_fingerprint(model)  # before fitting swaps GPT-2's Conv1D, like weights_sha256
         adapter_entry = _adapter_entry(model, adapter)
         fitted = fit_projection(model, tokenizer, examples, path, modules=modules, curvature=curvature,
@@ -125,7 +134,7 @@ class AttributionIndex:
                            "batch_size": curvature.batch_size, "factors_dir": "curvature",
                            "fitting_set": "fit/fitting_set.json", "disjoint_from_pca": fitted.disjoint},
                 table_uri=table_uri, weights_fingerprint=weights_fingerprint, adapter=adapter_entry,
-                experts=gradients.experts)
+                experts=gradients.experts, model_dtype=gradients.dtype)
         if distributed:
             dist.barrier()  # every rank is done with the fit's files
         if rank == 0 and fitted.folder is not None:
@@ -138,7 +147,8 @@ class AttributionIndex:
 
     @classmethod
     def open(cls, path: Union[str, Path], *, model: Optional[nn.Module] = None, tokenizer=None,
-             model_name: Optional[str] = None, gradients: GradientConfig = GradientConfig()) -> "AttributionIndex":
+             model_name: Optional[str] = None, gradients: GradientConfig = GradientConfig(),
+             dtype: Optional[ModelDtype] = None) -> "AttributionIndex":
         """Open an index; load its model from the manifest's name unless one is given.
 
         Args:
@@ -146,6 +156,10 @@ class AttributionIndex:
             model_name: load the model from here instead of the manifest's name (the model moved;
                 an adapter directory replaces base and adapter); its weights must still hash to the
                 manifest's.
+            dtype: the model's precision (default ``gradients.dtype``); ``"auto"`` is the one the
+                index was built in (``manifest.model.dtype``), and another one is refused
+                (:func:`~eogp_index.store.manifest.open_dtype`): stored codes and queries must come
+                from the same precision. A model passed in must already be in it.
 
         The model and projection are checked by the sampled fingerprints in the manifest (an
         index written before them: by full SHA-256s); :func:`~eogp_index.store.verify.verify_index` (``eogp verify``)
@@ -153,10 +167,12 @@ class AttributionIndex:
         ingests leave no ``.grad`` (only output gradients are taken).
 
         Raises:
-            IncompatibleIndexError: the model's weights or the projection file differ from the
-                ones the index was built with.
+            IncompatibleIndexError: the model's weights, its dtype or the projection file differ
+                from the ones the index was built with.
         """
         stored = StoredIndex.open(path)
+        model_dtype = open_dtype(stored.manifest, dtype or gradients.dtype, where=str(stored.path))
+        gradients = dataclasses.replace(gradients, dtype=model_dtype)
         if stored.has_hot_copy() and not gradients.resolved_device().startswith("cuda"):
             # An index that is queried here: the CPU scan kernels' first call costs a few hundred
             # ms (numba sets up its CPU target and loads the cached machine code), done on the
@@ -165,10 +181,15 @@ class AttributionIndex:
         stored.projection_memory = _projection_memory(gradients)
         stored.projection  # noqa: B018  (loads and checks the projection before the model is loaded)
         if model is None:
-            model, loaded = load_indexed_model(stored.manifest.model, model_name, device=gradients.resolved_device())
+            model, loaded = load_indexed_model(stored.manifest.model, model_name, device=gradients.resolved_device(),
+                                               dtype=model_dtype)
             tokenizer = tokenizer or loaded
         elif tokenizer is None:
             raise ConfigError("AttributionIndex.open: pass the tokenizer together with the model")
+        elif dtype_name(model) != model_dtype:
+            raise IncompatibleIndexError(
+                f"{stored.path} was built with the model in {model_dtype} (manifest model.dtype) but the model given "
+                f"is {dtype_name(model)}; pass model.to(torch.{model_dtype}), or let open load it")
         if stored.manifest.model.get("weights_fingerprint"):
             check_compatible(stored.manifest, model_fingerprint=model_fingerprint(model),
                              adapter_fingerprint=adapter_fingerprint(model), where=str(stored.path))
@@ -178,7 +199,10 @@ class AttributionIndex:
         make_experts_trackable(model, dense=stored.manifest.model.get("experts") == "dense")  # as the fit did
         freeze(model)
         model.to(gradients.resolved_device()).eval()
-        return cls(stored, model, tokenizer, gradients=gradients)
+        gradients, sizing = _sized(stored, model, gradients)
+        index = cls(stored, model, tokenizer, gradients=gradients)
+        index.sizing = sizing
+        return index
 
     # -- gradients --------------------------------------------------------------------------------
     def project(self, examples: Sequence[Example], *, progress: bool = False) -> np.ndarray:
@@ -405,9 +429,37 @@ class AttributionIndex:
         return optimize(self.stored, retention=retention, rebuild_hot=rebuild_hot, target_rows=target_rows)
 
 
+def _sized(stored: StoredIndex, model: nn.Module, gradients: GradientConfig) -> tuple[GradientConfig, Dict[str, Any]]:
+    """``gradients`` with the batch (documents, at most ``gradients.batch_size``) that fits the
+    memory budget for ingest and queries, as ``eogp plan INDEX`` chooses it, and what was chosen
+    (the plan's ``batch``, with ``budget`` and ``budget_from``)."""
+    from eogp_index.fit.plan import memory_budget, plan_of_index, shape_of_model
+
+    device = gradients.resolved_device()
+    budget, budget_from = memory_budget(gradients.memory_budget_gb, device)
+    shape = shape_of_model(model, stored.manifest.module_names, name=stored.manifest.model["name"])
+    plan = plan_of_index(stored.path, shape=shape, batch_size=gradients.batch_size, memory_budget=budget,
+                         batch_tokens=gradients.batch_tokens, document_tokens=stored.manifest.max_tokens,
+                         projection_memory=_projection_memory(gradients),
+                         device="cpu" if device == "cpu" else "cuda")
+    sizing = {**plan["batch"], "budget": budget, "budget_from": budget_from,
+              "p_resident": plan["projection_in_memory"]["resident"]}
+    return dataclasses.replace(gradients, batch_size=plan["batch"]["documents"]), sizing
+
+
+def _in_dtype(model: nn.Module, dtype: Optional[str], gradients: GradientConfig) -> GradientConfig:
+    """Cast ``model`` in place to ``dtype`` (``"auto"``/None: keep its own); ``gradients`` naming it."""
+    if dtype not in (None, "auto"):
+        model.to(torch_dtype(dtype))
+    return dataclasses.replace(gradients, dtype=dtype_name(model))
+
+
 def _projection_memory(gradients: GradientConfig) -> Optional[int]:
-    """``gradients.projection_memory_gb`` in bytes (None: the projection's own default)."""
-    return None if gradients.projection_memory_gb is None else int(gradients.projection_memory_gb * (1 << 30))
+    """``gradients.projection_memory_gb`` in bytes; else half of ``memory_budget_gb`` (as ``eogp
+    plan`` counts it); else None (the projection's own default)."""
+    if gradients.projection_memory_gb is not None:
+        return int(gradients.projection_memory_gb * (1 << 30))
+    return None if gradients.memory_budget_gb is None else int(gradients.memory_budget_gb * 1e9) // 2
 
 
 def _capped(text: str, max_bytes: int) -> Optional[str]:

@@ -25,6 +25,10 @@ PCA_DTYPES = ("fp16", "fp32")
 #: Bytes per element of a stored PCA matrix, by ``ProjectionConfig.pca_dtype``.
 PCA_DTYPE_BYTES = {"fp16": 2, "fp32": 4}
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: Bytes per weight or activation element, by the model's dtype.
+MODEL_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 #: Variant names used in the manifest and the CLI, mapped to the second stage they use.
 VARIANTS = {"eogp": "pca", "eogp-rot": "pca", "eogp-r": "srht", "ekfac-topk": "none"}
@@ -250,7 +254,31 @@ class GradientConfig:
                           "the experts' compute). Fit and plan only: an index reloads it from its manifest."},
     )
 
+    dtype: ModelDtype = field(
+        default="auto",
+        metadata={"help": "The model's precision: auto is the checkpoint's own (what from_pretrained(dtype='auto') "
+                          "gives); bfloat16/float16 halve the weights and activations. Curvature, the first stage "
+                          "and P are computed in float32 whatever it is. An index is queried in the dtype it was "
+                          "built in (auto: the manifest's)."},
+    )
+    memory_budget_gb: Optional[float] = field(
+        default=None,
+        metadata={"help": "GB of device memory a run may use: batch sizes and kronfluence's module partitions are "
+                          "chosen to fit it. Default: the device's memory (a GPU's total; on the CPU the "
+                          "available memory).", "min": 0.0, "min_open": True},
+    )
+    batch_tokens: Optional[int] = field(
+        default=None,
+        metadata={"help": "Tokens per forward/backward pass (documents x padded length); a batch holds at most "
+                          "--batch-size documents. Default: the most that fit --memory-budget (eogp plan prints it).",
+                  "min": 1},
+    )
+
     def __post_init__(self) -> None:
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"GradientConfig.dtype must be one of {list(MODEL_DTYPES)} (--dtype), got {self.dtype!r}")
+        _positive("GradientConfig.memory_budget_gb", self.memory_budget_gb)
+        _positive("GradientConfig.batch_tokens", self.batch_tokens)
         _positive("GradientConfig.batch_size", self.batch_size, allow_none=False)
         _positive("GradientConfig.max_tokens", self.max_tokens)
         _positive("GradientConfig.projection_memory_gb", self.projection_memory_gb)

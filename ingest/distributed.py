@@ -41,6 +41,7 @@ a single worker.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -51,6 +52,7 @@ from typing import Any, List, Optional, Sequence
 from eogp_index.config import GradientConfig
 from eogp_index.errors import ConfigError, EOGPError, InputError
 from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, after_ingest
+from eogp_index.store.manifest import Manifest, open_dtype
 from ingest.pipeline import (
     ExampleReader,
     IngestSummary,
@@ -213,11 +215,12 @@ def run_distributed_ingest(
     try:
         if gradients.device == "auto":
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu"
-            gradients = GradientConfig(batch_size=gradients.batch_size, max_tokens=gradients.max_tokens, device=device)
+            gradients = dataclasses.replace(gradients, device=device)
         model = tokenizer = None
         if model_path is not None:
+            dtype = open_dtype(Manifest.load(index_path), gradients.dtype, where=str(index_path))
             model, tokenizer = load_indexed_model(Manifest.load(Path(index_path)).model, model_path,
-                                                  device=gradients.resolved_device())
+                                                  device=gradients.resolved_device(), dtype=dtype)
         index = AttributionIndex.open(index_path, model=model, tokenizer=tokenizer, gradients=gradients)
         worker = _Worker(index, comm, patterns, spec=spec, on_error=on_error, rejects_path=rejects_path,
                          batch_size=batch_size, commit_every=commit_every, progress=progress, shard_root=shard_root,

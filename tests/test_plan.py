@@ -10,7 +10,7 @@ from eogp_index.cli import cli
 from eogp_index.fit.plan import FIT_PHASES, format_plan, make_plan, model_shape
 from eogp_index.config import DEFAULT_M, ProjectionConfig
 from eogp_index.errors import ConfigError
-from tinymodels import make_tiny_gpt2, make_word_tokenizer
+from tinymodels import make_tiny_gpt2, save_workspace
 
 __import__("transformers").logging.set_verbosity_error()
 __import__("transformers").utils.logging.disable_progress_bar()
@@ -23,12 +23,7 @@ FITS = {"full": (["-k", "16", "--m", "100000"], True), "narrow": (["-k", "8", "-
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("plan")
-    make_tiny_gpt2().save_pretrained(root / "model")
-    make_word_tokenizer().save_pretrained(root / "model")
-    lines = [json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 7 + j) % 63 + 1}" for j in range(6 + i % 9))})
-             for i in range(30)]
-    (root / "shard.jsonl").write_text("\n".join(lines) + "\n")
+    root = save_workspace(tmp_path_factory.mktemp("plan"), make_tiny_gpt2(), 30)
     for name, (options, _) in FITS.items():
         result = CliRunner().invoke(cli, ["fit", str(root / "model"), "--data", str(root / "shard.jsonl"),
                                           "--out", str(root / name), *options, *FIT, "--json"])
@@ -187,3 +182,78 @@ def test_default_block_is_sized_by_free_disk_and_memory_in_whole_batches():
     by_memory = default_block_documents(ms, ks, 2, 8, free_disk=plenty, free_memory=int(61_600 / MEMORY_SHARE))
     assert by_memory == 8  # 10 documents' worth: one batch
     assert default_block_documents(ms, ks, 2, 8, free_disk=0, free_memory=0) == 8  # never less than a batch
+
+
+def _olmo2(hidden, intermediate, layers, heads, kv_heads):
+    """An OLMo-2-shaped config (bf16 checkpoint, 100,352-token vocabulary, 4,096 context)."""
+    from transformers import AutoConfig
+
+    from eogp_index.fit.plan import shape_of_config
+
+    config = AutoConfig.for_model("olmo2", hidden_size=hidden, intermediate_size=intermediate,
+                                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                  vocab_size=100352, max_position_embeddings=4096, dtype="bfloat16")
+    return shape_of_config(config, name=f"olmo2-{layers}x{hidden}")
+
+
+#: The paper's settings: m_u = 262,144, k_u = 2,048, 512-token documents.
+PAPER = dict(max_tokens=512, documents=1_000_000)
+PAPER_PROJECTION = ProjectionConfig(k=2048, m=262144)
+PHASES = (*FIT_PHASES, "ingest", "query")
+
+
+@pytest.fixture(scope="module")
+def olmo2_1b():
+    return _olmo2(2048, 8192, 16, 16, 16)
+
+
+def test_olmo2_1b_in_bf16_fits_an_80_gb_h100(olmo2_1b):
+    plan = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=80 * 10 ** 9, **PAPER)
+    assert plan["model"]["dtype"] == "bfloat16"  # auto: the checkpoint's
+    assert plan["model"]["weights_bytes"] == 2 * olmo2_1b.num_parameters
+    assert plan["fits"] and all(plan["memory"][key]["fits"] for key in PHASES), format_plan(plan)
+    assert plan["batch"]["document_tokens"] == 512 and plan["batch"]["documents"] >= 1
+    assert not plan["projection_in_memory"]["resident"]  # 120 GB of P: read one module at a time
+    # Before a fit the kept eigenvector columns are a bound, and the plan says so.
+    assert plan["memory"]["ingest"]["bound"] and "<=" in format_plan(plan)
+    # In float32 the weights and every activation double.
+    wide = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=80 * 10 ** 9, dtype="float32", **PAPER)
+    assert wide["model"]["weights_bytes"] == 2 * plan["model"]["weights_bytes"]
+    assert wide["memory"]["fit_first_stage"]["bytes"] > plan["memory"]["fit_first_stage"]["bytes"]
+
+
+def test_a_phase_that_does_not_fit_is_named_with_the_option_that_fits_it(olmo2_1b):
+    """The issue's first try: float32, 8 documents at the full 4,096-token context, on 48 GB."""
+    plan = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10 ** 9, dtype="float32", batch_tokens=8 * 4096,
+                     documents=10_000)
+    assert plan["fits"] is False
+    entry = plan["memory"]["fit_first_stage"]
+    assert entry["fits"] is False and "--batch-tokens 4096" in entry["fix"]
+    assert "DOES NOT FIT" in format_plan(plan) and "to fit: --batch-tokens 4096" in format_plan(plan)
+    # Re-planned with that option, the phase fits.
+    fixed = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10 ** 9, dtype="float32", batch_tokens=4096,
+                      documents=10_000)
+    assert fixed["memory"]["fit_first_stage"]["fits"]
+    # Without --batch-tokens the plan picks the largest batch that fits.
+    chosen = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10 ** 9, dtype="float32", documents=10_000)
+    assert chosen["batch"]["from"] == "the memory budget" and chosen["memory"]["fit_first_stage"]["fits"]
+    bigger = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10 ** 9, dtype="float32", documents=10_000,
+                       batch_tokens=(chosen["batch"]["documents"] + 1) * 4096)
+    assert not all(bigger["memory"][key]["fits"] for key in ("fit_first_stage", "ingest", "query"))
+
+
+def test_olmo2_32b_in_bf16_fits_a_192_gb_b200_under_a_stated_assumption():
+    """Before a fit the kept eigenvector columns are only bounded (648 GB in float32 at OLMo-2-32B:
+    every row and column of every eigenbasis). ASSUMPTION checked here: a fit keeps at most 1/8
+    of each eigenbasis' rows and columns (r_u <= d_out/8, c_u <= d_in/8), given to the plan as
+    exact figures the way `eogp plan INDEX` gives a fitted index's; and 100,000 documents in the
+    store (the hot copy the queries scan is in the budget)."""
+    shape = _olmo2(5120, 27648, 64, 40, 8)
+    bounded = make_plan(shape, PAPER_PROJECTION, memory_budget=192 * 10 ** 9, max_tokens=512, documents=100_000)
+    assert bounded["memory"]["ingest"]["bound"] and not bounded["shared"]["eigenbasis_exact"]
+    assumed = {m.name: 4 * (m.d_out * (m.d_out // 8) + m.d_in * (m.d_in // 8)) for m in shape.modules}
+    plan = make_plan(shape, PAPER_PROJECTION, memory_budget=192 * 10 ** 9, max_tokens=512, documents=100_000,
+                     eigenbasis_bytes=assumed)
+    assert plan["fits"] and all(plan["memory"][key]["fits"] for key in PHASES), format_plan(plan)
+    assert plan["curvature"]["module_partitions"] > 1  # kronfluence's factors do not fit at once
+    assert plan["shared"]["pca_bytes"] == 448 * 262144 * 2048 * 2  # the paper's 481 GB of P

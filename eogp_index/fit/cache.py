@@ -93,6 +93,16 @@ class FitFolder:
             raise ConfigError(f"{path} is not a fitting set written by eogp fit ({exc}); pass --overwrite "
                               "(mode='overwrite') to start the fit over") from exc
 
+    @staticmethod
+    def existing_settings(index_dir: Path) -> Optional[Dict[str, Any]]:
+        """The settings of an interrupted fit found in ``index_dir`` (None when there is none
+        or it cannot be read: :meth:`begin` then says why)."""
+        path = Path(index_dir) / FIT_DIR / FITTING_SET_FILE
+        try:
+            return json.loads(path.read_text()).get("settings")
+        except (OSError, ValueError, AttributeError):
+            return None
+
     def begin(self) -> bool:
         """Write ``fitting_set.json``, or check the one found; True when resuming an earlier fit."""
         found = self.existing()

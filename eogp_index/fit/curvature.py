@@ -16,10 +16,10 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Sequence
+from typing import Iterator, List, Mapping, Sequence
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -112,7 +112,8 @@ def fit_curvature(
     pad_token_id: int = 0,
     device: str = "cpu",
     progress: bool = True,
-) -> Dict[str, ModuleCurvature]:
+    module_partitions: int = 1,
+) -> "CurvatureFiles":
     """Fit EK-FAC with kronfluence on ``examples`` and return the per-module factors.
 
     Args:
@@ -122,6 +123,15 @@ def fit_curvature(
             is used. Labels are only used as a mask: the Fisher samples its own labels.
         modules: names of the attributed ``nn.Linear`` modules.
         output_dir: kronfluence writes its factors under ``output_dir/eogp/factors_ekfac``.
+        module_partitions: kronfluence fits the covariances, then Λ, of this many contiguous
+            groups of modules one group at a time (one pass over the sample each), so that only
+            one group's factors are on the device at once
+            (:func:`eogp_index.fit.plan.curvature_partitions` picks it from the memory budget).
+
+    Whatever the model's dtype, kronfluence is told to accumulate the covariances, per-example
+    gradients and Λ in float32 from the model's activations and output gradients, to
+    eigendecompose in float64, and to run without autocast: its defaults today, set here so that
+    a bf16 or fp16 model does not change them.
     """
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments
@@ -150,7 +160,12 @@ def fit_curvature(
                 dataset=_ExampleDataset(sample),
                 per_device_batch_size=config.batch_size,
                 dataloader_kwargs=DataLoaderKwargs(collate_fn=lambda batch: collate(batch, pad_token_id)),
-                factor_args=FactorArguments(strategy="ekfac"),
+                factor_args=FactorArguments(
+                    strategy="ekfac", amp_dtype=None, activation_covariance_dtype=torch.float32,
+                    gradient_covariance_dtype=torch.float32, eigendecomposition_dtype=torch.float64,
+                    per_sample_gradient_dtype=torch.float32, lambda_dtype=torch.float32,
+                    covariance_module_partitions=min(module_partitions, len(modules)),
+                    lambda_module_partitions=min(module_partitions, len(modules))),
                 overwrite_output_dir=True,
             )
     finally:
@@ -163,26 +178,54 @@ def factors_dir(output_dir: Path) -> Path:
     return Path(output_dir) / ANALYSIS_NAME / f"factors_{FACTORS_NAME}"
 
 
-def load_curvature(output_dir: Path, modules: List[str]) -> Dict[str, ModuleCurvature]:
-    """Read kronfluence's EK-FAC factors back, with the eigenvalues normalised per example."""
-    folder = factors_dir(output_dir)
-    files = {}
-    for name in ("activation_eigenvectors", "gradient_eigenvectors", "lambda_matrix", "num_lambda_processed"):
-        path = folder / f"{name}.safetensors"
-        if not path.exists():
-            raise IndexNotFoundError(f"kronfluence factor file {path} is missing; fit the curvature first (eogp fit)")
-        files[name] = load_file(str(path))
-    curvature = {}
-    for module in modules:
-        if module not in files["lambda_matrix"]:
-            raise IndexNotFoundError(
-                f"module {module!r} has no EK-FAC factors in {folder}; refit the curvature for these modules"
-            )
-        lambda_sum = files["lambda_matrix"][module].double()
-        count = files["num_lambda_processed"][module].double()
-        curvature[module] = ModuleCurvature(
-            activation_eigenvectors=files["activation_eigenvectors"][module].float().contiguous(),
-            gradient_eigenvectors=files["gradient_eigenvectors"][module].float().contiguous(),
-            eigenvalues=(lambda_sum / count).float().contiguous(),
+def load_curvature(output_dir: Path, modules: List[str]) -> "CurvatureFiles":
+    """kronfluence's EK-FAC factors, read one module at a time, eigenvalues normalised per example.
+
+    Raises:
+        IndexNotFoundError: a factor file, or a module in it, is missing.
+    """
+    return CurvatureFiles(factors_dir(output_dir), modules)
+
+
+class CurvatureFiles(Mapping[str, ModuleCurvature]):
+    """``{module: ModuleCurvature}`` over kronfluence's factor files: each module's tensors are
+    read from them when it is looked up, so every module's factors (1.4 TB in float32 at
+    OLMo-2-32B) never sit in memory at once."""
+
+    _FILES = ("activation_eigenvectors", "gradient_eigenvectors", "lambda_matrix", "num_lambda_processed")
+
+    def __init__(self, folder: Path, modules: List[str]):
+        self.folder = Path(folder)
+        self.modules = list(modules)
+        for name in self._FILES:
+            path = self.folder / f"{name}.safetensors"
+            if not path.exists():
+                raise IndexNotFoundError(f"kronfluence factor file {path} is missing; fit the curvature first "
+                                         "(eogp fit)")
+        with safe_open(str(self.folder / "lambda_matrix.safetensors"), framework="pt") as handle:
+            present = set(handle.keys())
+        for module in self.modules:
+            if module not in present:
+                raise IndexNotFoundError(
+                    f"module {module!r} has no EK-FAC factors in {self.folder}; refit the curvature for these modules"
+                )
+
+    def __getitem__(self, module: str) -> ModuleCurvature:
+        if module not in self.modules:
+            raise KeyError(module)
+        tensors = {}
+        for name in self._FILES:
+            with safe_open(str(self.folder / f"{name}.safetensors"), framework="pt") as handle:
+                tensors[name] = handle.get_tensor(module)
+        return ModuleCurvature(
+            activation_eigenvectors=tensors["activation_eigenvectors"].float().contiguous(),
+            gradient_eigenvectors=tensors["gradient_eigenvectors"].float().contiguous(),
+            eigenvalues=(tensors["lambda_matrix"].double() / tensors["num_lambda_processed"].double())
+            .float().contiguous(),
         )
-    return curvature
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.modules)
+
+    def __len__(self) -> int:
+        return len(self.modules)

@@ -32,6 +32,7 @@ Writing the manifest and the projection file is the store's job
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -145,6 +146,8 @@ def fit_projection(
                           curvature_seed=curvature.seed, pca_seed=projection.seed)
     check_counted(sets.pca)
     _probe_capture(model, names, sets.pca or sets.curvature, pad_id, device)
+    gradients, curvature, partitions = _sized(model, names, sets, out_dir, projection, storage, curvature, gradients,
+                                              device, ranks)
     settings = {"weights_sha256": weights_sha256, "modules": list(names), "curvature": curvature.__dict__,
                 "projection": projection.__dict__, "precision": storage.precision,
                 "max_tokens": gradients.max_tokens, "gradient_batch_size": gradients.batch_size}
@@ -155,7 +158,8 @@ def fit_projection(
                  _reused(folder, num_batches, len(names), use_pca))
     ranks.barrier()
 
-    factors = _curvature(model, sets.curvature, names, out_dir, folder, curvature, pad_id, device, ranks, progress)
+    factors = _curvature(model, sets.curvature, names, out_dir, folder, curvature, pad_id, device, ranks, progress,
+                         partitions)
     fitted = build_projection(factors, projection, storage, damping_ratio=curvature.damping_ratio)
     del factors  # build_projection copied the columns it keeps
     if use_pca:
@@ -197,7 +201,39 @@ def _reused(folder: FitFolder, num_batches: int, num_modules: int, use_pca: bool
     return ", ".join(parts)
 
 
-def _curvature(model, examples, names, out_dir, folder, config, pad_id, device, ranks, progress):
+def _sized(model, names, sets, out_dir, projection, storage, curvature, gradients, device, ranks):
+    """The batch (documents, at most ``gradients.batch_size``) and kronfluence's module partitions
+    that fit the memory budget, as ``eogp plan`` chooses them, said in the log.
+
+    Returns ``gradients`` and ``curvature`` with those batch sizes, and the partitions. A resumed
+    fit keeps the batch its cached coordinates were computed with when the batch is not given.
+    """
+    from eogp_index.fit.plan import make_plan, memory_budget, shape_of_model
+
+    budget, budget_from = memory_budget(gradients.memory_budget_gb, device)
+    examples = [*sets.curvature, *sets.pca]
+    plan = make_plan(shape_of_model(model, names, name="the model"), projection, precision=storage.precision,
+                     curvature_examples=len(sets.curvature), batch_size=gradients.batch_size,
+                     document_tokens=max(len(ex.input_ids) for ex in examples), memory_budget=budget,
+                     batch_tokens=gradients.batch_tokens, device="cpu" if device == "cpu" else "cuda")
+    documents = plan["batch"]["documents"]
+    found = (FitFolder.existing_settings(out_dir) or {}).get("gradient_batch_size")
+    if found is not None and gradients.batch_tokens is None and found <= gradients.batch_size:
+        documents = found  # the interrupted fit's batches, whatever memory is free now
+    partitions = plan["curvature"]["module_partitions"]
+    if ranks.rank == 0:
+        log.info("memory budget %.3g GB (%s): batches of %d documents of up to %d tokens, kronfluence in %d module "
+                 "partition(s); eogp plan prints the estimates", budget / 1e9, budget_from, documents,
+                 plan["batch"]["document_tokens"], partitions)
+        for key in ("fit_curvature", "fit_first_stage", "fit_pca", "fit_save"):
+            entry = plan["memory"][key]
+            if entry["fits"] is False:
+                log.warning("%s is estimated at %.3g GB, over the budget: %s", key, entry["bytes"] / 1e9, entry["fix"])
+    return (dataclasses.replace(gradients, batch_size=documents),
+            dataclasses.replace(curvature, batch_size=min(curvature.batch_size, documents)), partitions)
+
+
+def _curvature(model, examples, names, out_dir, folder, config, pad_id, device, ranks, progress, partitions=1):
     """EK-FAC factors: reused when complete; else fitted by kronfluence (see the module docstring)."""
     curvature_dir = out_dir / CURVATURE_DIR
     # The marker is written after kronfluence returns, so it implies complete factor files.
@@ -209,7 +245,8 @@ def _curvature(model, examples, names, out_dir, folder, config, pad_id, device, 
                 log.info("rank 0 fits the curvature (kronfluence splits it only on CUDA with NCCL); "
                          "the other %d ranks wait", ranks.world - 1)
             fit_curvature(model, [(ex.input_ids, ex.labels) for ex in examples], names, curvature_dir,
-                          config=config, pad_token_id=pad_id, device=device, progress=progress)
+                          config=config, pad_token_id=pad_id, device=device, progress=progress,
+                          module_partitions=partitions)
         ranks.barrier()
         if ranks.rank == 0:
             folder.mark_curvature_done()

@@ -13,9 +13,17 @@ Given the attributed modules' shapes and the fit options, :func:`make_plan` give
   corrected eigenvalues, float32;
 * the fit's cache (``fit/``, deleted when the fit finishes): the PCA set's first-stage
   coordinates, ``n·Σ_u m_u·2`` bytes, and each module's fitted ``P`` in float32;
-* peak memory of fit, ingest and query, each listing what it counts;
+* peak memory of each phase (fit: curvature, first stage, PCA, save; ingest; query), each
+  listing what it counts, from the model's dtype, the batch (documents x tokens) and kronfluence's
+  module partitions; with a memory budget, whether it fits and, if not, which option would
+  make it fit; and the disk each phase writes;
 * the store for ``N`` documents: ``N`` times the per-example payload, and the in-memory copy
   queries scan.
+
+Every phase is a function of the plan's inputs and the batch (``*_phase``), so that a phase
+or a term (a block of documents, the P bytes read per document) is added in one place.
+The batch is chosen as ``eogp fit`` and ``eogp ingest`` choose theirs: the most documents (at
+most ``--batch-size``) whose projecting phases fit the budget.
 
 The arithmetic is torch-free; :func:`model_shape` builds the model on PyTorch's ``meta``
 device (no weights are read or allocated) to list its modules.
@@ -26,15 +34,19 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from eogp_index.config import DEFAULT_M_HELP, PCA_DTYPE_BYTES, ProjectionConfig, bytes_per_module
-from eogp_index.errors import ModelError
+from eogp_index.config import (
+    DEFAULT_M_HELP,
+    MODEL_DTYPE_BYTES,
+    PCA_DTYPE_BYTES,
+    ProjectionConfig,
+    bytes_per_module,
+)
+from eogp_index.errors import ConfigError, ModelError
 
-#: Weights are loaded in float32 (``gradients.model.load_model``).
-WEIGHT_BYTES = 4
 F32, F64 = 4, 8
 #: Resident memory of an eogp process before it builds any model or index data: the Python
 #: interpreter, torch, transformers, kronfluence, LanceDB, numba and their libraries. Measured
@@ -67,7 +79,7 @@ class ModelShape:
 
     ``context`` is the longest sequence it takes (used when ``--max-tokens`` is not given);
     ``coverage`` the attributed share of its parameters (:meth:`Coverage.to_json
-    <eogp_index.gradients.coverage.Coverage.to_json>`).
+    <eogp_index.gradients.coverage.Coverage.to_json>`); ``dtype`` the checkpoint's own (its config's ``dtype``; float32 when it names none).
     """
 
     name: str
@@ -78,6 +90,7 @@ class ModelShape:
     vocab_size: int
     context: int
     coverage: Optional[Dict[str, Any]] = None
+    dtype: str = "float32"
 
 
 def model_shape(name_or_config: str, patterns: Optional[Sequence[str]] = None, *,
@@ -114,9 +127,8 @@ def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = No
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eogp_index.gradients.coverage import model_coverage
     from eogp_index.gradients.experts import make_experts_trackable
-    from eogp_index.gradients.model import add_lora_layers, find_attributed_modules, module_shape, replace_conv1d
+    from eogp_index.gradients.model import add_lora_layers, find_attributed_modules, replace_conv1d
 
     with torch.device("meta"):  # shapes only: no weight is allocated, however large the model
         model = AutoModelForCausalLM.from_config(config)
@@ -124,16 +136,52 @@ def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = No
             add_lora_layers(model, adapter)
         replace_conv1d(model)
         make_experts_trackable(model, dense=experts == "dense")
-    names = find_attributed_modules(model, patterns)
-    modules = tuple(ModuleShape(n, *module_shape(model, n)) for n in names)
+    return shape_of_model(model, find_attributed_modules(model, patterns), name=name, dtype=_config_dtype(config))
+
+
+def shape_of_model(model, names: Sequence[str], *, name: str, dtype: Optional[str] = None) -> ModelShape:
+    """:func:`model_shape` of a built model (``Conv1D`` already replaced) and its attributed
+    modules; ``dtype`` defaults to its weights' own."""
+    from eogp_index.gradients.coverage import model_coverage
+    from eogp_index.gradients.model import module_shape
+
+    config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelShape(
-        name=name, modules=modules, num_parameters=sum(p.numel() for p in model.parameters()),
+        name=name, modules=tuple(ModuleShape(n, *module_shape(model, n)) for n in names),
+        num_parameters=sum(p.numel() for p in model.parameters()),
         hidden_size=int(getattr(text, "hidden_size")), num_layers=int(getattr(text, "num_hidden_layers")),
         vocab_size=int(getattr(text, "vocab_size")),
         context=int(getattr(text, "max_position_embeddings", 0) or getattr(text, "n_positions", 0) or 2048),
         coverage=model_coverage(model, names).to_json(),
+        dtype=dtype or str(next(model.parameters()).dtype).removeprefix("torch."),
     )
+
+
+def memory_budget(budget_gb: Optional[float], device: str) -> Tuple[int, str]:
+    """``(bytes, where from)``: ``--memory-budget`` GB, else :func:`device_memory`."""
+    if budget_gb is not None:
+        return int(budget_gb * 1e9), "--memory-budget"
+    return device_memory(device), f"the memory of {device}"
+
+
+def device_memory(device: str) -> int:
+    """Bytes a run on ``device`` may use by default: a GPU's total memory, else the memory
+    available now."""
+    import torch
+
+    if device.startswith("cuda"):
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    from eogp_index.fit.projection import available_memory
+
+    return available_memory()
+
+
+def _config_dtype(config) -> str:
+    """The dtype a config says its checkpoint is stored in (``from_pretrained(dtype="auto")``)."""
+    value = getattr(config, "dtype", None)
+    name = str(value).removeprefix("torch.") if value is not None else "float32"
+    return name if name in MODEL_DTYPE_BYTES else "float32"
 
 
 def _eigen_upper(mod: ModuleShape) -> int:
@@ -142,158 +190,458 @@ def _eigen_upper(mod: ModuleShape) -> int:
     return F32 * (mod.d_out ** 2 + mod.d_in ** 2)
 
 
+def curvature_partitions(factor_bytes: Sequence[int], available: Optional[int]) -> int:
+    """The fewest kronfluence module partitions whose largest holds at most ``available`` bytes
+    of factors (every module alone when even that does not fit; 1 without a budget).
+
+    kronfluence deals the modules, in model order, into ``p`` contiguous parts of nearly equal
+    count (``kronfluence.module.utils.make_modules_partition``); a part's modules are the ones
+    whose covariances, then eigenvectors and Λ, it holds on the device at once.
+    """
+    count = len(factor_bytes)
+    if available is None or count == 0:
+        return 1
+    for parts in range(1, count + 1):
+        if _largest_part(factor_bytes, parts) <= available:
+            return parts
+    return count
+
+
+def _largest_part(factor_bytes: Sequence[int], parts: int) -> int:
+    """Bytes of the largest of kronfluence's ``parts`` module partitions."""
+    div, mod = divmod(len(factor_bytes), parts)
+    return max(sum(factor_bytes[i * div + min(i, mod):(i + 1) * div + min(i + 1, mod)]) for i in range(parts))
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What every phase's estimate reads: the model, the modules' rows and the options."""
+
+    shape: ModelShape
+    rows: Tuple[Dict[str, Any], ...]
+    projection: ProjectionConfig
+    dtype: str
+    n_pca: int
+    curvature_examples: int
+    documents: int
+    precision: str
+    budget: Optional[int]
+    device: str
+
+    @property
+    def w(self) -> int:
+        """Bytes per weight and activation element in the model's dtype."""
+        return MODEL_DTYPE_BYTES[self.dtype]
+
+    @property
+    def pca(self) -> bool:
+        return self.projection.second_stage == "pca"
+
+    @property
+    def p_dtype(self) -> int:
+        return PCA_DTYPE_BYTES[self.projection.pca_dtype]
+
+    @property
+    def weights(self) -> int:
+        return self.w * self.shape.num_parameters
+
+    @property
+    def model(self) -> int:
+        return PROCESS_BYTES + self.weights
+
+    @property
+    def eigen(self) -> int:
+        """Kept eigenvector columns (exact on a fitted index, else their bound) and the whitening
+        weights, positions and SRHTs, as held while projecting."""
+        return sum(r["eigenbasis_bytes"] + r["other_bytes"] for r in self.rows)
+
+    @property
+    def eigen_is_bound(self) -> bool:
+        return not all(r["eigenbasis_exact"] for r in self.rows)
+
+    @property
+    def pca_total(self) -> int:
+        return sum(r["pca_bytes"] for r in self.rows)
+
+    @property
+    def largest_pca(self) -> int:
+        return max(r["pca_bytes"] for r in self.rows)
+
+    @property
+    def upcast(self) -> int:
+        """apply_pca upcasts an FP16 P in float32 blocks of at most 64 MiB (none for an fp32 P)."""
+        largest = max(self.rows, key=lambda r: r["m"] * r["k"])
+        if not (self.pca and self.projection.pca_dtype == "fp16"):
+            return 0
+        return min(F32 * largest["m"] * largest["k"], UPCAST_BLOCK_BYTES)
+
+    def activations(self, tokens: int, *, captured_bytes: Optional[int] = None) -> int:
+        """One batch of ``tokens`` (documents x padded length) through the model: the activations
+        autograd keeps, ~34·h bytes per token and layer at 16 bits (Korthikanti et al. 2022,
+        attention scores not kept by fused attention), scaled to the model's dtype; the logits,
+        their float32 copy for the loss and its gradient; and every attributed module's input,
+        held by the capture hooks until its backward (in the model's dtype, or ``captured_bytes``
+        per element)."""
+        shape = self.shape
+        autograd = 17 * self.w * shape.hidden_size * shape.num_layers * tokens
+        logits = (self.w + F32) * shape.vocab_size * tokens
+        captured = (captured_bytes or self.w) * tokens * sum(r["d_in"] for r in self.rows)
+        return autograd + logits + captured
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A forward/backward batch: ``documents`` of up to ``document_tokens`` tokens each."""
+
+    documents: int
+    document_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return self.documents * self.document_tokens
+
+
+def _phase(peak: int, counts: str, *, bound: bool = False, disk: int = 0, disk_counts: str = "") -> Dict[str, Any]:
+    return {"bytes": peak, "counts": counts, "bound": bound, "disk_bytes": disk, "disk_counts": disk_counts}
+
+
+def fit_curvature_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
+    """kronfluence's fit on the device, in module partitions chosen to fit the budget."""
+    factor_bytes = [r["factor_bytes"] for r in inp.rows]
+    widest = max(r["d"] for r in inp.rows)
+    docs = min(batch.documents, inp.curvature_examples)
+    tokens = docs * batch.document_tokens
+    # Its Λ pass keeps every module's input in float32 until that module's backward hook, and
+    # one module's per-example gradients of the batch with their rotation into the eigenbasis;
+    # eigendecomposing one module's covariance (float64) needs it and its eigenvectors.
+    work = (inp.activations(tokens, captured_bytes=F32) + 2 * F32 * docs * widest
+            + 2 * F64 * max(max(r["d_in"], r["d_out"]) ** 2 for r in inp.rows))
+    available = None if inp.budget is None else inp.budget - inp.model - work
+    parts = curvature_partitions(factor_bytes, available)
+    held = _largest_part(factor_bytes, parts)
+    factors = sum(factor_bytes)
+    # kronfluence reads every module's factors into host memory at once (aggregating the
+    # partitions, eigendecomposing, then a copy for the Λ pass); reading them back for the
+    # projection holds one module's eigenvectors and Λ at a time, and the kept columns of all.
+    build = max(F32 * (r["d_in"] ** 2 + r["d_out"] ** 2 + r["d"]) for r in inp.rows) + inp.eigen
+    host = PROCESS_BYTES + max(2 * factors, build)
+    on_cpu = inp.device == "cpu"
+    peak = inp.model + held + work + (host - PROCESS_BYTES if on_cpu else 0)
+    return {**_phase(
+        peak,
+        f"process + weights ({inp.dtype}) + kronfluence's factors of its largest module partition "
+        f"({parts} partition{'s' if parts > 1 else ''} of the {len(factor_bytes)} modules, {_size(held)}: "
+        "covariances, eigenvectors, eigenvalues, Λ, float32) + one curvature batch's activations (module inputs "
+        "in float32) and one module's per-example gradients and eigendecomposition (float64)"
+        + ("; on the CPU also the host memory below" if on_cpu else ""),
+        bound=inp.eigen_is_bound,
+        disk=factors * (2 if parts > 1 else 1),
+        disk_counts="kronfluence's factors (curvature/), twice while partitions are aggregated"),
+        "module_partitions": parts,
+        "host_bytes": host,
+        "host_counts": "process + every module's factors twice (kronfluence aggregates, decomposes and copies "
+                       "them in host memory) or, if larger, every module's kept eigenvector columns (upper bound "
+                       "before the fit) and one module's factors, read back one at a time",
+    }
+
+
+def first_stage_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
+    """The model with the kept eigenvector columns and one batch's activations and first-stage
+    rows: the fit's PCA pass, and what ingest and queries hold besides P."""
+    widest = max(r["d"] for r in inp.rows)
+    sum_m = sum(r["m"] for r in inp.rows)
+    # Per batch, one module at a time: one example's (r, c) eigenbasis block at a time, with the
+    # intermediate product of the per-example routes, and the batch's (B, m) rows taken from it
+    # (float32, each block at most d_u); every module's rows of the batch (float16).
+    work = F32 * (2 * widest + batch.documents * max(r["m"] for r in inp.rows)) + 2 * batch.documents * sum_m
+    peak = inp.model + inp.eigen + inp.activations(batch.tokens) + work
+    return _phase(peak, f"process + weights ({inp.dtype}) + kept eigenvector columns"
+                  + (" (upper bound)" if inp.eigen_is_bound else "")
+                  + f" + one batch's activations ({batch.documents} x {batch.document_tokens} tokens), captured "
+                  "module inputs and first-stage rows", bound=inp.eigen_is_bound,
+                  disk=2 * inp.n_pca * sum_m if inp.pca else 0,
+                  disk_counts="the PCA set's first-stage coordinates (fit/, float16)")
+
+
+def fit_pca_phase(inp: _Inputs) -> Dict[str, Any]:
+    """fit_pca of the largest module from its cache: the FP16 cache, the Gram (n < m) or
+    covariance matrix and its eigenvectors (float64), the float64 blocks it upcasts (<= 64 MiB
+    each, two at a time), the directions (float32) and P at its stored dtype."""
+    def one(r: Dict[str, Any]) -> int:
+        n, m, k = inp.n_pca, r["m"], r["k"]
+        square = min(n, m)
+        blocks = 2 * min(F64 * n * m, UPCAST_BLOCK_BYTES)
+        return 2 * n * m + 2 * F64 * square * square + blocks + (F32 + inp.p_dtype) * m * k
+
+    work = max(one(r) for r in inp.rows) if inp.pca else 0
+    return _phase(inp.model + inp.eigen + work,
+                  f"process + weights + kept eigenvector columns + the largest module's PCA: its cached coordinates "
+                  f"({inp.n_pca} x m_u, float16), Gram or covariance matrix and eigenvectors (float64), float64 "
+                  "blocks of at most 64 MiB, P", bound=inp.eigen_is_bound,
+                  disk=inp.pca_total, disk_counts=f"each module's fitted P (fit/pca/, {inp.projection.pca_dtype})")
+
+
+def fit_save_phase(inp: _Inputs) -> Dict[str, Any]:
+    """Writing the projection file, one tensor at a time."""
+    return _phase(inp.model + inp.eigen + inp.largest_pca,
+                  "process + weights + kept eigenvector columns + one module's P: the projection file is written "
+                  "one tensor at a time", bound=inp.eigen_is_bound,
+                  disk=inp.pca_total + inp.eigen, disk_counts="projection.safetensors")
+
+
+def ingest_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> Dict[str, Any]:
+    """Projecting and storing a batch: the first stage's memory, and P resident or one module's
+    P at a time (read in every batch). A block-of-documents mode slots in here as a third case."""
+    base = first_stage_phase(inp, batch)["bytes"]
+    p_held = inp.pca_total if resident else inp.largest_pca
+    per_example = sum(r["bytes_per_example"] for r in inp.rows)
+    what = ("every module's P, resident" if resident else
+            f"one module's P at a time ({_size(inp.largest_pca)}), read in every batch")
+    return {**_phase(base + p_held + inp.upcast,
+                     f"what the first stage holds + {what}, and an upcast float32 block of it ({_size(inp.upcast)})",
+                     bound=inp.eigen_is_bound, disk=inp.documents * per_example,
+                     disk_counts=f"the codes of {inp.documents:,} documents (table columns not counted)"),
+            "p_resident": resident}
+
+
+def query_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> Dict[str, Any]:
+    """A batch of queries: what ingest holds, plus the in-memory copy of the codes it scans."""
+    rows = inp.rows
+    hot = inp.documents * ((sum(math.ceil(r["k"] / 8) for r in rows) + F32 * len(rows)) if inp.precision == "1bit"
+                           else F32 * sum(r["k"] for r in rows))
+    ingest = ingest_phase(inp, batch, resident=resident)
+    return {**_phase(ingest["bytes"] + hot,
+                     "what ingest holds, plus the in-memory copy of the codes it scans (packed signs and float32 "
+                     f"scales per row, {_size(hot)})", bound=inp.eigen_is_bound),
+            "hot_bytes": hot, "p_resident": resident}
+
+
+def _batch_phases(inp: _Inputs, batch: Batch, resident: bool) -> Dict[str, Dict[str, Any]]:
+    """The phases whose memory grows with the batch."""
+    return {"fit_curvature": fit_curvature_phase(inp, batch), "fit_first_stage": first_stage_phase(inp, batch),
+            "ingest": ingest_phase(inp, batch, resident=resident), "query": query_phase(inp, batch, resident=resident)}
+
+
+def choose_batch(inp: _Inputs, document_tokens: int, most: int, resident: bool) -> Tuple[Batch, str]:
+    """The largest batch of at most ``most`` documents whose projecting phases (first stage,
+    ingest, query) fit the budget; one document when none does (the plan then says so)."""
+    fits = [d for d in range(1, most + 1)
+            if inp.budget is None or all(
+                phase["bytes"] <= inp.budget for key, phase in _batch_phases(inp, Batch(d, document_tokens),
+                                                                             resident).items()
+                if key != "fit_curvature")]
+    if inp.budget is None:
+        return Batch(most, document_tokens), "--batch-size (no memory budget)"
+    if not fits:
+        return Batch(1, document_tokens), "one document: even that does not fit the memory budget"
+    return Batch(max(fits), document_tokens), ("--batch-size" if max(fits) == most else "the memory budget")
+
+
 def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str = "1bit",
               curvature_examples: int = 1000, batch_size: int = 8, max_tokens: Optional[int] = None,
-              documents: int = 0) -> Dict[str, Any]:
+              documents: int = 0, dtype: Optional[str] = None, memory_budget: Optional[int] = None,
+              batch_tokens: Optional[int] = None, document_tokens: Optional[int] = None,
+              projection_memory: Optional[int] = None, device: str = "cuda",
+              eigenbasis_bytes: Optional[Dict[str, int]] = None,
+              dims: Optional[Dict[str, Tuple[int, int]]] = None) -> Dict[str, Any]:
     """The storage and memory accounting of an index of ``shape`` under these fit options.
 
-    Returns a JSON-able dict: ``modules`` (per module ``d_out, d_in, d, m, k``, bytes per example,
-    ``pca_bytes``, ``eigenbasis_bytes_max``), ``per_example``, ``shared``, ``fit_cache``,
-    ``memory`` (each estimate with a ``counts`` line) and ``store``. Byte counts are exact
-    except where named ``*_max`` (upper bounds) or under ``memory`` (estimates).
+    Args:
+        dtype: the model's dtype (``None`` or ``"auto"``: the checkpoint's, ``shape.dtype``).
+        memory_budget: bytes of device memory every phase must fit (None: nothing is checked).
+        batch_tokens: tokens per batch; None: the most that fit ``memory_budget`` (at most
+            ``batch_size`` documents of ``document_tokens``).
+        document_tokens: the documents' length (default ``max_tokens``, else the context length).
+        projection_memory: bytes of P that may stay resident (default half the budget).
+        device: ``"cpu"`` counts kronfluence's host memory in the curvature phase's peak.
+        eigenbasis_bytes: the kept eigenvector columns per module, exact, read from a fitted
+            index's projection file (None: their upper bound).
+        dims: ``(m_u, k_u)`` per module as a fitted index records them (None: from ``projection``).
+
+    Returns:
+        A JSON-able dict: ``modules`` (per module ``d_out, d_in, d, m, k``, bytes per example,
+        ``pca_bytes``, ``eigenbasis_bytes`` and whether it is exact), ``per_example``, ``shared``,
+        ``fit_cache``, ``batch`` (its documents and tokens, and why), ``memory`` (each phase's
+        peak with a ``counts`` line, ``bound``, ``fits`` and ``fix``; ``disk_bytes`` it needs),
+        ``fits`` and ``store``. Byte counts are exact except where named ``*_max`` (upper
+        bounds) or under ``memory`` (estimates).
     """
+    dtype = shape.dtype if dtype in (None, "auto") else dtype
+    if dtype not in MODEL_DTYPE_BYTES:
+        raise ConfigError(f"dtype must be one of {sorted(MODEL_DTYPE_BYTES)} or auto (--dtype), got {dtype!r}")
     num = len(shape.modules)
-    tokens = max_tokens or shape.context
+    doc_tokens = document_tokens or max_tokens or shape.context
     pca = projection.second_stage == "pca"
     p_dtype = PCA_DTYPE_BYTES[projection.pca_dtype]
-    n_pca = projection.num_fit_examples if pca else 0
     rows: List[Dict[str, Any]] = []
     for mod in shape.modules:
-        m, k = projection.dims(mod.d, num, precision)  # type: ignore[arg-type]
-        pca_bytes = m * k * p_dtype if pca else 0
+        m, k = dims[mod.name] if dims else projection.dims(mod.d, num, precision)  # type: ignore[arg-type]
+        exact = eigenbasis_bytes is not None and mod.name in eigenbasis_bytes
         srht_bytes = (F32 * m + 8 * k) if projection.second_stage == "srht" else 0
         rows.append({
             "name": mod.name, "d_out": mod.d_out, "d_in": mod.d_in, "d": mod.d, "m": m, "k": k,
             "bytes_per_example": bytes_per_module(k, precision),  # type: ignore[arg-type]
-            "pca_bytes": pca_bytes,
-            "eigenbasis_bytes_max": _eigen_upper(mod),
-            "eigenbasis_exact": m == mod.d,
+            "pca_bytes": m * k * p_dtype if pca else 0,
+            "eigenbasis_bytes": eigenbasis_bytes[mod.name] if exact else _eigen_upper(mod),
+            "eigenbasis_bytes_max": eigenbasis_bytes[mod.name] if exact else _eigen_upper(mod),
+            "eigenbasis_exact": exact or m == mod.d,
             # whiten (float32) and local_index (int64) per kept coordinate, and the SRHT's signs/rows
             "other_bytes": 12 * m + srht_bytes,
             # kronfluence: A and S covariances and eigenvectors, their eigenvalues, Λ (float32)
             "factor_bytes": F32 * (2 * mod.d_in ** 2 + 2 * mod.d_out ** 2 + mod.d_in + mod.d_out + mod.d),
         })
+    inp = _Inputs(shape=shape, rows=tuple(rows), projection=projection, dtype=dtype,
+                  n_pca=projection.num_fit_examples if pca else 0, curvature_examples=curvature_examples,
+                  documents=documents, precision=precision, budget=memory_budget, device=device)
+    limit = projection_memory if projection_memory is not None else (
+        memory_budget // 2 if memory_budget is not None else None)
+    resident = limit is None or inp.pca_total <= limit
+    if batch_tokens is not None:
+        batch = Batch(max(1, min(batch_size, batch_tokens // doc_tokens)), doc_tokens)
+        batch_from = "--batch-tokens"
+    else:
+        batch, batch_from = choose_batch(inp, doc_tokens, batch_size, resident)
+    memory = {"process": {"bytes": PROCESS_BYTES, "bound": False,
+                          "counts": "the interpreter, torch, transformers, kronfluence, LanceDB and their libraries, "
+                                    "before any model or index data (measured once on x86-64 Linux with CPU torch: "
+                                    "benchmarks/fit_memory.py prints it; counted in every figure below)"}}
+    phases = _batch_phases(inp, batch, resident)
+    memory.update({"fit_curvature": phases["fit_curvature"], "fit_first_stage": phases["fit_first_stage"],
+                   "fit_pca": fit_pca_phase(inp), "fit_save": fit_save_phase(inp), "ingest": phases["ingest"],
+                   "ingest_in_turn": ingest_phase(inp, batch, resident=False), "query": phases["query"]})
+    fit_peak = max(FIT_PHASES, key=lambda key: memory[key]["bytes"])
+    memory["fit_peak"] = {"bytes": memory[fit_peak]["bytes"], "bound": memory[fit_peak]["bound"],
+                          "counts": f"the largest of the fit's phases ({fit_peak}; they run one after another)"}
+    for key, entry in memory.items():
+        entry["fits"] = None if memory_budget is None else entry["bytes"] <= memory_budget
+        entry["fix"] = _fix(inp, key, batch, resident, memory_budget) if entry["fits"] is False else None
+    factors = sum(r["factor_bytes"] for r in rows)
     per_example = sum(r["bytes_per_example"] for r in rows)
     attributed = sum(r["d"] for r in rows)
-    pca_total = sum(r["pca_bytes"] for r in rows)
-    eigen_max = sum(r["eigenbasis_bytes_max"] for r in rows)
+    eigen_max = sum(r["eigenbasis_bytes"] for r in rows)
     other = sum(r["other_bytes"] for r in rows)
-    factors = sum(r["factor_bytes"] for r in rows)
-    projection_file_max = pca_total + eigen_max + other
-    weights = WEIGHT_BYTES * shape.num_parameters
-    sum_m = sum(r["m"] for r in rows)
-    largest = max(rows, key=lambda r: r["m"] * r["k"])
-
-    # One batch through the model, float32: the activations autograd keeps for the backward pass,
-    # ~34·h bytes per token and layer at 16 bits (Korthikanti et al. 2022, attention scores not
-    # kept by fused attention), doubled for float32; the logits and their gradient (B·T·V·4, x2);
-    # and the inputs of every attributed module, held by the capture hooks until its backward.
-    batch_tokens = batch_size * tokens
-    autograd = 2 * 34 * shape.hidden_size * shape.num_layers * batch_tokens
-    logits = 2 * F32 * shape.vocab_size * batch_tokens
-    captured = F32 * batch_tokens * sum(mod.d_in for mod in shape.modules)
-    activations = autograd + logits + captured
-    curvature_batch = min(batch_size, curvature_examples)
-    curvature_act = (autograd + logits) * curvature_batch // batch_size
-    widest = max(mod.d for mod in shape.modules)
-    eigen_mem = eigen_max + other
-    # kronfluence holds every module's factors at once; its Λ pass also holds one module's
-    # per-example gradients of the batch and their rotation into the eigenbasis (float32).
-    kronfluence = factors + curvature_act + 2 * F32 * curvature_batch * widest
-    # The factors read back (eigenvectors and corrected eigenvalues of every module) while the
-    # kept columns are copied out of them (build_projection).
-    build = sum(F32 * (mod.d_in ** 2 + mod.d_out ** 2 + mod.d) for mod in shape.modules) + eigen_mem
-    # Per batch, one module at a time: one example's (r, c) eigenbasis block at a time, with the
-    # intermediate product of the per-example routes, and the batch's (B, m) rows taken from it
-    # (float32, each block at most d_u); every module's rows of the batch (float16).
-    first_stage_work = F32 * (2 * widest + batch_size * max(r["m"] for r in rows)) + 2 * batch_size * sum_m
-
-    def pca_peak(r: Dict[str, Any]) -> int:
-        """fit_pca of one module from its cache: the FP16 cache, the Gram (n < m) or covariance
-        matrix and its eigenvectors (float64), the float64 blocks it upcasts (<= 64 MiB each, two
-        at a time), the directions (float32) and P at its stored dtype."""
-        n, m, k = n_pca, r["m"], r["k"]
-        square = min(n, m)
-        blocks = 2 * min(F64 * n * m, UPCAST_BLOCK_BYTES)
-        return 2 * n * m + 2 * F64 * square * square + blocks + (F32 + p_dtype) * m * k
-
-    pca_memory = max((pca_peak(r) for r in rows), default=0) if pca else 0
-    resident_p = pca_total
-    in_turn_p = largest["pca_bytes"]
-    # apply_pca upcasts an FP16 P in float32 blocks of at most 64 MiB (none for an fp32 P)
-    upcast = min(F32 * largest["m"] * largest["k"], UPCAST_BLOCK_BYTES) if pca and projection.pca_dtype == "fp16" else 0
-    hot = documents * ((sum(math.ceil(r["k"] / 8) for r in rows) + F32 * num) if precision == "1bit"
-                       else F32 * sum(r["k"] for r in rows))
-    model = PROCESS_BYTES + weights
-    project = model + eigen_mem + activations + first_stage_work
-    memory = {
-        "process": {"bytes": PROCESS_BYTES,
-                    "counts": "the interpreter, torch, transformers, kronfluence, LanceDB and their libraries, "
-                              "before any model or index data (measured once on x86-64 Linux with CPU torch: "
-                              "benchmarks/fit_memory.py prints it; counted in every figure below)"},
-        "fit_curvature": {"bytes": model + max(kronfluence, build),
-                          "counts": "process + weights (float32) + the larger of kronfluence's fit (every module's "
-                                    "covariances, eigenvectors, eigenvalues and Λ, one curvature batch's activations "
-                                    "and one module's per-example gradients) and reading its factors back while the "
-                                    "kept eigenvector columns are copied out"},
-        "fit_first_stage": {"bytes": project,
-                            "counts": "process + weights + kept eigenvector columns (upper bound) + one batch's "
-                                      "activations, captured module inputs and first-stage blocks"},
-        "fit_pca": {"bytes": model + eigen_mem + pca_memory,
-                    "counts": f"process + weights + kept eigenvector columns + the largest module's PCA: its cached "
-                              f"coordinates ({n_pca} x m_u, float16), Gram or covariance matrix and eigenvectors "
-                              "(float64), float64 blocks of at most 64 MiB, P"},
-        "fit_save": {"bytes": model + eigen_mem + in_turn_p,
-                     "counts": "process + weights + kept eigenvector columns + one module's P: the projection file "
-                               "is written one tensor at a time"},
-        "ingest": {"bytes": project + resident_p + upcast,
-                   "counts": "what the first stage holds + every module's P, resident (P under the memory limit) "
-                             "and an upcast float32 block of it"},
-        "ingest_in_turn": {"bytes": project + in_turn_p + upcast,
-                           "counts": "the same with P over the memory limit: one module's P at a time "
-                                     f"({_size(in_turn_p)}) and its float32 block ({_size(upcast)})"},
-        "query": {"bytes": project + resident_p + upcast + hot,
-                  "counts": "what ingest holds, plus the in-memory copy of the codes it scans (packed signs and "
-                            "float32 scales per row); with P in turn, "
-                            f"{_size(project + in_turn_p + upcast + hot)}"},
-    }
+    projection_file_max = inp.pca_total + eigen_max + other
     # The largest k this fit can give: a PCA of n examples has at most n directions (the rest
     # would be completed with EK-FAC axes, with a warning), and no module outputs more than m_u.
     widths = min(r["m"] for r in rows) if pca else min(r["d"] for r in rows)
-    k_max = min(n_pca, widths) if pca else widths
-    k_max_note = (f"min(PCA examples {n_pca}, smallest m_u {widths:,})" if pca
+    k_max = min(inp.n_pca, widths) if pca else widths
+    k_max_note = (f"min(PCA examples {inp.n_pca}, smallest m_u {widths:,})" if pca
                   else f"the smallest d_u ({widths:,})")
-    memory["fit_peak"] = {"bytes": max(memory[k]["bytes"] for k in FIT_PHASES),
-                          "counts": "the largest of the fit's phases (they run one after another)"}
+    exact = all(r["eigenbasis_exact"] for r in rows)
     return {
-        "model": {"name": shape.name, "num_parameters": shape.num_parameters, "weights_bytes": weights,
-                  "attributed_parameters": attributed, "modules": num, "coverage": shape.coverage},
+        "model": {"name": shape.name, "num_parameters": shape.num_parameters, "weights_bytes": inp.weights,
+                  "dtype": dtype, "attributed_parameters": attributed, "modules": num, "coverage": shape.coverage},
         "options": {"variant": projection.variant, "k": projection.k, "budget_kb": projection.budget_kb,
-                    "m": projection.m, "precision": precision,
-                    "pca_dtype": projection.pca_dtype, "pca_examples": n_pca,
-                    "curvature_examples": curvature_examples, "batch_size": batch_size, "tokens": tokens,
-                    "tokens_from": "--max-tokens" if max_tokens else "the model's context length"},
+                    "m": projection.m, "precision": precision, "dtype": dtype,
+                    "pca_dtype": projection.pca_dtype, "pca_examples": inp.n_pca,
+                    "curvature_examples": curvature_examples, "batch_size": batch.documents, "tokens": doc_tokens,
+                    "tokens_from": ("--document-tokens" if document_tokens else "--max-tokens" if max_tokens
+                                    else "the model's context length"),
+                    "memory_budget": memory_budget, "device": device},
+        "batch": {"documents": batch.documents, "document_tokens": doc_tokens, "tokens": batch.tokens,
+                  "from": batch_from, "most_documents": batch_size},
+        "curvature": {"module_partitions": memory["fit_curvature"]["module_partitions"],
+                      "host_bytes": memory["fit_curvature"]["host_bytes"]},
+        "projection_in_memory": {"resident": resident, "limit_bytes": limit},
         "modules": rows,
         "limits": {"k_max": k_max, "note": k_max_note},
         "per_example": {"bytes": per_example, "uncompressed_fp16_bytes": 2 * attributed,
                         "compression": (2 * attributed / per_example) if per_example else None},
-        "shared": {"pca_bytes": pca_total, "eigenbasis_bytes_max": eigen_max, "other_bytes": other,
-                   "projection_file_bytes_max": projection_file_max,
-                   "projection_file_note": "plus a safetensors header of a few KB; the eigenbases are an upper "
-                                           "bound (exact for modules with m_u = d_u)",
+        "shared": {"pca_bytes": inp.pca_total, "eigenbasis_bytes_max": eigen_max, "eigenbasis_exact": exact,
+                   "other_bytes": other, "projection_file_bytes_max": projection_file_max,
+                   "projection_file_note": "plus a safetensors header of a few KB"
+                                           + ("" if exact else "; the eigenbases are an upper bound before the fit "
+                                              "(exact for modules with m_u = d_u; `eogp plan INDEX` gives them "
+                                              "exactly)"),
                    "curvature_factor_bytes": factors},
-        "fit_cache": {"coordinate_bytes": 2 * n_pca * sum_m if pca else 0,
-                      "pca_bytes": pca_total,
+        "fit_cache": {"coordinate_bytes": 2 * inp.n_pca * sum(r["m"] for r in rows) if pca else 0,
+                      "pca_bytes": inp.pca_total,
                       "note": "fit/ during eogp fit: the PCA set's first-stage coordinates (float16) and each "
                               f"module's fitted P ({projection.pca_dtype}); deleted when the index is written"},
         "memory": memory,
+        "fits": None if memory_budget is None else all(
+            memory[key]["fits"] for key in (*FIT_PHASES, "ingest", "query")),
         "store": {"documents": documents, "codes_bytes": documents * per_example,
-                  "hot_copy_bytes": hot,
+                  "hot_copy_bytes": memory["query"]["hot_bytes"],
                   "total_bytes_max": documents * per_example + projection_file_max + factors,
                   "note": "codes: N x bytes per example (the paper's N_store B_1bit); the table adds ids and "
                           "metadata columns (and --store-text), not counted; total = codes + projection file "
-                          "(upper bound) + kronfluence factors"},
+                          "+ kronfluence factors"},
     }
+
+
+def plan_of_index(index_dir: Path, *, dtype: Optional[str] = None, curvature_examples: Optional[int] = None,
+                  shape: Optional[ModelShape] = None, **options: Any) -> Dict[str, Any]:
+    """:func:`make_plan` for a fitted index: its model, modules, ``(m_u, k_u)``, options and dtype
+    from its manifest, and the kept eigenvector columns, exact, from its projection file's header.
+
+    Reads ``manifest.json`` as JSON (the plan sits below the store, which validates it on open);
+    the curvature examples are the index's, whatever ``curvature_examples`` says. ``shape``:
+    the loaded model's (:func:`shape_of_model`) instead of the manifest's model name's.
+    """
+    del curvature_examples
+    index_dir = Path(index_dir)
+    manifest = json.loads((index_dir / "manifest.json").read_text())
+    built = manifest["model"].get("dtype", "float32")
+    if dtype not in (None, "auto", built):
+        raise ConfigError(f"{index_dir} was built with the model in {built} (manifest model.dtype); plan it with "
+                          f"--dtype {built} or auto")
+    modules = manifest["modules"]
+    shape = shape or model_shape(manifest["model"]["name"], [m["name"] for m in modules])
+    info = manifest["projection"]
+    projection = ProjectionConfig(variant=info["variant"], k=max(m["k"] for m in modules),
+                                  m=max(m["m"] for m in modules), num_fit_examples=max(1, info["num_fit_examples"]),
+                                  pca_dtype=info.get("pca_dtype", "fp32"))
+    header = _safetensors_header(index_dir / info["file"])
+    eigen = {}
+    for m in modules:
+        entries = [header[f"{m['name']}/{key}"] for key in ("gradient_eigenvectors", "activation_eigenvectors")]
+        eigen[m["name"]] = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in entries)
+    return make_plan(shape, projection, precision=manifest["precision"], dtype=built, eigenbasis_bytes=eigen,
+                     dims={m["name"]: (m["m"], m["k"]) for m in modules},
+                     curvature_examples=manifest["curvature"]["num_examples"], **options)
+
+
+def _safetensors_header(path: Path) -> Dict[str, Any]:
+    """The JSON header of a safetensors file: each tensor's dtype, shape and byte offsets."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        return json.loads(handle.read(length))
+
+
+def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int) -> str:
+    """Which option would make phase ``key`` fit ``budget``, found by re-planning with it."""
+    def peak(alt: _Inputs, alt_batch: Batch, alt_resident: bool) -> int:
+        if key in ("fit_pca", "fit_save"):
+            return (fit_pca_phase if key == "fit_pca" else fit_save_phase)(alt)["bytes"]
+        if key == "ingest_in_turn":
+            return ingest_phase(alt, alt_batch, resident=False)["bytes"]
+        if key in ("fit_peak", "process"):
+            return max(peak_of(alt, alt_batch, alt_resident, k) for k in FIT_PHASES)
+        return peak_of(alt, alt_batch, alt_resident, key)
+
+    def peak_of(alt: _Inputs, alt_batch: Batch, alt_resident: bool, name: str) -> int:
+        if name in ("fit_pca", "fit_save"):
+            return (fit_pca_phase if name == "fit_pca" else fit_save_phase)(alt)["bytes"]
+        return _batch_phases(alt, alt_batch, alt_resident)[name]["bytes"]
+
+    one = Batch(1, batch.document_tokens)
+    tries = []
+    if batch.documents > 1:
+        tries.append((f"--batch-tokens {batch.document_tokens} (one document per batch)", inp, one, resident))
+    if batch.document_tokens > 512:
+        tries.append(("--max-tokens 512 --batch-tokens 512", inp, Batch(1, 512), resident))
+    if inp.dtype == "float32":
+        tries.append(("--dtype bfloat16", replace(inp, dtype="bfloat16"), one, resident))
+    if resident and key in ("ingest", "query"):
+        tries.append(("--projection-memory-gb below the P total (P read one module at a time)", inp, one, False))
+    for option, alt, alt_batch, alt_resident in tries:
+        if peak(alt, alt_batch, alt_resident) <= budget:
+            return option
+    need = peak(inp, one, False if key in ("ingest", "query") else resident)
+    return (f"needs at least {_size(need)} even with one document per batch"
+            + (" and P read one module at a time" if key in ("ingest", "query") else "")
+            + f": raise --memory-budget to {math.ceil(need / 1e9)}, or lower --m or -k")
 
 
 def _size(n: Optional[float]) -> str:
@@ -310,14 +658,21 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
     """The plan as text: a per-module table (identical modules grouped unless ``all_modules``),
     then the totals."""
     opts, model = plan["options"], plan["model"]
+    batch, budget = plan["batch"], opts["memory_budget"]
     lines = [f"model       {model['name']}: {model['num_parameters']:,} parameters ({_size(model['weights_bytes'])} "
-             f"float32), {model['modules']} attributed modules, {model['attributed_parameters']:,} attributed "
+             f"{model['dtype']}), {model['modules']} attributed modules, {model['attributed_parameters']:,} attributed "
              "parameters",
              f"options     variant {opts['variant']}, precision {opts['precision']}, P in {opts['pca_dtype']}, "
              f"k {opts['k'] if opts['k'] is not None else '(budget ' + str(opts['budget_kb']) + ' KiB)'}, "
              f"m {opts['m'] if opts['m'] is not None else DEFAULT_M_HELP}, "
-             f"{opts['pca_examples']} PCA examples, batch {opts['batch_size']} x {opts['tokens']} tokens "
-             f"({opts['tokens_from']})",
+             f"{opts['pca_examples']} PCA examples, documents of {opts['tokens']} tokens ({opts['tokens_from']})",
+             f"batch       {batch['documents']} x {batch['document_tokens']} = {batch['tokens']:,} tokens "
+             f"(from {batch['from']}; at most --batch-size {batch['most_documents']} documents); kronfluence in "
+             f"{plan['curvature']['module_partitions']} module partition(s); P "
+             + ("resident" if plan["projection_in_memory"]["resident"] else "read one module at a time"),
+             f"budget      {_size(budget) + ' of device memory' if budget else 'none given: nothing is checked'}"
+             + ("" if plan["fits"] is None else "; every phase fits" if plan["fits"] else
+                "; SOME PHASES DO NOT FIT (below)"),
              "",
              f"{'module':<44} {'d_out':>7} {'d_in':>7} {'d_u':>12} {'m_u':>9} {'k_u':>6} {'B/ex':>6} "
              f"{'P':>10} {'eigenbases':>11}"]
@@ -340,18 +695,32 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
         f"per example   {per['bytes']:,} bytes ({_size(per['bytes'])}); an uncompressed FP16 gradient is "
         f"{_size(per['uncompressed_fp16_bytes'])}"
         + (f", {per['compression']:,.0f}x more" if per["compression"] else ""),
-        f"shared        P {_size(shared['pca_bytes'])}; eigenbases <= {_size(shared['eigenbasis_bytes_max'])}; "
+        f"shared        P {_size(shared['pca_bytes'])}; eigenbases {'' if shared['eigenbasis_exact'] else '<= '}"
+        f"{_size(shared['eigenbasis_bytes_max'])}; "
         f"whitening, positions, SRHT {_size(shared['other_bytes'])}",
-        f"              projection.safetensors <= {_size(shared['projection_file_bytes_max'])} "
+        f"              projection.safetensors {'' if shared['eigenbasis_exact'] else '<= '}"
+        f"{_size(shared['projection_file_bytes_max'])} "
         f"({shared['projection_file_note']})",
         f"              kronfluence factors (curvature/) {_size(shared['curvature_factor_bytes'])}",
         f"fit cache     {_size(cache['coordinate_bytes'])} of first-stage coordinates + {_size(cache['pca_bytes'])} "
         "of fitted P (fit/, deleted when the index is written)",
-        "peak memory   (estimates)",
+        "peak memory   (estimates; <= marks an upper bound before the fit)"
+        + (f" against the budget of {_size(budget)}" if budget else ""),
     ]
-    for key in ("fit_peak", "fit_curvature", "fit_first_stage", "fit_pca", "ingest", "ingest_in_turn", "query"):
+    for key in ("fit_peak", "fit_curvature", "fit_first_stage", "fit_pca", "fit_save", "ingest", "ingest_in_turn",
+                "query"):
         entry = plan["memory"][key]
-        lines.append(f"  {key:<16} {_size(entry['bytes']):>10}  {entry['counts']}")
+        verdict = "" if entry["fits"] is None else "  fits" if entry["fits"] else "  DOES NOT FIT"
+        amount = ("<=" if entry["bound"] else "") + _size(entry["bytes"])
+        lines.append(f"  {key:<16} {amount:>11}{verdict}  {entry['counts']}")
+        if entry["fix"]:
+            lines.append(f"  {'':<16} {'':>11}  to fit: {entry['fix']}")
+    lines.append(f"  {'host memory':<16} {_size(plan['curvature']['host_bytes']):>11}  "
+                 f"{plan['memory']['fit_curvature']['host_counts']}")
+    lines.append("disk")
+    for key in ("fit_curvature", "fit_first_stage", "fit_pca", "fit_save", "ingest"):
+        entry = plan["memory"][key]
+        lines.append(f"  {key:<16} {_size(entry['disk_bytes']):>11}  {entry['disk_counts']}")
     if model.get("coverage"):
         from eogp_index.gradients.coverage import format_coverage
 

@@ -11,7 +11,9 @@ evaluation mode examples do not interact. Padding positions are masked out of ``
 output gradients are zero because no counted label depends on them.
 
 Module outputs are processed in backward hooks, as soon as their gradient exists, so only the
-projected coordinates of all modules are alive at once — not every module's activations.
+projected coordinates of all modules are alive at once — not every module's activations. Each
+module's input is held from its forward to its backward hook in the model's dtype (bfloat16 or
+float16 halve it) and handed to the transform in float32, with the output gradient.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class GradientCapture:
 
         def on_backward(name: str):
             def hook(grad_output: torch.Tensor) -> None:
-                a = activations.pop(name)
+                a = activations.pop(name).float()
                 g = grad_output.detach().float() * mask.to(grad_output.device, torch.float32)
                 results[name] = self.transform(name, a, g)
 
@@ -82,7 +84,11 @@ class GradientCapture:
                         f"features) = {tuple(mask.shape[:2])} + (features,): it runs on tokens flattened or "
                         "gathered across the batch (as layers inside a sparse MoE block do), so it has no "
                         "per-example gradient; leave it out of --module")
-                a = inputs[0].detach().float() * mask.to(inputs[0].device, torch.float32)
+                # Held until the module's backward hook in the model's own dtype (half of float32
+                # in bf16/fp16: every attributed module's input is alive at once); the mask and
+                # the bias column of ones are exact in it. Upcast there, one module at a time.
+                x = inputs[0].detach()
+                a = x * mask.to(x.device, x.dtype)
                 if module.bias is not None:
                     a = torch.cat([a, mask.to(a.device, a.dtype).expand(*a.shape[:-1], 1)], dim=-1)
                 activations[name] = a

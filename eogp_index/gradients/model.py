@@ -18,7 +18,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ _DEFAULT_LEAF_NAMES = (
     "c_attn", "c_proj", "c_fc", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
     "fc_in", "fc_out", "out_proj", "qkv_proj", "gate_up_proj", "fc1", "fc2", "wq", "wk", "wv", "wo",
 )
+
+
+_MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def replace_conv1d(model: nn.Module) -> int:
@@ -198,7 +201,7 @@ def model_and_adapter(name_or_path: str, adapter: Optional[str] = None) -> Tuple
 
 
 def load_model(name_or_path: str, *, adapter: Optional[str] = None, device: str = "cpu",
-               dtype: Optional[torch.dtype] = None):
+               dtype: Union[str, torch.dtype, None] = "float32"):
     """Load a HuggingFace causal LM and its tokenizer (hub name or local directory).
 
     ``name_or_path`` may be a LoRA adapter directory (its base is loaded from
@@ -206,12 +209,17 @@ def load_model(name_or_path: str, *, adapter: Optional[str] = None, device: str 
     loaded unmerged; the model returned is the base model with peft's LoRA layers in it. The
     tokenizer is the adapter directory's when it has one, else the base's.
 
+    Args:
+        dtype: ``"auto"`` keeps the checkpoint's own dtype (``from_pretrained(dtype="auto")``);
+            ``"float32"``, ``"bfloat16"``, ``"float16"`` or a ``torch.dtype`` loads in that one.
+
     Raises:
         ModelError: no model there (a missing directory, a name the hub does not know, no
             weights), or no usable tokenizer beside it (see :func:`check_tokenizer`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    wanted = "auto" if dtype == "auto" else torch_dtype(dtype or "float32")
     base, adapter = model_and_adapter(name_or_path, adapter)
     name = str(base)
     looks_local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
@@ -219,7 +227,7 @@ def load_model(name_or_path: str, *, adapter: Optional[str] = None, device: str 
         raise ModelError(f"model directory {name!r} does not exist; give a local model directory (config.json, "
                          "weights and tokenizer files, as save_pretrained writes them) or a hub name")
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=wanted)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load a causal LM from {name!r}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
                          ) from exc
@@ -240,6 +248,7 @@ def load_model(name_or_path: str, *, adapter: Optional[str] = None, device: str 
                          "(tokenizer.save_pretrained(directory))") from exc
     check_tokenizer(tokenizer, str(tokenizer_from))
     model.to(device).eval()
+    dtype_name(model)  # refuses a checkpoint in a dtype gradients are not taken in (float64, int8, ...)
     return model, tokenizer
 
 
@@ -277,7 +286,8 @@ def add_lora_layers(model: nn.Module, adapter: str) -> nn.Module:
     return inject_adapter_in_model(LoraConfig.from_pretrained(adapter), model)
 
 
-def load_indexed_model(entry: Dict[str, Any], override: Optional[str] = None, *, device: str = "cpu"):
+def load_indexed_model(entry: Dict[str, Any], override: Optional[str] = None, *, device: str = "cpu",
+                       dtype: Union[str, torch.dtype, None] = "float32"):
     """Load the model a manifest's ``model`` entry names, with its adapter if it has one.
 
     ``override`` (``--model``) replaces where the base is loaded from, or, when it is an
@@ -286,7 +296,30 @@ def load_indexed_model(entry: Dict[str, Any], override: Optional[str] = None, *,
     adapter = (entry.get("adapter") or {}).get("path")
     if override is not None and is_adapter_dir(override):
         adapter = None
-    return load_model(override or entry["name"], adapter=adapter, device=device)
+    return load_model(override or entry["name"], adapter=adapter, device=device, dtype=dtype)
+
+
+def torch_dtype(name: Union[str, torch.dtype]) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (one of the model dtypes an index is built in)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _MODEL_DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(_MODEL_DTYPES)} (--dtype), got {name!r}")
+    return _MODEL_DTYPES[name]
+
+
+def dtype_name(model: nn.Module) -> str:
+    """The dtype of the model's floating-point weights, by name (``"bfloat16"``).
+
+    Raises:
+        ConfigError: weights in a dtype other than float32, bfloat16 or float16, or in several.
+    """
+    found = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    names = sorted(str(d).removeprefix("torch.") for d in found)
+    if len(names) != 1 or names[0] not in _MODEL_DTYPES:
+        raise ConfigError(f"the model's weights are {', '.join(names) or 'not floating point'}; an index is built "
+                          f"with one of {sorted(_MODEL_DTYPES)}: load it with --dtype float32 (or model.to(...))")
+    return names[0]
 
 
 def pad_token_id(tokenizer) -> int:

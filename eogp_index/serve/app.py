@@ -299,12 +299,13 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
 
 
 def open_index(path, *, device: str = "auto", batch_size: int = 32, model_name: Optional[str] = None,
-               projection_memory_gb: Optional[float] = None):
-    """Open an index for serving: its model on ``device``, ``batch_size`` queries per forward pass,
-    at most ``projection_memory_gb`` of P held at once (see ``GradientConfig``)."""
+               projection_memory_gb: Optional[float] = None, dtype: str = "auto"):
+    """Open an index for serving: its model on ``device`` in ``dtype`` (auto: the one it was built
+    in), ``batch_size`` queries per forward pass, at most ``projection_memory_gb`` of P held at
+    once (see ``GradientConfig``)."""
     from eogp_index.client import AttributionIndex
     from eogp_index.config import GradientConfig
 
     return AttributionIndex.open(path, model_name=model_name,
-                                 gradients=GradientConfig(device=device, batch_size=batch_size,
+                                 gradients=GradientConfig(device=device, batch_size=batch_size, dtype=dtype,
                                                           projection_memory_gb=projection_memory_gb))

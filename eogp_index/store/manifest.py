@@ -21,6 +21,9 @@ FORMAT = "eogp-index"
 #: directory has sources.json (where each shard lives). Version 1 indexes are still read.
 #: The optional ``projection.rotation`` (variant eogp-rot) needs no bump: the rotation is folded
 #: into the stored P, so codes mean what they meant (signs of the coordinates P^T z).
+#: The optional ``model.dtype`` (the model's precision) needs no bump either: absent means
+#: float32, what every index without it was built in, and a reader that ignores it loads the
+#: model in float32, whose weights fingerprint then refuses a bf16/fp16 index.
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
@@ -74,6 +77,12 @@ class Manifest:
         """The stored precision of the PCA matrices ``P``: ``"fp16"`` or ``"fp32"`` (an index
         written before the field existed stored them in float32)."""
         return self.projection.get("pca_dtype", "fp32")
+
+    @property
+    def model_dtype(self) -> str:
+        """The dtype the model ran in when the index was built (``"bfloat16"``): the one it is
+        opened in. An index written before the field existed ran it in float32."""
+        return self.model.get("dtype", "float32")
 
     @property
     def variant(self) -> str:
@@ -182,3 +191,24 @@ def check_compatible(manifest: Manifest, *, model_hash: Optional[str] = None, pr
             f"{manifest.projection['sha256'][:12]}…; the projection was changed after the rows were stored. "
             "Rebuild the index."
         )
+
+
+def open_dtype(manifest: Manifest, requested: Optional[str], *, where: str = "this index") -> str:
+    """The dtype to run the index's model in: the manifest's, whatever ``requested`` says unless
+    it names another one, which is refused.
+
+    Coordinates taken in bfloat16 and in float32 differ by the model's own rounding, so an index's
+    stored codes and a query's coordinates must come from the same precision (and the weights
+    fingerprint is of the weights in that dtype). ``None`` and ``"auto"`` mean the manifest's.
+
+    Raises:
+        IncompatibleIndexError: ``requested`` is another dtype; the message says how to open it.
+    """
+    built = manifest.model_dtype
+    if requested in (None, "auto", built):
+        return built
+    raise IncompatibleIndexError(
+        f"{where} was built with the model in {built} (manifest model.dtype) but {requested} was asked for: its "
+        f"codes are {built} gradients, so queries must be too. Open it with --dtype {built} (or auto, the "
+        f"default), or build a new index with --dtype {requested}."
+    )

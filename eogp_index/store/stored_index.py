@@ -125,7 +125,8 @@ class StoredIndex:
     def create(cls, path: Union[str, Path], fitted, *, model_name: str, tokenizer_name: Optional[str],
                precision: str, damping_ratio: float, curvature: Dict[str, Any], max_tokens: Optional[int],
                table_uri: Optional[str] = None, weights_fingerprint: Optional[str] = None,
-               adapter: Optional[Dict[str, str]] = None, experts: str = "fused") -> "StoredIndex":
+               adapter: Optional[Dict[str, str]] = None, experts: str = "fused",
+               model_dtype: str = "float32") -> "StoredIndex":
         """Write a fitted projection and its manifest into ``path`` (prepared by :func:`prepare_index_dir`).
 
         Args:
@@ -141,6 +142,7 @@ class StoredIndex:
                 (:func:`~eogp_index.gradients.model.adapter_fingerprint`); its path is recorded absolute.
             experts: ``"dense"`` when fused experts were rebuilt as linear layers
                 (:mod:`eogp_index.gradients.experts`), recorded so that opening rebuilds them.
+            model_dtype: the dtype the model ran in (``"bfloat16"``), which every later open uses.
         """
         from eogp_index.fit.projection import file_fingerprint
         from eogp_index.version import __version__
@@ -151,7 +153,7 @@ class StoredIndex:
         layout = SignLayout(projection.k)
         model_entry = {"name": str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name,
                        "weights_sha256": fitted.weights_sha256, "num_parameters": fitted.num_parameters,
-                       "tokenizer": tokenizer_name}
+                       "tokenizer": tokenizer_name, "dtype": model_dtype}
         if weights_fingerprint is not None:
             model_entry["weights_fingerprint"] = weights_fingerprint
         if experts != "fused":

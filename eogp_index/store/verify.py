@@ -44,7 +44,7 @@ def verify_index(path: Union[str, Path], *, model: Optional[nn.Module] = None, m
         projection.update(expected_fingerprint=manifest.projection["fingerprint"],
                           fingerprint=file_fingerprint(projection_path))
     if model is None:
-        model, _ = load_indexed_model(manifest.model, model_name, device=device)
+        model, _ = load_indexed_model(manifest.model, model_name, device=device, dtype=manifest.model_dtype)
     weights = {"name": model_name or manifest.model["name"], "expected_sha256": manifest.model["weights_sha256"],
                "sha256": model_sha256(model)}
     if manifest.model.get("weights_fingerprint"):
