@@ -83,7 +83,8 @@ def cli() -> None:
     into="curvature",
 )
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
-@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device")),
+@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device",
+                                                              "gradient_checkpointing")),
               into="gradients")
 @field_option(ProjectionConfig, "seed", help="Seed of the fitting samples, the sampled labels and the SRHT.")
 @click.option("--table-uri", default=None,
@@ -194,6 +195,7 @@ def _fit_process_group(device: str):
               help="Examples per batch, one commit each (under torchrun: per worker and step).")
 @_model_option
 @field_option(GradientConfig, "device")
+@field_option(GradientConfig, "gradient_checkpointing")
 @_projection_memory_option
 @click.option("--shard-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Name shards by their path relative to this directory (needed when file names repeat); "
@@ -203,14 +205,16 @@ def _fit_process_group(device: str):
                    "`eogp explain` needs no shard; costs about the documents' own size per row.")
 @click.option("--store-text-max-bytes", type=click.IntRange(min=1), default=DEFAULT_TEXT_BYTES, show_default=True,
               help="With --store-text: longer documents are not stored (explained from their shard instead).")
+@field_option(RecordSpec, "long_documents")
 @distributed_option
 @click.option("--commit-every", type=click.IntRange(min=1), default=None,
               help="Under torchrun: steps between commits (default 1); a crash loses at most this many steps.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_record_options
 @_fail_cleanly
-def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, projection_memory_gb, shard_root,
-           store_text, store_text_max_bytes, distributed, commit_every, as_json, record):
+def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, gradient_checkpointing,
+           projection_memory_gb, shard_root, store_text, store_text_max_bytes, long_documents, distributed,
+           commit_every, as_json, record):
     """Store corpus shards in an index. Safe to rerun: stored examples are skipped.
 
     Under torchrun (several workers, or --distributed) the shards are dealt out to the
@@ -221,9 +225,9 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
         eogp ingest my-index 'data/shard-*.jsonl.zst' --metadata source --on-error skip --store-text
         torchrun --nproc_per_node 8 -m eogp_index.cli ingest my-index 'data/*.parquet' --commit-every 4
     """
-    spec = RecordSpec(**record)  # max_tokens: the index's
+    spec = RecordSpec(**record, long_documents=long_documents)  # max_tokens: the index's
     gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device,
-                               projection_memory_gb=projection_memory_gb)
+                               gradient_checkpointing=gradient_checkpointing, projection_memory_gb=projection_memory_gb)
     options = dict(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
                    progress=not as_json, shard_root=shard_root,
                    store_text=store_text_max_bytes if store_text else None)

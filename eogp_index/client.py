@@ -28,6 +28,7 @@ from eogp_index.fit.fitting import fit_projection
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples
 from eogp_index.gradients.model import (
     freeze,
+    hard_context_length,
     load_model,
     model_fingerprint,
     model_sha256,
@@ -100,6 +101,11 @@ class AttributionIndex:
 
         if not examples:
             raise InputError("no examples to fit the curvature and projection on")
+        context = hard_context_length(model)
+        if gradients.max_tokens is not None and context is not None and gradients.max_tokens > context:
+            raise ConfigError(f"max_tokens (--max-tokens) is {gradients.max_tokens}, but {model_name} reads at most "
+                              f"{context} tokens; give at most {context} (longer documents are then cut, or split "
+                              "with `eogp ingest --long-documents windows`)")
         distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if distributed else 0
         if rank == 0:
@@ -175,7 +181,8 @@ class AttributionIndex:
         if not examples:
             return np.zeros((0, self.layout.num_coords), np.float32)
         names = self.manifest.module_names
-        capture = GradientCapture(self.model, names, self.projection.transform)
+        capture = GradientCapture(self.model, names, self.projection.transform,
+                                  checkpoint=self.gradients.gradient_checkpointing)
         out = project_examples(capture, examples, batch_size=self.gradients.batch_size,
                                pad_token_id=pad_token_id(self.tokenizer), device=self.device, progress=progress)
         return concat_modules([out[name].numpy() for name in names])

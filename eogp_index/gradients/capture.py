@@ -12,13 +12,23 @@ output gradients are zero because no counted label depends on them.
 
 Module outputs are processed in backward hooks, as soon as their gradient exists, so only the
 projected coordinates of all modules are alive at once — not every module's activations.
+
+With ``checkpoint=True`` each transformer block keeps only its input in the forward pass and is
+run again in the backward pass (``torch.utils.checkpoint``, non-reentrant), so the memory of
+the model's own activations no longer grows with the number of blocks times the tokens. The
+recomputed forward calls the modules' forward hooks again: each module's ``a`` is taken, and
+its gradient hook registered, once per run, so the recomputation captures nothing twice and
+the coordinates are those of the plain pass.
 """
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from eogp_index.errors import InputError, ModelError
@@ -42,10 +52,11 @@ class GradientCapture:
         >>> outputs, losses = capture.run(batch)  # doctest: +SKIP
     """
 
-    def __init__(self, model: nn.Module, modules: Sequence[str], transform: Transform):
+    def __init__(self, model: nn.Module, modules: Sequence[str], transform: Transform, *, checkpoint: bool = False):
         self.model = model
         self.modules = list(modules)
         self.transform = transform
+        self.checkpoint = checkpoint
         self._linears: Dict[str, nn.Linear] = {}
         for name in self.modules:
             module = model.get_submodule(name)
@@ -65,6 +76,8 @@ class GradientCapture:
         activations: Dict[str, torch.Tensor] = {}
         results: Dict[str, torch.Tensor] = {}
         handles: List[torch.utils.hooks.RemovableHandle] = []
+        captured: set = set()  # modules whose a was taken / whose gradient hook is registered:
+        hooked: set = set()    # a checkpointed block's recomputed forward must not add either again
 
         def on_backward(name: str):
             def hook(grad_output: torch.Tensor) -> None:
@@ -76,11 +89,14 @@ class GradientCapture:
 
         def on_forward(name: str):
             def hook(module: nn.Linear, inputs, output: torch.Tensor) -> None:
-                a = inputs[0].detach().float() * mask.to(inputs[0].device, torch.float32)
-                if module.bias is not None:
-                    a = torch.cat([a, mask.to(a.device, a.dtype).expand(*a.shape[:-1], 1)], dim=-1)
-                activations[name] = a
-                if output.requires_grad:
+                if name not in captured:
+                    captured.add(name)
+                    a = inputs[0].detach().float() * mask.to(inputs[0].device, torch.float32)
+                    if module.bias is not None:
+                        a = torch.cat([a, mask.to(a.device, a.dtype).expand(*a.shape[:-1], 1)], dim=-1)
+                    activations[name] = a
+                if output.requires_grad and name not in hooked:
+                    hooked.add(name)
                     output.register_hook(on_backward(name))
 
             return hook
@@ -94,12 +110,20 @@ class GradientCapture:
         handles.append(embeddings.register_forward_hook(require_grad))
         for name, module in self._linears.items():
             handles.append(module.register_forward_hook(on_forward(name)))
+        blocks = checkpointed_blocks(model) if self.checkpoint else []
         try:
+            for block in blocks:
+                block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
+                                                  use_reentrant=False)
+            # A key/value cache would grow again in the recomputation: none is kept when checkpointing.
+            no_cache = {"use_cache": False} if blocks else {}
             with torch.enable_grad():
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **no_cache).logits
                 losses = per_example_loss(logits, batch["labels"])
                 losses.sum().backward()
         finally:
+            for block in blocks:
+                del block.forward  # the class's forward again
             for handle in handles:
                 handle.remove()
             activations.clear()
@@ -110,6 +134,23 @@ class GradientCapture:
                 "(check the module names and that the batch has counted labels)"
             )
         return {n: results[n] for n in self.modules}, losses.detach()
+
+
+def checkpointed_blocks(model: nn.Module) -> List[nn.Module]:
+    """The transformer blocks to recompute: the children of the model's longest ``nn.ModuleList``
+    of modules of one class (``transformer.h``, ``model.layers``).
+
+    Raises:
+        ModelError: the model has no such list, so there is nothing to checkpoint.
+    """
+    best: List[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best) and len({type(m) for m in module}) == 1:
+            best = list(module)
+    if not best:
+        raise ModelError(f"{type(model).__name__} has no list of transformer blocks to checkpoint; "
+                         "run without gradient checkpointing")
+    return best
 
 
 def batches(items: Iterable[Any], size: int) -> Iterator[List[Any]]:
