@@ -24,7 +24,6 @@ the coordinates are those of the plain pass.
 from __future__ import annotations
 
 import functools
-
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
@@ -76,8 +75,10 @@ class GradientCapture:
         activations: Dict[str, torch.Tensor] = {}
         results: Dict[str, torch.Tensor] = {}
         handles: List[torch.utils.hooks.RemovableHandle] = []
-        captured: set = set()  # modules whose a was taken / whose gradient hook is registered:
-        hooked: set = set()    # a checkpointed block's recomputed forward must not add either again
+        # Modules whose ``a`` was taken, and whose gradient hook is registered: a checkpointed
+        # block's recomputed forward must add neither again.
+        captured: set = set()
+        hooked: set = set()
 
         def on_backward(name: str):
             def hook(grad_output: torch.Tensor) -> None:
@@ -111,10 +112,12 @@ class GradientCapture:
         for name, module in self._linears.items():
             handles.append(module.register_forward_hook(on_forward(name)))
         blocks = checkpointed_blocks(model) if self.checkpoint else []
+        patched: List[nn.Module] = []
         try:
             for block in blocks:
                 block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
                                                   use_reentrant=False)
+                patched.append(block)
             # A key/value cache would grow again in the recomputation: none is kept when checkpointing.
             no_cache = {"use_cache": False} if blocks else {}
             with torch.enable_grad():
@@ -122,7 +125,7 @@ class GradientCapture:
                 losses = per_example_loss(logits, batch["labels"])
                 losses.sum().backward()
         finally:
-            for block in blocks:
+            for block in patched:
                 del block.forward  # the class's forward again
             for handle in handles:
                 handle.remove()
