@@ -69,12 +69,15 @@ def cli() -> None:
 @cli.command()
 @click.argument("model")
 @click.option("--data", "data", multiple=True,
-              help="Shard files or globs (JSONL[.gz/.zst], Parquet, datasets.save_to_disk dirs) to fit on.")
+              help="Shard files or globs (JSONL[.gz/.zst], Parquet, datasets.save_to_disk dirs), or a dataset "
+                   "(owner/name, hf://datasets/owner/name, a local dataset directory; with --split) to fit on.")
 @click.option("--fit-data", "fit_data", multiple=True,
               help="Fit on these shards instead of --data: fitting data kept apart from what you ingest "
                    "(e.g. a held-out split).")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Index directory to create (or the interrupted fit to resume).")
+@click.option("--split", default=None, help="The split to read of a dataset in --data / --fit-data (train, …).")
+@click.option("--config", "dataset_config", default=None, help="The config of a dataset with several.")
 @_projection_options
 @option_group(field_option(StorageConfig, "precision"), into="storage")
 @option_group(
@@ -94,7 +97,7 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @_record_options
 @_fail_cleanly
-def fit(model, data, fit_data, out, projection, storage, curvature, modules, gradients, seed, table_uri, overwrite,
+def fit(model, data, fit_data, out, split, dataset_config, projection, storage, curvature, modules, gradients, seed, table_uri, overwrite,
         distributed, as_json, record):
     """Fit EK-FAC curvature and the projection; create an empty index.
 
@@ -124,6 +127,7 @@ def fit(model, data, fit_data, out, projection, storage, curvature, modules, gra
 
     if bool(data) == bool(fit_data):
         raise click.UsageError("give the shards to fit on with --data, or with --fit-data (not both)")
+    data, fit_data = (_dataset_splits(p, split, dataset_config) for p in (data, fit_data))
     if projection["k"] is None and projection["budget_kb"] is None:
         projection["k"] = 256
     sharded = under_torchrun(distributed)
@@ -206,6 +210,8 @@ def _fit_process_group(device: str):
 @click.option("--store-text-max-bytes", type=click.IntRange(min=1), default=DEFAULT_TEXT_BYTES, show_default=True,
               help="With --store-text: longer documents are not stored (explained from their shard instead).")
 @field_option(RecordSpec, "long_documents")
+@click.option("--split", default=None, help="The split to read of a dataset among SHARDS (train, …).")
+@click.option("--config", "dataset_config", default=None, help="The config of a dataset with several.")
 @distributed_option
 @click.option("--commit-every", type=click.IntRange(min=1), default=None,
               help="Under torchrun: steps between commits (default 1); a crash loses at most this many steps.")
@@ -213,8 +219,8 @@ def _fit_process_group(device: str):
 @_record_options
 @_fail_cleanly
 def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, gradient_checkpointing,
-           projection_memory_gb, shard_root, store_text, store_text_max_bytes, long_documents, distributed,
-           commit_every, as_json, record):
+           projection_memory_gb, shard_root, store_text, store_text_max_bytes, long_documents, split,
+           dataset_config, distributed, commit_every, as_json, record):
     """Store corpus shards in an index. Safe to rerun: stored examples are skipped.
 
     Under torchrun (several workers, or --distributed) the shards are dealt out to the
@@ -226,6 +232,7 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
         torchrun --nproc_per_node 8 -m eogp_index.cli ingest my-index 'data/*.parquet' --commit-every 4
     """
     spec = RecordSpec(**record, long_documents=long_documents)  # max_tokens: the index's
+    shards = _dataset_splits(shards, split, dataset_config)
     gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device,
                                gradient_checkpointing=gradient_checkpointing, projection_memory_gb=projection_memory_gb)
     options = dict(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
@@ -354,6 +361,18 @@ def explain(index_dir, texts, queries_file, ids, top, color, model_name, device,
     use_color = sys.stdout.isatty() if color is None else color
     _emit([e.to_json() for e in explanations], as_json,
           lambda _: click.echo("\n\n".join(explanation_terminal(e, color=use_color) for e in explanations)))
+
+
+def _dataset_splits(patterns, split: Optional[str], config: Optional[str]) -> tuple:
+    """``patterns`` with ``--split`` / ``--config`` attached to the datasets among them."""
+    if split is None and config is None:
+        return tuple(patterns)
+    from eogp_index.data.readers import dataset_source, with_split
+
+    if patterns and not any(dataset_source(p) is not None for p in patterns):
+        raise click.UsageError("--split and --config pick a split of a dataset (owner/name, hf://datasets/owner/name "
+                               "or a local dataset directory); none of the shards given is one")
+    return tuple(with_split(p, split, config) if dataset_source(p) is not None else p for p in patterns)
 
 
 def _queries(texts, queries_file, limit: Optional[int]) -> List[Any]:

@@ -42,7 +42,7 @@ import pyarrow as pa
 from eogp_index.client import AttributionIndex
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.gradients.model import hard_context_length
-from eogp_index.data.readers import SPLIT_SEPARATOR, expand_shards, shard_names, split_shard_spec
+from eogp_index.data.readers import SPLIT_SEPARATOR, dataset_source, expand_shards, shard_names, split_shard_spec
 from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, after_ingest, maybe_optimize
 from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
@@ -338,7 +338,9 @@ def record_sources(index: AttributionIndex, patterns: Sequence[str | Path], spec
     uris = {}
     for name, path in zip(names, shards):
         base, split = split_shard_spec(path)
-        uris[name] = str(Path(base).resolve()) + (f"{SPLIT_SEPARATOR}{split}" if split else "")
+        # A hub dataset is recorded by its repository name; files and directories by their absolute path.
+        where = str(Path(base).resolve()) if Path(base).exists() else dataset_source(base)
+        uris[name] = where + (f"{SPLIT_SEPARATOR}{split}" if split else "")
     sources.record_shards(uris, spec)
     if write:
         sources.save()
@@ -413,7 +415,8 @@ def run_ingest(
         index: an opened :class:`~eogp_index.client.AttributionIndex` (its model and tokenizer
             tokenize and project the records).
         patterns: shard files (JSON Lines, plain/.gz/.zst; Parquet; ``save_to_disk``
-            directories, ``dir::split`` for a split), or globs; read in sorted path order.
+            directories, ``dir::split`` for a split; a hub or local dataset repository as
+            ``name::split`` or ``name::config/split``), or globs; read in sorted path order.
         spec: which record fields hold the content, id and metadata (``metadata_fields`` become
             typed table columns) and ``max_tokens`` (default: the index's).
         on_error: ``"raise"``: the first bad record raises :class:`InputError` naming its shard

@@ -4,12 +4,6 @@ every counted token in exactly one window, read back for explain, resumed after 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -102,56 +96,14 @@ def test_long_document_becomes_window_rows_with_one_parent_id(index_dir, tmp_pat
     assert len(explained.train_tokens) == third.num_tokens
 
 
-KILLED_INGEST = textwrap.dedent("""
-    import sys, time
-    from eogp_index.client import AttributionIndex
-    from eogp_index.config import GradientConfig
-    from ingest.pipeline import run_ingest
-    from ingest.records import RecordSpec
-
-    index = AttributionIndex.open(sys.argv[1], gradients=GradientConfig(batch_size=2, device="cpu"))
-    commit = index.store.add
-
-    def slow_commit(rows):
-        # Widen the time between commits so that the test's SIGKILL lands mid-document.
-        time.sleep(0.25)
-        return commit(rows)
-
-    index.store.add = slow_commit
-    run_ingest(index, [sys.argv[2]], spec=RecordSpec(long_documents="windows"), batch_size=2, progress=False)
-""")
-
-
 @pytest.mark.distributed
-def test_killed_windowed_ingest_stores_every_window_exactly_once(index_dir, tmp_path, tokenizer):
-    import lance
-
+def test_killed_windowed_ingest_stores_every_window_exactly_once(index_dir, tmp_path, tokenizer, killed_ingest):
     shard = tmp_path / "long.jsonl"
     shard.write_text("".join(json.dumps({"text": _text(i, 4)}) + "\n" for i in range(3)))
     spec = RecordSpec(long_documents="windows", max_tokens=WINDOW)
     expected = [e.id for e in iter_examples([shard], spec, tokenizer)]
     assert len(expected) >= 3 * 3  # several windows per document
-    script = tmp_path / "ingest_script.py"
-    script.write_text(KILLED_INGEST)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    with open(tmp_path / "child.log", "wb") as log:
-        child = subprocess.Popen([sys.executable, str(script), str(index_dir), str(shard)], cwd=REPO, env=env,
-                                 stdout=log, stderr=subprocess.STDOUT)
-        uri = str(index_dir / "examples.lance")
-        try:
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline and child.poll() is None:
-                try:
-                    if lance.dataset(uri).count_rows() >= 3:  # past the first document's first window
-                        break
-                except Exception:  # no table yet
-                    pass
-                time.sleep(0.02)
-            os.kill(child.pid, signal.SIGKILL)
-        finally:
-            child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL, (tmp_path / "child.log").read_text()[-2000:]
-    after_kill = lance.dataset(uri).count_rows()
+    after_kill = killed_ingest(index_dir, str(shard), "RecordSpec(long_documents='windows')", at_least=3)
     assert 3 <= after_kill < len(expected), f"kill landed outside the shard (rows: {after_kill})"
 
     index = AttributionIndex.open(index_dir, gradients=GradientConfig(batch_size=BATCH, device="cpu"))
