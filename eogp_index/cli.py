@@ -79,12 +79,15 @@ def cli() -> None:
               help="A LoRA adapter directory (saved by peft) to load onto MODEL; its LoRA matrices are attributed "
                    "unless --module names base layers.")
 @click.option("--data", "data", multiple=True,
-              help="Shard files or globs (JSONL[.gz/.zst], Parquet, datasets.save_to_disk dirs) to fit on.")
+              help="Shard files or globs (JSONL[.gz/.zst], Parquet, datasets.save_to_disk dirs), or a dataset "
+                   "(owner/name, hf://datasets/owner/name, a local dataset directory; with --split) to fit on.")
 @click.option("--fit-data", "fit_data", multiple=True,
               help="Fit on these shards instead of --data: fitting data kept apart from what you ingest "
                    "(e.g. a held-out split).")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Index directory to create (or the interrupted fit to resume).")
+@click.option("--split", default=None, help="The split to read of a dataset in --data / --fit-data (train, …).")
+@click.option("--config", "dataset_config", default=None, help="The config of a dataset with several.")
 @_projection_options
 @option_group(field_option(StorageConfig, "precision"), into="storage")
 @option_group(
@@ -93,7 +96,8 @@ def cli() -> None:
     into="curvature",
 )
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
-@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device", "dtype", "experts")),
+@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device", "dtype", "experts",
+                                                              "gradient_checkpointing")),
               *_budget_options, into="gradients")
 @field_option(ProjectionConfig, "seed", help="Seed of the fitting samples, the sampled labels and the SRHT.")
 @click.option("--table-uri", default=None,
@@ -103,8 +107,8 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @_record_options
 @_fail_cleanly
-def fit(model, adapter, data, fit_data, out, projection, storage, curvature, modules, gradients, seed, table_uri,
-        overwrite, distributed, as_json, record):
+def fit(model, adapter, data, fit_data, out, split, dataset_config, projection, storage, curvature, modules, gradients,
+        seed, table_uri, overwrite, distributed, as_json, record):
     """Fit EK-FAC curvature and the projection; create an empty index.
 
     MODEL is a HuggingFace hub name, a local model directory, or a LoRA
@@ -137,6 +141,7 @@ def fit(model, adapter, data, fit_data, out, projection, storage, curvature, mod
 
     if bool(data) == bool(fit_data):
         raise click.UsageError("give the shards to fit on with --data, or with --fit-data (not both)")
+    data, fit_data = (_dataset_splits(p, split, dataset_config) for p in (data, fit_data))
     if projection["k"] is None and projection["budget_kb"] is None:
         projection["k"] = 256
     sharded = under_torchrun(distributed)
@@ -214,6 +219,7 @@ def _fit_process_group(device: str):
 @_model_option
 @field_option(GradientConfig, "device")
 @_dtype_option
+@field_option(GradientConfig, "gradient_checkpointing")
 @_projection_memory_option
 @field_option(GradientConfig, "block_documents")
 @option_group(*_budget_options, into="budget")
@@ -225,15 +231,18 @@ def _fit_process_group(device: str):
                    "`eogp explain` needs no shard; costs about the documents' own size per row.")
 @click.option("--store-text-max-bytes", type=click.IntRange(min=1), default=DEFAULT_TEXT_BYTES, show_default=True,
               help="With --store-text: longer documents are not stored (explained from their shard instead).")
+@field_option(RecordSpec, "long_documents")
+@click.option("--split", default=None, help="The split to read of a dataset among SHARDS (train, …).")
+@click.option("--config", "dataset_config", default=None, help="The config of a dataset with several.")
 @distributed_option
 @click.option("--commit-every", type=click.IntRange(min=1), default=None,
               help="Under torchrun: steps between commits (default 1); a crash loses at most this many steps.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_record_options
 @_fail_cleanly
-def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, dtype, projection_memory_gb,
-           block_documents, budget,
-           shard_root, store_text, store_text_max_bytes, distributed, commit_every, as_json, record):
+def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, dtype, gradient_checkpointing,
+           projection_memory_gb, block_documents, budget, shard_root, store_text, store_text_max_bytes, long_documents,
+           split, dataset_config, distributed, commit_every, as_json, record):
     """Store corpus shards in an index. Safe to rerun: stored examples are skipped.
 
     Under torchrun (several workers, or --distributed) the shards are dealt out to the
@@ -244,9 +253,11 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
         eogp ingest my-index 'data/shard-*.jsonl.zst' --metadata source --on-error skip --store-text
         torchrun --nproc_per_node 8 -m eogp_index.cli ingest my-index 'data/*.parquet' --commit-every 4
     """
-    spec = RecordSpec(**record)  # max_tokens: the index's
+    spec = RecordSpec(**record, long_documents=long_documents)  # max_tokens: the index's
+    shards = _dataset_splits(shards, split, dataset_config)
     gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device, dtype=dtype,
-                               projection_memory_gb=projection_memory_gb, block_documents=block_documents, **budget)
+                               gradient_checkpointing=gradient_checkpointing, projection_memory_gb=projection_memory_gb,
+                               block_documents=block_documents, **budget)
     options = dict(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
                    progress=not as_json, shard_root=shard_root,
                    store_text=store_text_max_bytes if store_text else None)
@@ -420,6 +431,18 @@ def explain(index_dir, texts, queries_file, ids, top, color, model_name, device,
     use_color = sys.stdout.isatty() if color is None else color
     _emit([e.to_json() for e in explanations], as_json,
           lambda _: click.echo("\n\n".join(explanation_terminal(e, color=use_color) for e in explanations)))
+
+
+def _dataset_splits(patterns, split: Optional[str], config: Optional[str]) -> tuple:
+    """``patterns`` with ``--split`` / ``--config`` attached to the datasets among them."""
+    if split is None and config is None:
+        return tuple(patterns)
+    from eogp_index.data.readers import dataset_source, with_split
+
+    if patterns and not any(dataset_source(p) is not None for p in patterns):
+        raise click.UsageError("--split and --config pick a split of a dataset (owner/name, hf://datasets/owner/name "
+                               "or a local dataset directory); none of the shards given is one")
+    return tuple(with_split(p, split, config) if dataset_source(p) is not None else p for p in patterns)
 
 
 def _queries(texts, queries_file, limit: Optional[int]) -> Tuple[List[str], List[Any]]:

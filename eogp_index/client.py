@@ -33,6 +33,7 @@ from eogp_index.gradients.model import (
     adapter_fingerprint,
     dtype_name,
     freeze,
+    hard_context_length,
     load_indexed_model,
     model_fingerprint,
     model_sha256,
@@ -114,6 +115,11 @@ class AttributionIndex:
 
         if not examples:
             raise InputError("no examples to fit the curvature and projection on")
+        context = hard_context_length(model)
+        if gradients.max_tokens is not None and context is not None and gradients.max_tokens > context:
+            raise ConfigError(f"max_tokens (--max-tokens) is {gradients.max_tokens}, but {model_name} reads at most "
+                              f"{context} tokens; give at most {context} (longer documents are then cut, or split "
+                              "with `eogp ingest --long-documents windows`)")
         distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if distributed else 0
         if rank == 0:
@@ -216,7 +222,8 @@ class AttributionIndex:
             groups = self.first_stage_groups(examples, progress=progress)
             return concat_modules([torch.cat(self.projection.modules[name].second_groups(groups.pop(name))).cpu()
                                    .numpy() for name in names])
-        capture = GradientCapture(self.model, names, self.projection.transform)
+        capture = GradientCapture(self.model, names, self.projection.transform,
+                                  checkpoint=self.gradients.gradient_checkpointing)
         out = project_examples(capture, examples, batch_size=self.gradients.batch_size,
                                pad_token_id=pad_token_id(self.tokenizer), device=self.device, progress=progress)
         return concat_modules([out[name].numpy() for name in names])
@@ -226,7 +233,8 @@ class AttributionIndex:
         """First-stage coordinates at the projection's cache dtype, one ``(B, m_u)`` group per
         gradient batch: ``{module: [group, ...]}`` (on the model's device)."""
         names = self.manifest.module_names
-        capture = GradientCapture(self.model, names, self.projection.cached_first_stage_transform)
+        capture = GradientCapture(self.model, names, self.projection.cached_first_stage_transform,
+                                  checkpoint=self.gradients.gradient_checkpointing)
         groups: Dict[str, List[torch.Tensor]] = {name: [] for name in names}
         for _, outputs in run_batches(capture, examples, batch_size=self.gradients.batch_size,
                                       pad_token_id=pad_token_id(self.tokenizer), device=self.device,

@@ -232,6 +232,12 @@ class GradientConfig:
         default=None, metadata={"help": "Truncate documents and queries to this many tokens.", "min": 1}
     )
     device: str = field(default="auto", metadata={"help": "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1'…"})
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Recompute each transformer block in the backward pass instead of keeping its "
+                          "activations: far less memory for long documents, about one more forward pass of "
+                          "time, the same coordinates."},
+    )
     projection_memory_gb: Optional[float] = field(
         default=None,
         metadata={"help": "GiB the PCA matrices P may hold in memory at once. Under it each module's P is read "

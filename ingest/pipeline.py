@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import pyarrow as pa
-from torch import nn
 
 from eogp_index.client import AttributionIndex
 from eogp_index.errors import ConfigError, InputError
-from eogp_index.data.readers import SPLIT_SEPARATOR, expand_shards, shard_names, split_shard_spec
+from eogp_index.gradients.model import hard_context_length
+from eogp_index.data.readers import SPLIT_SEPARATOR, dataset_source, expand_shards, shard_names, split_shard_spec
 from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, after_ingest, maybe_optimize
 from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
@@ -146,28 +146,15 @@ class Tally:
         )
 
 
-def hard_context_length(model: nn.Module) -> Optional[int]:
-    """The most tokens ``model`` can read, when a learned position table fixes it (GPT-2, OPT).
-
-    Rotary/ALiBi models only extrapolate past ``max_position_embeddings``, so they get None.
-    """
-    config = getattr(model, "config", None)
-    sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
-    for attr in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            # OPT's table has two extra rows (an offset of 2); the usable length is still value.
-            if value in sizes or value + 2 in sizes:
-                return value
-    return None
-
-
 def effective_spec(index: AttributionIndex, spec: RecordSpec) -> RecordSpec:
-    """``spec``, with the index's ``max_tokens`` when the spec sets none."""
+    """``spec``, with the index's ``max_tokens`` when the spec sets none (for windows without one:
+    the model's context, when its position table fixes it)."""
     if not isinstance(spec, RecordSpec):
         raise ConfigError(f"spec must be an ingest.records.RecordSpec, got {type(spec).__name__}")
     if spec.max_tokens is None and index.manifest.max_tokens is not None:
         return replace(spec, max_tokens=int(index.manifest.max_tokens))
+    if spec.max_tokens is None and spec.long_documents == "windows":
+        return replace(spec, max_tokens=hard_context_length(index.model))  # windows as long as the model reads
     return spec
 
 
@@ -388,7 +375,9 @@ def record_sources(index: AttributionIndex, patterns: Sequence[str | Path], spec
     uris = {}
     for name, path in zip(names, shards):
         base, split = split_shard_spec(path)
-        uris[name] = str(Path(base).resolve()) + (f"{SPLIT_SEPARATOR}{split}" if split else "")
+        # A hub dataset is recorded by its repository name; files and directories by their absolute path.
+        where = str(Path(base).resolve()) if Path(base).exists() else dataset_source(base)
+        uris[name] = where + (f"{SPLIT_SEPARATOR}{split}" if split else "")
     sources.record_shards(uris, spec)
     if write:
         sources.save()
@@ -463,7 +452,8 @@ def run_ingest(
         index: an opened :class:`~eogp_index.client.AttributionIndex` (its model and tokenizer
             tokenize and project the records).
         patterns: shard files (JSON Lines, plain/.gz/.zst; Parquet; ``save_to_disk``
-            directories, ``dir::split`` for a split), or globs; read in sorted path order.
+            directories, ``dir::split`` for a split; a hub or local dataset repository as
+            ``name::split`` or ``name::config/split``), or globs; read in sorted path order.
         spec: which record fields hold the content, id and metadata (``metadata_fields`` become
             typed, nullable table columns; a list of scalars becomes an Arrow list) and ``max_tokens`` (default: the index's).
         on_error: ``"raise"``: the first bad record raises :class:`InputError` naming its shard

@@ -25,6 +25,7 @@ from eogp_index.data.records import (  # noqa: F401  (re-exported: the ingest la
     location_of,
     stable_id,
     tokenize_record,
+    tokenize_windows,
 )
 from eogp_index.data.readers import ParseError, expand_shards, iter_raw_records, shard_names
 
@@ -38,6 +39,7 @@ __all__ = [
     "iter_examples",
     "stable_id",
     "tokenize_record",
+    "tokenize_windows",
 ]
 
 OnError = Literal["raise", "skip"]
@@ -186,10 +188,8 @@ def iter_examples(
             try:
                 if isinstance(record, ParseError):
                     raise record.to_error()
-                example = tokenize_record(
-                    record, shard=shard, position=position, spec=spec, tokenizer=tokenizer
-                )
-                example = state.admit(example)
+                examples = [state.admit(example) for example in tokenize_windows(
+                    record, shard=shard, position=position, spec=spec, tokenizer=tokenizer)]
             except InputError as exc:
                 if on_error == "raise":
                     raise
@@ -201,7 +201,7 @@ def iter_examples(
                     record_id=_peek_id(record, spec),
                 )
                 continue
-            yield example
+            yield from examples
 
 
 def _peek_id(record: Any, spec: RecordSpec) -> str | None:

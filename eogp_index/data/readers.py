@@ -13,6 +13,11 @@ Supported formats (decided by the file name, see :func:`detect_format`):
 * Parquet: ``.parquet``, read with pyarrow one record batch at a time.
 * A directory written by Hugging Face ``datasets.Dataset.save_to_disk``. A directory written
   by ``DatasetDict.save_to_disk`` must be given with a split: ``path/to/dir::train``.
+* A dataset as Hugging Face users name it, read with ``datasets.load_dataset(..., streaming=True)``
+  (format ``"dataset"``): a hub repository (``owner/name``, or ``hf://datasets/owner/name``), or
+  a local dataset repository (a directory of data files, with or without a dataset card) that is
+  not ``save_to_disk`` output. It is given with its split, and its config when it has several:
+  ``owner/name::train`` or ``owner/name::config/train`` (:func:`with_split`).
 
 Positions and locations:
 
@@ -41,6 +46,7 @@ import gzip
 import io
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -66,7 +72,11 @@ __all__ = [
     "split_shard_spec",
 ]
 
-ShardFormat = Literal["jsonl", "parquet", "hf"]
+ShardFormat = Literal["jsonl", "parquet", "hf", "dataset"]
+
+#: How the hub's file system names a dataset repository (``huggingface_hub``'s ``HfFileSystem``).
+HUB_PREFIX = "hf://datasets/"
+_REPO_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 #: Separates a ``DatasetDict`` directory from the split to read: ``data/dd::train``.
 
@@ -116,6 +126,43 @@ def split_shard_spec(path: str | Path) -> tuple[Path, str | None]:
     return Path(base), split
 
 
+def dataset_source(text: str | Path) -> str | None:
+    """What ``datasets.load_dataset`` is given for a shard's base, when it names a dataset:
+    ``owner/name`` for ``hf://datasets/owner/name`` or a repository name that is no local path,
+    the directory for a local dataset repository; None for anything else (files,
+    ``save_to_disk`` directories, globs)."""
+    text = re.sub(r"^hf:/+datasets/", HUB_PREFIX, os.fspath(text))  # a Path keeps one slash of '//'
+    if text.startswith(HUB_PREFIX):
+        return text[len(HUB_PREFIX):].strip("/")
+    base = Path(text)
+    if base.is_dir():
+        saved = (base / "dataset_dict.json").is_file() or (base / "state.json").is_file()
+        return None if saved else text
+    if not base.exists() and not glob.has_magic(text) and _REPO_NAME.fullmatch(text) and not _looks_like_file(text):
+        return text
+    return None
+
+
+def _looks_like_file(text: str) -> bool:
+    """A missing ``dir/file.jsonl`` is a missing file, not a hub repository."""
+    name = text.lower()
+    return name.endswith((*_JSONL_SUFFIXES, ".parquet", *_COMPRESSION_SUFFIXES))
+
+
+def with_split(pattern: str, split: str | None, config: str | None) -> str:
+    """A dataset shard spec: ``pattern::split`` or ``pattern::config/split`` (``--split``, ``--config``).
+
+    Raises :class:`InputError` when ``pattern`` names no dataset, or no split is given for one.
+    """
+    if dataset_source(pattern) is None:
+        raise InputError("--split and --config apply to datasets (a hub repository such as owner/name, "
+                         "hf://datasets/owner/name, or a local dataset directory); this is a file or glob",
+                         location=pattern)
+    if split is None:
+        raise InputError("a dataset is read one split at a time: give --split (e.g. --split train)", location=pattern)
+    return f"{pattern}{SPLIT_SEPARATOR}{config + '/' if config else ''}{split}"
+
+
 def detect_format(path: str | Path) -> tuple[ShardFormat, Literal["gzip", "zstd"] | None]:
     """The format and compression of a shard, from its name (and, for directories, contents).
 
@@ -124,6 +171,11 @@ def detect_format(path: str | Path) -> tuple[ShardFormat, Literal["gzip", "zstd"
     """
     base, split = split_shard_spec(path)
     shown = os.fspath(path)
+    if dataset_source(base) is not None:
+        if split is None:
+            raise InputError(f"is a dataset: name its split as '{shown}::train' (--split; --config for a config)",
+                             location=shown)
+        return "dataset", None
     if base.is_dir():
         if (base / "dataset_dict.json").is_file():
             return "hf", None
@@ -189,7 +241,7 @@ def expand_shards(patterns: Sequence[str | Path]) -> list[Path]:
             if not matches:
                 raise InputError(f"shard pattern {os.fspath(pattern)!r} matches no file")
         else:
-            if not base.exists():
+            if not base.exists() and dataset_source(base_text) is None:
                 raise InputError(f"shard {os.fspath(pattern)!r} does not exist")
             matches = [base_text]
         for match in matches:
@@ -251,6 +303,8 @@ def iter_raw_records(path: str | Path, *, shard: str | None = None) -> Iterator[
         yield from _iter_jsonl(Path(path), shard, compression)
     elif fmt == "parquet":
         yield from _iter_parquet(Path(path), shard)
+    elif fmt == "dataset":
+        yield from _iter_dataset(path, shard)
     else:
         yield from _iter_hf(path, shard)
 
@@ -381,3 +435,20 @@ def _iter_hf(path: str | Path, shard: str) -> Iterator[RawRecord]:
         for values in zip(*(batch[c] for c in columns)):
             yield RawRecord(shard, position, dict(zip(columns, values)))
             position += 1
+
+
+def _iter_dataset(path: str | Path, shard: str) -> Iterator[RawRecord]:
+    """A split of a hub or local dataset repository, streamed: records in the split's order, which
+    is the order of its data files (so a record's position is the same in every run)."""
+    import datasets
+
+    base, split = split_shard_spec(path)
+    source = dataset_source(base)
+    config, _, split = (split or "").rpartition("/")
+    try:
+        stream = datasets.load_dataset(source, name=config or None, split=split, streaming=True)
+    except Exception as exc:  # datasets raises ValueError, FileNotFoundError, hub errors
+        raise InputError(f"cannot load split {split!r}{f' of config {config!r}' if config else ''} of dataset "
+                         f"{source!r}: {exc}", location=shard) from exc
+    for position, row in enumerate(stream):
+        yield RawRecord(shard, position, dict(row))

@@ -49,8 +49,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Optional
 
 from eogp_index.errors import ConfigError, InputError
 
@@ -91,6 +91,12 @@ def location_of(shard: str, position: int) -> str:
 
 
 
+LongDocuments = Literal["truncate", "windows"]
+#: The metadata columns ``long_documents="windows"`` gives every row: the document's id and the
+#: window's number in it (0 for a document that fits in one).
+WINDOW_COLUMNS = ("parent_id", "window")
+
+
 @dataclass(frozen=True)
 class RecordSpec:
     """Where a record keeps its content, id and metadata, and how long an example may be.
@@ -110,6 +116,9 @@ class RecordSpec:
         first value as a float (``3.0``).
     max_tokens: keep only the first ``max_tokens`` tokens (and labels) of longer examples and
         mark them ``truncated``; None keeps everything. At least 2 (one loss position).
+    long_documents: what becomes of a document longer than ``max_tokens``: ``truncate`` (as
+        above) or ``windows`` (:func:`split_windows`: one example per window, every row with
+        ``parent_id`` and ``window`` metadata).
     """
 
     text_field: str = field(default="text", metadata={"help": "Field holding plain text."})
@@ -134,6 +143,12 @@ class RecordSpec:
     )
     max_tokens: int | None = field(
         default=None, metadata={"help": "Truncate examples to this many tokens.", "min": 2}
+    )
+    long_documents: LongDocuments = field(
+        default="truncate",
+        metadata={"help": "A document longer than max_tokens: truncate (keep its start; the row is flagged "
+                          "`truncated`) or windows (split it into windows of max_tokens tokens, one row each; "
+                          "every row gets a parent_id column, the document's id, and a window column)."},
     )
 
     def __post_init__(self) -> None:
@@ -183,6 +198,12 @@ class RecordSpec:
         if duplicates:
             raise ConfigError(f"RecordSpec.metadata_fields lists {duplicates} more than once")
         object.__setattr__(self, "metadata_fields", fields)  # a list given by a caller -> tuple
+        if self.long_documents not in ("truncate", "windows"):
+            raise ConfigError(f"RecordSpec.long_documents must be 'truncate' or 'windows', got {self.long_documents!r}")
+        clash = [name for name in WINDOW_COLUMNS if name in fields]
+        if self.long_documents == "windows" and clash:
+            raise ConfigError(f"RecordSpec.metadata_fields has {clash}, the columns that long_documents='windows' "
+                              "fills; rename those record fields or drop them from metadata_fields (--metadata)")
         if self.max_tokens is not None and (
             isinstance(self.max_tokens, bool)
             or not isinstance(self.max_tokens, int)
@@ -256,6 +277,42 @@ class Example:
         return cls(id=id, shard=shard, position=position, input_ids=tuple(int(t) for t in input_ids), labels=labels,
                    metadata=dict(metadata or {}), num_tokens=len(input_ids),
                    num_loss_tokens=sum(1 for t in labels[1:] if t != IGNORE_INDEX), truncated=truncated)
+
+
+def split_windows(example: Example, max_tokens: int | None) -> list[Example]:
+    """The windows of an untruncated document, ``max_tokens`` tokens each, in order.
+
+    Consecutive windows share one token (a stride of ``max_tokens - 1``): a window's first label
+    is never predicted, so every counted label of the document is counted in exactly one window.
+    A window with no counted label has no gradient and is left out. A document that fits is one
+    window and keeps its id; the windows of a longer one have ids ``ID#0``, ``ID#1``, … Every
+    window keeps the document's shard, position and content (so that it is read back and
+    checked like the whole document) and gets metadata ``parent_id`` (the document's id) and
+    ``window`` (its number).
+    """
+    metadata = dict(example.metadata)
+    if max_tokens is None or example.num_tokens <= max_tokens:
+        return [replace(example, metadata={**metadata, "parent_id": example.id, "window": 0})]
+    out = []
+    for number, start in enumerate(range(0, example.num_tokens - 1, max_tokens - 1)):
+        input_ids = example.input_ids[start:start + max_tokens]
+        labels = example.labels[start:start + max_tokens]
+        counted = sum(1 for t in labels[1:] if t != IGNORE_INDEX)
+        if counted:
+            out.append(replace(example, id=f"{example.id}#{number}", input_ids=input_ids, labels=labels,
+                               num_tokens=len(input_ids), num_loss_tokens=counted, truncated=False,
+                               metadata={**metadata, "parent_id": example.id, "window": number}))
+    return out
+
+
+def tokenize_windows(record: Any, *, shard: str, position: int, spec: RecordSpec, tokenizer: Any) -> list[Example]:
+    """:func:`tokenize_record`, as ``spec.long_documents`` asks: one (maybe truncated) example, or
+    the document's windows (:func:`split_windows`)."""
+    if spec.long_documents == "truncate":
+        return [tokenize_record(record, shard=shard, position=position, spec=spec, tokenizer=tokenizer)]
+    whole = tokenize_record(record, shard=shard, position=position, spec=replace(spec, max_tokens=None),
+                            tokenizer=tokenizer)
+    return split_windows(whole, spec.max_tokens)
 
 
 def stable_id(shard: str, position: int, content: bytes | str) -> str:

@@ -275,7 +275,7 @@ def _first_stage_pass(model, fitted: Projection, names, examples, folder: FitFol
     def to_half(name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return fitted.modules[name].first_stage(a, g).to(torch.float16)
 
-    capture = GradientCapture(model, names, to_half)
+    capture = GradientCapture(model, names, to_half, checkpoint=gradients.gradient_checkpointing)
     for b in tqdm(mine, desc="PCA fitting set", unit="batch", disable=not progress):
         collated = collate([(ex.input_ids, ex.labels) for ex in all_batches[b]], pad_id)
         coords, _ = capture.run({key: value.to(device) for key, value in collated.items()})

@@ -14,13 +14,22 @@ Module outputs are processed in backward hooks, as soon as their gradient exists
 projected coordinates of all modules are alive at once — not every module's activations. Each
 module's input is held from its forward to its backward hook in the model's dtype (bfloat16 or
 float16 halve it) and handed to the transform in float32, with the output gradient.
+
+With ``checkpoint=True`` each transformer block keeps only its input in the forward pass and is
+run again in the backward pass (``torch.utils.checkpoint``, non-reentrant), so the memory of
+the model's own activations no longer grows with the number of blocks times the tokens. The
+recomputed forward calls the modules' forward hooks again: each module's ``a`` is taken, and
+its gradient hook registered, once per run, so the recomputation captures nothing twice and
+the coordinates are those of the plain pass.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from eogp_index.errors import InputError, ModelError
@@ -44,10 +53,11 @@ class GradientCapture:
         >>> outputs, losses = capture.run(batch)  # doctest: +SKIP
     """
 
-    def __init__(self, model: nn.Module, modules: Sequence[str], transform: Transform):
+    def __init__(self, model: nn.Module, modules: Sequence[str], transform: Transform, *, checkpoint: bool = False):
         self.model = model
         self.modules = list(modules)
         self.transform = transform
+        self.checkpoint = checkpoint
         self._linears: Dict[str, nn.Linear] = {}
         for name in self.modules:
             module = model.get_submodule(name)
@@ -67,6 +77,10 @@ class GradientCapture:
         activations: Dict[str, torch.Tensor] = {}
         results: Dict[str, torch.Tensor] = {}
         handles: List[torch.utils.hooks.RemovableHandle] = []
+        # Modules whose ``a`` was taken, and whose gradient hook is registered: a checkpointed
+        # block's recomputed forward must add neither again.
+        captured: set = set()
+        hooked: set = set()
 
         def on_backward(name: str):
             def hook(grad_output: torch.Tensor) -> None:
@@ -84,15 +98,18 @@ class GradientCapture:
                         f"features) = {tuple(mask.shape[:2])} + (features,): it runs on tokens flattened or "
                         "gathered across the batch (as layers inside a sparse MoE block do), so it has no "
                         "per-example gradient; leave it out of --module")
-                # Held until the module's backward hook in the model's own dtype (half of float32
-                # in bf16/fp16: every attributed module's input is alive at once); the mask and
-                # the bias column of ones are exact in it. Upcast there, one module at a time.
-                x = inputs[0].detach()
-                a = x * mask.to(x.device, x.dtype)
-                if module.bias is not None:
-                    a = torch.cat([a, mask.to(a.device, a.dtype).expand(*a.shape[:-1], 1)], dim=-1)
-                activations[name] = a
-                if output.requires_grad:
+                if name not in captured:
+                    captured.add(name)
+                    # Held until the module's backward hook in the model's own dtype (half of float32
+                    # in bf16/fp16: every attributed module's input is alive at once); the mask and
+                    # the bias column of ones are exact in it. Upcast there, one module at a time.
+                    x = inputs[0].detach()
+                    a = x * mask.to(x.device, x.dtype)
+                    if module.bias is not None:
+                        a = torch.cat([a, mask.to(a.device, a.dtype).expand(*a.shape[:-1], 1)], dim=-1)
+                    activations[name] = a
+                if output.requires_grad and name not in hooked:
+                    hooked.add(name)
                     output.register_hook(on_backward(name))
 
             return hook
@@ -106,12 +123,22 @@ class GradientCapture:
         handles.append(embeddings.register_forward_hook(require_grad))
         for name, module in self._linears.items():
             handles.append(module.register_forward_hook(on_forward(name)))
+        blocks = checkpointed_blocks(model) if self.checkpoint else []
+        patched: List[nn.Module] = []
         try:
+            for block in blocks:
+                block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
+                                                  use_reentrant=False)
+                patched.append(block)
+            # A key/value cache would grow again in the recomputation: none is kept when checkpointing.
+            no_cache = {"use_cache": False} if blocks else {}
             with torch.enable_grad():
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **no_cache).logits
                 losses = per_example_loss(logits, batch["labels"])
                 losses.sum().backward()
         finally:
+            for block in patched:
+                del block.forward  # the class's forward again
             for handle in handles:
                 handle.remove()
             activations.clear()
@@ -122,6 +149,23 @@ class GradientCapture:
                 "(check the module names and that the batch has counted labels)"
             )
         return {n: results[n] for n in self.modules}, losses.detach()
+
+
+def checkpointed_blocks(model: nn.Module) -> List[nn.Module]:
+    """The transformer blocks to recompute: the children of the model's longest ``nn.ModuleList``
+    of modules of one class (``transformer.h``, ``model.layers``).
+
+    Raises:
+        ModelError: the model has no such list, so there is nothing to checkpoint.
+    """
+    best: List[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best) and len({type(m) for m in module}) == 1:
+            best = list(module)
+    if not best:
+        raise ModelError(f"{type(model).__name__} has no list of transformer blocks to checkpoint; "
+                         "run without gradient checkpointing")
+    return best
 
 
 def batches(items: Iterable[Any], size: int) -> Iterator[List[Any]]:

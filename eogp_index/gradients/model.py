@@ -148,6 +148,22 @@ def module_shape(model: nn.Module, name: str) -> tuple[int, int]:
     return module.out_features, module.in_features + (1 if module.bias is not None else 0)
 
 
+def hard_context_length(model: nn.Module) -> Optional[int]:
+    """The most tokens ``model`` can read, when a learned position table fixes it (GPT-2, OPT).
+
+    Rotary/ALiBi models only extrapolate past ``max_position_embeddings``, so they get None.
+    """
+    config = getattr(model, "config", None)
+    sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    for attr in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            # OPT's table has two extra rows (an offset of 2); the usable length is still value.
+            if value in sizes or value + 2 in sizes:
+                return value
+    return None
+
+
 ADAPTER_CONFIG = "adapter_config.json"
 #: Files that mark a directory as holding a tokenizer of its own.
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")

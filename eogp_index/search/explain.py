@@ -134,7 +134,7 @@ def token_contributions(index, examples: Sequence[Example], coords: np.ndarray) 
     def contributions(name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:  # (B, n_coords, T)
         return torch.einsum("bto,noi,bti->bnt", g, pulled[name], a)
 
-    capture = GradientCapture(index.model, names, contributions)
+    capture = GradientCapture(index.model, names, contributions, checkpoint=index.gradients.gradient_checkpointing)
     out: List[np.ndarray] = []
     for batch in batches(examples, index.gradients.batch_size):  # each batch padded to its own longest
         per_module = project_examples(capture, batch, batch_size=len(batch),

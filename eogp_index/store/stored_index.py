@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from eogp_index.data.records import Example, RecordSpec, location_of, record_of, tokenize_record
+from eogp_index.data.records import Example, RecordSpec, location_of, record_of, tokenize_windows
 from eogp_index.errors import IncompatibleIndexError, InputError
 from eogp_index.store.codecs import Codec, SignLayout, codec_for
 from eogp_index.errors import ConfigError
@@ -300,20 +300,28 @@ class StoredIndex:
                 f"{self.path} has index format {self.manifest.format_version}, whose rows record no content hash, "
                 "so a document read back could not be checked; re-ingest into an index made by this version")
         wanted = ["id", "shard", "position", "content_sha256", "content_kind"]
-        has_text = self.store.schema is not None and "text" in self.store.schema.names
-        row = self.row(example_id, wanted + (["text"] if has_text else []))
+        names = self.store.schema.names if self.store.schema is not None else []
+        optional = [name for name in ("text", "window") if name in names]
+        row = self.row(example_id, wanted + optional)
         if row is None:
             raise InputError(f"no stored example has id {example_id!r} in {self.path}")
         if row.get("text") is not None:
             # Tokenized as at ingest: the shard's recorded max_tokens when it has one, else the index's.
             recorded = self.sources.data["shards"].get(row["shard"], {}).get("record_spec", {})
-            spec = RecordSpec(max_tokens=recorded.get("max_tokens", self.manifest.max_tokens))
+            spec = RecordSpec(max_tokens=recorded.get("max_tokens", self.manifest.max_tokens),
+                              long_documents=recorded.get("long_documents", "truncate"))
             record, where = _record_from_text(row["text"], row["content_kind"], spec), "its stored text"
         else:
             uri, spec = self.sources.shard(row["shard"])
             record, where = _read_record(uri, row["shard"], row["position"]), uri
-        example = tokenize_record(record, shard=row["shard"], position=row["position"], spec=spec,
-                                  tokenizer=tokenizer)
+        windows = tokenize_windows(record, shard=row["shard"], position=row["position"], spec=spec,
+                                   tokenizer=tokenizer)
+        # A window of a long document (long_documents="windows"): the one of the stored number.
+        number = row.get("window") if spec.long_documents == "windows" else None
+        example = windows[0] if number is None else next((w for w in windows if w.metadata["window"] == number), None)
+        if example is None:
+            raise InputError(f"example {example_id!r}: the record at {location_of(row['shard'], row['position'])} in "
+                             f"{where} has no window {number} any more; restore the shard as it was ingested")
         if example.content_sha256 != row["content_sha256"]:
             raise InputError(
                 f"example {example_id!r}: the record at {location_of(row['shard'], row['position'])} in {where} has "

@@ -145,7 +145,7 @@ def test_expand_shards_sorts_dedups_and_checks(tmp_path, jsonl_writer):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(InputError, match=r"notes\.txt: unsupported shard format"):
         expand_shards([str(tmp_path / "*")])
-    with pytest.raises(InputError, match="not one written by datasets' save_to_disk"):
+    with pytest.raises(InputError, match=r"sub: is a dataset: name its split as '.*sub::train'"):
         expand_shards([tmp_path / "sub"])
     with pytest.raises(InputError, match="no shards given"):
         expand_shards([])
