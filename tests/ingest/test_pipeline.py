@@ -321,7 +321,17 @@ def test_block_ingest_stores_the_codes_of_per_batch_ingest_and_reads_each_p_once
     assert (batched == kept.project(examples)).all()
 
 
-KILLED_BLOCK_INGEST = textwrap.dedent("""
+#: The killed block ingest's gradient batch and block: every run it is compared with uses them too
+#: (a row's coordinates can depend on the rows sharing its gradient batch: its padding, the BLAS's
+#: blocking), so that the codes compared are those of the same batches.
+KILLED_BATCH, KILLED_BLOCK = 2, 6
+
+
+def killed_block_gradients() -> GradientConfig:
+    return GradientConfig(batch_size=KILLED_BATCH, projection_memory_gb=NO_P_IN_MEMORY, block_documents=KILLED_BLOCK)
+
+
+KILLED_BLOCK_INGEST = textwrap.dedent(f"""
     import sys, time
     from eogp_index.client import AttributionIndex
     from eogp_index.config import GradientConfig
@@ -330,7 +340,7 @@ KILLED_BLOCK_INGEST = textwrap.dedent("""
     from ingest.records import RecordSpec
 
     index = AttributionIndex.open(sys.argv[1], gradients=GradientConfig(
-        batch_size=2, projection_memory_gb=1e-9, block_documents=6))
+        batch_size={KILLED_BATCH}, projection_memory_gb={NO_P_IN_MEMORY!r}, block_documents={KILLED_BLOCK}))
     write = blocks.BlockCache.write
 
     def slow_write(self, batch, coords):
@@ -344,36 +354,51 @@ KILLED_BLOCK_INGEST = textwrap.dedent("""
 
 
 def test_block_ingest_killed_mid_block_resumes_the_block(fitted, index_dir, tmp_path, tokenizer, monkeypatch):
-    from ingest.blocks import CACHE_DIR, BlockCache
+    from eogp_index.fit.cache import examples_sha256
+    from ingest.blocks import BLOCK_RECORD, CACHE_DIR, BlockCache
 
-    total = 30
+    total, batch, block = 30, KILLED_BATCH, KILLED_BLOCK
     shard = write_lines(tmp_path / "big.jsonl", [{"text": doc(i)} for i in range(total)])
+    examples = [e for e in iter_examples([shard], RecordSpec(), tokenizer) if isinstance(e, Example)]
     cache = index_dir / CACHE_DIR
-    # A block committed, and the next one's first batch cached: the kill lands inside a block.
-    after_kill = kill_mid_shard(KILLED_BLOCK_INGEST, index_dir, shard, tmp_path,
-                                lambda committed: committed >= 6 and any(cache.glob("batch-*.safetensors")))
-    assert 6 <= after_kill < total, f"kill landed outside the shard (rows: {after_kill})"
-    assert after_kill % 6 == 0  # whole blocks only
-    cached = len(list(cache.glob("batch-*.safetensors")))  # the block in flight, never committed
-    assert 1 <= cached <= 3
+
+    def in_flight_cached(committed: int) -> bool:
+        # A block committed, and a batch of the block after it cached: the kill lands inside a
+        # block. Batch files alone do not say so: a committed block's files stay until its cache
+        # is removed, just after the commit, and a kill there leaves no block in flight.
+        try:
+            record = json.loads((cache / BLOCK_RECORD).read_text())
+        except (OSError, ValueError):  # no cache, or block.json being replaced
+            return False
+        in_flight = examples_sha256(examples[committed:committed + block])
+        return committed >= block and record["examples_sha256"] == in_flight and any(cache.glob("batch-*.safetensors"))
+
+    after_kill = kill_mid_shard(KILLED_BLOCK_INGEST, index_dir, shard, tmp_path, in_flight_cached)
+    assert block <= after_kill < total, f"kill landed outside the shard (rows: {after_kill})"
+    assert after_kill % block == 0  # whole blocks only
+    assert in_flight_cached(after_kill)  # the cache is the block in flight, never committed
+    cached = len(list(cache.glob("batch-*.safetensors")))
+    assert 1 <= cached <= block // batch
 
     written = []
     write = BlockCache.write
-    monkeypatch.setattr(BlockCache, "write", lambda self, batch, coords: written.append(batch) or
-                        write(self, batch, coords))
-    index = AttributionIndex.open(index_dir, gradients=GradientConfig(
-        batch_size=2, projection_memory_gb=NO_P_IN_MEMORY, block_documents=6))
+    monkeypatch.setattr(BlockCache, "write", lambda self, i, coords: written.append(i) or write(self, i, coords))
+    index = AttributionIndex.open(index_dir, gradients=killed_block_gradients())
     summary = run_ingest(index, [str(shard)], spec=RecordSpec(), progress=False)
     assert summary.skipped_existing == after_kill and summary.stored == total - after_kill
-    assert len(written) == (total - after_kill) // 2 - cached  # the killed block's cached batches reused
+    assert len(written) == (total - after_kill) // batch - cached  # the killed block's cached batches reused
     ids = stored_ids(index_dir)
     assert len(ids) == total and len(set(ids)) == total
     assert set(ids) == set(expected_ids([shard], RecordSpec(), tokenizer))
     assert not cache.exists()
-    # The same codes as an ingest never killed, with P in memory.
-    whole = Path(shutil.copytree(fitted.index, tmp_path / "whole"))
-    run_ingest(open_index(whole), [str(shard)], spec=RecordSpec(), progress=False)
-    assert _codes_by_id(index_dir) == _codes_by_id(whole)
+    # The codes of ingests never killed, with the same gradient batches: a block ingest, and a
+    # per-batch ingest with P in memory.
+    codes = _codes_by_id(index_dir)
+    for name, gradients in (("unkilled", killed_block_gradients()),
+                            ("resident", GradientConfig(batch_size=KILLED_BATCH))):
+        whole = Path(shutil.copytree(fitted.index, tmp_path / name))
+        run_ingest(AttributionIndex.open(whole, gradients=gradients), [str(shard)], spec=RecordSpec(), progress=False)
+        assert codes == _codes_by_id(whole), name
 
 
 # -- bad input ------------------------------------------------------------------------------------
