@@ -506,8 +506,8 @@ _OUT_FILE = click.Path(dir_okay=False, path_type=Path)
 @cli.command()
 @click.argument("index_dir", type=INDEX_DIR)
 @_target_options
-@option_group(*(field_option(SelectOptions, name) for name in ("top", "score", "direction", "where", "ids_only")),
-              into="options")
+@option_group(*(field_option(SelectOptions, name)
+                for name in ("top", "score", "direction", "where", "ids_only", "normalize")), into="options")
 @click.option("--out", "out", required=True, type=_OUT_FILE,
               help="The subset to write: .jsonl, .jsonl.gz or .parquet (written whole or not at all).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -521,12 +521,14 @@ def select(index_dir, texts, queries_file, model_name, device, projection_memory
     with their original records and a "score" field, read back from their shards
     with the content hash checked (or from stored text), in corpus order. A JSONL
     shard's lines are copied byte for byte, "score" added last. --ids-only
-    writes id and score only, best first. The table is streamed.
+    writes id and score only, best first. --normalize unit scores each
+    document's code divided by its norm (cosine to the targets, as LESS
+    selects), as `eogp query --normalize unit` does. The table is streamed.
 
     \b
     Example:
         eogp select my-index --queries target.jsonl --top 10% --out subset.jsonl.gz
-        eogp select my-index --queries target.jsonl --top 1000 --score max --out subset.parquet
+        eogp select my-index --queries target.jsonl --top 1000 --score max --normalize unit --out subset.parquet
     """
     from eogp_index.search.select import output_kind, select_documents, write_selection
 

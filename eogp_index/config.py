@@ -303,6 +303,12 @@ class GradientConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+Aggregate = Literal["mean", "sum"]
+AGGREGATES = ("mean", "sum")
+Normalize = Literal["none", "unit"]
+NORMALIZATIONS = ("none", "unit")
+
+
 _TOP = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%?)\s*$")
 
 
@@ -316,6 +322,8 @@ class SelectOptions:
         documents whose training most lowers the targets' loss, ``negative`` the most harmful.
     where: SQL filter on the stored columns; only matching rows are candidates.
     ids_only: write only ``id`` and ``score``, without reading the records back.
+    normalize: ``unit`` scores each stored code divided by its exact norm (cosine to the
+        targets, as LESS selects); ``none`` is the paper's influence.
     """
 
     top: str = field(default="10%", metadata={"help": "How many documents: a count N or a share P% of the rows."})
@@ -325,9 +333,13 @@ class SelectOptions:
         default="positive", metadata={"help": "Keep the most helpful (positive) or most harmful (negative)."})
     where: Optional[str] = field(default=None, metadata={"help": "SQL filter on stored columns."})
     ids_only: bool = field(default=False, metadata={"help": "Write only id and score, not the records."})
+    normalize: Normalize = field(default="none", metadata={
+        "help": "unit: score each document by its code divided by its norm (cosine to the targets); "
+                "none: the paper's influence."})
 
     def __post_init__(self) -> None:
         self.parse_top()
+        check_normalize(self.normalize)
         if self.score not in ("mean", "max"):
             raise ConfigError(f"score must be 'mean' or 'max', got {self.score!r}")
         if self.direction not in ("positive", "negative"):
@@ -349,12 +361,6 @@ class SelectOptions:
         if not percent:
             return min(int(value), rows)
         return min(rows, max(1 if rows else 0, math.floor(rows * value / 100)))
-
-
-Aggregate = Literal["mean", "sum"]
-AGGREGATES = ("mean", "sum")
-Normalize = Literal["none", "unit"]
-NORMALIZATIONS = ("none", "unit")
 
 
 @dataclass(frozen=True)

@@ -236,3 +236,42 @@ def test_selection_does_not_depend_on_the_batches_and_ties_keep_the_lower_rows(w
     rowaddr = np.array([9, 3, 7, 1, 5], np.uint64)
     addr, key = _best(rowaddr, np.array([2.0, 1.0, 1.0, 0.5, 1.0], np.float32), 3)
     assert sorted(addr.tolist()) == [3, 5, 9]
+
+
+def test_normalize_unit_selects_the_top_cosines_of_a_float64_reference(workspace):
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import SelectOptions
+    from eogp_index.search.select import select_documents
+    from eogp_index.store.codecs import decode
+
+    root, reference = workspace
+    index = AttributionIndex.open(root / "idx")
+    hot = index.stored.hot_codes()
+    ids = hot.columns.column("id").to_pylist()
+    x = decode(hot.encoded, index.layout).astype(np.float64)
+    norms = np.linalg.norm(x, axis=1)
+    y = index.query_coordinates(TARGETS).astype(np.float64)
+    cosine = (y @ x.T) / np.where(norms > 0, norms, 1.0)  # (queries, rows): each code divided by its norm
+    mean, low = dict(zip(ids, cosine.mean(0))), dict(zip(ids, cosine.min(0)))
+
+    # CLI, --score mean: the best 7 by the mean cosine, best first.
+    summary = _select(root, "cosine.jsonl", "--top", "7", "--normalize", "unit", "--ids-only")
+    rows = [json.loads(line) for line in (root / "cosine.jsonl").read_text().splitlines()]
+    assert summary["selected"] == 7 and [r["id"] for r in rows] == _top(mean, 7)
+    np.testing.assert_allclose([r["score"] for r in rows], [mean[r["id"]] for r in rows], rtol=1e-5, atol=1e-7)
+    # Unit normalization changes the selection here (the test would not see a no-op).
+    assert _top(mean, 7) != _top(_reference(reference), 7)
+
+    # Python, LESS's rule on the harmful side, under a filter, whatever the batches.
+    options = SelectOptions(top="40%", score="max", direction="negative", where="source != 'code'",
+                            normalize="unit")
+    picked = select_documents(index, TARGETS, options)
+    kept = {i: s for i, s in low.items() if reference["source"][i] != "code"}
+    got = index.stored.rows(picked.rowaddr, ["id"]).column("id").to_pylist()
+    assert got == _top(kept, math.floor(len(kept) * 40 / 100), largest=False)
+    np.testing.assert_allclose(picked.scores, [kept[i] for i in got], rtol=1e-5, atol=1e-7)
+    batched = select_documents(index, TARGETS, options, batch_bytes=1)
+    np.testing.assert_array_equal(batched.rowaddr, picked.rowaddr)
+    np.testing.assert_array_equal(batched.scores, picked.scores)
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        SelectOptions(normalize="l2")

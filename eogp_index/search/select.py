@@ -14,6 +14,10 @@ A document's score over the target set:
   scores are linear in the projected query gradient (``⟨ȳ, x_i⟩``);
 * ``max``: its best score over the queries, LESS's rule (``direction="negative"``: its lowest).
 
+With ``normalize="unit"`` each row is scored by its stored code divided by its exact norm
+(cosine to the targets, as LESS selects), as the query builder's ``.normalize("unit")`` scores
+it (:mod:`eogp_index.search.normalize`).
+
 Example:
     >>> picked = select_documents(index, targets, SelectOptions(top="10%"))  # doctest: +SKIP
     >>> write_selection(index.stored, picked, "subset.jsonl.gz")  # doctest: +SKIP
@@ -37,6 +41,7 @@ import pyarrow as pa
 from eogp_index.config import SelectOptions
 from eogp_index.data.records import content_sha256, location_of, record_content
 from eogp_index.errors import ConfigError, InputError
+from eogp_index.search.normalize import normalized_codes
 from eogp_index.search.searchers import STREAM_BATCH_BYTES, exact_scores
 from eogp_index.store.stored_index import StoredIndex, _record_from_text
 
@@ -55,9 +60,10 @@ class Selection:
 
 
 def scored_batches(stored: StoredIndex, y: np.ndarray, *, where: Optional[str] = None,
-                   columns: Sequence[str] = (), batch_bytes: int = STREAM_BATCH_BYTES
-                   ) -> Iterator[Tuple[pa.RecordBatch, np.ndarray]]:
-    """The matching rows in record batches, each with its exact scores ``(nq, b)`` float32.
+                   columns: Sequence[str] = (), batch_bytes: int = STREAM_BATCH_BYTES,
+                   normalize: str = "none") -> Iterator[Tuple[pa.RecordBatch, np.ndarray]]:
+    """The matching rows in record batches, each with its exact scores ``(nq, b)`` float32
+    (with ``normalize="unit"``, of each row's code divided by its norm).
 
     Only the codec's columns, ``_rowaddr`` and ``columns`` are read.
     """
@@ -69,7 +75,8 @@ def scored_batches(stored: StoredIndex, y: np.ndarray, *, where: Optional[str] =
                                       batch_size_bytes=batch_bytes)
     for batch in store.batches(scanner, where):
         if batch.num_rows:
-            yield batch, exact_scores(codec.from_arrow(batch), y, stored.layout)
+            codes = normalized_codes(codec.from_arrow(batch), stored.layout, normalize)
+            yield batch, exact_scores(codes, y, stored.layout)
 
 
 def select_documents(index, queries: Sequence[Any], options: SelectOptions = SelectOptions(), *,
@@ -86,7 +93,8 @@ def select_documents(index, queries: Sequence[Any], options: SelectOptions = Sel
     sign = 1.0 if options.direction == "positive" else -1.0
     best_addr = np.zeros(0, np.uint64)
     best_key = np.zeros(0, np.float32)  # sign * score: larger is better
-    for batch, scores in (scored_batches(stored, y, where=options.where, batch_bytes=batch_bytes) if keep else ()):
+    batches = scored_batches(stored, y, where=options.where, batch_bytes=batch_bytes, normalize=options.normalize)
+    for batch, scores in (batches if keep else ()):
         key = sign * (scores[0] if options.score == "mean" else (scores.max(0) if sign > 0 else scores.min(0)))
         rowaddr = batch.column("_rowaddr").to_numpy().astype(np.uint64)
         best_addr, best_key = _best(np.concatenate([best_addr, rowaddr]),

@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,6 +46,9 @@ from eogp_index.version import __version__
 log = logging.getLogger("eogp.serve")
 STATIC = Path(__file__).resolve().parent / "static"
 _CONTENT = ("text", "messages", "input_ids")
+#: A prompt-completion query is prompt + completion; a preference query prompt + chosen + rejected.
+_TURNS = ("prompt", "completion", "chosen", "rejected")
+_ONE_QUERY = "text, messages, input_ids, prompt + completion or prompt + chosen + rejected"
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503, 504)}
 
 
@@ -82,13 +85,16 @@ def _error(status: int, field: Optional[str], message: str, errors=None, headers
 
 def _query_record(body: QueryRequest) -> Tuple[Dict[str, Any], str]:
     """The query of a request as a record dict, and the field that holds it."""
-    given = [name for name in _CONTENT if getattr(body, name) is not None]
+    given = [name for name in _CONTENT + _TURNS if getattr(body, name) is not None]
     if not given:
-        raise RequestError("text", "give the query as one of text, messages or input_ids")
-    if len(given) > 1:
-        raise RequestError(given[1], f"give exactly one of text, messages or input_ids, not {' and '.join(given)}")
+        raise RequestError("text", f"give the query as one of {_ONE_QUERY}")
+    whole = [name for name in given if name in _CONTENT]
+    if len(whole) > 1 or (whole and len(given) > 1):
+        raise RequestError(given[1], f"give exactly one of {_ONE_QUERY}, not {' and '.join(given)}")
     if body.labels is not None and given[0] != "input_ids":
         raise RequestError("labels", "labels go with input_ids only; the labels of a text or chat come from it")
+    if not whole:
+        return _turns_record(body, given)
     field = given[0]
     if field == "messages":
         record: Dict[str, Any] = {"messages": [m.model_dump() for m in body.messages or []]}
@@ -99,13 +105,36 @@ def _query_record(body: QueryRequest) -> Tuple[Dict[str, Any], str]:
     return record, field
 
 
+def _turns_record(body: QueryRequest, given: List[str]) -> Tuple[Dict[str, Any], str]:
+    """A prompt-completion or preference query (``given``: its fields present, in ``_TURNS``'s
+    order) as a record dict, and the field that holds its loss."""
+    preference = [name for name in ("chosen", "rejected") if name in given]
+    if "prompt" not in given:
+        raise RequestError("prompt", f"{given[0]} needs its prompt: a query is prompt + completion or "
+                                     "prompt + chosen + rejected")
+    if "completion" in given and preference:
+        raise RequestError(preference[0], "give completion (a prompt-completion query) or chosen and rejected "
+                                          "(a preference query), not both")
+    if given == ["prompt"]:
+        raise RequestError("completion", "prompt goes with completion (a prompt-completion query) or with chosen "
+                                         "and rejected (a preference query)")
+    if len(preference) == 1:
+        missing = "rejected" if preference == ["chosen"] else "chosen"
+        raise RequestError(missing, f"a preference query holds prompt, chosen and rejected; {missing} is missing")
+    record: Dict[str, Any] = {}
+    for name in given:
+        value = getattr(body, name)
+        record[name] = value if isinstance(value, str) else [m.model_dump() for m in value]
+    return record, "completion" if "completion" in given else "chosen"
+
+
 def _behaviour_records(body: QueryRequest, config: ServeConfig) -> Tuple[Dict[str, Any], ...]:
     """The records of a behaviour query (``queries`` with ``aggregate``); none for a single query."""
     if body.queries is None:
         if body.aggregate is not None:
             raise RequestError("aggregate", "aggregate goes with queries: give the behaviour's queries as a list")
         return ()
-    given = [name for name in _CONTENT if getattr(body, name) is not None]
+    given = [name for name in _CONTENT + _TURNS if getattr(body, name) is not None]
     if given:
         raise RequestError(given[0], f"give either queries (a behaviour) or {given[0]} (one query), not both")
     if body.aggregate is None:
@@ -117,20 +146,22 @@ def _behaviour_records(body: QueryRequest, config: ServeConfig) -> Tuple[Dict[st
     records = []
     for i, query in enumerate(body.queries):
         try:
-            records.append(_explain_record(query))
+            records.append(_explain_record(query, turns=True))
         except RequestError as exc:
             raise RequestError(f"queries[{i}]", exc.message) from None
     return tuple(records)
 
 
-def _explain_record(query: Any) -> Dict[str, Any]:
+def _explain_record(query: Any, *, turns: bool = False) -> Dict[str, Any]:
+    """A query as a record dict; ``turns``: prompt-completion and preference records too."""
     if isinstance(query, str):
         return {"text": query}
     if isinstance(query, dict):
-        unknown = sorted(set(query) - {"text", "messages", "input_ids", "labels"})
+        unknown = sorted(set(query) - {"text", "messages", "input_ids", "labels", *(_TURNS if turns else ())})
         if unknown:
-            raise RequestError("query", f"query has unknown keys {unknown}; a record holds text, messages or "
-                                        "input_ids (with optional labels)")
+            holds = ("text, messages, input_ids (with optional labels), prompt + completion or prompt + chosen + "
+                     "rejected" if turns else "text, messages or input_ids (with optional labels)")
+            raise RequestError("query", f"query has unknown keys {unknown}; a record holds {holds}")
         return dict(query)
     if not query:
         raise RequestError("query", "query is empty; give a text, a chat or token ids")
@@ -151,7 +182,9 @@ def _validation_error(exc: RequestValidationError) -> JSON:
             continue
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "body"
         top = str(loc[0]) if loc else "body"
-        if err.get("type") == "extra_forbidden":
+        if top in _TURNS and len(loc) > 1:  # a union: one error per alternative; say what the alternatives are
+            found.append((top, f"{top} must be a text or a chat (a list of {{role, content}} messages)"))
+        elif err.get("type") == "extra_forbidden":
             found.append((path, f"unknown field {path!r}; see /openapi.json for the fields this endpoint takes"))
         elif err.get("type") == "missing":
             found.append((path, f"{path} is required"))

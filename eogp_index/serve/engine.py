@@ -6,7 +6,10 @@ and requests that share a filter, direction and ``by_module`` share one scan —
 largest ``k`` among them, then each cut to its own ``k`` (a top-k list is a prefix of a longer
 one: same order, ties in table order), so every request gets what ``eogp query --json`` prints.
 A behaviour request's queries are projected in the same pass and become its one (mean or
-summed) row; a ``group_by`` request also gets its roll-up.
+summed) row; a preference query's chosen and rejected completions are projected in it too and
+become its one row, the chosen one's minus the rejected one's (as
+:meth:`~eogp_index.client.AttributionIndex.query_coordinates` makes it); a ``group_by``
+request also gets its roll-up.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eogp_index.data.records import Example, RecordSpec, check_text, tokenize_record
+from eogp_index.data.records import Example, RecordSpec, check_text, preference_pair, tokenize_record
 from eogp_index.errors import ConfigError, EOGPError, InputError
 from eogp_index.search.query import aggregate_coordinates
 from eogp_index.serve.config import ServeConfig
@@ -46,7 +49,8 @@ class QueryJob:
     """One ``/v1/query`` request, validated for types (``schemas.QueryRequest``).
 
     Attributes:
-        record: the query as a record dict: ``{"text"}``, ``{"messages"}`` or ``{"input_ids"[, "labels"]}``.
+        record: the query as a record dict: ``{"text"}``, ``{"messages"}``, ``{"input_ids"[, "labels"]}``,
+            ``{"prompt", "completion"}`` or ``{"prompt", "chosen", "rejected"}``.
         field: the request field holding the query (named in errors about it).
     """
 
@@ -67,11 +71,12 @@ class QueryJob:
         """Requests with the same key share one scan."""
         return (self.where, self.direction, self.by_module, self.normalize, self.group_by)
 
-    def examples_of(self, engine: "Engine") -> List[Example]:
-        """The job's query examples: its one query, or each of its behaviour's (errors name ``queries[i]``)."""
+    def measurements_of(self, engine: "Engine") -> List[List[Tuple[Example, float]]]:
+        """The job's queries, each as its signed examples (:meth:`Engine.measured`): its one query,
+        or each of its behaviour's (errors name ``queries[i]``)."""
         if not self.records:
-            return [engine.tokenize(self.record, self.field)]
-        return [engine.tokenize(record, f"queries[{i}]") for i, record in enumerate(self.records)]
+            return [engine.measured(self.record, self.field)]
+        return [engine.measured(record, f"queries[{i}]") for i, record in enumerate(self.records)]
 
 
 class Answer(NamedTuple):
@@ -138,31 +143,61 @@ class Engine:
         except (InputError, ConfigError) as exc:
             if field == "input_ids" and "'labels'" in str(exc):  # the labels that go with the ids are at fault
                 field = "labels"
+            elif field in ("completion", "chosen", "rejected") and _user_message(exc).startswith("field 'prompt"):
+                field = "prompt"  # the completion's prompt is at fault
             raise RequestError(field, _user_message(exc, field)) from None
         if length > limit:
             raise RequestError(field, f"{field} has {length} tokens; the server accepts at most {limit} "
                                       "(max_query_tokens): shorten the query", status=413)
         return example
 
+    def measured(self, record: Dict[str, Any], field: str) -> List[Tuple[Example, float]]:
+        """The examples whose signed sum is the query's projected gradient: its one example (+1),
+        or a preference query's chosen (+1) and rejected (-1) prompt-completion records, whose
+        errors name ``chosen`` or ``rejected`` (in a behaviour, ``queries[i]``)."""
+        try:
+            pair = preference_pair(record)
+        except InputError as exc:
+            raise RequestError(field, _user_message(exc, field)) from None
+        if pair is None:
+            return [(self.tokenize(record, field), 1.0)]
+        out = []
+        for half, name, sign in zip(pair, ("chosen", "rejected"), (1.0, -1.0)):
+            try:
+                out.append((self.tokenize(half, name if field in ("chosen", "rejected") else field), sign))
+            except RequestError as exc:  # the half is a prompt-completion record: say which completion
+                raise RequestError(exc.field, exc.message.replace("'completion'", f"'{name}'"),
+                                   status=exc.status) from None
+        return out
+
     def run_queries(self, jobs: Sequence[QueryJob]) -> List[Any]:
         """One answer per job, in order: an :class:`Answer` (its ranked hits, and its roll-up with
         ``group_by``) or a :class:`RequestError`."""
         started = time.perf_counter()
         out: List[Any] = [None] * len(jobs)
-        examples: Dict[int, List[Example]] = {}
+        measurements: Dict[int, List[List[Tuple[Example, float]]]] = {}
         for i, job in enumerate(jobs):
             try:
-                examples[i] = job.examples_of(self)
+                measurements[i] = job.measurements_of(self)
             except RequestError as exc:
                 out[i] = exc
-        live = sorted(examples)
+        live = sorted(measurements)
         if not live:
             return out
-        # One gradient pass for the whole batch; a behaviour's queries become its one row.
-        projected_rows = self.index.project([e for i in live for e in examples[i]])
-        bounds = np.cumsum([0] + [len(examples[i]) for i in live])
-        y = np.concatenate([projected_rows[a:b] if jobs[i].aggregate is None else
-                            aggregate_coordinates(projected_rows[a:b], jobs[i].aggregate)
+        # One gradient pass for the whole batch; a preference query's two completions become its
+        # one row, a behaviour's queries its one row.
+        queries = [query for i in live for query in measurements[i]]
+        parts = [part for query in queries for part in query]
+        coords = self.index.project([example for example, _ in parts])
+        if len(parts) == len(queries):
+            query_rows = coords
+        else:
+            owner = np.repeat(np.arange(len(queries)), [len(query) for query in queries])
+            query_rows = np.zeros((len(queries), coords.shape[1]), np.float32)
+            np.add.at(query_rows, owner, coords * np.asarray([sign for _, sign in parts], np.float32)[:, None])
+        bounds = np.cumsum([0] + [len(measurements[i]) for i in live])
+        y = np.concatenate([query_rows[a:b] if jobs[i].aggregate is None else
+                            aggregate_coordinates(query_rows[a:b], jobs[i].aggregate)
                             for i, a, b in zip(live, bounds[:-1], bounds[1:])])
         row_of = {i: j for j, i in enumerate(live)}
         projected = time.perf_counter()

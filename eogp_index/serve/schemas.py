@@ -23,21 +23,34 @@ class Message(BaseModel):
 
 
 class QueryRequest(BaseModel):
-    """``POST /v1/query``: exactly one of ``text``, ``messages``, ``input_ids`` (with optional ``labels``)."""
+    """``POST /v1/query``: exactly one of ``text``, ``messages``, ``input_ids`` (with optional ``labels``),
+    ``prompt`` with ``completion`` (a prompt-completion query) or ``prompt`` with ``chosen`` and
+    ``rejected`` (a preference query); or ``queries`` with ``aggregate`` (a behaviour)."""
 
     model_config = _STRICT
     text: Optional[str] = Field(None, description="A query text.", examples=["Return the sum of a and b."])
     messages: Optional[List[Message]] = Field(None, description="A chat; loss on the assistant turns.")
     input_ids: Optional[List[int]] = Field(None, description="Pre-tokenized query ids.")
     labels: Optional[List[int]] = Field(None, description="Labels for input_ids (-100 = not counted).")
+    prompt: Optional[Union[str, List[Message]]] = Field(
+        None, description="A prompt (a text or a chat), not counted in the loss: with completion, or with chosen "
+                          "and rejected.", examples=["Q: 2+2?\nA:"])
+    completion: Optional[Union[str, List[Message]]] = Field(
+        None, description="The prompt's completion (TRL's prompt-completion format): the loss on its tokens only.")
+    chosen: Optional[Union[str, List[Message]]] = Field(
+        None, description="A preference query (with prompt and rejected): scores of the margin "
+                          "log p(chosen | prompt) - log p(rejected | prompt); positive raises it.")
+    rejected: Optional[Union[str, List[Message]]] = Field(
+        None, description="The preference query's rejected completion.")
     k: int = Field(10, description="Hits per direction (at most the server's max_k).")
     where: Optional[str] = Field(None, description="SQL filter on stored columns, e.g. \"kind = 'function'\".")
     direction: Literal["positive", "negative", "both"] = Field(
         "both", description="positive: documents whose training lowers the query's loss; negative: raises it.")
     by_module: bool = Field(False, description="Add each hit's per-module score terms (`modules`).")
     queries: Optional[List[Union[str, List[Message], Dict[str, Any]]]] = Field(
-        None, description="A behaviour shown by several queries (texts, chats or records), answered as one "
-                          "measurement with `aggregate` instead of text, messages or input_ids.")
+        None, description="A behaviour shown by several queries (texts, chats or records {text | messages | "
+                          "input_ids | prompt+completion | prompt+chosen+rejected}), answered as one measurement "
+                          "with `aggregate` instead of a single query.")
     aggregate: Optional[Literal["mean", "sum"]] = Field(
         None, description="How `queries` make one measurement: the mean (or sum) of their losses.")
     normalize: Literal["none", "unit"] = Field(

@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
 from eogp_index.config import SelectOptions
-from eogp_index.data.records import preference_pair
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.serve.engine import Engine, RequestError, _user_message
 
@@ -41,6 +40,8 @@ class SelectRequest(BaseModel):
     direction: Literal["positive", "negative"] = Field("positive", description="Most helpful or most harmful.")
     where: Optional[str] = Field(None, description="SQL filter on stored columns.")
     ids_only: bool = Field(False, description="Only id and score, best first.")
+    normalize: Literal["none", "unit"] = Field(
+        "none", description="unit: score each document by its code divided by its norm (cosine); none: influence.")
     format: Literal["jsonl", "jsonl.gz", "parquet"] = Field("jsonl", description="The file's format.")
 
 
@@ -60,12 +61,10 @@ def select_file(engine: Engine, body: SelectRequest, folder: Path) -> Path:
     records = _records(body.queries)
     try:
         for record in records:  # the server's limits on each query (and its preference halves)
-            pair = preference_pair(record)
-            for part in pair if pair is not None else (record,):
-                engine.tokenize(part, "queries")
+            engine.measured(record, "queries")
         options = SelectOptions(top=body.top, score=body.score, direction=body.direction,
                                 where=body.where.strip() if body.where and body.where.strip() else None,
-                                ids_only=body.ids_only)
+                                ids_only=body.ids_only, normalize=body.normalize)
         selection = select_documents(engine.index, records, options)
         out = folder / f"selection.{body.format}"
         write_selection(engine.index.stored, selection, out)

@@ -322,3 +322,65 @@ def test_behaviour_errors_name_the_field(client):
                                    400, "queries")
     assert "'kind'" in _error(client.post("/v1/query", json={"text": QUERY, "group_by": "kynd"}), 400, "group_by")
     assert _error(client.post("/v1/query", json={"text": QUERY, "normalize": "l2"}), 422, "normalize")
+
+
+PREFERENCE = {"prompt": "t1 t2", "chosen": " t3 t4 t5", "rejected": " t9 t10"}
+COMPLETION = {"prompt": "t5 t6", "completion": " t7 t8 t9"}
+
+
+@pytest.mark.parametrize("query", [PREFERENCE, COMPLETION], ids=["preference", "prompt-completion"])
+def test_preference_and_prompt_completion_queries_answer_as_the_library(client, served_index, query):
+    answer = client.post("/v1/query", json={**query, "k": 4, "where": "n < 30", "direction": "both"})
+    assert answer.status_code == 200, answer.text
+    got = answer.json()
+    assert got["query"] == query
+    expected = served_index.search(query).where("n < 30").limit(4).direction("both").to_arrow()
+    assert expected.num_rows > 4
+    assert [(r["direction"], r["id"]) for r in got["results"]] == list(zip(expected.column("direction").to_pylist(),
+                                                                           expected.column("id").to_pylist()))
+    assert [r["score"] for r in got["results"]] == pytest.approx(expected.column("score").to_pylist(), rel=1e-5)
+
+
+def test_a_behaviour_holds_preference_and_prompt_completion_queries(client, served_index):
+    queries = [QUERY, PREFERENCE, COMPLETION]
+    answer = client.post("/v1/query", json={"queries": queries, "aggregate": "sum", "k": 3, "direction": "positive"})
+    assert answer.status_code == 200, answer.text
+    expected = (served_index.search([{"text": QUERY}, PREFERENCE, COMPLETION], many=True).aggregate("sum").limit(3)
+                .direction("positive").to_arrow())
+    got = answer.json()["results"]
+    assert [r["id"] for r in got] == expected.column("id").to_pylist() and len(got) == 3
+    assert [r["score"] for r in got] == pytest.approx(expected.column("score").to_pylist(), rel=1e-5)
+
+
+def test_prompt_completion_and_preference_errors_name_the_field(client):
+    def refused(body, field, status=400):
+        return _error(client.post("/v1/query", json=body), status, field)
+
+    assert "completion" in refused({"prompt": "t1"}, "completion")
+    assert "needs its prompt" in refused({"completion": " t2"}, "prompt")
+    assert "rejected is missing" in refused({"prompt": "t1", "chosen": " t2"}, "rejected")
+    assert "not both" in refused({"prompt": "t1", "completion": " t2", "chosen": " t3", "rejected": " t4"}, "chosen")
+    assert "exactly one" in refused({"text": QUERY, "prompt": "t1", "completion": " t2"}, "prompt")
+    assert "'chosen': empty completion" in refused({"prompt": "t1", "chosen": "", "rejected": " t2"}, "chosen")
+    assert "'rejected'" in refused({"prompt": "t1", "chosen": " t2", "rejected": ""}, "rejected")
+    assert "empty conversation" in refused({"prompt": [], "completion": []}, "prompt")
+    assert "max_query_tokens" in refused({"prompt": "t1", "chosen": " t2", "rejected": " t3" * 70}, "rejected", 413)
+    assert "a text or a chat" in refused({"prompt": 5, "completion": " t2"}, "prompt", 422)
+    assert "lacks" in refused({"queries": [QUERY, {"prompt": "t1", "chosen": " t2"}], "aggregate": "mean"},
+                              "queries[1]")
+    assert "unknown keys" in refused({"queries": [{**COMPLETION, "source": "x"}], "aggregate": "mean"}, "queries[0]")
+    assert "not both" in refused({"queries": [QUERY], "aggregate": "mean", **COMPLETION}, "prompt")
+
+
+def test_select_with_normalize_unit_downloads_the_library_selection(client, served_index):
+    from eogp_index.config import SelectOptions
+    from eogp_index.search.select import select_documents
+
+    body = {"queries": [QUERY, PREFERENCE], "top": "6", "ids_only": True, "normalize": "unit"}
+    response = client.post("/v1/select", json=body)
+    assert response.status_code == 200, response.text
+    rows = [json.loads(line) for line in response.content.decode().splitlines()]
+    picked = select_documents(served_index, [{"text": QUERY}, PREFERENCE], SelectOptions(top="6", normalize="unit"))
+    assert [r["id"] for r in rows] == served_index.stored.rows(picked.rowaddr, ["id"]).column("id").to_pylist()
+    assert [r["score"] for r in rows] == pytest.approx(picked.scores.tolist(), rel=1e-5)
+    assert _error(client.post("/v1/select", json={**body, "normalize": "l2"}), 422, "normalize")

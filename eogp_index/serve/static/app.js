@@ -296,6 +296,7 @@ async function downloadSelection() {
   const body = { queries, top: $("select-top").value.trim() };
   const where = $("where").value.trim();
   if (where) body.where = where;
+  if ($("normalize").value !== "none") body.normalize = $("normalize").value;  // the scores shown: cosine or influence
   $("status").textContent = "selecting…";
   $("download-selection").disabled = true;
   try {
