@@ -41,6 +41,7 @@ from eogp_index.gradients.model import (
     replace_conv1d,
     torch_dtype,
 )
+from eogp_index.data.readers import is_dataset_object
 from eogp_index.data.records import Example, RecordSpec, preference_pair, tokenize_record
 from eogp_index.search.explain import Explanation, explain_documents
 from eogp_index.search.query import InfluenceQuery, Query, QueryOptions
@@ -310,6 +311,10 @@ class AttributionIndex:
             optimize_threshold: compact past this many small fragments (None: never; as
                 ``ingest.run_ingest``).
         """
+        if is_dataset_object(examples):
+            raise ConfigError("AttributionIndex.ingest takes tokenized Examples; ingest a datasets.Dataset or "
+                              "IterableDataset with ingest.run_ingest(index, [dataset], spec=RecordSpec(...)), which "
+                              "reads its records as a shard (resumable, recorded in sources.json)")
         self.stored.agree_store_text(store_text)
         if self.manifest.has_content_hashes and store_text is not None:
             self.stored.sources.save()

@@ -8,6 +8,7 @@ resumable run with rejects, :mod:`ingest.distributed` the torchrun workers.
 from eogp_index.data.readers import (
     ParseError,
     RawRecord,
+    dataset_shard,
     expand_shards,
     iter_raw_records,
     location_of,
@@ -32,6 +33,7 @@ __all__ = [
     "RecordSpec",
     "Rejected",
     "RunState",
+    "dataset_shard",
     "expand_shards",
     "iter_examples",
     "iter_raw_records",

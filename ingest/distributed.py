@@ -255,7 +255,7 @@ class _Worker:
         self.spec = effective_spec(index, spec)
         check_metadata_fields(index, self.spec, new_allowed=False)
         self.rows_per_step = commit_rows(batch_size, index.gradients.batch_size)
-        shards = expand_shards(list(patterns))
+        shards = expand_shards(patterns)
         shard_names(shards, root=shard_root)  # names must be unique across all workers' shards
         # Every worker checks the text setting against sources.json alike; rank 0 alone writes it.
         record_sources(index, patterns, self.spec, shard_root=shard_root, store_text=store_text,

@@ -46,7 +46,15 @@ import pyarrow as pa
 from eogp_index.client import AttributionIndex
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.gradients.model import hard_context_length
-from eogp_index.data.readers import SPLIT_SEPARATOR, dataset_source, expand_shards, shard_names, split_shard_spec
+from eogp_index.data.readers import (
+    SPLIT_SEPARATOR,
+    DatasetShard,
+    dataset_source,
+    expand_shards,
+    shard_list,
+    shard_names,
+    split_shard_spec,
+)
 from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, after_ingest, maybe_optimize
 from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
@@ -205,7 +213,7 @@ def check_before_loading(stored, patterns: Sequence[str | Path], spec: RecordSpe
     stored: the index's :class:`~eogp_index.store.stored_index.StoredIndex` (no weights loaded).
     Raises :class:`InputError` or :class:`ConfigError`, as the run itself would.
     """
-    shard_names(expand_shards(list(patterns)), root=shard_root)
+    shard_names(expand_shards(patterns), root=shard_root)
     check_metadata_fields(stored, spec, new_allowed=not distributed)
     stored.agree_store_text(store_text)
 
@@ -370,15 +378,19 @@ def record_sources(index: AttributionIndex, patterns: Sequence[str | Path], spec
     if not index.manifest.has_content_hashes:
         return
     sources = index.stored.sources
-    shards = expand_shards(list(patterns))
+    shards = expand_shards(patterns)
     names = shard_names(shards, root=shard_root)
-    uris = {}
+    uris, datasets = {}, {}
     for name, path in zip(names, shards):
+        if isinstance(path, DatasetShard):
+            # A dataset object lives nowhere to read it back from: what is known of it is recorded.
+            uris[name], datasets[name] = None, path.describe()
+            continue
         base, split = split_shard_spec(path)
         # A hub dataset is recorded by its repository name; files and directories by their absolute path.
         where = str(Path(base).resolve()) if Path(base).exists() else dataset_source(base)
         uris[name] = where + (f"{SPLIT_SEPARATOR}{split}" if split else "")
-    sources.record_shards(uris, spec)
+    sources.record_shards(uris, spec, datasets=datasets)
     if write:
         sources.save()
 
@@ -453,7 +465,10 @@ def run_ingest(
             tokenize and project the records).
         patterns: shard files (JSON Lines, plain/.gz/.zst; Parquet; ``save_to_disk``
             directories, ``dir::split`` for a split; a hub or local dataset repository as
-            ``name::split`` or ``name::config/split``), or globs; read in sorted path order.
+            ``name::split`` or ``name::config/split``), or globs; read in sorted path order. A
+            ``datasets.Dataset`` or ``IterableDataset`` is a shard too, streamed in its iteration
+            order and named from its info or by :func:`~eogp_index.data.readers.dataset_shard`;
+            its documents are explained from their stored text only (``store_text``).
         spec: which record fields hold the content, id and metadata (``metadata_fields`` become
             typed, nullable table columns; a list of scalars becomes an Arrow list) and ``max_tokens`` (default: the index's).
         on_error: ``"raise"``: the first bad record raises :class:`InputError` naming its shard
@@ -489,6 +504,7 @@ def run_ingest(
     """
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    patterns = shard_list(patterns)  # dataset objects named once, for the sources and the reader alike
     started = time.perf_counter()
     spec = effective_spec(index, spec)
     check_metadata_fields(index, spec)

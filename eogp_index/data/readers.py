@@ -18,6 +18,9 @@ Supported formats (decided by the file name, see :func:`detect_format`):
   a local dataset repository (a directory of data files, with or without a dataset card) that is
   not ``save_to_disk`` output. It is given with its split, and its config when it has several:
   ``owner/name::train`` or ``owner/name::config/train`` (:func:`with_split`).
+* From Python, a ``datasets.Dataset`` or ``datasets.IterableDataset`` object (format
+  ``"memory"``), read in its iteration order and named by :func:`dataset_shard`. Its documents
+  cannot be read back later from anywhere but their stored text.
 
 Positions and locations:
 
@@ -61,18 +64,22 @@ from eogp_index.data.records import (  # noqa: F401  (location_of re-exported)
 )
 
 __all__ = [
+    "DatasetShard",
     "ShardFormat",
     "ParseError",
     "RawRecord",
+    "dataset_shard",
     "detect_format",
     "expand_shards",
+    "is_dataset_object",
     "iter_raw_records",
     "location_of",
+    "shard_list",
     "shard_names",
     "split_shard_spec",
 ]
 
-ShardFormat = Literal["jsonl", "parquet", "hf", "dataset"]
+ShardFormat = Literal["jsonl", "parquet", "hf", "dataset", "memory"]
 
 #: How the hub's file system names a dataset repository (``huggingface_hub``'s ``HfFileSystem``).
 HUB_PREFIX = "hf://datasets/"
@@ -110,6 +117,134 @@ class RawRecord(NamedTuple):
     shard: str
     position: int
     record: dict[str, Any] | ParseError
+
+
+#: The ``datasets`` iterables that keep a stream's records in its order and count, one per record
+#: (anything else, such as a shuffle, skip, take or filter, gives other positions than the dataset's
+#: info names).
+_ORDER_KEEPING_ITERABLES = frozenset({"ExamplesIterable", "ArrowExamplesIterable", "RebatchedArrowExamplesIterable",
+                                      "MappedExamplesIterable", "SelectColumnsIterable", "FormattedExamplesIterable",
+                                      "TypedExamplesIterable"})
+
+
+@dataclass(frozen=True, eq=False)
+class DatasetShard:
+    """A ``datasets.Dataset`` or ``datasets.IterableDataset`` passed from Python, read as one shard.
+
+    dataset: the dataset object, streamed record by record in its iteration order (a record's
+        position is its index in that order). name: the shard name, which goes into ids,
+        locations and ``sources.json`` in place of a file name (see :func:`dataset_shard`).
+    """
+
+    dataset: Any
+    name: str
+
+    def __fspath__(self) -> str:  # what messages show for it
+        return f"<{type(self.dataset).__name__} {self.name}>"
+
+    def describe(self) -> dict[str, Any]:
+        """What is known of the dataset, for ``sources.json``: its type, the name, config and split
+        its info records, and for a ``Dataset`` its row count and ``datasets`` fingerprint."""
+        info = getattr(self.dataset, "info", None)
+        split = getattr(self.dataset, "split", None)
+        known = {"type": type(self.dataset).__name__,
+                 "dataset_name": getattr(info, "dataset_name", None), "config_name": getattr(info, "config_name", None),
+                 "split": None if split is None else str(split)}
+        if hasattr(self.dataset, "num_rows"):
+            known["num_rows"] = int(self.dataset.num_rows)
+            known["fingerprint"] = getattr(self.dataset, "_fingerprint", None)
+        return known
+
+
+def is_dataset_object(value: Any) -> bool:
+    """Whether ``value`` is a ``datasets.Dataset`` or ``datasets.IterableDataset`` (without
+    importing ``datasets``: an object of it exists only once it is imported)."""
+    import sys
+
+    datasets = sys.modules.get("datasets")
+    return datasets is not None and isinstance(value, (datasets.Dataset, datasets.IterableDataset))
+
+
+def dataset_shard(dataset: Any, name: str | None = None) -> DatasetShard:
+    """A dataset object as a shard: ``run_ingest(index, [dataset_shard(ds, "my-corpus")])``.
+
+    dataset: a ``datasets.Dataset`` or ``datasets.IterableDataset``; passed as it is in a shard
+        list, it is named from its info.
+    name: the shard name. None names it from the dataset's info as a dataset read by name is
+        named (``c4::en/train``: ``info.dataset_name``, then ``config_name`` unless ``default``,
+        then ``split``), when the info has a name and a split and the dataset holds the split as it
+        was loaded (no shuffle, filter, skip, take or select: those give other records at the
+        info's positions, or fewer).
+    Raises :class:`InputError` for anything else, or a dataset with no stable name: it must be
+    given one, as the same name must name the same records in every run (it goes into ids and
+    what "already stored" means).
+    """
+    if isinstance(dataset, DatasetShard):
+        return dataset if name is None else DatasetShard(dataset.dataset, _checked_name(name))
+    if _is_dataset_dict(dataset):
+        raise InputError(f"a {type(dataset).__name__} holds several splits [{', '.join(dataset)}]; pass one of them, "
+                         "e.g. dataset['train']")
+    if not is_dataset_object(dataset):
+        raise InputError(f"a shard is a path, a glob or a datasets.Dataset / IterableDataset, not a "
+                         f"{type(dataset).__name__}")
+    if name is not None:
+        return DatasetShard(dataset, _checked_name(name))
+    derived, why = _name_from_info(dataset)
+    if derived is None:
+        raise InputError(f"this {type(dataset).__name__} has no stable name ({why}); a shard name goes into ids and "
+                         "what a rerun skips as already stored, so name it, the same in every run: "
+                         "dataset_shard(dataset, 'my-corpus') from eogp_index.data.readers")
+    return DatasetShard(dataset, derived)
+
+
+def _checked_name(name: Any) -> str:
+    if not isinstance(name, str) or not name.strip() or "\n" in name:
+        raise InputError(f"a dataset's shard name must be a non-empty one-line str, got {name!r}")
+    return name
+
+
+def _name_from_info(dataset: Any) -> tuple[str | None, str]:
+    """The name the dataset's info gives it, or None and why it gives none."""
+    info = getattr(dataset, "info", None)
+    dataset_name, config = getattr(info, "dataset_name", None), getattr(info, "config_name", None)
+    split = getattr(dataset, "split", None)
+    if not dataset_name or split is None:
+        return None, ("its info records no dataset name and split, as for one built with from_list or "
+                      "to_iterable_dataset")
+    split = str(split)
+    if hasattr(dataset, "num_rows"):
+        sizes = getattr(info, "splits", None) or {}
+        recorded = sizes.get(split)
+        if getattr(dataset, "_indices", None) is not None or recorded is None \
+                or recorded.num_examples != dataset.num_rows:
+            return None, (f"it is not split {split!r} of {dataset_name} as loaded (shuffled, filtered or a "
+                          "selection), so its positions are not that split's")
+    else:
+        iterable = getattr(dataset, "_ex_iterable", None)
+        while iterable is not None:
+            if type(iterable).__name__ not in _ORDER_KEEPING_ITERABLES:
+                return None, (f"it is not split {split!r} of {dataset_name} as streamed (it goes through "
+                              f"{type(iterable).__name__}), so its positions are not that split's")
+            iterable = getattr(iterable, "ex_iterable", None)
+        if getattr(dataset, "_distributed", None) is not None:
+            return None, "it is one node's part of the split (split_dataset_by_node)"
+    config = f"{config}/" if config and config != "default" else ""
+    return f"{dataset_name}{SPLIT_SEPARATOR}{config}{split}", ""
+
+
+def shard_list(patterns: Any) -> list[str | Path | DatasetShard]:
+    """``patterns`` as a list of shards: one path, glob or dataset is a list of one; dataset
+    objects become :class:`DatasetShard` named by :func:`dataset_shard`."""
+    if isinstance(patterns, (str, Path, DatasetShard)) or is_dataset_object(patterns) or _is_dataset_dict(patterns):
+        patterns = [patterns]
+    return [p if isinstance(p, (str, Path, DatasetShard)) else dataset_shard(p) for p in patterns]
+
+
+def _is_dataset_dict(value: Any) -> bool:
+    import sys
+
+    datasets = sys.modules.get("datasets")
+    return datasets is not None and isinstance(value, (datasets.DatasetDict, datasets.IterableDatasetDict))
 
 
 def split_shard_spec(path: str | Path) -> tuple[Path, str | None]:
@@ -169,6 +304,8 @@ def detect_format(path: str | Path) -> tuple[ShardFormat, Literal["gzip", "zstd"
     Returns ``(format, compression)``; compression is only ever set for ``"jsonl"``.
     Raises :class:`InputError` for a missing path or an unsupported name.
     """
+    if isinstance(path, DatasetShard):
+        return "memory", None
     base, split = split_shard_spec(path)
     shown = os.fspath(path)
     if dataset_source(base) is not None:
@@ -222,18 +359,22 @@ def expand_shards(patterns: Sequence[str | Path]) -> list[Path]:
 
     patterns: file or directory paths, or globs (``*``, ``?``, ``[...]``, ``**`` recursive).
         A ``::split`` suffix selects a split of a ``DatasetDict`` directory and is kept on the
-        returned path (``Path("data/dd::train")``).
-    Returns the shards sorted by their path string, each listed once (duplicates found through
-    different patterns or spellings of the same file are dropped). Every shard's format is
-    checked here, so a stray file fails before any reading starts.
+        returned path (``Path("data/dd::train")``). Dataset objects and :class:`DatasetShard`
+        are shards as they are (see :func:`shard_list`).
+    Returns the shards sorted by their path string (a dataset object's: its name), each listed
+    once (duplicates found through different patterns or spellings of the same file are
+    dropped). Every shard's format is checked here, so a stray file fails before any reading
+    starts.
     Raises :class:`InputError` naming a pattern that matches nothing, or an unsupported file.
     """
-    if isinstance(patterns, (str, Path)):
-        patterns = [patterns]
+    patterns = shard_list(patterns)
     if not patterns:
         raise InputError("no shards given: pass at least one shard path or glob pattern")
-    found: dict[tuple[str, str | None], Path] = {}
+    found: dict[tuple[str, str | None], Path | DatasetShard] = {}
     for pattern in patterns:
+        if isinstance(pattern, DatasetShard):
+            found.setdefault((f"memory:{id(pattern.dataset)}", pattern.name), pattern)
+            continue
         base, split = split_shard_spec(pattern)
         base_text = os.fspath(base)
         if glob.has_magic(base_text):
@@ -249,7 +390,7 @@ def expand_shards(patterns: Sequence[str | Path]) -> list[Path]:
             detect_format(shard)
             key = (os.path.realpath(match), split)
             found.setdefault(key, shard)
-    return sorted(found.values(), key=os.fspath)
+    return sorted(found.values(), key=lambda shard: shard.name if isinstance(shard, DatasetShard) else os.fspath(shard))
 
 
 def shard_names(paths: Sequence[str | Path], *, root: str | Path | None = None) -> list[str]:
@@ -264,6 +405,9 @@ def shard_names(paths: Sequence[str | Path], *, root: str | Path | None = None) 
     names: list[str] = []
     root_path = Path(root).resolve() if root is not None else None
     for path in paths:
+        if isinstance(path, DatasetShard):
+            names.append(path.name)  # its own name, under a root too: it lies under none
+            continue
         base, split = split_shard_spec(path)
         if root_path is None:
             name = base.name
@@ -275,10 +419,14 @@ def shard_names(paths: Sequence[str | Path], *, root: str | Path | None = None) 
                     f"shard {os.fspath(path)!r} is not under the shard root {os.fspath(root)!r}"
                 ) from None
         names.append(name if split is None else f"{name}{SPLIT_SEPARATOR}{split}")
-    seen: dict[str, str] = {}
+    seen: dict[str, Any] = {}
     for path, name in zip(paths, names):
-        other = seen.setdefault(name, os.fspath(path))
-        if other != os.fspath(path):
+        key = id(path.dataset) if isinstance(path, DatasetShard) else os.fspath(path)
+        other = seen.setdefault(name, key)
+        if other != key and isinstance(path, DatasetShard):
+            raise InputError(f"two shards are named {name!r}; shard names must be unique in a run (they go into "
+                             "example ids): give each dataset its own name with dataset_shard(dataset, name)")
+        if other != key:
             raise InputError(
                 f"shards {other!r} and {os.fspath(path)!r} have the same name {name!r}; "
                 "shard names must be unique in a run (they go into example ids): pass a shard "
@@ -290,7 +438,8 @@ def shard_names(paths: Sequence[str | Path], *, root: str | Path | None = None) 
 def iter_raw_records(path: str | Path, *, shard: str | None = None) -> Iterator[RawRecord]:
     """Stream the records of one shard, in file order.
 
-    path: a shard file, a ``save_to_disk`` directory, or ``dir::split`` for a ``DatasetDict``.
+    path: a shard file, a ``save_to_disk`` directory, ``dir::split`` for a ``DatasetDict``, a
+        dataset repository's ``name::split``, or a :class:`DatasetShard`.
     shard: the name to report (default: the file or directory name, see :func:`shard_names`).
     Yields :class:`RawRecord` ``(shard, position, record)``; ``record`` is a ``dict`` or, for a
     malformed JSON line, a :class:`ParseError`.
@@ -305,6 +454,8 @@ def iter_raw_records(path: str | Path, *, shard: str | None = None) -> Iterator[
         yield from _iter_parquet(Path(path), shard)
     elif fmt == "dataset":
         yield from _iter_dataset(path, shard)
+    elif fmt == "memory":
+        yield from _iter_memory(path, shard)  # type: ignore[arg-type]
     else:
         yield from _iter_hf(path, shard)
 
@@ -451,4 +602,19 @@ def _iter_dataset(path: str | Path, shard: str) -> Iterator[RawRecord]:
         raise InputError(f"cannot load split {split!r}{f' of config {config!r}' if config else ''} of dataset "
                          f"{source!r}: {exc}", location=shard) from exc
     for position, row in enumerate(stream):
+        yield RawRecord(shard, position, dict(row))
+
+
+def _iter_memory(source: DatasetShard, shard: str) -> Iterator[RawRecord]:
+    """A dataset object's records in its iteration order, as plain Python (no torch / numpy format)."""
+    dataset = source.dataset.with_format(None)
+    if hasattr(dataset, "num_rows"):  # a Dataset: in batches, as a save_to_disk directory
+        position = 0
+        for batch in dataset.iter(batch_size=_HF_BATCH_ROWS):
+            columns = list(batch.keys())
+            for values in zip(*(batch[c] for c in columns)):
+                yield RawRecord(shard, position, dict(zip(columns, values)))
+                position += 1
+        return
+    for position, row in enumerate(dataset):
         yield RawRecord(shard, position, dict(row))

@@ -46,9 +46,12 @@ def reservoir_sample(items: Iterable[T], size: int, seed: int) -> List[T]:
     return [item for _, item in sorted(kept, key=lambda pair: pair[0])]
 
 
-def sample_shards(paths: Sequence[str | Path], spec: RecordSpec, tokenizer: Any, size: int, seed: int, *,
+def sample_shards(paths: Sequence[Any] | Any, spec: RecordSpec, tokenizer: Any, size: int, seed: int, *,
                   shard_root: str | Path | None = None) -> Tuple[List[Example], int]:
     """A seeded uniform sample of ``size`` examples across all records of the shards.
+
+    paths: shard paths or globs, as :func:`~eogp_index.data.readers.expand_shards` takes them; a
+        ``datasets.Dataset`` or ``IterableDataset`` is a shard too (one pass over it, in its order).
 
     Only the kept records are tokenized. A malformed record or one that does not tokenize into
     an example is never part of the sample (it is skipped, and counted).

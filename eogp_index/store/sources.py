@@ -71,18 +71,38 @@ class Sources:
             raise ConfigError(f"this index's rows were ingested {have}; an ingest {want} would mix them. "
                               "Use the same --store-text setting as the first ingest")
 
-    def record_shards(self, uris: Mapping[str, str], spec: RecordSpec) -> None:
-        """Remember each shard's location and the record options it is read with."""
+    def record_shards(self, uris: Mapping[str, Optional[str]], spec: RecordSpec, *,
+                      datasets: Optional[Mapping[str, Mapping[str, Any]]] = None) -> None:
+        """Remember each shard's location and the record options it is read with.
+
+        uris: shard name -> where it lives; None for a dataset object passed from Python, which
+            cannot be read back. datasets: for those, what is known of the dataset (its type,
+            info name, config, split...), kept under ``"dataset"``. A shard recorded before with a
+            location keeps it (the rows stored from there are still read back from there).
+        """
         options = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "metadata_fields"}
         for name, uri in uris.items():
-            self.data["shards"][name] = {"uri": str(uri), "record_spec": options}
+            entry: Dict[str, Any] = {"uri": None if uri is None else str(uri), "record_spec": options}
+            if uri is None:
+                entry["uri"] = self.data["shards"].get(name, {}).get("uri")
+                entry["dataset"] = dict((datasets or {}).get(name, {}))
+            self.data["shards"][name] = entry
 
     def shard(self, name: str) -> tuple[str, RecordSpec]:
-        """Where shard ``name`` lives and how its records were read."""
+        """Where shard ``name`` lives and how its records were read.
+
+        Raises :class:`InputError` for a shard not recorded, or one ingested from a dataset object
+        (nothing to read it back from)."""
         entry = self.data["shards"].get(name)
         if entry is None:
             raise InputError(f"{self.path} does not say where shard {name!r} lives (it was ingested by an older "
                              "eogp-index); ingest it again to record it, or ingest with --store-text")
+        if entry["uri"] is None:
+            kind = entry.get("dataset", {}).get("type", "dataset")
+            raise InputError(f"shard {name!r} was ingested from a {kind} object in memory, which cannot be read back "
+                             "from anywhere, so its documents are only known from their stored text; ingest it with "
+                             "--store-text (store_text=N in run_ingest) to explain them, or ingest the dataset by its "
+                             "name or directory instead")
         return entry["uri"], RecordSpec(**entry["record_spec"])
 
     def save(self) -> None:
