@@ -155,3 +155,19 @@ def test_the_held_out_split_is_recorded_and_printed(fits, capsys):
     result = CliRunner().invoke(cli, ["info", str(path)])
     assert result.exit_code == 0, result.output
     assert "1-bit code" in result.output and all(name in result.output for name in index.manifest.module_names)
+
+
+def test_auto_without_enough_held_out_documents_stores_eogp(tmp_path):
+    """Too few PCA documents to hold any out (6 of 40 < 8): auto is EOGP, bit for bit."""
+    settings = dict(model_name="tiny", progress=False, curvature=CurvatureConfig(num_examples=16, batch_size=16),
+                    gradients=GradientConfig(batch_size=16))
+    paths = {}
+    for variant in ("auto", "eogp"):
+        paths[variant] = tmp_path / variant
+        index = AttributionIndex.create(paths[variant], make_tiny_gpt2(), TinyTokenizer(), EXAMPLES[:56], **settings,
+                                        projection=ProjectionConfig(variant=variant, k=K, m=48, num_fit_examples=40))
+        assert "fidelity" not in index.manifest.projection
+    assert AttributionIndex.open(paths["auto"], model=make_tiny_gpt2(), tokenizer=TinyTokenizer()).manifest.projection[
+        "rotation"] == {"kind": "hadamard", "rounds": 2, "seed": 0, "modules": []}
+    auto, eogp = (load_file(str(paths[v] / "projection.safetensors")) for v in ("auto", "eogp"))
+    assert auto.keys() == eogp.keys() and all(torch.equal(auto[key], eogp[key]) for key in auto)

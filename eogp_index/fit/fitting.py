@@ -168,6 +168,13 @@ def fit_projection(
     factors = _curvature(model, sets.curvature, names, out_dir, folder, curvature, pad_id, device, ranks, progress)
     fitted = build_projection(factors, projection, storage, damping_ratio=curvature.damping_ratio)
     del factors  # build_projection copied the columns it keeps
+    if use_pca and projection.variant == "auto" and not held_out.numel():
+        if ranks.rank == 0:
+            log.info("variant auto: %d held-out documents (held_out_fraction %s of %d) are too few to measure the "
+                     "1-bit codes; every module keeps EOGP", held_out.numel(), projection.held_out_fraction,
+                     len(sets.pca))
+        for module in fitted.modules.values():
+            module.rotation = None
     if use_pca:
         _first_stage_pass(model, fitted, names, sets.pca, folder, gradients, pad_id, device, ranks, progress)
         ranks.barrier()
