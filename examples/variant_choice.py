@@ -38,7 +38,8 @@ def best_rows(name: str, fidelity: dict) -> list:
                          f"{v['diff']:+.3f} ± {v['diff_se']:.3f}{flag}")
         picked = [c for c in fidelity["auto_choice"] if c["budget"] == row["budget"]]
         rotated = sum(c["code"] == "eogp-rot" for c in picked)
-        rows.append(f"| {name} | {row['budget']} ({row['k'][0]}) | {rotated}/{len(picked)} | " + " | ".join(cells) + " |")
+        head = f"| {name} | {row['budget']} ({row['k'][0]}) | {rotated}/{len(picked)} | "
+        rows.append(head + " | ".join(cells) + " |")
     return rows
 
 

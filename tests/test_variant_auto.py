@@ -171,3 +171,29 @@ def test_auto_without_enough_held_out_documents_stores_eogp(tmp_path):
         "rotation"] == {"kind": "hadamard", "rounds": 2, "seed": 0, "modules": []}
     auto, eogp = (load_file(str(paths[v] / "projection.safetensors")) for v in ("auto", "eogp"))
     assert auto.keys() == eogp.keys() and all(torch.equal(auto[key], eogp[key]) for key in auto)
+
+
+def test_a_resumed_fit_keeps_the_choices_of_the_modules_it_had_finished(tmp_path, fits):
+    """A fit stopped after some modules: those modules' measurements are read back from fit/pca/,
+    the rest measured again, and the index is the uninterrupted one."""
+    from eogp_index.fit.fitting import fit_projection
+
+    settings = dict(projection=ProjectionConfig(variant="auto", k=K, m=48, num_fit_examples=64, held_out_fraction=0.25),
+                    curvature=CurvatureConfig(num_examples=32, batch_size=16), gradients=GradientConfig(batch_size=16),
+                    progress=False)
+    first = fit_projection(make_tiny_gpt2(), TinyTokenizer(), EXAMPLES, tmp_path, **settings)
+    # As if killed while fitting module 3: its P and record, and every later module's, are missing.
+    num_modules = len(first.projection.modules)
+    for i in range(3, num_modules):
+        first.folder.module_path(i).unlink()
+        first.folder.choice_path(i).unlink()
+    first.folder.choice_path(0).write_text(json.dumps({**json.loads(first.folder.choice_path(0).read_text()),
+                                                       "seconds": 123.0}))  # marks it as read back, not redone
+    resumed = fit_projection(make_tiny_gpt2(), TinyTokenizer(), EXAMPLES, tmp_path, **settings)
+    name0 = next(iter(resumed.projection.modules))
+    assert resumed.projection.choices[name0].seconds == 123.0
+    expected = fits["auto"][1].manifest.projection["fidelity"]["modules"]
+    assert {n: c.code for n, c in resumed.projection.choices.items()} == {n: c["code"] for n, c in expected.items()}
+    stored = load_file(str(fits["auto"][0] / "projection.safetensors"))
+    for i, (name, module) in enumerate(resumed.projection.modules.items()):
+        assert torch.equal(module.pca, stored[f"{name}/pca"]), name
