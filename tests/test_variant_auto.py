@@ -96,7 +96,7 @@ def test_held_out_coordinates_from_the_gram_matrix_equal_projecting_by_the_held_
 def test_held_out_fraction_is_validated():
     with pytest.raises(ConfigError, match="held_out_fraction"):
         ProjectionConfig(k=8, held_out_fraction=0.9)
-    assert ProjectionConfig(k=8).variant == "auto"
+    assert ProjectionConfig(k=8).variant == "eogp"  # auto is opt-in: see docs/variants.md
 
 
 # -- a real fit ---------------------------------------------------------------------------------
