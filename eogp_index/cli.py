@@ -43,6 +43,7 @@ _projection_options = option_group(
     field_option(ProjectionConfig, "budget_kb"),
     field_option(ProjectionConfig, "m", "--m"),
     field_option(ProjectionConfig, "num_fit_examples", "--pca-examples"),
+    field_option(ProjectionConfig, "held_out_fraction"),
     field_option(ProjectionConfig, "pca_dtype"),
     into="projection",
 )
@@ -881,6 +882,15 @@ def _print_info(data: dict) -> None:
                f"damping ratio {data['damping_ratio']}")
     click.echo(f"modules     {len(modules)}  (k = {sorted({m['k'] for m in modules})}, "
                f"m = {sorted({m['m'] for m in modules})})")
+    fidelity = data["projection"].get("fidelity")
+    if fidelity:
+        click.echo(f"1-bit code  per module, held-out NDCG@{fidelity['ndcg_at']} / Spearman against FP16 "
+                   "(EOGP | EOGP-rot):")
+        for name, c in fidelity["modules"].items():
+            cells = " | ".join(_fidelity_cell(c.get(code), fidelity["ndcg_at"]) for code in ("eogp", "eogp-rot"))
+            stored = c["code"] if data["projection"]["variant"] == "auto" else data["projection"]["variant"]
+            click.echo(f"            {name:<28} {stored:<8} {cells}  ({c['held_out']} held out; measured best: "
+                       f"{c['code']})")
     click.echo(f"bytes/row   {data['bytes_per_example']}")
     click.echo(f"rows        {data['rows']}  (table version {data['table_version']})")
 
@@ -909,6 +919,13 @@ def _print_groups(results: list, head: int = 20, tail: int = 5) -> None:
             click.echo(f"  {str(g[column])[:24]:<24} {g['rows']:>7} {g['sum']:>+11.4e} {g['mean']:>+11.4e} "
                        f"{g['max']:>+11.4e} {g['top_positive']:>5} {g['top_negative']:>5} "
                        f"{g['share_positive']:>7.1%} {g['share_negative']:>7.1%}")
+
+
+def _fidelity_cell(entry: Optional[dict], ndcg_at: int) -> str:
+    if not entry or entry.get(f"ndcg@{ndcg_at}") is None:
+        return "n/a"
+    spearman = entry.get("spearman")
+    return f"{entry[f'ndcg@{ndcg_at}']:.3f} / " + ("n/a" if spearman is None else f"{spearman:.3f}")
 
 
 def _print_results(results: list) -> None:

@@ -31,11 +31,14 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODEL_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 #: Variant names used in the manifest and the CLI, mapped to the second stage they use.
-VARIANTS = {"eogp": "pca", "eogp-rot": "pca", "eogp-r": "srht", "ekfac-topk": "none"}
+VARIANTS = {"auto": "pca", "eogp": "pca", "eogp-rot": "pca", "eogp-r": "srht", "ekfac-topk": "none"}
 Rotation = Literal["none", "hadamard"]
 #: The rotation each variant applies inside a module's k-dim PCA subspace before the signs are
-#: taken, folded into P at fit time (the stored codes keep EOGP's format and meaning).
-ROTATIONS = {"eogp": "none", "eogp-rot": "hadamard", "eogp-r": "none", "ekfac-topk": "none"}
+#: taken, folded into P at fit time (the stored codes keep EOGP's format and meaning). ``auto``
+#: draws it for every module and keeps it where the held-out measurement chooses it.
+ROTATIONS = {"auto": "hadamard", "eogp": "none", "eogp-rot": "hadamard", "eogp-r": "none", "ekfac-topk": "none"}
+#: The default share of the PCA fitting set held out to measure each code's quantization fidelity.
+HELD_OUT_FRACTION = 0.15
 
 
 def _positive(name: str, value: Optional[float], *, allow_none: bool = True) -> None:
@@ -106,11 +109,13 @@ class ProjectionConfig:
     the paper; ``None`` keeps :func:`first_stage_width`'s default.
     """
 
-    variant: Literal["eogp", "eogp-rot", "eogp-r", "ekfac-topk"] = field(
+    variant: Literal["auto", "eogp", "eogp-rot", "eogp-r", "ekfac-topk"] = field(
         default="eogp",
-        metadata={"help": "eogp: PCA second stage (the paper's EOGP); eogp-rot: PCA, then a randomized Hadamard "
-                          "rotation of the k coordinates before the signs; eogp-r: SRHT; ekfac-topk: top-k EK-FAC "
-                          "axes (ablation)."},
+        metadata={"help": "eogp: PCA second stage (the paper's EOGP); auto: per module, eogp or eogp-rot, whichever "
+                          "1-bit code ranks held-out fitting documents closer to their FP16 ranking (a tie within "
+                          "one standard error keeps eogp; see docs/variants.md for how it fared); eogp-rot: PCA, then a randomized Hadamard rotation of "
+                          "the k coordinates before the signs; eogp-r: SRHT; ekfac-topk: top-k EK-FAC axes "
+                          "(ablation)."},
     )
     k: Optional[int] = field(default=None, metadata={"help": "Output coordinates per module.", "min": 1})
     budget_kb: Optional[float] = field(
@@ -123,6 +128,12 @@ class ProjectionConfig:
     )
     num_fit_examples: int = field(default=1000, metadata={"help": "Examples in the PCA fitting set.", "min": 1})
     seed: int = field(default=0, metadata={"help": "Seed of the PCA fitting sample and the SRHT."})
+    held_out_fraction: float = field(
+        default=HELD_OUT_FRACTION,
+        metadata={"help": "Share of the PCA fitting set held out to measure each 1-bit code's fidelity to FP16 "
+                          "(printed by the fit; variant auto chooses by it); P is fitted on the rest first, then on "
+                          "all. 0 measures nothing (auto then keeps eogp).", "min": 0.0},
+    )
     pca_dtype: PcaDtype = field(
         default="fp16",
         metadata={"help": "Precision of the stored PCA matrices P (m_u x k_u per module): fp16 as in the paper "
@@ -140,6 +151,9 @@ class ProjectionConfig:
         _positive("ProjectionConfig.budget_kb", self.budget_kb)
         _positive("ProjectionConfig.m", self.m)
         _positive("ProjectionConfig.num_fit_examples", self.num_fit_examples, allow_none=False)
+        if not 0 <= self.held_out_fraction <= 0.5:
+            raise ConfigError(f"ProjectionConfig.held_out_fraction (--held-out-fraction) must lie in [0, 0.5], "
+                              f"got {self.held_out_fraction!r}")
 
     @property
     def second_stage(self) -> SecondStage:

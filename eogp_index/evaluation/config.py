@@ -30,11 +30,13 @@ __all__ = [
 #: Per-example budgets in bytes (summed over modules): 64 B .. 4 KB.
 DEFAULT_BUDGETS: Tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
 
-#: (family, storage precision) of every method. Families with a PCA second stage: ``eogp`` and
-#: ``eogp-rot`` (the same PCA, rotated before the signs; :data:`PCA_FAMILIES`).
+#: (family, storage precision) of every method. Families with a PCA second stage: ``eogp``,
+#: ``eogp-rot`` (the same PCA, rotated before the signs) and ``auto`` (per module, whichever of the
+#: two the index's held-out measurement chooses; :data:`PCA_FAMILIES`).
 METHODS: Dict[str, Tuple[str, str]] = {
     "eogp": ("eogp", "1bit"),
     "eogp-rot": ("eogp-rot", "1bit"),
+    "auto": ("auto", "1bit"),
     "eogp-fp16": ("eogp", "fp16"),
     "eogp-fp16-same-k": ("eogp", "fp16"),
     "eogp-r": ("eogp-r", "1bit"),
@@ -54,7 +56,7 @@ DEFAULT_METHODS: Tuple[str, ...] = (
     "grass", "gaussian",
 )
 #: Families whose second stage is a PCA fitted on the fitting documents.
-PCA_FAMILIES: Tuple[str, ...] = ("eogp", "eogp-rot")
+PCA_FAMILIES: Tuple[str, ...] = ("eogp", "eogp-rot", "auto")
 #: Methods whose ``k`` is set by another precision's bytes than their own: FP16 EOGP at the ``k``
 #: of 1-bit EOGP at the same nominal budget (16 x its bytes), the ceiling the 1-bit codes are
 #: measured against (issue #12). Their actual bytes are in ``details.json``.

@@ -26,6 +26,12 @@ summed over modules, split evenly over the ``U`` modules):
 
 * ``eogp-rot`` -- EOGP with a randomized Hadamard rotation of each module's ``k`` PCA
   coordinates before the signs, folded into ``P`` (the index's variant ``eogp-rot``);
+* ``auto`` -- per module, EOGP or EOGP-rot, whichever the index's fit-time measurement chooses
+  (variant ``auto``): a seeded part of the PCA fitting documents is held out, ``P`` fitted on the
+  rest, and each code scored by how well its 1-bit ranking of the held-out documents keeps their
+  FP16 ranking (:func:`~eogp_index.fit.projection.choose_code`); its ``P`` is EOGP's, rotated
+  where EOGP-rot is chosen. Per budget and module, ``details.json`` keeps the measurement and the
+  reference gain of the rotation (:func:`code_choices`);
 * ``eogp-fp16-same-k`` -- EOGP's projection stored in FP16 at the ``k`` of 1-bit EOGP at the
   same nominal budget (16 x the bytes): the ceiling of what the signs lose.
 
@@ -61,7 +67,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from eogp_index.config import first_stage_width
+from eogp_index.config import HELD_OUT_FRACTION, first_stage_width
 from eogp_index.fit.curvature import ModuleCurvature, factors_dir
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.fit.plan import ModuleShape
@@ -83,12 +89,15 @@ from eogp_index.evaluation.baselines import (
 )
 from eogp_index.gradients.capture import GradientCapture
 from eogp_index.fit.projection import (
-    HadamardRotation,
+    CodeChoice,
+    compare_codes,
     first_stage_from_curvature,
     fit_pca,
+    held_out_directions,
+    held_out_rows,
     make_srht,
+    module_rotation,
     rotate_directions,
-    rotation_seed,
     srht_apply,
 )
 from eogp_index.store.codecs import SignLayout, decode, encode
@@ -111,10 +120,11 @@ __all__ = [
 ]
 
 _FAMILY_SEED = {"eogp": 0, "eogp-r": 1, "ekfac-topk": 2, "logra-random": 3, "logra-pca": 4, "grass": 5, "gaussian": 6,
-                "eogp-rot": 7}
+                "eogp-rot": 7, "auto": 8}
 _LABELS = {
     "eogp": "EOGP",
     "eogp-rot": "EOGP-rot",
+    "auto": "EOGP auto (per module)",
     "eogp-fp16": "EOGP (FP16)",
     "eogp-fp16-same-k": "EOGP (FP16, same k)",
     "eogp-r": "EOGP-R",
@@ -331,6 +341,13 @@ _HADAMARD: Dict[int, torch.Tensor] = {}
 
 
 
+def _one_bit_scores(query_first: torch.Tensor, train_first: torch.Tensor, basis: torch.Tensor, k: int) -> np.ndarray:
+    """One module's share ``(nq, n)`` of the 1-bit scores with ``P = basis`` ``(m, k)``."""
+    x = (train_first.double() @ basis.double()).float().numpy()
+    y = (query_first.double() @ basis.double()).numpy()
+    return y @ stored_coordinates(x, "1bit", (k,)).astype(np.float64).T
+
+
 def _stack(parts: List[torch.Tensor]) -> np.ndarray:
     return torch.cat(parts, dim=0).numpy() if parts else np.zeros((0, 0), np.float32)
 
@@ -402,6 +419,11 @@ class SharedPass:
         self.train_parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
         self.fit_parts: Dict[str, List[torch.Tensor]] = {n: [] for n in self.names}
         self._bases: Dict[Tuple[str, int], torch.Tensor] = {}
+        self._held_out_bases: Dict[Tuple[str, int], torch.Tensor] = {}
+        #: ``auto`` configs: per config id and module, the held-out measurement and both codes'
+        #: scores ``(nq, n)`` (module ``u``'s share of the scores), for :func:`code_choices`.
+        self.choices: Dict[str, Dict[str, CodeChoice]] = {}
+        self.module_scores: Dict[str, Dict[str, Dict[str, np.ndarray]]] = {}
         self.query: Dict[str, np.ndarray] = {}
         self.skipped: List[Dict[str, Any]] = []
         self.notes: List[str] = []
@@ -655,16 +677,47 @@ class SharedPass:
                 self.notes.append(f"PCA of {name} at m={m}, fitted at k={max(k, k_max)} for every k: {w.message}")
         return self._bases[key][:, :k]
 
+    def _held_out_basis(self, name: str, m: int, k: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(P fitted without the held-out rows (m, k), held-out rows)`` of module ``name``'s
+        fitting documents, as the index's fit splits them (fitted once per ``(module, m)`` at the
+        largest ``k`` and sliced, as :meth:`_pca_basis`)."""
+        z = self._fit_coordinates(name)[:, :m]
+        held_out = held_out_rows(z.shape[0], HELD_OUT_FRACTION, seed)
+        key = (name, m)
+        if key not in self._held_out_bases:
+            self._held_out_bases = {other: b for other, b in self._held_out_bases.items() if other[0] != name}
+            u = self.names.index(name)
+            k_max = max(c.k[u] for c in self.configs if c.family == "auto" and c.m[u] == m)
+            self._held_out_bases[key] = held_out_directions(z, max(k, k_max), held_out) if held_out.numel() else None
+        basis = self._held_out_bases[key]
+        return (basis[:, :k] if basis is not None else None), held_out
+
+    def _auto_choice(self, cfg: MethodConfig, name: str, m: int, k: int) -> CodeChoice:
+        """Module ``name``'s code at this config, chosen as the index's fit chooses it."""
+        seed = cfg.seeds[0]
+        basis, held_out = self._held_out_basis(name, m, k, seed)
+        if basis is None:
+            return CodeChoice("eogp", 0, {}, float("nan"), float("nan"), 0.0)
+        y = self._fit_coordinates(name)[held_out][:, :m].double() @ basis
+        return compare_codes(y, module_rotation(seed, name, k))
+
     def _score_pca(self, cfg: MethodConfig) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         xs, ys = [], []
         for u, n in enumerate(self.names):
             m, k = cfg.m[u], cfg.k[u]
             basis = self._pca_basis(n, m, k)  # (m, k)
-            if cfg.family == "eogp-rot":  # the index's own rotation of this module (same seed rule)
-                rotation = HadamardRotation.draw(k, torch.Generator().manual_seed(rotation_seed(cfg.seeds[0], n)))
-                basis = rotate_directions(basis, rotation)
             train_first = torch.cat(self.train_parts["pca"][n], dim=0)[:, :m]
             query_first = torch.cat(self.query_parts["pca"][n], dim=0)[:, :m]
+            rotation = module_rotation(cfg.seeds[0], n, k)  # the index's own rotation of this module
+            if cfg.family == "auto":
+                choice = self._auto_choice(cfg, n, m, k)
+                self.choices.setdefault(cfg.id, {})[n] = choice
+                codes = {"eogp": basis, "eogp-rot": rotate_directions(basis, rotation)}
+                self.module_scores.setdefault(cfg.id, {})[n] = {
+                    code: _one_bit_scores(query_first, train_first, b, k) for code, b in codes.items()}
+                basis = codes[choice.code]
+            elif cfg.family == "eogp-rot":
+                basis = rotate_directions(basis, rotation)
             xs.append((train_first.double() @ basis.double()).float().numpy())
             ys.append((query_first.double() @ basis.double()).numpy())
         x, y = np.concatenate(xs, axis=1), np.concatenate(ys, axis=1)
@@ -776,6 +829,7 @@ class ScoreSet:
     timings: Dict[str, float] = field(default_factory=dict)
     key: str = ""
     notes: List[str] = field(default_factory=list)
+    choices: List[Dict[str, Any]] = field(default_factory=list)
 
     def config(self, method: str, budget: int) -> Optional[MethodConfig]:
         for cfg in self.configs:
@@ -798,7 +852,8 @@ class ScoreSet:
         arrays.update({f"unquantized/{k}": v for k, v in self.unquantized.items()})
         meta = {"train_ids": list(self.train_ids), "query_ids": list(self.query_ids),
                 "modules": [asdict(m) for m in self.modules], "configs": [asdict(c) for c in self.configs],
-                "skipped": self.skipped, "timings": self.timings, "key": self.key, "notes": self.notes}
+                "skipped": self.skipped, "timings": self.timings, "key": self.key, "notes": self.notes,
+                "choices": self.choices}
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
@@ -817,7 +872,7 @@ class ScoreSet:
                        modules=tuple(ModuleShape(**m) for m in meta["modules"]), configs=configs,
                        skipped=meta["skipped"], reference=data["reference"], references=get("ref/"),
                        scores=get("scores/"), unquantized=get("unquantized/"), timings=meta["timings"],
-                       key=meta["key"], notes=meta.get("notes", []))
+                       key=meta["key"], notes=meta.get("notes", []), choices=meta.get("choices", []))
 
 
 def compute_scores(
@@ -898,7 +953,38 @@ def compute_scores(
     return ScoreSet(train_ids=train.ids, query_ids=queries.ids, modules=shapes, configs=shared.configs,
                     skipped=skipped + shared.skipped, notes=shared.notes,
                     reference=reference, references=references, scores=scores, unquantized=unquantized,
-                    timings=timings)
+                    timings=timings, choices=code_choices(shared, reference))
+
+
+def code_choices(shared: SharedPass, reference: np.ndarray, *, ndcg_k: int = 20) -> List[Dict[str, Any]]:
+    """Per ``auto`` config and module: the held-out measurement that chose the module's code, and
+    what rotating that one module gains against the reference.
+
+    The gain of module ``u`` is the fidelity (query means of NDCG@``ndcg_k`` and Spearman against
+    ``reference``) of EOGP with only module ``u`` rotated, minus all-EOGP's, with the standard error
+    of the paired per-query differences: the reference's view of the choice the proxy
+    (``proxy_diff``: EOGP-rot minus EOGP in the held-out measurement) makes.
+    """
+    per_query = {f"ndcg@{ndcg_k}": lambda s: metrics.ndcg_at_k_per_query(s, reference, ndcg_k),
+                 "spearman": lambda s: metrics.spearman_per_query(s, reference)}
+    rows: List[Dict[str, Any]] = []
+    for cfg in shared.configs:
+        parts = shared.module_scores.get(cfg.id)
+        if not parts:
+            continue
+        eogp = sum(part["eogp"] for part in parts.values())
+        base = {metric: fn(eogp) for metric, fn in per_query.items()}
+        for name, part in parts.items():
+            swapped = eogp - part["eogp"] + part["eogp-rot"]
+            choice = shared.choices[cfg.id][name]
+            gain = {}
+            for metric, fn in per_query.items():
+                diff = np.asarray(fn(swapped), dtype=np.float64) - base[metric]
+                gain[metric], gain[f"{metric}_se"] = float(np.nanmean(diff)), _se(diff)
+            rows.append({"budget": cfg.budget, "k": cfg.k[shared.names.index(name)], "module": name,
+                         "code": choice.code, "held_out": choice.held_out, "proxy_diff": choice.diff,
+                         "proxy_diff_se": choice.diff_se, "proxy": choice.fidelity, "reference_gain": gain})
+    return rows
 
 
 # --------------------------------------------------------------------------- fidelity metrics
@@ -939,7 +1025,9 @@ def fidelity_records(scoreset: ScoreSet, *, ndcg_k: int = 20) -> Tuple[List[Dict
     details = {"per_config": per_config, "reference_lines": lines,
                "index_vs_kronfluence_rel_err": scoreset.reference_error(),
                "skipped": scoreset.skipped,
-               "one_bit_gap": one_bit_gap(scoreset, ndcg_k=ndcg_k)}
+               "one_bit_gap": one_bit_gap(scoreset, ndcg_k=ndcg_k),
+               "auto_vs_best": auto_against_best(scoreset, ndcg_k=ndcg_k),
+               "auto_choice": scoreset.choices}
     return records, details
 
 
@@ -970,6 +1058,33 @@ def one_bit_gap(scoreset: ScoreSet, *, ndcg_k: int = 20, base: str = "eogp", var
             row[metric] = {"base": means[0], "variant": means[1], "ceiling": means[2],
                            "se": [_se(x) for x in (b, v, c)], "diff": float(np.nanmean(diff)), "diff_se": _se(diff),
                            "gap_closed": (means[1] - means[0]) / gap if gap > 0 else None}
+        rows.append(row)
+    return rows
+
+
+def auto_against_best(scoreset: ScoreSet, *, ndcg_k: int = 20) -> List[Dict[str, Any]]:
+    """Per budget where ``eogp``, ``eogp-rot`` and ``auto`` all ran, and per metric: the three query
+    means, the better fixed code (``best``), ``diff`` = auto - best with the standard error of the
+    paired per-query differences, and ``never_worse`` = ``diff >= -diff_se``. First seed only."""
+    ref = scoreset.reference
+    per_query = {f"ndcg@{ndcg_k}": lambda s: metrics.ndcg_at_k_per_query(s, ref, ndcg_k),
+                 "spearman": lambda s: metrics.spearman_per_query(s, ref)}
+    rows: List[Dict[str, Any]] = []
+    for budget in sorted({c.budget for c in scoreset.configs}):
+        cfgs = {method: scoreset.config(method, budget) for method in ("eogp", "eogp-rot", "auto")}
+        if any(c is None for c in cfgs.values()):
+            continue
+        row: Dict[str, Any] = {"budget": budget, "k": list(cfgs["auto"].k)}
+        for metric, fn in per_query.items():
+            values = {method: np.asarray(fn(scoreset.scores[cfg.id][0]), dtype=np.float64)
+                      for method, cfg in cfgs.items()}
+            means = {method: float(np.nanmean(v)) for method, v in values.items()}
+            best = "eogp-rot" if means["eogp-rot"] > means["eogp"] else "eogp"
+            diff = values["auto"] - values[best]
+            entry = {**means, "best": best, "diff": float(np.nanmean(diff)), "diff_se": _se(diff)}
+            entry["never_worse"] = bool(entry["diff"] >= -entry["diff_se"]) if math.isfinite(entry["diff_se"]) \
+                else bool(entry["diff"] >= 0)
+            row[metric] = entry
         rows.append(row)
     return rows
 

@@ -370,6 +370,7 @@ def details_markdown(details: Dict[str, Any]) -> str:
                 lines.append(f"| {report.format_bytes(row['budget'])} | {_span(row['k'])} | " + " | ".join(cells)
                              + f" | {_fmt(v['diff'], '+.3f')} ± {_fmt(v['diff_se'])} | {closed} |")
             lines.append("")
+    lines += _auto_markdown(details.get("fidelity") or {})
     lds = details.get("lds")
     if lds:
         lines += ["", "## LDS references (uncompressed)", "",
@@ -393,6 +394,45 @@ def details_markdown(details: Dict[str, Any]) -> str:
                "run": details.get("timings_s", {})}
     lines += ["", "## Timings (seconds)", "", "```", json.dumps(_jsonable(timings), indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def _auto_markdown(fidelity: Dict[str, Any]) -> List[str]:
+    """The ``auto`` sections: auto against the better fixed code per budget, and per budget and
+    module the held-out measurement's choice next to the reference gain of rotating that module."""
+    lines: List[str] = []
+    best = fidelity.get("auto_vs_best")
+    if best:
+        lines += ["", "## EOGP auto against the better of EOGP and EOGP-rot", "",
+                  "Query means; Δ = auto − best ± the standard error of the paired per-query differences; "
+                  "never worse: Δ ≥ −SE.", ""]
+        for metric in [key for key in best[0] if key not in ("budget", "k")]:
+            lines += [f"| {report.metric_label(metric)} | k per module | EOGP | EOGP-rot | auto | Δ (auto − best) "
+                      "| never worse |", "|---|---:|---:|---:|---:|---:|---|"]
+            for row in best:
+                v = row[metric]
+                lines.append(f"| {report.format_bytes(row['budget'])} | {_span(row['k'])} | {_fmt(v['eogp'])} | "
+                             f"{_fmt(v['eogp-rot'])} | {_fmt(v['auto'])} | {_fmt(v['diff'], '+.3f')} ± "
+                             f"{_fmt(v['diff_se'])} | {'yes' if v['never_worse'] else 'NO'} |")
+            lines.append("")
+    choices = fidelity.get("auto_choice")
+    if choices:
+        metric = next(key for key in choices[0]["reference_gain"] if key.startswith("ndcg@"))
+        rotated = sum(1 for c in choices if c["code"] == "eogp-rot")
+        lines += ["", "## EOGP auto: the choice per module", "",
+                  f"{rotated} of {len(choices)} (budget, module) pairs chose EOGP-rot. Proxy: EOGP-rot − EOGP "
+                  "on the held-out fitting documents (mean of NDCG@20 and Spearman against FP16, paired per "
+                  "pseudo-query, ± SE). Reference gain: fidelity to kronfluence's EK-FAC with only this module "
+                  "rotated, minus all-EOGP (± paired SE).", "",
+                  f"| Budget | module | k | code | proxy | gain {report.metric_label(metric)} | gain Spearman |",
+                  "|---|---|---:|---|---:|---:|---:|"]
+        for c in choices:
+            gain = c["reference_gain"]
+            lines.append(f"| {report.format_bytes(c['budget'])} | {c['module']} | {c['k']} | {c['code']} | "
+                         f"{_fmt(c['proxy_diff'], '+.3f')} ± {_fmt(c['proxy_diff_se'])} | "
+                         f"{_fmt(gain[metric], '+.4f')} ± {_fmt(gain[metric + '_se'], '.4f')} | "
+                         f"{_fmt(gain['spearman'], '+.4f')} ± {_fmt(gain['spearman_se'], '.4f')} |")
+        lines.append("")
+    return lines
 
 
 def _span(values) -> str:

@@ -8,6 +8,8 @@ exists is complete: the renamed file is its own completion marker)::
     fit/coords/batch-000042.safetensors
                                   first-stage coordinates of the PCA set's batch 42: one
                                   (B, m_u) float16 tensor per module, named by the module
+    fit/pca/module-0003.json      module 3's held-out measurement of the two 1-bit codes (with a
+                                  held-out split), written before its P
     fit/pca/module-0003.npy       module 3's fitted P, (m_u, k_u), at the projection's P dtype
 
 A rerun that finds ``fitting_set.json`` checks that its settings and examples are the same
@@ -69,7 +71,7 @@ class FitFolder:
     """
 
     def __init__(self, index_dir: Path, settings: Dict[str, Any], curvature: Sequence[Example],
-                 pca: Sequence[Example], *, disjoint: bool):
+                 pca: Sequence[Example], *, disjoint: bool, held_out: Sequence[Example] = ()):
         self.dir = Path(index_dir) / FIT_DIR
         self.record = {
             "format": "eogp-fit",
@@ -80,6 +82,7 @@ class FitFolder:
             "pca_sha256": examples_sha256(pca),
             "curvature": [[ex.id, ex.shard, ex.position] for ex in curvature],
             "pca": [[ex.id, ex.shard, ex.position] for ex in pca],
+            "pca_held_out": [[ex.id, ex.shard, ex.position] for ex in held_out],
         }
 
     # -- the fitting set ---------------------------------------------------------------------------
@@ -185,6 +188,17 @@ class FitFolder:
                 np.save(handle, array)
 
         atomic_write(self.module_path(index), write)
+
+    def choice_path(self, index: int) -> Path:
+        return self.dir / "pca" / f"module-{index:04d}.json"
+
+    def write_choice(self, index: int, record: Dict[str, Any]) -> None:
+        """A module's held-out measurement (``CodeChoice.to_json()``), written before its P."""
+        atomic_write(self.choice_path(index), lambda tmp: tmp.write_text(json.dumps(record)))
+
+    def read_choice(self, index: int) -> Optional[Dict[str, Any]]:
+        path = self.choice_path(index)
+        return json.loads(path.read_text()) if path.exists() else None
 
     def read_module_pca(self, index: int) -> torch.Tensor:
         """A fitted P, memory-mapped (copy-on-write): its pages are read as the projection file is

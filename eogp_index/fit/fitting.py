@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -47,7 +49,18 @@ from eogp_index.data.records import Example
 from eogp_index.errors import InputError
 from eogp_index.fit.cache import FitFolder
 from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
-from eogp_index.fit.projection import PCA_TORCH_DTYPES, Projection, build_projection, second_stage_directions
+from eogp_index.fit.projection import (
+    CODES,
+    PCA_TORCH_DTYPES,
+    CodeChoice,
+    Projection,
+    build_projection,
+    choose_code,
+    gram_matrix,
+    held_out_rows,
+    module_rotation,
+    second_stage_directions,
+)
 from eogp_index.fit.sampling import split_fit_sets
 from eogp_index.gradients.capture import GradientCapture, batches, check_counted
 from eogp_index.gradients.loss import IGNORE_INDEX, collate
@@ -129,6 +142,7 @@ def fit_projection(
     """
     if not examples:
         raise InputError("no examples to fit the curvature and projection on; give --data shards with documents")
+    start = time.perf_counter()
     ranks = Ranks.current()
     progress = progress and ranks.rank == 0  # one set of bars per job
     out_dir = Path(out_dir)
@@ -148,10 +162,12 @@ def fit_projection(
     _probe_capture(model, names, sets.pca or sets.curvature, pad_id, device)
     gradients, curvature, partitions = _sized(model, names, sets, out_dir, projection, storage, curvature, gradients,
                                               device, ranks)
+    held_out = held_out_rows(len(sets.pca), projection.held_out_fraction, projection.seed) if use_pca else None
     settings = {"weights_sha256": weights_sha256, "modules": list(names), "curvature": curvature.__dict__,
                 "projection": projection.__dict__, "precision": storage.precision,
                 "max_tokens": gradients.max_tokens, "gradient_batch_size": gradients.batch_size}
-    folder = FitFolder(out_dir, settings, sets.curvature, sets.pca, disjoint=sets.disjoint)
+    folder = FitFolder(out_dir, settings, sets.curvature, sets.pca, disjoint=sets.disjoint,
+                       held_out=[sets.pca[i] for i in held_out.tolist()] if use_pca else ())
     num_batches = -(-len(sets.pca) // gradients.batch_size)
     if ranks.rank == 0 and folder.begin():
         log.info("resuming the interrupted fit in %s: reusing %s", folder.dir,
@@ -162,11 +178,21 @@ def fit_projection(
                          partitions)
     fitted = build_projection(factors, projection, storage, damping_ratio=curvature.damping_ratio)
     del factors  # build_projection copied the columns it keeps
+    if use_pca and projection.variant == "auto" and not held_out.numel():
+        if ranks.rank == 0:
+            log.info("variant auto: %d held-out documents (held_out_fraction %s of %d) are too few to measure the "
+                     "1-bit codes; every module keeps EOGP", held_out.numel(), projection.held_out_fraction,
+                     len(sets.pca))
+        for module in fitted.modules.values():
+            module.rotation = None
     if use_pca:
         _first_stage_pass(model, fitted, names, sets.pca, folder, gradients, pad_id, device, ranks, progress)
         ranks.barrier()
-        _fit_modules(fitted, folder, num_batches, ranks, progress)
+        _fit_modules(fitted, folder, num_batches, held_out, ranks, progress)
         ranks.barrier()
+        _read_choices(fitted, folder)
+        if ranks.rank == 0 and fitted.choices:
+            log.info("%s", format_choices(fitted, time.perf_counter() - start))
         for i, module in enumerate(fitted.modules.values()):
             # Read when the projection file is written, one module at a time, and dropped after:
             # never every module's P in memory at once.
@@ -282,8 +308,15 @@ def _first_stage_pass(model, fitted: Projection, names, examples, folder: FitFol
         folder.write_batch(b, coords)
 
 
-def _fit_modules(fitted: Projection, folder: FitFolder, num_batches: int, ranks: Ranks, progress: bool) -> None:
-    """Each module's P from its cached coordinates, one module in memory at a time, round-robin over ranks."""
+def _fit_modules(fitted: Projection, folder: FitFolder, num_batches: int, held_out: torch.Tensor, ranks: Ranks,
+                 progress: bool) -> None:
+    """Each module's P from its cached coordinates, one module in memory at a time, round-robin over ranks.
+
+    With held-out rows, each module's two 1-bit codes are measured on them first
+    (:func:`~eogp_index.fit.projection.choose_code`; written to ``fit/pca/module-NNNN.json``
+    before the module's P, so a resumed fit reads it back); variant ``auto`` keeps the rotation
+    of the modules where EOGP-rot wins. The stored P is then fitted on the whole set.
+    """
     from tqdm.auto import tqdm
 
     modules = list(fitted.modules.items())
@@ -299,5 +332,52 @@ def _fit_modules(fitted: Projection, folder: FitFolder, num_batches: int, ranks:
     for i in tqdm(mine, desc="PCA per module", unit="module", disable=not progress):
         name, module = modules[i]
         z = folder.read_module(name, num_batches)  # (n, m) float16; fit_pca works in float64
-        folder.write_module(i, second_stage_directions(z, module).to(dtype))  # PCA, rotated for eogp-rot
-        del z
+        gram = gram_matrix(z) if z.shape[0] < z.shape[1] else None  # (n, n), shared by both fits
+        if held_out.numel():
+            rotation = module.rotation or module_rotation(fitted.config.seed, name, module.k)
+            choice = choose_code(z, module.k, rotation, held_out, gram=gram)
+            folder.write_choice(i, choice.to_json())
+            _apply_choice(fitted, name, choice)
+        folder.write_module(i, second_stage_directions(z, module, gram=gram).to(dtype))  # rotated where chosen
+        del z, gram
+
+
+def _apply_choice(fitted: Projection, name: str, choice: CodeChoice) -> None:
+    """Record a module's measurement; under variant auto, drop its rotation where EOGP won."""
+    fitted.choices[name] = choice
+    if fitted.config.variant == "auto" and choice.code == "eogp":
+        fitted.modules[name].rotation = None
+
+
+def _read_choices(fitted: Projection, folder: FitFolder) -> None:
+    """Every module's measurement, as the ranks (or an earlier, killed run) wrote them."""
+    for i, name in enumerate(fitted.modules):
+        record = folder.read_choice(i)
+        if record is not None:
+            _apply_choice(fitted, name, CodeChoice.from_json(record))
+
+
+def format_choices(fitted: Projection, total_seconds: float) -> str:
+    """The fit's printout of the held-out measurement: per module, each code's NDCG@20 and
+    Spearman against FP16 (± standard error), the paired difference and the code stored."""
+    choices = fitted.choices
+    held = max(c.held_out for c in choices.values())
+    lines = [f"held-out 1-bit fidelity to FP16 ({held} documents of the PCA set held out, each a pseudo-query "
+             f"ranking the others; variant {fitted.config.variant}):",
+             f"  {'module':<28} {'EOGP ndcg@20 / spearman':>26} {'EOGP-rot ndcg@20 / spearman':>30} "
+             f"{'rot - eogp':>16}  code"]
+    for name, c in choices.items():
+        if not c.held_out:
+            lines.append(f"  {name:<28} {'(not measured)':>26}")
+            continue
+        cells = []
+        for code in CODES:
+            f = c.fidelity[code]
+            cells.append(f"{f['ndcg@20']:.3f}±{f['ndcg@20_se']:.3f} / {f['spearman']:.3f}±{f['spearman_se']:.3f}")
+        stored = c.code if fitted.config.variant == "auto" else f"{fitted.config.variant} (forced)"
+        diff = f"{c.diff:+.3f}±{c.diff_se:.3f}" if math.isfinite(c.diff) else "n/a"
+        lines.append(f"  {name:<28} {cells[0]:>26} {cells[1]:>30} {diff:>16}  {stored}")
+    extra = sum(c.seconds for c in choices.values())
+    lines.append(f"  measurement time {extra:.2f} s of the fit's {total_seconds:.2f} s "
+                 f"({100 * extra / max(total_seconds, 1e-9):.1f}%)")
+    return "\n".join(lines)

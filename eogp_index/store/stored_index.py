@@ -161,12 +161,16 @@ class StoredIndex:
         if adapter is not None:
             model_entry["adapter"] = {"path": str(Path(adapter["path"]).resolve()),
                                       "fingerprint": adapter["fingerprint"]}
+        projection_entry = {"file": PROJECTION_FILE, "sha256": proj_hash, "variant": projection.config.variant,
+                            "seed": projection.config.seed, "num_fit_examples": fitted.pca_examples,
+                            "pca_dtype": projection.config.pca_dtype, "rotation": projection.rotation_record(),
+                            "fingerprint": file_fingerprint(path / PROJECTION_FILE)}
+        fidelity = projection.fidelity_record()
+        if fidelity is not None:
+            projection_entry["fidelity"] = fidelity
         manifest = Manifest(
             model=model_entry,
-            projection={"file": PROJECTION_FILE, "sha256": proj_hash, "variant": projection.config.variant,
-                        "seed": projection.config.seed, "num_fit_examples": fitted.pca_examples,
-                        "pca_dtype": projection.config.pca_dtype, "rotation": projection.rotation_record(),
-                        "fingerprint": file_fingerprint(path / PROJECTION_FILE)},
+            projection=projection_entry,
             modules=[ModuleEntry(name=n, d_out=p.shape[0], d_in=p.shape[1], m=p.m, k=p.k, damping=p.damping)
                      for n, p in projection.modules.items()],
             precision=precision,

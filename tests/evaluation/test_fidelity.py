@@ -347,3 +347,28 @@ def test_method_table_is_the_configs():
     assert fidelity.METHODS == config.METHODS
     assert fidelity.DEFAULT_METHODS == config.DEFAULT_METHODS
     assert fidelity.DEFAULT_BUDGETS == config.DEFAULT_BUDGETS
+
+
+def test_auto_stores_per_module_the_code_the_held_out_measurement_chose(tmp_path):
+    """``auto`` as the index's variant auto: per module, EOGP's or EOGP-rot's P as the fit-time
+    measurement on held-out fitting documents chooses; its scores are the sum of each module's
+    chosen code, so they equal a fixed code's exactly where every module chose it."""
+    train = _docs(make_examples(64, seed=4))  # 10 of 64 held out
+    scoreset = compute_scores(make_tiny_gpt2(), train, QUERIES, tmp_path, budgets=(32, 128),
+                              methods=("eogp", "eogp-rot", "auto"), batch_size=16)
+    assert len(scoreset.choices) == 2 * len(scoreset.modules)
+    for budget in (32, 128):
+        rows = [c for c in scoreset.choices if c["budget"] == budget]
+        assert all(c["held_out"] == 10 and c["code"] == ("eogp-rot" if c["proxy_diff"] > c["proxy_diff_se"]
+                                                            else "eogp") for c in rows)
+        auto = scoreset.scores[scoreset.config("auto", budget).id]
+        codes = {c["code"] for c in rows}
+        for code in ("eogp", "eogp-rot"):
+            fixed = scoreset.scores[scoreset.config(code, budget).id]
+            assert np.array_equal(auto, fixed) == (codes == {code})
+    records, details = fidelity_records(scoreset)
+    assert [row["budget"] for row in details["auto_vs_best"]] == [32, 128]
+    for row in details["auto_vs_best"]:
+        v = row["spearman"]
+        assert v["diff"] == pytest.approx(v["auto"] - max(v["eogp"], v["eogp-rot"]))
+    assert {r["method"] for r in records} == {"EOGP", "EOGP-rot", "EOGP auto (per module)"}
