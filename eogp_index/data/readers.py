@@ -579,7 +579,11 @@ def _iter_hf(path: str | Path, shard: str) -> Iterator[RawRecord]:
     else:
         dataset = loaded
     # A saved format (torch, numpy) would hand out tensors; records must be plain Python.
-    dataset = dataset.with_format(None)
+    yield from _iter_rows(dataset.with_format(None), shard)
+
+
+def _iter_rows(dataset, shard: str) -> Iterator[RawRecord]:
+    """A ``datasets.Dataset``'s rows in order, read in batches (a row at a time is slow)."""
     position = 0
     for batch in dataset.iter(batch_size=_HF_BATCH_ROWS):
         columns = list(batch.keys())
@@ -609,12 +613,7 @@ def _iter_memory(source: DatasetShard, shard: str) -> Iterator[RawRecord]:
     """A dataset object's records in its iteration order, as plain Python (no torch / numpy format)."""
     dataset = source.dataset.with_format(None)
     if hasattr(dataset, "num_rows"):  # a Dataset: in batches, as a save_to_disk directory
-        position = 0
-        for batch in dataset.iter(batch_size=_HF_BATCH_ROWS):
-            columns = list(batch.keys())
-            for values in zip(*(batch[c] for c in columns)):
-                yield RawRecord(shard, position, dict(zip(columns, values)))
-                position += 1
+        yield from _iter_rows(dataset, shard)
         return
     for position, row in enumerate(dataset):
         yield RawRecord(shard, position, dict(row))
