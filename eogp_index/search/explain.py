@@ -50,7 +50,8 @@ class Explanation:
         score: the score as ranked (from the stored 1-bit code). score_projected: the
             unquantized projected score ``⟨y, z⟩`` the training tokens sum to.
         train_tokens: the document's tokens, each with ``⟨y, z_t⟩``.
-        query_tokens: the query's tokens, each with its share of ``score``.
+        query_tokens: the query's tokens, each with its share of ``score`` (they sum to it up to the
+            FP16 rounding the projection applies to the query's first stage).
         modules: ``{module: term}`` of ``score``.
         text: the document as stored or read back (text, or chat / ids as JSON).
     """
@@ -182,7 +183,7 @@ def explain_documents(index, query, ids: Sequence[str]) -> List[Explanation]:
     out = []
     for j, doc in enumerate(documents):
         out.append(Explanation(
-            id=doc.id, score=float(queried[j].sum()), score_projected=float(train[j][0].sum()),
+            id=doc.id, score=float(terms[j].sum()), score_projected=float(train[j][0].sum()),
             train_tokens=[TokenContribution(t, float(c))
                           for t, c in zip(_token_texts(index.tokenizer, doc.input_ids), train[j][0])],
             query_tokens=[TokenContribution(t, float(c)) for t, c in zip(query_texts, queried[j])],
