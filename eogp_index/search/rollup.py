@@ -151,8 +151,20 @@ def roll_up(values, scores: np.ndarray, k: int, column: str, *, descending: bool
         "share_positive": positive[used] / total_pos + 0.0 if total_pos > 0 else np.zeros(used.size),
         "share_negative": negative[used] / total_neg + 0.0 if total_neg < 0 else np.zeros(used.size),
     })
-    keys_order = [("sum", "descending" if descending else "ascending"), (column, "ascending")]
-    return out.take(pc.sort_indices(out, sort_keys=keys_order))  # (nulls last)
+    return out.take(_group_order(out, column, descending))
+
+
+def _group_order(groups: pa.Table, column: str, descending: bool) -> np.ndarray:
+    """Positions ordering ``groups`` by ``sum`` (largest first when ``descending``), equal sums by
+    the group's value, nulls last. One numpy sort of the sums; Arrow's two-key sort, twice as slow
+    on many groups, only when two sums are equal."""
+    sums = groups.column("sum").to_numpy()
+    order = np.argsort(-sums if descending else sums)
+    ordered = sums[order]
+    if np.any(ordered[1:] == ordered[:-1]):
+        keys_order = [("sum", "descending" if descending else "ascending"), (column, "ascending")]
+        return pc.sort_indices(groups, sort_keys=keys_order).to_numpy()
+    return order
 
 
 def empty_roll_up(column: str, type_: pa.DataType) -> pa.Table:
