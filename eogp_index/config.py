@@ -273,7 +273,6 @@ class GradientConfig:
                           "with the unrouted ones zeroed, the same function, so they are attributed (E/top_k times "
                           "the experts' compute). Fit and plan only: an index reloads it from its manifest."},
     )
-
     dtype: ModelDtype = field(
         default="auto",
         metadata={"help": "The model's precision: auto is the checkpoint's own (what from_pretrained(dtype='auto') "

@@ -218,9 +218,10 @@ def run_distributed_ingest(
             gradients = dataclasses.replace(gradients, device=device)
         model = tokenizer = None
         if model_path is not None:
-            dtype = open_dtype(Manifest.load(index_path), gradients.dtype, where=str(index_path))
-            model, tokenizer = load_indexed_model(Manifest.load(Path(index_path)).model, model_path,
-                                                  device=gradients.resolved_device(), dtype=dtype)
+            manifest = Manifest.load(Path(index_path))
+            dtype = open_dtype(manifest, gradients.dtype, where=str(index_path))
+            model, tokenizer = load_indexed_model(manifest.model, model_path, device=gradients.resolved_device(),
+                                                  dtype=dtype)
         index = AttributionIndex.open(index_path, model=model, tokenizer=tokenizer, gradients=gradients)
         worker = _Worker(index, comm, patterns, spec=spec, on_error=on_error, rejects_path=rejects_path,
                          batch_size=batch_size, commit_every=commit_every, progress=progress, shard_root=shard_root,
