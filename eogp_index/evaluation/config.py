@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from eogp_index.errors import ConfigError
+from eogp_index.evaluation.methods import (  # noqa: F401  (re-exported: the registry's tables)
+    DEFAULT_METHODS,
+    K_FROM_PRECISION,
+    METHODS,
+    PCA_FAMILIES,
+    check_methods,
+)
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -29,38 +36,6 @@ __all__ = [
 
 #: Per-example budgets in bytes (summed over modules): 64 B .. 4 KB.
 DEFAULT_BUDGETS: Tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
-
-#: (family, storage precision) of every method. Families with a PCA second stage: ``eogp``,
-#: ``eogp-rot`` (the same PCA, rotated before the signs) and ``auto`` (per module, whichever of the
-#: two the index's held-out measurement chooses; :data:`PCA_FAMILIES`).
-METHODS: Dict[str, Tuple[str, str]] = {
-    "eogp": ("eogp", "1bit"),
-    "eogp-rot": ("eogp-rot", "1bit"),
-    "auto": ("auto", "1bit"),
-    "eogp-fp16": ("eogp", "fp16"),
-    "eogp-fp16-same-k": ("eogp", "fp16"),
-    "eogp-r": ("eogp-r", "1bit"),
-    "ekfac-topk": ("ekfac-topk", "1bit"),
-    "logra-random": ("logra-random", "fp16"),
-    "logra-pca": ("logra-pca", "fp16"),
-    "grass": ("grass", "fp16"),
-    "gaussian": ("gaussian", "fp16"),
-    "eogp-fp32": ("eogp", "fp32"),
-    "ekfac-topk-fp32": ("ekfac-topk", "fp32"),
-    "logra-random-1bit": ("logra-random", "1bit"),
-    "logra-pca-1bit": ("logra-pca", "1bit"),
-    "grass-1bit": ("grass", "1bit"),
-}
-DEFAULT_METHODS: Tuple[str, ...] = (
-    "eogp", "eogp-rot", "eogp-fp16-same-k", "eogp-fp16", "eogp-r", "ekfac-topk", "logra-random", "logra-pca",
-    "grass", "gaussian",
-)
-#: Families whose second stage is a PCA fitted on the fitting documents.
-PCA_FAMILIES: Tuple[str, ...] = ("eogp", "eogp-rot", "auto")
-#: Methods whose ``k`` is set by another precision's bytes than their own: FP16 EOGP at the ``k``
-#: of 1-bit EOGP at the same nominal budget (16 x its bytes), the ceiling the 1-bit codes are
-#: measured against (issue #12). Their actual bytes are in ``details.json``.
-K_FROM_PRECISION: Dict[str, str] = {"eogp-fp16-same-k": "1bit"}
 
 
 def default_root() -> Path:
@@ -209,9 +184,7 @@ class FidelityConfig:
     modules: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise ConfigError(f"FidelityConfig.methods: unknown {unknown}; choose from {sorted(METHODS)}")
+        check_methods(self.methods, "FidelityConfig.methods (--methods)")
         if not self.methods or not self.budgets:
             raise ConfigError("FidelityConfig: give at least one method and one budget")
         _check_ranges(self)
@@ -256,9 +229,7 @@ class LDSConfig:
         _check_ranges(self)
         if not 0 < self.fraction < 1:
             raise ConfigError(f"LDSConfig.fraction must lie in (0, 1), got {self.fraction}")
-        unknown = [m for m in self.cf_methods if m not in METHODS]
-        if unknown:
-            raise ConfigError(f"LDSConfig.cf_methods: unknown {unknown}; choose from {sorted(METHODS)}")
+        check_methods(self.cf_methods, "LDSConfig.cf_methods")
         if self.counterfactual and not (self.cf_removals and self.cf_seeds):
             raise ConfigError("LDSConfig: the counterfactual needs at least one removal count and one seed "
                               "(--cf-removals, --cf-seeds), or counterfactual=False (--no-counterfactual)")

@@ -6,34 +6,12 @@ documents feed a single :class:`~eogp_index.gradients.GradientCapture` transform
 each module's ``(a, g)`` to *every* method at once. All methods therefore see the same
 gradients, the same loss and the same curvature: only the compression differs.
 
-Methods (:data:`METHODS`), each at matched per-example storage budgets (bytes per example,
-summed over modules, split evenly over the ``U`` modules):
-
-* ``eogp`` -- EK-FAC first stage (the top ``m_u`` half-whitened axes, ``m_u`` as the index's
-  default (:func:`~eogp_index.config.first_stage_width`) unless ``m`` is given), PCA
-  second stage fitted on the training documents' first-stage coordinates, 1-bit storage;
-* ``eogp-fp16`` -- the same projection with FP16 storage (``k`` from the FP16 budget);
-* ``eogp-r`` -- SRHT second stage, 1-bit;
-* ``ekfac-topk`` -- the top-``k`` half-whitened EK-FAC axes, no PCA, 1-bit (the ablation);
-* ``logra-random`` / ``logra-pca`` -- LoGra, FP16, curvature fitted after projection
-  (:class:`~eogp_index.evaluation.baselines.ProjectedCurvature`), score ``q^T H^{-1} t``;
-* ``grass`` -- factor-wise masking + CountSketch, FP16, the same post-projection curvature;
-* ``gaussian`` -- Gaussian factors, FP16, query gradients preconditioned by the full-space
-  damped EK-FAC inverse before projection, inner products scaled by ``rank**-2``, averaged
-  over three draws;
-* opt-in: ``logra-random-1bit``, ``logra-pca-1bit``, ``grass-1bit`` (Figure 5 / Table 2),
-  ``eogp-fp32`` and ``ekfac-topk-fp32`` (sanity checks: at ``m = k = d`` both are EK-FAC).
-
-* ``eogp-rot`` -- EOGP with a randomized Hadamard rotation of each module's ``k`` PCA
-  coordinates before the signs, folded into ``P`` (the index's variant ``eogp-rot``);
-* ``auto`` -- per module, EOGP or EOGP-rot, whichever the index's fit-time measurement chooses
-  (variant ``auto``): a seeded part of the PCA fitting documents is held out, ``P`` fitted on the
-  rest, and each code scored by how well its 1-bit ranking of the held-out documents keeps their
-  FP16 ranking (:func:`~eogp_index.fit.projection.choose_code`); its ``P`` is EOGP's, rotated
-  where EOGP-rot is chosen. Per budget and module, ``details.json`` keeps the measurement and the
-  reference gain of the rotation (:func:`code_choices`);
-* ``eogp-fp16-same-k`` -- EOGP's projection stored in FP16 at the ``k`` of 1-bit EOGP at the
-  same nominal budget (16 x the bytes): the ceiling of what the signs lose.
+Methods are the families of :mod:`~eogp_index.evaluation.methods`, one class each (EOGP and
+its FP16, SRHT and rotated variants, ``auto``, the EK-FAC top-k ablation, LoGra, GraSS, a
+Gaussian control), at matched per-example storage budgets (bytes per example, summed over
+modules, split evenly over the ``U`` modules). This module plans their dimensions
+(:func:`plan_methods`) and runs the pass; each family says what it needs of the pass and how it
+turns the pass's tensors into scores.
 
 A (method, budget) pair is *unsupported*, and its curve ends, when the dimension it needs
 exceeds what a module supports (``k_u > d_u``; a LoGra rank above ``min(d_in, d_out)``). A PCA
@@ -67,11 +45,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from eogp_index.config import HELD_OUT_FRACTION, first_stage_width
 from eogp_index.fit.curvature import ModuleCurvature, factors_dir
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.fit.plan import ModuleShape
-from eogp_index.evaluation.config import (  # noqa: F401  (DEFAULT_* and METHODS are re-exported)
+from eogp_index.evaluation.config import (  # noqa: F401  (re-exported: the budgets and the registry's tables)
     DEFAULT_BUDGETS,
     DEFAULT_METHODS,
     K_FROM_PRECISION,
@@ -79,27 +56,10 @@ from eogp_index.evaluation.config import (  # noqa: F401  (DEFAULT_* and METHODS
     PCA_FAMILIES,
 )
 from eogp_index.evaluation import metrics
-from eogp_index.evaluation.baselines import (
-    GaussianProjector,
-    GraSSProjector,
-    LoGraProjector,
-    ProjectedCurvature,
-    bytes_for_coordinates,
-    k_for_bytes,
-)
+from eogp_index.evaluation import methods as registry
+from eogp_index.evaluation.baselines import ProjectedCurvature, bytes_for_coordinates, k_for_bytes
 from eogp_index.gradients.capture import GradientCapture
-from eogp_index.fit.projection import (
-    CodeChoice,
-    compare_codes,
-    first_stage_from_curvature,
-    fit_pca,
-    held_out_directions,
-    held_out_rows,
-    make_srht,
-    module_rotation,
-    rotate_directions,
-    srht_apply,
-)
+from eogp_index.fit.projection import CodeChoice, first_stage_from_curvature, fit_pca
 from eogp_index.store.codecs import SignLayout, decode, encode
 from eogp_index.gradients.loss import IGNORE_INDEX, collate
 
@@ -109,46 +69,21 @@ __all__ = [
     "Documents",
     "METHODS",
     "MethodConfig",
+    "ModuleBatch",
     "ModuleShape",
     "ScoreSet",
+    "SharedPass",
     "compute_scores",
     "fidelity_records",
     "kronfluence_scores",
-    "one_bit_gap",
-    "method_label",
     "plan_methods",
 ]
 
-_FAMILY_SEED = {"eogp": 0, "eogp-r": 1, "ekfac-topk": 2, "logra-random": 3, "logra-pca": 4, "grass": 5, "gaussian": 6,
-                "eogp-rot": 7, "auto": 8}
-_LABELS = {
-    "eogp": "EOGP",
-    "eogp-rot": "EOGP-rot",
-    "auto": "EOGP auto (per module)",
-    "eogp-fp16": "EOGP (FP16)",
-    "eogp-fp16-same-k": "EOGP (FP16, same k)",
-    "eogp-r": "EOGP-R",
-    "ekfac-topk": "EK-FAC top-k (1-bit)",
-    "logra-random": "LoGra (random)",
-    "logra-pca": "LoGra (PCA)",
-    "grass": "GraSS",
-    "gaussian": "Gaussian",
-    "eogp-fp32": "EOGP (FP32)",
-    "ekfac-topk-fp32": "EK-FAC top-k (FP32)",
-    "logra-random-1bit": "LoGra (random, 1-bit)",
-    "logra-pca-1bit": "LoGra (PCA, 1-bit)",
-    "grass-1bit": "GraSS (1-bit)",
-}
 #: Names of the uncompressed references.
 REF_EKFAC = "EK-FAC (kronfluence)"
 REF_EKFAC_INDEX = "EK-FAC (index, full width)"
 REF_KFAC = "K-FAC"
 REF_TRACIN = "TracIn"
-
-
-def method_label(method: str) -> str:
-    """Display name of a method key (``"eogp-fp16"`` → ``"EOGP (FP16)"``)."""
-    return _LABELS.get(method, method)
 
 
 # --------------------------------------------------------------------------- documents
@@ -245,16 +180,21 @@ class MethodConfig:
     seeds: Tuple[int, ...] = (0,)
 
     @property
+    def spec(self) -> registry.MethodFamily:
+        """The registered family this method belongs to (what it needs, how it scores)."""
+        return registry.family_of(self.method)
+
+    @property
     def family(self) -> str:
-        return METHODS[self.method][0]
+        return self.spec.family
 
     @property
     def precision(self) -> str:
-        return METHODS[self.method][1]
+        return registry.variant(self.method).precision
 
     @property
     def label(self) -> str:
-        return method_label(self.method)
+        return registry.label(self.method)
 
     @property
     def id(self) -> str:
@@ -283,69 +223,35 @@ def plan_methods(
     """Dimensions of every (method, budget) pair; returns ``(configs, skipped)``.
 
     Each module gets ``budget // U`` bytes; ``k`` is the largest coordinate count that fits
-    (1-bit: ``8 (b - 2)``; FP16: ``b // 2``; ``eogp-fp16-same-k``: the 1-bit ``k``), LoGra and
-    Gaussian use the largest rank with ``rank**2 <= k``. ``skipped`` lists the pairs a module
-    cannot support, with the reason.
+    (1-bit: ``8 (b - 2)``; FP16: ``b // 2``; a variant ``sized_as`` another precision: that
+    precision's ``k``), and the method's family turns it into its dimensions
+    (:meth:`~eogp_index.evaluation.methods.MethodFamily.dimensions`: LoGra and Gaussian use the
+    largest rank with ``rank**2 <= k``). ``skipped`` lists the pairs a module cannot support,
+    with the reason.
 
     Args:
         m: first-stage width of ``eogp``/``eogp-r`` (capped at ``d_u``; a ``k_u`` above it is
             skipped); None: the index's default rule.
     """
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ConfigError(f"unknown method(s) {unknown}; choose from {sorted(METHODS)}")
+    registry.check_methods(methods, "plan_methods")
     if not modules:
         raise ConfigError("no attributed modules")
     configs, skipped = [], []
     for budget in sorted(set(int(b) for b in budgets)):
         per_module = budget // len(modules)
         for method in methods:
-            family, precision = METHODS[method]
             try:
                 if per_module < 1:
                     raise ConfigError(f"{budget} B over {len(modules)} modules leaves no byte per module")
-                config = _config_for(method, family, precision, budget, per_module, modules,
-                                     m=m, gaussian_seeds=gaussian_seeds, seed=seed)
+                k = k_for_bytes(per_module, registry.variant(method).sizing)
+                dims = registry.family_of(method).dimensions(k, modules, m=m, gaussian_seeds=gaussian_seeds, seed=seed)
             except ConfigError as exc:
                 skipped.append({"method": method, "budget": budget, "reason": str(exc)})
                 continue
-            configs.append(config)
+            configs.append(MethodConfig(method, budget, **dims))
     return configs, skipped
 
-
-def _config_for(method, family, precision, budget, per_module, modules, *, m, gaussian_seeds,
-                seed) -> MethodConfig:
-    k = k_for_bytes(per_module, K_FROM_PRECISION.get(method, precision))
-    if family in ("logra-random", "logra-pca", "gaussian"):
-        rank = math.isqrt(k)
-        for mod in modules:
-            if family != "gaussian" and rank > min(mod.d_in, mod.d_out):
-                raise ConfigError(f"rank {rank} exceeds min(d_in, d_out) = {min(mod.d_in, mod.d_out)} of {mod.name}")
-            if rank * rank > mod.d:
-                raise ConfigError(f"{rank * rank} coordinates exceed the {mod.d} parameters of {mod.name}")
-        seeds = tuple(seed + s for s in range(gaussian_seeds)) if family == "gaussian" else (seed,)
-        return MethodConfig(method, budget, k=(rank * rank,) * len(modules), rank=(rank,) * len(modules), seeds=seeds)
-    for mod in modules:
-        if k > mod.d:
-            raise ConfigError(f"k={k} exceeds the {mod.d} parameters of {mod.name}")
-    if family in PCA_FAMILIES + ("eogp-r",):
-        widths = tuple(first_stage_width(mod.d, k, m) for mod in modules)  # ConfigError: m < k
-        return MethodConfig(method, budget, k=(k,) * len(modules), m=widths, seeds=(seed,))
-    return MethodConfig(method, budget, k=(k,) * len(modules), seeds=(seed,))
-
-
 # --------------------------------------------------------------------------- the shared pass
-
-
-_HADAMARD: Dict[int, torch.Tensor] = {}
-
-
-
-def _one_bit_scores(query_first: torch.Tensor, train_first: torch.Tensor, basis: torch.Tensor, k: int) -> np.ndarray:
-    """One module's share ``(nq, n)`` of the 1-bit scores with ``P = basis`` ``(m, k)``."""
-    x = (train_first.double() @ basis.double()).float().numpy()
-    y = (query_first.double() @ basis.double()).numpy()
-    return y @ stored_coordinates(x, "1bit", (k,)).astype(np.float64).T
 
 
 def _stack(parts: List[torch.Tensor]) -> np.ndarray:
@@ -362,19 +268,46 @@ def stored_coordinates(x: np.ndarray, precision: str, k: Sequence[int]) -> np.nd
     return x.astype(np.float32)
 
 
+class ModuleBatch:
+    """One module's tensors in one gradient batch, as the families' ``coordinates`` hook sees them.
+
+    Attributes:
+        name: the module; side: ``"query"`` or ``"train"``.
+        a: ``(B, T, d_in)`` inputs; g: ``(B, T, d_out)`` output gradients.
+        first: ``(B, d_u)`` half-whitened EK-FAC coordinates sorted by decreasing eigenvalue (every
+            first stage of width ``m`` is its prefix).
+        factored: ``{"<config id>#<seed>": (B, rank**2)}`` of every factored projector, computed
+            together.
+    """
+
+    def __init__(self, shared: "SharedPass", name: str, side: str, a: torch.Tensor, g: torch.Tensor,
+                 first: torch.Tensor, factored: Dict[str, torch.Tensor]):
+        self.shared, self.name, self.side = shared, name, side
+        self.a, self.g, self.first, self.factored = a, g, first, factored
+        self._preconditioned: Optional[torch.Tensor] = None
+
+    def preconditioned(self) -> torch.Tensor:
+        """The dense gradient ``(B, d_out, d_in)`` under the full-space damped EK-FAC inverse,
+        computed once per batch for every config that asks."""
+        if self._preconditioned is None:
+            dense = torch.einsum("bto,bti->boi", self.g, self.a)
+            self._preconditioned = self.shared.precondition(self.name, dense)
+        return self._preconditioned
+
+
 class SharedPass:
     """The one :data:`~eogp_index.gradients.Transform` that feeds every method and reference.
 
     Per module it computes the half-whitened EK-FAC coordinates of the gradient once, sorted
     by decreasing corrected eigenvalue (``W``, ``(B, d_u)``: the first-stage coordinates for
     ``m = d_u``, so every first stage is a prefix of it), the dense gradient (TracIn) and the
-    raw-factor baselines; every method's per-module coordinates come from these.
+    factored projections; every method's per-module coordinates come from these, through its
+    family's hooks (:mod:`~eogp_index.evaluation.methods`).
 
-    Methods whose training coordinates need nothing fitted afterwards (``ekfac-topk``,
-    ``eogp-r``, ``gaussian``, the references) are scored batch by batch against the stored
-    query coordinates: run the queries first (:meth:`run` with ``side="query"``), then the
-    training documents. PCA and post-projection curvature need all training coordinates, so
-    those are kept and scored in :meth:`finish`.
+    Streamed families' training coordinates are scored batch by batch against the stored query
+    coordinates: run the queries first (:meth:`run` with ``side="query"``), then the training
+    documents. PCA and post-projection curvature need all training coordinates, so those are
+    kept and scored in :meth:`finish`.
     """
 
     def __init__(
@@ -410,7 +343,7 @@ class SharedPass:
         # Widest first-stage prefix the PCA methods need, per module.
         self.pca_width = {n: 0 for n in self.names}
         for cfg in self.configs:
-            if cfg.family in PCA_FAMILIES:
+            if cfg.spec.uses_pca:
                 for n, m in zip(self.names, cfg.m):
                     self.pca_width[n] = max(self.pca_width[n], m)
         self._build_projectors()
@@ -419,54 +352,39 @@ class SharedPass:
         self.train_parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
         self.fit_parts: Dict[str, List[torch.Tensor]] = {n: [] for n in self.names}
         self._bases: Dict[Tuple[str, int], torch.Tensor] = {}
-        self._held_out_bases: Dict[Tuple[str, int], torch.Tensor] = {}
-        #: ``auto`` configs: per config id and module, the held-out measurement and both codes'
-        #: scores ``(nq, n)`` (module ``u``'s share of the scores), for :func:`code_choices`.
+        #: The ``auto`` family's state (:class:`~eogp_index.evaluation.methods.Auto`): its held-out
+        #: fits per ``(module, m)``; per config id and module, the held-out measurement and both
+        #: codes' share ``(nq, n)`` of the scores.
+        self.held_out_bases: Dict[Tuple[str, int], Optional[torch.Tensor]] = {}
         self.choices: Dict[str, Dict[str, CodeChoice]] = {}
         self.module_scores: Dict[str, Dict[str, Dict[str, np.ndarray]]] = {}
         self.query: Dict[str, np.ndarray] = {}
         self.skipped: List[Dict[str, Any]] = []
         self.notes: List[str] = []
         self.stream_scores: Dict[str, List[np.ndarray]] = {}
+        self._streamed: Dict[str, np.ndarray] = {}
 
     # -- setup ------------------------------------------------------------------------------
     def _build_projectors(self) -> None:
         self.projectors: Dict[Tuple[str, int, str], Any] = {}
-        shapes = {n: c.shape for n, c in self.curvature.items()}
         for cfg in self.configs:
             for s in cfg.seeds:
                 for u, n in enumerate(self.names):
-                    d_out, d_in = shapes[n]
                     # Independent draws per (family, seed, module): LoGra (random) and the
                     # Gaussian control must not share factors.
-                    module_seed = 1_000_003 * s + 7919 * u + 104_729 * _FAMILY_SEED[cfg.family] + 17
-                    key = (cfg.id, s, n)
-                    if cfg.family == "eogp-r":
-                        gen = torch.Generator().manual_seed(module_seed)
-                        self.projectors[key] = make_srht(cfg.m[u], cfg.k[u], gen)
-                    elif cfg.family == "logra-random":
-                        self.projectors[key] = LoGraProjector(d_in, d_out, cfg.rank[u], init="random", seed=module_seed)
-                    elif cfg.family == "logra-pca":
-                        c = self.curvature[n]
-                        eva, evg = self._kfac_eigenvalues(n)
-                        self.projectors[key] = LoGraProjector(
-                            d_in, d_out, cfg.rank[u], init="pca",
-                            activation_eigenvectors=c.activation_eigenvectors,
-                            gradient_eigenvectors=c.gradient_eigenvectors,
-                            activation_eigenvalues=eva, gradient_eigenvalues=evg)
-                    elif cfg.family == "grass":
-                        self.projectors[key] = GraSSProjector(d_in, d_out, cfg.k[u], seed=module_seed)
-                    elif cfg.family == "gaussian":
-                        self.projectors[key] = GaussianProjector(d_in, d_out, cfg.rank[u], seed=module_seed)
+                    module_seed = 1_000_003 * s + 7919 * u + 104_729 * cfg.spec.seed_index + 17
+                    projector = cfg.spec.projector(self, cfg, u, n, module_seed)
+                    if projector is not None:
+                        self.projectors[(cfg.id, s, n)] = projector
 
     def _build_factor_banks(self) -> None:
-        """Concatenate every LoGra/Gaussian factor of a module, so that one matmul per side
+        """Concatenate every factored projector's factors of a module, so that one matmul per side
         projects ``a`` and ``g`` for all of them (the per-config products are then tiny)."""
         self.banks: Dict[str, Tuple[torch.Tensor, torch.Tensor, Dict[str, slice]]] = {}
         for n in self.names:
             p_a, p_g, slices, start = [], [], {}, 0
             for cfg in self.configs:
-                if cfg.family not in ("logra-random", "logra-pca", "gaussian"):
+                if not cfg.spec.factored:
                     continue
                 for s in cfg.seeds:
                     proj = self.projectors[(cfg.id, s, n)]
@@ -477,9 +395,11 @@ class SharedPass:
             if p_a:
                 self.banks[n] = (torch.cat(p_a, 1), torch.cat(p_g, 1), slices)
 
-    def _kfac_eigenvalues(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    def kfac_eigenvalues(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """kronfluence's K-FAC eigenvalues of module ``name``: ``(activation (d_in,), gradient (d_out,))``."""
         if self._kfac_values is None:
-            raise ConfigError("logra-pca needs the K-FAC eigenvalues (kfac_eigenvalues=...)")
+            raise ConfigError("logra-pca needs the K-FAC eigenvalues: pass SharedPass(kfac_eigenvalues=...) "
+                              "(compute_scores reads them from kronfluence's factors)")
         return self._kfac_values[name]
 
     def precondition(self, name: str, dense: torch.Tensor) -> torch.Tensor:
@@ -508,7 +428,6 @@ class SharedPass:
         if self.pca_width[name]:
             out["pca"] = w[:, : self.pca_width[name]].clone()
         u = self.names.index(name)
-        dense_query = None
         factored: Dict[str, torch.Tensor] = {}
         if name in self.banks:
             p_a, p_g, slices = self.banks[name]
@@ -516,27 +435,13 @@ class SharedPass:
             blocks = torch.bmm(pg.transpose(1, 2), pa)  # (B, Σ rank, Σ rank); config j is block (j, j)
             for key, sl in slices.items():
                 factored[key] = blocks[:, sl, sl].reshape(a.shape[0], -1)
+        batch = ModuleBatch(self, name, side, a, g, w, factored)
         for cfg in self.configs:
             for s in cfg.seeds:
                 key = f"{cfg.id}#{s}"
-                proj = self.projectors.get((cfg.id, s, name))
-                if cfg.family == "ekfac-topk":
-                    out[key] = w[:, : cfg.k[u]]
-                elif cfg.family == "eogp-r":
-                    signs, rows = proj
-                    out[key] = srht_apply(w[:, : cfg.m[u]], signs, rows)
-                elif cfg.family == "gaussian":
-                    if side == "query":
-                        if dense_query is None:
-                            dense_query = torch.einsum("bto,bti->boi", g, a)
-                            dense_query = self.precondition(name, dense_query)
-                        out[key] = proj.project_dense(dense_query) * proj.inner_product_scale
-                    else:
-                        out[key] = factored[key]  # = proj.project(a, g)
-                elif cfg.family in ("logra-random", "logra-pca"):
-                    out[key] = factored[key]  # = proj.project(a, g)
-                elif cfg.family == "grass":
-                    out[key] = proj.project(a, g)
+                coordinates = cfg.spec.coordinates(cfg, u, batch, self.projectors.get((cfg.id, s, name)), key)
+                if coordinates is not None:
+                    out[key] = coordinates
         return out
 
     # -- passes -----------------------------------------------------------------------------
@@ -574,14 +479,14 @@ class SharedPass:
             self.query = {key: np.concatenate([_stack(per[n]) for n in self.names if n in per], axis=1)
                           for key, per in parts.items()}
 
-    def _streamed(self, key: str) -> Optional[Tuple[str, Sequence[int]]]:
+    def _streamed_as(self, key: str) -> Optional[Tuple[str, Sequence[int]]]:
         """(precision, k) of a key scored batch by batch; None for keys kept for later."""
         if key.startswith("ref:"):
             return "fp32", ()
         if key == "pca":
             return None
         cfg = self._config(key)
-        if cfg.family in ("ekfac-topk", "eogp-r", "gaussian"):
+        if cfg.spec.streamed:
             return cfg.precision, cfg.k
         return None
 
@@ -595,7 +500,7 @@ class SharedPass:
     def _score_batch(self, outputs: Dict[str, Dict[str, torch.Tensor]]) -> None:
         keys = outputs[self.names[0]].keys()
         for key in keys:
-            streamed = self._streamed(key)
+            streamed = self._streamed_as(key)
             if streamed is None:
                 for n in self.names:
                     if key in outputs[n]:
@@ -621,8 +526,8 @@ class SharedPass:
         for Table 2); ``references`` maps ``"ekfac"``, ``"kfac"``, ``"tracin"`` to
         ``(n_queries, n_train)``.
         """
-        streamed = {key: np.concatenate(parts, axis=1) for key, parts in self.stream_scores.items()}
-        references = {key[4:]: value for key, value in streamed.items() if key.startswith("ref:")}
+        self._streamed = {key: np.concatenate(parts, axis=1) for key, parts in self.stream_scores.items()}
+        references = {key[4:]: value for key, value in self._streamed.items() if key.startswith("ref:")}
         scores: Dict[str, np.ndarray] = {}
         unquantized: Dict[str, np.ndarray] = {}
         kept = []
@@ -630,13 +535,7 @@ class SharedPass:
             per_seed, per_seed_unq = [], []
             try:
                 for s in cfg.seeds:
-                    key = f"{cfg.id}#{s}"
-                    if cfg.family in ("ekfac-topk", "eogp-r", "gaussian"):
-                        s1, s2 = streamed[key], streamed.get(key + "|fp16")
-                    elif cfg.family in PCA_FAMILIES:
-                        s1, s2 = self._score_pca(cfg)
-                    else:
-                        s1, s2 = self._score_projected_curvature(cfg, key)
+                    s1, s2 = cfg.spec.score(self, cfg, f"{cfg.id}#{s}")
                     per_seed.append(s1)
                     if s2 is not None:
                         per_seed_unq.append(s2)
@@ -650,12 +549,17 @@ class SharedPass:
         self.configs = kept
         return scores, unquantized, references
 
-    def _fit_coordinates(self, name: str) -> torch.Tensor:
+    def streamed_scores(self, key: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """A streamed config's scores and, for 1 bit, its FP16 scores at the same ``k``."""
+        return self._streamed[key], self._streamed.get(key + "|fp16")
+
+    def fit_coordinates(self, name: str) -> torch.Tensor:
+        """``(n_fit, pca_width)`` first-stage coordinates of the PCA fitting documents of module ``name``."""
         if self.fit_parts[name]:
             return torch.cat(self.fit_parts[name], dim=0)
         return torch.cat(self.train_parts["pca"][name], dim=0)
 
-    def _pca_basis(self, name: str, m: int, k: int) -> torch.Tensor:
+    def pca_basis(self, name: str, m: int, k: int) -> torch.Tensor:
         """Module ``name``'s top-``k`` PCA directions of its first ``m`` first-stage coordinates,
         ``(m, k)``, shared by every method that uses them (EOGP, EOGP-rot, FP16 at the same k).
 
@@ -669,55 +573,29 @@ class SharedPass:
             # Configs come budget by budget with the same m: a basis of another m is not asked for again.
             self._bases = {other: basis for other, basis in self._bases.items() if other[0] != name}
             u = self.names.index(name)
-            k_max = max(c.k[u] for c in self.configs if c.family in PCA_FAMILIES and c.m[u] == m)
+            k_max = max(c.k[u] for c in self.configs if c.spec.uses_pca and c.m[u] == m)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                self._bases[key] = fit_pca(self._fit_coordinates(name)[:, :m], max(k, k_max))
+                self._bases[key] = fit_pca(self.fit_coordinates(name)[:, :m], max(k, k_max))
             for w in caught:
                 self.notes.append(f"PCA of {name} at m={m}, fitted at k={max(k, k_max)} for every k: {w.message}")
         return self._bases[key][:, :k]
 
-    def _held_out_basis(self, name: str, m: int, k: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(P fitted without the held-out rows (m, k), held-out rows)`` of module ``name``'s
-        fitting documents, as the index's fit splits them (fitted once per ``(module, m)`` at the
-        largest ``k`` and sliced, as :meth:`_pca_basis`)."""
-        z = self._fit_coordinates(name)[:, :m]
-        held_out = held_out_rows(z.shape[0], HELD_OUT_FRACTION, seed)
-        key = (name, m)
-        if key not in self._held_out_bases:
-            self._held_out_bases = {other: b for other, b in self._held_out_bases.items() if other[0] != name}
-            u = self.names.index(name)
-            k_max = max(c.k[u] for c in self.configs if c.family == "auto" and c.m[u] == m)
-            self._held_out_bases[key] = held_out_directions(z, max(k, k_max), held_out) if held_out.numel() else None
-        basis = self._held_out_bases[key]
-        return (basis[:, :k] if basis is not None else None), held_out
+    def one_bit_share(self, query_first: torch.Tensor, train_first: torch.Tensor, basis: torch.Tensor) -> np.ndarray:
+        """One module's share ``(nq, n)`` of the 1-bit scores with ``P = basis`` ``(m, k)``."""
+        x = (train_first.double() @ basis.double()).float().numpy()
+        y = (query_first.double() @ basis.double()).numpy()
+        return y @ stored_coordinates(x, "1bit", (basis.shape[1],)).astype(np.float64).T
 
-    def _auto_choice(self, cfg: MethodConfig, name: str, m: int, k: int) -> CodeChoice:
-        """Module ``name``'s code at this config, chosen as the index's fit chooses it."""
-        seed = cfg.seeds[0]
-        basis, held_out = self._held_out_basis(name, m, k, seed)
-        if basis is None:
-            return CodeChoice("eogp", 0, {}, float("nan"), float("nan"), 0.0)
-        y = self._fit_coordinates(name)[held_out][:, :m].double() @ basis
-        return compare_codes(y, module_rotation(seed, name, k))
-
-    def _score_pca(self, cfg: MethodConfig) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    def score_pca(self, cfg: MethodConfig) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """Scores of a PCA family's config: each module's ``P`` is its family's
+        :meth:`~eogp_index.evaluation.methods.MethodFamily.directions` of the shared PCA basis."""
         xs, ys = [], []
         for u, n in enumerate(self.names):
             m, k = cfg.m[u], cfg.k[u]
-            basis = self._pca_basis(n, m, k)  # (m, k)
             train_first = torch.cat(self.train_parts["pca"][n], dim=0)[:, :m]
             query_first = torch.cat(self.query_parts["pca"][n], dim=0)[:, :m]
-            rotation = module_rotation(cfg.seeds[0], n, k)  # the index's own rotation of this module
-            if cfg.family == "auto":
-                choice = self._auto_choice(cfg, n, m, k)
-                self.choices.setdefault(cfg.id, {})[n] = choice
-                codes = {"eogp": basis, "eogp-rot": rotate_directions(basis, rotation)}
-                self.module_scores.setdefault(cfg.id, {})[n] = {
-                    code: _one_bit_scores(query_first, train_first, b, k) for code, b in codes.items()}
-                basis = codes[choice.code]
-            elif cfg.family == "eogp-rot":
-                basis = rotate_directions(basis, rotation)
+            basis = cfg.spec.directions(self, cfg, n, self.pca_basis(n, m, k), query_first, train_first)  # (m, k)
             xs.append((train_first.double() @ basis.double()).float().numpy())
             ys.append((query_first.double() @ basis.double()).numpy())
         x, y = np.concatenate(xs, axis=1), np.concatenate(ys, axis=1)
@@ -725,7 +603,8 @@ class SharedPass:
         unq = stored_coordinates(x, "fp16", cfg.k).astype(np.float64) if cfg.precision == "1bit" else None
         return y @ stored.T, (y @ unq.T if unq is not None else None)
 
-    def _score_projected_curvature(self, cfg: MethodConfig, key: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    def score_projected_curvature(self, cfg: MethodConfig, key: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """Scores ``q^T H^{-1} t`` with ``H`` fitted on the projected training coordinates (LoGra, GraSS)."""
         xs, ys = [], []
         for n in self.names:
             train = torch.cat(self.train_parts[key][n], dim=0)
@@ -928,7 +807,7 @@ def compute_scores(
     shapes = tuple(ModuleShape(n, *curvature[n].shape) for n in names)
     configs, skipped = plan_methods(shapes, budgets, methods, m=m, gaussian_seeds=gaussian_seeds, seed=seed)
     num_fit = len(pca_docs) if pca_docs is not None else len(train)
-    if any(c.family in PCA_FAMILIES and max(c.k) > num_fit for c in configs):
+    if any(c.spec.uses_pca and max(c.k) > num_fit for c in configs):
         say(f"PCA fitted on {num_fit} documents: a larger k is completed with leading EK-FAC axes, as the index does")
 
     t0 = time.perf_counter()
@@ -953,38 +832,7 @@ def compute_scores(
     return ScoreSet(train_ids=train.ids, query_ids=queries.ids, modules=shapes, configs=shared.configs,
                     skipped=skipped + shared.skipped, notes=shared.notes,
                     reference=reference, references=references, scores=scores, unquantized=unquantized,
-                    timings=timings, choices=code_choices(shared, reference))
-
-
-def code_choices(shared: SharedPass, reference: np.ndarray, *, ndcg_k: int = 20) -> List[Dict[str, Any]]:
-    """Per ``auto`` config and module: the held-out measurement that chose the module's code, and
-    what rotating that one module gains against the reference.
-
-    The gain of module ``u`` is the fidelity (query means of NDCG@``ndcg_k`` and Spearman against
-    ``reference``) of EOGP with only module ``u`` rotated, minus all-EOGP's, with the standard error
-    of the paired per-query differences: the reference's view of the choice the proxy
-    (``proxy_diff``: EOGP-rot minus EOGP in the held-out measurement) makes.
-    """
-    per_query = {f"ndcg@{ndcg_k}": lambda s: metrics.ndcg_at_k_per_query(s, reference, ndcg_k),
-                 "spearman": lambda s: metrics.spearman_per_query(s, reference)}
-    rows: List[Dict[str, Any]] = []
-    for cfg in shared.configs:
-        parts = shared.module_scores.get(cfg.id)
-        if not parts:
-            continue
-        eogp = sum(part["eogp"] for part in parts.values())
-        base = {metric: fn(eogp) for metric, fn in per_query.items()}
-        for name, part in parts.items():
-            swapped = eogp - part["eogp"] + part["eogp-rot"]
-            choice = shared.choices[cfg.id][name]
-            gain = {}
-            for metric, fn in per_query.items():
-                diff = np.asarray(fn(swapped), dtype=np.float64) - base[metric]
-                gain[metric], gain[f"{metric}_se"] = float(np.nanmean(diff)), _se(diff)
-            rows.append({"budget": cfg.budget, "k": cfg.k[shared.names.index(name)], "module": name,
-                         "code": choice.code, "held_out": choice.held_out, "proxy_diff": choice.diff,
-                         "proxy_diff_se": choice.diff_se, "proxy": choice.fidelity, "reference_gain": gain})
-    return rows
+                    timings=timings, choices=registry.Auto.code_choices(shared, reference))
 
 
 # --------------------------------------------------------------------------- fidelity metrics
@@ -1024,77 +872,10 @@ def fidelity_records(scoreset: ScoreSet, *, ndcg_k: int = 20) -> Tuple[List[Dict
             lines["spearman"][label] = metrics.mean_spearman(scoreset.references[key], ref)[0]
     details = {"per_config": per_config, "reference_lines": lines,
                "index_vs_kronfluence_rel_err": scoreset.reference_error(),
-               "skipped": scoreset.skipped,
-               "one_bit_gap": one_bit_gap(scoreset, ndcg_k=ndcg_k),
-               "auto_vs_best": auto_against_best(scoreset, ndcg_k=ndcg_k),
-               "auto_choice": scoreset.choices}
+               "skipped": scoreset.skipped}
+    for family in registry.families():
+        details.update(family.fidelity_details(scoreset, ndcg_k))
     return records, details
-
-
-def one_bit_gap(scoreset: ScoreSet, *, ndcg_k: int = 20, base: str = "eogp", variant: str = "eogp-rot",
-                ceiling: str = "eogp-fp16-same-k") -> List[Dict[str, Any]]:
-    """How much of the gap between 1-bit ``base`` and FP16 at the same ``k`` (``ceiling``) the
-    1-bit ``variant`` closes, per budget where all three ran (issue #12's measure).
-
-    Per budget and metric (``ndcg@k``, ``spearman``): the three query means with their standard
-    errors (``std / sqrt(n_queries)``), ``diff`` = variant - base with the standard error of the
-    paired per-query differences, and ``gap_closed`` = (variant - base) / (ceiling - base), None
-    when the ceiling is not above the base. First seed only (these methods have one).
-    """
-    rows: List[Dict[str, Any]] = []
-    ref = scoreset.reference
-    per_query = {f"ndcg@{ndcg_k}": lambda s: metrics.ndcg_at_k_per_query(s, ref, ndcg_k),
-                 "spearman": lambda s: metrics.spearman_per_query(s, ref)}
-    for budget in sorted({c.budget for c in scoreset.configs}):
-        cfgs = [scoreset.config(method, budget) for method in (base, variant, ceiling)]
-        if any(c is None for c in cfgs):
-            continue
-        row: Dict[str, Any] = {"budget": budget, "k": list(cfgs[0].k), "m": list(cfgs[0].m or ())}
-        for metric, fn in per_query.items():
-            b, v, c = (np.asarray(fn(scoreset.scores[cfg.id][0]), dtype=np.float64) for cfg in cfgs)
-            means = [float(np.nanmean(x)) for x in (b, v, c)]
-            diff = v - b
-            gap = means[2] - means[0]
-            row[metric] = {"base": means[0], "variant": means[1], "ceiling": means[2],
-                           "se": [_se(x) for x in (b, v, c)], "diff": float(np.nanmean(diff)), "diff_se": _se(diff),
-                           "gap_closed": (means[1] - means[0]) / gap if gap > 0 else None}
-        rows.append(row)
-    return rows
-
-
-def auto_against_best(scoreset: ScoreSet, *, ndcg_k: int = 20) -> List[Dict[str, Any]]:
-    """Per budget where ``eogp``, ``eogp-rot`` and ``auto`` all ran, and per metric: the three query
-    means, the better fixed code (``best``), ``diff`` = auto - best with the standard error of the
-    paired per-query differences, and ``never_worse`` = ``diff >= -diff_se``. First seed only."""
-    ref = scoreset.reference
-    per_query = {f"ndcg@{ndcg_k}": lambda s: metrics.ndcg_at_k_per_query(s, ref, ndcg_k),
-                 "spearman": lambda s: metrics.spearman_per_query(s, ref)}
-    rows: List[Dict[str, Any]] = []
-    for budget in sorted({c.budget for c in scoreset.configs}):
-        cfgs = {method: scoreset.config(method, budget) for method in ("eogp", "eogp-rot", "auto")}
-        if any(c is None for c in cfgs.values()):
-            continue
-        row: Dict[str, Any] = {"budget": budget, "k": list(cfgs["auto"].k)}
-        for metric, fn in per_query.items():
-            values = {method: np.asarray(fn(scoreset.scores[cfg.id][0]), dtype=np.float64)
-                      for method, cfg in cfgs.items()}
-            means = {method: float(np.nanmean(v)) for method, v in values.items()}
-            best = "eogp-rot" if means["eogp-rot"] > means["eogp"] else "eogp"
-            diff = values["auto"] - values[best]
-            entry = {**means, "best": best, "diff": float(np.nanmean(diff)), "diff_se": _se(diff)}
-            entry["never_worse"] = bool(entry["diff"] >= -entry["diff_se"]) if math.isfinite(entry["diff_se"]) \
-                else bool(entry["diff"] >= 0)
-            row[metric] = entry
-        rows.append(row)
-    return rows
-
-
-def _se(values: np.ndarray) -> float:
-    """Standard error of the mean of the finite entries."""
-    finite = values[np.isfinite(values)]
-    return float(finite.std(ddof=1) / math.sqrt(finite.size)) if finite.size > 1 else float("nan")
-
-
 
 
 def _record(cfg: MethodConfig, metric: str, value: float, ci: Optional[Tuple[float, float]] = None) -> Dict[str, Any]:

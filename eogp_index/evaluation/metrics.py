@@ -37,6 +37,7 @@ __all__ = [
     "pearson",
     "spearman",
     "spearman_per_query",
+    "standard_error",
 ]
 
 
@@ -317,3 +318,9 @@ def nanmean(values) -> float:
     arr = np.asarray(values, dtype=np.float64)
     arr = arr[~np.isnan(arr)]
     return float(arr.mean()) if arr.size else float("nan")
+
+
+def standard_error(values: np.ndarray) -> float:
+    """Standard error of the mean of the finite entries (``std / sqrt(n)``); NaN below two."""
+    finite = values[np.isfinite(values)]
+    return float(finite.std(ddof=1) / np.sqrt(finite.size)) if finite.size > 1 else float("nan")

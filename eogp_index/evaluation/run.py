@@ -34,13 +34,13 @@ import numpy as np
 
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.evaluation import report, tinylm
+from eogp_index.evaluation import methods as registry
 from eogp_index.evaluation.config import DataConfig, FidelityConfig, LDSConfig  # re-exported: defined torch-free
 from eogp_index.evaluation.fidelity import (
     Documents,
     ScoreSet,
     compute_scores,
     fidelity_records,
-    method_label,
 )
 
 __all__ = [
@@ -353,7 +353,7 @@ def details_markdown(details: Dict[str, Any]) -> str:
         lines += ["", "Notes from the fits:", ""] + [f"- {note}" for note in setup["notes"]]
     if setup["skipped"]:
         lines += ["", "Not run (the curve ends there):", ""]
-        lines += [f"- {method_label(s['method'])} at {s['budget']} B: {s['reason']}" for s in setup["skipped"]]
+        lines += [f"- {registry.label(s['method'])} at {s['budget']} B: {s['reason']}" for s in setup["skipped"]]
     gap = (details.get("fidelity") or {}).get("one_bit_gap")
     if gap:
         lines += ["", "## 1-bit codes against FP16 at the same k", "",
@@ -417,7 +417,7 @@ def _auto_markdown(fidelity: Dict[str, Any]) -> List[str]:
     choices = fidelity.get("auto_choice")
     if choices:
         metric = next(key for key in choices[0]["reference_gain"] if key.startswith("ndcg@"))
-        rotated = sum(1 for c in choices if c["code"] == "eogp-rot")
+        rotated = sum(1 for c in choices if c["code"] == registry.Auto.ROTATED)
         lines += ["", "## EOGP auto: the choice per module", "",
                   f"{rotated} of {len(choices)} (budget, module) pairs chose EOGP-rot. Proxy: EOGP-rot − EOGP "
                   "on the held-out fitting documents (mean of NDCG@20 and Spearman against FP16, paired per "
