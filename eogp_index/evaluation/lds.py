@@ -63,8 +63,8 @@ def _base_model(base):
 
     try:
         model = tinylm._load_model(base)
-    except (OSError, TypeError) as exc:
-        raise ConfigError(f"cannot load the base model to retrain from: {exc}") from exc
+    except (OSError, TypeError) as exc:  # unreadable weights; a missing directory is already a ConfigError
+        raise ConfigError(f"cannot load the base model to retrain from: {exc}; check --base") from exc
     return model, model_sha256(model)
 
 

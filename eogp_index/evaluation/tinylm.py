@@ -38,6 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from eogp_index.errors import ConfigError, InputError, ModelError
+
 # Defined torch-free (the command line reads them), re-exported here where they are used.
 from eogp_index.evaluation.config import FinetuneRecipe, PretrainRecipe, default_root
 
@@ -146,10 +148,12 @@ def tokenize_documents(texts: Sequence[str], tokenizer, max_tokens: int = 128) -
     Every returned document has between 1 and ``max_tokens`` tokens and ends with eos.
     """
     if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        raise ConfigError(f"max_tokens must be at least 1, got {max_tokens}; pass a positive --max-tokens")
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError("the tokenizer has no eos token")
+        raise ModelError(f"the tokenizer ({type(tokenizer).__name__}) has no eos token, which ends every document "
+                         "as in fine-tuning; use a model directory whose tokenizer sets eos_token (e.g. "
+                         "'<|endoftext|>' in its special_tokens_map.json), or give documents as input_ids records")
     out = []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
@@ -194,9 +198,12 @@ def _token_losses(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Te
 def _check_documents(documents: Sequence[Sequence[int]], vocab_size: int | None = None) -> None:
     for i, doc in enumerate(documents):
         if len(doc) == 0:
-            raise ValueError(f"document {i} is empty; every document needs at least one token")
+            raise InputError(f"document {i} is empty; every document needs at least one token (drop it, or "
+                             "tokenize with tokenize_documents, which ends each with eos)")
         if vocab_size is not None and (min(doc) < 0 or max(doc) >= vocab_size):
-            raise ValueError(f"document {i} has token ids outside [0, {vocab_size})")
+            raise InputError(f"document {i} has token ids outside the model's vocabulary [0, {vocab_size}): it was "
+                             "tokenized for another model; retrain from a base model (--base) that shares the "
+                             "attributed model's tokenizer")
 
 
 def _pad_id(model) -> int:
@@ -243,11 +250,12 @@ def _load_model(base_dir_or_model):
     if isinstance(base_dir_or_model, (str, os.PathLike)):
         path = Path(base_dir_or_model)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
+            raise ConfigError(f"{path}: not a model directory (no config.json); pass the directory that "
+                              "save_pretrained wrote (for LDS: --base)")
         return GPT2LMHeadModel.from_pretrained(str(path), local_files_only=True).float()
     if isinstance(base_dir_or_model, torch.nn.Module):
         return copy.deepcopy(base_dir_or_model)
-    raise TypeError(f"expected a model directory or a torch module, got {type(base_dir_or_model).__name__}")
+    raise ConfigError(f"expected a model directory or a GPT2LMHeadModel, got {type(base_dir_or_model).__name__}")
 
 
 def _adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -326,7 +334,8 @@ def pack_blocks(documents: Sequence[Sequence[int]], block_size: int) -> torch.Te
     flat = [t for d in documents for t in d]
     n_blocks = len(flat) // block_size
     if n_blocks == 0:
-        raise ValueError(f"{len(flat)} tokens do not fill one block of {block_size}")
+        raise InputError(f"{len(flat)} tokens do not fill one block of {block_size}; give more pretraining "
+                         "documents or a smaller PretrainRecipe.block_size")
     return torch.as_tensor(flat[: n_blocks * block_size], dtype=torch.long).view(n_blocks, block_size)
 
 
@@ -398,9 +407,8 @@ def _pretrain_loop(model, blocks: torch.Tensor, recipe: PretrainRecipe, log, log
 def _resolve_root(root: str | os.PathLike | None) -> Path:
     path = Path(root) if root is not None else default_root()
     if not path.is_dir():
-        raise FileNotFoundError(
-            f"{path}: the default example is missing; regenerate it with `python examples/make_default.py`"
-        )
+        raise ConfigError(f"{path}: the default example is missing; regenerate it with "
+                          "`python examples/make_default.py`, or pass the directory that holds it")
     return path
 
 
@@ -414,10 +422,10 @@ def load_default(root: str | os.PathLike | None = None, *, which: str = "model")
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
     if which not in ("model", "base"):
-        raise ValueError(f"which must be 'model' or 'base', got {which!r}")
+        raise ConfigError(f"which must be 'model' or 'base', got {which!r}")
     path = _resolve_root(root) / which
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json; regenerate with `python examples/make_default.py`")
+        raise ConfigError(f"{path}: no config.json; regenerate it with `python examples/make_default.py`")
     model = GPT2LMHeadModel.from_pretrained(str(path), local_files_only=True).float()
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return model.eval(), tokenizer
@@ -441,5 +449,5 @@ def load_default_corpus(split: str, root: str | os.PathLike | None = None) -> li
         "chat": base / "corpus" / "chat.jsonl",
     }
     if split not in files:
-        raise ValueError(f"split must be one of {sorted(files)}, got {split!r}")
+        raise ConfigError(f"split must be one of {sorted(files)}, got {split!r}")
     return read_jsonl(files[split])

@@ -1,15 +1,18 @@
-"""The registry of evaluation methods: what the command line offers is what is registered, and an
-unknown name is refused cleanly."""
+"""The registry of evaluation methods: what the command line offers is what is registered, an
+unknown name is refused cleanly, and evaluation errors reach the user as one line."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 from click.testing import CliRunner
+from transformers import GPT2LMHeadModel
 
-from eogp_index.errors import ConfigError
+from eogp_index.errors import ConfigError, InputError
 from eogp_index.evaluation import methods as registry
+from eogp_index.evaluation import tinylm
 from eogp_index.evaluation.cli import eval_group
 from eogp_index.evaluation.fidelity import ModuleShape, plan_methods
 
@@ -55,3 +58,27 @@ def test_unknown_method_is_refused_with_the_choices_and_no_traceback(tmp_path):
     assert all(name in message for name in registry.METHODS)
     with pytest.raises(ConfigError, match="bogus"):
         registry.variant("bogus")
+
+
+def test_tinylm_refuses_foreign_token_ids_with_an_eogp_error():
+    model = GPT2LMHeadModel(tinylm.default_config(32, n_positions=16, n_embd=8, n_layer=1, n_head=1, n_inner=16))
+    with pytest.raises(InputError, match=r"outside the model's vocabulary \[0, 32\).*--base"):
+        tinylm.finetune(model, [[1, 2, 40]], tinylm.FinetuneRecipe(epochs=1))
+    with pytest.raises(ConfigError, match="not a model directory"):
+        tinylm.finetune("/nonexistent-model-dir", [[1, 2]])
+
+
+def test_cli_reports_a_tokenizer_without_eos_in_one_line(tmp_path):
+    texts = [f"Return the {w} of the list." for w in ("sum", "length", "first item", "maximum", "copy", "mean")]
+    tok = tinylm.train_tokenizer(texts, vocab_size=300)
+    tok.eos_token = None
+    model = GPT2LMHeadModel(tinylm.default_config(len(tok), n_positions=16, n_embd=8, n_layer=1, n_head=1, n_inner=16))
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    result = CliRunner().invoke(eval_group, ["fidelity", "--model", str(tmp_path / "model"), "--train", str(docs),
+                                             "--queries", str(docs), "--out", str(tmp_path / "eval"), "--quiet"])
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output
+    assert "no eos token" in result.output and "eos_token" in result.output
