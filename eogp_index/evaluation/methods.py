@@ -42,6 +42,7 @@ __all__ = [
     "MethodFamily",
     "Variant",
     "check_methods",
+    "colours",
     "families",
     "family_of",
     "label",
@@ -59,6 +60,7 @@ class Variant:
         precision: how its coordinates are stored: ``"1bit"``, ``"fp16"`` or ``"fp32"``.
         order: its place in listings (``--help``, :data:`METHODS`, :data:`DEFAULT_METHODS`, and
             so the rows of a default run's tables).
+        colour: its line in every plot (a matplotlib colour), whichever methods a run compares.
         default: run when ``--methods`` is not given.
         sized_as: the precision whose bytes set ``k``, when not its own (FP16 at the ``k`` of
             1-bit at the same nominal budget).
@@ -68,6 +70,7 @@ class Variant:
     label: str
     precision: str
     order: int
+    colour: str
     default: bool = False
     sized_as: Optional[str] = None
 
@@ -222,10 +225,11 @@ class EOGP(MethodFamily, family="eogp", seed_index=0):
     PCA directions of the fitting documents' first-stage coordinates."""
 
     variants = (
-        Variant("eogp", "EOGP", "1bit", order=0, default=True),
-        Variant("eogp-fp16-same-k", "EOGP (FP16, same k)", "fp16", order=3, default=True, sized_as="1bit"),
-        Variant("eogp-fp16", "EOGP (FP16)", "fp16", order=4, default=True),
-        Variant("eogp-fp32", "EOGP (FP32)", "fp32", order=11),
+        Variant("eogp", "EOGP", "1bit", order=0, colour="tab:blue", default=True),
+        Variant("eogp-fp16-same-k", "EOGP (FP16, same k)", "fp16", order=3, colour="tab:green", default=True,
+                sized_as="1bit"),
+        Variant("eogp-fp16", "EOGP (FP16)", "fp16", order=4, colour="tab:red", default=True),
+        Variant("eogp-fp32", "EOGP (FP32)", "fp32", order=11, colour="midnightblue"),
     )
     uses_pca = True
 
@@ -237,7 +241,7 @@ class EOGPRot(EOGP, family="eogp-rot", seed_index=7):
     """EOGP with each module's ``k`` PCA coordinates rotated by the index's randomized Hadamard
     transform before the signs, folded into ``P`` (the index's variant ``eogp-rot``)."""
 
-    variants = (Variant("eogp-rot", "EOGP-rot", "1bit", order=1, default=True),)
+    variants = (Variant("eogp-rot", "EOGP-rot", "1bit", order=1, colour="tab:orange", default=True),)
 
     def directions(self, shared, cfg, name, basis, query_first, train_first):
         from eogp_index.fit.projection import module_rotation, rotate_directions
@@ -295,7 +299,7 @@ class Auto(EOGP, family="auto", seed_index=8):
     scores, for :meth:`code_choices`).
     """
 
-    variants = (Variant("auto", "EOGP auto (per module)", "1bit", order=2),)
+    variants = (Variant("auto", "EOGP auto (per module)", "1bit", order=2, colour="goldenrod"),)
     #: The codes a module can store: the index's own names for them.
     PLAIN, ROTATED = "eogp", "eogp-rot"
 
@@ -409,7 +413,7 @@ class Auto(EOGP, family="auto", seed_index=8):
 class EOGPR(MethodFamily, family="eogp-r", seed_index=1):
     """EOGP-R: the same first stage, then a subsampled randomized Hadamard transform (SRHT)."""
 
-    variants = (Variant("eogp-r", "EOGP-R", "1bit", order=5, default=True),)
+    variants = (Variant("eogp-r", "EOGP-R", "1bit", order=5, colour="tab:purple", default=True),)
     streamed = True
 
     def dimensions(self, k, modules, *, m, gaussian_seeds, seed):
@@ -433,8 +437,8 @@ class EKFACTopK(MethodFamily, family="ekfac-topk", seed_index=2):
     """The ablation: the top ``k_u`` half-whitened EK-FAC axes, no PCA (at ``k = d`` in FP32: EK-FAC)."""
 
     variants = (
-        Variant("ekfac-topk", "EK-FAC top-k (1-bit)", "1bit", order=6, default=True),
-        Variant("ekfac-topk-fp32", "EK-FAC top-k (FP32)", "fp32", order=12),
+        Variant("ekfac-topk", "EK-FAC top-k (1-bit)", "1bit", order=6, colour="tab:brown", default=True),
+        Variant("ekfac-topk-fp32", "EK-FAC top-k (FP32)", "fp32", order=12, colour="teal"),
     )
     streamed = True
 
@@ -450,8 +454,8 @@ class LoGraRandom(MethodFamily, family="logra-random", seed_index=3):
     curvature fitted after projection (``q^T H^{-1} t``)."""
 
     variants = (
-        Variant("logra-random", "LoGra (random)", "fp16", order=7, default=True),
-        Variant("logra-random-1bit", "LoGra (random, 1-bit)", "1bit", order=13),
+        Variant("logra-random", "LoGra (random)", "fp16", order=7, colour="tab:pink", default=True),
+        Variant("logra-random-1bit", "LoGra (random, 1-bit)", "1bit", order=13, colour="salmon"),
     )
     factored = True
 
@@ -472,8 +476,8 @@ class LoGraPCA(LoGraRandom, family="logra-pca", seed_index=4):
     """LoGra with factors initialized from the K-FAC eigenvectors of largest eigenvalue."""
 
     variants = (
-        Variant("logra-pca", "LoGra (PCA)", "fp16", order=8, default=True),
-        Variant("logra-pca-1bit", "LoGra (PCA, 1-bit)", "1bit", order=14),
+        Variant("logra-pca", "LoGra (PCA)", "fp16", order=8, colour="tab:gray", default=True),
+        Variant("logra-pca-1bit", "LoGra (PCA, 1-bit)", "1bit", order=14, colour="slategray"),
     )
 
     def projector(self, shared, cfg, u, name, seed):
@@ -493,8 +497,8 @@ class GraSS(MethodFamily, family="grass", seed_index=5):
     with the curvature fitted after projection, as LoGra."""
 
     variants = (
-        Variant("grass", "GraSS", "fp16", order=9, default=True),
-        Variant("grass-1bit", "GraSS (1-bit)", "1bit", order=15),
+        Variant("grass", "GraSS", "fp16", order=9, colour="tab:olive", default=True),
+        Variant("grass-1bit", "GraSS (1-bit)", "1bit", order=15, colour="yellowgreen"),
     )
 
     def projector(self, shared, cfg, u, name, seed):
@@ -512,7 +516,7 @@ class Gaussian(MethodFamily, family="gaussian", seed_index=6):
     damped EK-FAC inverse before projection, inner products scaled by ``rank**-2``; averaged over
     ``gaussian_seeds`` draws."""
 
-    variants = (Variant("gaussian", "Gaussian", "fp16", order=10, default=True),)
+    variants = (Variant("gaussian", "Gaussian", "fp16", order=10, colour="tab:cyan", default=True),)
     factored = True
     streamed = True
 
@@ -555,6 +559,11 @@ def label(name: str) -> str:
     """Display name of a method (``"eogp-fp16"`` → ``"EOGP (FP16)"``); the name itself when unknown."""
     entry = _VARIANTS.get(name)
     return entry[0].label if entry else name
+
+
+def colours() -> Dict[str, str]:
+    """``{label: colour}`` of every method, for :func:`~eogp_index.evaluation.report.write_report`."""
+    return {v.label: v.colour for v, _ in _VARIANTS.values()}
 
 
 def check_methods(names: Iterable[str], where: str = "methods") -> None:

@@ -173,12 +173,14 @@ def plot_metric_vs_bytes(
     *,
     reference_lines: Mapping[str, float] | None = None,
     title: str | None = None,
+    colours: Mapping[str, str] | None = None,
 ) -> Path:
     """Plot ``metric`` against per-example storage, one line per method; write a PNG.
 
     records: dicts or ResultRecords (other metrics are ignored; records without a value
     are skipped). reference_lines: ``{name: value}`` drawn as dashed horizontal lines
-    (uncompressed references such as EK-FAC, K-FAC, TracIn). Returns the PNG path.
+    (uncompressed references such as EK-FAC, K-FAC, TracIn). colours: ``{method: colour}``;
+    a method not in it takes the colour cycle's entry for its position. Returns the PNG path.
     """
     recs = [r for r in _coerce_all(records) if r.metric == metric and math.isfinite(r.value)]
     if not recs:
@@ -194,7 +196,7 @@ def plot_metric_vs_bytes(
     methods = list(dict.fromkeys(r.method for r in recs))
     for i, method in enumerate(methods):
         points = sorted((r for r in recs if r.method == method), key=lambda r: r.bytes_per_example)
-        color = colors[i % len(colors)]
+        color = (colours or {}).get(method, colors[i % len(colors)])
         xs = [r.bytes_per_example for r in points]
         ax.plot(xs, [r.value for r in points], marker=_MARKERS[i % len(_MARKERS)], color=color,
                 linewidth=1.6, markersize=5.5, label=method)
@@ -293,11 +295,13 @@ def _references_by_metric(reference_lines, metrics: Sequence[str]) -> dict[str, 
     return {m: flat for m in metrics}
 
 
-def write_report(records: Sequence, out_dir: str | Path, *, reference_lines=None) -> dict[str, Path]:
+def write_report(records: Sequence, out_dir: str | Path, *, reference_lines=None,
+                 colours: Mapping[str, str] | None = None) -> dict[str, Path]:
     """Write ``results.json``, one ``<metric>.png`` per metric present and ``results.md``.
 
     reference_lines: ``{name: value}`` drawn on every plot, or ``{metric: {name: value}}``
     per metric (an uncompressed LDS reference makes no sense on a fidelity plot).
+    colours: ``{method: colour}`` of the lines (:func:`plot_metric_vs_bytes`).
     Returns ``{"json": ..., "markdown": ..., <metric>: png path, ...}``.
     """
     recs = _coerce_all(records)
@@ -326,7 +330,8 @@ def write_report(records: Sequence, out_dir: str | Path, *, reference_lines=None
             raise InputError(f"metrics {m!r} and {[k for k, v in stems.items() if v == stem][0]!r} map to the same file name")
         stems[m] = stem
         if any(r.metric == m and math.isfinite(r.value) for r in recs):
-            paths[m] = plot_metric_vs_bytes(recs, m, out_dir / f"{stem}.png", reference_lines=refs[m])
+            paths[m] = plot_metric_vs_bytes(recs, m, out_dir / f"{stem}.png", reference_lines=refs[m],
+                                            colours=colours)
 
     md = ["# Evaluation results", "", markdown_table(recs, metrics)]
     with_refs = [m for m in metrics if refs[m]]

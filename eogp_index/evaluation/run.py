@@ -236,7 +236,7 @@ def _run(data: DataConfig, cfg: FidelityConfig, lds_cfg: Optional[LDSConfig], ou
         lines["lds"] = lds_details["reference_lines"]
     present = {r["metric"] for r in records}
     lines = {m: v for m, v in lines.items() if m in present and v}
-    paths = report.write_report(records, out, reference_lines=lines)
+    paths = report.write_report(records, out, reference_lines=lines, colours=registry.colours())
     if lds_cfg is not None and lds_cfg.counterfactual and "counterfactual" in details["lds"]:
         paths["counterfactual"] = _plot_counterfactual(details["lds"]["counterfactual"], out / "counterfactual.png")
     details.setdefault("timings_s", {})["total"] = time.perf_counter() - t_start

@@ -30,6 +30,8 @@ def test_every_method_the_cli_offers_is_registered_once():
     assert choices == list(registry.METHODS) and len(set(choices)) == len(choices)
     labels = [registry.label(name) for name in choices]
     assert len(set(labels)) == len(labels) and all(label != name for label, name in zip(labels, choices))
+    colours = registry.colours()
+    assert set(colours) == set(labels) and len(set(colours.values())) == len(labels)  # one line each in a plot
     families = registry.families()
     assert len({f.seed_index for f in families}) == len(families)
     assert {registry.family_of(name).family for name in choices} == {f.family for f in families}
@@ -45,7 +47,7 @@ def test_a_family_cannot_take_a_registered_name():
     before = registry.families()
     with pytest.raises(ConfigError, match="'eogp'.*already registered"):
         class Copy(registry.MethodFamily, family="copy-of-eogp", seed_index=99):
-            variants = (registry.Variant("eogp", "Copy", "1bit", order=99),)
+            variants = (registry.Variant("eogp", "Copy", "1bit", order=99, colour="black"),)
     assert registry.families() == before and registry.label("eogp") == "EOGP"
 
 

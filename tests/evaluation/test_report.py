@@ -48,6 +48,21 @@ def test_plot_writes_valid_png(tmp_path):
     _assert_png(out)
 
 
+def _pixels_of(path, rgb) -> int:
+    from matplotlib.image import imread
+    import numpy as np
+
+    return int(np.all(np.abs(imread(path)[..., :3] - np.asarray(rgb)) < 0.02, axis=-1).sum())
+
+
+def test_plot_draws_each_method_in_its_given_colour(tmp_path):
+    given = plot_metric_vs_bytes(_records(), "ndcg@20", tmp_path / "given.png", colours={"LoGra (PCA)": "#ff00ff"})
+    cycled = plot_metric_vs_bytes(_records(), "ndcg@20", tmp_path / "cycled.png")
+    assert _pixels_of(given, (1, 0, 1)) > 100 and _pixels_of(cycled, (1, 0, 1)) == 0
+    blue = (0x1F / 255, 0x77 / 255, 0xB4 / 255)  # EOGP, not in colours: the cycle's first colour
+    assert _pixels_of(given, blue) > 100
+
+
 def test_plot_unknown_metric_raises(tmp_path):
     with pytest.raises(InputError):
         plot_metric_vs_bytes(_records(), "nope", tmp_path / "x.png")
