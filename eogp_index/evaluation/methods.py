@@ -319,7 +319,7 @@ class Auto(EOGP, family="auto", seed_index=8):
 
         The one call into the fit-side measurement. Its held-out ``P`` is fitted once per
         ``(module, m)`` at the largest ``k`` any ``auto`` config asks, and sliced (PCA directions
-        are nested), as :meth:`SharedPass.pca_basis` does for the stored ``P``.
+        are nested), as :meth:`~eogp_index.evaluation.fidelity.SharedPass.pca_basis` does for the stored ``P``.
         """
         from eogp_index.config import HELD_OUT_FRACTION
         from eogp_index.fit.projection import (CodeChoice, compare_codes, held_out_directions, held_out_rows,
