@@ -63,7 +63,9 @@ def test_faiss_candidates_and_scalar_index(workspace):
     assert _run("index-column", root / "idx", "kind", "--kind", "BITMAP").exit_code == 0
     built = _run("build-faiss", root / "idx", "--json")
     assert built.exit_code == 0, built.output
-    default_replicas = __import__("eogp_index.search.candidates").search.candidates.FaissConfig().replicas
+    from eogp_index.search.first_pass import FlatConfig
+
+    default_replicas = FlatConfig().replicas
     assert json.loads(built.stdout)["rows"] == 30 and json.loads(built.stdout)["replicas"] == default_replicas
     assert f"default {default_replicas};" in " ".join(_run("build-faiss", "--help").output.split())
     exact = json.loads(_run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--json").stdout)
