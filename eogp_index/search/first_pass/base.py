@@ -319,7 +319,8 @@ class FirstPass(ABC):
         if unknown:
             raise ConfigError(f"{unknown} are not search parameters of a first pass; they are {sorted(known)}")
         own = self.Config.search_params()
-        self.config = dataclasses.replace(self.config, **{p: v for p, v in params.items() if p in own and v is not None})
+        changes = {p: v for p, v in params.items() if p in own and v is not None}
+        self.config = dataclasses.replace(self.config, **changes)
 
     @abstractmethod
     def top_k(self, stored, y, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None

@@ -184,8 +184,10 @@ class FaissFirstPass(FirstPass):
             raise InputError(f"{stored.path}: no rows stored yet; ingest examples before building a first pass")
         # Train on a uniform sample (random access by offset), not the first rows: tables are
         # usually ordered by shard, and the first shard is no sample of the corpus.
-        faiss_index, params = cls._new_index(
-            config, nbytes, n, lambda offsets: np.concatenate([s for _, s in _stream(dataset, nbytes, offsets=offsets)]))
+        def sample(offsets: np.ndarray) -> np.ndarray:
+            return np.concatenate([signs for _, signs in _stream(dataset, nbytes, offsets=offsets)])
+
+        faiss_index, params = cls._new_index(config, nbytes, n, sample)
         meta = {**cls.provenance(stored, name), "replicas": int(config.replicas), "params": params,
                 "d_bits": int(config.replicas) * nbytes * 8, "key": KEY_SCHEME,
                 "table_version": int(dataset.version), "rows": 0, "faiss_version": getattr(faiss, "__version__", "?")}
@@ -459,8 +461,8 @@ class FaissFirstPass(FirstPass):
             rows = matching  # the filter leaves no more rows than candidates: rescore them all
         else:
             y1 = np.asarray(y, np.float32).reshape(1, -1)
-            positions = [self.search_with_distances(self.query_codes(y1 if side == "positive" else -y1, layout), C)[1][0]
-                         for side in sides]
+            codes = {side: self.query_codes(y1 if side == "positive" else -y1, layout) for side in sides}
+            positions = [self.search_with_distances(codes[side], C)[1][0] for side in sides]
             addr = self.rowaddr_of(stored, np.concatenate(positions))
             addr = np.unique(addr[addr != MISSING_ROW])
             rows = hot.positions(addr)  # sorted: the hot copy is in row-address order
