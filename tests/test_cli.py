@@ -84,6 +84,24 @@ def test_faiss_candidates_and_scalar_index(workspace):
     assert _run("build-faiss", root / "idx", "--replicas", "0").exit_code != 0
 
 
+def test_build_candidates_builds_every_kind_and_refuses_options_of_another(workspace):
+    root, _, _ = workspace
+    from eogp_index.search.first_pass import kinds
+
+    for kind in kinds():
+        built = _run("build-candidates", root / "idx", "--kind", kind, "--name", f"cli-{kind}", "--json")
+        assert built.exit_code == 0, built.output
+        report = json.loads(built.stdout)
+        assert report["kind"] == kind and report["rows"] == report["added"] == 30
+    assert f"[{'|'.join(kinds())}]" in _run("build-candidates", "--help").output
+    extended = _run("build-candidates", root / "idx", "--name", "cli-clustered", "--extend", "--json")
+    assert extended.exit_code == 0 and json.loads(extended.stdout)["added"] == 0
+    foreign = _run("build-candidates", root / "idx", "--kind", "clustered", "--replicas", "2")
+    assert foreign.exit_code != 0 and "no parameter replicas" in foreign.output
+    unknown = _run("build-candidates", root / "idx", "--kind", "lsh")
+    assert unknown.exit_code != 0 and "not a first-pass kind" in unknown.output
+
+
 def test_user_errors_exit_nonzero_with_a_message(workspace, tmp_path):
     root, _, _ = workspace
     bad = _run("query", root / "idx", "--text", "t1 t2", "--where", "nosuchcolumn = 1")
