@@ -239,10 +239,13 @@ class FirstPass(ABC):
             raise IncompatibleIndexError(f"{meta_path} is not JSON ({exc}); rebuild it with "
                                          f"`{BUILD_COMMAND} {index_dir} --name {name}`") from exc
         found = _KINDS.get(meta.get("kind"))
-        if found is None or not issubclass(found, cls):
+        if found is None:
             raise IncompatibleIndexError(
-                f"{meta_path}: a first pass of kind {meta.get('kind')!r}, which this eogp-index does not open "
-                f"here (kinds: {list(_KINDS)}); rebuild it with `{BUILD_COMMAND} {index_dir} --name {name}`")
+                f"{meta_path}: a first pass of kind {meta.get('kind')!r}, which this eogp-index does not know "
+                f"(kinds: {list(_KINDS)}); rebuild it with `{BUILD_COMMAND} {index_dir} --name {name}`")
+        if not issubclass(found, cls):
+            raise IncompatibleIndexError(f"{meta_path} is a {found.kind!r} first pass, not a {cls.__name__}; open it "
+                                         "with eogp_index.search.first_pass.load, which opens every kind")
         if meta.get("format") != found.FORMAT or meta.get("format_version") != found.FORMAT_VERSION:
             why = found.OLD_FORMATS.get(meta.get("format_version"))
             raise IncompatibleIndexError(

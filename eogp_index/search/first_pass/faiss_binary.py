@@ -182,9 +182,9 @@ class FaissFirstPass(FirstPass):
         n = dataset.count_rows() if dataset is not None else 0
         if n == 0:
             raise InputError(f"{stored.path}: no rows stored yet; ingest examples before building a first pass")
-        # Train on a uniform sample (random access by offset), not the first rows: tables are
-        # usually ordered by shard, and the first shard is no sample of the corpus.
         def sample(offsets: np.ndarray) -> np.ndarray:
+            # Training reads a uniform sample (random access by offset), not the first rows: tables
+            # are usually ordered by shard, and the first shard is no sample of the corpus.
             return np.concatenate([signs for _, signs in _stream(dataset, nbytes, offsets=offsets)])
 
         faiss_index, params = cls._new_index(config, nbytes, n, sample)
