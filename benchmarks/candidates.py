@@ -6,7 +6,7 @@ candidates ``C``, one line:
 
 * **recall@20**: the share of the exact top-20 (most positive scores, exact scan over every row)
   that the candidate path returns (FAISS ``C`` Hamming-nearest rows to the query's weighted code
-  ``CandidateIndex.query_codes(y)``, rescored exactly, top-20), averaged over the queries; also
+  ``FaissFirstPass.query_codes(y)``, rescored exactly, top-20), averaged over the queries; also
   for the most negative side (the codes of ``-y`` against the exact bottom-20), for information;
 * **speed-up**: time of the exact full scan of one query (``scan.scan_top_k``, the packed-bit
   kernel, or unpack + matmul in numpy chunks if that module is missing) over time of the
@@ -67,6 +67,7 @@ The default run takes about 5 minutes on 2 CPU cores (half of it building the tw
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -84,7 +85,9 @@ if str(REPO) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from eogp_index.search.candidates import CandidateIndex, FaissConfig, query_levels, rescore  # noqa: E402
+from eogp_index.search.first_pass import FaissFirstPass, kind_class  # noqa: E402
+from eogp_index.search.first_pass.faiss_binary import rescore  # noqa: E402
+from eogp_index.search.first_pass.faiss_codes import query_levels  # noqa: E402
 from eogp_index.client import AttributionIndex  # noqa: E402
 from eogp_index.data.records import Example  # noqa: E402
 from eogp_index.gradients.model import load_model  # noqa: E402
@@ -313,7 +316,7 @@ def _scan_top_k():
     return scan_top_k
 
 
-def candidate_top(cand: CandidateIndex, codes, scales, yq: np.ndarray, layout, C: int, k: int, negative: bool):
+def candidate_top(cand: FaissFirstPass, codes, scales, yq: np.ndarray, layout, C: int, k: int, negative: bool):
     """One query through the candidate path: ``(top-k rows, seconds, FAISS seconds)``.
 
     FAISS seconds = weighted query code + search + key→row mapping; the rest is rescoring + top-k.
@@ -330,10 +333,10 @@ def candidate_top(cand: CandidateIndex, codes, scales, yq: np.ndarray, layout, C
 
 
 def clustered_lines(codes, scales, y, layout, largest, smallest, args, builds) -> List[Dict[str, Any]]:
-    """The ``clustered`` kind (:mod:`eogp_index.search.clustered`) on the same codes: a budget of
+    """The ``clustered`` kind (:mod:`eogp_index.search.first_pass.clustered`) on the same codes: a budget of
     ``--clustered-share`` of the rows per side, one line per ``--clustered-z``; its own exact
     kernel rescoring is part of the time, as in :func:`candidate_top`."""
-    from eogp_index.search.clustered import ClusteredIndex
+    from eogp_index.search.first_pass import ClusteredConfig, ClusteredFirstPass
 
     n = codes.shape[0]
     C = max(TOP, int(args.clustered_share * n))
@@ -341,7 +344,7 @@ def clustered_lines(codes, scales, y, layout, largest, smallest, args, builds) -
     out = []
     with tempfile.TemporaryDirectory(prefix="eogp-bench-clustered-") as tmp:
         t0 = time.perf_counter()
-        cand = ClusteredIndex.from_codes(codes, scales, layout, FaissConfig(kind="clustered"), tmp)
+        cand = ClusteredFirstPass.from_codes(codes, scales, layout, ClusteredConfig(), tmp)
         builds["clustered"] = round(time.perf_counter() - t0, 1)
         cand.top_k(stored, y[:1], TOP, C, ["positive", "negative"])  # warm-up
         for z in args.clustered_z:
@@ -419,11 +422,14 @@ def run(args) -> Dict[str, Any]:
             results.extend(clustered_lines(codes, big_scales, y, layout, largest, smallest, args, builds))
             continue
         for replicas in args.replicas:
-            config = FaissConfig(kind=kind, replicas=replicas, nlist=args.nlist, nprobe=args.nprobe[0],
-                                 hnsw_m=args.hnsw_m, ef_search=args.ef_search, ef_construction=args.ef_construction,
-                                 train_points_per_list=args.train_points_per_list, use_gpu="auto")
+            options = dict(replicas=replicas, nlist=args.nlist, nprobe=args.nprobe[0], hnsw_m=args.hnsw_m,
+                           ef_search=args.ef_search, ef_construction=args.ef_construction,
+                           train_points_per_list=args.train_points_per_list, use_gpu="auto")
+            first_pass = kind_class(kind)
+            own = {f.name for f in dataclasses.fields(first_pass.Config)}
+            config = first_pass.Config(**{key: value for key, value in options.items() if key in own})
             t0 = time.perf_counter()
-            cand = CandidateIndex.from_codes(codes, ids, config)
+            cand = first_pass.from_codes(codes, ids, config)
             builds[f"{kind} R={replicas}"] = round(time.perf_counter() - t0, 1)
             candidate_top(cand, codes, big_scales, y[:1], layout, 10, TOP, False)  # warm-up
             for nprobe, C in [(p, c) for p in (args.nprobe if kind == "ivf" else [None]) for c in args.C]:

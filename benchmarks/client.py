@@ -511,13 +511,13 @@ def first_pass_line(z: float, side: str, exact_s: Sequence[float], cand_s: Seque
 def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
     """Build the clustered candidates; recall@20 and speed-up against the exact scan, both sides,
     for each ``z`` of ``--z`` (the exact answers and times are measured once per query and side)."""
-    from eogp_index.search.candidates import FaissConfig, build, open_candidates
+    from eogp_index.search.first_pass import ClusteredConfig, build, open_first_pass
 
     t = time.perf_counter()
-    build(index.stored, "bench", FaissConfig(kind="clustered"), progress=False)
+    build(index.stored, "bench", ClusteredConfig(), progress=False)
     build_s = time.perf_counter() - t
     C = max(TOP, int(args.candidate_share * n))
-    cand = open_candidates(index.stored, "bench")
+    cand = open_first_pass(index.stored, "bench")
     out: Dict[str, Any] = {"build_s": round(build_s, 1), "C": C, "kind": "clustered",
                            "params": {"scale_cells": cand.config.scale_cells, "lists": cand.config.lists,
                                       "first_fraction": cand.config.first_fraction}, "lines": []}
@@ -550,27 +550,26 @@ def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
 def first_pass_only(codes, scales, layout, Y: np.ndarray, work: Path, args) -> Dict[str, Any]:
     """``--first-pass-only``: the clustered first pass straight over the drawn codes (no table).
 
-    The same :class:`~eogp_index.search.clustered.ClusteredIndex` as ``build-faiss --kind
-    clustered`` builds, made with :meth:`~ClusteredIndex.from_codes` from the memory-mapped codes
+    The same :class:`~eogp_index.search.first_pass.ClusteredFirstPass` as ``build-candidates --kind
+    clustered`` builds, made with :meth:`~ClusteredFirstPass.from_codes` from the memory-mapped codes
     (row ``i`` has address ``i``), against the exact kernel the hot searcher runs
     (:func:`~eogp_index.search.scan.scan_top_k`) over the same rows; per query and side, the best
     of ``--repeat`` times each. Neither side fetches the rows' metadata (the full run's lines
     do, on both sides alike), so the speed-up here is the kernels' alone.
     """
-    from eogp_index.search.candidates import FaissConfig
-    from eogp_index.search.clustered import ClusteredIndex
+    from eogp_index.search.first_pass import ClusteredConfig, ClusteredFirstPass
     from eogp_index.search.scan import scan_top_k
 
     n = codes.shape[0]
     C = max(TOP, int(args.candidate_share * n))
     t = time.perf_counter()
-    cand = ClusteredIndex.from_codes(codes, scales, layout, FaissConfig(kind="clustered"), work / f"first-pass-{n}",
+    cand = ClusteredFirstPass.from_codes(codes, scales, layout, ClusteredConfig(), work / f"first-pass-{n}",
                                      name="bench")
     out: Dict[str, Any] = {"rows": n, "build_s": round(time.perf_counter() - t, 1), "C": C,
                            "params": {"scale_cells": cand.config.scale_cells, "lists": cand.config.lists,
                                       "first_fraction": cand.config.first_fraction}, "lines": []}
 
-    class CodesOnly:  # all ClusteredIndex.top_k reads of a store when no filter is given
+    class CodesOnly:  # all ClusteredFirstPass.top_k reads of a store when no filter is given
         pass
 
     stored = CodesOnly()

@@ -331,18 +331,18 @@ def stage_serve(check: Check, comparison: Comparison) -> str:
 def stage_faiss(check: Check, comparison: Comparison) -> str:
     import faiss
 
-    from eogp_index.search.candidates import FaissConfig, build, clear_cache, load
+    from eogp_index.search.first_pass import FlatConfig, build, clear_cache, load
 
     on_gpu = hasattr(faiss, "GpuIndexBinaryFlat") and faiss.get_num_gpus() > 0
     if check.device.startswith("cuda") and not on_gpu:
         raise Skip(f"FAISS {faiss.__version__} here is a CPU build or sees no GPU: install faiss-gpu to check it")
-    build(check.cpu.stored, FAISS_NAME, FaissConfig(kind="flat"), progress=False)
+    build(check.cpu.stored, FAISS_NAME, FlatConfig(), progress=False)
     clear_cache()
     stored = check.cpu.stored
     y = check.cpu.query_coordinates(check.queries)
     searched = {}
     for use_gpu in ("auto", "never"):
-        index = load(stored.path, FAISS_NAME, config=FaissConfig(kind="flat", use_gpu=use_gpu))
+        index = load(stored.path, FAISS_NAME, config=FlatConfig(use_gpu=use_gpu))
         searched[use_gpu] = index.search_with_distances(index.query_codes(y, stored.layout), check.top)
         if use_gpu == "auto" and check.device.startswith("cuda") and index._gpu_index() is None:
             raise Mismatch("the flat FAISS index did not move to the GPU")

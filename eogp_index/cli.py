@@ -320,7 +320,7 @@ def _sizing_line(sizing) -> str:
 @click.option("--where", default=None, help="SQL filter on stored columns, e.g. \"kind = 'function'\".")
 @click.option("--direction", type=click.Choice(["positive", "negative", "both"]), default="both", show_default=True)
 @click.option("--candidates", type=click.IntRange(min=1), default=None,
-              help="Rescore only this many FAISS candidates per direction (needs `eogp build-faiss`).")
+              help="Score only this many first-pass candidates per direction (needs `eogp build-candidates`).")
 @click.option("--stream", is_flag=True, help="Scan the table in batches instead of an in-memory copy.")
 @click.option("--by-module", is_flag=True,
               help="Split each hit's score into its per-module terms (they sum to the score).")
@@ -682,45 +682,76 @@ def optimize(index_dir, retention, target_rows, no_hot, as_json):
     _emit(report.to_json(), as_json, lambda _: click.echo(report.describe()))
 
 
-@cli.command("build-faiss")
+class FirstPassKind(click.ParamType):
+    """A registered first-pass kind. The registry (with numpy) loads only when the option is used
+    or its help is shown, so that `eogp --help` stays light."""
+
+    name = "kind"
+
+    @staticmethod
+    def kinds() -> Tuple[str, ...]:
+        from eogp_index.search.first_pass import kinds
+
+        return kinds()
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return "[" + "|".join(self.kinds()) + "]"
+
+    def convert(self, value, param, ctx) -> str:
+        if value not in self.kinds():
+            self.fail(f"{value!r} is not a first-pass kind; choose from {', '.join(self.kinds())}", param, ctx)
+        return value
+
+
+@cli.command("build-candidates")
 @click.argument("index_dir", type=INDEX_DIR)
-@click.option("--kind", type=click.Choice(["flat", "ivf", "hnsw", "clustered"]), default="flat", show_default=True,
-              help="FAISS binary index: exact Hamming (flat), inverted lists (ivf) or a graph (hnsw); or "
-                   "clustered: the codes grouped by scale profile, scanned exactly cell by cell (the one "
-                   "that pays at millions of rows; --candidates is then its budget of rows).")
-@click.option("--name", default="default", show_default=True, help="Name of the FAISS index in the index directory.")
+@click.option("--kind", type=FirstPassKind(), default="flat", show_default=True,
+              help="Which first pass: clustered groups the codes by scale profile and scans the promising "
+                   "cells exactly (--candidates is then its budget of rows); flat, ivf and hnsw are FAISS "
+                   "binary indexes over the signs (exact Hamming, inverted lists, a graph).")
+@click.option("--name", default="default", show_default=True, help="Name of the first pass in the index directory.")
 @click.option("--replicas", type=click.IntRange(1, 16), default=None,
-              help="Copies of each sign bit in FAISS, so that queries weight coordinates by |y| "
+              help="FAISS kinds: copies of each sign bit, so that queries weight coordinates by |y| "
                    "(1 = plain Hamming; FAISS memory and search time grow with it). Build only; "
                    "default 1; 4 raises recall at a given --candidates.")
 @click.option("--extend", "extend_only", is_flag=True, help="Only add rows ingested since the last build.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_fail_cleanly
-def build_faiss(index_dir, kind, name, replicas, extend_only, as_json):
-    """Build (or extend) a FAISS binary index over the stored signs for `query --candidates`.
+def build_candidates(index_dir, kind, name, replicas, extend_only, as_json):
+    """Build (or extend) a first pass over the stored signs for `query --candidates`.
 
-    Uses the GPU binary flat index when a GPU FAISS build and a GPU are present.
+    A first pass picks candidates per query side; only those are scored
+    exactly. The FAISS flat kind searches on the GPU when a GPU FAISS build
+    and a GPU are present. `eogp build-faiss` is the same command.
 
     \b
     Example:
-        eogp build-faiss my-index --kind hnsw
+        eogp build-candidates my-index --kind clustered
         eogp query my-index --text "Parse a CSV file." --candidates 2000
     """
-    from eogp_index.search.candidates import FaissConfig, build, load
+    from eogp_index.search import first_pass
     from eogp_index.store.stored_index import StoredIndex
 
     index = StoredIndex.open(index_dir)  # the stored signs are all it needs: no model
     if extend_only:
-        faiss_index = load(index_dir, name)
-        added = faiss_index.extend(index, progress=not as_json)
+        built = first_pass.load(index_dir, name)
+        before = built.ntotal
+        built = built.refresh(index, progress=not as_json)
+        added = built.ntotal - before
     else:
-        config = FaissConfig(kind=kind) if replicas is None else FaissConfig(kind=kind, replicas=replicas)
-        faiss_index = build(index, name, config, progress=not as_json)
-        added = faiss_index.ntotal
-    _emit({"name": name, "kind": faiss_index.config.kind, "replicas": faiss_index.replicas,
-           "rows": faiss_index.ntotal, "added": added}, as_json,
-          lambda d: click.echo(f"FAISS index {d['name']!r}: {d['rows']} rows ({d['added']} added), "
-                               f"{d['replicas']} replicas per sign bit"))
+        options = {} if replicas is None else {"replicas": replicas}
+        built = first_pass.build(index, name, first_pass.make_config(kind, **options), progress=not as_json)
+        added = built.ntotal
+    params = built.build_params
+    _emit({"name": name, "kind": built.kind, "rows": built.ntotal, "added": added, **params}, as_json,
+          lambda d: click.echo(f"first pass {d['name']!r} ({d['kind']}): {d['rows']} rows ({d['added']} added); "
+                               + ", ".join(f"{key} {value}" for key, value in params.items())))
+
+
+cli.add_command(click.Command(
+    "build-faiss", callback=build_candidates.callback, params=build_candidates.params, hidden=True,
+    help="The former name of `eogp build-candidates`, kept as an alias: the same options and result.\n\n"
+         "\b\nExample:\n    eogp build-faiss my-index --kind hnsw"))
 
 
 @cli.command()

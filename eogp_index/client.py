@@ -382,7 +382,7 @@ class AttributionIndex:
 
         Args:
             where: SQL filter on the stored columns (LanceDB's); only matching rows are scored.
-            candidates: rescore this many FAISS candidates per direction (``eogp build-faiss``)
+            candidates: score this many first-pass candidates per direction (``eogp build-candidates``)
                 instead of scanning every row.
             stream: scan the table batch by batch instead of the in-memory hot copy.
             by_module: add a ``modules`` column: each hit's per-module score terms, which sum to

@@ -3,7 +3,7 @@
 The candidate path must map FAISS results back to the right rows (also after further ingests),
 equal the exact scan when every row is a candidate, apply filters to the candidates, and refuse
 indexes it cannot answer for. The FAISS distance of a weighted query code to a replicated row
-must be exactly ``(R·K − Σ_j σ_j w_j β_j)/2`` (candidates module docstring).
+must be exactly ``(R·K − Σ_j σ_j w_j β_j)/2`` (eogp_index/search/first_pass/faiss_codes.py).
 """
 
 import copy
@@ -16,19 +16,20 @@ import numpy as np
 import pytest
 
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
-from eogp_index.search.candidates import (
-    FORMAT_VERSION,
-    CandidateIndex,
-    FaissConfig,
-    _check_unique,
+from eogp_index.search.first_pass import (
+    ClusteredConfig,
+    ClusteredFirstPass,
+    FaissFirstPass,
+    FlatConfig,
     build,
-    candidate_ids,
-    id_keys,
-    open_candidates,
-    query_codes,
-    query_levels,
-    replicate_codes,
+    kind_class,
+    load,
+    make_config,
 )
+from eogp_index.search.first_pass import open_first_pass as open_candidates
+from eogp_index.search.first_pass.faiss_binary import candidate_ids
+from eogp_index.search.first_pass.faiss_codes import check_unique as _check_unique
+from eogp_index.search.first_pass.faiss_codes import id_keys, query_codes, query_levels, replicate_codes
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, InputError
@@ -44,6 +45,7 @@ def top_influential_with_candidates(index, query, k, C, *, where=None, direction
     return (index.search(query).limit(k).where(where).direction(direction)
             .candidates(C, faiss_name=faiss_name).to_arrow())
 
+FORMAT_VERSION = FaissFirstPass.FORMAT_VERSION
 SEED = 3
 TRAIN = make_examples(60, seed=11)
 MORE = make_examples(20, seed=12, prefix="more")
@@ -68,14 +70,18 @@ def _create(path):
 WEIGHTED = 4
 
 
+def _faiss_config(kind, **params):
+    """A FAISS kind's configuration; IVF with 4 lists, so that a small store fills them."""
+    return make_config(kind, **params, **({"nlist": 4} if kind == "ivf" else {}))
+
+
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
     """Three FAISS indexes with ``WEIGHTED`` replicas, and ``plain``: flat with one replica (plain Hamming)."""
     index = _create(tmp_path_factory.mktemp("cand") / "idx")
     for kind in ("flat", "ivf", "hnsw"):
-        build(index, kind, FaissConfig(kind=kind, replicas=WEIGHTED, nlist=4 if kind == "ivf" else None),
-              progress=False)
-    build(index, "plain", FaissConfig(kind="flat", replicas=1), progress=False)
+        build(index, kind, _faiss_config(kind, replicas=WEIGHTED), progress=False)
+    build(index, "plain", FlatConfig(replicas=1), progress=False)
     return index
 
 
@@ -100,9 +106,9 @@ def _weighted_distance(y, signs, layout, replicas):
 @pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
 def test_build_and_load(index, kind):
     n = index.store.count()
-    loaded = CandidateIndex.load(index.path, kind)
+    loaded = load(index.path, kind)
     meta = json.loads((index.path / "faiss" / f"{kind}.json").read_text())
-    assert loaded.ntotal == n == meta["rows"] and meta["kind"] == kind and loaded.config.kind == kind
+    assert loaded.ntotal == n == meta["rows"] and meta["kind"] == kind and loaded.kind == kind
     R = WEIGHTED
     assert meta["format_version"] == FORMAT_VERSION == 2 and meta["replicas"] == R == loaded.replicas
     assert meta["table_version"] == index.store.version and meta["d_bits"] == R * index.layout.nbytes * 8
@@ -173,11 +179,11 @@ def test_extend_after_further_ingests(index, tmp_path):
     by_id = _signs_by_id(other)
     n = len(by_id)
     for kind in ("flat", "ivf", "hnsw"):
-        cand = CandidateIndex.load(path, kind)
+        cand = load(path, kind)
         assert cand.ntotal == n - len(MORE)
         assert cand.extend(other) == len(MORE)
         assert cand.extend(other) == 0  # nothing twice
-        reloaded = CandidateIndex.load(path, kind)
+        reloaded = load(path, kind)
         assert reloaded.ntotal == n and reloaded.table_version == other.store.version
         keys = reloaded._keys
         assert len(np.unique(keys)) == n and set(reloaded._ids.to_pylist()) == set(by_id)
@@ -210,7 +216,7 @@ def test_queries_extend_a_stale_faiss_index(index, tmp_path):
     exact = other.top_influential(_query(2), k=n, direction="positive")
     approx = top_influential_with_candidates(other, _query(2), k=n, C=n, faiss_name="flat")
     assert approx.column("id").to_pylist() == exact.column("id").to_pylist()
-    assert CandidateIndex.load(path, "flat").ntotal == n
+    assert load(path, "flat").ntotal == n
 
 
 def test_where_filter_applies_to_the_candidates(index):
@@ -250,10 +256,10 @@ def test_bad_filter_and_arguments(index):
         top_influential_with_candidates(index, _query(), k=3, C=10, where="no_such_column = 1", faiss_name="flat")
     with pytest.raises(ConfigError, match="at least k"):
         top_influential_with_candidates(index, _query(), k=10, C=5, faiss_name="flat")
-    with pytest.raises(IndexNotFoundError, match="build-faiss"):
+    with pytest.raises(IndexNotFoundError, match="build-candidates"):
         top_influential_with_candidates(index, _query(), k=3, C=10, faiss_name="missing")
     with pytest.raises(ConfigError):
-        FaissConfig(kind="lsh")
+        make_config("lsh")
 
 
 def _with_manifest(index, **changes):
@@ -274,7 +280,7 @@ def test_refuses_other_indexes(index):
     with pytest.raises(IncompatibleIndexError, match="projection sha256"):
         top_influential_with_candidates(other, _query(), k=3, C=10, faiss_name="flat")
     with pytest.raises(IncompatibleIndexError, match="projection sha256"):
-        CandidateIndex.load(index.path, "flat").extend(other)
+        load(index.path, "flat").extend(other)
 
 
 @pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
@@ -289,8 +295,7 @@ def test_weighted_distance_is_exact_with_padding_bits(kind, replicas):
     y[0, :5] = 0.0  # zeros are +1 (pack_signs' convention) with the lowest level
     y[1, 3:6] = -0.0
     y[2] *= np.exp(3 * rng.standard_normal(layout.num_coords)).astype(np.float32)  # heavy-tailed |y|
-    cand = CandidateIndex.from_codes(codes, [f"r{i}" for i in range(300)],
-                                     FaissConfig(kind=kind, nlist=4, replicas=replicas))
+    cand = kind_class(kind).from_codes(codes, [f"r{i}" for i in range(300)], _faiss_config(kind, replicas=replicas))
     cand.set_search(nprobe=4, ef_search=300)
     assert cand._index.d == replicas * layout.nbytes * 8
     query = cand.query_codes(y, layout)
@@ -331,16 +336,16 @@ def test_replicas_are_recorded_and_kept(index, tmp_path):
     shutil.copytree(index.path, path)
     other = AttributionIndex.open(path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(),
                                   gradients=GradientConfig(batch_size=8))
-    built = build(other, "r3", FaissConfig(kind="flat", replicas=3), progress=False)
+    built = build(other, "r3", FlatConfig(replicas=3), progress=False)
     meta = json.loads((path / "faiss" / "r3.json").read_text())
     assert meta["replicas"] == 3 and meta["d_bits"] == 3 * other.layout.nbytes * 8 and built.replicas == 3
     # A search config given at load time cannot change a build parameter.
-    loaded = CandidateIndex.load(path, "r3", config=FaissConfig(replicas=1))
+    loaded = load(path, "r3", config=FlatConfig(replicas=1))
     assert loaded.replicas == 3 and loaded.config.replicas == 3
     with pytest.raises(ConfigError, match="replicas"):
-        FaissConfig(replicas=0)
+        FlatConfig(replicas=0)
     with pytest.raises(ConfigError, match="replicas"):
-        FaissConfig(replicas=17)
+        FlatConfig(replicas=17)
 
 
 def test_format_version_1_is_refused(index, tmp_path):
@@ -351,8 +356,8 @@ def test_format_version_1_is_refused(index, tmp_path):
     meta = json.loads(meta_path.read_text())
     meta["format_version"] = 1
     meta_path.write_text(json.dumps(meta))
-    with pytest.raises(IncompatibleIndexError, match=r"version 1 .*replicas.*eogp build-faiss"):
-        CandidateIndex.load(path, "flat")
+    with pytest.raises(IncompatibleIndexError, match=r"version 1 .*replicas.*eogp build-candidates"):
+        load(path, "flat")
 
 
 def test_gpu_flat_path_maps_positions(index, monkeypatch):
@@ -369,8 +374,8 @@ def test_gpu_flat_path_maps_positions(index, monkeypatch):
     monkeypatch.setattr(faiss, "StandardGpuResources", lambda: object(), raising=False)
     monkeypatch.setattr(faiss, "GpuIndexBinaryFlat", fake_gpu_flat, raising=False)
     y = index.query_coordinates([_query()])
-    gpu = CandidateIndex.load(index.path, "flat", config=FaissConfig(use_gpu="auto"))
-    cpu = CandidateIndex.load(index.path, "flat", config=FaissConfig(use_gpu="never"))
+    gpu = load(index.path, "flat", config=FlatConfig(use_gpu="auto"))
+    cpu = load(index.path, "flat", config=FlatConfig(use_gpu="never"))
     code = gpu.query_codes(np.concatenate([y, -y]), index.layout)
     for C in (1, 10, index.store.count() + 5):
         d_gpu, p_gpu = gpu.search_with_distances(code, C)
@@ -395,12 +400,11 @@ def test_keys_are_stable_and_collisions_refused():
 # the clustered kind: a copy of the codes grouped by scale profile, scanned exactly cell by cell
 # ---------------------------------------------------------------------------------------------
 
-from eogp_index.search.clustered import FORMAT_VERSION as CLUSTERED_VERSION  # noqa: E402
-from eogp_index.search.clustered import ClusteredIndex  # noqa: E402
-from eogp_index.search.candidates import load as load_candidates  # noqa: E402
+CLUSTERED_VERSION = ClusteredFirstPass.FORMAT_VERSION
+load_candidates = load
 
 #: Few cells, two sign lists: a 60-row store still has several cells to skip or visit.
-CLUSTERED = FaissConfig(kind="clustered", lists=2, scale_cells=4, z=1.0)
+CLUSTERED = ClusteredConfig(lists=2, scale_cells=4, z=1.0)
 
 
 def _copy(index, tmp_path):
@@ -475,8 +479,8 @@ def test_clustered_build_save_load(index, tmp_path):
     assert meta["rows"] == n and meta["table_version"] == other.store.version and meta["params"] == \
         {"lists": 2, "scale_cells": 4}
     loaded = load_candidates(other.path, "cl")
-    assert isinstance(loaded, ClusteredIndex) and loaded.ntotal == n == built.ntotal
-    assert loaded.config.kind == "clustered" and loaded.config.scale_cells == 4
+    assert isinstance(loaded, ClusteredFirstPass) and loaded.ntotal == n == built.ntotal
+    assert loaded.kind == "clustered" and loaded.config.scale_cells == 4
     # The copy holds every stored row once, with the table's bytes, grouped by cell.
     hot = other.hot_codes()
     pos = hot.positions(np.sort(np.asarray(loaded.rowaddr)))
@@ -575,7 +579,7 @@ def test_clustered_refuses_incompatible_indexes(index, tmp_path):
     cand = load_candidates(other.path, "cl")
     for changes in ({"projection": {**other.manifest.projection, "sha256": "0" * 64}},
                     {"table": "other_table"}):
-        with pytest.raises(IncompatibleIndexError, match="build-faiss"):
+        with pytest.raises(IncompatibleIndexError, match="build-candidates"):
             cand.check_compatible(_with_manifest(other, **changes))
     meta_path = other.path / "faiss" / "cl.json"
     meta = json.loads(meta_path.read_text())
@@ -586,13 +590,13 @@ def test_clustered_refuses_incompatible_indexes(index, tmp_path):
     with pytest.raises(IncompatibleIndexError, match="interrupted"):
         load_candidates(other.path, "cl")
     with pytest.raises(ConfigError):
-        FaissConfig(kind="clustered", scale_cells=0)
+        ClusteredConfig(scale_cells=0)
     with pytest.raises(ConfigError):
-        FaissConfig(kind="clustered", first_fraction=0)
+        ClusteredConfig(first_fraction=0)
 
 
 def test_clustered_delta_is_merged_past_its_threshold(index, tmp_path, monkeypatch):
-    import eogp_index.search.clustered as clustered
+    import eogp_index.search.first_pass.clustered as clustered
 
     other = _copy(index, tmp_path)
     build(other, "cl", CLUSTERED, progress=False)

@@ -63,7 +63,9 @@ def test_faiss_candidates_and_scalar_index(workspace):
     assert _run("index-column", root / "idx", "kind", "--kind", "BITMAP").exit_code == 0
     built = _run("build-faiss", root / "idx", "--json")
     assert built.exit_code == 0, built.output
-    default_replicas = __import__("eogp_index.search.candidates").search.candidates.FaissConfig().replicas
+    from eogp_index.search.first_pass import FlatConfig
+
+    default_replicas = FlatConfig().replicas
     assert json.loads(built.stdout)["rows"] == 30 and json.loads(built.stdout)["replicas"] == default_replicas
     assert f"default {default_replicas};" in " ".join(_run("build-faiss", "--help").output.split())
     exact = json.loads(_run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--json").stdout)
@@ -80,6 +82,24 @@ def test_faiss_candidates_and_scalar_index(workspace):
                             "--json").output)
     assert [r["id"] for r in exact[0]["results"]] == [r["id"] for r in again[0]["results"]]
     assert _run("build-faiss", root / "idx", "--replicas", "0").exit_code != 0
+
+
+def test_build_candidates_builds_every_kind_and_refuses_options_of_another(workspace):
+    root, _, _ = workspace
+    from eogp_index.search.first_pass import kinds
+
+    for kind in kinds():
+        built = _run("build-candidates", root / "idx", "--kind", kind, "--name", f"cli-{kind}", "--json")
+        assert built.exit_code == 0, built.output
+        report = json.loads(built.stdout)
+        assert report["kind"] == kind and report["rows"] == report["added"] == 30
+    assert f"[{'|'.join(kinds())}]" in _run("build-candidates", "--help").output
+    extended = _run("build-candidates", root / "idx", "--name", "cli-clustered", "--extend", "--json")
+    assert extended.exit_code == 0 and json.loads(extended.stdout)["added"] == 0
+    foreign = _run("build-candidates", root / "idx", "--kind", "clustered", "--replicas", "2")
+    assert foreign.exit_code != 0 and "no parameter replicas" in foreign.output
+    unknown = _run("build-candidates", root / "idx", "--kind", "lsh")
+    assert unknown.exit_code != 0 and "not a first-pass kind" in unknown.output
 
 
 def test_user_errors_exit_nonzero_with_a_message(workspace, tmp_path):

@@ -129,7 +129,7 @@ def test_filters_after_compaction_equal_lance(fitted_index):
 
 def test_candidates_after_compaction_are_still_exact(fitted_index):
     pytest.importorskip("faiss")
-    from eogp_index.search.candidates import build
+    from eogp_index.search.first_pass import build
 
     index = fitted_index
     _many_fragments(index)

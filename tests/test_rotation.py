@@ -184,14 +184,14 @@ def test_scan_of_rotated_codes_equals_a_dense_float64_reference(indexes):
 
 def test_faiss_candidates_over_rotated_codes_equal_the_exact_scan(indexes, tmp_path):
     pytest.importorskip("faiss")
-    from eogp_index.search.candidates import FaissConfig, build
+    from eogp_index.search.first_pass import FlatConfig, build
 
     _, index = indexes
     path = tmp_path / "rot"
     shutil.copytree(index.path, path)
     copy = AttributionIndex.open(path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(),
                                  gradients=GradientConfig(batch_size=8))
-    build(copy, "flat", FaissConfig(kind="flat", replicas=4), progress=False)
+    build(copy, "flat", FlatConfig(replicas=4), progress=False)
     n = copy.store.count()
     for direction in ("positive", "negative", "both"):
         exact = copy.top_influential(_queries()[0], k=5, direction=direction)

@@ -99,9 +99,9 @@ class QueryOptions(AnswerConfig):
             ``negative`` (the opposite) or ``both``; a side holds only scores of its sign, so it may
             hold fewer than ``k`` rows, or none. route: ``auto`` (the hot copy, on the index's device), ``hot``,
             ``stream`` (the table in batches, for stores larger than memory), ``sharded``
-            (torchrun workers share the fragments), ``candidates`` (FAISS first pass).
-        candidates: FAISS candidates per side, for the ``candidates`` route.
-        faiss_name: which FAISS index of the index directory.
+            (torchrun workers share the fragments), ``candidates`` (a first pass).
+        candidates: the first pass's budget per side (``C``), for the ``candidates`` route.
+        faiss_name: which first pass of the index directory (``eogp build-candidates --name``).
         by_module: add each hit's per-module terms ``s_iu⟨y_u, b_iu⟩`` (they sum to its score).
         aggregate, normalize, group_by: :class:`~eogp_index.config.AnswerConfig`'s
             (:mod:`eogp_index.search.normalize`, :mod:`eogp_index.search.rollup`).
@@ -129,7 +129,7 @@ class QueryOptions(AnswerConfig):
         if self.where is not None and not isinstance(self.where, str):
             raise ConfigError(f"where must be an SQL string, got {type(self.where).__name__}")
         if self.normalize != "none" and self.route == "candidates":
-            raise ConfigError("normalize='unit' needs an exact scan; FAISS candidates are picked for unnormalized "
+            raise ConfigError("normalize='unit' needs an exact scan; first-pass candidates are picked for unnormalized "
                               "scores: drop --candidates or --normalize")
         if self.group_by is not None and self.route not in ("auto", "hot"):
             raise ConfigError(f"group_by scores every matching row of the hot copy; the {self.route} route "
@@ -170,7 +170,7 @@ class InfluenceQuery:
         return self._with(direction=direction)
 
     def candidates(self, C: int, *, faiss_name: str = "default") -> "InfluenceQuery":
-        """Rescore ``C`` FAISS candidates per side (``eogp build-faiss``) instead of every row."""
+        """Score ``C`` first-pass candidates per side (``eogp build-candidates``) instead of every row."""
         return self._with(route="candidates", candidates=C, faiss_name=faiss_name)
 
     def by_module(self, enabled: bool = True) -> "InfluenceQuery":

@@ -10,7 +10,7 @@ keeping each side to rows of its sign, and metadata are :mod:`eogp_index.search.
 :class:`TorchSearcher`    the hot copy on a CUDA device, scored with torch
 :class:`StreamSearcher`   the table streamed in record batches (larger than memory)
 :class:`ShardedSearcher`  each torchrun worker streams its share of the fragments; merged
-:class:`CandidateSearcher`  FAISS picks candidates, which are rescored exactly
+:class:`CandidateSearcher`  a first pass picks candidates, which are scored exactly
 ========================  ================================================================
 
 :func:`exact_scores` is the only place that looks at what a codec stored: packed signs go to
@@ -220,10 +220,10 @@ class ShardedSearcher(StreamSearcher):
 
 
 class CandidateSearcher:
-    """FAISS binary candidates (``eogp build-faiss``), ``C`` per side, rescored exactly.
+    """A first pass (``eogp build-candidates``) picks candidates per side, which are scored exactly.
 
-    Exact over (candidates ∩ filter); recall against the full scan depends on ``C`` and the
-    FAISS index (``benchmarks/candidates.py`` measures it).
+    Exact over what the first pass scores (∩ filter); recall against the full scan depends on
+    ``C`` and the kind (``benchmarks/candidates.py`` measures it).
     """
 
     def __init__(self, stored: StoredIndex, candidates: int, *, faiss_name: str = "default"):
@@ -232,11 +232,11 @@ class CandidateSearcher:
         self.faiss_name = faiss_name
 
     def top_k(self, y: np.ndarray, k: int, sides: Sequence[Side], where: Optional[str] = None) -> Found:
-        from eogp_index.search.candidates import candidate_top_k
+        from eogp_index.search.first_pass import candidate_top_k
 
         found: Found = []
         for q in range(y.shape[0]):
             scored = candidate_top_k(self.stored, y[q:q + 1], k, self.candidates, sides, where=where,
-                                     faiss_name=self.faiss_name)
-            found.append({side: Hits.best(rowaddr, scores, k, side) for side, (rowaddr, scores) in scored.items()})
+                                     name=self.faiss_name)
+            found.append({side: Hits.best(rowaddr, scores, k, side) for side, (rowaddr, scores, _) in scored.items()})
         return found

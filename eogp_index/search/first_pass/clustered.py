@@ -2,10 +2,9 @@
 
 A row's score is ``Σ_u s_iu⟨y_u, b_iu⟩``. Over a store of millions of rows the top of that sum
 is decided above all by the scales: rows with large ``s_iu`` in the modules where the query is
-large have the widest spread of scores, so they hold the extremes on both sides (the top rows
-of real codes have 2-4× the mean row norm, and the per-module log-scales of the demo's codes
-spread with a standard deviation of about 0.35). A sign index (FAISS Hamming) sees none of it.
-This first pass therefore groups rows by what decides the spread, and keeps the exact kernel:
+large have the widest spread of scores, so they hold the extremes on both sides. A sign index
+(FAISS Hamming) sees none of it. This first pass therefore groups rows by what decides the
+spread, and keeps the exact kernel:
 
 * **Cells.** Every row gets a *scale cell* ``p`` (k-means over ``log s_iu``, ``U`` dimensions,
   ``P = scale_cells`` centroids) and a *sign list* ``l`` (binary k-means over its signs,
@@ -46,21 +45,29 @@ float32, ``scale_centroids`` ``(P, U)`` float32 of log-scales, ``sign_centroids`
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, InputError
+from eogp_index.errors import IncompatibleIndexError, InputError
+from eogp_index.search.first_pass.base import (
+    FirstPass,
+    FirstPassConfig,
+    SideAnswer,
+    build_param,
+    commit,
+    fragment_keys,
+    load_faiss,
+    require_signs,
+    search_param,
+    temporary,
+)
 from eogp_index.store.codecs import SignLayout, unpack_signs
-from eogp_index.version import __version__
 
-FORMAT = "eogp-clustered"
-FORMAT_VERSION = 1
-FAISS_DIR = "faiss"
 #: Rows per block when assigning rows to cells and writing the sorted copy.
 _BLOCK_ROWS = 1 << 18
 #: Rows scanned by round 1 at least, per requested row (small stores: every row at once).
@@ -73,30 +80,25 @@ _DELTA_SHARE = 0.01
 _DELTA_MIN_ROWS = 4096
 
 
-def paths(index_dir: Union[str, Path], name: str) -> Dict[str, Path]:
-    """The files of clustered index ``name`` (the JSON commits the others)."""
-    base = Path(index_dir) / FAISS_DIR
-    return {"dir": base, "meta": base / f"{name}.json", "codes": base / f"{name}.codes.npy",
-            "scales": base / f"{name}.scales.npy", "rowaddr": base / f"{name}.rowaddr.npy",
-            "cells": base / f"{name}.cells.npz", "delta": base / f"{name}.delta.npz"}
+@dataclasses.dataclass(frozen=True)
+class ClusteredConfig(FirstPassConfig):
+    """``clustered``: the codes regrouped into cells by scale profile, scanned exactly (module docstring)."""
 
-
-def fragment_keys(dataset) -> List[List[int]]:
-    """``[[fragment id, physical rows, deleted rows], ...]`` of a dataset version (metadata only)."""
-    return sorted([int(f.fragment_id), int(f.physical_rows), int(f.num_deletions)] for f in dataset.get_fragments())
-
-
-def _faiss():
-    try:
-        import faiss
-    except ImportError as exc:  # pragma: no cover - faiss is a dependency of the cpu/gpu extras
-        raise ConfigError("FAISS is not installed: pip install 'eogp-index[cpu]' (or [gpu])") from exc
-    return faiss
+    lists: int = build_param(1, "Sign lists L (binary k-means over the signs; 1 = none).", min=1)
+    scale_cells: int = build_param(64, "Scale cells P (k-means over the per-module log-scales).", min=1)
+    train_iters: int = build_param(10, "Sign-list k-means iterations (the scale k-means runs at least 20).", min=1)
+    use_gpu: Literal["auto", "never"] = build_param(
+        "auto", "auto: train the k-means on the GPU when FAISS is a GPU build and sees one; never: on the CPU.",
+        choices=("auto", "never"))
+    z: float = search_param(4.0, "Standard deviations in a cell's optimistic estimate (larger = more cells "
+                                 "scanned, higher recall).", min=0.0)
+    first_fraction: float = search_param(0.01, "Share of the rows scanned before the early stop applies (round 1).",
+                                         min=0.0, min_open=True, max=1.0)
 
 
 def _kmeans(x: np.ndarray, k: int, *, iters: int, seed: int, use_gpu: str):
     """FAISS k-means centroids ``(k, d)`` float32 of ``x`` ``(n, d)`` (on a GPU when one is lent)."""
-    faiss = _faiss()
+    faiss = load_faiss()
     gpu = use_gpu == "auto" and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
     km = faiss.Kmeans(x.shape[1], int(k), niter=int(iters), seed=int(seed), gpu=bool(gpu),
                       max_points_per_centroid=max(1, -(-x.shape[0] // int(k))))
@@ -116,7 +118,7 @@ class _Cells:
         self.scale_centroids = np.ascontiguousarray(scale_centroids, np.float32)  # (P, U) log-scales
         self.sign_centroids = np.ascontiguousarray(sign_centroids, np.uint8)  # (L, nbytes)
         self.mean_signs = np.ascontiguousarray(mean_signs, np.float32)  # (L, K), in [-1, 1]
-        faiss = _faiss()
+        faiss = load_faiss()
         self._scale_index = faiss.IndexFlatL2(self.scale_centroids.shape[1])
         self._scale_index.add(self.scale_centroids)
         self._sign_index = None
@@ -146,7 +148,7 @@ class _Cells:
         return cell
 
     @classmethod
-    def train(cls, codes: np.ndarray, scales: np.ndarray, layout: SignLayout, config) -> "_Cells":
+    def train(cls, codes: np.ndarray, scales: np.ndarray, layout: SignLayout, config: ClusteredConfig) -> "_Cells":
         """Centroids from a sample of rows (signs ``(s, nbytes)``, scales ``(s, U)``)."""
         P = min(int(config.scale_cells), codes.shape[0])
         scale_centroids = _kmeans(_log_scales(scales), P, iters=max(20, config.train_iters), seed=1,
@@ -154,7 +156,7 @@ class _Cells:
         L = min(int(config.lists), codes.shape[0])
         lst = np.zeros(codes.shape[0], np.int64)
         if L > 1:
-            faiss = _faiss()
+            faiss = load_faiss()
             d = layout.nbytes * 8
             ivf = faiss.IndexBinaryIVF(faiss.IndexBinaryFlat(d), d, L)  # FAISS's binary k-means
             ivf.cp.niter = int(config.train_iters)
@@ -176,25 +178,23 @@ class _Cells:
         return cls(scale_centroids, sign_centroids, mean_signs.astype(np.float32))
 
 
-class ClusteredIndex:
+class ClusteredFirstPass(FirstPass, kind="clustered"):
     """The clustered copy of the stored codes and its cell statistics (module docstring).
 
-    Build with :meth:`build`, reopen with :meth:`load`, keep current with :meth:`refresh`, query
-    with :meth:`top_k`.
-
-    Attributes:
-        config: the :class:`~eogp_index.search.candidates.FaissConfig` (``kind="clustered"``;
-            search parameters ``z`` and ``first_fraction`` can be changed with :meth:`set_search`).
-        meta: the ``<name>.json`` contents.
+    Build with :meth:`build`, reopen with :meth:`FirstPass.load`, keep current with
+    :meth:`refresh`, query with :meth:`top_k`.
     """
 
-    def __init__(self, index_dir: Path, name: str, config, meta: Dict[str, Any], cells: _Cells, *,
+    Config = ClusteredConfig
+    FORMAT = "eogp-clustered"
+    FORMAT_VERSION = 1
+    FILES = {"meta": ".json", "codes": ".codes.npy", "scales": ".scales.npy", "rowaddr": ".rowaddr.npy",
+             "cells": ".cells.npz", "delta": ".delta.npz"}
+
+    def __init__(self, index_dir: Path, name: str, config: ClusteredConfig, meta: Dict[str, Any], cells: _Cells, *,
                  codes: np.ndarray, scales: np.ndarray, rowaddr: np.ndarray, offsets: np.ndarray,
                  smean: np.ndarray, s2max: np.ndarray, delta: Optional[Dict[str, np.ndarray]] = None):
-        self.index_dir = Path(index_dir)
-        self.name = name
-        self.config = config
-        self.meta = meta
+        super().__init__(index_dir, name, config, meta)
         self.cells = cells
         self.codes, self.scales, self.rowaddr = codes, scales, rowaddr
         self.offsets = np.asarray(offsets, np.int64)
@@ -205,64 +205,41 @@ class ClusteredIndex:
         self._masks: Dict[Tuple[str, int], Tuple[np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    # -- properties --------------------------------------------------------------------------
-    @property
-    def kind(self) -> str:
-        return "clustered"
-
     @property
     def ntotal(self) -> int:
         """Rows covered: the clustered copy and the delta."""
         return int(self.rowaddr.shape[0] + self.delta["rowaddr"].shape[0])
 
     @property
-    def replicas(self) -> int:
-        """For the ``build-faiss`` report: the codes are not replicated."""
-        return 1
-
-    @property
-    def table_version(self) -> int:
-        return int(self.meta["table_version"])
-
-    def set_search(self, *, z: Optional[float] = None, first_fraction: Optional[float] = None, **_) -> None:
-        """Change search-time parameters (``z``, ``first_fraction``)."""
-        from dataclasses import replace
-
-        self.config = replace(self.config, z=self.config.z if z is None else float(z),
-                              first_fraction=self.config.first_fraction if first_fraction is None
-                              else float(first_fraction))
+    def build_params(self) -> Dict[str, Any]:
+        return dict(self.meta["params"])
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def build(cls, stored, name: str, config, *, progress: bool = False, cells: Optional[_Cells] = None
-              ) -> "ClusteredIndex":
-        """Train the cells on a sample of the stored rows (unless ``cells`` are given) and write the
-        clustered copy of every row of the hot copy (:meth:`StoredIndex.hot_codes`)."""
+    def build(cls, stored, name: str = "default", config: Optional[ClusteredConfig] = None, *,
+              progress: bool = False) -> "ClusteredFirstPass":
+        """Train the cells on a sample of the stored rows and write the clustered copy of every row
+        of the hot copy (:meth:`StoredIndex.hot_codes`)."""
+        config = config or cls.Config()
+        cls.paths(stored.path, name)  # a bad name fails now, not after the build
+        require_signs(stored)
         layout: SignLayout = stored.layout
         hot = stored.hot_codes()
         n = hot.num_rows
         if n == 0:
             raise InputError(f"{stored.path}: no rows stored yet; ingest examples before building a candidate index")
-        if cells is None:
-            sample_rows = min(n, max(1 << 16, 256 * max(int(config.scale_cells), int(config.lists))))
-            sample = np.sort(np.random.default_rng(0).choice(n, size=sample_rows, replace=False))
-            cells = _Cells.train(np.asarray(hot.codes[sample]), np.asarray(hot.scales[sample]), layout, config)
-        meta = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "kind": "clustered",
-            "params": {"lists": cells.lists, "scale_cells": cells.scale_cells},
-            "nbytes": layout.nbytes, "k": list(layout.k), "table": stored.manifest.table,
-            "projection_sha256": stored.manifest.projection["sha256"],
-            "weights_sha256": stored.manifest.model.get("weights_sha256"),
-            "created_by": f"eogp-index {__version__}",
-        }
+        sample_rows = min(n, max(1 << 16, 256 * max(int(config.scale_cells), int(config.lists))))
+        sample = np.sort(np.random.default_rng(0).choice(n, size=sample_rows, replace=False))
+        cells = _Cells.train(np.asarray(hot.codes[sample]), np.asarray(hot.scales[sample]), layout, config)
+        meta = {**cls.provenance(stored, name), "params": {"lists": cells.lists, "scale_cells": cells.scale_cells}}
         fragments = fragment_keys(stored.store.dataset())
         built = cls._write(stored.path, name, config, meta, cells, hot.codes, hot.scales, hot.rowaddr,
                            version=hot.version, fragments=fragments, progress=progress)
         return built
 
     @classmethod
-    def _write(cls, index_dir: Path, name: str, config, meta: Dict[str, Any], cells: _Cells, codes, scales, rowaddr,
-               *, version: int, fragments, progress: bool = False) -> "ClusteredIndex":
+    def _write(cls, index_dir: Path, name: str, config: ClusteredConfig, meta: Dict[str, Any], cells: _Cells, codes,
+               scales, rowaddr, *, version: int, fragments, progress: bool = False) -> "ClusteredFirstPass":
         """Assign every row to its cell, write the sorted copy and the statistics, commit the JSON."""
         n, U = scales.shape
         cell = np.empty(n, np.int64)
@@ -277,10 +254,9 @@ class ClusteredIndex:
         counts = np.bincount(cell, minlength=cells.num_cells)
         offsets = np.zeros(cells.num_cells + 1, np.int64)
         np.cumsum(counts, out=offsets[1:])
-        p = paths(index_dir, name)
+        p = cls.paths(index_dir, name)
         p["dir"].mkdir(parents=True, exist_ok=True)
-        suffix = f".tmp-{os.getpid()}"
-        tmp = {key: p[key].with_name(p[key].name + suffix) for key in ("codes", "scales", "rowaddr", "cells", "meta")}
+        tmp = {key: temporary(p[key]) for key in ("codes", "scales", "rowaddr", "cells", "meta")}
         out_codes = np.lib.format.open_memmap(tmp["codes"], mode="w+", dtype=np.uint8, shape=(n, codes.shape[1]))
         out_scales = np.empty((n, U), np.float16)
         for a in range(0, n, _BLOCK_ROWS):
@@ -311,13 +287,12 @@ class ClusteredIndex:
         tmp["meta"].write_text(json.dumps(meta, indent=2) + "\n")
         if p["delta"].exists():
             p["delta"].unlink()
-        for key in ("codes", "scales", "rowaddr", "cells", "meta"):  # the JSON last: it commits
-            tmp[key].replace(p[key])
+        commit([p[key] for key in ("codes", "scales", "rowaddr", "cells", "meta")])
         return cls.load(index_dir, name, config=config)
 
     @classmethod
-    def from_codes(cls, codes: np.ndarray, scales: np.ndarray, layout: SignLayout, config, index_dir: Union[str, Path],
-                   name: str = "in-memory") -> "ClusteredIndex":
+    def from_codes(cls, codes: np.ndarray, scales: np.ndarray, layout: SignLayout, config: ClusteredConfig,
+                   index_dir: Union[str, Path], name: str = "in-memory") -> "ClusteredFirstPass":
         """A clustered copy of codes held in memory, built as :meth:`build` builds (benchmarks).
 
         Row ``i`` gets row address ``i``; the files go to ``<index_dir>/faiss/``. Not tied to a
@@ -328,36 +303,16 @@ class ClusteredIndex:
         sample = np.sort(np.random.default_rng(0).choice(n, size=min(n, max(1 << 16, 256 * int(config.scale_cells))),
                                                          replace=False))
         cells = _Cells.train(codes[sample], np.asarray(scales[sample]), layout, config)
-        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "name": name, "kind": "clustered",
+        meta = {"format": cls.FORMAT, "format_version": cls.FORMAT_VERSION, "name": name, "kind": cls.kind,
                 "params": {"lists": cells.lists, "scale_cells": cells.scale_cells}, "nbytes": layout.nbytes,
                 "k": list(layout.k), "table": None, "projection_sha256": None, "weights_sha256": None}
         return cls._write(Path(index_dir), name, config, meta, cells, codes, scales, np.arange(n, dtype=np.uint64),
                           version=-1, fragments=[])
 
     @classmethod
-    def load(cls, index_dir: Union[str, Path], name: str = "default", *, config) -> "ClusteredIndex":
-        """Open ``<index_dir>/faiss/<name>.*`` (memory-mapped codes).
-
-        Args:
-            config: a :class:`~eogp_index.search.candidates.FaissConfig`: its search parameters
-                (``z``, ``first_fraction``) are used; the cells' sizes come from the files.
-
-        Raises:
-            IndexNotFoundError: no such index. IncompatibleIndexError: another format or version,
-                or files that disagree with the JSON (an interrupted write).
-        """
-        from dataclasses import replace
-
-        p = paths(index_dir, name)
-        if not p["meta"].exists():
-            raise IndexNotFoundError(f"{p['meta']} not found: no candidate index named {name!r} in {index_dir}; "
-                                     f"build one with `eogp build-faiss {index_dir} --kind clustered --name {name}`")
-        meta = json.loads(p["meta"].read_text())
-        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-            raise IncompatibleIndexError(
-                f"{p['meta']}: format {meta.get('format')!r} version {meta.get('format_version')!r}, but this "
-                f"eogp-index reads {FORMAT!r} version {FORMAT_VERSION}; rebuild it with "
-                f"`eogp build-faiss {index_dir} --kind clustered --name {name}`")
+    def _open(cls, index_dir: Path, name: str, meta: Dict[str, Any], config: ClusteredConfig) -> "ClusteredFirstPass":
+        """The copy's codes, scales and row addresses memory-mapped; the cells' sizes from the files."""
+        p = cls.paths(index_dir, name)
         try:
             codes = np.load(p["codes"], mmap_mode="r")
             scales = np.load(p["scales"], mmap_mode="r")
@@ -370,45 +325,21 @@ class ClusteredIndex:
                     delta = {key: z[key] for key in z.files}
         except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
             raise IncompatibleIndexError(f"{p['dir']}: the files of {name!r} cannot be read ({exc}); rebuild it with "
-                                         f"`eogp build-faiss {index_dir} --kind clustered --name {name}`") from exc
+                                         f"{cls.rebuild_hint(index_dir, name)}") from exc
         delta_rows = 0 if delta is None else delta["rowaddr"].shape[0]
         if not (codes.shape[0] == scales.shape[0] == rowaddr.shape[0] == meta["rows"] == arrays["offsets"][-1]) \
                 or codes.shape[1] != meta["nbytes"] or delta_rows != meta.get("delta_rows", 0):
             raise IncompatibleIndexError(
                 f"{p['dir']}: the files of {name!r} disagree with {p['meta'].name} (rows {meta['rows']}, delta "
                 f"{meta.get('delta_rows', 0)}; an interrupted write?); rebuild it with "
-                f"`eogp build-faiss {index_dir} --kind clustered --name {name}`")
+                f"{cls.rebuild_hint(index_dir, name)}")
         cells = _Cells(arrays["scale_centroids"], arrays["sign_centroids"], arrays["mean_signs"])
-        config = replace(config, kind="clustered", lists=cells.lists, scale_cells=cells.scale_cells)
+        config = dataclasses.replace(config, lists=cells.lists, scale_cells=cells.scale_cells)
         return cls(index_dir, name, config, meta, cells, codes=codes, scales=scales, rowaddr=rowaddr,
                    offsets=arrays["offsets"], smean=arrays["smean"], s2max=arrays["s2max"], delta=delta)
 
     # -- keeping current ---------------------------------------------------------------------
-    def check_compatible(self, stored) -> None:
-        """Refuse an index whose codes are not the ones this copy was made from.
-
-        Raises:
-            IncompatibleIndexError: other projection, model, layout or table; or not 1-bit.
-        """
-        if stored.manifest.precision != "1bit":
-            raise IncompatibleIndexError(
-                f"{stored.path}: candidates need stored signs, but this index stores precision "
-                f"{stored.manifest.precision!r} coordinates. Use the exact scan (no candidates)")
-        where = paths(self.index_dir, self.name)["meta"]
-        checks = [
-            ("projection sha256", self.meta.get("projection_sha256"), stored.manifest.projection.get("sha256")),
-            ("model weights sha256", self.meta.get("weights_sha256"), stored.manifest.model.get("weights_sha256")),
-            ("sign layout k", list(self.meta.get("k", [])), list(stored.layout.k)),
-            ("table", self.meta.get("table"), stored.manifest.table),
-        ]
-        for what, ours, theirs in checks:
-            if ours != theirs:
-                raise IncompatibleIndexError(
-                    f"{where} was built from another index ({what}: {ours!r} here, {theirs!r} in {stored.path}); "
-                    f"its rows would not match these. Rebuild it with `eogp build-faiss {stored.path} "
-                    f"--kind clustered --name {self.name}`")
-
-    def refresh(self, stored, *, progress: bool = False) -> "ClusteredIndex":
+    def refresh(self, stored, *, progress: bool = False) -> "ClusteredFirstPass":
         """This index brought to the table's current version; returns the index to use (``self``,
         or a rebuilt one).
 
@@ -435,29 +366,18 @@ class ClusteredIndex:
                      "rowaddr": np.concatenate([delta["rowaddr"], hot.rowaddr[new].astype(np.uint64)])}
         if delta["rowaddr"].shape[0] > max(_DELTA_SHARE * self.rowaddr.shape[0], _DELTA_MIN_ROWS):
             return self._rebuild(stored, hot, current, progress=progress)
-        p = paths(self.index_dir, self.name)
-        suffix = f".tmp-{os.getpid()}"
-        tmp_delta = p["delta"].with_name(p["delta"].name + suffix)
-        with open(tmp_delta, "wb") as fh:
+        p = self.paths(self.index_dir, self.name)
+        with open(temporary(p["delta"]), "wb") as fh:
             np.savez(fh, **delta)
         meta = dict(self.meta, delta_rows=int(delta["rowaddr"].shape[0]), table_version=int(hot.version),
                     delta_fragments=sorted(list(f) for f in known - recorded) + [f for f in current if f[0] in new_ids])
-        tmp_meta = p["meta"].with_name(p["meta"].name + suffix)
-        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
-        tmp_delta.replace(p["delta"])
-        tmp_meta.replace(p["meta"])
+        temporary(p["meta"]).write_text(json.dumps(meta, indent=2) + "\n")
+        commit([p["delta"], p["meta"]])
         self.meta, self.delta = meta, delta
         self._masks.clear()
         return self
 
-    def extend(self, index, *, progress: bool = False) -> int:
-        """:meth:`refresh`, for ``eogp build-faiss --extend``: how many rows it covers now that it
-        did not before."""
-        before = self.ntotal
-        fresh = self.refresh(getattr(index, "stored", index), progress=progress)
-        return fresh.ntotal - before
-
-    def _rebuild(self, stored, hot, fragments, *, progress: bool) -> "ClusteredIndex":
+    def _rebuild(self, stored, hot, fragments, *, progress: bool) -> "ClusteredFirstPass":
         meta = {k: v for k, v in self.meta.items() if k not in ("delta_fragments",)}
         return self._write(self.index_dir, self.name, self.config, meta, self.cells, hot.codes, hot.scales,
                            hot.rowaddr, version=hot.version, fragments=fragments, progress=progress)
@@ -520,7 +440,7 @@ class ClusteredIndex:
         return entry
 
     def top_k(self, stored, y: np.ndarray, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None
-              ) -> Dict[str, Tuple[np.ndarray, np.ndarray, int]]:
+              ) -> Dict[str, SideAnswer]:
         """One query's best rows per side: ``{side: (rowaddr (r,) uint64, exact scores (r,) float32,
         rows scanned)}`` with ``r <= k + 8``, best first (the ranking picks the top ``k``).
 
