@@ -321,6 +321,27 @@ def test_block_ingest_stores_the_codes_of_per_batch_ingest_and_reads_each_p_once
     assert (batched == kept.project(examples)).all()
 
 
+def test_client_block_ingest_stores_the_codes_of_per_batch_ingest(fitted, tmp_path, tokenizer):
+    from eogp_index.config import IngestConfig
+    from eogp_index.store.block_cache import CACHE_DIR
+
+    shard = write_lines(tmp_path / "docs.jsonl", [{"text": doc(i)} for i in range(14)])
+    examples = [e for e in iter_examples([shard], RecordSpec(), tokenizer) if isinstance(e, Example)]
+    resident = open_index(Path(shutil.copytree(fitted.index, tmp_path / "resident")))
+    assert resident.ingest(examples, progress=False) == 14 and resident.block_cache() is None
+    blocked = AttributionIndex.open(Path(shutil.copytree(fitted.index, tmp_path / "blocked")), gradients=GradientConfig(
+        batch_size=GRADIENT_BATCH, projection_memory_gb=NO_P_IN_MEMORY))
+    p_total = blocked.projection.pca_bytes
+    # Blocks of 8 and 6 documents: each module's P read twice, not once per gradient batch (4 batches).
+    assert blocked.ingest(examples, IngestConfig(block_documents=8, progress=False)) == 14
+    assert blocked.projection.pca_bytes_read == 2 * p_total
+    assert not (blocked.path / CACHE_DIR).exists()
+    codes, expected = _codes_by_id(blocked.path), _codes_by_id(resident.path)
+    assert len(codes) == 14 and codes == expected  # every sign byte and FP16 scale
+    with pytest.raises(ConfigError, match="shard_root does not apply here"):
+        blocked.ingest(examples, shard_root=tmp_path)
+
+
 #: The killed block ingest's gradient batch and block: every run it is compared with uses them too
 #: (a row's coordinates can depend on the rows sharing its gradient batch: its padding, the BLAS's
 #: blocking), so that the codes compared are those of the same batches.
@@ -532,7 +553,10 @@ def test_distributed_worker_alone_commits_whole_steps_and_resumes(index_dir, tmp
 
 
 @pytest.mark.distributed
-def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenizer):
+@pytest.mark.parametrize("mode", ["per_batch", "block"])
+def test_two_process_ingest_equals_one_process_ingest(mode, fitted, tmp_path, tokenizer):
+    """Two torchrun workers store every document once, with the codes of a one-process per-batch
+    ingest; in block mode (P out of memory) each worker's step is a block of two gradient batches."""
     import pyarrow.parquet as pq
     import pyarrow as pa
 
@@ -552,6 +576,8 @@ def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenize
                "-m", "eogp_index.cli", "ingest", str(distributed), str(data / "*"),
                "--metadata", "source", "--metadata", "license", "--batch-size", str(GRADIENT_BATCH), "--device", "cpu",
                "--json"]
+    if mode == "block":
+        command += ["--projection-memory-gb", str(NO_P_IN_MEMORY), "--block-documents", str(2 * GRADIENT_BATCH)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     reported = json.loads(result.stdout[result.stdout.index("{"):])
@@ -567,6 +593,12 @@ def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenize
     assert two.column("id").to_pylist() == one.column("id").to_pylist()
     for name in columns[1:]:
         assert two.column(name).to_pylist() == one.column(name).to_pylist(), name
+    # A fragment per worker and step: steps of a block (2 gradient batches) or of --batch-size rows.
+    rows_per_step = 2 * GRADIENT_BATCH if mode == "block" else GRADIENT_BATCH
+    assert len(open_index_store(distributed).dataset().get_fragments()) == 32 // rows_per_step
+    assert not (distributed / "ingest-cache").exists()  # every worker's block cache removed
+    if mode == "block":
+        return  # the rerun below is the same in both modes
 
     # Running the job again stores nothing new.
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
