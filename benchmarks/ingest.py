@@ -10,7 +10,7 @@ load hits them alike):
   transform that only takes a tiny reduction of each module's ``(a, g)``. Nothing is stored.
 * **EOGP ingest** — project and 1-bit encode each batch (``AttributionIndex.encode_rows``)
   and store the rows in one Lance commit per ``--commit-rows`` rows (``Store.add``), as
-  ``run_ingest`` does (default 256 rows per commit, ``ingest.pipeline.DEFAULT_COMMIT_ROWS``);
+  ``run_ingest`` does (default 256 rows per commit, ``eogp_index.config.DEFAULT_COMMIT_ROWS``);
   a commit's time counts in the batch that completes it.
 * **LoGra-style store** — the same hooks with a Kronecker random projection
   (:class:`~eogp_index.evaluation.baselines.LoGraProjector`, rank ``r`` per module with
@@ -78,7 +78,7 @@ from eogp_index.gradients.capture import GradientCapture  # noqa: E402
 from eogp_index.store.codecs import Encoded  # noqa: E402
 from eogp_index.store.table import RowInfo, Store, build_rows  # noqa: E402
 from eogp_index.gradients.loss import collate  # noqa: E402
-from ingest.pipeline import DEFAULT_COMMIT_ROWS  # noqa: E402
+from eogp_index.config import DEFAULT_COMMIT_ROWS  # noqa: E402
 
 #: GPT-2 small's shape (12 layers, width 768, 12 heads) with the shipped 2,048-token vocabulary.
 GPT2_SMALL = '{"n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": 3072}'
@@ -425,7 +425,7 @@ def run_blocks(args) -> Dict[str, Any]:
         for round_ in range(args.rounds):
             for mode in order[round_ % 2:] + order[: round_ % 2]:
                 path = Path(shutil.copytree(workdir / "fitted", workdir / f"{mode}-{round_}"))
-                gradients = GradientConfig(batch_size=args.batch_size, device=device, block_documents=modes[mode],
+                gradients = GradientConfig(batch_size=args.batch_size, device=device,
                                            projection_memory_gb=args.projection_memory_gb)
                 # The fit and every open swap GPT-2's Conv1D layers in place: a fresh model each time.
                 workload = load_workload(args)
@@ -434,7 +434,7 @@ def run_blocks(args) -> Dict[str, Any]:
                 p_total = index.projection.pca_bytes
                 t0 = time.perf_counter()
                 summary = run_ingest(index, [str(shard)], spec=RecordSpec(id_field="id"), progress=False,
-                                     optimize_threshold=None)
+                                     optimize_threshold=None, block_documents=modes[mode])
                 seconds[mode] += time.perf_counter() - t0
                 p_read[mode] += index.projection.pca_bytes_read
                 assert summary.stored == len(timed), summary

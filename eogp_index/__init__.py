@@ -20,6 +20,7 @@ _LAZY = {
     "StoredIndex": "eogp_index.store.stored_index",
     "CurvatureConfig": "eogp_index.config",
     "GradientConfig": "eogp_index.config",
+    "IngestConfig": "eogp_index.config",
     "ProjectionConfig": "eogp_index.config",
     "StorageConfig": "eogp_index.config",
     "EOGPError": "eogp_index.errors",
@@ -35,7 +36,7 @@ __all__ = list(_LAZY)
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from eogp_index.client import AttributionIndex
     from eogp_index.store.stored_index import StoredIndex
-    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+    from eogp_index.config import CurvatureConfig, GradientConfig, IngestConfig, ProjectionConfig, StorageConfig
     from eogp_index.errors import (
         ConfigError,
         EOGPError,

@@ -19,8 +19,8 @@ from eogp_index.cli_options import field_option, option_group
 from eogp_index.cliutil import distributed_option, process_group, torchrun_rank, under_torchrun, worker_device
 from eogp_index.cliutil import emit as _emit
 from eogp_index.cliutil import fail_cleanly as _fail_cleanly
-from eogp_index.config import (MAX_BLOCK_DOCUMENTS, AnswerConfig, CurvatureConfig, GradientConfig, ProjectionConfig,
-                               SelectOptions, StorageConfig)
+from eogp_index.config import (MAX_BLOCK_DOCUMENTS, AnswerConfig, CurvatureConfig, GradientConfig, IngestConfig,
+                               ProjectionConfig, SelectOptions, StorageConfig)
 from eogp_index.errors import EOGPError
 from eogp_index.evaluation.cli import eval_group
 from eogp_index.data.records import RecordSpec
@@ -222,7 +222,7 @@ def _fit_process_group(device: str):
 @_dtype_option
 @field_option(GradientConfig, "gradient_checkpointing")
 @_projection_memory_option
-@field_option(GradientConfig, "block_documents")
+@field_option(IngestConfig, "block_documents")
 @option_group(*_budget_options, into="budget")
 @click.option("--shard-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Name shards by their path relative to this directory (needed when file names repeat); "
@@ -258,28 +258,28 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
     shards = _dataset_splits(shards, split, dataset_config)
     gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device, dtype=dtype,
                                gradient_checkpointing=gradient_checkpointing, projection_memory_gb=projection_memory_gb,
-                               block_documents=block_documents, **budget)
-    options = dict(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
-                   progress=not as_json, shard_root=shard_root,
-                   store_text=store_text_max_bytes if store_text else None)
+                               **budget)
     sharded = under_torchrun(distributed)
     if commit_every is not None and not sharded:
         raise click.UsageError("--commit-every applies to torchrun workers; run under torchrun or drop it")
+    config = IngestConfig(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
+                          block_documents=block_documents, progress=not as_json, shard_root=shard_root,
+                          store_text=store_text_max_bytes if store_text else None, commit_every=commit_every or 1)
     from ingest.pipeline import check_before_loading
 
     from eogp_index.store.stored_index import StoredIndex
 
     def check() -> None:  # what needs no model, said before it loads
         check_before_loading(StoredIndex.open(index_dir), list(shards), spec, shard_root=shard_root,
-                             store_text=options["store_text"], distributed=sharded)
+                             store_text=config.store_text, distributed=sharded)
 
     if sharded:
         from ingest.distributed import run_distributed_ingest
 
         try:
             check()
-            summary = run_distributed_ingest(index_dir, list(shards), commit_every=commit_every or 1,
-                                             gradients=gradients, model_path=model_name, **options)
+            summary = run_distributed_ingest(index_dir, list(shards), config, gradients=gradients,
+                                             model_path=model_name)
         except EOGPError:
             if torchrun_rank() != 0:  # every worker fails alike: rank 0 alone says why
                 raise click.exceptions.Exit(1)
@@ -293,7 +293,7 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
         index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
         if not as_json:
             click.echo(_sizing_line(index.sizing), err=True)
-        summary = run_ingest(index, list(shards), **options)
+        summary = run_ingest(index, list(shards), config)
     if torchrun_rank() == 0:
         _emit(summary.to_json(), as_json, lambda s: click.echo("\n".join(f"{k:>18}: {v}" for k, v in s.items())))
 
@@ -815,7 +815,7 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
 @click.option("--documents", type=click.IntRange(min=0), default=1_000_000, show_default=True,
               help="Documents in the store, for its size.")
-@field_option(GradientConfig, "block_documents",
+@field_option(IngestConfig, "block_documents",
               help=f"Documents per ingest block when P does not stay in memory (default: {MAX_BLOCK_DOCUMENTS:,}; "
                    "an ingest sizes its own from the free disk and memory, at most that).")
 @click.option("--all-modules", is_flag=True, help="One line per module (default: modules alike in every block, grouped).")

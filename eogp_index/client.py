@@ -17,14 +17,21 @@ import dataclasses
 import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Literal, Optional, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
 import torch
 from torch import nn
 
-from eogp_index.config import CurvatureConfig, GradientConfig, ModelDtype, ProjectionConfig, StorageConfig
+from eogp_index.config import (
+    CurvatureConfig,
+    GradientConfig,
+    IngestConfig,
+    ModelDtype,
+    ProjectionConfig,
+    StorageConfig,
+)
 from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
 from eogp_index.fit.fitting import fit_projection
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples, run_batches
@@ -47,8 +54,8 @@ from eogp_index.search.explain import Explanation, explain_documents
 from eogp_index.search.query import InfluenceQuery, Query, QueryOptions
 from eogp_index.search.searchers import HotSearcher, TorchSearcher, warm_kernels
 from eogp_index.store.codecs import concat_modules
+from eogp_index.store.block_cache import BlockCache, block_documents
 from eogp_index.store.maintenance import (
-    DEFAULT_FRAGMENT_THRESHOLD,
     DEFAULT_RETENTION,
     DEFAULT_TARGET_ROWS,
     OptimizeReport,
@@ -294,47 +301,60 @@ class AttributionIndex:
         return y
 
     # -- storing ----------------------------------------------------------------------------------
-    def ingest(self, examples: Iterable[Example], *, progress: bool = True, store_text: Optional[int] = None,
-               optimize_threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD) -> int:
-        """Store examples not stored yet, one commit per gradient batch; returns the rows added.
+    def ingest(self, examples: Iterable[Example], config: Optional[IngestConfig] = None, **options: Any) -> int:
+        """Store examples not stored yet; returns the rows added.
 
         An id already stored from the same shard and position is skipped (a rerun); the same id
         from elsewhere is an :class:`InputError`, as in ``eogp ingest`` (same rule:
         :class:`~eogp_index.store.stored_ids.StoredIds`). For shards, rejects and scale-out use
         ``ingest.run_ingest`` (``eogp ingest``), which also records where each shard lives.
-        Like it, compacts the table past the fragment threshold and ends with the hot copy up to
-        date (:mod:`eogp_index.store.maintenance`).
+        Like it, commits the new examples in batches (one gradient batch each by default), or, when
+        ``P`` does not stay in memory, in blocks with each module's ``P`` read once per block
+        (:meth:`block_cache`: resumable after a kill, as ``eogp ingest``); compacts the table past
+        the fragment threshold and ends with the hot copy up to date
+        (:mod:`eogp_index.store.maintenance`).
 
         Args:
-            store_text: keep each document's text, up to this many UTF-8 bytes (see
-                :meth:`encode_rows`); every ingest into one index uses the same setting.
-            optimize_threshold: compact past this many small fragments (None: never; as
-                ``ingest.run_ingest``).
+            config: the :class:`~eogp_index.config.IngestConfig` (default: its defaults). Its
+                ``batch_size``, ``block_documents``, ``store_text``, ``optimize_threshold`` and
+                ``progress`` apply here; the shard options (``spec``, ``on_error="skip"``,
+                ``rejects_path``, ``shard_root``) and ``commit_every`` are refused.
+            options: fields of ``config`` to replace, e.g. ``store_text=4096, progress=False``.
         """
         if is_dataset_object(examples):
             raise ConfigError("AttributionIndex.ingest takes tokenized Examples; ingest a datasets.Dataset or "
                               "IterableDataset with ingest.run_ingest(index, [dataset], spec=RecordSpec(...)), which "
                               "reads its records as a shard (resumable, recorded in sources.json)")
+        config = (config or IngestConfig()).with_options(**options)
+        config.refuse(("spec", "on_error", "rejects_path", "shard_root", "commit_every"),
+                      "AttributionIndex.ingest takes tokenized examples; to read shards (with rejects, or under "
+                      "torchrun) use ingest.run_ingest or eogp ingest")
+        store_text = config.store_text
         self.stored.agree_store_text(store_text)
         if self.manifest.has_content_hashes and store_text is not None:
             self.stored.sources.save()
         stored = StoredIds(self.store)
+        cache = self.block_cache(config)
+        rows_per_commit = cache.documents if cache is not None else config.commit_rows(
+            self.gradients.batch_size, default=self.gradients.batch_size)
+        bar = _bar(config.progress)
         added = optimized = 0
-        for batch in batches(examples, self.gradients.batch_size) if not progress else _bar(examples, self):
-            fresh = []
-            for ex in batch:
-                status, where = stored.lookup(ex)
-                if status == "other":
-                    raise InputError(f"duplicate id {ex.id!r}: already stored from {where}; ids must be unique",
-                                     location=f"{ex.shard}:{ex.position}" if ex.shard else None)
-                if status == "absent":
-                    fresh.append(ex)
-                    stored.remember([ex])  # a repeat later in this call is then a rerun, not a new row
-            if fresh:
-                added += self.add_batch(fresh, store_text=store_text)
-                optimized += maybe_optimize(self.stored, threshold=optimize_threshold) is not None
-        if added and optimize_threshold is not None:
-            after_ingest(self.stored, optimized=optimized > 0, threshold=optimize_threshold, settle=False)
+        try:
+            for commit in _fresh_commits(examples, stored, rows_per_commit, bar):
+                self.store.add(self.encode_commit(commit, cache=cache, store_text=store_text))  # one commit
+                if cache is not None:
+                    cache.clear()
+                added += len(commit)
+                optimized += maybe_optimize(self.stored, threshold=config.optimize_threshold) is not None
+            if cache is not None:
+                cache.clear()  # a block a killed run left, when this call had nothing left to store
+        finally:
+            if cache is not None:
+                cache.close()
+            if bar is not None:
+                bar.close()
+        if added and config.optimize_threshold is not None:
+            after_ingest(self.stored, optimized=optimized > 0, threshold=config.optimize_threshold, settle=False)
         return added
 
     def add_batch(self, examples: Sequence[Example], *, store_text: Optional[int] = None) -> int:
@@ -342,6 +362,50 @@ class AttributionIndex:
         rows = self.encode_rows(examples, store_text=store_text)
         self.store.add(rows)
         return rows.num_rows
+
+    def block_cache(self, config: IngestConfig = IngestConfig(), *, worker: Optional[int] = None,
+                    workers: int = 1) -> Optional[BlockCache]:
+        """The cache of block ingest, or None for per-batch ingest: blocks when ``P`` does not stay
+        in memory (:func:`~eogp_index.store.block_cache.block_documents`, sized by
+        ``config.block_documents``). ``worker``: a torchrun worker's rank (its own cache), one of
+        ``workers``. The caller closes it."""
+        documents = block_documents(self.stored, self.gradients.batch_size, config.block_documents,
+                                    workers=workers)
+        return None if documents is None else BlockCache(self.path, documents, worker=worker)
+
+    def encode_commit(self, examples: Sequence[Example], *, cache: Optional[BlockCache] = None,
+                      on_chunk: Optional[Callable[[Sequence[Example]], None]] = None,
+                      store_text: Optional[int] = None) -> pa.Table:
+        """The Arrow rows of one commit, projected one gradient batch at a time; ``on_chunk(examples)``
+        after each batch.
+
+        With a ``cache`` (block ingest) the examples are one block: each batch's first stage is
+        cached on disk (the batches a killed run cached for this very block are reused), then
+        each module's ``P`` is read once for the whole block. The rows are those of per-batch
+        ingest, bit for bit.
+        """
+        size = self.gradients.batch_size
+        parts = list(batches(examples, size))
+        if cache is None:
+            tables = []
+            for part in parts:
+                tables.append(self.encode_rows(part, store_text=store_text))
+                if on_chunk is not None:
+                    on_chunk(part)
+            return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        done = set(cache.begin(self.stored, size, examples))
+        for i, part in enumerate(parts):
+            if i not in done:
+                cache.write(i, {name: groups[0] for name, groups in self.first_stage_groups(part).items()})
+            if on_chunk is not None:
+                on_chunk(part)
+        cache.wait()
+        coords = []
+        for name in self.manifest.module_names:
+            groups = [z.to(self.device) for z in cache.read(name, len(parts))]
+            coords.append(torch.cat(self.projection.modules[name].second_groups(groups)).cpu().numpy())
+            del groups
+        return self.rows(examples, concat_modules(coords), store_text=store_text)
 
     def encode_rows(self, examples: Sequence[Example], *, store_text: Optional[int] = None) -> pa.Table:
         """The Arrow rows of a batch, ready for :meth:`Store.add` (also used by distributed ingest).
@@ -481,10 +545,36 @@ def _capped(text: str, max_bytes: int) -> Optional[str]:
     return text if len(text.encode("utf-8")) <= max_bytes else None
 
 
-def _bar(examples: Iterable[Example], index: AttributionIndex):
+def _bar(enabled: bool):
+    if not enabled:
+        return None
     from tqdm.auto import tqdm
 
-    return tqdm(batches(examples, index.gradients.batch_size), desc="ingesting", unit="batch")
+    return tqdm(desc="ingesting", unit="doc", dynamic_ncols=True)
+
+
+def _fresh_commits(examples: Iterable[Example], stored: StoredIds, size: int, bar) -> Iterator[List[Example]]:
+    """The examples not stored yet, ``size`` at a time (the last commit may be smaller).
+
+    Raises:
+        InputError: an id already stored from another shard or position.
+    """
+    fresh: List[Example] = []
+    for ex in examples:
+        if bar is not None:
+            bar.update(1)
+        status, where = stored.lookup(ex)
+        if status == "other":
+            raise InputError(f"duplicate id {ex.id!r}: already stored from {where}; ids must be unique",
+                             location=f"{ex.shard}:{ex.position}" if ex.shard else None)
+        if status == "absent":
+            fresh.append(ex)
+            stored.remember([ex])  # a repeat later in this call is then a rerun, not a new row
+        if len(fresh) == size:
+            yield fresh
+            fresh = []
+    if fresh:
+        yield fresh
 
 
 def _adapter_entry(model: nn.Module, adapter: Optional[str]) -> Optional[Dict[str, str]]:

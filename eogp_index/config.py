@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Literal, Optional, Tuple
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal, Optional, Tuple
 
 from eogp_index.errors import ConfigError
 
@@ -231,12 +232,6 @@ class StorageConfig:
             raise ConfigError(f"StorageConfig.precision must be '1bit', 'fp16' or 'fp32', got {self.precision!r}")
 
 
-#: The most documents in a default ingest block (``GradientConfig.block_documents``): about the
-#: paper's (Appendix E: "batches of approximately 11,000 documents, over which matrix-loading
-#: costs are amortized"). A kill redoes at most a block.
-MAX_BLOCK_DOCUMENTS = 11_000
-
-
 @dataclass(frozen=True)
 class GradientConfig:
     """Per-example gradient computation (training examples and queries alike)."""
@@ -258,13 +253,6 @@ class GradientConfig:
                           "once and kept; over it the modules' P are read one at a time in every batch and "
                           "dropped (slower, bounded). Default: $EOGP_PROJECTION_MEMORY_GB, else half the "
                           "available memory.", "min": 0.0, "min_open": True},
-    )
-    block_documents: Optional[int] = field(
-        default=None,
-        metadata={"help": "When P does not stay in memory: documents per ingest block. Their first-stage "
-                          "coordinates are cached on disk, then each module's P is read once for the whole block "
-                          f"(one commit per block). Default: sized from the free disk and memory, at most "
-                          f"{MAX_BLOCK_DOCUMENTS:,}; the gradient batch size reads P in every batch.", "min": 1},
     )
     experts: Experts = field(
         default="fused",
@@ -301,7 +289,6 @@ class GradientConfig:
         _positive("GradientConfig.batch_size", self.batch_size, allow_none=False)
         _positive("GradientConfig.max_tokens", self.max_tokens)
         _positive("GradientConfig.projection_memory_gb", self.projection_memory_gb)
-        _positive("GradientConfig.block_documents", self.block_documents)
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"GradientConfig.device must be 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N' "
                               f"(--device), got {self.device!r}")
@@ -314,6 +301,123 @@ class GradientConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+#: The most documents in a default ingest block (``IngestConfig.block_documents``): about the
+#: paper's (Appendix E: "batches of approximately 11,000 documents, over which matrix-loading
+#: costs are amortized"). A kill redoes at most a block.
+MAX_BLOCK_DOCUMENTS = 11_000
+#: Rows per commit of a shard ingest when ``IngestConfig.batch_size`` is not given (rounded up to
+#: whole gradient batches). Bigger commits mean fewer Lance fragments; smaller ones lose less work
+#: to a crash.
+DEFAULT_COMMIT_ROWS = 256
+#: Small fragments (fewer than ``target_rows`` rows) that make ingest compact the table.
+DEFAULT_FRAGMENT_THRESHOLD = 256
+OnError = Literal["raise", "skip"]
+ON_ERRORS = ("raise", "skip")
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """How documents go into an index: one config for ``eogp ingest``,
+    :func:`ingest.pipeline.run_ingest`, :func:`ingest.distributed.run_distributed_ingest` (torchrun)
+    and :meth:`eogp_index.client.AttributionIndex.ingest`. Each entry point also takes these fields
+    as keyword arguments, which replace the config's (``run_ingest(index, shards, batch_size=64)``).
+
+    The options about reading shards (``spec``, ``on_error="skip"``, ``rejects_path``,
+    ``shard_root``) do not apply to :meth:`AttributionIndex.ingest`, which takes tokenized examples,
+    and ``commit_every`` applies under torchrun only: an entry point refuses what it cannot honour.
+    """
+
+    spec: Any = field(
+        default=None,
+        metadata={"help": "A RecordSpec (eogp_index.data.records): the record fields holding content, id and "
+                          "metadata, and what becomes of long documents. None: RecordSpec(), with the index's "
+                          "max_tokens."},
+    )
+    batch_size: Optional[int] = field(
+        default=None,
+        metadata={"help": f"Rows per commit (under torchrun: per worker and step), rounded up to whole gradient "
+                          f"batches. Default: {DEFAULT_COMMIT_ROWS} for shards, one gradient batch for "
+                          "AttributionIndex.ingest. A kill loses at most the commit in flight.", "min": 1},
+    )
+    block_documents: Optional[int] = field(
+        default=None,
+        metadata={"help": "When P does not stay in memory: documents per ingest block. Their first-stage "
+                          "coordinates are cached on disk, then each module's P is read once for the whole block "
+                          f"(one commit per block). Default: sized from the free disk and memory, at most "
+                          f"{MAX_BLOCK_DOCUMENTS:,}; the gradient batch size reads P in every batch.", "min": 1},
+    )
+    on_error: OnError = field(
+        default="raise",
+        metadata={"help": "raise: stop at the first bad record; skip: list bad records in a rejects file."},
+    )
+    rejects_path: Optional[Path] = field(
+        default=None, metadata={"help": "Where on_error='skip' lists rejected records (default: "
+                                        "INDEX/rejects/<time>-<pid>.jsonl)."})
+    shard_root: Optional[Path] = field(
+        default=None,
+        metadata={"help": "Name shards by their path relative to this directory (needed when file names repeat); "
+                          "keep it the same across runs."},
+    )
+    store_text: Optional[int] = field(
+        default=None,
+        metadata={"help": "Keep each document's text in the table, up to this many UTF-8 bytes (a longer one is "
+                          "read back from its shard when explained); None keeps none. Every ingest into one index "
+                          "uses the same setting.", "min": 1},
+    )
+    optimize_threshold: Optional[int] = field(
+        default=DEFAULT_FRAGMENT_THRESHOLD,
+        metadata={"help": "Compact the table between commits past this many small fragments, and leave it ready "
+                          "to query at the end (None: neither; eogp optimize later).", "min": 0},
+    )
+    commit_every: int = field(
+        default=1,
+        metadata={"help": "Under torchrun: steps between commits; a crash loses at most this many steps.", "min": 1},
+    )
+    progress: bool = field(default=True, metadata={"help": "Show a progress bar (documents, doc/s, tok/s)."})
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ON_ERRORS:
+            raise ConfigError(f"on_error must be 'raise' or 'skip' (--on-error), got {self.on_error!r}")
+        for name in ("batch_size", "block_documents", "store_text"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                flag = "--store-text-max-bytes" if name == "store_text" else "--" + name.replace("_", "-")
+                raise ConfigError(f"IngestConfig.{name} ({flag}) must be a positive int or None, got {value!r}")
+        commit_every = self.commit_every
+        if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
+            raise ConfigError(f"commit_every (--commit-every) must be a positive int, got {commit_every!r}")
+        threshold = self.optimize_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0):
+            raise ConfigError(f"IngestConfig.optimize_threshold must be a non-negative int or None, got {threshold!r}")
+        if self.rejects_path is not None:
+            object.__setattr__(self, "rejects_path", Path(self.rejects_path))
+
+    def with_options(self, **options: Any) -> "IngestConfig":
+        """This config with the fields named in ``options`` replaced: an entry point's keyword
+        arguments. Raises :class:`ConfigError` for a name that is not a field."""
+        names = [f.name for f in fields(self)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown ingest options {unknown}: IngestConfig's fields are {names}")
+        return replace(self, **options) if options else self
+
+    def refuse(self, names: Tuple[str, ...], why: str) -> None:
+        """Raise :class:`ConfigError` if any field of ``names`` differs from its default: an entry
+        point that cannot honour it says so (``why``: what to do instead)."""
+        default = IngestConfig()
+        given = [name for name in names if getattr(self, name) != getattr(default, name)]
+        if given:
+            raise ConfigError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply here: {why}")
+
+    def commit_rows(self, gradient_batch_size: int, default: int = DEFAULT_COMMIT_ROWS) -> int:
+        """Rows per commit outside block ingest: ``batch_size`` (else ``default``) as whole
+        gradient batches; one smaller batch when it is below a gradient batch."""
+        rows = self.batch_size if self.batch_size is not None else default
+        if rows <= gradient_batch_size:
+            return rows
+        return -(-rows // gradient_batch_size) * gradient_batch_size
 
 
 Aggregate = Literal["mean", "sum"]

@@ -26,6 +26,13 @@ How the work and the table are shared:
 * A crash (any worker, any moment) loses at most the steps since the last commit: their
   data files are never referenced by the table. Running the same command again skips what
   is stored and completes the rest, without duplicates.
+* When the ``P`` matrices do not stay in memory, a worker's step is a block of documents
+  (``--block-documents``), as in :func:`ingest.pipeline.run_ingest`: the worker caches the
+  block's first-stage coordinates in FP16 in ``INDEX/ingest-cache/rank-R/``, then reads each
+  module's ``P`` once for the whole block (:mod:`eogp_index.store.block_cache`). The workers'
+  blocks of a step are committed together, whole; a killed step is redone by the next run,
+  reusing the batches its workers cached (with ``--commit-every 1``, the default). Rank 0
+  removes ``INDEX/ingest-cache/`` at the end of the run.
 * With ``--on-error raise`` (the default) the first bad record stops every worker: the
   fragments of earlier steps are committed, nothing of the failing step is, and every worker
   exits with the error (naming the shard and line/row). With ``--on-error skip`` rank 0
@@ -49,22 +56,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-from eogp_index.config import GradientConfig
+from eogp_index.config import GradientConfig, IngestConfig
 from eogp_index.errors import ConfigError, EOGPError, InputError
-from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, after_ingest
+from eogp_index.store.maintenance import after_ingest
 from eogp_index.store.manifest import Manifest, open_dtype
 from ingest.pipeline import (
     ExampleReader,
     IngestSummary,
-    OnError,
     RejectsFile,
     StoredIds,
     Tally,
     check_metadata_fields,
-    commit_rows,
     default_rejects_path,
     effective_spec,
-    encode_batch,
     record_sources,
     index_lock,
     stable_hash,
@@ -161,36 +165,31 @@ def _first_error(items: Sequence[Optional[tuple]]) -> Optional[_Aborted]:
 def run_distributed_ingest(
     index_path: str | Path,
     patterns: Sequence[str | Path],
+    config: Optional[IngestConfig] = None,
     *,
-    spec: RecordSpec = RecordSpec(),
-    on_error: OnError = "raise",
-    rejects_path: Optional[Path] = None,
-    batch_size: Optional[int] = None,
-    commit_every: int = 1,
     gradients: GradientConfig = GradientConfig(),
     model_path: Optional[str] = None,
-    progress: bool = True,
-    shard_root: str | Path | None = None,
-    store_text: Optional[int] = None,
-    optimize_threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD,
+    **options: Any,
 ) -> IngestSummary:
     """Ingest ``patterns`` into the index at ``index_path`` as one worker of a ``torchrun`` job.
 
     Every worker calls this with the same arguments; each opens the index (and its model) on
     its own device, reads its share of the shards and writes its rows; rank 0 commits. See the
     module docstring for the protocol, and :func:`ingest.pipeline.run_ingest` for the meaning
-    of ``spec``, ``on_error``, ``rejects_path``, ``shard_root`` and ``store_text``.
+    of ``config``'s fields.
 
     Args:
-        batch_size: rows per worker per step (default 256, whole gradient batches).
-        commit_every: steps between commits; a crash loses at most this many steps of work.
+        config: the :class:`~eogp_index.config.IngestConfig` (default: its defaults). Here
+            ``batch_size`` is rows per worker per step (default 256, whole gradient batches;
+            in block ingest a step is a block of ``block_documents``), ``commit_every`` the
+            steps between commits (a crash loses at most this many steps of work), and
+            ``optimize_threshold`` makes rank 0 compact the table past this many small
+            fragments, after its commits, and leave the index ready to query at the end.
         gradients: the per-example gradient settings; ``device="auto"`` puts worker ``r`` on
             ``cuda:LOCAL_RANK`` when CUDA is present, else on the CPU.
         model_path: load the model and tokenizer from here instead of the manifest's name
             (the weights must still be the ones the index was built with).
-        optimize_threshold: rank 0 compacts the table past this many small fragments, after its
-            commits, and leaves the index ready to query at the end (as
-            :func:`ingest.pipeline.run_ingest`); None: neither.
+        options: fields of ``config`` to replace, e.g. ``batch_size=64, commit_every=4``.
 
     Returns:
         The run's :class:`IngestSummary` (the same on every worker).
@@ -204,14 +203,12 @@ def run_distributed_ingest(
     from eogp_index.gradients.model import load_indexed_model
     from eogp_index.store.manifest import Manifest
 
-    if on_error not in ("raise", "skip"):
-        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
-        raise ConfigError(f"commit_every (--commit-every) must be a positive int, got {commit_every!r}")
+    config = (config or IngestConfig()).with_options(**options)
     import torch
 
     use_cuda = gradients.device.startswith("cuda") or (gradients.device == "auto" and torch.cuda.is_available())
     comm = _Comm(use_cuda=use_cuda)
+    worker = None
     try:
         if gradients.device == "auto":
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu"
@@ -223,9 +220,7 @@ def run_distributed_ingest(
             model, tokenizer = load_indexed_model(manifest.model, model_path, device=gradients.resolved_device(),
                                                   dtype=dtype)
         index = AttributionIndex.open(index_path, model=model, tokenizer=tokenizer, gradients=gradients)
-        worker = _Worker(index, comm, patterns, spec=spec, on_error=on_error, rejects_path=rejects_path,
-                         batch_size=batch_size, commit_every=commit_every, progress=progress, shard_root=shard_root,
-                         store_text=store_text, optimize_threshold=optimize_threshold)
+        worker = _Worker(index, comm, patterns, config)
         with contextlib.ExitStack() as stack:
             # Rank 0 holds the index's ingest lock for the whole job (its node's view of it);
             # every worker learns whether it got it, so none waits on a job that never starts.
@@ -240,33 +235,38 @@ def run_distributed_ingest(
                 raise ConfigError(refused)
             return worker.run()
     finally:
+        if worker is not None and worker.cache is not None:
+            worker.cache.close()
         comm.close()
 
 
 class _Worker:
-    def __init__(self, index, comm: _Comm, patterns, *, spec, on_error, rejects_path, batch_size, commit_every,
-                 progress, shard_root, store_text, optimize_threshold=DEFAULT_FRAGMENT_THRESHOLD):
+    def __init__(self, index, comm: _Comm, patterns, config: IngestConfig):
         self.index = index
-        self.store_text = store_text
-        self.optimize_threshold = optimize_threshold
+        self.config = config
+        self.store_text = config.store_text
+        self.optimize_threshold = config.optimize_threshold
         self.optimized = 0  # compactions run by rank 0
         self.comm = comm
-        self.on_error = on_error
-        self.commit_every = commit_every
-        self.spec = effective_spec(index, spec)
+        self.on_error = config.on_error
+        self.commit_every = config.commit_every
+        self.spec = effective_spec(index, config.spec)
         check_metadata_fields(index, self.spec, new_allowed=False)
-        self.rows_per_step = commit_rows(batch_size, index.gradients.batch_size)
+        # P not in memory: each step is a block per worker, cached in the worker's own directory.
+        self.cache = index.block_cache(config, worker=comm.rank if comm.world > 1 else None, workers=comm.world)
+        self.rows_per_step = (self.cache.documents if self.cache is not None
+                              else config.commit_rows(index.gradients.batch_size))
         shards = expand_shards(patterns)
+        shard_root = config.shard_root
         shard_names(shards, root=shard_root)  # names must be unique across all workers' shards
         # Every worker checks the text setting against sources.json alike; rank 0 alone writes it.
-        record_sources(index, patterns, self.spec, shard_root=shard_root, store_text=store_text,
+        record_sources(index, patterns, self.spec, shard_root=shard_root, store_text=self.store_text,
                        write=comm.rank == 0)
         self.mine = shards[comm.rank::comm.world]
         self.shard_root = shard_root
-        self.rejects = RejectsFile(Path(rejects_path) if rejects_path is not None
-                                   else default_rejects_path(index.path)) if comm.rank == 0 else None
+        self.rejects = RejectsFile(config.rejects_path or default_rejects_path(index.path)) if comm.rank == 0 else None
         self.bar = None
-        if progress and comm.rank == 0:
+        if config.progress and comm.rank == 0:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(desc=f"ingest ({comm.world} workers)", unit="doc", dynamic_ncols=True)
@@ -317,7 +317,7 @@ class _Worker:
                 rows = None
                 try:
                     if batch:
-                        rows = encode_batch(self.index, batch, store_text=self.store_text)
+                        rows = self.index.encode_commit(batch, cache=self.cache, store_text=self.store_text)
                 except Exception as exc:
                     local_error = exc
                 if self.schema is None:
@@ -332,6 +332,8 @@ class _Worker:
                     self._commit(local_error)
                 if all_done:
                     break
+            if self.cache is not None and self.comm.rank == 0:
+                self.cache.clear_all()  # every worker is past its last commit: no block is in flight
             if self.comm.rank == 0 and self.tally.stored and self.optimize_threshold is not None:
                 self.optimized += after_ingest(self.index.stored, optimized=self.optimized > 0,
                                                threshold=self.optimize_threshold) is not None
@@ -519,6 +521,8 @@ class _Worker:
         if result[0] == "error":
             raise _Aborted(0, result[1])
         self.version = result[1]
+        if self.cache is not None and local_error is None:
+            self.cache.clear()  # this worker's block is committed (or it had none in flight)
         if self.comm.rank == 0 and result[1] and raise_errors:
             self._maybe_optimize()
         failure = _first_error([error for _, error in offers])

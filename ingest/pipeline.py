@@ -17,9 +17,9 @@ Lance commit. What that buys:
   or position (say, by an earlier ingest of other shards), is a bad record too (counted in
   ``duplicates``), so the table never holds an id twice.
 * **P read per block.** When the ``P`` matrices do not stay in memory, documents go in blocks
-  (``GradientConfig.block_documents``): each module's ``P`` is read once per block instead of
+  (``IngestConfig.block_documents``): each module's ``P`` is read once per block instead of
   once per gradient batch; a block is one commit, and a killed block's cached batches are
-  reused by the next run (:mod:`ingest.blocks`).
+  reused by the next run (:mod:`eogp_index.store.block_cache`).
 * **Fragment hygiene.** Every commit adds a fragment; past ``optimize_threshold`` small ones the
   table is compacted between commits, and a run ends with the index ready to query (compacted
   if due, hot copy up to date): :mod:`eogp_index.store.maintenance`.
@@ -39,11 +39,12 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import pyarrow as pa
 
 from eogp_index.client import AttributionIndex
+from eogp_index.config import DEFAULT_COMMIT_ROWS, IngestConfig, OnError  # noqa: F401  (re-exported)
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.gradients.model import hard_context_length
 from eogp_index.data.readers import (
@@ -55,21 +56,14 @@ from eogp_index.data.readers import (
     shard_names,
     split_shard_spec,
 )
-from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, after_ingest, maybe_optimize
+from eogp_index.store.maintenance import after_ingest, maybe_optimize
 from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
 from eogp_index.data.readers import location_of
-from ingest.blocks import BlockCache, block_documents, encode_block
 from ingest.records import Example, RecordSpec, Rejected, iter_examples
 
-__all__ = ["ExampleReader", "IngestSummary", "RejectsFile", "StoredIds", "Tally", "run_ingest",
+__all__ = ["ExampleReader", "IngestConfig", "IngestSummary", "RejectsFile", "StoredIds", "Tally", "run_ingest",
            "default_rejects_path", "sql_string", "stable_hash"]
-
-OnError = Literal["raise", "skip"]
-
-#: Rows per commit when ``batch_size`` is not given (rounded up to whole gradient batches).
-#: Bigger batches mean fewer Lance fragments; smaller ones lose less work to a crash.
-DEFAULT_COMMIT_ROWS = 256
 
 LOCK_FILE = "ingest.lock"
 REJECTS_DIR = "rejects"
@@ -154,9 +148,11 @@ class Tally:
         )
 
 
-def effective_spec(index: AttributionIndex, spec: RecordSpec) -> RecordSpec:
-    """``spec``, with the index's ``max_tokens`` when the spec sets none (for windows without one:
-    the model's context, when its position table fixes it)."""
+def effective_spec(index: AttributionIndex, spec: Optional[RecordSpec]) -> RecordSpec:
+    """``spec`` (None: ``RecordSpec()``), with the index's ``max_tokens`` when the spec sets none
+    (for windows without one: the model's context, when its position table fixes it)."""
+    if spec is None:
+        spec = RecordSpec()
     if not isinstance(spec, RecordSpec):
         raise ConfigError(f"spec must be an ingest.records.RecordSpec, got {type(spec).__name__}")
     if spec.max_tokens is None and index.manifest.max_tokens is not None:
@@ -346,30 +342,6 @@ class ExampleReader:
         return batch, rejected, tally
 
 
-def commit_rows(batch_size: Optional[int], gradient_batch_size: int) -> int:
-    """Rows per commit: ``batch_size`` or the default, as whole gradient batches."""
-    if batch_size is None:
-        batch_size = DEFAULT_COMMIT_ROWS
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"batch_size (rows per commit, --batch-size) must be a positive int, got {batch_size!r}")
-    if batch_size <= gradient_batch_size:
-        return batch_size  # one (smaller) gradient batch per commit
-    return -(-batch_size // gradient_batch_size) * gradient_batch_size
-
-
-def encode_batch(index: AttributionIndex, batch: Sequence[Example], on_chunk=None, *,
-                 store_text: Optional[int] = None) -> pa.Table:
-    """Rows of ``batch``, projected one gradient batch at a time (``on_chunk(examples)`` after each)."""
-    size = index.gradients.batch_size
-    parts = []
-    for start in range(0, len(batch), size):
-        chunk = batch[start:start + size]
-        parts.append(index.encode_rows(chunk, store_text=store_text))
-        if on_chunk is not None:
-            on_chunk(chunk)
-    return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-
-
 def record_sources(index: AttributionIndex, patterns: Sequence[str | Path], spec: RecordSpec, *,
                    shard_root: str | Path | None, store_text: Optional[int], write: bool = True) -> None:
     """Note in ``sources.json`` where this run's shards live and how they are read, before any of
@@ -445,19 +417,8 @@ def _postfix(bar, tally: Tally, started: float) -> None:
                      "rejected": tally.rejected + tally.duplicates}, refresh=False)
 
 
-def run_ingest(
-    index: AttributionIndex,
-    patterns: Sequence[str | Path],
-    *,
-    spec: RecordSpec = RecordSpec(),
-    on_error: OnError = "raise",
-    rejects_path: Optional[Path] = None,
-    batch_size: Optional[int] = None,
-    progress: bool = True,
-    shard_root: str | Path | None = None,
-    store_text: Optional[int] = None,
-    optimize_threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD,
-) -> IngestSummary:
+def run_ingest(index: AttributionIndex, patterns: Sequence[str | Path], config: Optional[IngestConfig] = None,
+               **options: Any) -> IngestSummary:
     """Ingest the records of ``patterns`` (shard paths or globs) into ``index``.
 
     Args:
@@ -469,29 +430,37 @@ def run_ingest(
             ``datasets.Dataset`` or ``IterableDataset`` is a shard too, streamed in its iteration
             order and named from its info or by :func:`~eogp_index.data.readers.dataset_shard`;
             its documents are explained from their stored text only (``store_text``).
-        spec: which record fields hold the content, id and metadata (``metadata_fields`` become
-            typed, nullable table columns; a list of scalars becomes an Arrow list) and ``max_tokens`` (default: the index's).
-        on_error: ``"raise"``: the first bad record raises :class:`InputError` naming its shard
-            and line/row, and nothing of the batch it falls in is stored. Batches committed
-            before it stay stored; fix the record and run again to continue from there.
-            ``"skip"``: bad records are written to ``rejects_path`` and the rest goes in.
-        rejects_path: where ``"skip"`` lists rejected records, one JSON object per line with
-            ``shard, position, location, reason, record_id``; default
-            ``<index>/rejects/<UTC time>-<pid>.jsonl``, created only if something is rejected.
-        batch_size: rows per commit (default 256, rounded up to whole gradient batches). A
-            kill loses at most the batch in flight; each commit adds a Lance fragment. In block
-            ingest (``P`` not in memory) a commit is a block (``index.gradients.block_documents``).
-        progress: show a progress bar (documents, stored doc/s and tok/s).
-        shard_root: name shards by their path relative to this directory instead of by file
-            name (needed when two shards share a file name); keep it the same across runs.
-        store_text: keep each document's text in the table, up to this many UTF-8 bytes (a
-            longer document is read back from its shard when explained); None keeps none. Every
-            ingest into one index uses the same setting.
-        optimize_threshold: once more than this many small fragments pile up, the table is
-            compacted between commits (:func:`~eogp_index.store.maintenance.maybe_optimize`),
-            and at the end of a run that stored rows the index is left ready to query
-            (:func:`~eogp_index.store.maintenance.after_ingest`: compacted if due, hot copy
-            rebuilt). None: neither (``eogp optimize`` later).
+        config: the :class:`~eogp_index.config.IngestConfig` (default: its defaults); what its
+            fields mean here:
+
+            * ``spec``: which record fields hold the content, id and metadata
+              (``metadata_fields`` become typed, nullable table columns; a list of scalars
+              becomes an Arrow list) and ``max_tokens`` (default: the index's).
+            * ``on_error``: ``"raise"``: the first bad record raises :class:`InputError` naming
+              its shard and line/row, and nothing of the batch it falls in is stored. Batches
+              committed before it stay stored; fix the record and run again to continue from
+              there. ``"skip"``: bad records are written to ``rejects_path`` and the rest goes in.
+            * ``rejects_path``: where ``"skip"`` lists rejected records, one JSON object per line
+              with ``shard, position, location, reason, record_id``; default
+              ``<index>/rejects/<UTC time>-<pid>.jsonl``, created only if something is rejected.
+            * ``batch_size``: rows per commit (default 256, rounded up to whole gradient
+              batches). A kill loses at most the batch in flight; each commit adds a Lance
+              fragment. In block ingest (``P`` not in memory) a commit is a block
+              (``block_documents``).
+            * ``progress``: show a progress bar (documents, stored doc/s and tok/s).
+            * ``shard_root``: name shards by their path relative to this directory instead of by
+              file name (needed when two shards share a file name); keep it the same across runs.
+            * ``store_text``: keep each document's text in the table, up to this many UTF-8
+              bytes (a longer document is read back from its shard when explained); None keeps
+              none. Every ingest into one index uses the same setting.
+            * ``optimize_threshold``: once more than this many small fragments pile up, the
+              table is compacted between commits
+              (:func:`~eogp_index.store.maintenance.maybe_optimize`), and at the end of a run
+              that stored rows the index is left ready to query
+              (:func:`~eogp_index.store.maintenance.after_ingest`: compacted if due, hot copy
+              rebuilt). None: neither (``eogp optimize`` later).
+            * ``commit_every`` applies under torchrun only (:mod:`ingest.distributed`).
+        options: fields of ``config`` to replace, e.g. ``spec=RecordSpec(...), batch_size=64``.
 
     Returns:
         An :class:`IngestSummary`.
@@ -502,23 +471,23 @@ def run_ingest(
         ConfigError: bad options, or another ingest holding the index. A metadata field the
             existing table lacks is added as a column (older rows hold null).
     """
-    if on_error not in ("raise", "skip"):
-        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    config = (config or IngestConfig()).with_options(**options)
+    config.refuse(("commit_every",), "it applies to torchrun workers (ingest.distributed.run_distributed_ingest)")
     patterns = shard_list(patterns)  # dataset objects named once, for the sources and the reader alike
     started = time.perf_counter()
-    spec = effective_spec(index, spec)
+    spec = effective_spec(index, config.spec)
     check_metadata_fields(index, spec)
-    block = block_documents(index)
-    rows_per_commit = block or commit_rows(batch_size, index.gradients.batch_size)
-    cache = BlockCache(index.path) if block else None
-    rejects = RejectsFile(Path(rejects_path) if rejects_path is not None else default_rejects_path(index.path))
+    store_text, shard_root = config.store_text, config.shard_root
+    cache = index.block_cache(config)
+    rows_per_commit = cache.documents if cache is not None else config.commit_rows(index.gradients.batch_size)
+    rejects = RejectsFile(config.rejects_path or default_rejects_path(index.path))
     tally = Tally()
     optimized = 0
-    bar = _progress_bar(progress, "ingest")
+    bar = _progress_bar(config.progress, "ingest")
     try:
         with index_lock(index.path):
             record_sources(index, patterns, spec, shard_root=shard_root, store_text=store_text)
-            reader = ExampleReader(index, patterns, spec=spec, on_error=on_error, shard_root=shard_root,
+            reader = ExampleReader(index, patterns, spec=spec, on_error=config.on_error, shard_root=shard_root,
                                    stored=StoredIds(index.store))
             while not reader.exhausted:
                 batch, rejected, counts = reader.take(rows_per_commit)
@@ -535,22 +504,19 @@ def run_ingest(
                     if bar is not None:
                         bar.update(len(chunk))
 
-                if cache is not None:
-                    rows = encode_block(index, batch, cache, on_chunk, store_text=store_text)
-                else:
-                    rows = encode_batch(index, batch, on_chunk, store_text=store_text)
+                rows = index.encode_commit(batch, cache=cache, on_chunk=on_chunk, store_text=store_text)
                 index.store.add(rows)  # one commit: the batch is visible entirely or not at all
                 if cache is not None:
                     cache.clear()
                 tally.stored += len(batch)
                 tally.tokens += sum(ex.num_tokens for ex in batch)
                 _postfix(bar, tally, started)
-                optimized += maybe_optimize(index.stored, threshold=optimize_threshold) is not None
+                optimized += maybe_optimize(index.stored, threshold=config.optimize_threshold) is not None
             if cache is not None:
                 cache.clear()  # a block a killed run left, when this run had nothing left to store
-            if tally.stored and optimize_threshold is not None:
+            if tally.stored and config.optimize_threshold is not None:
                 optimized += after_ingest(index.stored, optimized=optimized > 0,
-                                          threshold=optimize_threshold) is not None
+                                          threshold=config.optimize_threshold) is not None
     finally:
         rejects.close()
         if cache is not None:

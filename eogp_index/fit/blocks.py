@@ -3,7 +3,7 @@
 When the ``P`` matrices do not stay in memory (``GradientConfig.projection_memory_gb``), reading
 them is the price of projecting: every module's ``P`` is read whenever it is applied. Applied in
 the backward hook, that is once per gradient batch (``Σ_u 2·m_u·k_u / B`` bytes per document).
-Block ingest (``ingest.blocks``) follows the paper's Appendix E instead: the first-stage
+Block ingest (:mod:`eogp_index.store.block_cache`) follows the paper's Appendix E instead: the first-stage
 coordinates of a block of documents are cached on disk (``Σ_u m_u`` values per document, in
 FP16), then each module's ``P`` is read once and applied to the whole block. The block
 trades cache disk (``block × Σ_u 2·m_u`` bytes) for ``P`` reads (``Σ_u 2·m_u·k_u / block`` per
@@ -109,5 +109,5 @@ def format_p_reads(reads: Dict[str, Any]) -> str:
         f"in turn per block of {reads['block_documents']:,} {size(per['block'])} (--block-documents)",
         f"block cache   {size(reads['cache_bytes_per_document'])} per document (first-stage coordinates in FP16), "
         f"{size(reads['cache_bytes'])} of disk for the block (INDEX/ingest-cache/, removed once it is committed), "
-        f"{size(reads['block_memory_bytes'])} of memory while each P is applied",
+        f"{size(reads['block_memory_bytes'])} of memory while each P is applied; under torchrun, per worker",
     ])

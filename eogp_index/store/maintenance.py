@@ -32,11 +32,10 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
+from eogp_index.config import DEFAULT_FRAGMENT_THRESHOLD
 from eogp_index.errors import ConfigError
 from eogp_index.store.table import Store
 
-#: Small fragments (fewer than ``target_rows`` rows) that make ingest compact the table.
-DEFAULT_FRAGMENT_THRESHOLD = 256
 #: Rows per fragment after compaction: ~70 MB of 1-bit codes at 272 B per row, few enough
 #: fragments at 10M rows (~40) and little rewritten when the tail is compacted again.
 DEFAULT_TARGET_ROWS = 1 << 18

@@ -236,15 +236,15 @@ KILLED_INGEST = textwrap.dedent("""
 """)
 
 
-def kill_mid_shard(script_text: str, index_dir: Path, shard: Path, tmp_path: Path, ready) -> int:
-    """Run ``script_text`` (``python script INDEX SHARD``) in a real process, SIGKILL it once
+def kill_mid_shard(script_text: str, index_dir: Path, shard: Path, tmp_path: Path, ready, *args: str) -> int:
+    """Run ``script_text`` (``python script INDEX SHARD *args``) in a real process, SIGKILL it once
     ``ready(committed rows)`` holds, and return the rows the table holds after the kill."""
     import lance
 
     script = tmp_path / "ingest_script.py"
     script.write_text(script_text)
     log = open(tmp_path / "child.log", "wb")
-    child = subprocess.Popen([sys.executable, str(script), str(index_dir), str(shard)], cwd=REPO,
+    child = subprocess.Popen([sys.executable, str(script), str(index_dir), str(shard), *args], cwd=REPO,
                              stdout=log, stderr=subprocess.STDOUT)
     uri = str(index_dir / "examples.lance")
     try:
@@ -290,7 +290,7 @@ def _codes_by_id(path: Path) -> dict:
 
 def test_block_ingest_stores_the_codes_of_per_batch_ingest_and_reads_each_p_once_per_block(fitted, tmp_path,
                                                                                           tokenizer):
-    from ingest.blocks import CACHE_DIR
+    from eogp_index.store.block_cache import CACHE_DIR
 
     total = 22  # blocks of 8, 8 and 6 documents; the last gradient batch of the last block has 2
     shard = write_lines(tmp_path / "docs.jsonl", [{"text": doc(i)} for i in range(total)])
@@ -298,10 +298,10 @@ def test_block_ingest_stores_the_codes_of_per_batch_ingest_and_reads_each_p_once
     blocked = Path(shutil.copytree(fitted.index, tmp_path / "blocked"))
     run_ingest(open_index(resident), [str(shard)], batch_size=GRADIENT_BATCH, progress=False)
     index = AttributionIndex.open(blocked, gradients=GradientConfig(
-        batch_size=GRADIENT_BATCH, projection_memory_gb=NO_P_IN_MEMORY, block_documents=8))
+        batch_size=GRADIENT_BATCH, projection_memory_gb=NO_P_IN_MEMORY))
     assert index.projection.in_turn
     p_total = index.projection.pca_bytes
-    summary = run_ingest(index, [str(shard)], progress=False)
+    summary = run_ingest(index, [str(shard)], progress=False, block_documents=8)
     assert summary.stored == total
     # Each module's P read once per block (3 blocks), not once per gradient batch (6 batches).
     assert index.projection.pca_bytes_read == 3 * p_total
@@ -321,44 +321,100 @@ def test_block_ingest_stores_the_codes_of_per_batch_ingest_and_reads_each_p_once
     assert (batched == kept.project(examples)).all()
 
 
+def test_client_block_ingest_stores_the_codes_of_per_batch_ingest(fitted, tmp_path, tokenizer):
+    from eogp_index.config import IngestConfig
+    from eogp_index.store.block_cache import CACHE_DIR
+
+    shard = write_lines(tmp_path / "docs.jsonl", [{"text": doc(i)} for i in range(14)])
+    examples = [e for e in iter_examples([shard], RecordSpec(), tokenizer) if isinstance(e, Example)]
+    resident = open_index(Path(shutil.copytree(fitted.index, tmp_path / "resident")))
+    assert resident.ingest(examples, progress=False) == 14 and resident.block_cache() is None
+    blocked = AttributionIndex.open(Path(shutil.copytree(fitted.index, tmp_path / "blocked")), gradients=GradientConfig(
+        batch_size=GRADIENT_BATCH, projection_memory_gb=NO_P_IN_MEMORY))
+    p_total = blocked.projection.pca_bytes
+    # Blocks of 8 and 6 documents: each module's P read twice, not once per gradient batch (4 batches).
+    assert blocked.ingest(examples, IngestConfig(block_documents=8, progress=False)) == 14
+    assert blocked.projection.pca_bytes_read == 2 * p_total
+    assert not (blocked.path / CACHE_DIR).exists()
+    codes, expected = _codes_by_id(blocked.path), _codes_by_id(resident.path)
+    assert len(codes) == 14 and codes == expected  # every sign byte and FP16 scale
+    with pytest.raises(ConfigError, match="shard_root does not apply here"):
+        blocked.ingest(examples, shard_root=tmp_path)
+
+
 #: The killed block ingest's gradient batch and block: every run it is compared with uses them too
 #: (a row's coordinates can depend on the rows sharing its gradient batch: its padding, the BLAS's
 #: blocking), so that the codes compared are those of the same batches.
 KILLED_BATCH, KILLED_BLOCK = 2, 6
+BLOCK_ENTRY_POINTS = ("run_ingest", "distributed", "client")
 
 
 def killed_block_gradients() -> GradientConfig:
-    return GradientConfig(batch_size=KILLED_BATCH, projection_memory_gb=NO_P_IN_MEMORY, block_documents=KILLED_BLOCK)
+    return GradientConfig(batch_size=KILLED_BATCH, projection_memory_gb=NO_P_IN_MEMORY, device="cpu")
+
+
+def block_ingest(entry: str, index_dir: Path, shard: Path) -> SimpleNamespace:
+    """Ingest ``shard`` in blocks of :data:`KILLED_BLOCK` through one of the three entry points
+    (the distributed one as a single worker); ``stored`` and, where known, ``skipped_existing``."""
+    from eogp_index.config import IngestConfig
+    from ingest.distributed import run_distributed_ingest
+
+    config = IngestConfig(block_documents=KILLED_BLOCK, progress=False)
+    if entry == "distributed":
+        summary = run_distributed_ingest(index_dir, [str(shard)], config, gradients=killed_block_gradients())
+        return SimpleNamespace(stored=summary.stored, skipped_existing=summary.skipped_existing)
+    index = AttributionIndex.open(index_dir, gradients=killed_block_gradients())
+    if entry == "client":
+        examples = [e for e in iter_examples([shard], RecordSpec(), index.tokenizer) if isinstance(e, Example)]
+        return SimpleNamespace(stored=index.ingest(examples, config), skipped_existing=None)
+    summary = run_ingest(index, [str(shard)], config)
+    return SimpleNamespace(stored=summary.stored, skipped_existing=summary.skipped_existing)
 
 
 KILLED_BLOCK_INGEST = textwrap.dedent(f"""
     import sys, time
-    from eogp_index.client import AttributionIndex
-    from eogp_index.config import GradientConfig
-    from ingest import blocks
-    from ingest.pipeline import run_ingest
-    from ingest.records import RecordSpec
+    from pathlib import Path
+    from eogp_index.store import block_cache
 
-    index = AttributionIndex.open(sys.argv[1], gradients=GradientConfig(
-        batch_size={KILLED_BATCH}, projection_memory_gb={NO_P_IN_MEMORY!r}, block_documents={KILLED_BLOCK}))
-    write = blocks.BlockCache.write
+    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+    from test_pipeline import block_ingest
+
+    write = block_cache.BlockCache.write
 
     def slow_write(self, batch, coords):
         # Widen each block's first stage so that the test's SIGKILL lands inside a block.
         write(self, batch, coords)
         time.sleep(0.3)
 
-    blocks.BlockCache.write = slow_write
-    run_ingest(index, [sys.argv[2]], spec=RecordSpec(), progress=False)
+    block_cache.BlockCache.write = slow_write
+    block_ingest(sys.argv[3], Path(sys.argv[1]), Path(sys.argv[2]))
 """)
 
 
-def test_block_ingest_killed_mid_block_resumes_the_block(fitted, index_dir, tmp_path, tokenizer, monkeypatch):
+@pytest.fixture(scope="module")
+def killed_block_reference(fitted, tmp_path_factory):
+    """The shard of the killed block ingests, and its codes from ingests never killed, with the
+    same gradient batches: a block ingest, and a per-batch ingest with P in memory."""
+    root = tmp_path_factory.mktemp("killed-block")
+    shard = write_lines(root / "big.jsonl", [{"text": doc(i)} for i in range(30)])
+    codes = {}
+    for name, gradients, block in (("unkilled", killed_block_gradients(), KILLED_BLOCK),
+                                   ("resident", GradientConfig(batch_size=KILLED_BATCH), None)):
+        whole = Path(shutil.copytree(fitted.index, root / name))
+        run_ingest(AttributionIndex.open(whole, gradients=gradients), [str(shard)], spec=RecordSpec(), progress=False,
+                   block_documents=block)
+        codes[name] = _codes_by_id(whole)
+    return SimpleNamespace(shard=shard, codes=codes)
+
+
+@pytest.mark.parametrize("entry", BLOCK_ENTRY_POINTS)
+def test_block_ingest_killed_mid_block_resumes_the_block(entry, killed_block_reference, index_dir, tmp_path,
+                                                         tokenizer, monkeypatch):
     from eogp_index.fit.cache import examples_sha256
-    from ingest.blocks import BLOCK_RECORD, CACHE_DIR, BlockCache
+    from eogp_index.store.block_cache import BLOCK_RECORD, CACHE_DIR, BlockCache
 
     total, batch, block = 30, KILLED_BATCH, KILLED_BLOCK
-    shard = write_lines(tmp_path / "big.jsonl", [{"text": doc(i)} for i in range(total)])
+    shard = Path(shutil.copy(killed_block_reference.shard, tmp_path / "big.jsonl"))
     examples = [e for e in iter_examples([shard], RecordSpec(), tokenizer) if isinstance(e, Example)]
     cache = index_dir / CACHE_DIR
 
@@ -373,7 +429,7 @@ def test_block_ingest_killed_mid_block_resumes_the_block(fitted, index_dir, tmp_
         in_flight = examples_sha256(examples[committed:committed + block])
         return committed >= block and record["examples_sha256"] == in_flight and any(cache.glob("batch-*.safetensors"))
 
-    after_kill = kill_mid_shard(KILLED_BLOCK_INGEST, index_dir, shard, tmp_path, in_flight_cached)
+    after_kill = kill_mid_shard(KILLED_BLOCK_INGEST, index_dir, shard, tmp_path, in_flight_cached, entry)
     assert block <= after_kill < total, f"kill landed outside the shard (rows: {after_kill})"
     assert after_kill % block == 0  # whole blocks only
     assert in_flight_cached(after_kill)  # the cache is the block in flight, never committed
@@ -383,9 +439,10 @@ def test_block_ingest_killed_mid_block_resumes_the_block(fitted, index_dir, tmp_
     written = []
     write = BlockCache.write
     monkeypatch.setattr(BlockCache, "write", lambda self, i, coords: written.append(i) or write(self, i, coords))
-    index = AttributionIndex.open(index_dir, gradients=killed_block_gradients())
-    summary = run_ingest(index, [str(shard)], spec=RecordSpec(), progress=False)
-    assert summary.skipped_existing == after_kill and summary.stored == total - after_kill
+    summary = block_ingest(entry, index_dir, shard)
+    assert summary.stored == total - after_kill
+    if summary.skipped_existing is not None:
+        assert summary.skipped_existing == after_kill
     assert len(written) == (total - after_kill) // batch - cached  # the killed block's cached batches reused
     ids = stored_ids(index_dir)
     assert len(ids) == total and len(set(ids)) == total
@@ -394,11 +451,8 @@ def test_block_ingest_killed_mid_block_resumes_the_block(fitted, index_dir, tmp_
     # The codes of ingests never killed, with the same gradient batches: a block ingest, and a
     # per-batch ingest with P in memory.
     codes = _codes_by_id(index_dir)
-    for name, gradients in (("unkilled", killed_block_gradients()),
-                            ("resident", GradientConfig(batch_size=KILLED_BATCH))):
-        whole = Path(shutil.copytree(fitted.index, tmp_path / name))
-        run_ingest(AttributionIndex.open(whole, gradients=gradients), [str(shard)], spec=RecordSpec(), progress=False)
-        assert codes == _codes_by_id(whole), name
+    for name, expected in killed_block_reference.codes.items():
+        assert codes == expected, name
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -499,7 +553,10 @@ def test_distributed_worker_alone_commits_whole_steps_and_resumes(index_dir, tmp
 
 
 @pytest.mark.distributed
-def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenizer):
+@pytest.mark.parametrize("mode", ["per_batch", "block"])
+def test_two_process_ingest_equals_one_process_ingest(mode, fitted, tmp_path, tokenizer):
+    """Two torchrun workers store every document once, with the codes of a one-process per-batch
+    ingest; in block mode (P out of memory) each worker's step is a block of two gradient batches."""
     import pyarrow.parquet as pq
     import pyarrow as pa
 
@@ -519,6 +576,8 @@ def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenize
                "-m", "eogp_index.cli", "ingest", str(distributed), str(data / "*"),
                "--metadata", "source", "--metadata", "license", "--batch-size", str(GRADIENT_BATCH), "--device", "cpu",
                "--json"]
+    if mode == "block":
+        command += ["--projection-memory-gb", str(NO_P_IN_MEMORY), "--block-documents", str(2 * GRADIENT_BATCH)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     reported = json.loads(result.stdout[result.stdout.index("{"):])
@@ -534,6 +593,12 @@ def test_two_process_ingest_equals_one_process_ingest(fitted, tmp_path, tokenize
     assert two.column("id").to_pylist() == one.column("id").to_pylist()
     for name in columns[1:]:
         assert two.column(name).to_pylist() == one.column(name).to_pylist(), name
+    # A fragment per worker and step: steps of a block (2 gradient batches) or of --batch-size rows.
+    rows_per_step = 2 * GRADIENT_BATCH if mode == "block" else GRADIENT_BATCH
+    assert len(open_index_store(distributed).dataset().get_fragments()) == 32 // rows_per_step
+    assert not (distributed / "ingest-cache").exists()  # every worker's block cache removed
+    if mode == "block":
+        return  # the rerun below is the same in both modes
 
     # Running the job again stores nothing new.
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)

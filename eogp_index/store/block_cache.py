@@ -1,7 +1,10 @@
-"""Block ingest: each module's ``P`` read once per block of documents, as the paper's Appendix E does.
+"""Block ingest's cache: each module's ``P`` read once per block of documents, as the paper's
+Appendix E does.
 
 When the ``P`` matrices do not stay in memory (``--projection-memory-gb``), per-batch ingest
-reads every module's ``P`` in every gradient batch. Block ingest splits the work instead:
+reads every module's ``P`` in every gradient batch. Block ingest
+(:meth:`~eogp_index.client.AttributionIndex.encode_commit` with a :class:`BlockCache`) splits the
+work instead:
 
 1. the first stage of every gradient batch of the block runs on the model, and its coordinates
    (``{module: (B, m_u)}`` in FP16) are written to
@@ -20,6 +23,9 @@ block was (its examples' hash, the projection, the model, the batch size). The n
 block is the same documents when nothing else changed: it reuses every batch file found (each is
 written under a temporary name and renamed, so a file present is complete) and computes the
 rest. Any other block clears the cache first. Every document is stored once.
+
+Each worker of a torchrun ingest keeps its own block in ``<index>/ingest-cache/rank-R/``; the
+workers' blocks of a step are committed together, so each is committed whole or redone.
 """
 
 from __future__ import annotations
@@ -28,61 +34,66 @@ import json
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
-import pyarrow as pa
 import torch
 
-from eogp_index.client import AttributionIndex
+from eogp_index.data.records import Example
 from eogp_index.fit.blocks import default_block_documents, free_disk_bytes, whole_batches
 from eogp_index.fit.cache import atomic_write, examples_sha256
 from eogp_index.fit.projection import available_memory
-from eogp_index.gradients.capture import batches
-from eogp_index.store.codecs import concat_modules
-from ingest.records import Example
+from eogp_index.store.stored_index import StoredIndex
 
 CACHE_DIR = "ingest-cache"
 BLOCK_RECORD = "block.json"
 BLOCK_FORMAT_VERSION = 1
 
 
-def block_documents(index: AttributionIndex) -> Optional[int]:
-    """Documents per block for ``index`` (whole gradient batches), or None for per-batch ingest:
-    when ``P`` stays in memory (nothing to amortize) or a block would be one batch."""
-    projection = index.projection
+def block_documents(stored: StoredIndex, batch_size: int, asked: Optional[int], *, workers: int = 1) -> Optional[int]:
+    """Documents per block (whole gradient batches of ``batch_size``), or None for per-batch
+    ingest: when ``P`` stays in memory (nothing to amortize) or a block would be one batch.
+
+    asked: ``IngestConfig.block_documents``; None sizes the block from the free disk and memory,
+    split evenly between ``workers`` (torchrun workers each hold a block at once).
+    """
+    projection = stored.projection
     if not projection.in_turn:
         return None
-    batch = index.gradients.batch_size
-    asked = index.gradients.block_documents
     if asked is not None:
-        documents = whole_batches(asked, batch)
+        documents = whole_batches(asked, batch_size)
     else:
         itemsize = projection.cache_dtype.itemsize
-        documents = default_block_documents(projection.m, projection.k, itemsize, batch,
-                                            free_disk=free_disk_bytes(Path(index.path) / CACHE_DIR),
-                                            free_memory=available_memory())
-    return documents if documents > batch else None
+        documents = default_block_documents(projection.m, projection.k, itemsize, batch_size,
+                                            free_disk=free_disk_bytes(Path(stored.path) / CACHE_DIR) // workers,
+                                            free_memory=available_memory() // workers)
+    return documents if documents > batch_size else None
 
 
 class BlockCache:
-    """``<index>/ingest-cache/``: one block's first-stage coordinates, a file per gradient batch,
-    written by one background thread, and ``block.json``, what the block is."""
+    """``<index>/ingest-cache/`` (a torchrun worker's: ``rank-R/`` in it): one block's first-stage
+    coordinates, a file per gradient batch, written by one background thread, and ``block.json``,
+    what the block is.
 
-    def __init__(self, index_dir: Path):
-        self.dir = Path(index_dir) / CACHE_DIR
+    documents: the block's size (documents per commit).
+    """
+
+    def __init__(self, index_dir: Path, documents: int, *, worker: Optional[int] = None):
+        self.root = Path(index_dir) / CACHE_DIR
+        self.dir = self.root if worker is None else self.root / f"rank-{worker}"
+        self.documents = documents
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eogp-block-cache")
         self._pending: List[Future] = []
 
     def path(self, batch: int) -> Path:
         return self.dir / f"batch-{batch:06d}.safetensors"
 
-    def begin(self, index: AttributionIndex, block: Sequence[Example]) -> List[int]:
-        """Start ``block``: the batches a killed run already cached for this very block (reused),
-        or none, the cache cleared and the new block recorded."""
+    def begin(self, stored: StoredIndex, batch_size: int, block: Sequence[Example]) -> List[int]:
+        """Start ``block`` (gradient batches of ``batch_size``): the batches a killed run already
+        cached for this very block (reused), or none, the cache cleared and the new block recorded."""
         record = {"format": "eogp-ingest-block", "format_version": BLOCK_FORMAT_VERSION,
-                  "projection_sha256": index.manifest.projection["sha256"],
-                  "weights_fingerprint": index.manifest.model.get("weights_fingerprint"),
-                  "batch_size": index.gradients.batch_size, "documents": len(block),
+                  "projection_sha256": stored.manifest.projection["sha256"],
+                  "weights_fingerprint": stored.manifest.model.get("weights_fingerprint"),
+                  "batch_size": batch_size, "documents": len(block),
                   "examples_sha256": examples_sha256(block)}
         path = self.dir / BLOCK_RECORD
         try:
@@ -90,7 +101,7 @@ class BlockCache:
         except (OSError, ValueError):  # none, or not ours: start over
             found = None
         if found == record:
-            return [i for i in range(-(-len(block) // index.gradients.batch_size)) if self.path(i).exists()]
+            return [i for i in range(-(-len(block) // batch_size)) if self.path(i).exists()]
         self.clear()
         self.dir.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda tmp: tmp.write_text(json.dumps(record)))
@@ -121,10 +132,16 @@ class BlockCache:
         return out
 
     def clear(self) -> None:
-        """Remove the cache: a block just committed, or one a killed run left that is not the one
+        """Remove this cache: a block just committed, or one a killed run left that is not the one
         starting."""
         self.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def clear_all(self) -> None:
+        """Remove ``<index>/ingest-cache/`` whole, every worker's included: at the end of a run,
+        when no worker writes any more (what an earlier run with more workers left goes too)."""
+        self.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def close(self) -> None:
         """Stop the writer; what is cached stays (a block that failed is resumed by the next run)."""
@@ -132,24 +149,3 @@ class BlockCache:
             self.wait()
         finally:
             self._writer.shutdown(wait=True)
-
-
-def encode_block(index: AttributionIndex, block: Sequence[Example], cache: BlockCache,
-                 on_chunk: Optional[Callable[[Sequence[Example]], None]] = None, *,
-                 store_text: Optional[int] = None) -> pa.Table:
-    """Rows of ``block``: its first stage cached batch by batch (batches a killed run cached for
-    it are reused), then each module's ``P`` read once."""
-    done = set(cache.begin(index, block))
-    parts = list(batches(block, index.gradients.batch_size))
-    for i, batch in enumerate(parts):
-        if i not in done:
-            cache.write(i, {name: groups[0] for name, groups in index.first_stage_groups(batch).items()})
-        if on_chunk is not None:
-            on_chunk(batch)
-    cache.wait()
-    coords = []
-    for name in index.manifest.module_names:
-        groups = [z.to(index.device) for z in cache.read(name, len(parts))]
-        coords.append(torch.cat(index.projection.modules[name].second_groups(groups)).cpu().numpy())
-        del groups
-    return index.rows(block, concat_modules(coords), store_text=store_text)
