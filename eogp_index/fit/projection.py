@@ -148,10 +148,6 @@ class ModuleProjection:
                 for i in range(0, self.m, chunk)], dim=1)
         return kept * self.whiten.to(a.device)
 
-    def half_whiten(self, rotated: torch.Tensor) -> torch.Tensor:
-        """Select and whiten from a dense eigenbasis gradient ``(B, r, c)`` (reference path)."""
-        return rotated.reshape(rotated.shape[0], -1)[:, self.local_index] * self.whiten
-
     def second(self, z: torch.Tensor) -> torch.Tensor:
         """``(B, m)`` first-stage coordinates → ``(B, k)`` final coordinates."""
         return self.second_groups([z])[0]
@@ -1177,8 +1173,8 @@ def build_projection(
 ) -> Projection:
     """Choose ``(m_u, k_u)`` per module, build the first stages and draw the SRHTs and rotations.
 
-    For EOGP the PCA matrices are fitted afterwards by :func:`fit_second_stage_pca`, from
-    first-stage coordinates computed with the stages built here.
+    For EOGP the PCA matrices are fitted afterwards (:func:`second_stage_directions`, from
+    first-stage coordinates computed with the stages built here).
     """
     modules = {}
     generator = torch.Generator().manual_seed(config.seed)
@@ -1194,9 +1190,3 @@ def build_projection(
         modules[name] = proj
     return Projection(modules, config=config, damping_ratio=damping_ratio)
 
-
-def fit_second_stage_pca(projection: Projection, first_stage: Dict[str, Sequence[torch.Tensor]]) -> None:
-    """Fit every module's ``P`` from its cached first-stage coordinates (list of ``(B, m)``)."""
-    for name, proj in projection.modules.items():
-        z = torch.cat([t.cpu() for t in first_stage[name]], dim=0)
-        proj.pca = second_stage_directions(z, proj)
