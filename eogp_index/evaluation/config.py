@@ -59,7 +59,7 @@ DEFAULT_METHODS: Tuple[str, ...] = (
 PCA_FAMILIES: Tuple[str, ...] = ("eogp", "eogp-rot", "auto")
 #: Methods whose ``k`` is set by another precision's bytes than their own: FP16 EOGP at the ``k``
 #: of 1-bit EOGP at the same nominal budget (16 x its bytes), the ceiling the 1-bit codes are
-#: measured against (issue #12). Their actual bytes are in ``details.json``.
+#: measured against. Their actual bytes are in ``details.json``.
 K_FROM_PRECISION: Dict[str, str] = {"eogp-fp16-same-k": "1bit"}
 
 
@@ -228,8 +228,7 @@ class LDSConfig:
     (the one the attributed model was made with). counterfactual: remove each of
     ``cf_methods`` at ``cf_budget`` bytes (plus uncompressed EK-FAC, plus random documents)
     top-``N`` documents for ``N`` in ``cf_removals``, ranked on the first ``cf_queries``
-    queries, and retrain with each of ``cf_seeds``. One retraining takes about 35 s (256
-    documents) to 70 s (all 512) on 2 CPU cores for the default model.
+    queries, and retrain with each of ``cf_seeds``.
     """
 
     base: str = _shipped("base", "The pretrained model every retraining starts from.")

@@ -1026,7 +1026,7 @@ def fidelity_records(scoreset: ScoreSet, *, ndcg_k: int = 20) -> Tuple[List[Dict
 def one_bit_gap(scoreset: ScoreSet, *, ndcg_k: int = 20, base: str = "eogp", variant: str = "eogp-rot",
                 ceiling: str = "eogp-fp16-same-k") -> List[Dict[str, Any]]:
     """How much of the gap between 1-bit ``base`` and FP16 at the same ``k`` (``ceiling``) the
-    1-bit ``variant`` closes, per budget where all three ran (issue #12's measure).
+    1-bit ``variant`` closes, per budget where all three ran.
 
     Per budget and metric (``ndcg@k``, ``spearman``): the three query means with their standard
     errors (``std / sqrt(n_queries)``), ``diff`` = variant - base with the standard error of the

@@ -6,7 +6,8 @@ Two families sit behind one interface (:func:`build`, :func:`load`, :func:`open_
 
 * ``flat``, ``ivf``, ``hnsw``: FAISS binary indexes over the signs (below). They cannot see the
   per-row scales, which decide the top of a large store: on 1M rows their best line at ≥ 5×
-  the exact scan's speed reaches recall@20 0.57-0.59 (``benchmarks/candidates.py``).
+  the exact scan's speed stays far below the target recall (``benchmarks/candidates.py``;
+  docs/benchmarks.md, "First passes").
 * ``clustered`` (:mod:`eogp_index.search.clustered`): a copy of the codes grouped into cells by
   scale profile, the cells visited by an optimistic estimate of their best score and scanned
   with the exact kernel, with an early stop (``benchmarks/client.py``: recall@20 >= 0.95 at
@@ -133,12 +134,10 @@ class FaissConfig:
             module docstring); ``1`` = plain sign agreement. Build time; FAISS memory and
             distance cost are ``R×`` those of the signs. Default 1: the FAISS path exists to
             be faster than the exact scan, and at equal search time ``R > 1`` gained nothing
-            (each probed row costs ``R×``). Measured with ``benchmarks/candidates.py`` on real
-            default-model codes, 1M rows: the proxy's correlation with the exact score is 0.85
-            at ``R = 1``, 0.92 at 2, 0.96 at 4, 0.97 at 8; a flat index's recall@20 at
-            ``C = 1000`` rises from 0.75 (``R = 1``) to 0.88 (``R = 4``), and ``R = 8`` added at
-            most 0.02 more for twice the bytes. Take ``R = 4`` when recall at a given ``C``
-            matters more than search time.
+            (each probed row costs ``R×``). ``R > 1`` raises the proxy's correlation with the
+            exact score and a flat index's recall at a given ``C``, with little more past
+            ``R = 4`` (``benchmarks/candidates.py``; docs/benchmarks.md, "First passes"). Take
+            ``R = 4`` when recall at a given ``C`` matters more than search time.
         nlist: IVF lists; ``None`` = ``round(4·sqrt(n))`` for the ``n`` rows at build time.
         nprobe: IVF lists visited per query (search time; more = better recall, slower).
         hnsw_m: HNSW neighbours per node (build time).

@@ -3,8 +3,8 @@
 A row's score is ``Σ_u s_iu⟨y_u, b_iu⟩``. Over a store of millions of rows the top of that sum
 is decided above all by the scales: rows with large ``s_iu`` in the modules where the query is
 large have the widest spread of scores, so they hold the extremes on both sides (the top rows
-of real codes have 2-4× the mean row norm, and the per-module log-scales of the demo's codes
-spread with a standard deviation of about 0.35). A sign index (FAISS Hamming) sees none of it.
+of real codes have several times the mean row norm, and the per-module log-scales spread
+widely; docs/benchmarks.md, "First passes"). A sign index (FAISS Hamming) sees none of it.
 This first pass therefore groups rows by what decides the spread, and keeps the exact kernel:
 
 * **Cells.** Every row gets a *scale cell* ``p`` (k-means over ``log s_iu``, ``U`` dimensions,

@@ -16,7 +16,7 @@ bit 1 is ``+1`` (coordinate ``>= 0``), bit 0 is ``-1``. The padding bits at the 
 module's last byte are written as 0 by :func:`pack_signs`, and every kernel here *masks* them
 as well, so garbage in padding bits never changes a score.
 
-Kernels (CPU, numba; the first call compiles for ~30 s, later processes load the cache):
+Kernels (CPU, numba; the first call compiles them, later processes load the cache):
 
 * **Exact scan** (:func:`scan_scores`, and the rescoring inside :func:`scan_top_k`): for each
   query a lookup table gives, for every byte position ``p`` of a row and each of the 256 values
@@ -63,13 +63,11 @@ IR intrinsics), ``bounded`` (pre-scan kernels), ``select`` (running top-k) and `
 The private names the tests and benchmarks use (``_geometry``, ``_bounded_kernel``,
 ``_quantize_queries``, ...) are importable from here.
 
-Speed (benchmarks/scan.py, 1 GB of codes, 64 modules x k=512, 2-core AMD EPYC Zen 4 VM): the
-table walk does ~1 GB/s per core; the pre-scan ~10 GB/s per core, so single-query
-:func:`scan_top_k` reads the store at ~13-17 GB/s, about half the memory bandwidth (the
-pre-scan is compute-bound; the rest is a few ms). A batch of 64 queries costs ~30-40x one
-query: its pre-scan is an int8 x 1-bit product of ~8·10⁹ VPDPBUSD for 1 GB, and one VPDPBUSD
-per cycle and core puts ~1.1 s under it whatever the loop order. The 64-query exact kernel
-(:func:`scan_scores`) takes ~0.3 ns per byte and query, about 4x less than 64 separate scans.
+Speed: the pre-scan is compute-bound and runs several times faster than the table walk, so
+single-query :func:`scan_top_k` reads the store at a good share of the memory bandwidth. A
+batch of 64 queries costs much more than one: its pre-scan is an int8 x 1-bit product of
+``8·10⁹`` VPDPBUSD per GB of codes, a floor whatever the loop order. ``benchmarks/scan.py``
+prints the figures; docs/benchmarks.md ("Scan") gives them with the command.
 """
 
 from __future__ import annotations
