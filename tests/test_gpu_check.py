@@ -15,8 +15,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
 
 def _load():
-    if str(SCRIPT.parent) not in sys.path:  # as when run as a script: it imports benchmarks/common.py
-        sys.path.insert(0, str(SCRIPT.parent))
+    if str(SCRIPT.parent) not in sys.path:  # run as a script, it finds benchmarks/common.py there
+        sys.path.append(str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there

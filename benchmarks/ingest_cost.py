@@ -28,11 +28,11 @@ documents. ``--gpt2-small`` times a GPT-2-small-shaped model (12 layers, width 7
 init) instead: its fit alone is long, so ``--index DIR`` keeps the fitted index and later runs
 reuse it::
 
-    python benchmarks/ingest.py                 # table
-    python benchmarks/ingest.py --gpt2-small --docs 120 --fit-examples 128 --index /tmp/gpt2-small-index
-    python benchmarks/ingest.py --json out.json # the table, and the figures as JSON
-    python benchmarks/ingest.py --model DIR --corpus 'data/*.jsonl' --device cuda --docs 4096
-    python benchmarks/ingest.py --random-model '{"n_embd": 512, "n_inner": 2048, "n_head": 8}'  # wider
+    python benchmarks/ingest_cost.py                 # table
+    python benchmarks/ingest_cost.py --gpt2-small --docs 120 --fit-examples 128 --index /tmp/gpt2-small-index
+    python benchmarks/ingest_cost.py --json out.json # the table, and the figures as JSON
+    python benchmarks/ingest_cost.py --model DIR --corpus 'data/*.jsonl' --device cuda --docs 4096
+    python benchmarks/ingest_cost.py --random-model '{"n_embd": 512, "n_inner": 2048, "n_head": 8}'  # wider
 
 ``--blocks`` times something else: ``eogp ingest``'s own loop (:func:`ingest.pipeline.run_ingest`,
 reading a JSON Lines shard of the same documents) with ``P`` forced out of memory
@@ -41,7 +41,7 @@ against per block (``P`` read once per ``--block-documents``), in rotating order
 prints seconds per document and ``P`` bytes read per document of each, and checks that both
 stored the same codes::
 
-    python benchmarks/ingest.py --blocks --docs 256 --block-documents 128
+    python benchmarks/ingest_cost.py --blocks --docs 256 --block-documents 128
 """
 
 from __future__ import annotations
