@@ -46,7 +46,7 @@ test: install browser
 
 bench: install
 	$(BIN)/python benchmarks/scan.py
-	$(BIN)/python benchmarks/ingest.py
+	$(BIN)/python benchmarks/ingest_cost.py
 
 clean:
 	rm -rf $(VENV) $(INDEX)

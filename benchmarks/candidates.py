@@ -17,7 +17,7 @@ candidates ``C``, one line:
   the header prints the load average). The line also splits the candidate time into FAISS
   (weighted query code + search + mapping) and rescoring.
 
-Target (issue 4): recall@20 >= 0.95 at >= 5x speed-up, on a store of at least 1M rows whose codes
+Target: recall@20 >= 0.95 at >= 5x speed-up, on a store of at least 1M rows whose codes
 come from a real model's gradients.
 
 How the store is made (``--store``), always from real projected gradients of the default model
@@ -55,10 +55,10 @@ no sign index can see (the header reports how many distinct codes the exact top-
 
 If ``examples/default/model`` is missing, a randomly initialized GPT-2 of the default shape
 (``tinylm.default_config``) on random token documents stands in (the header says which).
-The default run takes about 5 minutes on 2 CPU cores (half of it building the two HNSW graphs)::
+Half of the default run goes to building the two HNSW graphs (docs/benchmarks.md gives its time)::
 
     python benchmarks/candidates.py                 # table
-    python benchmarks/candidates.py --json          # machine-readable
+    python benchmarks/candidates.py --json out.json # the table, and the figures as JSON
     python benchmarks/candidates.py --rows 200000 --kinds ivf --verbose   # quicker
     python benchmarks/candidates.py --store windows --kinds ivf,flat      # copies of the real windows
     python benchmarks/candidates.py --store docs --kinds ivf,flat         # the earlier store
@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -78,21 +77,20 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Sequence
 
+import numpy as np
+import torch
+
+from common import add_json_argument, best_of, prints_json, write_json
+from eogp_index.search.first_pass import FaissFirstPass, kind_class
+from eogp_index.search.first_pass.faiss_binary import rescore
+from eogp_index.search.first_pass.faiss_codes import query_levels
+from eogp_index.client import AttributionIndex
+from eogp_index.data.records import Example
+from eogp_index.gradients.model import load_model
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+from eogp_index.store.codecs import SignLayout, encode, pack_signs, unpack_signs
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from eogp_index.search.first_pass import FaissFirstPass, kind_class  # noqa: E402
-from eogp_index.search.first_pass.faiss_binary import rescore  # noqa: E402
-from eogp_index.search.first_pass.faiss_codes import query_levels  # noqa: E402
-from eogp_index.client import AttributionIndex  # noqa: E402
-from eogp_index.data.records import Example  # noqa: E402
-from eogp_index.gradients.model import load_model  # noqa: E402
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig  # noqa: E402
-from eogp_index.store.codecs import SignLayout, encode, pack_signs, unpack_signs  # noqa: E402
 
 TARGET_RECALL = 0.95
 TARGET_SPEEDUP = 5.0
@@ -351,12 +349,9 @@ def clustered_lines(codes, scales, y, layout, largest, smallest, args, builds) -
             cand.set_search(z=z)
             recall, recall_neg, times, scanned = [], [], [], []
             for q in range(y.shape[0]):
-                best = np.inf
-                for _ in range(args.repeat):
-                    t0 = time.perf_counter()
-                    found = cand.top_k(stored, y[q:q + 1], TOP, C, ["positive"])["positive"]
-                    best = min(best, time.perf_counter() - t0)
-                times.append(best)
+                best = best_of(lambda: cand.top_k(stored, y[q:q + 1], TOP, C, ["positive"])["positive"], args.repeat)
+                found = best.value
+                times.append(best.seconds)
                 scanned.append(found[2] / n)
                 recall.append(len(np.intersect1d(found[0][:TOP].astype(np.int64), largest[q])) / TOP)
                 neg = cand.top_k(stored, y[q:q + 1], TOP, C, ["negative"])["negative"]
@@ -581,11 +576,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="an .npz to reuse the real codes from (written on the first run; no check that "
                              "the other options match)")
     parser.add_argument("--verbose", action="store_true", help="print each line as it is measured (stderr)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_json_argument(parser)
     parser.add_argument("--check", action="store_true", help="exit 1 when no line meets the target")
     args = parser.parse_args(argv)
     result = run(args)
-    print(json.dumps(result, indent=2) if args.json else render(result))
+    if not prints_json(args):
+        print(render(result))
+    write_json(args.json, result)
     return 1 if args.check and not result["meets_target_somewhere"] else 0
 
 

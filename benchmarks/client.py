@@ -2,9 +2,8 @@
 """Queries over millions of rows as users make them: open, first query, filters, batches, candidates.
 
 For each store size of ``--rows`` (default ``1e6``; ``--rows 1e6,1e7`` adds 10M rows: 2.7 GB of
-codes plus the table on disk, about 25 minutes to draw them and 5 to write the table, whose
-39,063 commits stay at 3-5 ms each; ``--first-pass-only`` measures just the clustered first pass
-on the drawn codes, about 5 minutes at 10M once they are drawn) one run:
+codes plus the table on disk; ``--first-pass-only`` measures just the clustered first pass on
+the drawn codes) one run:
 
 1. **A store of modelled codes.** Real codes come from the demo index (``--demo``, made by
    ``make demo INDEX=...``): its model and projection turn the demo corpus into projected
@@ -46,11 +45,12 @@ on the drawn codes, about 5 minutes at 10M once they are drawn) one run:
 The real codes (``real-codes.npz``), the fitted model (``model-<key>.pkl``) and the drawn codes
 (``codes-<key>-<n>.npy``, memory-mapped, drawn and encoded in blocks of 32,768 rows: decoded
 rows never all in memory) are kept in ``--work`` and reused by later runs. Drawing dominates a
-10M-row run (about 25 min on two busy cores; writing the table about 5 min).
+10M-row run (docs/benchmarks.md, "Queries at scale", gives the times).
 
-Targets (issue 13): a filter of share f costs at most (f + 0.1)× the unfiltered search at 1M
+Targets: a filter of share f costs at most (f + 0.1)× the unfiltered search at 1M
 rows; candidates reach recall@20 >= 0.95 at >= 5× the exact scan's speed at 10M rows, in both
-directions. Examples::
+directions. ``--json PATH`` also writes every figure as one JSON object (as ``result.json`` in
+``--work``). Examples::
 
     make demo INDEX=/tmp/demo-index
     nice python benchmarks/client.py --demo /tmp/demo-index                      # 1M rows
@@ -66,7 +66,6 @@ import hashlib
 import json
 import os
 import pickle
-import resource
 import shutil
 import subprocess
 import sys
@@ -74,11 +73,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from common import add_json_argument, best_of, peak_rss_bytes, prints_json, write_json
+
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT_ROOT = REPO / "examples" / "default"
 CORPORA = [DEFAULT_ROOT / "corpus" / "train.jsonl.gz", DEFAULT_ROOT / "corpus" / "pretrain.jsonl.gz"]
@@ -101,7 +100,7 @@ def real_coordinates(demo: Path, cache: Path) -> Dict[str, np.ndarray]:
             return {key: z[key] for key in z.files}
     import torch
 
-    torch.set_num_threads(1)  # a shared machine: two threads fighting over busy cores run 10x slower
+    torch.set_num_threads(1)  # a shared machine: two threads fighting over busy cores run much slower
     from ingest.records import RecordSpec, iter_examples
     from eogp_index.client import AttributionIndex
     from eogp_index.data.records import Example
@@ -452,7 +451,7 @@ def measure(path: Path, args) -> Dict[str, Any]:
     out["duplicates"] = duplicates(index, Y[:nq])
     if not args.no_candidates:
         out["candidates"] = candidates(index, texts, nq, n, args)
-    out["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
+    out["peak_rss_gb"] = round(peak_rss_bytes() / 2**30, 2)
     return out
 
 
@@ -486,16 +485,6 @@ def duplicates(index, Y) -> Dict[str, Any]:
             "random_pair_hamming_median": float(np.median(typical)), "bits": int(index.layout.nbytes * 8)}
 
 
-def best_of(fn, repeat: int):
-    """``(seconds, value)``: the fastest of ``repeat`` calls of ``fn`` and what the last returned."""
-    best, value = np.inf, None
-    for _ in range(repeat):
-        t = time.perf_counter()
-        value = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, value
-
-
 def first_pass_line(z: float, side: str, exact_s: Sequence[float], cand_s: Sequence[float],
                     recall: Sequence[float], scanned: Sequence[float]) -> Dict[str, Any]:
     """One line of the first pass's table from per-query figures: the exact scan's and the
@@ -524,7 +513,7 @@ def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
     Y = index.query_coordinates(texts[:nq])
 
     def timed(builder, y):
-        seconds, table = best_of(lambda: builder.to_list(coordinates=y)[0], args.repeat)
+        seconds, _, table = best_of(lambda: builder.to_list(coordinates=y)[0], args.repeat)
         return seconds, set(table.column("id").to_pylist())
 
     # Untimed first runs: the copy's pages and the kernels' compiled forms are loaded once.
@@ -580,7 +569,7 @@ def first_pass_only(codes, scales, layout, Y: np.ndarray, work: Path, args) -> D
     for side in ("positive", "negative"):
         largest = side == "positive"
         for q in range(nq):
-            seconds, top = best_of(lambda: scan_top_k(codes, scales, Y[q:q + 1], layout, TOP, largest=largest,
+            seconds, _, top = best_of(lambda: scan_top_k(codes, scales, Y[q:q + 1], layout, TOP, largest=largest,
                                                       smallest=not largest), args.repeat)
             exact[(side, q)] = (seconds, set((top.largest_indices if largest else top.smallest_indices)[0].tolist()))
         print(f"  exact {side} done", file=sys.stderr, flush=True)
@@ -589,7 +578,7 @@ def first_pass_only(codes, scales, layout, Y: np.ndarray, work: Path, args) -> D
         for side in ("positive", "negative"):
             times, recall, scanned = [], [], []
             for q in range(nq):
-                seconds, found = best_of(lambda: cand.top_k(stored, Y[q:q + 1], TOP, C, [side])[side], args.repeat)
+                seconds, _, found = best_of(lambda: cand.top_k(stored, Y[q:q + 1], TOP, C, [side])[side], args.repeat)
                 times.append(seconds)
                 recall.append(len(exact[(side, q)][1] & set(found[0][:TOP].astype(np.int64).tolist())) / TOP)
                 scanned.append(found[2] / n)
@@ -698,7 +687,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "(no table, no AttributionIndex; first_pass_only)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads of the measuring process (the query gradient; 1 on a shared machine)")
-    parser.add_argument("--json", action="store_true")
+    add_json_argument(parser)
     parser.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)  # the fresh process
     args = parser.parse_args(argv)
     if args.measure is not None:
@@ -743,7 +732,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             Y = AttributionIndex.open(args.demo).query_coordinates(texts[:args.queries])
             result.setdefault("first_pass", []).append(first_pass_only(codes, scales, layout, Y, args.work, args))
             print(render_first_pass(result["first_pass"]), file=sys.stderr, flush=True)
-            (args.work / "result-first-pass.json").write_text(json.dumps(result, indent=2))
+            write_json(str(args.work / "result-first-pass.json"), result)
             continue
         path = args.work / f"store-{n}"
         store = build_store(args.demo, path, codes, scales, args.commit_rows)
@@ -759,11 +748,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.keep:
             shutil.rmtree(path, ignore_errors=True)
         print(render(result), file=sys.stderr, flush=True)
-        (args.work / "result.json").write_text(json.dumps(result, indent=2))
-    if args.first_pass_only:
-        print(json.dumps(result, indent=2) if args.json else render_first_pass(result["first_pass"]))
-        return 0
-    print(json.dumps(result, indent=2) if args.json else render(result))
+        write_json(str(args.work / "result.json"), result)
+    if not prints_json(args):
+        print(render_first_pass(result["first_pass"]) if args.first_pass_only else render(result))
+    write_json(args.json, result)
     return 0
 
 

@@ -4,7 +4,7 @@
 Each `eogp ingest` commit (256 rows by default) adds one Lance fragment and one table version, and
 every commit writes a manifest that lists every fragment. 10M rows in 256-row commits are 39,063
 fragments. This writes ``--commits`` commits of ``--rows`` rows of 1-bit codes (``--code-bytes``,
-272 B as the issue's store: 256 bytes of signs + 8 FP16 scales) plus the bookkeeping columns
+272 B: 256 bytes of signs + 8 FP16 scales) plus the bookkeeping columns
 ingest writes, through :meth:`Store.add <eogp_index.store.table.Store.add>`, twice in one run:
 
 * **piling up**: nothing compacts; every ``--every`` commits a line gives the fragments, the mean
@@ -17,9 +17,9 @@ ingest writes, through :meth:`Store.add <eogp_index.store.table.Store.add>`, twi
 
 Then the per-commit time of the first run is fitted linearly in the number of fragments and
 extrapolated to 39,063 fragments (10M rows). The rows are random: a commit's cost does not
-depend on their values.
+depend on their values. ``--json PATH`` also writes the figures as one JSON object.
 
-    python benchmarks/commits.py                       # 8,000 commits each way (~10 min on 2 cores)
+    python benchmarks/commits.py                       # 8,000 commits each way
     python benchmarks/commits.py --commits 2000 --every 250   # quicker
     python benchmarks/commits.py --commits 14000 --every 2000 --only piling   # one way only
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,11 +35,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, maybe_optimize  # noqa: E402
-from eogp_index.store.table import Store, fixed_size_list  # noqa: E402
+from common import add_json_argument, write_json
+from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, maybe_optimize
+from eogp_index.store.table import Store, fixed_size_list
 
 
 class _Stored:
@@ -116,6 +113,7 @@ def main(argv=None) -> None:
     parser.add_argument("--every", type=int, default=1000)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--only", choices=["piling", "compacting"], default=None, help="run one of the two ways")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="eogp-commits-"))
     print(f"{args.commits} commits of {args.rows} rows of {args.code_bytes}-byte codes; in {work}")
@@ -129,7 +127,10 @@ def main(argv=None) -> None:
                             every=args.every, compact=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    figures = {"commits": args.commits, "rows": args.rows, "code_bytes": args.code_bytes, "piling_up": piled,
+               "compacting": compacted}
     if piled is None or compacted is None:
+        write_json(args.json, figures)
         return
     frags = np.array([line["fragments"] for line in piled], float)
     per = np.array([line["ms_per_commit"] for line in piled])
@@ -145,6 +146,10 @@ def main(argv=None) -> None:
           f"commits; {last['ms_per_commit']:.1f} ms/commit in the last window; all commits {total_compacted:.0f} s "
           f"(compactions {last['compaction_s']:.0f} s) vs {total_piled:.0f} s piling up = "
           f"{total_compacted / total_piled:.2f}x")
+    figures.update(fit_ms_per_commit={"intercept": intercept, "per_1000_fragments": slope * 1000},
+                   extrapolated_fragments=target, extrapolated_ms_per_commit=intercept + slope * target,
+                   seconds_piling_up=total_piled, seconds_compacting=total_compacted)
+    write_json(args.json, figures)
 
 
 if __name__ == "__main__":

@@ -6,25 +6,24 @@ A GPT-2-shaped model of width 256 and 2 layers (random init, built from a config
 ``benchmarks/fit_memory.py``'s default run) runs batches of 8 sequences of every length from 20 to
 128 tokens, each pass rooted at the embeddings' output as gradient capture does, each dtype in
 its own process; bfloat16 also with oneDNN's primitive cache off (``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``).
-Nothing is asserted: the peaks are printed side by side.
+Nothing is asserted: the peaks are printed side by side (``--json PATH`` also writes them).
 
-    python benchmarks/cpu_half_memory.py
+    python benchmarks/cpu_half_memory.py [--json PATH]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 
+from common import add_json_argument, peak_rss_bytes, prints_json, write_json
+
 
 def hwm_gb() -> float:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return peak_rss_bytes() / 1e9
 
 
 def child(dtype_name: str) -> None:
@@ -48,6 +47,9 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         child(sys.argv[2])
         return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_json_argument(parser)
+    args = parser.parse_args()
     runs = [("float32", {}), ("bfloat16", {}), ("bfloat16", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"})]
     results = []
     for dtype, env in runs:
@@ -55,6 +57,10 @@ def main() -> None:
                               env={**os.environ, **env}, check=True)
         results.append((dtype, env, json.loads(done.stdout.strip().splitlines()[-1])))
     base = results[0][2]["peak_gb"]
+    write_json(args.json, [{"dtype": dtype, "onednn_cache": "off" if env else "default", **result,
+                            "peak_over_float32": result["peak_gb"] / base} for dtype, env, result in results])
+    if prints_json(args):
+        return
     print(f"{'dtype':<10} {'oneDNN cache':<13} {'start':>8} {'peak':>8} {'peak / float32':>15}")
     for dtype, env, result in results:
         cache = "off" if env else "default"

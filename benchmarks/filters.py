@@ -10,7 +10,7 @@ commits, then runs ``eogp optimize`` on it, and measures in fresh processes:
 * **first query**: ``top_influential`` right after an ``open`` that loaded the model itself
   (which warms the scan kernels on the side meanwhile), and right after an ``open`` given a
   loaded model (nothing overlaps);
-* **search**, as the issue defines it — everything after the query's projected gradient exists
+* **search**, as the targets define it — everything after the query's projected gradient exists
   (filter, scan, top-k, the hits' metadata): ``search(q).where(w).limit(20).to_list(coordinates=y)``,
   unfiltered, and with filters selecting ~0.1%, ~1% and ~25% of the rows, each both *unseen*
   (a filter string the process has not run: the constant changes every time) and *repeated*;
@@ -26,9 +26,10 @@ flipped with probability 0.2 and each scale multiplied by ``exp(0.3·N(0,1))``; 
 the source row's, with ``n_chars`` uniform in 0..9,999 (``n_chars < 10`` selects 0.1%, ``< 100``
 1%), ``module`` one of four values (``module = 'json'`` 25%), ``qualname`` one of 100,000 and
 ``position = i``. The timings do not depend on what the codes mean; the recall of FAISS
-candidates does, and ``benchmarks/candidates.py`` measures that on real codes.
+candidates does, and ``benchmarks/candidates.py`` measures that on real codes. ``--json PATH``
+also writes the figures as one JSON object.
 
-    python benchmarks/filters.py --index default-index                  # 1M rows (~10 min on 2 cores)
+    python benchmarks/filters.py --index default-index                  # 1M rows
     python benchmarks/filters.py --index default-index --rows 200000    # quicker
 """
 
@@ -37,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -45,8 +45,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import add_json_argument, peak_rss_bytes, write_json
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 QUERY = "Return the number of items in the queue."
 # (name, unseen filter template over a counter j, repeated filter): the unseen ones select the
@@ -201,7 +202,7 @@ def measure(path: Path, repeat: int, torch_threads: int, what: str) -> None:
     products = 64 * rows * layout.nbytes * 8  # int8 x 1-bit products of the batch pre-scan
     out["batch"]["floor_cpu_ms_at_3ghz"] = products / 64 / 3e9 * 1e3
     out["rows"] = rows
-    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["peak_rss_mib"] = peak_rss_bytes() / 2**20
     print(json.dumps(out), flush=True)
 
 
@@ -217,6 +218,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="keep the grown index here (reused if present)")
     parser.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--what", default="all", help=argparse.SUPPRESS)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     if args.measure is not None:
         measure(args.measure, args.repeat, args.torch_threads, args.what)
@@ -266,6 +268,8 @@ def main(argv=None) -> None:
               f"batch pre-scan {b['floor_cpu_ms_at_3ghz']:.0f} CPU-ms at 3 GHz = "
               f"{b['floor_cpu_ms_at_3ghz'] / b['one_cpu_ms']:.1f}x one query's CPU")
         print(f"peak RSS of the measuring process {run['peak_rss_mib']:.0f} MiB")
+        write_json(args.json, {"load_average": os.getloadavg()[0], "torch_threads": args.torch_threads,
+                               "open": opened, "first": firsts, **run})
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -21,7 +21,7 @@ Nothing is asserted: the figures are printed.
 
     python benchmarks/fit_memory.py                      # width 256, 2 layers, k = 64, float32 and bf16
     python benchmarks/fit_memory.py --width 256 768 --layers 2 8 --k 64 0
-    python benchmarks/fit_memory.py --dtype bfloat16 --json
+    python benchmarks/fit_memory.py --dtype bfloat16 --json fit-memory.json
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import add_json_argument, peak_rss_bytes, prints_json, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "examples" / "default" / "model"
@@ -51,11 +53,7 @@ PHASES = {"fit_curvature": "_curvature", "fit_first_stage": "_first_stage_pass",
 
 def hwm() -> int:
     """This process's peak resident set since start or the last :func:`reset_hwm`, in bytes."""
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return peak_rss_bytes()
 
 
 PEAK = [0]  # the run's peak: the largest of every stretch's, since resets lose the earlier ones
@@ -197,7 +195,7 @@ def main() -> None:
     parser.add_argument("--ingest", type=int, default=256, help="documents ingested after each fit")
     parser.add_argument("--queries", type=int, default=8, help="queries run after the ingest")
     parser.add_argument("--no-ingest", action="store_true", help="measure the fits only")
-    parser.add_argument("--json", action="store_true")
+    add_json_argument(parser)
     parser.add_argument("--child", choices=("fit", "ingest", "query"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -221,8 +219,8 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        print(json.dumps(results, indent=2))
+    write_json(args.json, results)
+    if prints_json(args):
         return
     print(f"m = {M:,} per module, {PCA_EXAMPLES} PCA fitting examples, {args.curvature_examples} curvature examples, "
           f"max {args.max_tokens} tokens, batch {BATCH}; peak RSS (VmHWM) of each run in its own process; "

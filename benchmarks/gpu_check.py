@@ -33,7 +33,9 @@ GPU FAISS build, fewer than 2 GPUs for NCCL) is reported as SKIPPED with the rea
 passed. Exit status: 0 when no stage failed.
 
 Usage: python benchmarks/gpu_check.py [--device cuda] [--documents 64] [-k 32] [--max-tokens 128]
-                                     [--work DIR] [--json]
+                                     [--work DIR] [--json PATH]
+
+``--json PATH`` also writes the report as one JSON object (``--json -`` prints it instead).
 """
 
 from __future__ import annotations
@@ -56,11 +58,10 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from common import add_json_argument, prints_json, write_json
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig  # noqa: E402
-
 SHIPPED = REPO / "examples" / "default"
 BATCH = 8
 FAISS_NAME = "gpu-check"
@@ -443,7 +444,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rtol", type=float, default=1e-3,
                         help="score tolerance, relative to the largest score of a query")
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     if args.device.startswith("cuda"):
         import torch
@@ -457,9 +458,8 @@ def main(argv=None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         report = run(args.device, args.documents, args.k, args.rtol, args.top, work, args.max_tokens)
     machine = describe_machine(args.device)
-    if args.json:
-        print(json.dumps({"machine": machine, "rtol": args.rtol, "stages": [vars(s) for s in report]}, indent=2))
-    else:
+    write_json(args.json, {"machine": machine, "rtol": args.rtol, "stages": [vars(s) for s in report]})
+    if not prints_json(args):
         print(f"eogp-index GPU check: {machine}")
         print(f"shipped model, {args.documents} documents of at most {args.max_tokens} tokens, k = {args.k}, top {args.top} per direction, "
               f"score tolerance {args.rtol:.0e} of the largest score")

@@ -6,12 +6,14 @@ does, with a cheap transform in place of the projection) on ``--batch`` document
 ``--tokens`` tokens, each setting in a fresh process:
 
 * on CUDA, the peak of ``torch.cuda.max_memory_allocated`` during the pass;
-* on the CPU, the growth of the process's peak resident set (``ru_maxrss``) over what it held
-  after building the model and the batch.
+* on the CPU, the growth of the process's peak resident set (``common.peak_rss_bytes``) over
+  what it held after building the model and the batch.
 
 It prints both settings and their ratio side by side, and checks that the coordinates agree.
+``--json PATH`` also writes the figures as one JSON object.
 
 Usage: python benchmarks/long_documents.py [--tokens 2048] [--layers 12] [--width 256] [--batch 1] [--device cpu]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -19,13 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, REPO)
+from common import add_json_argument, peak_rss_bytes, prints_json, write_json
 
 
 def one_pass(args) -> dict:
@@ -57,14 +57,14 @@ def one_pass(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     else:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        before = peak_rss_bytes()
     started = time.perf_counter()
     out, _ = capture.run(batch)
     if cuda:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        peak = peak_rss_bytes() - before
     seconds = time.perf_counter() - started
     values = torch.cat([out[n].flatten().double().cpu() for n in names])
     return {"peak_bytes": int(peak), "seconds": seconds, "values": values.tolist()}
@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--checkpoint", action="store_true", help=argparse.SUPPRESS)  # the child's setting
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(one_pass(args)))
@@ -95,14 +96,22 @@ def main(argv=None) -> int:
     plain, ckpt = (np.array(results[c]["values"]) for c in (False, True))
     rel = float(np.abs(ckpt - plain).max() / np.abs(plain).max())
     what = "CUDA max_memory_allocated" if args.device.startswith("cuda") else "growth of peak RSS"
+    ratio = results[True]["peak_bytes"] / max(results[False]["peak_bytes"], 1)
+    time_ratio = results[True]["seconds"] / results[False]["seconds"]
+    write_json(args.json, {"layers": args.layers, "width": args.width, "batch": args.batch, "tokens": args.tokens,
+                           "device": args.device, "memory": what,
+                           **{key: {k: v for k, v in results[c].items() if k != "values"}
+                              for key, c in (("plain", False), ("checkpointed", True))},
+                           "memory_ratio": ratio, "time_ratio": time_ratio, "outputs_relative_difference": rel})
+    if prints_json(args):
+        return 0
     print(f"GPT-2 shape: {args.layers} layers, width {args.width}; {args.batch} x {args.tokens} tokens on {args.device}")
     print(f"{'':<28}{'peak memory (' + what + ')':>44}{'time':>10}")
     for checkpoint, label in ((False, "without checkpointing"), (True, "--gradient-checkpointing")):
         r = results[checkpoint]
         print(f"{label:<28}{r['peak_bytes'] / 2**20:>40.1f} MiB{r['seconds']:>9.2f}s")
-    ratio = results[True]["peak_bytes"] / max(results[False]["peak_bytes"], 1)
     print(f"ratio checkpointed / plain: memory {ratio:.2f}, time "
-          f"{results[True]['seconds'] / results[False]['seconds']:.2f}; outputs agree to {rel:.1e} relative")
+          f"{time_ratio:.2f}; outputs agree to {rel:.1e} relative")
     return 0
 
 

@@ -23,7 +23,8 @@ row can be reproduced with ``eogp eval fidelity --m M``.
         --plot examples/eval/m_curve.png
     python benchmarks/m_curve.py --replot --plot examples/eval/m_curve.png   # from the saved JSON
 
-Results are kept as ``<work>/<case>.json``; the text table goes to stdout.
+Results are kept as ``<work>/<case>.json``; the text table goes to stdout, and ``--json PATH``
+also writes every case's results as one JSON list.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from common import add_json_argument, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD_RULE = "8k (old)"
@@ -276,6 +279,7 @@ def main() -> None:
     parser.add_argument("--replot", action="store_true", help="only print and plot the saved JSON of the cases")
     parser.add_argument("--new", type=int, default=None, help="compare this M with the old rule (default: the "
                                                                   "library's DEFAULT_M)")
+    add_json_argument(parser)
     args = parser.parse_args()
     from eogp_index.config import DEFAULT_M
     from eogp_index.evaluation.config import DEFAULT_BUDGETS
@@ -291,7 +295,7 @@ def main() -> None:
         else:
             result = measure(name, folder, args)
             saved.parent.mkdir(parents=True, exist_ok=True)
-            saved.write_text(json.dumps(result, indent=1))
+            write_json(str(saved), result)
         results.append(result)
         print(table(result))
         if any(r["rule"] == new_rule for r in result["rows"]):
@@ -300,6 +304,7 @@ def main() -> None:
     if args.plot:
         plot(results, args.plot, new_rule if any(r["rule"] == new_rule for res in results for r in res["rows"]) else None)
         print(f"plot: {args.plot}")
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

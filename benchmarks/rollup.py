@@ -17,9 +17,9 @@ by default 32 x 64 = 256 bytes per row, the size of the demo index's rows):
 
 Each line prints the best wall time of ``--repeat`` runs, that run's process CPU time, and the
 ratio of wall times to the full-scores pass (target: at most 1.5). Targets are reported, never
-asserted.
+asserted. ``--json PATH`` also writes the figures as one JSON object.
 
-Usage: python benchmarks/rollup.py [--rows 1000000] [--groups 1000] [--repeat 5]
+Usage: python benchmarks/rollup.py [--rows 1000000] [--groups 1000] [--repeat 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,29 +27,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 import pyarrow as pa
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from eogp_index.search.rollup import group_codes, roll_up  # noqa: E402
-from eogp_index.search.searchers import exact_scores  # noqa: E402
-from eogp_index.store.codecs import Encoded, SignLayout  # noqa: E402
-
-
-def best_of(fn, repeat: int) -> tuple:
-    """Best wall time of ``repeat`` runs and that run's process CPU time (about threads x wall when
-    nothing else competes for the cores; much less means the wall times are pessimistic)."""
-    best, best_cpu = float("inf"), 0.0
-    for _ in range(repeat):
-        c0, t0 = time.process_time(), time.perf_counter()
-        fn()
-        t, c = time.perf_counter() - t0, time.process_time() - c0
-        if t < best:
-            best, best_cpu = t, c
-    return best, best_cpu
+from common import add_json_argument, best_of, prints_json, write_json
+from eogp_index.search.rollup import group_codes, roll_up
+from eogp_index.search.searchers import exact_scores
+from eogp_index.store.codecs import Encoded, SignLayout
 
 
 def main(argv=None) -> int:
@@ -61,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=20, help="k of the top-k counts")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    add_json_argument(ap)
     args = ap.parse_args(argv)
 
     n = int(args.rows)
@@ -76,7 +62,11 @@ def main(argv=None) -> int:
 
     exact_scores(encoded.take(np.arange(256)), y, layout)  # compile (or load) the kernels
     scores = exact_scores(encoded, y, layout)[0]
-    full, full_cpu = best_of(lambda: exact_scores(encoded, y, layout), args.repeat)
+    full, full_cpu, _ = best_of(lambda: exact_scores(encoded, y, layout), args.repeat)
+    threads = int(__import__("numba").get_num_threads())
+    figures = {"rows": n, "nbytes_per_row": layout.nbytes, "modules": args.modules, "k": args.k, "threads": threads,
+               "load_average": os.getloadavg()[0], "full_seconds": full, "full_cpu_seconds": full_cpu,
+               "group_by": []}
     lines = [f"{n} rows x {layout.nbytes} B of signs ({args.modules} modules x k={args.k}), "
              f"{int(__import__('numba').get_num_threads())} threads, load average {os.getloadavg()[0]:.2f}",
              f"full scores (one query, every row):      {full * 1e3:8.1f} ms (cpu {full_cpu * 1e3:.0f} ms)"]
@@ -84,14 +74,19 @@ def main(argv=None) -> int:
         groups = roll_up(values, scores, args.topk, column).num_rows
         codes = group_codes(values)
         for when, given in (("first", values), ("repeated", codes)):
-            t, cpu = best_of(lambda: roll_up(given, exact_scores(encoded, y, layout)[0], args.topk, column),
-                             args.repeat)
+            t, cpu, _ = best_of(lambda: roll_up(given, exact_scores(encoded, y, layout)[0], args.topk, column),
+                                args.repeat)
             ratio = t / full
+            figures["group_by"].append({"column": column, "groups": groups, "when": when, "seconds": t,
+                                        "cpu_seconds": cpu, "ratio": ratio, "target_met": ratio <= 1.5})
             lines.append(f"group-by {column:<10} ({groups:>7} groups), {when:<8}: {t * 1e3:8.1f} ms "
                          f"(cpu {cpu * 1e3:.0f} ms) = {ratio:.2f} x full scores (target <= 1.5) "
                          f"[{'ok' if ratio <= 1.5 else 'MISSED'}]")
     lines.append(f"load average after: {os.getloadavg()[0]:.2f}")
-    print("\n".join(lines))
+    figures["load_average_after"] = os.getloadavg()[0]
+    if not prints_json(args):
+        print("\n".join(lines))
+    write_json(args.json, figures)
     return 0
 
 

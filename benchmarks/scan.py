@@ -18,47 +18,34 @@ machine make the wall times pessimistic; compare the CPU times).
 Each line prints the wall time (best run), that run's process CPU time (about threads x wall
 when nothing else competes for the cores) and the ratio against the target:
 single-query throughput >= 0.5 x bandwidth, normalized top-k >= 0.9 x unnormalized, batch time
-<= 8 x single, 1% subset <= 5% of the full scan. Targets are reported, never asserted. ``--json`` prints the numbers as one JSON object.
+<= 8 x single, 1% subset <= 5% of the full scan. Targets are reported, never asserted.
+``--json PATH`` also writes the numbers as one JSON object.
 
-Usage: python benchmarks/scan.py --gb 1.0 [--json] [--planes-batch]
+Usage: python benchmarks/scan.py --gb 1.0 [--json PATH] [--planes-batch]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import common
+from eogp_index.search import scan as scan_module
+from eogp_index.search.normalize import unit_normalized
+from eogp_index.search.scan import SignLayout, scan_scores, scan_top_k
+from eogp_index.store.codecs import Encoded
 
-from eogp_index.search import scan as scan_module  # noqa: E402
-from eogp_index.search.normalize import unit_normalized  # noqa: E402
-from eogp_index.search.scan import SignLayout, scan_scores, scan_top_k  # noqa: E402
-from eogp_index.store.codecs import Encoded  # noqa: E402
-
-
-CPU = {}  # name of the last measurement -> process CPU seconds of its best run
+CPU = {}  # "" -> process CPU seconds of the last measurement's best run
 
 
-def best_of(fn, repeat: int, name: str = "") -> float:
-    """Best wall time of ``repeat`` runs; the process CPU time of that run goes to ``CPU[name]``.
-
-    CPU time near threads x wall means the kernel had the cores to itself; much less means
-    other processes were competing for them and the wall times are pessimistic.
-    """
-    best, best_cpu = float("inf"), 0.0
-    for _ in range(repeat):
-        c0, t0 = time.process_time(), time.perf_counter()
-        fn()
-        t, c = time.perf_counter() - t0, time.process_time() - c0
-        if t < best:
-            best, best_cpu = t, c
-    CPU[name] = best_cpu
-    return best
+def best_of(fn, repeat: int) -> float:
+    """:func:`common.best_of`'s wall time; its CPU time goes to ``CPU[""]`` for :func:`report`."""
+    best = common.best_of(fn, repeat)
+    CPU[""] = best.cpu_seconds
+    return best.seconds
 
 
 def main(argv=None) -> int:
@@ -71,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="best of this many runs (single-query lines)")
     ap.add_argument("--subset", type=float, default=0.01, help="fraction of rows for the filtered scan")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true", help="also print all numbers as one JSON object")
+    common.add_json_argument(ap)
     ap.add_argument("--planes-batch", action="store_true",
                     help="also time the query batch's top-k with the bit-plane pre-scan (on AVX512-VNNI hosts)")
     args = ap.parse_args(argv)
@@ -167,9 +154,9 @@ def main(argv=None) -> int:
            r, r <= 0.05, rows=int(subset.size))
 
     lines.append(f"load average after: {os.getloadavg()[0]:.2f}")
-    print("\n".join(lines))
-    if args.json:
-        print(json.dumps(res, indent=None))
+    if not common.prints_json(args):
+        print("\n".join(lines))
+    common.write_json(args.json, res)
     return 0
 
 

@@ -4,7 +4,7 @@
 Builds a tiny index (a small GPT-2 made from a config, a word tokenizer, 64 documents), grows it
 to ``--rows`` rows with :func:`benchmarks.filters.grow` (codes copied from the real rows with
 bits flipped), then measures in fresh processes, one per measurement, the peak resident set
-(``ru_maxrss``) of:
+(``common.peak_rss_bytes``) of:
 
 * **query**: ``top_influential(q, k=20)`` — the default route, which loads the hot copy;
 * **select**: ``select_documents`` with ``--top 10%`` and ``--score mean``, ids and scores
@@ -12,7 +12,8 @@ bits flipped), then measures in fresh processes, one per measurement, the peak r
 * **select max**: the same with ``--score max`` over 8 target queries.
 
 Each line gives the measurement's peak RSS, its ratio to the query's, and how much it grew past
-the peak of opening the index (model loaded, before the operation).
+the peak of opening the index (model loaded, before the operation). ``--json PATH`` also
+writes the figures as one JSON object.
 
     python benchmarks/selection.py --rows 1000000
     python benchmarks/selection.py --rows 200000      # quicker
@@ -22,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+from common import add_json_argument, peak_rss_bytes, prints_json, write_json
 
 QUERIES = [" ".join(f"t{(q * 5 + j * 3) % 60 + 2}" for j in range(8)) for q in range(8)]
 
@@ -73,7 +71,7 @@ def measure(path: Path, what: str) -> None:
     from eogp_index.search.select import select_documents, write_selection
 
     index = AttributionIndex.open(path / "grown", model_name=str(path / "model"))
-    opened = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    opened = peak_rss_bytes() / 2**20
     started = time.perf_counter()
     if what == "query":
         index.top_influential(QUERIES[0], k=20)
@@ -84,7 +82,7 @@ def measure(path: Path, what: str) -> None:
         picked = write_selection(index.stored, selection, path / "subset.parquet")
     print(json.dumps({"what": what, "rows": index.store.count(), "picked": picked,
                       "seconds": time.perf_counter() - started, "opened_rss_mb": opened,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "peak_rss_mb": peak_rss_bytes() / 2**20}))
 
 
 def main(argv=None) -> None:
@@ -94,6 +92,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="keep the index here (reused if present)")
     parser.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--what", default="query", help=argparse.SUPPRESS)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     if args.measure is not None:
         measure(args.measure, args.what)
@@ -110,6 +109,9 @@ def main(argv=None) -> None:
                               capture_output=True, text=True, check=True)
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     base = results[0]["peak_rss_mb"]
+    write_json(args.json, [{**r, "over_query": r["peak_rss_mb"] / base} for r in results])
+    if prints_json(args):
+        return
     print(f"{results[0]['rows']:,} rows")
     for r in results:
         print(f"  {r['what']:<11} peak RSS {r['peak_rss_mb']:8.0f} MB  ({r['peak_rss_mb'] / base:4.2f} x query)  "

@@ -14,12 +14,14 @@ Steps, all in one run (bounded: each phase has a fixed duration, the whole run a
 
 Prints throughput, p50 and p99 latency and the error count of each phase, the server's RSS at
 start and end, and the targets: zero errors, RSS growth under 10%, and throughput at 32 clients at
-least 2x one client's (micro-batching at work). Targets are printed, never asserted.
+least 2x one client's (micro-batching at work). Targets are printed, never asserted. ``--json
+PATH`` also writes the figures as one JSON object.
 
 The clients are a minimal HTTP/1.1 keep-alive loop on asyncio streams, so that the load generator
 takes as little as possible of the 2 cores it shares with the server.
 
 Usage: python benchmarks/serve.py [--rows 100000] [--clients 32] [--seconds 30] [--single-seconds 10]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ import urllib.request
 from pathlib import Path
 from typing import List, Tuple
 
+from common import add_json_argument, write_json
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 EOGP = [sys.executable, "-m", "eogp_index.cli"]
 DEMO = ROOT / "examples" / "default"
 FILTERS = [None, None, "kind = 'function'", "kind = 'class'", "n_chars > 300"]
@@ -175,7 +178,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--single-seconds", type=float, default=10.0)
     parser.add_argument("--work", type=Path, default=None, help="where the grown copy goes (default: a temp dir)")
-    parser.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    add_json_argument(parser)
     parser.add_argument("--serve-option", action="append", default=[], metavar="OPT",
                         help="passed to eogp serve (repeatable), e.g. --serve-option=--batch-window-ms=5")
     args = parser.parse_args(argv)
@@ -240,9 +243,8 @@ def main(argv=None) -> int:
     print(f"  RSS growth < 10% .................. {100 * growth:+.1f}%  {'met' if growth < 0.10 else 'MISSED'}")
     print(f"  throughput {args.clients} clients >= 2x one .... {speedup:.2f}x  {'met' if speedup >= 2 else 'MISSED'}"
           f"  (lone-client p50 {single['p50_ms']:.1f} ms with the batching window on)")
-    if args.json:
-        print(json.dumps({"rows": rows, "single": single, "many": many, "rss_start_mb": rss_start,
-                          "rss_end_mb": rss_end, "speedup": speedup}))
+    write_json(args.json, {"rows": rows, "single": single, "many": many, "rss_start_mb": rss_start,
+                           "rss_end_mb": rss_end, "speedup": speedup})
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

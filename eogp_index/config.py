@@ -78,7 +78,7 @@ class CurvatureConfig:
 
 #: The default first-stage width: ``m_u = min(d_u, max(k_u, DEFAULT_M))``, whatever ``k``
 #: (the paper fixes ``m_u`` independently of ``k``). Chosen from the measured fidelity-versus-m
-#: curve (``benchmarks/m_curve.py``, README "First-stage width").
+#: curve (``benchmarks/m_curve.py``, docs/fitting.md "First-stage width").
 DEFAULT_M = 16384
 DEFAULT_M_HELP = f"min(d_u, max(k, {DEFAULT_M}))"
 

@@ -20,7 +20,7 @@ on a different kind of text, Debian manual pages. Everything comes from the mach
   ``model/``: ``base`` fine-tuned on ``train`` with the default :class:`FinetuneRecipe`.
 
 The installed pages differ between machines, so the shipped output (not this script's rerun)
-is the reference; ``manifest.json`` lists the pages used. Runs in about 15 minutes on 2 idle cores::
+is the reference; ``manifest.json`` lists the pages used::
 
     python examples/make_manpages.py            # writes examples/manpages/
 """

@@ -15,6 +15,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
 
 def _load():
+    if str(SCRIPT.parent) not in sys.path:  # run as a script, it finds benchmarks/common.py there
+        sys.path.append(str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -26,7 +28,7 @@ def _load():
 def test_gpu_check_passes_every_stage_on_cpu(tmp_path, capsys):
     gpu_check = _load()
     status = gpu_check.main(["--device", "cpu", "--documents", "32", "-k", "8", "--max-tokens", "48", "--top", "5",
-                             "--work", str(tmp_path), "--json"])
+                             "--work", str(tmp_path), "--json", "-"])
     report = json.loads(capsys.readouterr().out)
     stages = {s["name"]: s for s in report["stages"]}
     assert list(stages) == [name for name, _ in gpu_check.STAGES]

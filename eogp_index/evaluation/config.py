@@ -201,8 +201,7 @@ class LDSConfig:
     (the one the attributed model was made with). counterfactual: remove each of
     ``cf_methods`` at ``cf_budget`` bytes (plus uncompressed EK-FAC, plus random documents)
     top-``N`` documents for ``N`` in ``cf_removals``, ranked on the first ``cf_queries``
-    queries, and retrain with each of ``cf_seeds``. One retraining takes about 35 s (256
-    documents) to 70 s (all 512) on 2 CPU cores for the default model.
+    queries, and retrain with each of ``cf_seeds``.
     """
 
     base: str = _shipped("base", "The pretrained model every retraining starts from.")

@@ -39,7 +39,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -81,7 +81,6 @@ __all__ = [
 
 #: Names of the uncompressed references.
 REF_EKFAC = "EK-FAC (kronfluence)"
-REF_EKFAC_INDEX = "EK-FAC (index, full width)"
 REF_KFAC = "K-FAC"
 REF_TRACIN = "TracIn"
 
@@ -109,13 +108,6 @@ class Documents:
                 raise InputError(f"document {self.ids[i]!r}: {len(labels)} labels for {len(ids)} tokens")
             if not any(label != IGNORE_INDEX for label in labels[1:]):
                 raise InputError(f"document {self.ids[i]!r} has no token that counts in the loss")
-
-    @classmethod
-    def from_token_lists(cls, docs: Sequence[Sequence[int]], ids: Optional[Sequence[str]] = None) -> "Documents":
-        """Plain documents (every position counts) from token-id lists."""
-        ids = tuple(str(i) for i in (ids if ids is not None else range(len(docs))))
-        tokens = tuple(tuple(int(t) for t in d) for d in docs)
-        return cls(ids=ids, input_ids=tokens, labels=tokens)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -884,8 +876,3 @@ def _record(cfg: MethodConfig, metric: str, value: float, ci: Optional[Tuple[flo
         rec["ci_low"], rec["ci_high"] = ci
     return rec
 
-
-def iter_configs(scoreset: ScoreSet) -> Iterator[Tuple[MethodConfig, np.ndarray]]:
-    """``(config, (n_seeds, nq, n) scores)`` of every config."""
-    for cfg in scoreset.configs:
-        yield cfg, scoreset.scores[cfg.id]

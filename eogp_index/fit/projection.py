@@ -122,7 +122,7 @@ class ModuleProjection:
         # they run over the live tokens only.
         live = g.abs().amax(dim=-1) > 0  # (B, T)
         counts = live.sum(dim=1).tolist()
-        tokens = live.reshape(-1).nonzero().squeeze(1)  # index_select is ~5x faster than g[live]
+        tokens = live.reshape(-1).nonzero().squeeze(1)  # index_select: cheaper than g[live]
         g_live = g.reshape(-1, g.shape[-1]).index_select(0, tokens)  # (N, d_out)
         a_live = a.reshape(-1, a.shape[-1]).index_select(0, tokens)  # (N, d_in')
         q_s = self.gradient_eigenvectors.to(g.device)  # (d_out, r)
@@ -147,10 +147,6 @@ class ModuleProjection:
                     0, example, gs[:, rows[i:i + chunk]] * aa[:, cols[i:i + chunk]])
                 for i in range(0, self.m, chunk)], dim=1)
         return kept * self.whiten.to(a.device)
-
-    def half_whiten(self, rotated: torch.Tensor) -> torch.Tensor:
-        """Select and whiten from a dense eigenbasis gradient ``(B, r, c)`` (reference path)."""
-        return rotated.reshape(rotated.shape[0], -1)[:, self.local_index] * self.whiten
 
     def second(self, z: torch.Tensor) -> torch.Tensor:
         """``(B, m)`` first-stage coordinates → ``(B, k)`` final coordinates."""
@@ -245,9 +241,8 @@ def _upcast_scratch(numel: int, z: torch.Tensor) -> Optional[torch.Tensor]:
     """A float32 buffer of at least ``numel`` entries, kept per thread and reused, on CPU (None on
     other devices, whose caching allocators already reuse memory).
 
-    Upcasting into a fresh tensor cost 32 ms for a ``16384 × 256`` block on CPU, almost all of it
-    first-touch page faults of the new allocation, against 0.8 ms into a reused buffer; it was
-    half of the demo's ingest time.
+    Upcasting into a fresh tensor costs, on CPU, mostly the first-touch page faults of the new
+    allocation; a reused buffer has none, and ingest upcasts a block per module and batch.
     """
     if z.device.type != "cpu" or z.dtype != torch.float32:
         return None
@@ -491,8 +486,8 @@ def make_srht(m: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor,
 # time (P' = P R), so the stored format, the codes and the kernels are those of EOGP.
 
 #: Rounds of the randomized Hadamard rotation: one round mixes each coordinate with a
-#: power-of-two block only; two give as good a rotation as a Haar-random one (measured offline
-#: on both shipped cases for issue #12: NDCG@20 within about 0.01 of Haar's at every budget).
+#: power-of-two block only; two give as good a rotation as a Haar-random one on both shipped
+#: cases (NDCG@20 at every budget, checked offline).
 HADAMARD_ROUNDS = 2
 
 
@@ -1177,8 +1172,8 @@ def build_projection(
 ) -> Projection:
     """Choose ``(m_u, k_u)`` per module, build the first stages and draw the SRHTs and rotations.
 
-    For EOGP the PCA matrices are fitted afterwards by :func:`fit_second_stage_pca`, from
-    first-stage coordinates computed with the stages built here.
+    For EOGP the PCA matrices are fitted afterwards (:func:`second_stage_directions`, from
+    first-stage coordinates computed with the stages built here).
     """
     modules = {}
     generator = torch.Generator().manual_seed(config.seed)
@@ -1194,9 +1189,3 @@ def build_projection(
         modules[name] = proj
     return Projection(modules, config=config, damping_ratio=damping_ratio)
 
-
-def fit_second_stage_pca(projection: Projection, first_stage: Dict[str, Sequence[torch.Tensor]]) -> None:
-    """Fit every module's ``P`` from its cached first-stage coordinates (list of ``(B, m)``)."""
-    for name, proj in projection.modules.items():
-        z = torch.cat([t.cpu() for t in first_stage[name]], dim=0)
-        proj.pca = second_stage_directions(z, proj)

@@ -16,7 +16,7 @@ bit 1 is ``+1`` (coordinate ``>= 0``), bit 0 is ``-1``. The padding bits at the 
 module's last byte are written as 0 by :func:`pack_signs`, and every kernel here *masks* them
 as well, so garbage in padding bits never changes a score.
 
-Kernels (CPU, numba; the first call compiles for ~30 s, later processes load the cache):
+Kernels (CPU, numba; the first call compiles them, later processes load the cache):
 
 * **Exact scan** (:func:`scan_scores`, and the rescoring inside :func:`scan_top_k`): for each
   query a lookup table gives, for every byte position ``p`` of a row and each of the 256 values
@@ -63,13 +63,11 @@ IR intrinsics), ``bounded`` (pre-scan kernels), ``select`` (running top-k) and `
 The private names the tests and benchmarks use (``_geometry``, ``_bounded_kernel``,
 ``_quantize_queries``, ...) are importable from here.
 
-Speed (benchmarks/scan.py, 1 GB of codes, 64 modules x k=512, 2-core AMD EPYC Zen 4 VM): the
-table walk does ~1 GB/s per core; the pre-scan ~10 GB/s per core, so single-query
-:func:`scan_top_k` reads the store at ~13-17 GB/s, about half the memory bandwidth (the
-pre-scan is compute-bound; the rest is a few ms). A batch of 64 queries costs ~30-40x one
-query: its pre-scan is an int8 x 1-bit product of ~8·10⁹ VPDPBUSD for 1 GB, and one VPDPBUSD
-per cycle and core puts ~1.1 s under it whatever the loop order. The 64-query exact kernel
-(:func:`scan_scores`) takes ~0.3 ns per byte and query, about 4x less than 64 separate scans.
+Speed: the pre-scan is compute-bound and runs several times faster than the table walk, so
+single-query :func:`scan_top_k` reads the store at a good share of the memory bandwidth. A
+batch of 64 queries costs much more than one: its pre-scan is an int8 x 1-bit product of
+``8·10⁹`` VPDPBUSD per GB of codes, a floor whatever the loop order. ``benchmarks/scan.py``
+prints the figures; docs/benchmarks.md ("Scan") gives them with the command.
 """
 
 from __future__ import annotations
@@ -310,55 +308,207 @@ def scan_top_k(
     Returns:
         :class:`TopK` with ``(nq, min(k, m))`` arrays; indices refer to rows of ``codes``.
     """
-    codes, scales, y, layout = _prepare(codes, scales, y, layout)
-    k = int(k)
-    if k < 1:
-        raise ConfigError(f"k must be >= 1, got {k}")
-    if not (largest or smallest):
-        raise ConfigError("scan_top_k needs largest=True or smallest=True (both False asks for nothing)")
-    n = codes.shape[0]
-    rows = _check_rows(rows, n)
-    if rows is not None and not (rows.size < 2 or bool(np.all(rows[1:] > rows[:-1]))):
-        rows = np.unique(rows)  # (Lance hands row lists over sorted and unique: no sort then)
-    m = n if rows is None else rows.shape[0]
-    nq = y.shape[0]
-    if chunk_rows is None:
-        chunk_rows = max(_ROW_BLOCK * 16, _TOPK_CHUNK_ELEMS // nq)
-    chunk_rows = int(chunk_rows)
-    if chunk_rows < 1:
-        raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    return _TopKScan(codes, scales, y, layout, k, rows=rows, largest=largest, smallest=smallest,
+                     chunk_rows=chunk_rows).run()
 
-    g = _geometry(layout)
-    store = _store_args(codes, scales)
-    nbytes = layout.nbytes
-    nibble = _use_nibbles(layout, 1)  # rescoring runs one query at a time
-    # One query: bit planes (as fast as VNNI there, and the same code on every host). A batch
-    # where VNNI is available: groups of queries share each expanded code word.
-    batch = nq >= _BATCH_PRESCAN_MIN and _prescan_vnni()
-    level1, level2 = _quantize_queries(y, layout, levels=2, vnni=batch)
-    # The kernels' bundles of the two levels (level 1 in groups of queries for the batch kernel).
-    lv1 = _level_args(g, *(_group_levels(level1) if batch else (level1.qarr, level1.c1, level1.c0, level1.err)))
-    if batch:  # level 2 scores a few rows per query: bit planes there too (one kernel form fewer)
-        planes = np.zeros((nq, level2.qarr.shape[1] // 64 * _QUERY_BITS), dtype=np.uint64)
-        _bit_planes(level2.qarr, planes)
-        level2 = _QuantLevel(planes, level2.c1, level2.c0, level2.err)
-    lv2 = _level_args(g, level2.qarr, level2.c1, level2.c0, level2.err)
-    tables: dict[int, np.ndarray] = {}
-    padded: list = []
 
-    def pairs(todo: dict[int, np.ndarray], split: int) -> Pairs:
-        """(query, rows) lists as segments of at most ``split`` rows (queries in ``todo``'s order)."""
-        qidx, lens = [], []
-        for q, r in todo.items():
-            for i0 in range(0, r.shape[0], split):
-                qidx.append(q)
-                lens.append(min(split, r.shape[0] - i0))
-        indptr = np.zeros(len(lens) + 1, dtype=np.int64)
-        np.cumsum(lens, out=indptr[1:])
-        prow = np.concatenate(list(todo.values())) if todo else _NO_ROWS
-        return Pairs(np.asarray(qidx, dtype=np.int64), indptr, np.ascontiguousarray(prow, dtype=np.int64))
+def _pairs(todo: dict[int, np.ndarray], split: int) -> Pairs:
+    """(query, rows) lists as segments of at most ``split`` rows (queries in ``todo``'s order)."""
+    qidx, lens = [], []
+    for q, r in todo.items():
+        for i0 in range(0, r.shape[0], split):
+            qidx.append(q)
+            lens.append(min(split, r.shape[0] - i0))
+    indptr = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=indptr[1:])
+    prow = np.concatenate(list(todo.values())) if todo else _NO_ROWS
+    return Pairs(np.asarray(qidx, dtype=np.int64), indptr, np.ascontiguousarray(prow, dtype=np.int64))
 
-    def exact(todo: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+
+def _split_by_query(todo: dict[int, np.ndarray], *flat: np.ndarray) -> dict[int, tuple[np.ndarray, ...]]:
+    """Cut arrays laid out as :func:`_pairs` lays out ``todo`` (queries in order) back per query."""
+    out, start = {}, 0
+    for q, r in todo.items():
+        out[q] = tuple(a[start : start + r.size] for a in flat)
+        start += r.size
+    return out
+
+
+class _TopKScan:
+    """One :func:`scan_top_k` call: the checked inputs, the quantized queries and the running top-k.
+
+    :meth:`run` walks the store in chunks; per chunk, :meth:`_level1` (8-bit pre-scan of every
+    row), :meth:`_pilot` (exact scores of the best approximations), :meth:`_survivors` (rows whose
+    level-1 interval reaches a threshold), :meth:`_level2` (the residual pass on those) and
+    :meth:`_rescore` (exact scores of what is still in reach). ``running[(q, d)]`` holds query
+    ``q``'s best exact scores in direction ``d`` (``+1.0`` largest, ``-1.0`` smallest).
+    """
+
+    _BITS = {1.0: 1, -1.0: 2}  # the flag bit of each direction in _reaching's output
+
+    def __init__(self, codes, scales, y, layout, k, *, rows, largest, smallest, chunk_rows):
+        codes, scales, y, layout = _prepare(codes, scales, y, layout)
+        k = int(k)
+        if k < 1:
+            raise ConfigError(f"k must be >= 1, got {k}")
+        if not (largest or smallest):
+            raise ConfigError("scan_top_k needs largest=True or smallest=True (both False asks for nothing)")
+        n = codes.shape[0]
+        rows = _check_rows(rows, n)
+        if rows is not None and not (rows.size < 2 or bool(np.all(rows[1:] > rows[:-1]))):
+            rows = np.unique(rows)  # (Lance hands row lists over sorted and unique: no sort then)
+        nq = y.shape[0]
+        if chunk_rows is None:
+            chunk_rows = max(_ROW_BLOCK * 16, _TOPK_CHUNK_ELEMS // nq)
+        chunk_rows = int(chunk_rows)
+        if chunk_rows < 1:
+            raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
+
+        self.y, self.layout, self.rows, self.nq, self.chunk_rows = y, layout, rows, nq, chunk_rows
+        self.m = n if rows is None else rows.shape[0]
+        self.largest, self.smallest = largest, smallest
+        self.dirs = [d for d, want in ((1.0, largest), (-1.0, smallest)) if want]
+        self.kk = min(k, self.m)  # rows per query and direction in the result
+        self.pilot = self.kk + 4  # best approximations per direction rescored first
+        self.running = {(q, d): _Running(k, d > 0) for q in range(nq) for d in self.dirs}
+
+        self.g = _geometry(layout)
+        self.store = _store_args(codes, scales)
+        self.nbytes = layout.nbytes
+        self.nibble = _use_nibbles(layout, 1)  # rescoring runs one query at a time
+        # One query: bit planes (as fast as VNNI there, and the same code on every host). A batch
+        # where VNNI is available: groups of queries share each expanded code word.
+        self.batch = nq >= _BATCH_PRESCAN_MIN and _prescan_vnni()
+        level1, level2 = _quantize_queries(y, layout, levels=2, vnni=self.batch)
+        # The kernels' bundles of the two levels (level 1 in groups of queries for the batch kernel).
+        self.lv1 = _level_args(
+            self.g, *(_group_levels(level1) if self.batch else (level1.qarr, level1.c1, level1.c0, level1.err))
+        )
+        if self.batch:  # level 2 scores a few rows per query: bit planes there too (one kernel form fewer)
+            planes = np.zeros((nq, level2.qarr.shape[1] // 64 * _QUERY_BITS), dtype=np.uint64)
+            _bit_planes(level2.qarr, planes)
+            level2 = _QuantLevel(planes, level2.c1, level2.c0, level2.err)
+        self.lv2 = _level_args(self.g, level2.qarr, level2.c1, level2.c0, level2.err)
+        self.tables: dict[int, np.ndarray] = {}  # query -> its lookup table, kept while they fit
+        self.padded: Optional[np.ndarray] = None  # the queries padded for the direct kernel
+
+    def run(self) -> TopK:
+        for c0 in range(0, self.m, self.chunk_rows):
+            c1 = min(self.m, c0 + self.chunk_rows)
+            crow = np.arange(c0, c1, dtype=np.int64) if self.rows is None else self.rows[c0:c1]
+            approx1, bound1 = self._level1(crow)
+            scored = self._pilot(crow, approx1)
+            thr1, stage1 = self._survivors(approx1, bound1)
+            final = self._level2(crow, approx1, thr1, stage1, scored)
+            self._rescore(crow, final)
+        li, ls = self._collect(1.0) if self.largest else (None, None)
+        si, ss = self._collect(-1.0) if self.smallest else (None, None)
+        return TopK(li, ls, si, ss)
+
+    def _level1(self, crow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Level 1 of every query on the chunk's rows: ``(approx, bound)`` ``(nq, len(crow))``."""
+        approx = np.empty((self.nq, crow.shape[0]), dtype=np.float64)
+        bound = np.empty_like(approx)
+        if self.batch:
+            with _KERNEL_LOCK:
+                _bounded_batch_kernel(self.store, self.lv1, crow, approx, bound)
+            return approx, bound
+        # On cores busy with other work, waking a second thread for a small filtered scan can
+        # cost more than the parallel kernel gains.
+        if crow.shape[0] * self.nbytes * self.nq <= _SERIAL_MAX_BYTES:
+            _bounded_kernel_serial(self.store, self.lv1, crow, approx, bound)
+        else:
+            with _KERNEL_LOCK:
+                _bounded_kernel(self.store, self.lv1, crow, approx, bound)
+        return approx, bound
+
+    def _pilot(self, crow: np.ndarray, approx1: np.ndarray) -> dict[int, np.ndarray]:
+        """Rescore each query's rows with the best approximate scores first; returns their
+        positions in the chunk per query.
+
+        Once a query's running top-k is full, only those whose approximation beats it (they are
+        likely to enter). Their exact k-th best is a threshold close to the final one (the k-th
+        best lower bound is about two bounds below it), so far fewer rows survive level 1.
+        """
+        scored = {}
+        for q in range(self.nq):
+            pos = np.unique(np.concatenate([_top_positions(approx1[q], d, self.pilot) for d in self.dirs]))
+            t_up = self.running[(q, 1.0)].threshold() if self.largest else np.inf
+            t_down = self.running[(q, -1.0)].threshold() if self.smallest else np.inf
+            sel, _ = _reaching(approx1[q, pos], np.zeros(pos.shape[0]), t_up, t_down)
+            if sel.size:
+                scored[q] = pos[sel]
+        for q, ex in self._exact({q: crow[pos] for q, pos in scored.items()}).items():
+            for d in self.dirs:
+                self.running[(q, d)].merge(crow[scored[q]], ex)
+        return scored
+
+    def _survivors(self, approx1: np.ndarray, bound1: np.ndarray) -> tuple[dict, dict]:
+        """Rows whose level-1 interval reaches a direction's threshold survive for it.
+
+        Returns ``thr1[q][d]`` (the thresholds) and ``stage1[q] = (union, flags)``: the surviving
+        positions in the chunk and which directions each survives for (``_BITS``).
+        """
+        thr1, stage1 = {}, {}
+        for q in range(self.nq):
+            # (A full running top-k, from the pilot or earlier chunks, is nearly always above the
+            # chunk's k-th best lower bound, which is then not worth its pass.)
+            thr1[q] = {d: self._threshold(q, d, approx1[q], bound1[q], -np.inf,
+                                          self.running[(q, d)].val.size < self.kk)
+                       for d in self.dirs}
+            union, flags = _reaching(approx1[q], bound1[q], thr1[q].get(1.0, np.inf), thr1[q].get(-1.0, np.inf))
+            if union.size:
+                stage1[q] = (union, flags)
+        return thr1, stage1
+
+    def _level2(self, crow, approx1, thr1, stage1, scored) -> dict[int, list]:
+        """Level 2 (survivors only): add the 8-bit quantized residual, ~127x tighter bound.
+
+        Returns, per query, one array per direction (``dirs``' order) of the chunk positions
+        still in reach, less the pilot's rows (already merged).
+        """
+        todo = {q: crow[union] for q, (union, _) in stage1.items()}
+        work = _pairs(todo, 256)
+        approx = np.empty(work.prow.shape[0], dtype=np.float64)
+        bound = np.empty_like(approx)
+        if work.prow.shape[0] * self.nbytes <= 4 * _SERIAL_MAX_BYTES:
+            _bounded_pairs_kernel_serial(self.store, self.lv2, work, approx, bound)
+        else:
+            with _KERNEL_LOCK:
+                _bounded_pairs_kernel(self.store, self.lv2, work, approx, bound)
+        level2_out = _split_by_query(todo, approx, bound)
+        final: dict[int, list] = {}
+        for q, (union, flags) in stage1.items():
+            approx2, bound2 = level2_out[q]
+            approx12 = approx1[q, union] + approx2
+            done = scored.get(q, _NO_ROWS)
+            final[q] = []
+            for d in self.dirs:
+                inside = np.flatnonzero(flags & self._BITS[d])
+                a12, b2 = approx12[inside], bound2[inside]
+                thr2 = self._threshold(q, d, a12, b2, thr1[q][d])
+                keep, _ = _reaching(a12, b2, thr2, np.inf) if d > 0 else _reaching(a12, b2, np.inf, thr2)
+                pos = union[inside[keep]]
+                final[q].append(pos[~np.isin(pos, done)] if done.size else pos)
+        return final
+
+    def _rescore(self, crow: np.ndarray, final: dict[int, list]) -> None:
+        """Exact rescoring of what is left, both directions at once, merged into the running top-k."""
+        todo = {q: np.unique(np.concatenate(f)) for q, f in final.items()}
+        for q, ex in self._exact({q: crow[t] for q, t in todo.items() if t.size}).items():
+            for d, pos in zip(self.dirs, final[q]):
+                self.running[(q, d)].merge(crow[pos], ex[np.searchsorted(todo[q], pos)])
+
+    def _threshold(self, q: int, d: float, approx: np.ndarray, bound: np.ndarray, floor: float,
+                   lower: bool = True) -> float:
+        """A value of ``d · score`` (bigger is better) that ``kk`` rows are guaranteed to reach:
+        the running k-th best exact score, the previous level's threshold ``floor``, or (with
+        ``lower``) the kk-th best lower bound ``d · approx - bound`` of these rows, whichever is
+        highest."""
+        thr = max(floor, self.running[(q, d)].threshold())
+        return max(thr, _kth_lower_bound(approx, bound, d, self.kk)) if lower else thr
+
+    def _exact(self, todo: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         """Exact single-query scores (the bits of :func:`scan_scores`) of rows ``todo[q]`` per query.
 
         A few rows of a query are scored straight from the query (:func:`_exact_direct_pairs`,
@@ -367,140 +517,36 @@ def scan_top_k(
         """
         out: dict[int, np.ndarray] = {}
         few = {q: r for q, r in todo.items()
-               if r.size and not nibble and q not in tables and r.size <= _DIRECT_MAX_ROWS}
+               if r.size and not self.nibble and q not in self.tables and r.size <= _DIRECT_MAX_ROWS}
         if few:
-            if not padded:
-                padded.append(_padded_queries(y, layout))
-            serial = sum(r.size for r in few.values()) * nbytes <= _SERIAL_MAX_BYTES // 4
-            work = pairs(few, _DIRECT_MAX_ROWS if len(few) > 1 or serial else 16)
+            if self.padded is None:
+                self.padded = _padded_queries(self.y, self.layout)
+            serial = sum(r.size for r in few.values()) * self.nbytes <= _SERIAL_MAX_BYTES // 4
+            work = _pairs(few, _DIRECT_MAX_ROWS if len(few) > 1 or serial else 16)
             res = np.empty(work.prow.shape[0], dtype=np.float32)
             if serial:
-                _exact_direct_pairs_serial(store, padded[0], g.boff, work, res)
+                _exact_direct_pairs_serial(self.store, self.padded, self.g.boff, work, res)
             else:
                 with _KERNEL_LOCK:
-                    _exact_direct_pairs(store, padded[0], g.boff, work, res)
-            start = 0
-            for q, r in few.items():  # pairs() lays the queries out in this order
-                out[q] = res[start : start + r.size]
-                start += r.size
+                    _exact_direct_pairs(self.store, self.padded, self.g.boff, work, res)
+            out.update({q: scores for q, (scores,) in _split_by_query(few, res).items()})
         for q, r in todo.items():
             if q in out or not r.size:
                 out.setdefault(q, np.empty(0, dtype=np.float32))
                 continue
-            t = tables.get(q)
+            t = self.tables.get(q)
             if t is None:
-                t = _lookup_tables(y[q : q + 1], layout, nibble)
-                if (len(tables) + 1) * t.nbytes <= 64 << 20:
-                    tables[q] = t
-            out[q] = _exact_scores(store, t, nibble, layout, r)[0]
+                t = _lookup_tables(self.y[q : q + 1], self.layout, self.nibble)
+                if (len(self.tables) + 1) * t.nbytes <= 64 << 20:
+                    self.tables[q] = t
+            out[q] = _exact_scores(self.store, t, self.nibble, self.layout, r)[0]
         return out
 
-    def bounded1(crow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Level 1 of every query on the chunk's rows: ``(approx, bound)`` ``(nq, len(crow))``."""
-        approx = np.empty((nq, crow.shape[0]), dtype=np.float64)
-        bound = np.empty_like(approx)
-        if batch:
-            with _KERNEL_LOCK:
-                _bounded_batch_kernel(store, lv1, crow, approx, bound)
-            return approx, bound
-        # Measured on 2 idle cores, a 1% filter of 1 GB (10 MB) gains ~0.7 ms in parallel; on
-        # cores busy with other work, waking a second thread can cost more than that.
-        if crow.shape[0] * nbytes * nq <= _SERIAL_MAX_BYTES:
-            _bounded_kernel_serial(store, lv1, crow, approx, bound)
-        else:
-            with _KERNEL_LOCK:
-                _bounded_kernel(store, lv1, crow, approx, bound)
-        return approx, bound
-
-    def bounded2(todo: dict[int, np.ndarray]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Level 2 of query ``q`` on rows ``todo[q]``, all queries in one call."""
-        work = pairs(todo, 256)
-        approx = np.empty(work.prow.shape[0], dtype=np.float64)
-        bound = np.empty_like(approx)
-        if work.prow.shape[0] * nbytes <= 4 * _SERIAL_MAX_BYTES:
-            _bounded_pairs_kernel_serial(store, lv2, work, approx, bound)
-        else:
-            with _KERNEL_LOCK:
-                _bounded_pairs_kernel(store, lv2, work, approx, bound)
-        out, start = {}, 0
-        for q, r in todo.items():  # pairs() lays the queries out in this order
-            out[q] = (approx[start : start + r.size], bound[start : start + r.size])
-            start += r.size
-        return out
-
-    def threshold(q: int, d: float, approx: np.ndarray, bound: np.ndarray, floor: float,
-                  lower: bool = True) -> float:
-        """A value of ``d · score`` (bigger is better) that ``kk`` rows are guaranteed to reach:
-        the running k-th best exact score, the previous level's threshold ``floor``, or (with
-        ``lower``) the kk-th best lower bound ``d · approx - bound`` of these rows, whichever is
-        highest."""
-        thr = max(floor, running[(q, d)].threshold())
-        return max(thr, _kth_lower_bound(approx, bound, d, kk)) if lower else thr
-
-    dirs = [d for d, want in ((1.0, largest), (-1.0, smallest)) if want]
-    bits = {1.0: 1, -1.0: 2}
-    running = {(q, d): _Running(k, d > 0) for q in range(nq) for d in dirs}
-    kk = min(k, m)
-    pilot = kk + 4
-    for c0 in range(0, m, chunk_rows):
-        c1 = min(m, c0 + chunk_rows)
-        crow = np.arange(c0, c1, dtype=np.int64) if rows is None else rows[c0:c1]
-        # Level 1 (every row of the chunk): 8-bit queries.
-        approx1, bound1 = bounded1(crow)
-        # Pilot: each query's rows with the best approximate scores are rescored first (once
-        # its running top-k is full, only those whose approximation beats it: they are likely
-        # to enter). Their exact k-th best is a threshold close to the final one (the k-th best
-        # lower bound is about two bounds below it), so far fewer rows survive level 1.
-        scored = {}
-        for q in range(nq):
-            pos = np.unique(np.concatenate([_top_positions(approx1[q], d, pilot) for d in dirs]))
-            t_up = running[(q, 1.0)].threshold() if largest else np.inf
-            t_down = running[(q, -1.0)].threshold() if smallest else np.inf
-            sel, _ = _reaching(approx1[q, pos], np.zeros(pos.shape[0]), t_up, t_down)
-            if sel.size:
-                scored[q] = pos[sel]
-        for q, ex in exact({q: crow[pos] for q, pos in scored.items()}).items():
-            for d in dirs:
-                running[(q, d)].merge(crow[scored[q]], ex)
-        # Rows whose level-1 interval reaches a direction's threshold survive for it.
-        thr1, stage1 = {}, {}
-        for q in range(nq):
-            # (A full running top-k, from the pilot or earlier chunks, is nearly always above the
-            # chunk's k-th best lower bound, which is then not worth its pass.)
-            thr1[q] = {d: threshold(q, d, approx1[q], bound1[q], -np.inf, running[(q, d)].val.size < kk)
-                       for d in dirs}
-            union, flags = _reaching(approx1[q], bound1[q], thr1[q].get(1.0, np.inf), thr1[q].get(-1.0, np.inf))
-            if union.size:
-                stage1[q] = (union, flags)
-        # Level 2 (survivors only): add the 8-bit quantized residual, ~127x tighter bound.
-        level2_out = bounded2({q: crow[union] for q, (union, _) in stage1.items()})
-        final: dict[int, list] = {}
-        for q, (union, flags) in stage1.items():
-            approx2, bound2 = level2_out[q]
-            approx12 = approx1[q, union] + approx2
-            done = scored.get(q, _NO_ROWS)
-            final[q] = []
-            for d in dirs:
-                inside = np.flatnonzero(flags & bits[d])
-                a12, b2 = approx12[inside], bound2[inside]
-                thr2 = threshold(q, d, a12, b2, thr1[q][d])
-                keep, _ = _reaching(a12, b2, thr2, np.inf) if d > 0 else _reaching(a12, b2, np.inf, thr2)
-                pos = union[inside[keep]]
-                final[q].append(pos[~np.isin(pos, done)] if done.size else pos)  # pilot rows are merged
-        # Exact rescoring of what is left, both directions at once.
-        todo = {q: np.unique(np.concatenate(f)) for q, f in final.items()}
-        for q, ex in exact({q: crow[t] for q, t in todo.items() if t.size}).items():
-            for d, pos in zip(dirs, final[q]):
-                running[(q, d)].merge(crow[pos], ex[np.searchsorted(todo[q], pos)])
-
-    def collect(d: float):
-        idx = np.empty((nq, kk), dtype=np.int64)
-        val = np.empty((nq, kk), dtype=np.float32)
-        for q in range(nq):
-            i, v = running[(q, d)].result()
-            idx[q], val[q] = i[:kk], v[:kk]
+    def _collect(self, d: float) -> tuple[np.ndarray, np.ndarray]:
+        """``(nq, kk)`` rows and scores of direction ``d``, best first."""
+        idx = np.empty((self.nq, self.kk), dtype=np.int64)
+        val = np.empty((self.nq, self.kk), dtype=np.float32)
+        for q in range(self.nq):
+            i, v = self.running[(q, d)].result()
+            idx[q], val[q] = i[: self.kk], v[: self.kk]
         return idx, val
-
-    li, ls = collect(1.0) if largest else (None, None)
-    si, ss = collect(-1.0) if smallest else (None, None)
-    return TopK(li, ls, si, ss)

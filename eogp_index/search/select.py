@@ -47,8 +47,6 @@ from eogp_index.store.stored_index import StoredIndex, _record_from_text
 
 __all__ = ["SelectOptions", "Selection", "select_documents", "write_selection", "write_scores", "atomic_output"]
 
-OUTPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
-
 
 @dataclass(frozen=True)
 class Selection:

@@ -246,12 +246,8 @@ class Engine:
         """Why document ``example_id`` ranks for the query: ``Explanation.to_json()``."""
         self.tokenize(record, field)
         self._require_row(example_id)
-        explain = getattr(self.index, "explain", None)
-        if explain is None:
-            raise RequestError("id", "this eogp-index version has no explanations (AttributionIndex.explain); "
-                                     "upgrade eogp-index", status=501)
         try:
-            return explain(record, example_id).to_json()
+            return self.index.explain(record, example_id).to_json()
         except (InputError, ConfigError) as exc:
             raise RequestError(field, _user_message(exc, field)) from None
 

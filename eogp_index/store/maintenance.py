@@ -202,7 +202,7 @@ def maybe_optimize(stored, *, threshold: Optional[int] = DEFAULT_FRAGMENT_THRESH
     Old versions are removed at most once per :data:`CLEANUP_INTERVAL` × ``retention`` through
     the same store: Lance's cleanup reads every version's manifest, and until versions age past
     ``retention`` there is nothing to remove, so cleaning at every compaction made each one
-    slower than the last (1.2 s at 8,000 versions, for nothing).
+    slower than the last, for nothing.
     """
     store = _parts(stored)[0]
     if threshold is None or not needs_optimize(store, threshold=threshold):

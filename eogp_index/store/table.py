@@ -342,13 +342,6 @@ class Store:
             return []
         return [name for name in schema.names if name not in CODE_COLUMNS]
 
-    def existing_ids(self, where: Optional[str] = None) -> set[str]:
-        """Ids already stored (optionally of the rows matching ``where``)."""
-        if self.table is None:
-            return set()
-        ids = self.dataset().to_table(columns=["id"], filter=where).column("id")
-        return set(ids.to_pylist())
-
     def read(self, columns: Sequence[str], where: Optional[str] = None, *, with_row_address: bool = False) -> pa.Table:
         """Read ``columns`` of the rows matching the SQL filter ``where`` (all rows if None).
 

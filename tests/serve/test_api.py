@@ -219,8 +219,6 @@ def test_info_examples_health_and_schema(client, served_index):
 def test_explain_gives_module_and_token_contributions(client):
     hit = client.post("/v1/query", json={"text": QUERY, "k": 1, "direction": "positive"}).json()["results"][0]
     why = client.post("/v1/explain", json={"query": QUERY, "id": hit["id"]})
-    if why.status_code == 501:
-        pytest.xfail("explain lands with issue 14")
     assert why.status_code == 200, why.text
     data = why.json()
     assert data["id"] == hit["id"] and data["score"] == pytest.approx(hit["score"], rel=1e-4)

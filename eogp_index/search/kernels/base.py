@@ -3,7 +3,7 @@
 Every kernel takes the stored arrays as one :class:`Store` bundle, a pre-scan query level as
 one :class:`Level` and (query, rows) work lists as one :class:`Pairs`, instead of 15-19
 positional arguments (numba passes a NamedTuple of arrays and scalars as an LLVM struct; its
-fields cost nothing to read, and typing one at the call costs ~1 µs).
+fields cost nothing to read, and typing one at the call is cheap).
 
 :func:`twins` compiles one kernel body twice, over ``prange`` in parallel and on the calling
 thread (a non-parallel ``njit`` treats ``prange`` as ``range``): small jobs skip waking the
@@ -101,8 +101,8 @@ def _level_args(g: _Geometry, qarr: np.ndarray, c1: np.ndarray, c0: np.ndarray, 
 def twins(body: Callable, **options) -> tuple:
     """``(parallel, serial)`` dispatchers compiled from one kernel body that loops with ``prange``.
 
-    The serial one is for jobs of a few ms at most: waking the worker threads costs ~0.1 ms on
-    an idle machine and several ms on a busy one. numba names a function's cache files after its
+    The serial one is for small jobs: waking the worker threads costs more than they do, the
+    more so on a busy machine. numba names a function's cache files after its
     ``__qualname__`` and first line and does not key them by ``parallel``, so two dispatchers of
     one function object would load each other's builds; each twin gets its own function object
     (the same code) with its own name, ``body.__name__`` and ``body.__name__ + "_serial"``.

@@ -5,7 +5,7 @@ numba keys a cached kernel by the source of the file that defines it only; a ker
 (numba's documentation lists this under cache invalidation limits). Before the split into this
 package every kernel and helper shared one file, so that could not happen. Importing this
 module makes the kernels of this directory use a stamp that hashes every ``*.py`` file here:
-editing any of them recompiles all of them (~30 s once), never a stale mix.
+editing any of them recompiles all of them (once), never a stale mix.
 
 It registers two locator classes in front of numba's list (``numba.core.caching.CacheImpl``;
 where that is missing, nothing is registered and each file's own stamp applies as before; a

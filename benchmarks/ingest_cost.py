@@ -24,15 +24,15 @@ Targets: EOGP time / bare gradient time <= 1.25; EOGP time / LoGra time <= 1.0.
 
 Default workload: ``examples/default/model`` and its training corpus when they exist, else a
 randomly initialized GPT-2 of the same shape (``tinylm.default_config``) on random token
-documents. Runs in well under two minutes on two CPU cores. ``--gpt2-small`` times a
-GPT-2-small-shaped model (12 layers, width 768, random init) instead: its fit alone took 41 min
-on two loaded cores, so ``--index DIR`` keeps the fitted index and later runs reuse it::
+documents. ``--gpt2-small`` times a GPT-2-small-shaped model (12 layers, width 768, random
+init) instead: its fit alone is long, so ``--index DIR`` keeps the fitted index and later runs
+reuse it::
 
-    python benchmarks/ingest.py                 # table
-    python benchmarks/ingest.py --gpt2-small --docs 120 --fit-examples 128 --index /tmp/gpt2-small-index
-    python benchmarks/ingest.py --json          # machine-readable
-    python benchmarks/ingest.py --model DIR --corpus 'data/*.jsonl' --device cuda --docs 4096
-    python benchmarks/ingest.py --random-model '{"n_embd": 512, "n_inner": 2048, "n_head": 8}'  # wider
+    python benchmarks/ingest_cost.py                 # table
+    python benchmarks/ingest_cost.py --gpt2-small --docs 120 --fit-examples 128 --index /tmp/gpt2-small-index
+    python benchmarks/ingest_cost.py --json out.json # the table, and the figures as JSON
+    python benchmarks/ingest_cost.py --model DIR --corpus 'data/*.jsonl' --device cuda --docs 4096
+    python benchmarks/ingest_cost.py --random-model '{"n_embd": 512, "n_inner": 2048, "n_head": 8}'  # wider
 
 ``--blocks`` times something else: ``eogp ingest``'s own loop (:func:`ingest.pipeline.run_ingest`,
 reading a JSON Lines shard of the same documents) with ``P`` forced out of memory
@@ -41,7 +41,7 @@ against per block (``P`` read once per ``--block-documents``), in rotating order
 prints seconds per document and ``P`` bytes read per document of each, and checks that both
 stored the same codes::
 
-    python benchmarks/ingest.py --blocks --docs 256 --block-documents 128
+    python benchmarks/ingest_cost.py --blocks --docs 256 --block-documents 128
 """
 
 from __future__ import annotations
@@ -60,25 +60,24 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Sequence
 
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from common import add_json_argument, prints_json, write_json
+from eogp_index.client import AttributionIndex
+from eogp_index.data.records import Example
+from eogp_index.gradients.model import load_model
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+from eogp_index.evaluation.baselines import LoGraProjector, rank_for_bytes
+from eogp_index.gradients.capture import GradientCapture
+from eogp_index.store.codecs import Encoded
+from eogp_index.store.table import RowInfo, Store, build_rows
+from eogp_index.gradients.loss import collate
+from eogp_index.config import DEFAULT_COMMIT_ROWS
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-
-from eogp_index.client import AttributionIndex  # noqa: E402
-from eogp_index.data.records import Example  # noqa: E402
-from eogp_index.gradients.model import load_model  # noqa: E402
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig  # noqa: E402
-from eogp_index.evaluation.baselines import LoGraProjector, rank_for_bytes  # noqa: E402
-from eogp_index.gradients.capture import GradientCapture  # noqa: E402
-from eogp_index.store.codecs import Encoded  # noqa: E402
-from eogp_index.store.table import RowInfo, Store, build_rows  # noqa: E402
-from eogp_index.gradients.loss import collate  # noqa: E402
-from eogp_index.config import DEFAULT_COMMIT_ROWS  # noqa: E402
 
 #: GPT-2 small's shape (12 layers, width 768, 12 heads) with the shipped 2,048-token vocabulary.
 GPT2_SMALL = '{"n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": 3072}'
@@ -508,17 +507,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--projection-memory-gb", type=float, default=1e-9,
                         help="with --blocks: the memory P may hold (default 1e-9: none, P is read when applied)")
     parser.add_argument("--rounds", type=int, default=2, help="with --blocks: ingests of each kind (default 2)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_json_argument(parser)
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
     if args.gpt2_small:
         args.random_model = GPT2_SMALL
     if args.blocks:
         result = run_blocks(args)
-        print(json.dumps(result, indent=2) if args.json else render_blocks(result))
+        if not prints_json(args):
+            print(render_blocks(result))
+        write_json(args.json, result)
         return 0 if result["same_codes"] else 1
     result = run(args)
-    print(json.dumps(result, indent=2) if args.json else render(result))
+    if not prints_json(args):
+        print(render(result))
+    write_json(args.json, result)
     return 1 if args.check and not all(result["meets_targets"].values()) else 0
 
 
