@@ -8,6 +8,7 @@ it is set, with a message that names the field.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
@@ -314,6 +315,46 @@ class GradientConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# -- memory policy: how much a run may hold, where no option says -----------------------------
+
+#: Environment variable giving the default memory limit of the P matrices, in GiB.
+PROJECTION_MEMORY_ENV = "EOGP_PROJECTION_MEMORY_GB"
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations now (psutil, else /proc/meminfo, else 8 GiB)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil comes with accelerate
+        pass
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return 8 << 30  # pragma: no cover
+
+
+def default_projection_memory() -> int:
+    """The default memory limit of a loaded projection's ``P`` matrices, in bytes:
+    ``$EOGP_PROJECTION_MEMORY_GB`` GiB when set, else half the memory available now (the rest is
+    left to the model, its activations and the hot copy of the codes)."""
+    value = os.environ.get(PROJECTION_MEMORY_ENV)
+    if value:
+        try:
+            gib = float(value)
+        except ValueError as exc:
+            raise ConfigError(f"${PROJECTION_MEMORY_ENV}={value!r} is not a number of GiB") from exc
+        if gib <= 0:
+            raise ConfigError(f"${PROJECTION_MEMORY_ENV} must be positive, got {value!r}")
+        return int(gib * (1 << 30))
+    return available_memory() // 2
 
 
 Aggregate = Literal["mean", "sum"]

@@ -36,7 +36,7 @@ import torch
 from eogp_index.client import AttributionIndex
 from eogp_index.fit.blocks import default_block_documents, free_disk_bytes, whole_batches
 from eogp_index.fit.cache import atomic_write, examples_sha256
-from eogp_index.fit.projection import available_memory
+from eogp_index.config import available_memory
 from eogp_index.gradients.capture import batches
 from eogp_index.store.codecs import concat_modules
 from ingest.records import Example

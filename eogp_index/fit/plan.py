@@ -172,7 +172,7 @@ def device_memory(device: str) -> int:
 
     if device.startswith("cuda"):
         return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    from eogp_index.fit.projection import available_memory
+    from eogp_index.config import available_memory
 
     return available_memory()
 
@@ -568,45 +568,6 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
                           "metadata columns (and --store-text), not counted; total = codes + projection file "
                           "+ kronfluence factors"},
     }
-
-
-def plan_of_index(index_dir: Path, *, dtype: Optional[str] = None, curvature_examples: Optional[int] = None,
-                  shape: Optional[ModelShape] = None, **options: Any) -> Dict[str, Any]:
-    """:func:`make_plan` for a fitted index: its model, modules, ``(m_u, k_u)``, options and dtype
-    from its manifest, and the kept eigenvector columns, exact, from its projection file's header.
-
-    Reads ``manifest.json`` as JSON (the plan sits below the store, which validates it on open);
-    the curvature examples are the index's, whatever ``curvature_examples`` says. ``shape``:
-    the loaded model's (:func:`shape_of_model`) instead of the manifest's model name's.
-    """
-    del curvature_examples
-    index_dir = Path(index_dir)
-    manifest = json.loads((index_dir / "manifest.json").read_text())
-    built = manifest["model"].get("dtype", "float32")
-    if dtype not in (None, "auto", built):
-        raise ConfigError(f"{index_dir} was built with the model in {built} (manifest model.dtype); plan it with "
-                          f"--dtype {built} or auto")
-    modules = manifest["modules"]
-    shape = shape or model_shape(manifest["model"]["name"], [m["name"] for m in modules])
-    info = manifest["projection"]
-    projection = ProjectionConfig(variant=info["variant"], k=max(m["k"] for m in modules),
-                                  m=max(m["m"] for m in modules), num_fit_examples=max(1, info["num_fit_examples"]),
-                                  pca_dtype=info.get("pca_dtype", "fp32"))
-    header = _safetensors_header(index_dir / info["file"])
-    eigen = {}
-    for m in modules:
-        entries = [header[f"{m['name']}/{key}"] for key in ("gradient_eigenvectors", "activation_eigenvectors")]
-        eigen[m["name"]] = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in entries)
-    return make_plan(shape, projection, precision=manifest["precision"], dtype=built, eigenbasis_bytes=eigen,
-                     dims={m["name"]: (m["m"], m["k"]) for m in modules},
-                     curvature_examples=manifest["curvature"]["num_examples"], **options)
-
-
-def _safetensors_header(path: Path) -> Dict[str, Any]:
-    """The JSON header of a safetensors file: each tensor's dtype, shape and byte offsets."""
-    with open(path, "rb") as handle:
-        length = int.from_bytes(handle.read(8), "little")
-        return json.loads(handle.read(length))
 
 
 def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int) -> str:
