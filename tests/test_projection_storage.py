@@ -76,11 +76,13 @@ def test_p_is_fp16_by_default_and_recorded(indexes):
         assert manifest["projection"]["pca_dtype"] == dtype
         with safe_open(str(indexes[dtype] / PROJECTION_FILE), framework="pt") as handle:
             meta = handle.metadata()
-            assert meta["format_version"] == "2" and meta["pca_dtype"] == dtype
+            assert meta["format_version"] == "3" and meta["pca_dtype"] == dtype
             for name in manifest["modules"]:
                 assert handle.get_tensor(f"{name['name']}/pca").dtype == torch_dtype
-                # The eigenbases keep their precision (full-width scores match kronfluence to ~2e-7).
+                # The eigenbases keep the float32 model's precision (full-width scores match kronfluence
+                # to ~2e-7).
                 assert handle.get_tensor(f"{name['name']}/gradient_eigenvectors").dtype == torch.float32
+            assert meta["eigenvector_dtype"] == "float32"
     data = {dtype: _data_bytes(indexes[dtype] / PROJECTION_FILE) for dtype in indexes}
     p_bytes = sum(m["m"] * m["k"] for m in manifest["modules"]) * 2  # what FP16 saves: 2 bytes per entry
     assert data["fp32"] - data["fp16"] == p_bytes
@@ -178,16 +180,18 @@ def test_projection_format_1_file_is_still_read(tmp_path):
     for name, shape in (("a", (6, 5)), ("b", (4, 3))):
         a, g = torch.randn(3, 7, shape[1], generator=gen), torch.randn(3, 7, shape[0], generator=gen)
         torch.testing.assert_close(loaded.transform(name, a, g), rebuilt.transform(name, a, g), rtol=0, atol=0)
-    # Saving it again writes format 2, keeping its fp32 P (the config read from a format-1 file).
+    # Saving it again writes format 3, keeping its fp32 P (the config read from a format-1 file) and
+    # its float32 eigenvector columns.
     save_projection(loaded, tmp_path / "p2.safetensors")
     with safe_open(str(tmp_path / "p2.safetensors"), framework="pt") as handle:
-        assert handle.metadata()["format_version"] == "2" and handle.get_tensor("a/pca").dtype == torch.float32
+        assert handle.metadata()["format_version"] == "3" and handle.get_tensor("a/pca").dtype == torch.float32
+        assert handle.metadata()["eigenvector_dtype"] == "float32"
     # A version this code does not know is refused, naming what to do.
     tensors = {k: v for k, v in _load_all(path).items()}
-    meta = dict(safe_open(str(path), framework="pt").metadata(), format_version="3")
-    save_file(tensors, str(tmp_path / "p3.safetensors"), metadata=meta)
-    with pytest.raises(IncompatibleIndexError, match="version 3.*Refit"):
-        load_projection(tmp_path / "p3.safetensors")
+    meta = dict(safe_open(str(path), framework="pt").metadata(), format_version="4")
+    save_file(tensors, str(tmp_path / "p4.safetensors"), metadata=meta)
+    with pytest.raises(IncompatibleIndexError, match="version 4.*Refit"):
+        load_projection(tmp_path / "p4.safetensors")
 
 
 def _load_all(path):
@@ -347,7 +351,8 @@ def test_safetensors_are_written_one_tensor_at_a_time_and_read_back_exactly(tmp_
     gen = torch.Generator().manual_seed(0)
     tensors = {"a/f32": torch.randn(3, 5, generator=gen), "b/i64": torch.arange(7),
                "c/f16": torch.randn(5, 3, generator=gen).half(), "d/odd": torch.randn(3, generator=gen).half(),
-               "e/f64": torch.randn(2, 2, generator=gen, dtype=torch.float64)}
+               "e/f64": torch.randn(2, 2, generator=gen, dtype=torch.float64),
+               "g/bf16": torch.randn(3, 3, generator=gen).bfloat16(), "h/bool": torch.tensor([True, False, True])}
     entries = [files_module.TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: t) for name, t in tensors.items()]
     entries.append(files_module.TensorEntry("f/cast", torch.float16, (4, 2), lambda: torch.ones(4, 2)))
     path = tmp_path / "t.safetensors"
@@ -362,7 +367,7 @@ def test_safetensors_are_written_one_tensor_at_a_time_and_read_back_exactly(tmp_
     header_len = int.from_bytes(raw[:8], "little")
     assert header_len % 8 == 0
     header = json.loads(raw[8:8 + header_len])
-    itemsize = {"F64": 8, "I64": 8, "F32": 4, "F16": 2}
+    itemsize = {"F64": 8, "I64": 8, "F32": 4, "F16": 2, "BF16": 2, "BOOL": 1}
     for name, entry in header.items():
         if name != "__metadata__":
             assert entry["data_offsets"][0] % itemsize[entry["dtype"]] == 0, name

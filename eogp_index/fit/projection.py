@@ -56,8 +56,11 @@ class ModuleProjection:
 
     Attributes:
         shape: ``(d_out, d_in')`` of the module's gradient.
-        activation_eigenvectors: ``Q_A[:, cols]``, ``(d_in', c)`` float32 — only the columns used.
-        gradient_eigenvectors: ``Q_S[:, rows]``, ``(d_out, r)`` float32 — only the columns used.
+        activation_eigenvectors: ``Q_A[:, cols]``, ``(d_in', c)`` — only the columns used.
+        gradient_eigenvectors: ``Q_S[:, rows]``, ``(d_out, r)`` — only the columns used. Both are
+            held in the model's dtype (half of float32's bytes for a bf16/fp16 model, the precision
+            of the activations and gradients they rotate), or in float32 as read from a file
+            written before they were; :meth:`first_stage` computes in float32 either way.
         local_index: ``(m,)`` int64 positions of the kept coordinates in the ``(r, c)`` block,
             ordered by decreasing corrected eigenvalue.
         whiten: ``(m,)`` float32, ``(Λ_m + λ_u)^{-1/2}``.
@@ -98,7 +101,7 @@ class ModuleProjection:
         """Half-whitened top-``m`` EK-FAC coordinates, ``(B, m)`` float32.
 
         Args:
-            a: ``(B, T, d_in')`` activations; g: ``(B, T, d_out)`` output gradients.
+            a: ``(B, T, d_in')`` activations; g: ``(B, T, d_out)`` output gradients; float32.
             route: how to form the ``(r, c)`` eigenbasis block (tests force each one); by
                 default the one with the fewest multiply-adds, see :func:`block_route`.
         """
@@ -112,8 +115,10 @@ class ModuleProjection:
         tokens = live.reshape(-1).nonzero().squeeze(1)  # index_select is ~5x faster than g[live]
         g_live = g.reshape(-1, g.shape[-1]).index_select(0, tokens)  # (N, d_out)
         a_live = a.reshape(-1, a.shape[-1]).index_select(0, tokens)  # (N, d_in')
-        q_s = self.gradient_eigenvectors.to(g.device)  # (d_out, r)
-        q_a = self.activation_eigenvectors.to(a.device)  # (d_in', c)
+        # The columns are held in the model's dtype; this module's are upcast for its products
+        # only (exactly: every bf16/fp16 value is a float32 one) and dropped when it returns.
+        q_s = self.gradient_eigenvectors.to(g.device, torch.float32)  # (d_out, r)
+        q_a = self.activation_eigenvectors.to(a.device, torch.float32)  # (d_in', c)
         r, c = q_s.shape[1], q_a.shape[1]
         index = self.local_index.to(a.device)
         if r * c <= 256 * self.m:
@@ -306,11 +311,12 @@ def _kept_from_blocks(route: BlockRoute, g: torch.Tensor, a: torch.Tensor, count
     return kept
 
 
-def first_stage_from_curvature(curvature: ModuleCurvature, m: int, damping_ratio: float) -> ModuleProjection:
+def first_stage_from_curvature(curvature: ModuleCurvature, m: int, damping_ratio: float, *,
+                               dtype: torch.dtype = torch.float32) -> ModuleProjection:
     """Keep the ``m`` EK-FAC directions with the largest corrected eigenvalues.
 
     Ties are broken by position (a stable sort) so that the same factors always give the same
-    projection.
+    projection. The eigenvector columns they touch are kept in ``dtype`` (the model's).
     """
     d_out, d_in = curvature.shape
     eigenvalues = curvature.eigenvalues.reshape(-1)
@@ -322,8 +328,8 @@ def first_stage_from_curvature(curvature: ModuleCurvature, m: int, damping_ratio
     whiten = (eigenvalues[order].double() + damping).rsqrt().float()
     return ModuleProjection(
         shape=(d_out, d_in),
-        activation_eigenvectors=curvature.activation_eigenvectors[:, cols].contiguous(),
-        gradient_eigenvectors=curvature.gradient_eigenvectors[:, rows].contiguous(),
+        activation_eigenvectors=curvature.activation_eigenvectors[:, cols].to(dtype).contiguous(),
+        gradient_eigenvectors=curvature.gradient_eigenvectors[:, rows].to(dtype).contiguous(),
         local_index=(row_pos * cols.numel() + col_pos).long(),
         whiten=whiten,
         damping=damping,
@@ -826,6 +832,19 @@ class Projection:
                 "modules": {name: choice.to_json() for name, choice in self.choices.items()}}
 
     @property
+    def eigenvector_dtype(self) -> torch.dtype:
+        """The dtype the kept eigenvector columns are held in, the same for every module.
+
+        Raises:
+            ConfigError: modules holding them in different dtypes (a projection assembled by hand).
+        """
+        found = {t.dtype for p in self.modules.values() for t in (p.gradient_eigenvectors, p.activation_eigenvectors)}
+        if len(found) != 1:
+            raise ConfigError(f"the modules hold their eigenvector columns in {sorted(map(str, found))}: a projection "
+                              "holds them in one dtype, the model's; build it with build_projection")
+        return found.pop()
+
+    @property
     def pca_bytes_read(self) -> int:
         """Bytes of ``P`` read from the projection file since it was loaded (0 when not loaded)."""
         return self._lazy.bytes_read if self._lazy is not None else 0
@@ -864,17 +883,19 @@ def build_projection(
     storage: StorageConfig,
     *,
     damping_ratio: float = 0.1,
+    eigenvector_dtype: torch.dtype = torch.float32,
 ) -> Projection:
     """Choose ``(m_u, k_u)`` per module, build the first stages and draw the SRHTs and rotations.
 
-    For EOGP the PCA matrices are fitted afterwards by :func:`fit_second_stage_pca`, from
-    first-stage coordinates computed with the stages built here.
+    The kept eigenvector columns are held in ``eigenvector_dtype``, the model's. For EOGP the PCA
+    matrices are fitted afterwards by :func:`fit_second_stage_pca`, from first-stage coordinates
+    computed with the stages built here, so the PCA sees the columns as they are held.
     """
     modules = {}
     generator = torch.Generator().manual_seed(config.seed)
     for name, curv in curvature.items():
         m, k = config.dims(curv.num_params, len(curvature), storage.precision)
-        proj = first_stage_from_curvature(curv, m, damping_ratio)
+        proj = first_stage_from_curvature(curv, m, damping_ratio, dtype=eigenvector_dtype)
         proj.k = k
         proj.second_stage = config.second_stage
         if config.second_stage == "srht":

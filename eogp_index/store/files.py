@@ -80,7 +80,8 @@ def write_safetensors(path: Path, entries: Sequence[TensorEntry], metadata: Dict
                 step = max(1, _WRITE_BLOCK_BYTES // entry.dtype.itemsize)
                 for start in range(0, flat.numel(), step):
                     block = flat[start:start + step].to("cpu", entry.dtype).contiguous()
-                    put(memoryview(block.numpy()).cast("B"))
+                    # As raw bytes: numpy has no bfloat16, and the bytes are what the file holds.
+                    put(memoryview(block.view(torch.uint8).numpy()))
                     del block
                 # Dropping the last reference unmaps a memory-mapped source: its pages leave this
                 # process's memory before the next tensor is read.

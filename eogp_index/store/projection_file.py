@@ -1,8 +1,9 @@
 """``projection.safetensors``: a fitted :class:`~eogp_index.fit.projection.Projection` on disk.
 
-Everything shared across examples and queries is saved in one safetensors file (format 2: ``P`` in
-FP16 by default, as in the paper's Appendix E; format 1, all float32, is still read; the layout is
-specified in ``schemas/index.md``), identified in the index manifest by its SHA-256 (checked in
+Everything shared across examples and queries is saved in one safetensors file (format 3: the
+kept eigenvector columns in the model's dtype, ``P`` in FP16 by default as in the paper's
+Appendix E; formats 1 and 2 are still read; the layout is specified in ``schemas/index.md``),
+identified in the index manifest by its SHA-256 (checked in
 full by ``eogp verify``) and by a cheap sampled fingerprint (checked on every open,
 :func:`~eogp_index.store.files.file_fingerprint`).
 
@@ -28,21 +29,26 @@ from eogp_index.errors import IncompatibleIndexError, IndexNotFoundError
 from eogp_index.fit.projection import PCA_TORCH_DTYPES, ModuleProjection, Projection
 from eogp_index.store.files import TensorEntry, write_safetensors
 
-#: 2: ``P`` stored at ``ProjectionConfig.pca_dtype`` (FP16 by default), recorded in the metadata.
-#: 1: everything float32, no ``pca_dtype``. Both are read.
-PROJECTION_FORMAT_VERSION = 2
-READABLE_PROJECTION_VERSIONS = (1, 2)
+#: 3: the kept eigenvector columns stored in the model's dtype, recorded as ``eigenvector_dtype``.
+#: 2: ``P`` stored at ``ProjectionConfig.pca_dtype`` (FP16 by default), recorded in the metadata;
+#: eigenvectors float32. 1: everything float32, no ``pca_dtype``. All three are read.
+PROJECTION_FORMAT_VERSION = 3
+READABLE_PROJECTION_VERSIONS = (1, 2, 3)
+_EIGENVECTOR_KEYS = ("gradient_eigenvectors", "activation_eigenvectors")
+#: safetensors' names of the dtypes the eigenvector columns may be stored in.
+_STORED_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 def save_projection(projection: Projection, path: Path) -> str:
-    """Write ``projection`` as safetensors (format 2, ``P`` at ``config.pca_dtype``); return the
-    file's SHA-256 (its identity).
+    """Write ``projection`` as safetensors (format 3: the eigenvector columns in the dtype they are
+    held in, ``P`` at ``config.pca_dtype``); return the file's SHA-256 (its identity).
 
     The file is written one tensor at a time (:func:`~eogp_index.store.files.write_safetensors`):
     each module's ``P`` is read (for a fit, from its memory-mapped file in ``fit/pca/``), written
     and released before the next, so saving holds one module's ``P`` at a time, not all of them.
     """
     pca_dtype = PCA_TORCH_DTYPES[projection.config.pca_dtype]
+    eigenvector_dtype = str(projection.eigenvector_dtype).removeprefix("torch.")
     entries: List[TensorEntry] = []
     modules_meta = []
     for name, p in projection.modules.items():
@@ -66,6 +72,7 @@ def save_projection(projection: Projection, path: Path) -> str:
         "variant": projection.config.variant,
         "damping_ratio": repr(projection.damping_ratio),
         "pca_dtype": projection.config.pca_dtype,
+        "eigenvector_dtype": eigenvector_dtype,
         "config": json.dumps(projection.config.__dict__),
         "modules": json.dumps(modules_meta),
     }
@@ -73,7 +80,10 @@ def save_projection(projection: Projection, path: Path) -> str:
 
 
 def load_projection(path: Path, *, memory_limit: Optional[int] = None) -> Projection:
-    """Read a projection file (format 1 or 2); the ``P`` matrices are read lazily.
+    """Read a projection file (format 1, 2 or 3); the ``P`` matrices are read lazily, the rest at once.
+
+    The eigenvector columns are held as stored: in the model's dtype from format 3, float32 from
+    the formats before it (so an older index projects exactly as it did).
 
     Args:
         memory_limit: bytes the ``P`` matrices may hold at once (default
@@ -120,6 +130,7 @@ def load_projection(path: Path, *, memory_limit: Optional[int] = None) -> Projec
                 raise IncompatibleIndexError(f"{path}: {key} is stored as {stored} but the file says pca_dtype "
                                              f"{config.pca_dtype!r}; the file is damaged. Refit the index.")
             pca_keys[key] = math.prod(handle.get_slice(key).get_shape()) * PCA_DTYPE_BYTES[config.pca_dtype]
+        _check_eigenvector_dtype(path, handle, meta["name"], metadata.get("eigenvector_dtype", "float32"))
     lazy = LazyPca(handle, pca_keys, default_projection_memory() if memory_limit is None else memory_limit)
     modules = {}
     for meta in json.loads(metadata["modules"]):
@@ -139,6 +150,19 @@ def load_projection(path: Path, *, memory_limit: Optional[int] = None) -> Projec
             **optional,
         )
     return Projection(modules, config=config, damping_ratio=float(metadata["damping_ratio"]), lazy=lazy)
+
+
+def _check_eigenvector_dtype(path: Path, handle, name: str, expected: str) -> None:
+    """Refuse a module whose eigenvector columns are stored in another dtype than the file says
+    (``expected``: its ``eigenvector_dtype``; float32 before format 3, which had none)."""
+    if expected not in _STORED_DTYPES:
+        raise IncompatibleIndexError(f"{path}: eigenvector_dtype {expected!r} is not one of {sorted(_STORED_DTYPES)}; "
+                                     "the file is damaged. Refit the index.")
+    for key in _EIGENVECTOR_KEYS:
+        stored = str(handle.get_slice(f"{name}/{key}").get_dtype())
+        if stored != _STORED_DTYPES[expected]:
+            raise IncompatibleIndexError(f"{path}: {name}/{key} is stored as {stored} but the file says "
+                                         f"eigenvector_dtype {expected!r}; the file is damaged. Refit the index.")
 
 
 class LazyPca:
