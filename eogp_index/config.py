@@ -30,6 +30,13 @@ ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Bytes per weight or activation element, by the model's dtype.
 MODEL_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: The dtype the kept eigenvector columns are stored and held in, by the model's: 16 bits for a
+#: half-precision model, as its activations and gradients are, but float16 for bfloat16 too. The
+#: columns are unit vectors (entries within ±1, where float16 has 11 significant bits to
+#: bfloat16's 8), and a column's rounding error leaks the large gradient components along the top
+#: eigenvectors into every coordinate it touches: bfloat16 columns cost measurable fidelity,
+#: float16 ones do not (docs/precision-and-memory.md).
+EIGENVECTOR_DTYPES = {"float32": "float32", "bfloat16": "float16", "float16": "float16"}
 
 #: Variant names used in the manifest and the CLI, mapped to the second stage they use.
 VARIANTS = {"auto": "pca", "eogp": "pca", "eogp-rot": "pca", "eogp-r": "srht", "ekfac-topk": "none"}

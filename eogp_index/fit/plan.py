@@ -5,11 +5,12 @@ Given the attributed modules' shapes and the fit options, :func:`make_plan` give
 :meth:`ProjectionConfig.dims`, and the bytes each part of an index takes:
 
 * per example: ``Σ_u(⌈k_u/8⌉+2)`` in 1-bit mode (``2Σk_u`` / ``4Σk_u`` for fp16 / fp32 coordinates);
-* shared, in ``projection.safetensors``: the eigenvector columns the kept coordinates touch, in
-  the model's dtype of ``w`` bytes — ``w·(d_out·r_u + d_in'·c_u)`` with ``r_u ≤ d_out`` rows and
-  ``c_u ≤ d_in'`` columns, known only after the fit, so the upper bound ``w·(d_out² + d_in'²)`` is
-  given (exact when ``m_u = d_u``; a fitted index's are read from its file) —, ``12·m_u`` of
-  whitening weights and positions, and ``P`` at ``2·m_u·k_u`` (FP16) or ``4·m_u·k_u``;
+* shared, in ``projection.safetensors``: the eigenvector columns the kept coordinates touch, at
+  ``w`` bytes each (2 for a half-precision model, ``config.EIGENVECTOR_DTYPES``) —
+  ``w·(d_out·r_u + d_in'·c_u)`` with ``r_u ≤ d_out`` rows and ``c_u ≤ d_in'`` columns, known
+  only after the fit, so the upper bound ``w·(d_out² + d_in'²)`` is given (exact when
+  ``m_u = d_u``; a fitted index's are read from its file) —, ``12·m_u`` of whitening weights and
+  positions, and ``P`` at ``2·m_u·k_u`` (FP16) or ``4·m_u·k_u``;
 * kronfluence's factors (``curvature/``): covariances, eigenvectors, eigenvalues and the
   corrected eigenvalues, float32;
 * the fit's cache (``fit/``, deleted when the fit finishes): the PCA set's first-stage
@@ -41,6 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from eogp_index.config import (
     DEFAULT_M_HELP,
+    EIGENVECTOR_DTYPES,
     MODEL_DTYPE_BYTES,
     PCA_DTYPE_BYTES,
     ProjectionConfig,
@@ -266,8 +268,8 @@ class _Inputs:
 
     @property
     def eigen_dtype(self) -> str:
-        """The dtype the kept eigenvector columns are held in: the model's (a fitted index's file may
-        hold them in float32, as written before they followed the model)."""
+        """The dtype the kept eigenvector columns are held in: ``EIGENVECTOR_DTYPES`` of the model's
+        (a fitted index's file may hold them in float32, as written before they followed it)."""
         return self.rows[0]["eigenbasis_dtype"]
 
     @property
@@ -312,9 +314,10 @@ class _Inputs:
 
 def _in_dtype(inp: _Inputs, dtype: str) -> _Inputs:
     """``inp`` refitted with the model in ``dtype``: its weights, activations and kept eigenvector
-    columns (the same rows and columns, held in the new dtype) counted in it."""
-    rows = tuple({**r, **_eigen_row(r["eigenbasis_bytes"] * MODEL_DTYPE_BYTES[dtype]
-                                    // MODEL_DTYPE_BYTES[r["eigenbasis_dtype"]], dtype, r["eigenbasis_exact"])}
+    columns (the same rows and columns, held in ``EIGENVECTOR_DTYPES`` of it) counted in it."""
+    held = EIGENVECTOR_DTYPES[dtype]
+    rows = tuple({**r, **_eigen_row(r["eigenbasis_bytes"] * MODEL_DTYPE_BYTES[held]
+                                    // MODEL_DTYPE_BYTES[r["eigenbasis_dtype"]], held, r["eigenbasis_exact"])}
                  for r in inp.rows)
     return replace(inp, dtype=dtype, rows=rows)
 
@@ -490,8 +493,8 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
         device: ``"cpu"`` counts kronfluence's host memory in the curvature phase's peak.
         eigenbasis_bytes: the kept eigenvector columns per module, exact, read from a fitted
             index's projection file (None: their upper bound).
-        eigenbasis_dtype: the dtype they are held in (default the model's ``dtype``; a fitted
-            index's file says).
+        eigenbasis_dtype: the dtype they are held in (default ``EIGENVECTOR_DTYPES[dtype]``; a
+            fitted index's file says).
         dims: ``(m_u, k_u)`` per module as a fitted index records them (None: from ``projection``).
 
     Returns:
@@ -509,7 +512,7 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
     doc_tokens = document_tokens or max_tokens or shape.context
     pca = projection.second_stage == "pca"
     p_dtype = PCA_DTYPE_BYTES[projection.pca_dtype]
-    held = eigenbasis_dtype or dtype
+    held = eigenbasis_dtype or EIGENVECTOR_DTYPES[dtype]
     if held not in MODEL_DTYPE_BYTES:
         raise ConfigError(f"eigenbasis_dtype must be one of {sorted(MODEL_DTYPE_BYTES)}, got {held!r}")
     rows: List[Dict[str, Any]] = []

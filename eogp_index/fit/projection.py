@@ -58,9 +58,9 @@ class ModuleProjection:
         shape: ``(d_out, d_in')`` of the module's gradient.
         activation_eigenvectors: ``Q_A[:, cols]``, ``(d_in', c)`` — only the columns used.
         gradient_eigenvectors: ``Q_S[:, rows]``, ``(d_out, r)`` — only the columns used. Both are
-            held in the model's dtype (half of float32's bytes for a bf16/fp16 model, the precision
-            of the activations and gradients they rotate), or in float32 as read from a file
-            written before they were; :meth:`first_stage` computes in float32 either way.
+            held in 16 bits for a half-precision model (float16, see
+            :data:`~eogp_index.config.EIGENVECTOR_DTYPES`), in float32 for a float32 one or as read
+            from a file written before they were; :meth:`first_stage` computes in float32 either way.
         local_index: ``(m,)`` int64 positions of the kept coordinates in the ``(r, c)`` block,
             ordered by decreasing corrected eigenvalue.
         whiten: ``(m,)`` float32, ``(Λ_m + λ_u)^{-1/2}``.
@@ -115,8 +115,8 @@ class ModuleProjection:
         tokens = live.reshape(-1).nonzero().squeeze(1)  # index_select is ~5x faster than g[live]
         g_live = g.reshape(-1, g.shape[-1]).index_select(0, tokens)  # (N, d_out)
         a_live = a.reshape(-1, a.shape[-1]).index_select(0, tokens)  # (N, d_in')
-        # The columns are held in the model's dtype; this module's are upcast for its products
-        # only (exactly: every bf16/fp16 value is a float32 one) and dropped when it returns.
+        # The columns may be held in float16; this module's are upcast for its products only
+        # (exactly: every float16 value is a float32 one) and dropped when it returns.
         q_s = self.gradient_eigenvectors.to(g.device, torch.float32)  # (d_out, r)
         q_a = self.activation_eigenvectors.to(a.device, torch.float32)  # (d_in', c)
         r, c = q_s.shape[1], q_a.shape[1]
@@ -316,7 +316,8 @@ def first_stage_from_curvature(curvature: ModuleCurvature, m: int, damping_ratio
     """Keep the ``m`` EK-FAC directions with the largest corrected eigenvalues.
 
     Ties are broken by position (a stable sort) so that the same factors always give the same
-    projection. The eigenvector columns they touch are kept in ``dtype`` (the model's).
+    projection. The eigenvector columns they touch are kept in ``dtype``
+    (:data:`~eogp_index.config.EIGENVECTOR_DTYPES` of the model's).
     """
     d_out, d_in = curvature.shape
     eigenvalues = curvature.eigenvalues.reshape(-1)
@@ -841,7 +842,7 @@ class Projection:
         found = {t.dtype for p in self.modules.values() for t in (p.gradient_eigenvectors, p.activation_eigenvectors)}
         if len(found) != 1:
             raise ConfigError(f"the modules hold their eigenvector columns in {sorted(map(str, found))}: a projection "
-                              "holds them in one dtype, the model's; build it with build_projection")
+                              "holds them in one dtype; build it with build_projection")
         return found.pop()
 
     @property
@@ -887,7 +888,8 @@ def build_projection(
 ) -> Projection:
     """Choose ``(m_u, k_u)`` per module, build the first stages and draw the SRHTs and rotations.
 
-    The kept eigenvector columns are held in ``eigenvector_dtype``, the model's. For EOGP the PCA
+    The kept eigenvector columns are held in ``eigenvector_dtype`` (for the model's dtype,
+    :data:`~eogp_index.config.EIGENVECTOR_DTYPES`). For EOGP the PCA
     matrices are fitted afterwards by :func:`fit_second_stage_pca`, from first-stage coordinates
     computed with the stages built here, so the PCA sees the columns as they are held.
     """

@@ -12,8 +12,8 @@ from eogp_index.fit.plan import ModelShape, make_plan, model_shape
 from eogp_index.store.files import safetensors_header, tensor_bytes
 from eogp_index.store.manifest import Manifest
 
-#: safetensors' dtype names of the eigenvector columns: the model's dtype from projection format 3,
-#: float32 before it.
+#: safetensors' dtype names of the eigenvector columns (16 bits for a half-precision model from
+#: projection format 3, float32 before it).
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 

@@ -1,7 +1,7 @@
 """``projection.safetensors``: a fitted :class:`~eogp_index.fit.projection.Projection` on disk.
 
 Everything shared across examples and queries is saved in one safetensors file (format 3: the
-kept eigenvector columns in the model's dtype, ``P`` in FP16 by default as in the paper's
+kept eigenvector columns in 16 bits for a half-precision model, ``P`` in FP16 by default as in the paper's
 Appendix E; formats 1 and 2 are still read; the layout is specified in ``schemas/index.md``),
 identified in the index manifest by its SHA-256 (checked in
 full by ``eogp verify``) and by a cheap sampled fingerprint (checked on every open,
@@ -29,7 +29,8 @@ from eogp_index.errors import IncompatibleIndexError, IndexNotFoundError
 from eogp_index.fit.projection import PCA_TORCH_DTYPES, ModuleProjection, Projection
 from eogp_index.store.files import TensorEntry, write_safetensors
 
-#: 3: the kept eigenvector columns stored in the model's dtype, recorded as ``eigenvector_dtype``.
+#: 3: the kept eigenvector columns stored in float16 for a half-precision model
+#: (``config.EIGENVECTOR_DTYPES``), recorded as ``eigenvector_dtype``.
 #: 2: ``P`` stored at ``ProjectionConfig.pca_dtype`` (FP16 by default), recorded in the metadata;
 #: eigenvectors float32. 1: everything float32, no ``pca_dtype``. All three are read.
 PROJECTION_FORMAT_VERSION = 3
@@ -82,8 +83,8 @@ def save_projection(projection: Projection, path: Path) -> str:
 def load_projection(path: Path, *, memory_limit: Optional[int] = None) -> Projection:
     """Read a projection file (format 1, 2 or 3); the ``P`` matrices are read lazily, the rest at once.
 
-    The eigenvector columns are held as stored: in the model's dtype from format 3, float32 from
-    the formats before it (so an older index projects exactly as it did).
+    The eigenvector columns are held as stored: in 16 bits for a half-precision model from
+    format 3, float32 from the formats before it (so an older index projects exactly as it did).
 
     Args:
         memory_limit: bytes the ``P`` matrices may hold at once (default
