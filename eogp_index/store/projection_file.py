@@ -1,10 +1,10 @@
 """``projection.safetensors``: a fitted :class:`~eogp_index.fit.projection.Projection` on disk.
 
 Everything shared across examples and queries is saved in one safetensors file (format 3: the
-kept eigenvector columns in 16 bits for a half-precision model, ``P`` in FP16 by default as in the paper's
-Appendix E; formats 1 and 2 are still read; the layout is specified in ``schemas/index.md``),
-identified in the index manifest by its SHA-256 (checked in
-full by ``eogp verify``) and by a cheap sampled fingerprint (checked on every open,
+kept eigenvector columns in 16 bits for a half-precision model, ``P`` in FP16 by default as in
+the paper's Appendix E; formats 1 and 2 are still read; the layout is specified in
+``schemas/index.md``), identified in the index manifest by its SHA-256 (checked in full by
+``eogp verify``) and by a cheap sampled fingerprint (checked on every open,
 :func:`~eogp_index.store.files.file_fingerprint`).
 
 A loaded projection reads the ``P`` matrices lazily from the memory-mapped file (:class:`LazyPca`).
