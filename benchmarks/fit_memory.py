@@ -48,7 +48,7 @@ BATCH = 8
 ALL_IN_RAM_GROWTH_GB = 24 * PCA_EXAMPLES * M * 4 / 1e9  # float32 coordinates of the 24 extra modules
 #: The plan's memory keys beside the measured phases.
 PHASES = {"fit_curvature": "_curvature", "fit_first_stage": "_first_stage_pass", "fit_pca": "_fit_modules",
-          "fit_save": "save"}
+          "fit_save": "save_projection"}
 
 
 def hwm() -> int:
@@ -115,7 +115,7 @@ def child(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     if args.child == "fit":
         import eogp_index.fit.fitting as fitting
-        from eogp_index.fit.projection import Projection
+        import eogp_index.store.projection_file as projection_file
 
         def measured(owner, attr, key):
             inner = getattr(owner, attr)
@@ -129,7 +129,7 @@ def child(args: argparse.Namespace) -> None:
             setattr(owner, attr, wrapper)
 
         for key, attr in PHASES.items():
-            measured(Projection if attr == "save" else fitting, attr, key)
+            measured(projection_file if attr == "save_projection" else fitting, attr, key)
         reset_hwm("sampling the fitting set")
         examples, _ = sample_shards([CORPUS], RecordSpec(max_tokens=args.max_tokens), tokenizer, PCA_EXAMPLES, seed=0)
         AttributionIndex.create(args.out, model, tokenizer, examples, model_name="random-gpt2",

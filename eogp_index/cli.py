@@ -847,7 +847,8 @@ def plan(model, projection, storage, num_examples, gradients, document_tokens, d
         eogp plan my-index --memory-budget 24
     """
     from eogp_index.fit.blocks import format_p_reads, p_reads
-    from eogp_index.fit.plan import format_plan, make_plan, model_shape, plan_of_index
+    from eogp_index.fit.plan import format_plan, make_plan, model_shape
+    from eogp_index.store.index_plan import plan_of_index
 
     gradients = GradientConfig(**gradients)
     budget = None if gradients.memory_budget_gb is None else int(gradients.memory_budget_gb * 1e9)

@@ -510,7 +510,8 @@ def _sized(stored: StoredIndex, model: nn.Module, gradients: GradientConfig) -> 
     """``gradients`` with the batch (documents, at most ``gradients.batch_size``) that fits the
     memory budget for ingest and queries, as ``eogp plan INDEX`` chooses it, and what was chosen
     (the plan's ``batch``, with ``budget`` and ``budget_from``)."""
-    from eogp_index.fit.plan import memory_budget, plan_of_index, shape_of_model
+    from eogp_index.fit.plan import memory_budget, shape_of_model
+    from eogp_index.store.index_plan import plan_of_index
 
     device = gradients.resolved_device()
     budget, budget_from = memory_budget(gradients.memory_budget_gb, device)

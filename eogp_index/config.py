@@ -8,6 +8,7 @@ it is set, with a message that names the field.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -30,6 +31,13 @@ ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Bytes per weight or activation element, by the model's dtype.
 MODEL_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: The dtype the kept eigenvector columns are stored and held in, by the model's: 16 bits for a
+#: half-precision model, as its activations and gradients are, but float16 for bfloat16 too. The
+#: columns are unit vectors (entries within ±1, where float16 has 11 significant bits to
+#: bfloat16's 8), and a column's rounding error leaks the large gradient components along the top
+#: eigenvectors into every coordinate it touches: bfloat16 columns cost measurable fidelity,
+#: float16 ones do not (docs/precision-and-memory.md).
+EIGENVECTOR_DTYPES = {"float32": "float32", "bfloat16": "float16", "float16": "float16"}
 
 #: Variant names used in the manifest and the CLI, mapped to the second stage they use.
 VARIANTS = {"auto": "pca", "eogp": "pca", "eogp-rot": "pca", "eogp-r": "srht", "ekfac-topk": "none"}
@@ -418,6 +426,46 @@ class IngestConfig:
         if rows <= gradient_batch_size:
             return rows
         return -(-rows // gradient_batch_size) * gradient_batch_size
+
+
+# -- memory policy: how much a run may hold, where no option says -----------------------------
+
+#: Environment variable giving the default memory limit of the P matrices, in GiB.
+PROJECTION_MEMORY_ENV = "EOGP_PROJECTION_MEMORY_GB"
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations now (psutil, else /proc/meminfo, else 8 GiB)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil comes with accelerate
+        pass
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return 8 << 30  # pragma: no cover
+
+
+def default_projection_memory() -> int:
+    """The default memory limit of a loaded projection's ``P`` matrices, in bytes:
+    ``$EOGP_PROJECTION_MEMORY_GB`` GiB when set, else half the memory available now (the rest is
+    left to the model, its activations and the hot copy of the codes)."""
+    value = os.environ.get(PROJECTION_MEMORY_ENV)
+    if value:
+        try:
+            gib = float(value)
+        except ValueError as exc:
+            raise ConfigError(f"${PROJECTION_MEMORY_ENV}={value!r} is not a number of GiB") from exc
+        if gib <= 0:
+            raise ConfigError(f"${PROJECTION_MEMORY_ENV} must be positive, got {value!r}")
+        return int(gib * (1 << 30))
+    return available_memory() // 2
 
 
 Aggregate = Literal["mean", "sum"]

@@ -273,12 +273,12 @@ def test_checks_that_need_no_model_run_before_it_loads(workspace, tmp_path, case
 def test_p_out_of_memory_is_read_once_per_block_and_once_per_batch_of_queries(workspace, tmp_path, monkeypatch):
     import shutil
 
-    from eogp_index.fit.projection import _LazyPca
+    from eogp_index.store.projection_file import LazyPca
 
     root, fitted, _ = workspace
     reads = []
-    get = _LazyPca.get
-    monkeypatch.setattr(_LazyPca, "get", lambda self, key: reads.append(key) or get(self, key))
+    get = LazyPca.get
+    monkeypatch.setattr(LazyPca, "get", lambda self, key: reads.append(key) or get(self, key))
     modules = len(fitted["modules"])
     index = shutil.copytree(root / "idx", tmp_path / "idx")
     lines = [json.dumps({"id": f"new{i}", "text": " ".join(f"t{(i * 5 + j) % 63 + 1}" for j in range(5 + i % 7)),

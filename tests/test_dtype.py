@@ -75,10 +75,16 @@ def test_bfloat16_index_from_the_command_line_and_the_rule_for_opening_it(worksp
     assert plan["model"]["dtype"] == "bfloat16" and plan["shared"]["eigenbasis_exact"]
     raw = (index_dir / "projection.safetensors").read_bytes()
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    assert plan["shared"]["eigenbasis_dtype"] == "float16"
     for row in plan["modules"]:
         kept = [header[f"{row['name']}/{key}"]["data_offsets"] for key in ("gradient_eigenvectors",
                                                                              "activation_eigenvectors")]
         assert row["eigenbasis_bytes"] == sum(b - a for a, b in kept)
+        # The kept columns are stored in 16 bits for the bf16 model (float16: config.EIGENVECTOR_DTYPES),
+        # 2 bytes per entry, and so counted.
+        entries = [header[f"{row['name']}/{key}"] for key in ("gradient_eigenvectors", "activation_eigenvectors")]
+        assert all(e["dtype"] == "F16" for e in entries)
+        assert row["eigenbasis_bytes"] == sum(2 * e["shape"][0] * e["shape"][1] for e in entries)
     assert plan["shared"]["projection_file_bytes_max"] == sum(
         v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
 

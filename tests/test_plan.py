@@ -243,15 +243,22 @@ def test_a_phase_that_does_not_fit_is_named_with_the_option_that_fits_it(olmo2_1
 
 
 def test_olmo2_32b_in_bf16_fits_a_192_gb_b200_under_a_stated_assumption():
-    """Before a fit the kept eigenvector columns are only bounded (648 GB in float32 at OLMo-2-32B:
-    every row and column of every eigenbasis). ASSUMPTION checked here: a fit keeps at most 1/8
-    of each eigenbasis' rows and columns (r_u <= d_out/8, c_u <= d_in/8), given to the plan as
-    exact figures the way `eogp plan INDEX` gives a fitted index's; and 100,000 documents in the
-    store (the hot copy the queries scan is in the budget)."""
+    """Before a fit the kept eigenvector columns are only bounded: every row and column of every
+    eigenbasis, held in 16 bits for the bf16 model (324 GB at OLMo-2-32B; 648 GB in float32), which
+    does not fit. ASSUMPTION checked here: a fit keeps at most 1/4 of each eigenbasis' rows and
+    columns (r_u <= d_out/4, c_u <= d_in/4: 81 GB in 16 bits, as much as 1/8 of them in float32),
+    given to the plan as exact figures the way `eogp plan INDEX` gives a fitted index's; and
+    100,000 documents in the store (the hot copy the queries scan is in the budget)."""
     shape = _olmo2(5120, 27648, 64, 40, 8)
     bounded = make_plan(shape, PAPER_PROJECTION, memory_budget=192 * 10 ** 9, max_tokens=512, documents=100_000)
     assert bounded["memory"]["ingest"]["bound"] and not bounded["shared"]["eigenbasis_exact"]
-    assumed = {m.name: 4 * (m.d_out * (m.d_out // 8) + m.d_in * (m.d_in // 8)) for m in shape.modules}
+    every = sum(m.d_out ** 2 + m.d_in ** 2 for m in shape.modules)
+    assert bounded["shared"]["eigenbasis_dtype"] == "float16" and bounded["shared"]["eigenbasis_bytes_max"] == 2 * every
+    assert not bounded["fits"]  # by the bound alone it does not fit: the assumption below is needed
+    wide = make_plan(shape, PAPER_PROJECTION, memory_budget=192 * 10 ** 9, max_tokens=512, documents=100_000,
+                     dtype="float32")
+    assert wide["shared"]["eigenbasis_bytes_max"] == 4 * every
+    assumed = {m.name: 2 * (m.d_out * (m.d_out // 4) + m.d_in * (m.d_in // 4)) for m in shape.modules}
     plan = make_plan(shape, PAPER_PROJECTION, memory_budget=192 * 10 ** 9, max_tokens=512, documents=100_000,
                      eigenbasis_bytes=assumed)
     assert plan["fits"] and all(plan["memory"][key]["fits"] for key in PHASES), format_plan(plan)

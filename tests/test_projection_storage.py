@@ -23,14 +23,18 @@ from eogp_index.client import AttributionIndex
 from eogp_index.store.verify import verify_index
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import IncompatibleIndexError
+from eogp_index import config as config_module
 from eogp_index.fit import projection as projection_module
 from eogp_index.fit.curvature import ModuleCurvature
-from eogp_index.fit.projection import Projection, build_projection, file_sha256, fit_pca
+from eogp_index.fit.projection import build_projection, fit_pca
 from eogp_index.gradients import model as model_module
 from eogp_index.gradients.capture import GradientCapture
 from eogp_index.gradients.loss import collate
 from eogp_index.gradients.model import model_fingerprint, model_sha256
+from eogp_index.store import files as files_module
+from eogp_index.store.files import file_sha256
 from eogp_index.store.manifest import MANIFEST_FILE, PROJECTION_FILE
+from eogp_index.store.projection_file import load_projection, save_projection
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
 TRAIN = make_examples(24, seed=1)
@@ -72,11 +76,13 @@ def test_p_is_fp16_by_default_and_recorded(indexes):
         assert manifest["projection"]["pca_dtype"] == dtype
         with safe_open(str(indexes[dtype] / PROJECTION_FILE), framework="pt") as handle:
             meta = handle.metadata()
-            assert meta["format_version"] == "2" and meta["pca_dtype"] == dtype
+            assert meta["format_version"] == "3" and meta["pca_dtype"] == dtype
             for name in manifest["modules"]:
                 assert handle.get_tensor(f"{name['name']}/pca").dtype == torch_dtype
-                # The eigenbases keep their precision (full-width scores match kronfluence to ~2e-7).
+                # The eigenbases keep the float32 model's precision (full-width scores match kronfluence
+                # to ~2e-7).
                 assert handle.get_tensor(f"{name['name']}/gradient_eigenvectors").dtype == torch.float32
+            assert meta["eigenvector_dtype"] == "float32"
     data = {dtype: _data_bytes(indexes[dtype] / PROJECTION_FILE) for dtype in indexes}
     p_bytes = sum(m["m"] * m["k"] for m in manifest["modules"]) * 2  # what FP16 saves: 2 bytes per entry
     assert data["fp32"] - data["fp16"] == p_bytes
@@ -166,7 +172,7 @@ def test_projection_format_1_file_is_still_read(tmp_path):
     path = DATA / "projection-v1.safetensors"
     with safe_open(str(path), framework="pt") as handle:
         assert handle.metadata()["format_version"] == "1" and "pca_dtype" not in handle.metadata()
-    loaded = Projection.load(path)
+    loaded = load_projection(path)
     assert loaded.config.pca_dtype == "fp32" and loaded.names == ["a", "b"] and loaded.k == (4, 4)
     assert all(m.pca.dtype == torch.float32 for m in loaded.modules.values())
     rebuilt = _curvature_pair()
@@ -174,16 +180,18 @@ def test_projection_format_1_file_is_still_read(tmp_path):
     for name, shape in (("a", (6, 5)), ("b", (4, 3))):
         a, g = torch.randn(3, 7, shape[1], generator=gen), torch.randn(3, 7, shape[0], generator=gen)
         torch.testing.assert_close(loaded.transform(name, a, g), rebuilt.transform(name, a, g), rtol=0, atol=0)
-    # Saving it again writes format 2, keeping its fp32 P (the config read from a format-1 file).
-    loaded.save(tmp_path / "p2.safetensors")
+    # Saving it again writes format 3, keeping its fp32 P (the config read from a format-1 file) and
+    # its float32 eigenvector columns.
+    save_projection(loaded, tmp_path / "p2.safetensors")
     with safe_open(str(tmp_path / "p2.safetensors"), framework="pt") as handle:
-        assert handle.metadata()["format_version"] == "2" and handle.get_tensor("a/pca").dtype == torch.float32
+        assert handle.metadata()["format_version"] == "3" and handle.get_tensor("a/pca").dtype == torch.float32
+        assert handle.metadata()["eigenvector_dtype"] == "float32"
     # A version this code does not know is refused, naming what to do.
     tensors = {k: v for k, v in _load_all(path).items()}
-    meta = dict(safe_open(str(path), framework="pt").metadata(), format_version="3")
-    save_file(tensors, str(tmp_path / "p3.safetensors"), metadata=meta)
-    with pytest.raises(IncompatibleIndexError, match="version 3.*Refit"):
-        Projection.load(tmp_path / "p3.safetensors")
+    meta = dict(safe_open(str(path), framework="pt").metadata(), format_version="4")
+    save_file(tensors, str(tmp_path / "p4.safetensors"), metadata=meta)
+    with pytest.raises(IncompatibleIndexError, match="version 4.*Refit"):
+        load_projection(tmp_path / "p4.safetensors")
 
 
 def _load_all(path):
@@ -273,14 +281,14 @@ def test_a_changed_projection_file_is_refused(indexes, tmp_path, monkeypatch):
 
     # Sampled files: the header (names, dtypes, shapes, offsets, metadata), evenly spaced chunks
     # and each tensor's ends are read. A tensor's last byte is caught; a byte between samples is not.
-    monkeypatch.setattr(projection_module, "FINGERPRINT_WHOLE_FILE_BYTES", 0)
-    monkeypatch.setattr(projection_module, "FINGERPRINT_CHUNKS", 2)
-    monkeypatch.setattr(projection_module, "FINGERPRINT_CHUNK_BYTES", 8)
-    monkeypatch.setattr(projection_module, "FINGERPRINT_TENSOR_END_BYTES", 4)
+    monkeypatch.setattr(files_module, "FINGERPRINT_WHOLE_FILE_BYTES", 0)
+    monkeypatch.setattr(files_module, "FINGERPRINT_CHUNKS", 2)
+    monkeypatch.setattr(files_module, "FINGERPRINT_CHUNK_BYTES", 8)
+    monkeypatch.setattr(files_module, "FINGERPRINT_TENSOR_END_BYTES", 4)
     shutil.rmtree(copy)
     shutil.copytree(indexes["fp16"], copy)
     manifest = json.loads((copy / MANIFEST_FILE).read_text())
-    manifest["projection"]["fingerprint"] = projection_module.file_fingerprint(copy / PROJECTION_FILE)
+    manifest["projection"]["fingerprint"] = files_module.file_fingerprint(copy / PROJECTION_FILE)
     (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
     _open(copy)  # unchanged: accepted
     raw = (copy / PROJECTION_FILE).read_bytes()
@@ -316,11 +324,11 @@ def test_opened_and_created_indexes_never_train_the_model(indexes, tmp_path):
 def test_memory_limit_option_and_default(monkeypatch):
     with pytest.raises(Exception, match="projection_memory_gb"):
         GradientConfig(projection_memory_gb=0)
-    monkeypatch.setenv(projection_module.PROJECTION_MEMORY_ENV, "0.5")
-    assert projection_module.default_projection_memory() == 1 << 29
-    monkeypatch.delenv(projection_module.PROJECTION_MEMORY_ENV)
-    assert 0 < projection_module.default_projection_memory() <= projection_module.available_memory()
-    assert math.isfinite(projection_module.default_projection_memory())
+    monkeypatch.setenv(config_module.PROJECTION_MEMORY_ENV, "0.5")
+    assert config_module.default_projection_memory() == 1 << 29
+    monkeypatch.delenv(config_module.PROJECTION_MEMORY_ENV)
+    assert 0 < config_module.default_projection_memory() <= config_module.available_memory()
+    assert math.isfinite(config_module.default_projection_memory())
 
 
 def test_fp16_p_is_upcast_in_blocks_without_changing_the_result(monkeypatch):
@@ -343,11 +351,12 @@ def test_safetensors_are_written_one_tensor_at_a_time_and_read_back_exactly(tmp_
     gen = torch.Generator().manual_seed(0)
     tensors = {"a/f32": torch.randn(3, 5, generator=gen), "b/i64": torch.arange(7),
                "c/f16": torch.randn(5, 3, generator=gen).half(), "d/odd": torch.randn(3, generator=gen).half(),
-               "e/f64": torch.randn(2, 2, generator=gen, dtype=torch.float64)}
-    entries = [projection_module.TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: t) for name, t in tensors.items()]
-    entries.append(projection_module.TensorEntry("f/cast", torch.float16, (4, 2), lambda: torch.ones(4, 2)))
+               "e/f64": torch.randn(2, 2, generator=gen, dtype=torch.float64),
+               "g/bf16": torch.randn(3, 3, generator=gen).bfloat16(), "h/bool": torch.tensor([True, False, True])}
+    entries = [files_module.TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: t) for name, t in tensors.items()]
+    entries.append(files_module.TensorEntry("f/cast", torch.float16, (4, 2), lambda: torch.ones(4, 2)))
     path = tmp_path / "t.safetensors"
-    digest = projection_module.write_safetensors(path, entries, {"note": "x"})
+    digest = files_module.write_safetensors(path, entries, {"note": "x"})
     assert digest == file_sha256(path) and [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]
     with safe_open(str(path), framework="pt") as handle:
         assert handle.metadata() == {"note": "x"}
@@ -358,14 +367,14 @@ def test_safetensors_are_written_one_tensor_at_a_time_and_read_back_exactly(tmp_
     header_len = int.from_bytes(raw[:8], "little")
     assert header_len % 8 == 0
     header = json.loads(raw[8:8 + header_len])
-    itemsize = {"F64": 8, "I64": 8, "F32": 4, "F16": 2}
+    itemsize = {"F64": 8, "I64": 8, "F32": 4, "F16": 2, "BF16": 2, "BOOL": 1}
     for name, entry in header.items():
         if name != "__metadata__":
             assert entry["data_offsets"][0] % itemsize[entry["dtype"]] == 0, name
 
 
 def test_save_holds_one_module_p_at_a_time(tmp_path):
-    """Projection.save reads each module's P (through its loader, as a fit's P is read from
+    """save_projection reads each module's P (through its loader, as a fit's P is read from
     fit/pca/) only when it is written, and has released it before reading the next: saving never
     holds every module's P. The file loads back to the same P."""
     import gc
@@ -385,9 +394,9 @@ def test_save_holds_one_module_p_at_a_time(tmp_path):
     for name, module in proj.modules.items():
         module.pca = None
         module.pca_loader = functools.partial(loader, name)
-    proj.save(tmp_path / "p.safetensors")
+    save_projection(proj, tmp_path / "p.safetensors")
     assert [name for name, _ in reads] == ["a", "b"]
     assert reads[1][1] == [False]  # a's P was gone when b's was read
-    loaded = Projection.load(tmp_path / "p.safetensors")
+    loaded = load_projection(tmp_path / "p.safetensors")
     for name in fitted:
         assert torch.equal(loaded.modules[name].pca, fitted[name])

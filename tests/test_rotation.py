@@ -24,13 +24,13 @@ from eogp_index.errors import ConfigError
 from eogp_index.fit.projection import (
     HADAMARD_ROUNDS,
     HadamardRotation,
-    Projection,
     _hadamard,
     rotate_directions,
     rotation_seed,
 )
 from eogp_index.store.codecs import unpack_signs
 from eogp_index.store.manifest import MANIFEST_FILE, PROJECTION_FILE, Manifest, validate
+from eogp_index.store.projection_file import load_projection
 from eogp_index.store.table import list_column_to_numpy
 
 TRAIN = make_examples(48, seed=21)
@@ -125,8 +125,8 @@ def _queries():
 
 def test_the_fit_folds_the_rotation_into_p(indexes):
     plain, rotated = indexes
-    p_plain = Projection.load(plain.path / PROJECTION_FILE)
-    p_rot = Projection.load(rotated.path / PROJECTION_FILE)
+    p_plain = load_projection(plain.path / PROJECTION_FILE)
+    p_rot = load_projection(rotated.path / PROJECTION_FILE)
     for name, module in p_rot.modules.items():
         assert module.rotation is None  # nothing about R is stored: it is in P
         r = HadamardRotation.draw(module.k, torch.Generator().manual_seed(rotation_seed(0, name))).matrix()

@@ -7,7 +7,9 @@ directory:
    (:mod:`eogp_index.fit.sampling`);
 2. EK-FAC curvature with kronfluence on the curvature set (:mod:`eogp_index.fit.curvature`;
    factors written under ``<out>/curvature``);
-3. the first stage of every module from those factors, and the SRHTs (:mod:`eogp_index.fit.projection`);
+3. the first stage of every module from those factors (its kept eigenvector columns held in 16
+   bits for a half-precision model, :data:`~eogp_index.config.EIGENVECTOR_DTYPES`), and the
+   SRHTs (:mod:`eogp_index.fit.projection`);
 4. for EOGP, the first-stage coordinates of the PCA set, one backward pass per batch for all
    modules, cached on disk in float16 batch by batch; then each module's uncentered PCA from
    its cache, one module at a time (the Gram route when ``n < m_u``).
@@ -44,7 +46,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+from eogp_index.config import EIGENVECTOR_DTYPES, CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.data.records import Example
 from eogp_index.errors import InputError
 from eogp_index.fit.cache import FitFolder
@@ -66,7 +68,14 @@ from eogp_index.gradients.capture import GradientCapture, batches, check_counted
 from eogp_index.gradients.loss import IGNORE_INDEX, collate
 from eogp_index.gradients.coverage import report_coverage
 from eogp_index.gradients.experts import make_experts_trackable
-from eogp_index.gradients.model import find_attributed_modules, model_sha256, pad_token_id, replace_conv1d
+from eogp_index.gradients.model import (
+    dtype_name,
+    find_attributed_modules,
+    model_sha256,
+    pad_token_id,
+    replace_conv1d,
+    torch_dtype,
+)
 
 CURVATURE_DIR = "curvature"
 log = logging.getLogger("eogp_index.fit")
@@ -176,7 +185,8 @@ def fit_projection(
 
     factors = _curvature(model, sets.curvature, names, out_dir, folder, curvature, pad_id, device, ranks, progress,
                          partitions)
-    fitted = build_projection(factors, projection, storage, damping_ratio=curvature.damping_ratio)
+    fitted = build_projection(factors, projection, storage, damping_ratio=curvature.damping_ratio,
+                              eigenvector_dtype=torch_dtype(EIGENVECTOR_DTYPES[dtype_name(model)]))
     del factors  # build_projection copied the columns it keeps
     if use_pca and projection.variant == "auto" and not held_out.numel():
         if ranks.rank == 0:

@@ -5,10 +5,12 @@ Given the attributed modules' shapes and the fit options, :func:`make_plan` give
 :meth:`ProjectionConfig.dims`, and the bytes each part of an index takes:
 
 * per example: ``Σ_u(⌈k_u/8⌉+2)`` in 1-bit mode (``2Σk_u`` / ``4Σk_u`` for fp16 / fp32 coordinates);
-* shared, in ``projection.safetensors``: the eigenvector columns the kept coordinates touch —
-  ``4·(d_out·r_u + d_in'·c_u)`` with ``r_u ≤ d_out`` rows and ``c_u ≤ d_in'`` columns, known only
-  after the fit, so the upper bound ``4·(d_out² + d_in'²)`` is given (exact when ``m_u = d_u``) —,
-  ``12·m_u`` of whitening weights and positions, and ``P`` at ``2·m_u·k_u`` (FP16) or ``4·m_u·k_u``;
+* shared, in ``projection.safetensors``: the eigenvector columns the kept coordinates touch, at
+  ``w`` bytes each (2 for a half-precision model, ``config.EIGENVECTOR_DTYPES``) —
+  ``w·(d_out·r_u + d_in'·c_u)`` with ``r_u ≤ d_out`` rows and ``c_u ≤ d_in'`` columns, known
+  only after the fit, so the upper bound ``w·(d_out² + d_in'²)`` is given (exact when
+  ``m_u = d_u``; a fitted index's are read from its file) —, ``12·m_u`` of whitening weights and
+  positions, and ``P`` at ``2·m_u·k_u`` (FP16) or ``4·m_u·k_u``;
 * kronfluence's factors (``curvature/``): covariances, eigenvectors, eigenvalues and the
   corrected eigenvalues, float32;
 * the fit's cache (``fit/``, deleted when the fit finishes): the PCA set's first-stage
@@ -40,6 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from eogp_index.config import (
     DEFAULT_M_HELP,
+    EIGENVECTOR_DTYPES,
     MODEL_DTYPE_BYTES,
     PCA_DTYPE_BYTES,
     ProjectionConfig,
@@ -172,7 +175,7 @@ def device_memory(device: str) -> int:
 
     if device.startswith("cuda"):
         return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    from eogp_index.fit.projection import available_memory
+    from eogp_index.config import available_memory
 
     return available_memory()
 
@@ -184,10 +187,18 @@ def _config_dtype(config) -> str:
     return name if name in MODEL_DTYPE_BYTES else "float32"
 
 
-def _eigen_upper(mod: ModuleShape) -> int:
-    """Bytes of the kept eigenvector columns: at most all of ``Q_S`` and ``Q_A`` (float32);
-    exactly that when every coordinate is kept."""
-    return F32 * (mod.d_out ** 2 + mod.d_in ** 2)
+def _eigen_upper(mod: ModuleShape, element_bytes: int) -> int:
+    """Bytes of the kept eigenvector columns at ``element_bytes`` each: at most all of ``Q_S`` and
+    ``Q_A``; exactly that when every coordinate is kept."""
+    return element_bytes * (mod.d_out ** 2 + mod.d_in ** 2)
+
+
+def _eigen_row(nbytes: int, dtype: str, exact: bool) -> Dict[str, Any]:
+    """A module's kept eigenvector columns in the plan: ``nbytes`` held in ``dtype`` (exact or a
+    bound), and the float32 copy its first stage makes of them (none when they are float32)."""
+    upcast = 0 if dtype == "float32" else nbytes * F32 // MODEL_DTYPE_BYTES[dtype]
+    return {"eigenbasis_bytes": nbytes, "eigenbasis_bytes_max": nbytes, "eigenbasis_exact": exact,
+            "eigenbasis_dtype": dtype, "eigenbasis_upcast_bytes": upcast}
 
 
 def curvature_partitions(factor_bytes: Sequence[int], available: Optional[int]) -> int:
@@ -256,6 +267,18 @@ class _Inputs:
         return sum(r["eigenbasis_bytes"] + r["other_bytes"] for r in self.rows)
 
     @property
+    def eigen_dtype(self) -> str:
+        """The dtype the kept eigenvector columns are held in: ``EIGENVECTOR_DTYPES`` of the model's
+        (a fitted index's file may hold them in float32, as written before they followed it)."""
+        return self.rows[0]["eigenbasis_dtype"]
+
+    @property
+    def eigen_upcast(self) -> int:
+        """The float32 copy of one module's kept eigenvector columns, made while its first stage
+        is computed (none when they are held in float32): the largest module's."""
+        return max(r["eigenbasis_upcast_bytes"] for r in self.rows)
+
+    @property
     def eigen_is_bound(self) -> bool:
         return not all(r["eigenbasis_exact"] for r in self.rows)
 
@@ -287,6 +310,16 @@ class _Inputs:
         logits = (self.w + F32) * shape.vocab_size * tokens
         captured = (captured_bytes or self.w) * tokens * sum(r["d_in"] for r in self.rows)
         return autograd + logits + captured
+
+
+def _in_dtype(inp: _Inputs, dtype: str) -> _Inputs:
+    """``inp`` refitted with the model in ``dtype``: its weights, activations and kept eigenvector
+    columns (the same rows and columns, held in ``EIGENVECTOR_DTYPES`` of it) counted in it."""
+    held = EIGENVECTOR_DTYPES[dtype]
+    rows = tuple({**r, **_eigen_row(r["eigenbasis_bytes"] * MODEL_DTYPE_BYTES[held]
+                                    // MODEL_DTYPE_BYTES[r["eigenbasis_dtype"]], held, r["eigenbasis_exact"])}
+                 for r in inp.rows)
+    return replace(inp, dtype=dtype, rows=rows)
 
 
 @dataclass(frozen=True)
@@ -350,13 +383,17 @@ def first_stage_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
     rows: the fit's PCA pass, and what ingest and queries hold besides P."""
     widest = max(r["d"] for r in inp.rows)
     sum_m = sum(r["m"] for r in inp.rows)
-    # Per batch, one module at a time: one example's (r, c) eigenbasis block at a time, with the
-    # intermediate product of the per-example routes, and the batch's (B, m) rows taken from it
-    # (float32, each block at most d_u); every module's rows of the batch (float16).
-    work = F32 * (2 * widest + batch.documents * max(r["m"] for r in inp.rows)) + 2 * batch.documents * sum_m
+    # Per batch, one module at a time: its kept eigenvector columns upcast to float32, one
+    # example's (r, c) eigenbasis block at a time, with the intermediate product of the
+    # per-example routes, and the batch's (B, m) rows taken from it (float32, each block at most
+    # d_u); every module's rows of the batch (float16).
+    work = (inp.eigen_upcast + F32 * (2 * widest + batch.documents * max(r["m"] for r in inp.rows))
+            + 2 * batch.documents * sum_m)
     peak = inp.model + inp.eigen + inp.activations(batch.tokens) + work
-    return _phase(peak, f"process + weights ({inp.dtype}) + kept eigenvector columns"
-                  + (" (upper bound)" if inp.eigen_is_bound else "")
+    return _phase(peak, f"process + weights ({inp.dtype}) + kept eigenvector columns ({inp.eigen_dtype}"
+                  + (", upper bound" if inp.eigen_is_bound else "")
+                  + (f"; one module's upcast to float32 while it is projected, {_size(inp.eigen_upcast)})"
+                     if inp.eigen_upcast else ")")
                   + f" + one batch's activations ({batch.documents} x {batch.document_tokens} tokens), captured "
                   "module inputs and first-stage rows", bound=inp.eigen_is_bound,
                   disk=2 * inp.n_pca * sum_m if inp.pca else 0,
@@ -442,7 +479,7 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
               documents: int = 0, dtype: Optional[str] = None, memory_budget: Optional[int] = None,
               batch_tokens: Optional[int] = None, document_tokens: Optional[int] = None,
               projection_memory: Optional[int] = None, device: str = "cuda",
-              eigenbasis_bytes: Optional[Dict[str, int]] = None,
+              eigenbasis_bytes: Optional[Dict[str, int]] = None, eigenbasis_dtype: Optional[str] = None,
               dims: Optional[Dict[str, Tuple[int, int]]] = None) -> Dict[str, Any]:
     """The storage and memory accounting of an index of ``shape`` under these fit options.
 
@@ -456,6 +493,8 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
         device: ``"cpu"`` counts kronfluence's host memory in the curvature phase's peak.
         eigenbasis_bytes: the kept eigenvector columns per module, exact, read from a fitted
             index's projection file (None: their upper bound).
+        eigenbasis_dtype: the dtype they are held in (default ``EIGENVECTOR_DTYPES[dtype]``; a
+            fitted index's file says).
         dims: ``(m_u, k_u)`` per module as a fitted index records them (None: from ``projection``).
 
     Returns:
@@ -473,6 +512,9 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
     doc_tokens = document_tokens or max_tokens or shape.context
     pca = projection.second_stage == "pca"
     p_dtype = PCA_DTYPE_BYTES[projection.pca_dtype]
+    held = eigenbasis_dtype or EIGENVECTOR_DTYPES[dtype]
+    if held not in MODEL_DTYPE_BYTES:
+        raise ConfigError(f"eigenbasis_dtype must be one of {sorted(MODEL_DTYPE_BYTES)}, got {held!r}")
     rows: List[Dict[str, Any]] = []
     for mod in shape.modules:
         m, k = dims[mod.name] if dims else projection.dims(mod.d, num, precision)  # type: ignore[arg-type]
@@ -482,9 +524,8 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
             "name": mod.name, "d_out": mod.d_out, "d_in": mod.d_in, "d": mod.d, "m": m, "k": k,
             "bytes_per_example": bytes_per_module(k, precision),  # type: ignore[arg-type]
             "pca_bytes": m * k * p_dtype if pca else 0,
-            "eigenbasis_bytes": eigenbasis_bytes[mod.name] if exact else _eigen_upper(mod),
-            "eigenbasis_bytes_max": eigenbasis_bytes[mod.name] if exact else _eigen_upper(mod),
-            "eigenbasis_exact": exact or m == mod.d,
+            **_eigen_row(eigenbasis_bytes[mod.name] if exact else _eigen_upper(mod, MODEL_DTYPE_BYTES[held]), held,
+                         exact or m == mod.d),
             # whiten (float32) and local_index (int64) per kept coordinate, and the SRHT's signs/rows
             "other_bytes": 12 * m + srht_bytes,
             # kronfluence: A and S covariances and eigenvectors, their eigenvalues, Λ (float32)
@@ -548,6 +589,7 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
         "per_example": {"bytes": per_example, "uncompressed_fp16_bytes": 2 * attributed,
                         "compression": (2 * attributed / per_example) if per_example else None},
         "shared": {"pca_bytes": inp.pca_total, "eigenbasis_bytes_max": eigen_max, "eigenbasis_exact": exact,
+                   "eigenbasis_dtype": inp.eigen_dtype,
                    "other_bytes": other, "projection_file_bytes_max": projection_file_max,
                    "projection_file_note": "plus a safetensors header of a few KB"
                                            + ("" if exact else "; the eigenbases are an upper bound before the fit "
@@ -568,45 +610,6 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
                           "metadata columns (and --store-text), not counted; total = codes + projection file "
                           "+ kronfluence factors"},
     }
-
-
-def plan_of_index(index_dir: Path, *, dtype: Optional[str] = None, curvature_examples: Optional[int] = None,
-                  shape: Optional[ModelShape] = None, **options: Any) -> Dict[str, Any]:
-    """:func:`make_plan` for a fitted index: its model, modules, ``(m_u, k_u)``, options and dtype
-    from its manifest, and the kept eigenvector columns, exact, from its projection file's header.
-
-    Reads ``manifest.json`` as JSON (the plan sits below the store, which validates it on open);
-    the curvature examples are the index's, whatever ``curvature_examples`` says. ``shape``:
-    the loaded model's (:func:`shape_of_model`) instead of the manifest's model name's.
-    """
-    del curvature_examples
-    index_dir = Path(index_dir)
-    manifest = json.loads((index_dir / "manifest.json").read_text())
-    built = manifest["model"].get("dtype", "float32")
-    if dtype not in (None, "auto", built):
-        raise ConfigError(f"{index_dir} was built with the model in {built} (manifest model.dtype); plan it with "
-                          f"--dtype {built} or auto")
-    modules = manifest["modules"]
-    shape = shape or model_shape(manifest["model"]["name"], [m["name"] for m in modules])
-    info = manifest["projection"]
-    projection = ProjectionConfig(variant=info["variant"], k=max(m["k"] for m in modules),
-                                  m=max(m["m"] for m in modules), num_fit_examples=max(1, info["num_fit_examples"]),
-                                  pca_dtype=info.get("pca_dtype", "fp32"))
-    header = _safetensors_header(index_dir / info["file"])
-    eigen = {}
-    for m in modules:
-        entries = [header[f"{m['name']}/{key}"] for key in ("gradient_eigenvectors", "activation_eigenvectors")]
-        eigen[m["name"]] = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in entries)
-    return make_plan(shape, projection, precision=manifest["precision"], dtype=built, eigenbasis_bytes=eigen,
-                     dims={m["name"]: (m["m"], m["k"]) for m in modules},
-                     curvature_examples=manifest["curvature"]["num_examples"], **options)
-
-
-def _safetensors_header(path: Path) -> Dict[str, Any]:
-    """The JSON header of a safetensors file: each tensor's dtype, shape and byte offsets."""
-    with open(path, "rb") as handle:
-        length = int.from_bytes(handle.read(8), "little")
-        return json.loads(handle.read(length))
 
 
 def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int) -> str:
@@ -632,7 +635,7 @@ def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int) -> s
     if batch.document_tokens > 512:
         tries.append(("--max-tokens 512 --batch-tokens 512", inp, Batch(1, 512), resident))
     if inp.dtype == "float32":
-        tries.append(("--dtype bfloat16", replace(inp, dtype="bfloat16"), one, resident))
+        tries.append(("--dtype bfloat16", _in_dtype(inp, "bfloat16"), one, resident))
     if resident and key in ("ingest", "query"):
         tries.append(("--projection-memory-gb below the P total (P read one module at a time)", inp, one, False))
     for option, alt, alt_batch, alt_resident in tries:
@@ -696,7 +699,7 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
         f"{_size(per['uncompressed_fp16_bytes'])}"
         + (f", {per['compression']:,.0f}x more" if per["compression"] else ""),
         f"shared        P {_size(shared['pca_bytes'])}; eigenbases {'' if shared['eigenbasis_exact'] else '<= '}"
-        f"{_size(shared['eigenbasis_bytes_max'])}; "
+        f"{_size(shared['eigenbasis_bytes_max'])} ({shared['eigenbasis_dtype']}); "
         f"whitening, positions, SRHT {_size(shared['other_bytes'])}",
         f"              projection.safetensors {'' if shared['eigenbasis_exact'] else '<= '}"
         f"{_size(shared['projection_file_bytes_max'])} "

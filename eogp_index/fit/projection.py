@@ -10,17 +10,13 @@ Second stage: ``P^T z`` with ``P`` the top-``k_u`` uncentered principal directio
 first-stage coordinates of a fitting set (EOGP); an SRHT (EOGP-R); or nothing (the
 ``ekfac-topk`` ablation, ``k_u = m_u``).
 
-Everything shared across examples and queries is saved in one safetensors file (format 2:
-``P`` in FP16 by default, as in the paper's Appendix E; format 1, all float32, is still read),
-identified in the index manifest by its SHA-256 (checked in full by ``eogp verify``) and by a
-cheap sampled fingerprint (checked on every open, :func:`file_fingerprint`).
-
-A loaded projection reads the ``P`` matrices lazily from the memory-mapped file. When they all
-fit a memory limit each is read once, on first use, and kept; otherwise every module's ``P`` is
-read when it is applied and dropped after, so one module's ``P`` is held at a time (the paper's
-"modules in turn"). Applied in the backward hook that is once per gradient batch; block ingest
-and batched queries instead apply each ``P`` once to the first-stage coordinates of many
-batches (:meth:`ModuleProjection.second_groups`), as the paper's Appendix E does.
+Everything shared across examples and queries is saved in one safetensors file by the store
+(:mod:`eogp_index.store.projection_file`), which reads it back with the ``P`` matrices loaded
+lazily: all kept once read when they fit a memory limit, else each module's ``P`` read when it is
+applied and dropped after (the paper's "modules in turn"). Applied in the backward hook that is
+once per gradient batch; block ingest and batched queries instead apply each ``P`` once to the
+first-stage coordinates of many batches (:meth:`ModuleProjection.second_groups`), as the paper's
+Appendix E does.
 
 The second stage sees the first-stage coordinates rounded to FP16 (:data:`FIRST_STAGE_DTYPE`):
 the precision the fit's PCA was fitted on and the one block ingest caches them in, so that every
@@ -31,28 +27,19 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
-import os
-import struct
-import sys
 import threading
 from time import perf_counter as time_counter
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Dict, List, Literal, Optional, Sequence
 
 import torch
 
 from eogp_index.config import PCA_DTYPE_BYTES, ProjectionConfig, SecondStage, StorageConfig
 from eogp_index.fit.curvature import ModuleCurvature
-from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, ModelError
+from eogp_index.errors import ConfigError, ModelError
 
-#: 2: ``P`` stored at ``ProjectionConfig.pca_dtype`` (FP16 by default), recorded in the metadata.
-#: 1: everything float32, no ``pca_dtype``. Both are read.
-PROJECTION_FORMAT_VERSION = 2
-READABLE_PROJECTION_VERSIONS = (1, 2)
 PCA_TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 #: The precision of first-stage coordinates kept between the two stages: in the fit's cache (the
 #: PCA is fitted on them), block ingest's cache and batched queries. The second stage rounds them
@@ -69,8 +56,11 @@ class ModuleProjection:
 
     Attributes:
         shape: ``(d_out, d_in')`` of the module's gradient.
-        activation_eigenvectors: ``Q_A[:, cols]``, ``(d_in', c)`` float32 — only the columns used.
-        gradient_eigenvectors: ``Q_S[:, rows]``, ``(d_out, r)`` float32 — only the columns used.
+        activation_eigenvectors: ``Q_A[:, cols]``, ``(d_in', c)`` — only the columns used.
+        gradient_eigenvectors: ``Q_S[:, rows]``, ``(d_out, r)`` — only the columns used. Both are
+            held in 16 bits for a half-precision model (float16, see
+            :data:`~eogp_index.config.EIGENVECTOR_DTYPES`), in float32 for a float32 one or as read
+            from a file written before they were; :meth:`first_stage` computes in float32 either way.
         local_index: ``(m,)`` int64 positions of the kept coordinates in the ``(r, c)`` block,
             ordered by decreasing corrected eigenvalue.
         whiten: ``(m,)`` float32, ``(Λ_m + λ_u)^{-1/2}``.
@@ -78,7 +68,7 @@ class ModuleProjection:
             (``srht_signs`` ``(m,)``, ``srht_rows`` ``(k,)``) or ``"none"``.
         damping: ``λ_u``.
         pca_loader: for a projection loaded from disk, reads ``pca`` when it is used (then
-            ``pca`` is read through it; see :class:`_LazyPca`).
+            ``pca`` is read through it).
         rotation: variant ``eogp-rot`` (and ``auto`` where it chose the rotation), while fitting:
             the rotation folded into ``pca`` when it is fitted (:func:`second_stage_directions`).
             Not stored: the file's ``pca`` already includes it, so a loaded projection has None.
@@ -111,7 +101,7 @@ class ModuleProjection:
         """Half-whitened top-``m`` EK-FAC coordinates, ``(B, m)`` float32.
 
         Args:
-            a: ``(B, T, d_in')`` activations; g: ``(B, T, d_out)`` output gradients.
+            a: ``(B, T, d_in')`` activations; g: ``(B, T, d_out)`` output gradients; float32.
             route: how to form the ``(r, c)`` eigenbasis block (tests force each one); by
                 default the one with the fewest multiply-adds, see :func:`block_route`.
         """
@@ -125,8 +115,10 @@ class ModuleProjection:
         tokens = live.reshape(-1).nonzero().squeeze(1)  # index_select: cheaper than g[live]
         g_live = g.reshape(-1, g.shape[-1]).index_select(0, tokens)  # (N, d_out)
         a_live = a.reshape(-1, a.shape[-1]).index_select(0, tokens)  # (N, d_in')
-        q_s = self.gradient_eigenvectors.to(g.device)  # (d_out, r)
-        q_a = self.activation_eigenvectors.to(a.device)  # (d_in', c)
+        # The columns may be held in float16; this module's are upcast for its products only
+        # (exactly: every float16 value is a float32 one) and dropped when it returns.
+        q_s = self.gradient_eigenvectors.to(g.device, torch.float32)  # (d_out, r)
+        q_a = self.activation_eigenvectors.to(a.device, torch.float32)  # (d_in', c)
         r, c = q_s.shape[1], q_a.shape[1]
         index = self.local_index.to(a.device)
         if r * c <= 256 * self.m:
@@ -314,11 +306,13 @@ def _kept_from_blocks(route: BlockRoute, g: torch.Tensor, a: torch.Tensor, count
     return kept
 
 
-def first_stage_from_curvature(curvature: ModuleCurvature, m: int, damping_ratio: float) -> ModuleProjection:
+def first_stage_from_curvature(curvature: ModuleCurvature, m: int, damping_ratio: float, *,
+                               dtype: torch.dtype = torch.float32) -> ModuleProjection:
     """Keep the ``m`` EK-FAC directions with the largest corrected eigenvalues.
 
     Ties are broken by position (a stable sort) so that the same factors always give the same
-    projection.
+    projection. The eigenvector columns they touch are kept in ``dtype``
+    (:data:`~eogp_index.config.EIGENVECTOR_DTYPES` of the model's).
     """
     d_out, d_in = curvature.shape
     eigenvalues = curvature.eigenvalues.reshape(-1)
@@ -330,8 +324,8 @@ def first_stage_from_curvature(curvature: ModuleCurvature, m: int, damping_ratio
     whiten = (eigenvalues[order].double() + damping).rsqrt().float()
     return ModuleProjection(
         shape=(d_out, d_in),
-        activation_eigenvectors=curvature.activation_eigenvectors[:, cols].contiguous(),
-        gradient_eigenvectors=curvature.gradient_eigenvectors[:, rows].contiguous(),
+        activation_eigenvectors=curvature.activation_eigenvectors[:, cols].to(dtype).contiguous(),
+        gradient_eigenvectors=curvature.gradient_eigenvectors[:, rows].to(dtype).contiguous(),
         local_index=(row_pos * cols.numel() + col_pos).long(),
         whiten=whiten,
         damping=damping,
@@ -775,7 +769,8 @@ def choose_code(z: torch.Tensor, k: int, rotation: HadamardRotation, held_out: t
 
 
 class Projection:
-    """The ordered per-module projections of an index, with their on-disk format.
+    """The ordered per-module projections of an index (written and read by
+    :mod:`eogp_index.store.projection_file`).
 
     Attributes:
         modules: ``{name: ModuleProjection}`` in module order.
@@ -786,7 +781,9 @@ class Projection:
     """
 
     def __init__(self, modules: Dict[str, ModuleProjection], *, config: ProjectionConfig, damping_ratio: float,
-                 lazy: Optional["_LazyPca"] = None):
+                 lazy=None):
+        """``lazy``: for a projection read from its file, the reader of its ``P`` matrices
+        (:class:`~eogp_index.store.projection_file.LazyPca`: ``resident``, ``total_bytes``, ``bytes_read``)."""
         self.modules = modules
         self.config = config
         self.damping_ratio = damping_ratio
@@ -831,6 +828,19 @@ class Projection:
                 "modules": {name: choice.to_json() for name, choice in self.choices.items()}}
 
     @property
+    def eigenvector_dtype(self) -> torch.dtype:
+        """The dtype the kept eigenvector columns are held in, the same for every module.
+
+        Raises:
+            ConfigError: modules holding them in different dtypes (a projection assembled by hand).
+        """
+        found = {t.dtype for p in self.modules.values() for t in (p.gradient_eigenvectors, p.activation_eigenvectors)}
+        if len(found) != 1:
+            raise ConfigError(f"the modules hold their eigenvector columns in {sorted(map(str, found))}: a projection "
+                              "holds them in one dtype; build it with build_projection")
+        return found.pop()
+
+    @property
     def pca_bytes_read(self) -> int:
         """Bytes of ``P`` read from the projection file since it was loaded (0 when not loaded)."""
         return self._lazy.bytes_read if self._lazy is not None else 0
@@ -862,306 +872,6 @@ class Projection:
         anyway, so keeping it so (block ingest's cache, batched queries) changes no coordinate."""
         return _at_precision(self.modules[name].first_stage(a, g), self.cache_dtype)
 
-    # -- on disk -----------------------------------------------------------------------------
-    def save(self, path: Path) -> str:
-        """Write the projection as safetensors (format 2, ``P`` at ``config.pca_dtype``); return the
-        file's SHA-256 (its identity).
-
-        The file is written one tensor at a time (:func:`write_safetensors`): each module's ``P``
-        is read (for a fit, from its memory-mapped file in ``fit/pca/``), written and released
-        before the next, so saving holds one module's ``P`` at a time, not all of them.
-        """
-        pca_dtype = PCA_TORCH_DTYPES[self.config.pca_dtype]
-        entries: List[TensorEntry] = []
-        modules_meta = []
-        for name, p in self.modules.items():
-            for key in ("activation_eigenvectors", "gradient_eigenvectors", "local_index", "whiten"):
-                tensor = getattr(p, key)
-                entries.append(TensorEntry(f"{name}/{key}", tensor.dtype, tuple(tensor.shape),
-                                           functools.partial(getattr, p, key)))
-            if p.has_pca:
-                # read at write time (a loaded or fitted P is read from disk then, and dropped after)
-                entries.append(TensorEntry(f"{name}/pca", pca_dtype, (p.m, p.k), functools.partial(getattr, p, "pca")))
-            if p.srht_signs is not None:
-                for key in ("srht_signs", "srht_rows"):
-                    tensor = getattr(p, key)
-                    entries.append(TensorEntry(f"{name}/{key}", tensor.dtype, tuple(tensor.shape),
-                                               functools.partial(getattr, p, key)))
-            modules_meta.append({"name": name, "shape": list(p.shape), "m": p.m, "k": p.k, "damping": p.damping,
-                                 "second_stage": p.second_stage})
-        metadata = {
-            "format": "eogp-projection",
-            "format_version": str(PROJECTION_FORMAT_VERSION),
-            "variant": self.config.variant,
-            "damping_ratio": repr(self.damping_ratio),
-            "pca_dtype": self.config.pca_dtype,
-            "config": json.dumps(self.config.__dict__),
-            "modules": json.dumps(modules_meta),
-        }
-        return write_safetensors(Path(path), entries, metadata)
-
-    @classmethod
-    def load(cls, path: Path, *, memory_limit: Optional[int] = None) -> "Projection":
-        """Read a projection file (format 1 or 2); the ``P`` matrices are read lazily.
-
-        Args:
-            memory_limit: bytes the ``P`` matrices may hold at once (default
-                :func:`default_projection_memory`). Under it each is read once, on first use, and
-                kept; over it each is read whenever its module is projected, then dropped.
-        """
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.exists():
-            raise IndexNotFoundError(f"projection file {path} is missing; the index was not fitted (eogp fit)")
-        # The handle stays open for the projection's lifetime: P is read from it later. A file
-        # replaced on disk meanwhile (a refit) leaves this open file, the one checked, in place.
-        handle = safe_open(str(path), framework="pt")
-        metadata = handle.metadata() or {}
-        if metadata.get("format") != "eogp-projection":
-            raise IncompatibleIndexError(f"{path} is not an eogp projection file")
-        version = int(metadata.get("format_version", "0"))
-        if version not in READABLE_PROJECTION_VERSIONS:
-            raise IncompatibleIndexError(
-                f"{path} has projection format version {version}; this eogp-index reads versions "
-                f"{list(READABLE_PROJECTION_VERSIONS)}. Refit the index with this version (eogp fit --overwrite), "
-                "or install the eogp-index that wrote it."
-            )
-        config_fields = json.loads(metadata["config"])
-        # Format 1 stored P in float32 and had no pca_dtype: it is fp32, whatever today's default.
-        config_fields.setdefault("pca_dtype", metadata.get("pca_dtype", "fp32"))
-        # Files written before m was independent of k record the old rule's m_factor; the widths
-        # themselves are in the per-module metadata, so the factor carries nothing.
-        config_fields.pop("m_factor", None)
-        config = ProjectionConfig(**config_fields)
-        keys = set(handle.keys())
-        pca_keys = {}
-        for meta in json.loads(metadata["modules"]):
-            key = f"{meta['name']}/pca"
-            if key in keys:
-                stored = str(handle.get_slice(key).get_dtype())
-                if stored != {"fp16": "F16", "fp32": "F32"}[config.pca_dtype]:
-                    raise IncompatibleIndexError(f"{path}: {key} is stored as {stored} but the file says pca_dtype "
-                                                 f"{config.pca_dtype!r}; the file is damaged. Refit the index.")
-                pca_keys[key] = math.prod(handle.get_slice(key).get_shape()) * PCA_DTYPE_BYTES[config.pca_dtype]
-        lazy = _LazyPca(handle, pca_keys, default_projection_memory() if memory_limit is None else memory_limit)
-        modules = {}
-        for meta in json.loads(metadata["modules"]):
-            name = meta["name"]
-            optional = {key: handle.get_tensor(f"{name}/{key}") if f"{name}/{key}" in keys else None
-                        for key in ("srht_signs", "srht_rows")}
-            modules[name] = ModuleProjection(
-                shape=tuple(meta["shape"]),
-                activation_eigenvectors=handle.get_tensor(f"{name}/activation_eigenvectors"),
-                gradient_eigenvectors=handle.get_tensor(f"{name}/gradient_eigenvectors"),
-                local_index=handle.get_tensor(f"{name}/local_index"),
-                whiten=handle.get_tensor(f"{name}/whiten"),
-                damping=float(meta["damping"]),
-                second_stage=meta["second_stage"],
-                k=int(meta["k"]),
-                pca_loader=functools.partial(lazy.get, f"{name}/pca") if f"{name}/pca" in keys else None,
-                **optional,
-            )
-        return cls(modules, config=config, damping_ratio=float(metadata["damping_ratio"]), lazy=lazy)
-
-
-class _LazyPca:
-    """The ``P`` matrices of a projection file, read on demand from its open, memory-mapped handle.
-
-    ``resident``: all of them fit ``limit`` bytes, so each is kept after its first read; else
-    each read is handed out and dropped by the caller (one module's ``P`` alive at a time).
-    """
-
-    def __init__(self, handle, sizes: Dict[str, int], limit: int):
-        self._handle = handle
-        self.total_bytes = sum(sizes.values())
-        self.limit = int(limit)
-        self.resident = self.total_bytes <= self.limit
-        self._kept: Dict[str, torch.Tensor] = {}
-        self._lock = threading.Lock()  # a server's worker thread and the main thread may both project
-        #: Bytes of ``P`` read from the file so far (what the plan's "P read per document" counts).
-        self.bytes_read = 0
-
-    def get(self, key: str) -> torch.Tensor:
-        with self._lock:
-            tensor = self._kept.get(key)
-            if tensor is None:
-                tensor = self._handle.get_tensor(key)
-                self.bytes_read += tensor.numel() * tensor.element_size()
-                if self.resident:
-                    self._kept[key] = tensor
-            return tensor
-
-
-#: Environment variable giving the default memory limit of the P matrices, in GiB.
-PROJECTION_MEMORY_ENV = "EOGP_PROJECTION_MEMORY_GB"
-
-
-def available_memory() -> int:
-    """Bytes of memory available to new allocations now (psutil, else /proc/meminfo, else 8 GiB)."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:  # pragma: no cover - psutil comes with accelerate
-        pass
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return 8 << 30  # pragma: no cover
-
-
-def default_projection_memory() -> int:
-    """The default memory limit of a loaded projection's ``P`` matrices, in bytes:
-    ``$EOGP_PROJECTION_MEMORY_GB`` GiB when set, else half the memory available now (the rest is
-    left to the model, its activations and the hot copy of the codes)."""
-    value = os.environ.get(PROJECTION_MEMORY_ENV)
-    if value:
-        try:
-            gib = float(value)
-        except ValueError as exc:
-            raise ConfigError(f"${PROJECTION_MEMORY_ENV}={value!r} is not a number of GiB") from exc
-        if gib <= 0:
-            raise ConfigError(f"${PROJECTION_MEMORY_ENV} must be positive, got {value!r}")
-        return int(gib * (1 << 30))
-    return available_memory() // 2
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """A tensor to write: its name, stored dtype and shape, and how to get it (called once, when its
-    bytes are written; the result is cast to ``dtype`` block by block)."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple
-    read: Callable[[], torch.Tensor]
-
-
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
-#: Bytes written per block: the most a conversion (e.g. float32 → FP16 P) holds at once.
-_WRITE_BLOCK_BYTES = 16 << 20
-
-
-def write_safetensors(path: Path, entries: Sequence[TensorEntry], metadata: Dict[str, str]) -> str:
-    """Write a safetensors file one tensor at a time, in blocks; return its SHA-256.
-
-    The header is known before any tensor is read (names, dtypes, shapes), so the file is written
-    front to back: the 8-byte little-endian header length, the JSON header padded with spaces to a
-    multiple of 8, then each tensor's bytes at its ``data_offsets``. Tensors are laid out by
-    decreasing element size (stable), so every tensor starts aligned to its own element size, as
-    ``safetensors.torch.save_file`` arranges. Each tensor is read only when its turn comes and is
-    released after, so a writer never holds more than one tensor (plus a block). The file is
-    written under a temporary name, flushed to disk and renamed into place.
-    """
-    if sys.byteorder != "little":  # pragma: no cover - safetensors is little endian; so are our targets
-        raise ConfigError("writing safetensors needs a little-endian machine")
-    order = sorted(entries, key=lambda e: -e.dtype.itemsize)
-    header: Dict[str, object] = {"__metadata__": dict(metadata)}
-    offset = 0
-    for entry in order:
-        size = math.prod(entry.shape) * entry.dtype.itemsize
-        header[entry.name] = {"dtype": _SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
-                              "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    digest = hashlib.sha256()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as handle:
-            def put(data) -> None:
-                handle.write(data)
-                digest.update(data)
-
-            put(struct.pack("<Q", len(raw)))
-            put(raw)
-            for entry in order:
-                tensor = torch.as_tensor(entry.read())
-                if tuple(tensor.shape) != tuple(entry.shape):
-                    raise ConfigError(f"{entry.name}: shape {tuple(tensor.shape)}, expected {tuple(entry.shape)}")
-                flat = tensor.detach().reshape(-1)
-                step = max(1, _WRITE_BLOCK_BYTES // entry.dtype.itemsize)
-                for start in range(0, flat.numel(), step):
-                    block = flat[start:start + step].to("cpu", entry.dtype).contiguous()
-                    put(memoryview(block.numpy()).cast("B"))
-                    del block
-                # Dropping the last reference unmaps a memory-mapped source: its pages leave this
-                # process's memory before the next tensor is read.
-                del tensor, flat
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return digest.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-#: A file up to this size is fingerprinted whole (it reads in well under a second).
-FINGERPRINT_WHOLE_FILE_BYTES = 64 << 20
-#: Otherwise: the safetensors header, this many evenly spaced chunks, and each tensor's ends.
-FINGERPRINT_CHUNKS = 1024
-FINGERPRINT_CHUNK_BYTES = 4096
-FINGERPRINT_TENSOR_END_BYTES = 256
-FINGERPRINT_PREFIX = "sample1:"
-
-
-def file_fingerprint(path: Path) -> str:
-    """A cheap identity of a safetensors file, checked on every open instead of its full SHA-256.
-
-    ``sample1:`` + SHA-256 over the file size and either the whole file (up to
-    ``FINGERPRINT_WHOLE_FILE_BYTES``) or: the header (every tensor's name, dtype, shape and
-    offsets, and the metadata), ``FINGERPRINT_CHUNKS`` chunks of ``FINGERPRINT_CHUNK_BYTES`` evenly
-    spaced over the file, and the first and last ``FINGERPRINT_TENSOR_END_BYTES`` of every tensor
-    — about 4 MiB read from a 481 GB file. A change of size, layout, metadata or a sampled byte is
-    caught; a change confined to unsampled bytes is not (``eogp verify`` hashes every byte).
-    """
-    path = Path(path)
-    size = path.stat().st_size
-    digest = hashlib.sha256(f"{size}|".encode())
-    with open(path, "rb") as handle:
-        if size <= FINGERPRINT_WHOLE_FILE_BYTES:
-            for chunk in iter(lambda: handle.read(1 << 22), b""):
-                digest.update(chunk)
-            return FINGERPRINT_PREFIX + digest.hexdigest()
-        raw = handle.read(8)
-        header_len = min(struct.unpack("<Q", raw)[0], size - 8) if len(raw) == 8 else 0
-        header = handle.read(header_len)
-        digest.update(raw + header)
-        reads = [(round(i * (size - FINGERPRINT_CHUNK_BYTES) / (FINGERPRINT_CHUNKS - 1)), FINGERPRINT_CHUNK_BYTES)
-                 for i in range(FINGERPRINT_CHUNKS)]
-        try:
-            entries = json.loads(header)
-        except ValueError:
-            entries = {}  # not a safetensors header: the evenly spaced chunks still cover the file
-        data_start = 8 + header_len
-        for key, entry in sorted(entries.items()):
-            if key == "__metadata__" or not isinstance(entry, dict) or "data_offsets" not in entry:
-                continue
-            begin, end = (data_start + int(x) for x in entry["data_offsets"])
-            n = min(FINGERPRINT_TENSOR_END_BYTES, end - begin)
-            reads += [(begin, n), (end - n, n)]
-        for offset, n in sorted(reads):  # in file order: one forward sweep
-            handle.seek(offset)
-            digest.update(handle.read(n))
-    return FINGERPRINT_PREFIX + digest.hexdigest()
-
 
 def build_projection(
     curvature: Dict[str, ModuleCurvature],
@@ -1169,17 +879,20 @@ def build_projection(
     storage: StorageConfig,
     *,
     damping_ratio: float = 0.1,
+    eigenvector_dtype: torch.dtype = torch.float32,
 ) -> Projection:
     """Choose ``(m_u, k_u)`` per module, build the first stages and draw the SRHTs and rotations.
 
-    For EOGP the PCA matrices are fitted afterwards (:func:`second_stage_directions`, from
-    first-stage coordinates computed with the stages built here).
+    The kept eigenvector columns are held in ``eigenvector_dtype`` (for the model's dtype,
+    :data:`~eogp_index.config.EIGENVECTOR_DTYPES`). For EOGP the PCA matrices are fitted afterwards
+    (:func:`second_stage_directions`, from first-stage coordinates computed with the stages built
+    here), so the PCA sees the columns as they are held.
     """
     modules = {}
     generator = torch.Generator().manual_seed(config.seed)
     for name, curv in curvature.items():
         m, k = config.dims(curv.num_params, len(curvature), storage.precision)
-        proj = first_stage_from_curvature(curv, m, damping_ratio)
+        proj = first_stage_from_curvature(curv, m, damping_ratio, dtype=eigenvector_dtype)
         proj.k = k
         proj.second_stage = config.second_stage
         if config.second_stage == "srht":

@@ -144,12 +144,13 @@ class StoredIndex:
                 (:mod:`eogp_index.gradients.experts`), recorded so that opening rebuilds them.
             model_dtype: the dtype the model ran in (``"bfloat16"``), which every later open uses.
         """
-        from eogp_index.fit.projection import file_fingerprint
+        from eogp_index.store.files import file_fingerprint
+        from eogp_index.store.projection_file import save_projection
         from eogp_index.version import __version__
 
         path = Path(path)
         projection = fitted.projection
-        proj_hash = projection.save(path / PROJECTION_FILE)
+        proj_hash = save_projection(projection, path / PROJECTION_FILE)
         layout = SignLayout(projection.k)
         model_entry = {"name": str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name,
                        "weights_sha256": fitted.weights_sha256, "num_parameters": fitted.num_parameters,
@@ -188,7 +189,7 @@ class StoredIndex:
         return cls(path, manifest)
 
     #: Bytes the projection's ``P`` matrices may hold in memory (None: the default of
-    #: :func:`~eogp_index.fit.projection.default_projection_memory`); set it before first use.
+    #: :func:`~eogp_index.config.default_projection_memory`); set it before first use.
     projection_memory: Optional[int] = None
 
     @functools.cached_property
@@ -196,17 +197,19 @@ class StoredIndex:
         """The fitted projection (``fit.projection.Projection``), loaded and checked on first use.
 
         Checked by the sampled fingerprint the manifest records (an index written before
-        fingerprints: by the file's full SHA-256); ``P`` is read lazily (see ``Projection.load``).
+        fingerprints: by the file's full SHA-256); ``P`` is read lazily (see
+        :func:`~eogp_index.store.projection_file.load_projection`).
         """
-        from eogp_index.fit.projection import Projection, file_fingerprint, file_sha256
+        from eogp_index.store.files import file_fingerprint, file_sha256
+        from eogp_index.store.projection_file import load_projection
 
         path = self.path / self.manifest.projection["file"]
-        if path.exists():  # (a missing file is reported by Projection.load)
+        if path.exists():  # (a missing file is reported by load_projection)
             if self.manifest.projection.get("fingerprint"):
                 check_compatible(self.manifest, projection_fingerprint=file_fingerprint(path), where=str(self.path))
             else:
                 check_compatible(self.manifest, projection_hash=file_sha256(path), where=str(self.path))
-        projection = Projection.load(path, memory_limit=self.projection_memory)
+        projection = load_projection(path, memory_limit=self.projection_memory)
         if projection.config.pca_dtype != self.manifest.pca_dtype:
             raise IncompatibleIndexError(
                 f"{path} stores P as {projection.config.pca_dtype} but {self.path / MANIFEST_FILE} says "

@@ -14,6 +14,7 @@ from torch import nn
 
 from eogp_index.errors import InputError
 from eogp_index.gradients.model import load_indexed_model, model_fingerprint, model_sha256
+from eogp_index.store.files import file_fingerprint, file_sha256
 from eogp_index.store.stored_index import StoredIndex
 
 
@@ -31,8 +32,6 @@ def verify_index(path: Union[str, Path], *, model: Optional[nn.Module] = None, m
         ``{"index", "ok", "projection": {...}, "model": {...}}``, each part with the manifest's and
         the computed ``sha256`` (and ``fingerprint``) and ``ok``.
     """
-    from eogp_index.fit.projection import file_fingerprint, file_sha256
-
     stored = StoredIndex.open(path)
     manifest = stored.manifest
     projection_path = stored.path / manifest.projection["file"]

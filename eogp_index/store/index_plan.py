@@ -1,0 +1,57 @@
+"""``eogp plan INDEX``: :func:`~eogp_index.fit.plan.make_plan` for a fitted index, with the figures
+the fit fixed read from its files instead of bounded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from eogp_index.config import ProjectionConfig
+from eogp_index.errors import ConfigError, IncompatibleIndexError
+from eogp_index.fit.plan import ModelShape, make_plan, model_shape
+from eogp_index.store.files import safetensors_header, tensor_bytes
+from eogp_index.store.manifest import Manifest
+
+#: safetensors' dtype names of the eigenvector columns (16 bits for a half-precision model from
+#: projection format 3, float32 before it).
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def plan_of_index(index_dir: Path, *, dtype: Optional[str] = None, curvature_examples: Optional[int] = None,
+                  shape: Optional[ModelShape] = None, **options: Any) -> Dict[str, Any]:
+    """:func:`~eogp_index.fit.plan.make_plan` for a fitted index: its model, modules, ``(m_u, k_u)``,
+    options and dtype from its manifest, and the kept eigenvector columns, exact, from its
+    projection file's header: their bytes and the dtype they are stored and held in.
+
+    The curvature examples are the index's, whatever ``curvature_examples`` says. ``shape``: the
+    loaded model's (:func:`~eogp_index.fit.plan.shape_of_model`) instead of the manifest's model
+    name's; ``options``: :func:`~eogp_index.fit.plan.make_plan`'s.
+
+    Raises:
+        ConfigError: ``dtype`` names another dtype than the one the index was built in.
+        IncompatibleIndexError: the file holds the eigenvector columns in several dtypes.
+    """
+    del curvature_examples
+    index_dir = Path(index_dir)
+    manifest = Manifest.load(index_dir)
+    built = manifest.model_dtype
+    if dtype not in (None, "auto", built):
+        raise ConfigError(f"{index_dir} was built with the model in {built} (manifest model.dtype); plan it with "
+                          f"--dtype {built} or auto")
+    modules = manifest.modules
+    shape = shape or model_shape(manifest.model["name"], [m.name for m in modules])
+    info = manifest.projection
+    projection = ProjectionConfig(variant=info["variant"], k=max(m.k for m in modules),
+                                  m=max(m.m for m in modules), num_fit_examples=max(1, info["num_fit_examples"]),
+                                  pca_dtype=manifest.pca_dtype)
+    header = safetensors_header(index_dir / info["file"])
+    entries = {m.name: [header[f"{m.name}/{key}"] for key in ("gradient_eigenvectors", "activation_eigenvectors")]
+               for m in modules}
+    eigen = {name: sum(tensor_bytes(entry) for entry in pair) for name, pair in entries.items()}
+    stored = {_DTYPES.get(entry["dtype"], entry["dtype"]) for pair in entries.values() for entry in pair}
+    if len(stored) != 1 or not stored <= set(_DTYPES.values()):
+        raise IncompatibleIndexError(f"{index_dir / info['file']} stores the eigenvector columns as {sorted(stored)}, "
+                                     "not in one model dtype; the file is damaged. Refit the index.")
+    return make_plan(shape, projection, precision=manifest.precision, dtype=built, eigenbasis_bytes=eigen,
+                     eigenbasis_dtype=stored.pop(), dims={m.name: (m.m, m.k) for m in modules},
+                     curvature_examples=manifest.curvature["num_examples"], **options)
