@@ -22,20 +22,18 @@ from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.errors import ConfigError
 from eogp_index.evaluation import metrics
-from eogp_index.fit.projection import (
+from eogp_index.fit.code_choice import (
     MIN_HELD_OUT,
     CodeChoice,
     _off_diagonal,
     choose_code,
-    fit_pca,
-    gram_matrix,
     held_out_coordinates,
     held_out_directions,
     held_out_rows,
-    module_rotation,
     one_bit_documents,
     ranking_agreement,
 )
+from eogp_index.fit.projection import fit_pca, gram_matrix, module_rotation
 from eogp_index.store.codecs import SignLayout, decode, encode
 
 

@@ -29,7 +29,7 @@ summed over modules, split evenly over the ``U`` modules):
 * ``auto`` -- per module, EOGP or EOGP-rot, whichever the index's fit-time measurement chooses
   (variant ``auto``): a seeded part of the PCA fitting documents is held out, ``P`` fitted on the
   rest, and each code scored by how well its 1-bit ranking of the held-out documents keeps their
-  FP16 ranking (:func:`~eogp_index.fit.projection.choose_code`); its ``P`` is EOGP's, rotated
+  FP16 ranking (:func:`~eogp_index.fit.code_choice.choose_code`); its ``P`` is EOGP's, rotated
   where EOGP-rot is chosen. Per budget and module, ``details.json`` keeps the measurement and the
   reference gain of the rotation (:func:`code_choices`);
 * ``eogp-fp16-same-k`` -- EOGP's projection stored in FP16 at the ``k`` of 1-bit EOGP at the
@@ -88,13 +88,10 @@ from eogp_index.evaluation.baselines import (
     k_for_bytes,
 )
 from eogp_index.gradients.capture import GradientCapture
+from eogp_index.fit.code_choice import CodeChoice, compare_codes, held_out_directions, held_out_rows
 from eogp_index.fit.projection import (
-    CodeChoice,
-    compare_codes,
     first_stage_from_curvature,
     fit_pca,
-    held_out_directions,
-    held_out_rows,
     make_srht,
     module_rotation,
     rotate_directions,

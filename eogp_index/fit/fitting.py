@@ -49,15 +49,12 @@ from eogp_index.data.records import Example
 from eogp_index.errors import InputError
 from eogp_index.fit.cache import FitFolder
 from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
+from eogp_index.fit.code_choice import CODES, CodeChoice, choose_code, held_out_rows
 from eogp_index.fit.projection import (
-    CODES,
     PCA_TORCH_DTYPES,
-    CodeChoice,
     Projection,
     build_projection,
-    choose_code,
     gram_matrix,
-    held_out_rows,
     module_rotation,
     second_stage_directions,
 )
@@ -313,7 +310,7 @@ def _fit_modules(fitted: Projection, folder: FitFolder, num_batches: int, held_o
     """Each module's P from its cached coordinates, one module in memory at a time, round-robin over ranks.
 
     With held-out rows, each module's two 1-bit codes are measured on them first
-    (:func:`~eogp_index.fit.projection.choose_code`; written to ``fit/pca/module-NNNN.json``
+    (:func:`~eogp_index.fit.code_choice.choose_code`; written to ``fit/pca/module-NNNN.json``
     before the module's P, so a resumed fit reads it back); variant ``auto`` keeps the rotation
     of the modules where EOGP-rot wins. The stored P is then fitted on the whole set.
     """

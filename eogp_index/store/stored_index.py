@@ -144,6 +144,7 @@ class StoredIndex:
                 (:mod:`eogp_index.gradients.experts`), recorded so that opening rebuilds them.
             model_dtype: the dtype the model ran in (``"bfloat16"``), which every later open uses.
         """
+        from eogp_index.fit.code_choice import fidelity_record
         from eogp_index.fit.projection import file_fingerprint
         from eogp_index.version import __version__
 
@@ -165,7 +166,7 @@ class StoredIndex:
                             "seed": projection.config.seed, "num_fit_examples": fitted.pca_examples,
                             "pca_dtype": projection.config.pca_dtype, "rotation": projection.rotation_record(),
                             "fingerprint": file_fingerprint(path / PROJECTION_FILE)}
-        fidelity = projection.fidelity_record()
+        fidelity = fidelity_record(projection.choices)
         if fidelity is not None:
             projection_entry["fidelity"] = fidelity
         manifest = Manifest(
