@@ -3,7 +3,7 @@
 Prints, per case: auto against the better fixed code at every budget (NDCG@20 and Spearman,
 paired standard errors), how many modules chose EOGP-rot per budget; and, across every case,
 budget and module, the correlation between the held-out proxy (EOGP-rot - EOGP on held-out
-fitting documents against FP16) and the reference gain of rotating that module (fidelity to
+fitting documents, against their first-stage inner products) and the reference gain of rotating that module (fidelity to
 kronfluence's EK-FAC with only that module rotated, minus all-EOGP). Writes one PNG of the latter.
 
 usage: python examples/variant_choice.py PNG NAME=OUT_DIR [NAME=OUT_DIR ...]
@@ -70,7 +70,7 @@ def plot(points_by_case: dict, png: Path) -> None:
         ax.scatter(proxy, gain, s=14, marker="os^D"[i % 4], label=name, alpha=0.75)
     ax.axhline(0, color="0.6", linewidth=0.8)
     ax.axvline(0, color="0.6", linewidth=0.8)
-    ax.set_xlabel("held-out proxy: EOGP-rot − EOGP vs FP16 (mean of NDCG@20, Spearman)")
+    ax.set_xlabel("held-out proxy: EOGP-rot − EOGP vs first stage (mean of NDCG@20, Spearman)")
     ax.set_ylabel("reference gain of rotating the module")
     ax.set_title("Per module and budget: proxy against reference gain", fontsize=9)
     ax.legend(fontsize=8)

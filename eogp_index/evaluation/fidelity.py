@@ -28,10 +28,10 @@ summed over modules, split evenly over the ``U`` modules):
   coordinates before the signs, folded into ``P`` (the index's variant ``eogp-rot``);
 * ``auto`` -- per module, EOGP or EOGP-rot, whichever the index's fit-time measurement chooses
   (variant ``auto``): a seeded part of the PCA fitting documents is held out, ``P`` fitted on the
-  rest, and each code scored by how well its 1-bit ranking of the held-out documents keeps their
-  FP16 ranking (:func:`~eogp_index.fit.code_choice.choose_code`); its ``P`` is EOGP's, rotated
-  where EOGP-rot is chosen. Per budget and module, ``details.json`` keeps the measurement and the
-  reference gain of the rotation (:func:`code_choices`);
+  rest, and each code scored by how well its 1-bit ranking of the held-out documents keeps the
+  ranking by their first-stage inner products (:func:`~eogp_index.fit.code_choice.choose_code`);
+  its ``P`` is EOGP's, rotated where EOGP-rot is chosen. Per budget and module, ``details.json``
+  keeps the measurement and the reference gain of the rotation (:func:`code_choices`);
 * ``eogp-fp16-same-k`` -- EOGP's projection stored in FP16 at the ``k`` of 1-bit EOGP at the
   same nominal budget (16 x the bytes): the ceiling of what the signs lose.
 
@@ -695,8 +695,9 @@ class SharedPass:
         basis, held_out = self._held_out_basis(name, m, k, seed)
         if basis is None:
             return CodeChoice("eogp", 0, {}, float("nan"), float("nan"), 0.0)
-        y = self._fit_coordinates(name)[held_out][:, :m].double() @ basis
-        return compare_codes(y, module_rotation(seed, name, k))
+        z_held = self._fit_coordinates(name)[held_out][:, :m].double()
+        # The target: the held-out documents' first-stage inner products, as the fit takes them.
+        return compare_codes(z_held @ basis, z_held @ z_held.T, module_rotation(seed, name, k))
 
     def _score_pca(self, cfg: MethodConfig) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         xs, ys = [], []

@@ -1,11 +1,18 @@
 """Variant auto: which 1-bit code each module stores, EOGP's signs or EOGP-rot's, measured at fit time.
 
-Whether the rotation helps is a property of a module's coordinates (it pays when their variances
-are unequal, costs when they are flat), and it can be measured without any reference: what is at
-stake is how well 1-bit scores track the FP16 scores of the same projection. A seeded part of the
-PCA fitting set is held out; P is fitted on the rest; each held-out document is a pseudo-query
-ranking the other held-out documents, once by FP16 inner products and once by each code's 1-bit
-ones; the code whose ranking agrees better wins, a tie within one standard error keeping EOGP.
+Whether the rotation helps is a property of a module's coordinates, and it can be measured
+without any reference. A module's EK-FAC score restricted to its ``m_u`` kept coordinates is the
+first-stage inner product ``<z_q, z_i>`` of the half-whitened eigen-coordinates, and the index
+approximates that, not the FP16 score of the ``k``-dimensional projection: the truncation to ``k``
+over-weights the leading directions, and the signs, which give every coordinate one magnitude,
+partly undo that. So the target is the first-stage Gram matrix ``G = Z Zᵀ`` of the held-out
+documents, which the PCA fit computes anyway.
+
+A seeded part of the PCA fitting set is held out; ``P`` is fitted on the rest; each held-out
+document is a pseudo-query (projected in full precision, as a query is) ranking the other held-out
+documents by each code's 1-bit scores, and that ranking is compared with the one ``G`` gives. The
+code whose ranking agrees better wins, a tie within one standard error keeping EOGP. The same
+comparison for the FP16 coordinates at the same ``k`` says how much the signs cost.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ CODES = ("eogp", "eogp-rot")
 MIN_HELD_OUT = 8
 #: The cut-off of the held-out NDCG (the evaluation's NDCG@20).
 FIDELITY_NDCG_AT = 20
+#: The key of the FP16 coordinates at the same ``k`` in :attr:`CodeChoice.fidelity`: what the
+#: same target gives without the signs (reported, never chosen).
+FP16 = "fp16"
 
 
 def held_out_rows(n: int, fraction: float, seed: int) -> torch.Tensor:
@@ -78,23 +88,25 @@ def ranking_agreement(a: torch.Tensor, e: torch.Tensor, ndcg_at: int = FIDELITY_
     return {f"ndcg@{ndcg_at}": (hits * discount).sum(dim=1) / discount.sum(), "spearman": spearman}
 
 
-def quantization_fidelity(y: torch.Tensor, ndcg_at: int = FIDELITY_NDCG_AT) -> Dict[str, torch.Tensor]:
-    """How well a module's 1-bit codes keep the ranking of its FP16 coordinates.
+def ranking_fidelity(y: torch.Tensor, documents: torch.Tensor, target: torch.Tensor,
+                     ndcg_at: int = FIDELITY_NDCG_AT) -> Dict[str, torch.Tensor]:
+    """How well held-out documents, stored as ``documents``, keep the target's ranking.
 
-    Each of the ``h`` held-out documents is a pseudo-query (its coordinates in full precision, as
-    a query's are) ranking the other ``h - 1``: by their 1-bit codes against by their FP16
-    coordinates.
+    Each of the ``h`` held-out documents is a pseudo-query (its coordinates ``y`` in full
+    precision, as a query's are) ranking the other ``h - 1`` by ``y_q · documents_i``, against the
+    ranking by ``target[q, i]``.
 
     Args:
         y: ``(h, k)`` held-out coordinates ``z P`` (float64).
+        documents: ``(h, k)`` the same documents as the index stores them, decoded
+            (:func:`one_bit_documents`, or FP16).
+        target: ``(h, h)`` float64, the first-stage inner products ``z_held z_heldᵀ``.
 
     Returns:
         :func:`ranking_agreement`'s ``(h,)`` per-pseudo-query values.
     """
-    y = y.to(torch.float64)
-    reference = _off_diagonal(y @ y.to(torch.float16).to(torch.float64).T)
-    one_bit = _off_diagonal(y @ one_bit_documents(y).T)
-    return ranking_agreement(one_bit, reference, ndcg_at)
+    scores = _off_diagonal(y.to(torch.float64) @ documents.to(torch.float64).T)
+    return ranking_agreement(scores, _off_diagonal(target.to(torch.float64)), ndcg_at)
 
 
 def _mean_se(values: torch.Tensor) -> tuple[float, float]:
@@ -111,8 +123,9 @@ class CodeChoice:
     Attributes:
         code: ``"eogp"`` or ``"eogp-rot"``.
         held_out: held-out documents measured (0: none, nothing measured).
-        fidelity: per code, ``{"ndcg@20", "ndcg@20_se", "spearman", "spearman_se"}``: query means
-            and their standard errors.
+        fidelity: per code, and for the FP16 coordinates at the same ``k`` (:data:`FP16`),
+            ``{"ndcg@20", "ndcg@20_se", "spearman", "spearman_se"}``: query means and their
+            standard errors, each against the first-stage inner products.
         diff, diff_se: EOGP-rot minus EOGP in the mean of the two metrics, paired per pseudo-query,
             and its standard error. EOGP-rot is chosen when ``diff > diff_se``.
         seconds: the measurement's time (its PCA fit included).
@@ -141,7 +154,7 @@ class CodeChoice:
 
         return cls(code=str(data["code"]), held_out=int(data["held_out"]),
                    fidelity={code: {metric: number(v) for metric, v in data[code].items()}
-                             for code in CODES if code in data},
+                             for code in (*CODES, FP16) if code in data},
                    diff=number(data["diff"]), diff_se=number(data["diff_se"]), seconds=float(data.get("seconds", 0.0)))
 
 
@@ -173,14 +186,23 @@ def held_out_coordinates(z: torch.Tensor, k: int, held_out: torch.Tensor,
     return z[held_out].double() @ held_out_directions(z, k, held_out)
 
 
-def compare_codes(y: torch.Tensor, rotation: HadamardRotation, ndcg_at: int = FIDELITY_NDCG_AT,
-                  seconds: float = 0.0) -> CodeChoice:
-    """Both codes' fidelity on held-out coordinates ``y = z_held P`` ``(h, k)``, and the choice."""
+def compare_codes(y: torch.Tensor, target: torch.Tensor, rotation: HadamardRotation,
+                  ndcg_at: int = FIDELITY_NDCG_AT, seconds: float = 0.0) -> CodeChoice:
+    """Both codes' fidelity, and the FP16 coordinates', to the first-stage inner products, and the choice.
+
+    Args:
+        y: ``(h, k)`` held-out coordinates ``z_held P``.
+        target: ``(h, h)`` their first-stage inner products ``z_held z_heldᵀ``.
+        rotation: the module's rotation (what ``eogp-rot`` folds into ``P``).
+    """
     start = time_counter()
-    per_code = {"eogp": quantization_fidelity(y, ndcg_at),
-                "eogp-rot": quantization_fidelity(rotation.apply(y), ndcg_at)}
+    y = y.to(torch.float64)
+    rotated = rotation.apply(y)
+    per_code = {"eogp": ranking_fidelity(y, one_bit_documents(y), target, ndcg_at),
+                "eogp-rot": ranking_fidelity(rotated, one_bit_documents(rotated), target, ndcg_at)}
+    fp16 = ranking_fidelity(y, y.to(torch.float16), target, ndcg_at)
     fidelity: Dict[str, Dict[str, float]] = {}
-    for code, values in per_code.items():
+    for code, values in {**per_code, FP16: fp16}.items():
         fidelity[code] = {}
         for metric, per_query in values.items():
             fidelity[code][metric], fidelity[code][f"{metric}_se"] = _mean_se(per_query)
@@ -188,6 +210,15 @@ def compare_codes(y: torch.Tensor, rotation: HadamardRotation, ndcg_at: int = FI
     diff, diff_se = _mean_se(combined["eogp-rot"] - combined["eogp"])
     code = "eogp-rot" if diff > diff_se else "eogp"  # nan (constant rankings) keeps EOGP
     return CodeChoice(code, int(y.shape[0]), fidelity, diff, diff_se, seconds + time_counter() - start)
+
+
+def held_out_target(z: torch.Tensor, held_out: torch.Tensor, gram: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The first-stage inner products of the held-out rows, ``(h, h)`` float64: ``G[held, held]``
+    of the whole set's Gram matrix when given, else computed from ``z`` ``(n, m)``'s held-out rows."""
+    if gram is not None:
+        return gram[held_out][:, held_out].to(torch.float64)
+    rows = z[held_out].to(torch.float64)
+    return rows @ rows.T
 
 
 def choose_code(z: torch.Tensor, k: int, rotation: HadamardRotation, held_out: torch.Tensor,
@@ -198,13 +229,15 @@ def choose_code(z: torch.Tensor, k: int, rotation: HadamardRotation, held_out: t
         z: ``(n, m)`` first-stage coordinates of the module's whole PCA fitting set (any float dtype).
         rotation: the module's rotation (what ``eogp-rot`` folds into ``P``).
         held_out: ``(h,)`` rows of ``z`` held out (:func:`held_out_rows`); ``P`` is fitted on the others.
-        gram: ``z``'s Gram matrix, when the caller has it (see :func:`held_out_coordinates`).
+        gram: ``z``'s Gram matrix, when the caller has it (see :func:`held_out_coordinates`); the
+            target is then its held-out block.
     """
     if held_out.numel() < MIN_HELD_OUT:
         return CodeChoice("eogp", 0, {}, float("nan"), float("nan"), 0.0)
     start = time_counter()
     y = held_out_coordinates(z, k, held_out, gram)  # (h, k), as ingest would project them
-    return compare_codes(y, rotation, ndcg_at, seconds=time_counter() - start)
+    target = held_out_target(z, held_out, gram)  # (h, h): what the index's scores approximate
+    return compare_codes(y, target, rotation, ndcg_at, seconds=time_counter() - start)
 
 
 def fidelity_record(choices: Dict[str, CodeChoice]) -> Optional[Dict[str, object]]:
