@@ -1,7 +1,9 @@
 """How variant auto chose, from `eogp eval fidelity --methods eogp,eogp-rot,auto` --out folders.
 
 Prints, per case: auto against the better fixed code at every budget (NDCG@20 and Spearman,
-paired standard errors), how many modules chose EOGP-rot per budget; and, across every case,
+paired standard errors), how many modules chose EOGP-rot per budget; the held-out measurement
+itself (each code's and the FP16 coordinates' fidelity to the first-stage inner products, means
+over modules); and, across every case,
 budget and module, the correlation between the held-out proxy (EOGP-rot - EOGP on held-out
 fitting documents, against their first-stage inner products) and the reference gain of rotating that module (fidelity to
 kronfluence's EK-FAC with only that module rotated, minus all-EOGP). Writes one PNG of the latter.
@@ -40,6 +42,22 @@ def best_rows(name: str, fidelity: dict) -> list:
         rotated = sum(c["code"] == "eogp-rot" for c in picked)
         head = f"| {name} | {row['budget']} ({row['k'][0]}) | {rotated}/{len(picked)} | "
         rows.append(head + " | ".join(cells) + " |")
+    return rows
+
+
+def held_out_rows(name: str, fidelity: dict) -> list:
+    """Markdown rows: per budget, the held-out fidelity to the first-stage inner products of each
+    code and of the FP16 coordinates at the same k, averaged over modules (what the signs cost)."""
+    rows = []
+    for budget in sorted({c["budget"] for c in fidelity["auto_choice"]}):
+        picked = [c for c in fidelity["auto_choice"] if c["budget"] == budget and c["held_out"]]
+        if not picked or "fp16" not in picked[0]["proxy"]:
+            continue
+        cells = []
+        for metric in METRICS:
+            cells += [f"{np.mean([c['proxy'][code][metric] for c in picked]):.3f}"
+                      for code in ("eogp", "eogp-rot", "fp16")]
+        rows.append(f"| {name} | {budget} ({picked[0]['k']}) | {picked[0]['held_out']} | " + " | ".join(cells) + " |")
     return rows
 
 
@@ -88,6 +106,10 @@ def main(argv: list) -> None:
         fidelity = load(Path(folder))
         print("\n".join(best_rows(name, fidelity)))
         points_by_case[name] = [c for c in fidelity["auto_choice"] if c["held_out"]]
+    print("\n| case | budget (k_u) | held out | NDCG@20 EOGP | EOGP-rot | FP16 at k | Spearman EOGP | EOGP-rot "
+          "| FP16 at k |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, folder in cases.items():
+        print("\n".join(held_out_rows(name, load(Path(folder)))))
     everything = [p for points in points_by_case.values() for p in points]
     print("\n| proxy against | points | Pearson | Spearman | same sign |\n|---|---:|---:|---:|---:|")
     print("\n".join(correlations(everything)))
