@@ -4,9 +4,9 @@ Whether the rotation helps is a property of a module's coordinates, and it can b
 without any reference. A module's EK-FAC score restricted to its ``m_u`` kept coordinates is the
 first-stage inner product ``<z_q, z_i>`` of the half-whitened eigen-coordinates, and the index
 approximates that, not the FP16 score of the ``k``-dimensional projection: the truncation to ``k``
-over-weights the leading directions, and the signs, which give every coordinate one magnitude,
-partly undo that. So the target is the first-stage Gram matrix ``G = Z Zᵀ`` of the held-out
-documents, which the PCA fit computes anyway.
+drops part of it, and the signs, which give every coordinate one magnitude, change which part the
+codes keep. So the target is the first-stage Gram matrix ``G = Z Zᵀ`` of the held-out documents,
+which the PCA fit computes anyway.
 
 A seeded part of the PCA fitting set is held out; ``P`` is fitted on the rest; each held-out
 document is a pseudo-query (projected in full precision, as a query is) ranking the other held-out
