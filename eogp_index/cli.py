@@ -916,10 +916,11 @@ def _print_info(data: dict) -> None:
                f"m = {sorted({m['m'] for m in modules})})")
     fidelity = data["projection"].get("fidelity")
     if fidelity:
-        click.echo(f"1-bit code  per module, held-out NDCG@{fidelity['ndcg_at']} / Spearman against FP16 "
-                   "(EOGP | EOGP-rot):")
+        click.echo(f"1-bit code  per module, held-out NDCG@{fidelity['ndcg_at']} / Spearman against the first-stage "
+                   "inner products (EOGP | EOGP-rot | FP16 at k):")
         for name, c in fidelity["modules"].items():
-            cells = " | ".join(_fidelity_cell(c.get(code), fidelity["ndcg_at"]) for code in ("eogp", "eogp-rot"))
+            cells = " | ".join(_fidelity_cell(c.get(code), fidelity["ndcg_at"])
+                               for code in ("eogp", "eogp-rot", "fp16"))
             stored = c["code"] if data["projection"]["variant"] == "auto" else data["projection"]["variant"]
             click.echo(f"            {name:<28} {stored:<8} {cells}  ({c['held_out']} held out; measured best: "
                        f"{c['code']})")

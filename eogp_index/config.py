@@ -139,9 +139,10 @@ class ProjectionConfig:
     seed: int = field(default=0, metadata={"help": "Seed of the PCA fitting sample and the SRHT."})
     held_out_fraction: float = field(
         default=HELD_OUT_FRACTION,
-        metadata={"help": "Share of the PCA fitting set held out to measure each 1-bit code's fidelity to FP16 "
-                          "(printed by the fit; variant auto chooses by it); P is fitted on the rest first, then on "
-                          "all. 0 measures nothing (auto then keeps eogp).", "min": 0.0},
+        metadata={"help": "Share of the PCA fitting set held out to measure how well each 1-bit code ranks them "
+                          "against their first-stage inner products (printed by the fit; variant auto chooses by "
+                          "it); P is fitted on the rest first, then on all. 0 measures nothing (auto then keeps "
+                          "eogp).", "min": 0.0},
     )
     pca_dtype: PcaDtype = field(
         default="fp16",

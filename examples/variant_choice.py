@@ -1,9 +1,11 @@
 """How variant auto chose, from `eogp eval fidelity --methods eogp,eogp-rot,auto` --out folders.
 
 Prints, per case: auto against the better fixed code at every budget (NDCG@20 and Spearman,
-paired standard errors), how many modules chose EOGP-rot per budget; and, across every case,
+paired standard errors), how many modules chose EOGP-rot per budget; the held-out measurement
+itself (each code's and the FP16 coordinates' fidelity to the first-stage inner products, means
+over modules); and, across every case,
 budget and module, the correlation between the held-out proxy (EOGP-rot - EOGP on held-out
-fitting documents against FP16) and the reference gain of rotating that module (fidelity to
+fitting documents, against their first-stage inner products) and the reference gain of rotating that module (fidelity to
 kronfluence's EK-FAC with only that module rotated, minus all-EOGP). Writes one PNG of the latter.
 
 usage: python examples/variant_choice.py PNG NAME=OUT_DIR [NAME=OUT_DIR ...]
@@ -43,6 +45,22 @@ def best_rows(name: str, fidelity: dict) -> list:
     return rows
 
 
+def held_out_rows(name: str, fidelity: dict) -> list:
+    """Markdown rows: per budget, the held-out fidelity to the first-stage inner products of each
+    code and of the FP16 coordinates at the same k, averaged over modules (what the signs cost)."""
+    rows = []
+    for budget in sorted({c["budget"] for c in fidelity["auto_choice"]}):
+        picked = [c for c in fidelity["auto_choice"] if c["budget"] == budget and c["held_out"]]
+        if not picked or "fp16" not in picked[0]["proxy"]:
+            continue
+        cells = []
+        for metric in METRICS:
+            cells += [f"{np.mean([c['proxy'][code][metric] for c in picked]):.3f}"
+                      for code in ("eogp", "eogp-rot", "fp16")]
+        rows.append(f"| {name} | {budget} ({picked[0]['k']}) | {picked[0]['held_out']} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def correlations(points: list) -> list:
     """Pearson and Spearman of the proxy against each reference gain, over the points given."""
     proxy = np.array([p["proxy_diff"] for p in points], dtype=float)
@@ -70,7 +88,7 @@ def plot(points_by_case: dict, png: Path) -> None:
         ax.scatter(proxy, gain, s=14, marker="os^D"[i % 4], label=name, alpha=0.75)
     ax.axhline(0, color="0.6", linewidth=0.8)
     ax.axvline(0, color="0.6", linewidth=0.8)
-    ax.set_xlabel("held-out proxy: EOGP-rot − EOGP vs FP16 (mean of NDCG@20, Spearman)")
+    ax.set_xlabel("held-out proxy: EOGP-rot − EOGP vs first stage (mean of NDCG@20, Spearman)")
     ax.set_ylabel("reference gain of rotating the module")
     ax.set_title("Per module and budget: proxy against reference gain", fontsize=9)
     ax.legend(fontsize=8)
@@ -88,6 +106,10 @@ def main(argv: list) -> None:
         fidelity = load(Path(folder))
         print("\n".join(best_rows(name, fidelity)))
         points_by_case[name] = [c for c in fidelity["auto_choice"] if c["held_out"]]
+    print("\n| case | budget (k_u) | held out | NDCG@20 EOGP | EOGP-rot | FP16 at k | Spearman EOGP | EOGP-rot "
+          "| FP16 at k |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, folder in cases.items():
+        print("\n".join(held_out_rows(name, load(Path(folder)))))
     everything = [p for points in points_by_case.values() for p in points]
     print("\n| proxy against | points | Pearson | Spearman | same sign |\n|---|---:|---:|---:|---:|")
     print("\n".join(correlations(everything)))

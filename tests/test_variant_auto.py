@@ -1,9 +1,10 @@
 """Variant auto: each module's 1-bit code (EOGP or EOGP-rot) chosen at fit time from held-out
-fitting documents, by how well its codes keep the FP16 ranking.
+fitting documents, by how well its codes keep the ranking by their first-stage inner products.
 
 The measurement's pieces are checked against the evaluation's metrics and the store's codec; the
-choice against coordinates whose variances are steep (rotation pays) and flat (a tie keeps EOGP);
-and a real fit (tiny GPT-2, kronfluence, a LanceDB-backed index on disk) against forced EOGP and
+choice against coordinates whose variances are steep (rotation pays) and flat (a tie keeps EOGP),
+and against a case where the FP16 coordinates at ``k`` and the full first stage disagree (the
+full width decides); and a real fit (tiny GPT-2, kronfluence, a LanceDB-backed index on disk) against forced EOGP and
 EOGP-rot fits: every stored P is exactly one of theirs, as the manifest says.
 """
 
@@ -22,20 +23,19 @@ from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.errors import ConfigError
 from eogp_index.evaluation import metrics
-from eogp_index.fit.projection import (
+from eogp_index.fit.code_choice import (
     MIN_HELD_OUT,
     CodeChoice,
     _off_diagonal,
     choose_code,
-    fit_pca,
-    gram_matrix,
+    compare_codes,
     held_out_coordinates,
     held_out_directions,
     held_out_rows,
-    module_rotation,
     one_bit_documents,
     ranking_agreement,
 )
+from eogp_index.fit.projection import fit_pca, gram_matrix, module_rotation
 from eogp_index.store.codecs import SignLayout, decode, encode
 
 
@@ -80,6 +80,30 @@ def test_the_rotation_is_chosen_where_variances_are_unequal_and_a_tie_keeps_eogp
         assert abs(choice.diff) < 3 * choice.diff_se  # no real difference either way: EOGP kept
     else:
         assert choice.fidelity["eogp-rot"]["spearman"] > choice.fidelity["eogp"]["spearman"] + 0.1
+    assert CodeChoice.from_json(json.loads(json.dumps(choice.to_json()))) == choice
+
+
+def test_the_choice_follows_the_first_stage_inner_products_not_the_fp16_coordinates_at_k():
+    """The held-out documents reach beyond the fitted span (as when the PCA set is smaller than
+    ``m``): their first-stage coordinates outside it are the signs of those inside, which EOGP's
+    codes keep and EOGP-rot's scramble. Against the FP16 coordinates at ``k`` the steep spectrum
+    favours the rotation; against the full width EOGP wins, and that is the choice."""
+    n, k = 200, 16
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x *= torch.arange(1, k + 1).double() ** -0.75
+    held_out = held_out_rows(n, 0.25, seed=0)
+    beyond = torch.zeros(n, k, dtype=torch.float64)
+    beyond[held_out] = x[held_out].sign()  # the fitting rows have nothing there: P cannot see it
+    z = torch.cat([x, beyond], dim=1).float()
+    rotation = module_rotation(0, "layer", k)
+    y = held_out_coordinates(z, k, held_out)
+    at_k = compare_codes(y, y @ y.half().double().T, rotation)
+    assert at_k.code == "eogp-rot" and at_k.diff > 5 * at_k.diff_se
+    for gram in (None, gram_matrix(z)):
+        choice = choose_code(z, k, rotation, held_out, gram=gram)
+        assert choice.code == "eogp" and choice.diff < -3 * choice.diff_se
+        # The FP16 coordinates at k rank them by the fitted span alone: below full width, as are the codes.
+        assert choice.fidelity["fp16"]["spearman"] < 0.9
     assert CodeChoice.from_json(json.loads(json.dumps(choice.to_json()))) == choice
 
 

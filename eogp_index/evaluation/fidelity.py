@@ -59,7 +59,8 @@ from eogp_index.evaluation import metrics
 from eogp_index.evaluation import methods as registry
 from eogp_index.evaluation.baselines import ProjectedCurvature, bytes_for_coordinates, k_for_bytes
 from eogp_index.gradients.capture import GradientCapture
-from eogp_index.fit.projection import CodeChoice, first_stage_from_curvature, fit_pca
+from eogp_index.fit.code_choice import CodeChoice
+from eogp_index.fit.projection import first_stage_from_curvature, fit_pca
 from eogp_index.store.codecs import SignLayout, decode, encode
 from eogp_index.gradients.loss import IGNORE_INDEX, collate
 

@@ -420,7 +420,8 @@ def _auto_markdown(fidelity: Dict[str, Any]) -> List[str]:
         rotated = sum(1 for c in choices if c["code"] == registry.Auto.ROTATED)
         lines += ["", "## EOGP auto: the choice per module", "",
                   f"{rotated} of {len(choices)} (budget, module) pairs chose EOGP-rot. Proxy: EOGP-rot − EOGP "
-                  "on the held-out fitting documents (mean of NDCG@20 and Spearman against FP16, paired per "
+                  "on the held-out fitting documents (mean of NDCG@20 and Spearman against their first-stage inner "
+                  "products, paired per "
                   "pseudo-query, ± SE). Reference gain: fidelity to kronfluence's EK-FAC with only this module "
                   "rotated, minus all-EOGP (± paired SE).", "",
                   f"| Budget | module | k | code | proxy | gain {report.metric_label(metric)} | gain Spearman |",

@@ -51,15 +51,12 @@ from eogp_index.data.records import Example
 from eogp_index.errors import InputError
 from eogp_index.fit.cache import FitFolder
 from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
+from eogp_index.fit.code_choice import CODES, FP16, CodeChoice, choose_code, held_out_rows
 from eogp_index.fit.projection import (
-    CODES,
     PCA_TORCH_DTYPES,
-    CodeChoice,
     Projection,
     build_projection,
-    choose_code,
     gram_matrix,
-    held_out_rows,
     module_rotation,
     second_stage_directions,
 )
@@ -323,7 +320,7 @@ def _fit_modules(fitted: Projection, folder: FitFolder, num_batches: int, held_o
     """Each module's P from its cached coordinates, one module in memory at a time, round-robin over ranks.
 
     With held-out rows, each module's two 1-bit codes are measured on them first
-    (:func:`~eogp_index.fit.projection.choose_code`; written to ``fit/pca/module-NNNN.json``
+    (:func:`~eogp_index.fit.code_choice.choose_code`; written to ``fit/pca/module-NNNN.json``
     before the module's P, so a resumed fit reads it back); variant ``auto`` keeps the rotation
     of the modules where EOGP-rot wins. The stored P is then fitted on the whole set.
     """
@@ -369,24 +366,25 @@ def _read_choices(fitted: Projection, folder: FitFolder) -> None:
 
 def format_choices(fitted: Projection, total_seconds: float) -> str:
     """The fit's printout of the held-out measurement: per module, each code's NDCG@20 and
-    Spearman against FP16 (± standard error), the paired difference and the code stored."""
+    Spearman against the first-stage inner products (± standard error), the FP16 coordinates' at
+    the same ``k`` beside them, the paired difference and the code stored."""
     choices = fitted.choices
     held = max(c.held_out for c in choices.values())
-    lines = [f"held-out 1-bit fidelity to FP16 ({held} documents of the PCA set held out, each a pseudo-query "
-             f"ranking the others; variant {fitted.config.variant}):",
+    lines = [f"held-out 1-bit fidelity to the first-stage inner products ({held} documents of the PCA set held out, "
+             f"each a pseudo-query ranking the others; variant {fitted.config.variant}):",
              f"  {'module':<28} {'EOGP ndcg@20 / spearman':>26} {'EOGP-rot ndcg@20 / spearman':>30} "
-             f"{'rot - eogp':>16}  code"]
+             f"{'rot - eogp':>16}  {'code':<18} FP16 at k"]
     for name, c in choices.items():
         if not c.held_out:
             lines.append(f"  {name:<28} {'(not measured)':>26}")
             continue
         cells = []
-        for code in CODES:
+        for code in (*CODES, FP16):
             f = c.fidelity[code]
             cells.append(f"{f['ndcg@20']:.3f}±{f['ndcg@20_se']:.3f} / {f['spearman']:.3f}±{f['spearman_se']:.3f}")
         stored = c.code if fitted.config.variant == "auto" else f"{fitted.config.variant} (forced)"
         diff = f"{c.diff:+.3f}±{c.diff_se:.3f}" if math.isfinite(c.diff) else "n/a"
-        lines.append(f"  {name:<28} {cells[0]:>26} {cells[1]:>30} {diff:>16}  {stored}")
+        lines.append(f"  {name:<28} {cells[0]:>26} {cells[1]:>30} {diff:>16}  {stored:<18} {cells[2]}")
     extra = sum(c.seconds for c in choices.values())
     lines.append(f"  measurement time {extra:.2f} s of the fit's {total_seconds:.2f} s "
                  f"({100 * extra / max(total_seconds, 1e-9):.1f}%)")

@@ -29,7 +29,6 @@ import functools
 import hashlib
 import math
 import threading
-from time import perf_counter as time_counter
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Literal, Optional, Sequence
@@ -567,205 +566,9 @@ def second_stage_directions(z: torch.Tensor, module: "ModuleProjection", *,
     return directions
 
 
-# -- choosing the one-bit code per module (variant auto) --------------------------------------
-#
-# Whether the rotation helps is a property of a module's coordinates (it pays when their variances
-# are unequal, costs when they are flat), and it can be measured without any reference: what is at
-# stake is how well 1-bit scores track the FP16 scores of the same projection. A seeded part of the
-# PCA fitting set is held out; P is fitted on the rest; each held-out document is a pseudo-query
-# ranking the other held-out documents, once by FP16 inner products and once by each code's 1-bit
-# ones; the code whose ranking agrees better wins, a tie within one standard error keeping EOGP.
-
-#: The candidate codes, EOGP first: a tie keeps it (the paper's method).
-CODES = ("eogp", "eogp-rot")
-#: Fewer held-out documents than this are too few to rank against each other: nothing is
-#: measured and variant auto keeps EOGP.
-MIN_HELD_OUT = 8
-#: The cut-off of the held-out NDCG (the evaluation's NDCG@20).
-FIDELITY_NDCG_AT = 20
-
-
-def held_out_rows(n: int, fraction: float, seed: int) -> torch.Tensor:
-    """Positions, sorted ``(h,)`` int64, of the held-out part of a fitting set of ``n``:
-    ``round(fraction · n)`` of them, a seeded sample; empty when that is below :data:`MIN_HELD_OUT`."""
-    count = int(round(fraction * n))
-    if count < MIN_HELD_OUT or count >= n:
-        return torch.zeros(0, dtype=torch.int64)
-    generator = torch.Generator().manual_seed(int(seed) + 0x5EED)
-    return torch.randperm(n, generator=generator)[:count].sort().values
-
-
 def module_rotation(seed: int, name: str, k: int) -> HadamardRotation:
     """Module ``name``'s rotation of ``R^k`` (variants eogp-rot and auto), drawn from :func:`rotation_seed`."""
     return HadamardRotation.draw(k, torch.Generator().manual_seed(rotation_seed(seed, name)))
-
-
-def one_bit_documents(y: torch.Tensor) -> torch.Tensor:
-    """What the 1-bit codec stores of ``(n, k)`` coordinates, decoded: signs (``+1`` for ``>= 0``)
-    times the FP16 scale ``‖y‖₁ / k`` of each row (``store.codecs``'s codes for one module)."""
-    scale = (y.abs().sum(dim=1, keepdim=True) / y.shape[1]).to(torch.float16).to(y.dtype)
-    return torch.where(y >= 0, 1.0, -1.0).to(y.dtype) * scale
-
-
-def _off_diagonal(scores: torch.Tensor) -> torch.Tensor:
-    """``(n, n)`` → ``(n, n - 1)``: each row without its own column (a pseudo-query is not ranked
-    against itself)."""
-    n = scores.shape[0]
-    return scores.flatten()[1:].view(n - 1, n + 1)[:, :-1].reshape(n, n - 1)
-
-
-def _ranks(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise ranks 0..n-1 (ties by position): scores from continuous coordinates rarely tie."""
-    return torch.argsort(torch.argsort(x, dim=1, stable=True), dim=1).to(torch.float64)
-
-
-def ranking_agreement(a: torch.Tensor, e: torch.Tensor, ndcg_at: int = FIDELITY_NDCG_AT) -> Dict[str, torch.Tensor]:
-    """Per query, how well scores ``a`` rank the candidates that reference scores ``e`` rank.
-
-    Args:
-        a, e: ``(q, n)`` float64.
-
-    Returns:
-        ``{"ndcg@K": (q,), "spearman": (q,)}`` float64: NDCG@K with binary relevance (membership
-        in ``e``'s top K; the evaluation's definition), and Spearman's correlation of the ranks.
-    """
-    kk = min(ndcg_at, a.shape[1])
-    relevant = torch.zeros_like(e, dtype=torch.bool).scatter_(1, torch.argsort(-e, dim=1, stable=True)[:, :kk], True)
-    hits = relevant.gather(1, torch.argsort(-a, dim=1, stable=True)[:, :kk]).to(torch.float64)
-    discount = 1.0 / torch.log2(torch.arange(2, kk + 2, dtype=torch.float64))
-    ra, re = _ranks(a), _ranks(e)
-    ra, re = ra - ra.mean(dim=1, keepdim=True), re - re.mean(dim=1, keepdim=True)
-    spearman = (ra * re).sum(dim=1) / ((ra * ra).sum(dim=1) * (re * re).sum(dim=1)).sqrt()
-    return {f"ndcg@{ndcg_at}": (hits * discount).sum(dim=1) / discount.sum(), "spearman": spearman}
-
-
-def quantization_fidelity(y: torch.Tensor, ndcg_at: int = FIDELITY_NDCG_AT) -> Dict[str, torch.Tensor]:
-    """How well a module's 1-bit codes keep the ranking of its FP16 coordinates.
-
-    Each of the ``h`` held-out documents is a pseudo-query (its coordinates in full precision, as
-    a query's are) ranking the other ``h - 1``: by their 1-bit codes against by their FP16
-    coordinates.
-
-    Args:
-        y: ``(h, k)`` held-out coordinates ``z P`` (float64).
-
-    Returns:
-        :func:`ranking_agreement`'s ``(h,)`` per-pseudo-query values.
-    """
-    y = y.to(torch.float64)
-    reference = _off_diagonal(y @ y.to(torch.float16).to(torch.float64).T)
-    one_bit = _off_diagonal(y @ one_bit_documents(y).T)
-    return ranking_agreement(one_bit, reference, ndcg_at)
-
-
-def _mean_se(values: torch.Tensor) -> tuple[float, float]:
-    finite = values[torch.isfinite(values)]
-    if finite.numel() < 2:
-        return float("nan"), float("nan")
-    return float(finite.mean()), float(finite.std() / math.sqrt(finite.numel()))
-
-
-@dataclass(frozen=True)
-class CodeChoice:
-    """Which 1-bit code a module stores, and the held-out measurement behind it.
-
-    Attributes:
-        code: ``"eogp"`` or ``"eogp-rot"``.
-        held_out: held-out documents measured (0: none, nothing measured).
-        fidelity: per code, ``{"ndcg@20", "ndcg@20_se", "spearman", "spearman_se"}``: query means
-            and their standard errors.
-        diff, diff_se: EOGP-rot minus EOGP in the mean of the two metrics, paired per pseudo-query,
-            and its standard error. EOGP-rot is chosen when ``diff > diff_se``.
-        seconds: the measurement's time (its PCA fit included).
-    """
-
-    code: str
-    held_out: int
-    fidelity: Dict[str, Dict[str, float]]
-    diff: float
-    diff_se: float
-    seconds: float
-
-    def to_json(self) -> Dict[str, object]:
-        """JSON-able, an undefined value (nan) as None."""
-        def plain(x: float) -> Optional[float]:
-            return x if math.isfinite(x) else None
-
-        fidelity = {code: {metric: plain(v) for metric, v in values.items()} for code, values in self.fidelity.items()}
-        return {"code": self.code, "held_out": self.held_out, **fidelity, "diff": plain(self.diff),
-                "diff_se": plain(self.diff_se), "seconds": self.seconds}
-
-    @classmethod
-    def from_json(cls, data: Dict[str, object]) -> "CodeChoice":
-        def number(x) -> float:
-            return float("nan") if x is None else float(x)
-
-        return cls(code=str(data["code"]), held_out=int(data["held_out"]),
-                   fidelity={code: {metric: number(v) for metric, v in data[code].items()}
-                             for code in CODES if code in data},
-                   diff=number(data["diff"]), diff_se=number(data["diff_se"]), seconds=float(data.get("seconds", 0.0)))
-
-
-def held_out_directions(z: torch.Tensor, k: int, held_out: torch.Tensor) -> torch.Tensor:
-    """``P`` fitted without the held-out rows: the top-``k`` PCA directions (:func:`fit_pca`) of
-    ``z`` ``(n, m)`` minus rows ``held_out``, ``(m, k)`` float64. Nested in ``k``, as :func:`fit_pca` is."""
-    keep = torch.ones(z.shape[0], dtype=torch.bool)
-    keep[held_out] = False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a rank-deficient fit warns once, when the stored P is fitted
-        return fit_pca(z[keep], k).double()
-
-
-def held_out_coordinates(z: torch.Tensor, k: int, held_out: torch.Tensor,
-                         gram: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``z_held P`` ``(h, k)`` float64, with ``P`` fitted without the held-out rows.
-
-    With the whole set's Gram matrix ``G = Z Zᵀ`` (the stored P's fit needs it anyway) and a fit
-    of full rank this needs nothing of width ``m``: ``P = Z_fitᵀ U W^{-1/2}`` gives
-    ``z_held P = G[held, fit] U W^{-1/2}``, with ``U, W`` from ``G[fit, fit]``. Otherwise (PCA
-    completed with EK-FAC axes, or more rows than columns) ``P`` itself is fitted.
-    """
-    keep = torch.ones(z.shape[0], dtype=torch.bool)
-    keep[held_out] = False
-    if gram is not None:
-        weights, vectors, rank = _top_eigen(gram[keep][:, keep], k)
-        if rank == k:
-            return gram[held_out][:, keep] @ (vectors / weights.sqrt())
-    return z[held_out].double() @ held_out_directions(z, k, held_out)
-
-
-def compare_codes(y: torch.Tensor, rotation: HadamardRotation, ndcg_at: int = FIDELITY_NDCG_AT,
-                  seconds: float = 0.0) -> CodeChoice:
-    """Both codes' fidelity on held-out coordinates ``y = z_held P`` ``(h, k)``, and the choice."""
-    start = time_counter()
-    per_code = {"eogp": quantization_fidelity(y, ndcg_at),
-                "eogp-rot": quantization_fidelity(rotation.apply(y), ndcg_at)}
-    fidelity: Dict[str, Dict[str, float]] = {}
-    for code, values in per_code.items():
-        fidelity[code] = {}
-        for metric, per_query in values.items():
-            fidelity[code][metric], fidelity[code][f"{metric}_se"] = _mean_se(per_query)
-    combined = {code: torch.stack(list(values.values())).mean(dim=0) for code, values in per_code.items()}
-    diff, diff_se = _mean_se(combined["eogp-rot"] - combined["eogp"])
-    code = "eogp-rot" if diff > diff_se else "eogp"  # nan (constant rankings) keeps EOGP
-    return CodeChoice(code, int(y.shape[0]), fidelity, diff, diff_se, seconds + time_counter() - start)
-
-
-def choose_code(z: torch.Tensor, k: int, rotation: HadamardRotation, held_out: torch.Tensor,
-                ndcg_at: int = FIDELITY_NDCG_AT, *, gram: Optional[torch.Tensor] = None) -> CodeChoice:
-    """Measure both codes of one module on its held-out documents and pick one.
-
-    Args:
-        z: ``(n, m)`` first-stage coordinates of the module's whole PCA fitting set (any float dtype).
-        rotation: the module's rotation (what ``eogp-rot`` folds into ``P``).
-        held_out: ``(h,)`` rows of ``z`` held out (:func:`held_out_rows`); ``P`` is fitted on the others.
-        gram: ``z``'s Gram matrix, when the caller has it (see :func:`held_out_coordinates`).
-    """
-    if held_out.numel() < MIN_HELD_OUT:
-        return CodeChoice("eogp", 0, {}, float("nan"), float("nan"), 0.0)
-    start = time_counter()
-    y = held_out_coordinates(z, k, held_out, gram)  # (h, k), as ingest would project them
-    return compare_codes(y, rotation, ndcg_at, seconds=time_counter() - start)
 
 
 class Projection:
@@ -788,8 +591,9 @@ class Projection:
         self.config = config
         self.damping_ratio = damping_ratio
         self._lazy = lazy
-        #: While fitting: each module's held-out measurement (:class:`CodeChoice`), in module order.
-        self.choices: Dict[str, CodeChoice] = {}
+        #: While fitting: each module's held-out measurement
+        #: (:class:`~eogp_index.fit.code_choice.CodeChoice`, which imports this module), in module order.
+        self.choices: Dict[str, object] = {}
 
     @property
     def names(self) -> List[str]:
@@ -818,14 +622,6 @@ class Projection:
         if self.config.variant == "auto":  # chosen per module: name the modules whose P includes R
             record["modules"] = [name for name, module in self.modules.items() if module.rotation is not None]
         return record
-
-    def fidelity_record(self) -> Optional[Dict[str, object]]:
-        """What the manifest records of the held-out measurement (``projection.fidelity``), or None
-        when nothing was measured: ``{"ndcg_at", "seconds", "modules": {name: CodeChoice.to_json()}}``."""
-        if not self.choices:
-            return None
-        return {"ndcg_at": FIDELITY_NDCG_AT, "seconds": sum(c.seconds for c in self.choices.values()),
-                "modules": {name: choice.to_json() for name, choice in self.choices.items()}}
 
     @property
     def eigenvector_dtype(self) -> torch.dtype:

@@ -146,6 +146,7 @@ class StoredIndex:
         """
         from eogp_index.store.files import file_fingerprint
         from eogp_index.store.projection_file import save_projection
+        from eogp_index.fit.code_choice import fidelity_record
         from eogp_index.version import __version__
 
         path = Path(path)
@@ -166,7 +167,7 @@ class StoredIndex:
                             "seed": projection.config.seed, "num_fit_examples": fitted.pca_examples,
                             "pca_dtype": projection.config.pca_dtype, "rotation": projection.rotation_record(),
                             "fingerprint": file_fingerprint(path / PROJECTION_FILE)}
-        fidelity = projection.fidelity_record()
+        fidelity = fidelity_record(projection.choices)
         if fidelity is not None:
             projection_entry["fidelity"] = fidelity
         manifest = Manifest(
