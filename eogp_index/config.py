@@ -121,7 +121,7 @@ class ProjectionConfig:
     variant: Literal["auto", "eogp", "eogp-rot", "eogp-r", "ekfac-topk"] = field(
         default="eogp",
         metadata={"help": "eogp: PCA second stage (the paper's EOGP); auto: per module, eogp or eogp-rot, whichever "
-                          "1-bit code ranks held-out fitting documents closer to their FP16 ranking (a tie within "
+                          "1-bit code ranks held-out fitting documents closer to their first-stage inner products (a tie within "
                           "one standard error keeps eogp; see docs/variants.md for how it fared); eogp-rot: PCA, then a randomized Hadamard rotation of "
                           "the k coordinates before the signs; eogp-r: SRHT; ekfac-topk: top-k EK-FAC axes "
                           "(ablation)."},

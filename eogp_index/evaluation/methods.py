@@ -290,8 +290,8 @@ class EOGPRot(EOGP, family="eogp-rot", seed_index=7):
 class Auto(EOGP, family="auto", seed_index=8):
     """Per module, EOGP's or EOGP-rot's ``P``, whichever the index's fit-time measurement chooses
     (variant ``auto``): a seeded part of the fitting documents is held out, ``P`` fitted on the
-    rest, and each code scored by how well its 1-bit ranking of the held-out documents keeps their
-    FP16 ranking.
+    rest, and each code scored by how well its 1-bit ranking of the held-out documents keeps the
+    ranking by their first-stage inner products.
 
     Its per-pass state lives on the :class:`~eogp_index.evaluation.fidelity.SharedPass`:
     ``held_out_bases`` (the held-out fits), ``choices`` (per config id and module, the
