@@ -79,15 +79,15 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 import torch
-
 from common import add_json_argument, best_of, prints_json, write_json
+
+from eogp_index.client import AttributionIndex
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+from eogp_index.data.records import Example
+from eogp_index.gradients.model import load_model
 from eogp_index.search.first_pass import FaissFirstPass, kind_class
 from eogp_index.search.first_pass.faiss_binary import rescore
 from eogp_index.search.first_pass.faiss_codes import query_levels
-from eogp_index.client import AttributionIndex
-from eogp_index.data.records import Example
-from eogp_index.gradients.model import load_model
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.store.codecs import SignLayout, encode, pack_signs, unpack_signs
 
 REPO = Path(__file__).resolve().parents[1]

@@ -74,7 +74,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
-
 from common import add_json_argument, best_of, peak_rss_bytes, prints_json, write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,9 +100,9 @@ def real_coordinates(demo: Path, cache: Path) -> Dict[str, np.ndarray]:
     import torch
 
     torch.set_num_threads(1)  # a shared machine: two threads fighting over busy cores run much slower
-    from ingest.records import RecordSpec, iter_examples
     from eogp_index.client import AttributionIndex
     from eogp_index.data.records import Example
+    from ingest.records import RecordSpec, iter_examples
 
     index = AttributionIndex.open(demo)
 
@@ -695,8 +694,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if not (args.demo / "manifest.json").exists():
         raise SystemExit(f"{args.demo}: no demo index; make one with `make demo INDEX={args.demo}`")
-    from eogp_index.store.codecs import SignLayout
     from eogp_index.client import AttributionIndex
+    from eogp_index.store.codecs import SignLayout
 
     args.work.mkdir(parents=True, exist_ok=True)
     real = real_coordinates(args.demo, args.work / "real-codes.npz")

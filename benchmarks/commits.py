@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-
 from common import add_json_argument, write_json
+
 from eogp_index.store.maintenance import DEFAULT_FRAGMENT_THRESHOLD, maybe_optimize
 from eogp_index.store.table import Store, fixed_size_list
 

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import common
+
 from eogp_index.client import AttributionIndex
 from eogp_index.gradients.capture import GradientCapture, project_examples
 from eogp_index.gradients.model import pad_token_id

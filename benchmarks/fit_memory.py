@@ -97,16 +97,15 @@ def child(args: argparse.Namespace) -> None:
     import warnings
 
     warnings.simplefilter("ignore")
+    import kronfluence.analyzer  # noqa: F401  (the libraries every run has loaded by its peak, so that
+    import lancedb  # noqa: F401   "process" is comparable between runs and with the plan's PROCESS_BYTES)
+    import numba  # noqa: F401
     from transformers import AutoTokenizer
 
     from eogp_index.client import AttributionIndex
     from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
     from eogp_index.data.records import RecordSpec
     from eogp_index.fit.sampling import sample_shards
-
-    import kronfluence.analyzer  # noqa: F401  (the libraries every run has loaded by its peak, so that
-    import lancedb  # noqa: F401   "process" is comparable between runs and with the plan's PROCESS_BYTES)
-    import numba  # noqa: F401
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     gradients = GradientConfig(batch_size=BATCH, max_tokens=args.max_tokens, device="cpu")

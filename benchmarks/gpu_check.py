@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
-
 from common import add_json_argument, prints_json, write_json
+
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -63,19 +63,18 @@ from typing import Any, Dict, List, Sequence
 import numpy as np
 import pyarrow as pa
 import torch
+from common import add_json_argument, prints_json, write_json
 from torch.utils.flop_counter import FlopCounterMode
 
-from common import add_json_argument, prints_json, write_json
 from eogp_index.client import AttributionIndex
+from eogp_index.config import DEFAULT_COMMIT_ROWS, CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.data.records import Example
-from eogp_index.gradients.model import load_model
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.evaluation.baselines import LoGraProjector, rank_for_bytes
 from eogp_index.gradients.capture import GradientCapture
+from eogp_index.gradients.loss import collate
+from eogp_index.gradients.model import load_model
 from eogp_index.store.codecs import Encoded
 from eogp_index.store.table import RowInfo, Store, build_rows
-from eogp_index.gradients.loss import collate
-from eogp_index.config import DEFAULT_COMMIT_ROWS
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -68,7 +68,9 @@ def measure(name: str, folder: Path, args: argparse.Namespace) -> dict:
     from eogp_index.gradients.model import find_attributed_modules, load_model, pad_token_id, replace_conv1d
 
     torch.manual_seed(0)
-    say = (lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
+    def say(msg: str) -> None:
+        print(f"[{name}] {msg}", file=sys.stderr, flush=True)
+
     model, tokenizer = load_model(str(folder / "model"), device="cpu")
     train = load_documents([str(folder / "corpus" / "train.jsonl.gz")], tokenizer, max_tokens=args.max_tokens,
                            limit=args.limit_train)

@@ -30,8 +30,8 @@ import sys
 
 import numpy as np
 import pyarrow as pa
-
 from common import add_json_argument, best_of, prints_json, write_json
+
 from eogp_index.search.rollup import group_codes, roll_up
 from eogp_index.search.searchers import exact_scores
 from eogp_index.store.codecs import Encoded, SignLayout

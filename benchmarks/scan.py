@@ -30,9 +30,9 @@ import argparse
 import os
 import sys
 
+import common
 import numpy as np
 
-import common
 from eogp_index.search import scan as scan_module
 from eogp_index.search.normalize import unit_normalized
 from eogp_index.search.scan import SignLayout, scan_scores, scan_top_k

@@ -35,10 +35,9 @@ QUERIES = [" ".join(f"t{(q * 5 + j * 3) % 60 + 2}" for j in range(8)) for q in r
 
 
 def build(path: Path) -> None:
+    import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-
-    import torch
 
     from eogp_index.cli import main
 

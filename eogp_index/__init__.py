@@ -35,7 +35,6 @@ __all__ = list(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from eogp_index.client import AttributionIndex
-    from eogp_index.store.stored_index import StoredIndex
     from eogp_index.config import CurvatureConfig, GradientConfig, IngestConfig, ProjectionConfig, StorageConfig
     from eogp_index.errors import (
         ConfigError,
@@ -45,6 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         InputError,
         ModelError,
     )
+    from eogp_index.store.stored_index import StoredIndex
 
 
 def __getattr__(name: str) -> Any:

@@ -19,13 +19,21 @@ from eogp_index.cli_options import field_option, option_group
 from eogp_index.cliutil import distributed_option, process_group, torchrun_rank, under_torchrun, worker_device
 from eogp_index.cliutil import emit as _emit
 from eogp_index.cliutil import fail_cleanly as _fail_cleanly
-from eogp_index.config import (MAX_BLOCK_DOCUMENTS, AnswerConfig, CurvatureConfig, GradientConfig, IngestConfig,
-                               ProjectionConfig, SelectOptions, StorageConfig)
+from eogp_index.config import (
+    MAX_BLOCK_DOCUMENTS,
+    AnswerConfig,
+    CurvatureConfig,
+    GradientConfig,
+    IngestConfig,
+    ProjectionConfig,
+    SelectOptions,
+    StorageConfig,
+)
+from eogp_index.data.records import RecordSpec
 from eogp_index.errors import EOGPError
 from eogp_index.evaluation.cli import eval_group
-from eogp_index.data.records import RecordSpec
-from eogp_index.store.sources import DEFAULT_TEXT_BYTES
 from eogp_index.serve.config import ServeConfig
+from eogp_index.store.sources import DEFAULT_TEXT_BYTES
 
 INDEX_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 
@@ -265,9 +273,8 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
     config = IngestConfig(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
                           block_documents=block_documents, progress=not as_json, shard_root=shard_root,
                           store_text=store_text_max_bytes if store_text else None, commit_every=commit_every or 1)
-    from ingest.pipeline import check_before_loading
-
     from eogp_index.store.stored_index import StoredIndex
+    from ingest.pipeline import check_before_loading
 
     def check() -> None:  # what needs no model, said before it loads
         check_before_loading(StoredIndex.open(index_dir), list(shards), spec, shard_root=shard_root,
@@ -285,9 +292,8 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
                 raise click.exceptions.Exit(1)
             raise
     else:
-        from ingest.pipeline import run_ingest
-
         from eogp_index.client import AttributionIndex
+        from ingest.pipeline import run_ingest
 
         check()
         index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
@@ -781,8 +787,8 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
         curl -s localhost:8000/v1/query -H 'Content-Type: application/json' -d '{"text": "Parse a CSV file.", "k": 5}'
     """
     try:
-        import uvicorn  # noqa: F401  (the serve extra; say how to get it before loading the model)
         import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401  (the serve extra; say how to get it before loading the model)
     except ImportError as exc:
         raise click.ClickException(f"eogp serve needs the serve extra ({exc.name} is not installed): "
                                    "pip install 'eogp-index[serve]'") from exc

@@ -32,6 +32,8 @@ from eogp_index.config import (
     ProjectionConfig,
     StorageConfig,
 )
+from eogp_index.data.readers import is_dataset_object
+from eogp_index.data.records import Example, RecordSpec, preference_pair, tokenize_record
 from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
 from eogp_index.fit.fitting import fit_projection
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples, run_batches
@@ -48,13 +50,11 @@ from eogp_index.gradients.model import (
     replace_conv1d,
     torch_dtype,
 )
-from eogp_index.data.readers import is_dataset_object
-from eogp_index.data.records import Example, RecordSpec, preference_pair, tokenize_record
 from eogp_index.search.explain import Explanation, explain_documents
 from eogp_index.search.query import InfluenceQuery, Query, QueryOptions
 from eogp_index.search.searchers import HotSearcher, TorchSearcher, warm_kernels
-from eogp_index.store.codecs import concat_modules
 from eogp_index.store.block_cache import BlockCache, block_documents
+from eogp_index.store.codecs import concat_modules
 from eogp_index.store.maintenance import (
     DEFAULT_RETENTION,
     DEFAULT_TARGET_ROWS,
@@ -67,6 +67,7 @@ from eogp_index.store.manifest import check_compatible, open_dtype
 from eogp_index.store.stored_ids import StoredIds
 from eogp_index.store.stored_index import StoredIndex, prepare_index_dir
 from eogp_index.store.table import RowInfo, build_rows
+
 
 class AttributionIndex:
     """An EOGP attribution index with its model loaded: a directory with a manifest, a projection

@@ -44,10 +44,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-
 from make_default import (  # noqa: E402  (shared corpus-writing helpers)
-    FINETUNE, MIN_CHARS, N_QUERIES, N_TRAIN, SHORT_MAX_CHARS, VOCAB_SIZE, _sha256, split_corpus, write_jsonl,
+    FINETUNE,
+    MIN_CHARS,
+    VOCAB_SIZE,
+    _sha256,
+    split_corpus,
+    write_jsonl,
 )
+
 from eogp_index.evaluation import tinylm  # noqa: E402
 
 MAN_ROOT = Path("/usr/share/man")

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from eogp_index.config import GradientConfig, IngestConfig
+from eogp_index.data.readers import expand_shards, location_of, shard_names
 from eogp_index.errors import ConfigError, EOGPError, InputError
 from eogp_index.store.maintenance import after_ingest
 from eogp_index.store.manifest import Manifest, open_dtype
@@ -69,12 +70,11 @@ from ingest.pipeline import (
     check_metadata_fields,
     default_rejects_path,
     effective_spec,
-    record_sources,
     index_lock,
+    record_sources,
     stable_hash,
 )
-from eogp_index.data.readers import expand_shards, location_of, shard_names
-from ingest.records import RecordSpec, Rejected
+from ingest.records import Rejected
 
 __all__ = ["run_distributed_ingest"]
 
@@ -201,7 +201,6 @@ def run_distributed_ingest(
     """
     from eogp_index.client import AttributionIndex
     from eogp_index.gradients.model import load_indexed_model
-    from eogp_index.store.manifest import Manifest
 
     config = (config or IngestConfig()).with_options(**options)
     import torch
@@ -464,9 +463,9 @@ class _Worker:
                 "rows held only nulls when the table was made); workers under torchrun cannot add columns: "
                 "ingest a shard holding values of these fields without torchrun first, then rerun",
                 reason="new metadata fields")
-        for field in self.schema:  # a field without a value in these rows: null, typed as the table's
-            if field.name not in rows.column_names:
-                rows = rows.append_column(field, pa.nulls(rows.num_rows, field.type))
+        for column in self.schema:  # a field without a value in these rows: null, typed as the table's
+            if column.name not in rows.column_names:
+                rows = rows.append_column(column, pa.nulls(rows.num_rows, column.type))
         try:
             rows = rows.select(self.schema.names).cast(self.schema)
         except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:

@@ -45,21 +45,21 @@ import pyarrow as pa
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import DEFAULT_COMMIT_ROWS, IngestConfig, OnError  # noqa: F401  (re-exported)
-from eogp_index.errors import ConfigError, InputError
-from eogp_index.gradients.model import hard_context_length
 from eogp_index.data.readers import (
     SPLIT_SEPARATOR,
     DatasetShard,
     dataset_source,
     expand_shards,
+    location_of,
     shard_list,
     shard_names,
     split_shard_spec,
 )
+from eogp_index.errors import ConfigError, InputError
+from eogp_index.gradients.model import hard_context_length
 from eogp_index.store.maintenance import after_ingest, maybe_optimize
 from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
-from eogp_index.data.readers import location_of
 from ingest.records import Example, RecordSpec, Rejected, iter_examples
 
 __all__ = ["ExampleReader", "IngestConfig", "IngestSummary", "RejectsFile", "StoredIds", "Tally", "run_ingest",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from eogp_index.errors import ConfigError, InputError
+from eogp_index.data.readers import ParseError, expand_shards, iter_raw_records, shard_names
 from eogp_index.data.records import (  # noqa: F401  (re-exported: the ingest layer's vocabulary)
     IGNORE_INDEX,
     Example,
@@ -27,7 +27,7 @@ from eogp_index.data.records import (  # noqa: F401  (re-exported: the ingest la
     tokenize_record,
     tokenize_windows,
 )
-from eogp_index.data.readers import ParseError, expand_shards, iter_raw_records, shard_names
+from eogp_index.errors import ConfigError, InputError
 
 __all__ = [
     "IGNORE_INDEX",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
 

@@ -8,9 +8,16 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from tinymodels import (
+    ROOT,
+    TinyTokenizer,
+    full_width_index,
+    make_examples,
+    make_tiny_llama,
+    make_word_tokenizer,
+    relative_error_to_kronfluence,
+)
 
-from tinymodels import (ROOT, TinyTokenizer, full_width_index, make_examples, make_tiny_llama, make_word_tokenizer,
-                        relative_error_to_kronfluence)
 from eogp_index.cli import cli
 from eogp_index.client import AttributionIndex
 from eogp_index.config import GradientConfig

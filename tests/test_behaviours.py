@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.compute as pc
 import pytest
+from tinymodels import TinyTokenizer, kronfluence_scores, make_examples, make_tiny_gpt2, make_tiny_llama
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
@@ -13,7 +14,6 @@ from eogp_index.errors import ConfigError, InputError
 from eogp_index.search.normalize import row_norms, unit_normalized
 from eogp_index.search.scan import SignLayout, pack_signs, scan_top_k, score_reference
 from eogp_index.store.codecs import Encoded, decode
-from tinymodels import TinyTokenizer, kronfluence_scores, make_examples, make_tiny_gpt2, make_tiny_llama
 
 TRAIN = make_examples(20, seed=1)
 BEHAVIOUR = make_examples(3, seed=2, prefix="q", masked_prompt=True)
@@ -199,9 +199,9 @@ def test_group_by_errors_name_the_fix(fitted_index):
 
 
 def test_roll_up_of_dictionary_and_plain_columns_with_nulls_and_ties():
-    from eogp_index.search.rollup import roll_up
-
     import pyarrow as pa
+
+    from eogp_index.search.rollup import roll_up
 
     scores = np.array([3.0, -1.0, 3.0, 0.5, -2.0, 1.0, -1.0])
     values = ["a", "b", "a", None, "b", "c", None]

@@ -14,8 +14,11 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
-
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+
+from eogp_index.client import AttributionIndex
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, InputError
 from eogp_index.search.first_pass import (
     ClusteredConfig,
     ClusteredFirstPass,
@@ -30,9 +33,6 @@ from eogp_index.search.first_pass import open_first_pass as open_candidates
 from eogp_index.search.first_pass.faiss_binary import candidate_ids
 from eogp_index.search.first_pass.faiss_codes import check_unique as _check_unique
 from eogp_index.search.first_pass.faiss_codes import id_keys, query_codes, query_levels, replicate_codes
-from eogp_index.client import AttributionIndex
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
-from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, InputError
 from eogp_index.store.codecs import SignLayout, pack_signs, unpack_signs
 from eogp_index.store.table import list_column_to_numpy
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 from click.testing import CliRunner
-
 from tinymodels import make_tiny_gpt2, make_word_tokenizer
+
 from eogp_index.cli import cli
 
 # CliRunner swaps sys.stdout/sys.stderr per call, and transformers' logging handler keeps the

@@ -7,13 +7,13 @@ import shutil
 
 import numpy as np
 import pytest
-
 from tinymodels import TinyTokenizer, kronfluence_scores, make_examples, make_tiny_gpt2, make_tiny_llama
+
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError
-from eogp_index.store.manifest import MANIFEST_FILE, Manifest, validate
 from eogp_index.store.codecs import decode, encode
+from eogp_index.store.manifest import MANIFEST_FILE, Manifest, validate
 
 TRAIN = make_examples(24, seed=1)
 QUERIES = make_examples(4, seed=2, prefix="q", masked_prompt=True)

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-
 from tinymodels import make_examples, make_word_tokenizer
+
 from eogp_index.cli import cli
 from eogp_index.errors import ModelError
 from eogp_index.gradients.capture import GradientCapture, dense_gradient
@@ -20,14 +20,14 @@ __import__("transformers").logging.set_verbosity_error()
 __import__("transformers").utils.logging.disable_progress_bar()
 
 # OLMoE-shaped: L layers of attention (q, k, v, o; no bias; q_norm and k_norm) and a sparse MoE
-# block of E fused experts (gate_up_proj (E, 2I, H), down_proj (E, H, I)) with a router (E, H).
-L, H, I, E, V = 2, 16, 8, 4, 64
-OLMOE = {"model_type": "olmoe", "vocab_size": V, "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L,
+# block of E fused experts (gate_up_proj (E, 2FF, H), down_proj (E, H, FF)) with a router (E, H).
+L, H, FF, E, V = 2, 16, 8, 4, 64
+OLMOE = {"model_type": "olmoe", "vocab_size": V, "hidden_size": H, "intermediate_size": FF, "num_hidden_layers": L,
          "num_attention_heads": 2, "num_key_value_heads": 2, "num_experts": E, "num_experts_per_tok": 2,
          "max_position_embeddings": 32, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 HAND_COUNT = {
     "attention": (L * 4 * H * H, L * 4 * H * H),
-    "experts": (0, L * E * (2 * I * H + H * I)),
+    "experts": (0, L * E * (2 * FF * H + H * FF)),
     "router": (0, L * E * H),
     "embeddings": (0, V * H),
     "head": (0, V * H),
@@ -45,12 +45,12 @@ def test_plan_prints_the_hand_counted_coverage_of_an_olmoe_config_and_names_what
     assert result.exit_code == 0, result.output
     coverage = json.loads(result.stdout)["model"]["coverage"]
     assert {k: (v["attributed"], v["total"]) for k, v in coverage["by_kind"].items()} == HAND_COUNT
-    blocks = L * (4 * H * H + E * (3 * I * H) + E * H + 4 * H)
+    blocks = L * (4 * H * H + E * (3 * FF * H) + E * H + 4 * H)
     assert coverage["blocks"] == {"attributed": L * 4 * H * H, "total": blocks}
     assert coverage["total"] == json.loads(result.stdout)["model"]["num_parameters"]
     left_out = {(e["kind"], e["parameters"]): e for e in coverage["left_out"]}
-    assert left_out[("experts", L * E * 3 * I * H)]["modules"] == ["model.layers.*.mlp.experts"]
-    assert "fused expert tensors" in left_out[("experts", L * E * 3 * I * H)]["reason"]
+    assert left_out[("experts", L * E * 3 * FF * H)]["modules"] == ["model.layers.*.mlp.experts"]
+    assert "fused expert tensors" in left_out[("experts", L * E * 3 * FF * H)]["reason"]
     assert left_out[("router", L * E * H)]["modules"] == ["model.layers.*.mlp.gate"]
 
     text = _run("plan", tmp_path / "config.json", "-k", "8").output
@@ -58,8 +58,8 @@ def test_plan_prints_the_hand_counted_coverage_of_an_olmoe_config_and_names_what
     total = sum(t for _, t in HAND_COUNT.values())
     assert (f"coverage      {attention:,} of the model's parameters attributed ({100 * attention / total:.1f}% of "
             f"{total:,}); in the blocks {100 * attention / blocks:.1f}% of {blocks:,}") in text
-    assert f"  experts      {0:>14,} of {L * E * 3 * I * H:>14,} (0.0%)" in text
-    assert (f"  left out: experts, {L * E * 3 * I * H:,} parameters (model.layers.*.mlp.experts): fused expert "
+    assert f"  experts      {0:>14,} of {L * E * 3 * FF * H:>14,} (0.0%)" in text
+    assert (f"  left out: experts, {L * E * 3 * FF * H:,} parameters (model.layers.*.mlp.experts): fused expert "
             "tensors") in text
 
 
@@ -68,7 +68,7 @@ def _qwen_moe(seed=0):
 
     torch.manual_seed(seed)
     return Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=V, hidden_size=H, intermediate_size=I, moe_intermediate_size=I, shared_expert_intermediate_size=12,
+        vocab_size=V, hidden_size=H, intermediate_size=FF, moe_intermediate_size=FF, shared_expert_intermediate_size=12,
         num_hidden_layers=L, num_attention_heads=2, num_key_value_heads=2, num_experts=E, num_experts_per_tok=2,
         max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
 
@@ -106,7 +106,7 @@ def test_shared_experts_get_per_example_inputs_and_the_router_is_left_out():
               for proj in ("gate_proj", "up_proj", "down_proj")]
     assert [n for n in names if ".mlp." in n] == shared
     coverage = model_coverage(model, names)
-    assert coverage.by_kind["experts"] == (L * 3 * 12 * H, L * 3 * 12 * H + L * E * 3 * I * H)
+    assert coverage.by_kind["experts"] == (L * 3 * 12 * H, L * 3 * 12 * H + L * E * 3 * FF * H)
     (router,) = [e for e in coverage.left_out if e.kind == "router" and "model.layers.*.mlp.gate" in e.modules]
     assert "sparse MoE block" in router.reason and "model.layers.*.mlp.shared_expert_gate" in router.modules
 
@@ -141,10 +141,10 @@ def test_plan_with_dense_experts_attributes_every_expert():
         GradientConfig(experts="sparse")
     shape = model_shape_of(OLMOE, experts="dense")
     coverage = shape.coverage
-    assert coverage["by_kind"]["experts"] == {"attributed": L * E * 3 * I * H, "total": L * E * 3 * I * H}
+    assert coverage["by_kind"]["experts"] == {"attributed": L * E * 3 * FF * H, "total": L * E * 3 * FF * H}
     assert [m.name for m in shape.modules if ".experts." in m.name][:2] == [
         "model.layers.0.mlp.experts.0.gate_up_proj", "model.layers.0.mlp.experts.0.down_proj"]
-    assert [(m.d_out, m.d_in) for m in shape.modules if ".experts." in m.name][:2] == [(2 * I, H), (H, I)]
+    assert [(m.d_out, m.d_in) for m in shape.modules if ".experts." in m.name][:2] == [(2 * FF, H), (H, FF)]
     assert not any("fused" in e["reason"] for e in coverage["left_out"])
 
 
@@ -194,6 +194,7 @@ def test_dense_experts_compute_the_fused_function_and_its_per_example_gradients(
 ], ids=["olmoe-dense-experts", "qwen-moe-shared-experts"])
 def test_full_width_expert_scores_equal_kronfluence(tmp_path, make_model, experts, modules, count):
     from tinymodels import full_width_index, relative_error_to_kronfluence
+
     from eogp_index.config import GradientConfig
 
     train, queries = make_examples(12, seed=1), make_examples(3, seed=2, prefix="q", masked_prompt=True)
@@ -222,7 +223,7 @@ def test_fit_reports_coverage_and_warns_below_half_of_the_blocks(tmp_path):
     dense = _run("fit", tmp_path / "olmoe", "--data", shard, "--out", tmp_path / "dense", "-k", "4",
                  "--curvature-examples", "8", "--pca-examples", "8", "--max-tokens", "12", "--experts", "dense")
     assert dense.exit_code == 0, dense.output
-    assert f"  experts      {L * E * 3 * I * H:>14,} of {L * E * 3 * I * H:>14,} (100.0%)" in dense.stderr
+    assert f"  experts      {L * E * 3 * FF * H:>14,} of {L * E * 3 * FF * H:>14,} (100.0%)" in dense.stderr
     ingest = _run("ingest", tmp_path / "dense", shard, "--json")
     assert ingest.exit_code == 0 and json.loads(ingest.stdout)["stored"] == 12, ingest.output
     query = _run("query", tmp_path / "dense", "--text", "t1 t2 t3", "-k", "2", "--by-module", "--json")
@@ -237,8 +238,8 @@ def test_a_fused_layout_that_computes_something_else_is_not_rebuilt():
     class UpFirstExperts(torch.nn.Module):  # the same tensors, combined otherwise: act(up) * gate
         def __init__(self):
             super().__init__()
-            self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H))
-            self.down_proj = torch.nn.Parameter(torch.randn(E, H, I))
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * FF, H))
+            self.down_proj = torch.nn.Parameter(torch.randn(E, H, FF))
             self.act_fn = torch.nn.SiLU()
 
         def forward(self, hidden, index, weights):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-
 from tinymodels import ROOT, TinyTokenizer, kronfluence_scores, make_examples, make_tiny_llama, save_workspace
+
 from eogp_index.cli import cli
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig

@@ -11,6 +11,14 @@ import shutil
 
 import numpy as np
 import pytest
+from tinymodels import (
+    TinyTokenizer,
+    kronfluence_scores,
+    make_examples,
+    make_tiny_gpt2,
+    make_tiny_llama,
+    make_word_tokenizer,
+)
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
@@ -19,8 +27,6 @@ from eogp_index.errors import IncompatibleIndexError, InputError
 from eogp_index.gradients.model import load_model
 from eogp_index.search.render import explanation_html, explanation_terminal
 from ingest.pipeline import run_ingest
-from tinymodels import (TinyTokenizer, kronfluence_scores, make_examples, make_tiny_gpt2, make_tiny_llama,
-                        make_word_tokenizer)
 
 TRAIN = make_examples(20, seed=5)
 QUERY = {"input_ids": [4, 8, 15, 16, 23, 42, 7], "labels": [-100, -100, 15, 16, 23, 42, 7]}

@@ -8,13 +8,13 @@ import shutil
 
 import numpy as np
 import pytest
+from tinymodels import TinyTokenizer, make_tiny_gpt2
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import GradientConfig
 from eogp_index.errors import InputError
 from eogp_index.store.filters import HotFilter, UnplannedFilter, matching_positions
 from eogp_index.store.table import RowInfo, build_rows
-from tinymodels import TinyTokenizer, make_tiny_gpt2
 
 QUERY = [3, 1, 4, 1, 5, 9, 2, 6, 5]
 ROWS, COMMITS = 90, 6

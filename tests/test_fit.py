@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, make_word_tokenizer
+
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.errors import ConfigError

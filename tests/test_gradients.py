@@ -1,11 +1,11 @@
 """Per-example gradients: exact against autograd, and independent of batching and padding."""
 
 import torch
-
 from tinymodels import make_examples, make_tiny_gpt2, make_tiny_llama
+
 from eogp_index.gradients.capture import GradientCapture, dense_gradient
-from eogp_index.gradients.model import find_attributed_modules, replace_conv1d
 from eogp_index.gradients.loss import collate, per_example_loss
+from eogp_index.gradients.model import find_attributed_modules, replace_conv1d
 
 
 def _autograd_gradient(model, name, ids, labels):

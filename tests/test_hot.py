@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 import pyarrow as pa
-
 from tinymodels import make_examples
+
 from eogp_index.store import hot as hot_mod
 from eogp_index.store.hot import load_hot
 from eogp_index.store.maintenance import optimize

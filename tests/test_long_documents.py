@@ -7,11 +7,11 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from tinymodels import make_examples, make_tiny_gpt2, make_tiny_llama
 
 from eogp_index.gradients.capture import GradientCapture, dense_gradient
 from eogp_index.gradients.loss import collate
 from eogp_index.gradients.model import find_attributed_modules, replace_conv1d
-from tinymodels import make_examples, make_tiny_gpt2, make_tiny_llama
 
 
 @pytest.mark.parametrize("make_model", [make_tiny_gpt2, make_tiny_llama], ids=["gpt2", "llama"])
@@ -60,10 +60,11 @@ def test_index_coordinates_with_checkpointing_equal_the_plain_ones(fitted_index)
 
 
 def test_max_tokens_past_the_models_context_is_refused(tmp_path):
+    from tinymodels import TinyTokenizer
+
     from eogp_index.client import AttributionIndex
     from eogp_index.config import GradientConfig
     from eogp_index.errors import ConfigError
-    from tinymodels import TinyTokenizer
 
     with pytest.raises(ConfigError, match=r"max_tokens \(--max-tokens\) is 33, but tiny reads at most 32 tokens"):
         AttributionIndex.create(tmp_path / "index", make_tiny_gpt2(), TinyTokenizer(), make_examples(4),

@@ -9,8 +9,8 @@ built here from the words, not by the index's tokenization.
 
 import numpy as np
 import pytest
-
 from tinymodels import kronfluence_scores, make_examples, make_tiny_gpt2, make_tiny_llama, make_word_tokenizer
+
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.data.records import IGNORE_INDEX, Example

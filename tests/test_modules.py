@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from tinymodels import make_tiny_gpt2, make_tiny_llama
+
 from eogp_index.errors import ModelError
 from eogp_index.gradients.model import find_attributed_modules, module_shape, replace_conv1d
 

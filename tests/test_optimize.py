@@ -10,14 +10,20 @@ from datetime import timedelta
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from tinymodels import make_examples
 
 from eogp_index.cli import cli
 from eogp_index.errors import ConfigError
-from eogp_index.store.maintenance import (CLEANUP_INTERVAL, OptimizeReport, maybe_optimize, needs_optimize, optimize,
-                                          small_fragments)
-from eogp_index.store.table import Store
+from eogp_index.store.maintenance import (
+    CLEANUP_INTERVAL,
+    OptimizeReport,
+    maybe_optimize,
+    needs_optimize,
+    optimize,
+    small_fragments,
+)
 from eogp_index.store.stored_index import StoredIndex
-from tinymodels import make_examples
+from eogp_index.store.table import Store
 
 QUERY = [3, 1, 4, 1, 5, 9, 2, 6, 5]
 WHERE = "`group` = 1 AND name LIKE 'doc%'"
@@ -215,10 +221,11 @@ def test_client_ingest_compacts_too(fitted_index):
 
 def test_distributed_ingest_compacts_on_rank_zero(fitted_index, tmp_path):
     """The torchrun entry point as one worker: rank 0's commits, then its compactions."""
+    from tinymodels import make_tiny_gpt2, make_word_tokenizer
+
     from eogp_index.config import GradientConfig
     from ingest.distributed import run_distributed_ingest
     from ingest.records import RecordSpec
-    from tinymodels import make_tiny_gpt2, make_word_tokenizer
 
     model_dir = tmp_path / "model"  # the fixture's model, loadable by the worker
     make_tiny_gpt2().save_pretrained(model_dir)

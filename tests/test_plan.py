@@ -5,12 +5,12 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
+from tinymodels import make_tiny_gpt2, save_workspace
 
 from eogp_index.cli import cli
-from eogp_index.fit.plan import FIT_PHASES, format_plan, make_plan, model_shape
 from eogp_index.config import DEFAULT_M, ProjectionConfig
 from eogp_index.errors import ConfigError
-from tinymodels import make_tiny_gpt2, save_workspace
+from eogp_index.fit.plan import FIT_PHASES, format_plan, make_plan, model_shape
 
 __import__("transformers").logging.set_verbosity_error()
 __import__("transformers").utils.logging.disable_progress_bar()

@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
+from eogp_index import config as config_module
 from eogp_index.client import AttributionIndex
-from eogp_index.store.verify import verify_index
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import IncompatibleIndexError
-from eogp_index import config as config_module
 from eogp_index.fit import projection as projection_module
 from eogp_index.fit.curvature import ModuleCurvature
 from eogp_index.fit.projection import build_projection, fit_pca
@@ -35,7 +35,7 @@ from eogp_index.store import files as files_module
 from eogp_index.store.files import file_sha256
 from eogp_index.store.manifest import MANIFEST_FILE, PROJECTION_FILE
 from eogp_index.store.projection_file import load_projection, save_projection
-from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+from eogp_index.store.verify import verify_index
 
 TRAIN = make_examples(24, seed=1)
 QUERIES = make_examples(4, seed=2, prefix="q", masked_prompt=True)

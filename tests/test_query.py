@@ -8,14 +8,14 @@ import sys
 
 import numpy as np
 import pytest
+from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import GradientConfig
-from eogp_index.errors import ConfigError, InputError
 from eogp_index.data.records import Example
+from eogp_index.errors import ConfigError, InputError
 from eogp_index.search.ranking import Hits
 from eogp_index.store.stored_index import StoredIndex
-from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
 QUERY = [3, 1, 4, 1, 5, 9, 2, 6, 5]
 

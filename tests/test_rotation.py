@@ -16,8 +16,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+
 from eogp_index.client import AttributionIndex
 from eogp_index.config import ROTATIONS, VARIANTS, CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.errors import ConfigError

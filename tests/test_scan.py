@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eogp_index.search import scan as scan_mod
 from eogp_index.errors import ConfigError, InputError
+from eogp_index.search import scan as scan_mod
 from eogp_index.search.scan import (
     SignLayout,
     pack_signs,

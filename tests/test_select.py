@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-
 from tinymodels import make_tiny_gpt2, make_word_tokenizer
+
 from eogp_index.cli import cli
 
 __import__("transformers").logging.set_verbosity_error()

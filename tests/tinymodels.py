@@ -109,9 +109,7 @@ def kronfluence_scores(index, queries, train, *, per_token: bool = False, prefer
 
     from eogp_index.fit.curvature import ANALYSIS_NAME, FACTORS_NAME, _ExampleDataset, _unwrap_tracked_modules
     from eogp_index.fit.task import LanguageModelingTask
-    from eogp_index.gradients.loss import collate
-
-    from eogp_index.gradients.loss import logits_of, per_example_loss
+    from eogp_index.gradients.loss import collate, logits_of, per_example_loss
 
     class PreferenceTask(LanguageModelingTask):
         def compute_measurement(self, batch, model):

@@ -55,13 +55,17 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, NamedTuple
 
-from eogp_index.errors import InputError
 from eogp_index.data.records import (  # noqa: F401  (location_of re-exported)
     COMPRESSION_SUFFIXES as _COMPRESSION_SUFFIXES,
+)
+from eogp_index.data.records import (
     JSONL_SUFFIXES as _JSONL_SUFFIXES,
+)
+from eogp_index.data.records import (
     SPLIT_SEPARATOR,
     location_of,
 )
+from eogp_index.errors import InputError
 
 __all__ = [
     "DatasetShard",

@@ -45,9 +45,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from eogp_index.fit.curvature import ModuleCurvature, factors_dir
 from eogp_index.errors import ConfigError, InputError
-from eogp_index.fit.plan import ModuleShape
+from eogp_index.evaluation import methods as registry
+from eogp_index.evaluation import metrics
+from eogp_index.evaluation.baselines import ProjectedCurvature, bytes_for_coordinates, k_for_bytes
 from eogp_index.evaluation.config import (  # noqa: F401  (re-exported: the budgets and the registry's tables)
     DEFAULT_BUDGETS,
     DEFAULT_METHODS,
@@ -55,14 +56,13 @@ from eogp_index.evaluation.config import (  # noqa: F401  (re-exported: the budg
     METHODS,
     PCA_FAMILIES,
 )
-from eogp_index.evaluation import metrics
-from eogp_index.evaluation import methods as registry
-from eogp_index.evaluation.baselines import ProjectedCurvature, bytes_for_coordinates, k_for_bytes
-from eogp_index.gradients.capture import GradientCapture
 from eogp_index.fit.code_choice import CodeChoice
+from eogp_index.fit.curvature import ModuleCurvature, factors_dir
+from eogp_index.fit.plan import ModuleShape
 from eogp_index.fit.projection import first_stage_from_curvature, fit_pca
-from eogp_index.store.codecs import SignLayout, decode, encode
+from eogp_index.gradients.capture import GradientCapture
 from eogp_index.gradients.loss import IGNORE_INDEX, collate
+from eogp_index.store.codecs import SignLayout, decode, encode
 
 __all__ = [
     "DEFAULT_BUDGETS",

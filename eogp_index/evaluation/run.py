@@ -33,8 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from eogp_index.errors import ConfigError, InputError
-from eogp_index.evaluation import report, tinylm
 from eogp_index.evaluation import methods as registry
+from eogp_index.evaluation import report, tinylm
 from eogp_index.evaluation.config import DataConfig, FidelityConfig, LDSConfig  # re-exported: defined torch-free
 from eogp_index.evaluation.fidelity import (
     Documents,
@@ -143,7 +143,8 @@ def _load_inputs(data: DataConfig, seed: int = 0):
 
 
 def _scores(data: DataConfig, cfg: FidelityConfig, out: Path, log) -> Tuple[ScoreSet, Documents, Documents, bool]:
-    from eogp_index.gradients.model import model_sha256, pad_token_id as _pad_id
+    from eogp_index.gradients.model import model_sha256
+    from eogp_index.gradients.model import pad_token_id as _pad_id
 
     model, tokenizer, train, queries, pca_docs = _load_inputs(data, cfg.seed)
     key = hashlib.sha256(json.dumps({

@@ -50,8 +50,8 @@ from eogp_index.config import EIGENVECTOR_DTYPES, CurvatureConfig, GradientConfi
 from eogp_index.data.records import Example
 from eogp_index.errors import InputError
 from eogp_index.fit.cache import FitFolder
-from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
 from eogp_index.fit.code_choice import CODES, FP16, CodeChoice, choose_code, held_out_rows
+from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
 from eogp_index.fit.projection import (
     PCA_TORCH_DTYPES,
     Projection,
@@ -62,9 +62,9 @@ from eogp_index.fit.projection import (
 )
 from eogp_index.fit.sampling import split_fit_sets
 from eogp_index.gradients.capture import GradientCapture, batches, check_counted
-from eogp_index.gradients.loss import IGNORE_INDEX, collate
 from eogp_index.gradients.coverage import report_coverage
 from eogp_index.gradients.experts import make_experts_trackable
+from eogp_index.gradients.loss import IGNORE_INDEX, collate
 from eogp_index.gradients.model import (
     dtype_name,
     find_attributed_modules,

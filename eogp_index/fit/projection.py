@@ -36,8 +36,8 @@ from typing import Callable, Dict, List, Literal, Optional, Sequence
 import torch
 
 from eogp_index.config import PCA_DTYPE_BYTES, ProjectionConfig, SecondStage, StorageConfig
-from eogp_index.fit.curvature import ModuleCurvature
 from eogp_index.errors import ConfigError, ModelError
+from eogp_index.fit.curvature import ModuleCurvature
 
 PCA_TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 #: The precision of first-stage coordinates kept between the two stages: in the fit's cache (the

@@ -34,6 +34,7 @@ from eogp_index.data.records import Example
 from eogp_index.gradients.capture import GradientCapture, project_examples
 from eogp_index.store.codecs import Encoded, SignLayout, decode
 
+
 @dataclass(frozen=True)
 class TokenContribution:
     """One token's share of a score: its text and its contribution."""

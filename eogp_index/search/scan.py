@@ -79,7 +79,22 @@ from typing import Optional
 import numpy as np
 
 from eogp_index.errors import ConfigError
-from eogp_index.search.kernels.base import _QUERY_GROUP, _ROW_BLOCK, Pairs, Store, _level_args, _store_args
+
+# Kernel internals that tests reach through this module (scan_mod._HALF_TABLE, ...), with the
+# ones imported above; they are not API.
+from eogp_index.search.kernels.base import (  # noqa: F401
+    _HALF_TABLE,
+    _QUERY_GROUP,
+    _QUERY_SET,
+    _ROW_BLOCK,
+    Level,
+    Pairs,
+    Store,
+    _half_to_f64,
+    _level_args,
+    _scale_args,
+    _store_args,
+)
 from eogp_index.search.kernels.bounded import (
     _bounded_batch_kernel,
     _bounded_kernel,
@@ -111,17 +126,13 @@ from eogp_index.search.kernels.quantize import (
     _group_tables,
     _lookup_tables,
     _padded_queries,
-    _QuantLevel,
+    _quantize_level,  # noqa: F401
     _quantize_queries,
+    _QuantLevel,
 )
 from eogp_index.search.kernels.select import _kth_lower_bound, _reaching, _Running, _top_positions
 from eogp_index.search.kernels.torch_scan import scan_scores_torch
 from eogp_index.store.codecs import SignLayout, pack_signs, scales_of, unpack_signs
-
-# Kernel internals that tests reach through this module (scan_mod._HALF_TABLE, ...), with the
-# ones imported above; they are not API.
-from eogp_index.search.kernels.base import _HALF_TABLE, _QUERY_SET, Level, _half_to_f64, _scale_args  # noqa: F401
-from eogp_index.search.kernels.quantize import _quantize_level  # noqa: F401
 
 __all__ = [
     "SignLayout",

@@ -38,10 +38,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from eogp_index.config import available_memory
 from eogp_index.data.records import Example
 from eogp_index.fit.blocks import default_block_documents, free_disk_bytes, whole_batches
 from eogp_index.fit.cache import atomic_write, examples_sha256
-from eogp_index.config import available_memory
 from eogp_index.store.stored_index import StoredIndex
 
 CACHE_DIR = "ingest-cache"

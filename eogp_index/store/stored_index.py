@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from eogp_index.data.records import Example, RecordSpec, location_of, record_of, tokenize_windows
-from eogp_index.errors import IncompatibleIndexError, InputError
+from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
 from eogp_index.store.codecs import Codec, SignLayout, codec_for
-from eogp_index.errors import ConfigError
 from eogp_index.store.manifest import (
     MANIFEST_FILE,
     PROJECTION_FILE,
@@ -144,9 +143,9 @@ class StoredIndex:
                 (:mod:`eogp_index.gradients.experts`), recorded so that opening rebuilds them.
             model_dtype: the dtype the model ran in (``"bfloat16"``), which every later open uses.
         """
+        from eogp_index.fit.code_choice import fidelity_record
         from eogp_index.store.files import file_fingerprint
         from eogp_index.store.projection_file import save_projection
-        from eogp_index.fit.code_choice import fidelity_record
         from eogp_index.version import __version__
 
         path = Path(path)

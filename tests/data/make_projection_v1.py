@@ -2,9 +2,11 @@
 format 1, float32 P), run as `git archive e98aabe eogp_index | tar -x -C /tmp/old && PYTHONPATH=/tmp/old python
 tests/data/make_projection_v1.py` from the repository root. Kept as the provenance of that file."""
 import torch
+
 from eogp_index.config import ProjectionConfig, StorageConfig
 from eogp_index.fit.curvature import ModuleCurvature
-from eogp_index.fit.projection import build_projection, fit_pca, PROJECTION_FORMAT_VERSION
+from eogp_index.fit.projection import PROJECTION_FORMAT_VERSION, build_projection, fit_pca
+
 assert PROJECTION_FORMAT_VERSION == 1
 
 def orth(n, gen):

@@ -12,8 +12,8 @@ import struct
 import numpy as np
 import pytest
 import torch
-
 from tinymodels import make_examples, make_tiny_gpt2
+
 from eogp_index.config import first_stage_width
 from eogp_index.errors import ConfigError
 from eogp_index.evaluation import metrics
@@ -129,8 +129,8 @@ def test_shared_pass_stores_the_planned_widths(scoreset):
 
 def test_shared_transform_equals_the_library_projectors(scoreset):
     """The batched shared transform computes exactly what each projector computes alone."""
-    from eogp_index.gradients.model import replace_conv1d
     from eogp_index.fit.projection import srht_apply
+    from eogp_index.gradients.model import replace_conv1d
 
     model = make_tiny_gpt2()
     replace_conv1d(model)

@@ -49,8 +49,8 @@ def test_plot_writes_valid_png(tmp_path):
 
 
 def _pixels_of(path, rgb) -> int:
-    from matplotlib.image import imread
     import numpy as np
+    from matplotlib.image import imread
 
     return int(np.all(np.abs(imread(path)[..., :3] - np.asarray(rgb)) < 0.02, axis=-1).sum())
 

@@ -124,11 +124,10 @@ def test_ingest_a_split_and_explain_reads_a_document_back(fitted, repository, tm
 
 @pytest.mark.distributed
 def test_rerun_after_sigkill_stores_each_record_once(fitted, repository, tmp_path, killed_ingest):
-    from ingest.pipeline import run_ingest
-    from ingest.records import RecordSpec
-
     from eogp_index.client import AttributionIndex
     from eogp_index.config import GradientConfig
+    from ingest.pipeline import run_ingest
+    from ingest.records import RecordSpec
 
     index_dir = Path(shutil.copytree(fitted, tmp_path / "index"))
     shard = with_split(str(repository), "train", "docs")

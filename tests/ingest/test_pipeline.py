@@ -557,8 +557,8 @@ def test_distributed_worker_alone_commits_whole_steps_and_resumes(index_dir, tmp
 def test_two_process_ingest_equals_one_process_ingest(mode, fitted, tmp_path, tokenizer):
     """Two torchrun workers store every document once, with the codes of a one-process per-batch
     ingest; in block mode (P out of memory) each worker's step is a block of two gradient batches."""
-    import pyarrow.parquet as pq
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     data = tmp_path / "data"
     data.mkdir()

@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-from eogp_index.errors import InputError
 from eogp_index.data.readers import (
     ParseError,
     RawRecord,
@@ -17,6 +16,7 @@ from eogp_index.data.readers import (
     location_of,
     shard_names,
 )
+from eogp_index.errors import InputError
 from ingest.records import Example, RecordSpec, iter_examples
 
 ROWS = [

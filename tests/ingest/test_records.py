@@ -84,7 +84,7 @@ def test_chat_loss_mask_covers_exactly_assistant_turns_and_eos(tokenizer):
         assert header == "<|assistant|>\n"
 
     # Everything outside the spans decodes to the prompt parts of the conversation.
-    outside = [t for t, l in zip(example.input_ids, example.labels) if l == IGNORE_INDEX]
+    outside = [t for t, label in zip(example.input_ids, example.labels) if label == IGNORE_INDEX]
     text_outside = tokenizer.decode(outside, skip_special_tokens=False)
     for message in CHAT:
         if message["role"] != "assistant":
@@ -156,7 +156,7 @@ def test_chat_truncation_keeps_the_mask_aligned(tokenizer):
     assert example.num_tokens == cut
     assert example.input_ids == full.input_ids[:cut]
     assert example.labels == full.labels[:cut]
-    assert example.num_loss_tokens == sum(1 for l in full.labels[1:cut] if l != IGNORE_INDEX)
+    assert example.num_loss_tokens == sum(1 for label in full.labels[1:cut] if label != IGNORE_INDEX)
 
 
 def test_truncation_removing_every_loss_token_is_rejected(tokenizer):

@@ -12,8 +12,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+
 from eogp_index.client import AttributionIndex
 from eogp_index.config import GradientConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError

@@ -11,7 +11,6 @@ import json
 
 import pytest
 from click.testing import CliRunner
-
 from tinymodels import make_tiny_gpt2, make_word_tokenizer
 
 __import__("transformers").logging.set_verbosity_error()
@@ -39,10 +38,9 @@ def index_dir(tmp_path_factory):
                               str(root / "idx"), "-k", "16", "--curvature-examples", "40", "--pca-examples", "40",
                               "--max-tokens", "24"])
     assert fit.exit_code == 0, fit.output
-    from ingest.pipeline import run_ingest
-
     from eogp_index.data.records import RecordSpec
     from eogp_index.serve.app import open_index
+    from ingest.pipeline import run_ingest
 
     summary = run_ingest(open_index(root / "idx", device="cpu"), [root / "shard.jsonl"],
                          spec=RecordSpec(id_field="id", metadata_fields=("kind", "n")), store_text=4096,

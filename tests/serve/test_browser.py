@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 INSTALL = "sudo apt-get install -y chromium chromium-driver"

@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra: pip install 'eogp-index[serve]'")
 from fastapi.testclient import TestClient  # noqa: E402
+from oddtext import with_odd  # noqa: E402
 
 from eogp_index.serve.app import create_app  # noqa: E402
 from eogp_index.serve.config import ServeConfig  # noqa: E402
-from oddtext import with_odd  # noqa: E402
 
 #: (method, path, JSON body or raw bytes, the field the answer must name)
 Case = Tuple[str, str, Any, str]

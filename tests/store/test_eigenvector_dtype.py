@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tinymodels import TinyTokenizer, make_examples, make_tiny_llama
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
@@ -26,7 +27,6 @@ from eogp_index.store.files import file_fingerprint, file_sha256, safetensors_he
 from eogp_index.store.index_plan import plan_of_index
 from eogp_index.store.manifest import MANIFEST_FILE, PROJECTION_FILE
 from eogp_index.store.projection_file import load_projection
-from tinymodels import TinyTokenizer, make_examples, make_tiny_llama
 
 TRAIN = make_examples(16, seed=31)
 QUERIES = make_examples(3, seed=32, prefix="q")

@@ -33,11 +33,11 @@ only ``id`` and ``signs``; the whole table is never held at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
 from abc import abstractmethod
-import dataclasses
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union

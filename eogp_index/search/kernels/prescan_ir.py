@@ -177,7 +177,7 @@ def _ir_lane_sums(builder, vecs, lanes):
     g0, size = gs, gs
     while size > 1:  # within each group, add the second half onto the first
         half = size // 2
-        perm = [l - l % g0 + ((l % g0) + half if l % g0 < half else l % g0) for l in range(lanes)]
+        perm = [lane - lane % g0 + ((lane % g0) + half if lane % g0 < half else lane % g0) for lane in range(lanes)]
         v = builder.add(v, shuffle(v, v, perm))
         size = half
     return shuffle(v, v, [r * g0 for r in range(len(vecs))])
