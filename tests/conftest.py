@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
+# The tokenizer and shard writers of the record, reader and ingest tests.
+pytest_plugins = ["shards"]
+
 
 @pytest.fixture
 def tiny_tokenizer():

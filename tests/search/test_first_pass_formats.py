@@ -1,7 +1,7 @@
 """First passes written before they became kinds of eogp_index.search.first_pass still open and answer the same.
 
-tests/data/first-pass-v1/ holds a small real index with one first pass of each kind, built by
-the code of commit 24df466 (tests/data/make_first_pass_v1.py says how), and what that code's
+tests/fixtures/first-pass-v1/ holds a small real index with one first pass of each kind, built by
+the code of commit 24df466 (tests/fixtures/make_first_pass_v1.py says how), and what that code's
 candidate path answered: every row it scored, with its exact score, per kind, query, side,
 budget C and filter. Today's code must open the same files and answer exactly the same rows.
 """
@@ -18,7 +18,7 @@ from eogp_index.store.stored_index import StoredIndex
 
 pytest.importorskip("faiss")
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "first-pass-v1"
+DATA = Path(__file__).resolve().parents[1] / "fixtures" / "first-pass-v1"
 ANSWERS = json.loads((DATA / "answers.json").read_text())
 
 

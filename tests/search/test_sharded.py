@@ -43,7 +43,7 @@ def test_scalar_index_is_used_by_filters(fitted_index):
 def test_two_torchrun_workers_merge_to_the_exact_top_k(fitted_index):
     expected = fitted_index.top_influential(QUERY, k=6, direction="both")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
     # The workers load the model named in the manifest: point it at a saved copy of the tiny model.
     model_dir = fitted_index.path / "model"
     conftest = __import__("tinymodels")

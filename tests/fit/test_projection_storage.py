@@ -39,7 +39,7 @@ from eogp_index.store.verify import verify_index
 
 TRAIN = make_examples(24, seed=1)
 QUERIES = make_examples(4, seed=2, prefix="q", masked_prompt=True)
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "fixtures"
 #: FP16 unit roundoff: round-to-nearest moves a normal number by at most 2^-11 of itself, and
 #: a subnormal (|x| < 2^-14) by at most half its spacing, 2^-25.
 U16, SUBNORMAL_ERR = 2.0 ** -11, 2.0 ** -25
@@ -150,7 +150,7 @@ class _Counting:
 
 
 def _curvature_pair():
-    """The recipe of tests/data/make_projection_v1.py (same seeds): two modules' factors and P."""
+    """The recipe of tests/fixtures/make_projection_v1.py (same seeds): two modules' factors and P."""
     def orth(n, gen):
         q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
         return q.float()
@@ -168,7 +168,7 @@ def _curvature_pair():
 
 
 def test_projection_format_1_file_is_still_read(tmp_path):
-    """tests/data/projection-v1.safetensors was written by the format-1 code (see make_projection_v1.py)."""
+    """tests/fixtures/projection-v1.safetensors was written by the format-1 code (see make_projection_v1.py)."""
     path = DATA / "projection-v1.safetensors"
     with safe_open(str(path), framework="pt") as handle:
         assert handle.metadata()["format_version"] == "1" and "pca_dtype" not in handle.metadata()

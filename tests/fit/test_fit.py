@@ -27,7 +27,7 @@ from eogp_index.fit.sampling import OverlappingFitSetsWarning, reservoir_sample,
 from eogp_index.fit.task import LanguageModelingTask, batch_seed
 from eogp_index.gradients.loss import collate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = make_examples(48, seed=3)
 # 16 curvature + 24 PCA examples out of 48: disjoint sets; 3 PCA batches of 8; 8 modules.
 SETTINGS = dict(projection=ProjectionConfig(k=8, m=48, num_fit_examples=24),
