@@ -110,6 +110,7 @@ def tensor_peaks(prof, marks) -> dict:
             op = node.parent.name if node.parent is not None else "(outside an op)"
             events.append((node.start_time_ns, fields.ptr, fields.alloc_size, fields.total_allocated, op))
     events.sort(key=lambda e: e[0])
+    before = events[0][3] - events[0][2] if events else 0  # the running total's count before the profile
     live, at_peak, peak_bytes = {}, {}, 0
     stretches, bounds = {}, sorted(marks)
     for when, ptr, size, total, op in events:
@@ -117,6 +118,7 @@ def tensor_peaks(prof, marks) -> dict:
             live[ptr] = (size, op)
         else:
             live.pop(ptr, None)
+        total -= before
         label = next((lab for t, lab in reversed(bounds) if t <= when), "start")
         stretches[label] = max(stretches.get(label, 0), total)
         if total > peak_bytes:
