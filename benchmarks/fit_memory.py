@@ -132,6 +132,39 @@ def tensor_peaks(prof, marks) -> dict:
             "at_peak_by_op_gb": {op: b / 1e9 for op, b in top}}
 
 
+def loss_bytes() -> None:
+    """Bytes per logit element that the loss's forward and backward passes hold on top of the
+    logits, by torch's CPU allocator: ``F.cross_entropy`` on logits upcast to float32 (what the
+    loss did before it upcast a chunk of tokens at a time) against ``gradients.loss``, and the
+    plan's figure (``fit.plan.logits_bytes``, which counts the logits themselves too)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from eogp_index.fit.plan import logits_bytes
+    from eogp_index.gradients.loss import per_example_loss
+
+    def upcast(logits, labels):
+        shifted = logits[:, :-1].float()
+        return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels[:, 1:].reshape(-1),
+                               reduction="none").view(labels[:, 1:].shape).sum(1)
+
+    batch, tokens, vocab = 8, 128, 50257  # GPT-2's vocabulary
+    print(f"loss over {batch} x {tokens} tokens x {vocab:,} logits: bytes held per logit element beyond the logits")
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(batch, tokens, vocab).to(dtype).requires_grad_()
+        labels = torch.randint(0, vocab, (batch, tokens))
+        row = []
+        for name, loss in (("cross_entropy(logits.float())", upcast), ("gradients.loss", per_example_loss)):
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                loss(logits, labels).sum().backward()
+            logits.grad = None
+            peak = max(0, max(tensor_peaks(prof, [])["stretches_gb"].values()) * 1e9)
+            row.append(f"{name} {peak / logits.numel():.1f}")
+        planned = logits_bytes(logits.numel(), logits.element_size()) - logits.nbytes
+        print(f"  {str(dtype).removeprefix('torch.'):<9} " + ", ".join(row) + f"; plan {planned / logits.numel():.1f}")
+
+
 def _gpt2(tokenizer, layers: int, max_tokens: int, width: int):
     from transformers import GPT2Config
 
@@ -325,10 +358,15 @@ def main() -> None:
     parser.add_argument("--no-tensors", action="store_true",
                         help="skip the profiled runs that measure live tensor bytes (each run is then made once)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--loss", action="store_true",
+                        help="only print the bytes per logit element the loss holds, against the plan's figure")
     parser.add_argument("--child", choices=("fit", "ingest", "query"), help=argparse.SUPPRESS)
     parser.add_argument("--tensors", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.loss:
+        loss_bytes()
+        return
     if args.child:
         args.layers, args.k = args.layers[0], args.k[0]
         child(args)
