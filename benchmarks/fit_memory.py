@@ -399,6 +399,11 @@ def main() -> None:
                                        "ingest": args.ingest, "queries": args.queries},
                           "runs": results, "summary": totals}, indent=2))
         return
+    report(results, totals, args, ks)
+
+
+def report(results: list, totals: dict, args: argparse.Namespace, ks: list) -> None:
+    """The figures as text: a row per run and fit phase, then the worst factors and dtype ratios."""
     print(f"m = {args.m:,} per module, {args.pca_examples} PCA fitting examples, {args.curvature_examples} curvature examples, "
           f"max {args.max_tokens} tokens, batch {BATCH}; ingest of {args.ingest} documents and {args.queries} queries "
           "into the fitted index; each run in its own process")
@@ -426,6 +431,13 @@ def main() -> None:
             at_peak = r.get(kind, {}).get("tensors", {}).get("at_peak_by_op_gb", {})
             if at_peak:
                 print(f"{'':>12} at the {kind} peak: " + ", ".join(f"{op} {b:.3f}" for op, b in at_peak.items()))
+    for width, k, dtype in itertools.product(args.width, ks, args.dtype):
+        fits = {r["layers"]: r["fit"]["peak_rss_gb"] for r in results
+                if (r["width"], r["k"], r["dtype"]) == (width, k, dtype)}
+        if len(fits) >= 2:
+            lo, hi = min(fits), max(fits)
+            print(f"width {width}, k = {k}, {dtype}: the fit's peak RSS grows by {fits[hi] - fits[lo]:.2f} GB from "
+                  f"{lo} to {hi} layers")
     print(f"plan vs measured peaks (fit, ingest, query), worst factor: rss {ratio(totals['worst_factor_rss'], 1)}, "
           f"tensors {ratio(totals['worst_factor_tensors'], 1)} (target within 1.5x)")
     for q in totals["dtype_ratios"]:
