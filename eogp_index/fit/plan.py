@@ -59,6 +59,8 @@ PROCESS_BYTES = 600_000_000
 #: The largest float32/float64 buffer that fit_pca and apply_pca upcast at once
 #: (``fit.projection._UPCAST_BYTES``).
 UPCAST_BLOCK_BYTES = 64 << 20
+#: The most bytes of float32 logits the loss upcasts at once (``gradients.loss.LOSS_CHUNK_BYTES``).
+LOSS_CHUNK_BYTES = 32 << 20
 #: The fit's phases, run one after another; its peak is the largest.
 FIT_PHASES = ("fit_curvature", "fit_first_stage", "fit_pca", "fit_save")
 
@@ -298,18 +300,30 @@ class _Inputs:
             return 0
         return min(F32 * largest["m"] * largest["k"], UPCAST_BLOCK_BYTES)
 
-    def activations(self, tokens: int, *, captured_bytes: Optional[int] = None) -> int:
+    def activations(self, tokens: int, *, captured_bytes: Optional[int] = None, sampled: bool = False) -> int:
         """One batch of ``tokens`` (documents x padded length) through the model: the activations
         autograd keeps, ~34·h bytes per token and layer at 16 bits (Korthikanti et al. 2022,
-        attention scores not kept by fused attention), scaled to the model's dtype; the logits,
-        their float32 copy for the loss and its gradient; and every attributed module's input,
-        held by the capture hooks until its backward (in the model's dtype, or ``captured_bytes``
-        per element)."""
+        attention scores not kept by fused attention), scaled to the model's dtype; the logits
+        (:meth:`logits`); and every attributed module's input, held by the capture hooks until its
+        backward (in the model's dtype, or ``captured_bytes`` per element)."""
         shape = self.shape
         autograd = 17 * self.w * shape.hidden_size * shape.num_layers * tokens
-        logits = (self.w + F32) * shape.vocab_size * tokens
         captured = (captured_bytes or self.w) * tokens * sum(r["d_in"] for r in self.rows)
-        return autograd + logits + captured
+        return autograd + self.logits(tokens, sampled=sampled) + captured
+
+    def logits(self, tokens: int, *, sampled: bool = False) -> int:
+        return logits_bytes(self.shape.vocab_size * tokens, self.w, sampled=sampled)
+
+
+def logits_bytes(elements: int, itemsize: int, *, sampled: bool = False) -> int:
+    """The most the loss holds at once for ``elements`` logits (vocabulary x tokens) of
+    ``itemsize`` bytes (``gradients.loss``): the logits and their gradient, in the model's dtype,
+    and float32 chunks of tokens (an upcast chunk and what is computed from it, three at most);
+    with ``sampled`` labels (the fit's curvature passes draw them from the model) the float32
+    probabilities and the sampler's float32 draw of the same size, while the logits are held, if
+    that is more."""
+    backward = 2 * itemsize * elements + min(3 * LOSS_CHUNK_BYTES, 3 * F32 * elements)
+    return max(backward, (itemsize + 2 * F32) * elements) if sampled else backward
 
 
 def _in_dtype(inp: _Inputs, dtype: str) -> _Inputs:
@@ -347,7 +361,7 @@ def fit_curvature_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
     # Its Λ pass keeps every module's input in float32 until that module's backward hook, and
     # one module's per-example gradients of the batch with their rotation into the eigenbasis;
     # eigendecomposing one module's covariance (float64) needs it and its eigenvectors.
-    work = (inp.activations(tokens, captured_bytes=F32) + 2 * F32 * docs * widest
+    work = (inp.activations(tokens, captured_bytes=F32, sampled=True) + 2 * F32 * docs * widest
             + 2 * F64 * max(max(r["d_in"], r["d_out"]) ** 2 for r in inp.rows))
     available = None if inp.budget is None else inp.budget - inp.model - work
     parts = curvature_partitions(factor_bytes, available)
@@ -365,7 +379,7 @@ def fit_curvature_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
         f"process + weights ({inp.dtype}) + kronfluence's factors of its largest module partition "
         f"({parts} partition{'s' if parts > 1 else ''} of the {len(factor_bytes)} modules, {_size(held)}: "
         "covariances, eigenvectors, eigenvalues, Λ, float32) + one curvature batch's activations (module inputs "
-        "in float32) and one module's per-example gradients and eigendecomposition (float64)"
+        "in float32; logits with the float32 probabilities their labels are sampled from) and one module's per-example gradients and eigendecomposition (float64)"
         + ("; on the CPU also the host memory below" if on_cpu else ""),
         bound=inp.eigen_is_bound,
         disk=factors * (2 if parts > 1 else 1),
@@ -394,8 +408,8 @@ def first_stage_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
                   + (", upper bound" if inp.eigen_is_bound else "")
                   + (f"; one module's upcast to float32 while it is projected, {_size(inp.eigen_upcast)})"
                      if inp.eigen_upcast else ")")
-                  + f" + one batch's activations ({batch.documents} x {batch.document_tokens} tokens), captured "
-                  "module inputs and first-stage rows", bound=inp.eigen_is_bound,
+                  + f" + one batch's activations ({batch.documents} x {batch.document_tokens} tokens), logits and "
+                  "their gradient, captured module inputs and first-stage rows", bound=inp.eigen_is_bound,
                   disk=2 * inp.n_pca * sum_m if inp.pca else 0,
                   disk_counts="the PCA set's first-stage coordinates (fit/, float16)")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Dict, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eogp_index.data.records import IGNORE_INDEX  # noqa: F401  (one definition, shared)
@@ -36,14 +35,59 @@ def logits_of(model: nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
+#: The most bytes of float32 logits the loss upcasts at once (rows of tokens, at least one).
+LOSS_CHUNK_BYTES = 32 << 20
+
+
+def _chunks(rows: int, vocab: int):
+    step = max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+class _TokenCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of each position's logits against its target, ``(N,)`` float32, computed in
+    float32 from logits in the model's dtype, a chunk of tokens at a time.
+
+    ``F.cross_entropy`` on upcast logits would keep a float32 copy of every logit and its float32
+    log-softmax for the backward pass, and allocate two more float32 tensors of that size in it;
+    here the backward keeps the logits themselves (held by the caller anyway) and one float32
+    log-sum-exp per token, and writes the gradient ``softmax - onehot`` straight in the logits'
+    dtype. The numbers are those of ``F.cross_entropy(logits.float(), ...)`` up to rounding.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        counted = targets != IGNORE_INDEX
+        safe = torch.where(counted, targets, torch.zeros_like(targets)).unsqueeze(1)
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for start, stop in _chunks(*logits.shape):
+            lse[start:stop] = torch.logsumexp(logits[start:stop].float(), dim=-1)
+        loss = (lse - logits.gather(1, safe).squeeze(1).float()) * counted
+        ctx.save_for_backward(logits, safe, counted, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        logits, safe, counted, lse = ctx.saved_tensors
+        weight = (grad_loss.float() * counted).unsqueeze(1)
+        grad = torch.empty_like(logits)
+        for start, stop in _chunks(*logits.shape):
+            part = (logits[start:stop].float() - lse[start:stop, None]).exp_()  # softmax, a new tensor
+            part.scatter_add_(1, safe[start:stop], torch.full_like(part[:, :1], -1.0))
+            grad[start:stop] = part.mul_(weight[start:stop])
+        return grad, None
+
+
 def per_example_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Token-summed next-token cross-entropy per example, ``(B,)`` float32."""
-    shift_logits = logits[:, :-1].float()
-    shift_labels = labels[:, 1:]
-    token_loss = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)),
-        shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    ).view(shift_labels.shape)
-    return token_loss.sum(dim=1)
+    """Token-summed next-token cross-entropy per example, ``(B,)`` float32.
+
+    Args:
+        logits: ``(B, T, V)`` in the model's dtype; labels: ``(B, T)``, ``-100`` where not counted.
+    """
+    # Position t predicts labels[:, t + 1]; the last position predicts nothing. Shifting the
+    # labels, not slicing the logits, leaves the logits contiguous: no copy of them is made.
+    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+    vocab = logits.size(-1)
+    token_loss = _TokenCrossEntropy.apply(logits.reshape(-1, vocab), targets.reshape(-1))
+    return token_loss.view(labels.shape).sum(dim=1)
