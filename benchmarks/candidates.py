@@ -97,8 +97,11 @@ TARGET_SPEEDUP = 5.0
 TOP = 20
 DEFAULT_ROOT = REPO / "examples" / "default"
 _WINDOW_CORPORA = [DEFAULT_ROOT / "corpus" / "pretrain.jsonl.gz", DEFAULT_ROOT / "corpus" / "train.jsonl.gz"]
-DEFAULT_CORPORA = {"packed": _WINDOW_CORPORA, "windows": _WINDOW_CORPORA,
-                   "docs": [DEFAULT_ROOT / "corpus" / "pretrain.jsonl.gz"]}
+DEFAULT_CORPORA = {
+    "packed": _WINDOW_CORPORA,
+    "windows": _WINDOW_CORPORA,
+    "docs": [DEFAULT_ROOT / "corpus" / "pretrain.jsonl.gz"],
+}
 DEFAULT_QUERIES = DEFAULT_ROOT / "queries.jsonl"
 #: Replicas whose weighted proxy the header reports (besides plain sign agreement, R = 1).
 PROXY_REPLICAS = (2, 3, 4, 6, 8)
@@ -110,8 +113,9 @@ def _documents(paths, tokenizer, max_tokens=None):
     from ingest.records import Example, RecordSpec, iter_examples
 
     spec = RecordSpec(max_tokens=max_tokens)
-    return [ex for ex in iter_examples([str(p) for p in paths], spec, tokenizer, on_error="skip")
-            if isinstance(ex, Example)]
+    return [
+        ex for ex in iter_examples([str(p) for p in paths], spec, tokenizer, on_error="skip") if isinstance(ex, Example)
+    ]
 
 
 def windows_of(docs, width: int, min_width: int) -> List[Example]:
@@ -121,10 +125,13 @@ def windows_of(docs, width: int, min_width: int) -> List[Example]:
     for doc in docs:
         ids = list(doc.input_ids)
         for start in range(0, len(ids), width):
-            window = ids[start:start + width]
+            window = ids[start : start + width]
             if len(window) >= max(2, min_width):
-                out.append(Example.from_ids(id=f"{doc.id}@{start}", input_ids=window, labels=window,
-                                            shard=doc.shard, position=doc.position))
+                out.append(
+                    Example.from_ids(
+                        id=f"{doc.id}@{start}", input_ids=window, labels=window, shard=doc.shard, position=doc.position
+                    )
+                )
     return out
 
 
@@ -142,20 +149,36 @@ def load_examples(args):
             if len(docs) < need:
                 raise SystemExit(f"only {len(docs)} documents, need {need}")
             fit = docs[: args.fit_examples]
-            stored = docs[args.fit_examples: args.fit_examples + args.docs]
-            queries = docs[args.fit_examples + args.docs:]
-            return model, tokenizer, fit, stored, queries, (
-                f"{model_dir} on {names}: {len(stored)} documents cut to {args.max_tokens} tokens, the next "
-                f"{len(queries)} as queries")
+            stored = docs[args.fit_examples : args.fit_examples + args.docs]
+            queries = docs[args.fit_examples + args.docs :]
+            return (
+                model,
+                tokenizer,
+                fit,
+                stored,
+                queries,
+                (
+                    f"{model_dir} on {names}: {len(stored)} documents cut to {args.max_tokens} tokens, the next "
+                    f"{len(queries)} as queries"
+                ),
+            )
         full = _documents(corpora, tokenizer)
         stored = windows_of(full, args.max_tokens, args.min_window)
         rng = np.random.default_rng(0)
         fit = [stored[i] for i in np.sort(rng.choice(len(stored), min(args.fit_examples, len(stored)), replace=False))]
         queries = _documents([queries_path], tokenizer, args.max_tokens)[: args.queries]
-        return model, tokenizer, fit, stored, queries, (
-            f"{model_dir} on {names}: {len(full)} documents ({sum(len(d.input_ids) for d in full)} tokens) cut into "
-            f"{len(stored)} windows of <= {args.max_tokens} tokens; queries: {len(queries)} held-out documents of "
-            f"{queries_path.name} cut to {args.max_tokens} tokens")
+        return (
+            model,
+            tokenizer,
+            fit,
+            stored,
+            queries,
+            (
+                f"{model_dir} on {names}: {len(full)} documents ({sum(len(d.input_ids) for d in full)} tokens) cut into "
+                f"{len(stored)} windows of <= {args.max_tokens} tokens; queries: {len(queries)} held-out documents of "
+                f"{queries_path.name} cut to {args.max_tokens} tokens"
+            ),
+        )
     if args.model:
         raise SystemExit(f"{model_dir}: no config.json, or a corpus of {corpora} is missing")
     from transformers import GPT2LMHeadModel
@@ -173,9 +196,15 @@ def load_examples(args):
         ids = [rng.randrange(1, config.vocab_size) for _ in range(n)]
         docs.append(Example.from_ids(id=f"doc-{i}", input_ids=ids, labels=ids, shard="random", position=i))
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0, name_or_path="random")
-    fit, stored = docs[: args.fit_examples], docs[args.fit_examples: args.fit_examples + n_stored]
-    return model, tokenizer, fit, stored, docs[args.fit_examples + n_stored:], (
-        "random-init GPT-2 (tinylm.default_config), random token documents (examples/default/model not found)")
+    fit, stored = docs[: args.fit_examples], docs[args.fit_examples : args.fit_examples + n_stored]
+    return (
+        model,
+        tokenizer,
+        fit,
+        stored,
+        docs[args.fit_examples + n_stored :],
+        ("random-init GPT-2 (tinylm.default_config), random token documents (examples/default/model not found)"),
+    )
 
 
 def real_coordinates(args):
@@ -184,10 +213,16 @@ def real_coordinates(args):
     model, tokenizer, fit, stored, queries, source = load_examples(args)
     with tempfile.TemporaryDirectory(prefix="eogp-bench-cand-") as tmp:
         index = AttributionIndex.create(
-            Path(tmp) / "index", model, tokenizer, fit, model_name=source,
+            Path(tmp) / "index",
+            model,
+            tokenizer,
+            fit,
+            model_name=source,
             projection=ProjectionConfig(k=args.k, num_fit_examples=len(fit)),
             curvature=CurvatureConfig(num_examples=min(64, len(fit)), batch_size=8),
-            gradients=GradientConfig(batch_size=64, device="cpu"), progress=False)
+            gradients=GradientConfig(batch_size=64, device="cpu"),
+            progress=False,
+        )
         x = index.project(stored)
         y = index.project(queries)
         layout = index.layout
@@ -216,14 +251,15 @@ def pack(x: np.ndarray, layout: SignLayout, rows: int, per_row: int, seed: int =
     scales = np.empty((rows, layout.num_modules), np.float16)
     step = 1 << 14
     for start in range(0, rows, step):
-        block = x[members[start:start + step]].sum(axis=1)
+        block = x[members[start : start + step]].sum(axis=1)
         encoded = encode(block, layout, "1bit")
-        codes[start:start + step], scales[start:start + step] = encoded.signs, encoded.scales
+        codes[start : start + step], scales[start : start + step] = encoded.signs, encoded.scales
     return codes, scales, members
 
 
-def replicate(signs: np.ndarray, scales: np.ndarray, layout: SignLayout, rows: int, flip: float, jitter: float,
-              seed: int = 0):
+def replicate(
+    signs: np.ndarray, scales: np.ndarray, layout: SignLayout, rows: int, flip: float, jitter: float, seed: int = 0
+):
     """``rows`` perturbed copies of the real codes (see the module docstring): codes, scales,
     the source code of each row ``(rows,)`` and the flip probability actually used."""
     rng = np.random.default_rng(seed)
@@ -265,8 +301,10 @@ def proxy_correlations(signs, scales, y, layout) -> Dict[str, float]:
     proxies["weighted_agreement"] = y @ b.T
     norms = np.sqrt(scales.astype(np.float64) ** 2 @ np.asarray(layout.k, np.float64))
     proxies["weighted_agreement_x_row_norm"] = proxies["weighted_agreement"] * norms[None, :]
-    return {name: round(float(np.mean([np.corrcoef(p[q], score[q])[0, 1] for q in range(y.shape[0])])), 3)
-            for name, p in proxies.items()}
+    return {
+        name: round(float(np.mean([np.corrcoef(p[q], score[q])[0, 1] for q in range(y.shape[0])])), 3)
+        for name, p in proxies.items()
+    }
 
 
 def exact_top(codes, scales, y, layout, k):
@@ -278,11 +316,11 @@ def exact_top(codes, scales, y, layout, k):
     if scan_top_k is not None:
         scan_top_k(codes[:4096], scales[:4096], y[:1], layout, k)  # compile / warm up
         for q in range(nq):
-            largest[q] = scan_top_k(codes, scales, y[q:q + 1], layout, k, smallest=False).largest_indices[0]
-            smallest[q] = scan_top_k(codes, scales, y[q:q + 1], layout, k, largest=False).smallest_indices[0]
+            largest[q] = scan_top_k(codes, scales, y[q : q + 1], layout, k, smallest=False).largest_indices[0]
+            smallest[q] = scan_top_k(codes, scales, y[q : q + 1], layout, k, largest=False).smallest_indices[0]
         return largest, smallest, "eogp_index.search.scan.scan_top_k"
     for q in range(nq):
-        s = rescore(codes, scales, y[q:q + 1], layout)[0]
+        s = rescore(codes, scales, y[q : q + 1], layout)[0]
         largest[q] = np.argsort(-s, kind="stable")[:k]
         smallest[q] = np.argsort(s, kind="stable")[:k]
     return largest, smallest, "numpy unpack + matmul (eogp_index.search.scan missing)"
@@ -299,9 +337,9 @@ def exact_times(codes, scales, y, layout, k, repeat: int) -> np.ndarray:
         for q in range(y.shape[0]):
             t0 = time.perf_counter()
             if scan_top_k is not None:
-                scan_top_k(codes, scales, y[q:q + 1], layout, k, smallest=False)
+                scan_top_k(codes, scales, y[q : q + 1], layout, k, smallest=False)
             else:
-                np.argsort(-rescore(codes, scales, y[q:q + 1], layout)[0], kind="stable")[:k]
+                np.argsort(-rescore(codes, scales, y[q : q + 1], layout)[0], kind="stable")[:k]
             out[q] = min(out[q], time.perf_counter() - t0)
     return out
 
@@ -349,24 +387,38 @@ def clustered_lines(codes, scales, y, layout, largest, smallest, args, builds) -
             cand.set_search(z=z)
             recall, recall_neg, times, scanned = [], [], [], []
             for q in range(y.shape[0]):
-                best = best_of(lambda: cand.top_k(stored, y[q:q + 1], TOP, C, ["positive"])["positive"], args.repeat)
+                best = best_of(lambda: cand.top_k(stored, y[q : q + 1], TOP, C, ["positive"])["positive"], args.repeat)
                 found = best.value
                 times.append(best.seconds)
                 scanned.append(found[2] / n)
                 recall.append(len(np.intersect1d(found[0][:TOP].astype(np.int64), largest[q])) / TOP)
-                neg = cand.top_k(stored, y[q:q + 1], TOP, C, ["negative"])["negative"]
+                neg = cand.top_k(stored, y[q : q + 1], TOP, C, ["negative"])["negative"]
                 recall_neg.append(len(np.intersect1d(neg[0][:TOP].astype(np.int64), smallest[q])) / TOP)
             seconds = float(np.mean(times))
-            row = {"kind": "clustered", "replicas": 1, "C": C, "recall_at_20": round(float(np.mean(recall)), 4),
-                   "min_recall_at_20": round(float(np.min(recall)), 4),
-                   "recall_at_20_negative": round(float(np.mean(recall_neg)), 4),
-                   "ms_per_query": round(1000 * seconds, 2), "faiss_ms_per_query": 0.0, "speedup": None,
-                   "params": {"scale_cells": cand.config.scale_cells, "z": z,
-                              "rows_scanned": round(float(np.mean(scanned)), 4)}}
+            row = {
+                "kind": "clustered",
+                "replicas": 1,
+                "C": C,
+                "recall_at_20": round(float(np.mean(recall)), 4),
+                "min_recall_at_20": round(float(np.min(recall)), 4),
+                "recall_at_20_negative": round(float(np.mean(recall_neg)), 4),
+                "ms_per_query": round(1000 * seconds, 2),
+                "faiss_ms_per_query": 0.0,
+                "speedup": None,
+                "params": {
+                    "scale_cells": cand.config.scale_cells,
+                    "z": z,
+                    "rows_scanned": round(float(np.mean(scanned)), 4),
+                },
+            }
             out.append(row)
             if args.verbose:
-                print(f"clustered z={z}: recall {row['recall_at_20']} / {row['recall_at_20_negative']}, "
-                      f"{row['ms_per_query']} ms", file=sys.stderr, flush=True)
+                print(
+                    f"clustered z={z}: recall {row['recall_at_20']} / {row['recall_at_20_negative']}, "
+                    f"{row['ms_per_query']} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return out
 
 
@@ -394,8 +446,9 @@ def run(args) -> Dict[str, Any]:
         proxy = proxy_correlations(codes[sample], big_scales[sample], y, layout)
     else:
         encoded = encode(x, layout, "1bit")
-        codes, big_scales, source_of, flip = replicate(encoded.signs, encoded.scales, layout, args.rows, args.flip,
-                                                       args.scale_jitter)
+        codes, big_scales, source_of, flip = replicate(
+            encoded.signs, encoded.scales, layout, args.rows, args.flip, args.scale_jitter
+        )
         proxy = proxy_correlations(encoded.signs[:PROXY_ROWS], encoded.scales[:PROXY_ROWS], y, layout)
     store_seconds = time.perf_counter() - t0
     load = [round(os.getloadavg()[0], 2)]
@@ -407,8 +460,13 @@ def run(args) -> Dict[str, Any]:
         makeup = {"max_rows_sharing_a_window": {"mean": round(float(np.mean(shared)), 1), "max": int(np.max(shared))}}
     else:
         distinct = [len(np.unique(source_of[largest[q]])) for q in range(y.shape[0])]
-        makeup = {"distinct_codes": {"mean": round(float(np.mean(distinct)), 1), "min": int(np.min(distinct)),
-                                     "max": int(np.max(distinct))}}
+        makeup = {
+            "distinct_codes": {
+                "mean": round(float(np.mean(distinct)), 1),
+                "min": int(np.min(distinct)),
+                "max": int(np.max(distinct)),
+            }
+        }
     ids = [f"row-{i}" for i in range(args.rows)]
     results: List[Dict[str, Any]] = []
     builds: Dict[str, float] = {}
@@ -417,9 +475,16 @@ def run(args) -> Dict[str, Any]:
             results.extend(clustered_lines(codes, big_scales, y, layout, largest, smallest, args, builds))
             continue
         for replicas in args.replicas:
-            options = dict(replicas=replicas, nlist=args.nlist, nprobe=args.nprobe[0], hnsw_m=args.hnsw_m,
-                           ef_search=args.ef_search, ef_construction=args.ef_construction,
-                           train_points_per_list=args.train_points_per_list, use_gpu="auto")
+            options = dict(
+                replicas=replicas,
+                nlist=args.nlist,
+                nprobe=args.nprobe[0],
+                hnsw_m=args.hnsw_m,
+                ef_search=args.ef_search,
+                ef_construction=args.ef_construction,
+                train_points_per_list=args.train_points_per_list,
+                use_gpu="auto",
+            )
             first_pass = kind_class(kind)
             own = {f.name for f in dataclasses.fields(first_pass.Config)}
             config = first_pass.Config(**{key: value for key, value in options.items() if key in own})
@@ -434,22 +499,32 @@ def run(args) -> Dict[str, Any]:
                     cand.set_search(nprobe=nprobe)
                 recall, recall_neg, times, faiss_times = [], [], [], []
                 for q in range(y.shape[0]):
-                    best = min((candidate_top(cand, codes, big_scales, y[q:q + 1], layout, C, TOP, False)
-                                for _ in range(args.repeat)), key=lambda r: r[1])
+                    best = min(
+                        (
+                            candidate_top(cand, codes, big_scales, y[q : q + 1], layout, C, TOP, False)
+                            for _ in range(args.repeat)
+                        ),
+                        key=lambda r: r[1],
+                    )
                     top, seconds, faiss_seconds = best
                     times.append(seconds)
                     faiss_times.append(faiss_seconds)
                     recall.append(len(np.intersect1d(top, largest[q])) / TOP)
-                    top_neg, _, _ = candidate_top(cand, codes, big_scales, y[q:q + 1], layout, C, TOP, True)
+                    top_neg, _, _ = candidate_top(cand, codes, big_scales, y[q : q + 1], layout, C, TOP, True)
                     recall_neg.append(len(np.intersect1d(top_neg, smallest[q])) / TOP)
                 seconds = float(np.mean(times))
-                row = {"kind": kind, "replicas": replicas, "C": C, "recall_at_20": round(float(np.mean(recall)), 4),
-                       "min_recall_at_20": round(float(np.min(recall)), 4),
-                       "recall_at_20_negative": round(float(np.mean(recall_neg)), 4),
-                       "ms_per_query": round(1000 * seconds, 2),
-                       "faiss_ms_per_query": round(1000 * float(np.mean(faiss_times)), 2),
-                       "speedup": round(exact_seconds / seconds, 2),
-                       "params": {**cand.meta["params"], **({"nprobe": nprobe} if nprobe else {})}}
+                row = {
+                    "kind": kind,
+                    "replicas": replicas,
+                    "C": C,
+                    "recall_at_20": round(float(np.mean(recall)), 4),
+                    "min_recall_at_20": round(float(np.min(recall)), 4),
+                    "recall_at_20_negative": round(float(np.mean(recall_neg)), 4),
+                    "ms_per_query": round(1000 * seconds, 2),
+                    "faiss_ms_per_query": round(1000 * float(np.mean(faiss_times)), 2),
+                    "speedup": round(exact_seconds / seconds, 2),
+                    "params": {**cand.meta["params"], **({"nprobe": nprobe} if nprobe else {})},
+                }
                 row["meets_target"] = row["recall_at_20"] >= TARGET_RECALL and row["speedup"] >= TARGET_SPEEDUP
                 results.append(row)
                 if args.verbose:
@@ -464,20 +539,29 @@ def run(args) -> Dict[str, Any]:
         row["speedup"] = round(exact_seconds / (row["ms_per_query"] / 1000), 2)
         row["meets_target"] = row["recall_at_20"] >= TARGET_RECALL and row["speedup"] >= TARGET_SPEEDUP
     return {
-        "workload": source, "store_scheme": args.store,
-        "codes": int(x.shape[0]), "queries": int(y.shape[0]), "rows": int(args.rows),
+        "workload": source,
+        "store_scheme": args.store,
+        "codes": int(x.shape[0]),
+        "queries": int(y.shape[0]),
+        "rows": int(args.rows),
         "copies_per_code": None if args.store == "packed" else round(args.rows / x.shape[0], 1),
         "windows_per_row": args.pack if args.store == "packed" else None,
         "k_per_module": list(layout.k)[0] if len(set(layout.k)) == 1 else list(layout.k),
-        "modules": layout.num_modules, "bits_per_row": layout.nbytes * 8,
-        "flip_probability": flip, "scale_jitter_sigma": args.scale_jitter,
+        "modules": layout.num_modules,
+        "bits_per_row": layout.nbytes * 8,
+        "flip_probability": flip,
+        "scale_jitter_sigma": args.scale_jitter,
         "exact_top20": makeup,
         "proxy_correlation": proxy,
-        "exact_method": exact_method, "exact_ms_per_query": round(1000 * exact_seconds, 2),
+        "exact_method": exact_method,
+        "exact_ms_per_query": round(1000 * exact_seconds, 2),
         "exact_gb_per_s": round(codes.nbytes / exact_seconds / 1e9, 2),
-        "build_seconds": builds, "model_seconds": round(model_seconds, 1),
+        "build_seconds": builds,
+        "model_seconds": round(model_seconds, 1),
         "store_seconds": round(store_seconds, 1),
-        "threads": torch.get_num_threads(), "load_average_1min": load, "timing_repeats": args.repeat,
+        "threads": torch.get_num_threads(),
+        "load_average_1min": load,
+        "timing_repeats": args.repeat,
         "targets": {"recall_at_20": TARGET_RECALL, "speedup": TARGET_SPEEDUP},
         "results": results,
         "meets_target_somewhere": any(r["meets_target"] for r in results),
@@ -488,10 +572,12 @@ def run(args) -> Dict[str, Any]:
 def render_row(r: Dict[str, Any]) -> str:
     shown = ("nlist", "nprobe", "hnsw_m", "ef_construction", "scale_cells", "z", "rows_scanned")
     params = ",".join(f"{k}={v}" for k, v in r["params"].items() if k in shown)
-    return (f"{r['kind']:<5} R={r['replicas']:<2} {params:<24} C={r['C']:<6} recall@20 {r['recall_at_20']:.3f} "
-            f"(min {r['min_recall_at_20']:.2f}, negative {r['recall_at_20_negative']:.3f})  "
-            f"{r['ms_per_query']:7.2f} ms (FAISS {r['faiss_ms_per_query']:6.2f})  speed-up {r['speedup']:6.2f}x  "
-            f"{'ok' if r['meets_target'] else 'MISSED'}")
+    return (
+        f"{r['kind']:<5} R={r['replicas']:<2} {params:<24} C={r['C']:<6} recall@20 {r['recall_at_20']:.3f} "
+        f"(min {r['min_recall_at_20']:.2f}, negative {r['recall_at_20_negative']:.3f})  "
+        f"{r['ms_per_query']:7.2f} ms (FAISS {r['faiss_ms_per_query']:6.2f})  speed-up {r['speedup']:6.2f}x  "
+        f"{'ok' if r['meets_target'] else 'MISSED'}"
+    )
 
 
 def render(result: Dict[str, Any]) -> str:
@@ -499,18 +585,21 @@ def render(result: Dict[str, Any]) -> str:
     shape = f"k={result['k_per_module']} x {result['modules']} modules, {result['bits_per_row']} bits"
     if result["store_scheme"] == "packed":
         m = result["exact_top20"]["max_rows_sharing_a_window"]
-        store = [f"store (packed): {result['rows']} rows in memory (LanceDB bypassed), each a distinct packed "
-                 f"example of {result['windows_per_row']} of the {result['codes']} real windows drawn at random, "
-                 f"its code the 1-bit code of the sum of theirs ({shape}); {result['queries']} held-out queries",
-                 f"in the exact top-20, at most {m['mean']} rows share one window on average (max {m['max']})"]
+        store = [
+            f"store (packed): {result['rows']} rows in memory (LanceDB bypassed), each a distinct packed "
+            f"example of {result['windows_per_row']} of the {result['codes']} real windows drawn at random, "
+            f"its code the 1-bit code of the sum of theirs ({shape}); {result['queries']} held-out queries",
+            f"in the exact top-20, at most {m['mean']} rows share one window on average (max {m['max']})",
+        ]
     else:
         d = result["exact_top20"]["distinct_codes"]
-        store = [f"store ({result['store_scheme']}): {result['rows']} rows in memory (LanceDB bypassed) = "
-                 f"{result['codes']} real codes ({shape}) x {result['copies_per_code']} copies each; every copy but "
-                 f"the first flips every sign bit with p={result['flip_probability']:.4f} and scales every module "
-                 f"scale by exp({result['scale_jitter_sigma']}*N(0,1)); {result['queries']} held-out queries",
-                 f"exact top-20 holds copies of {d['mean']} distinct real codes on average "
-                 f"(min {d['min']}, max {d['max']})"]
+        store = [
+            f"store ({result['store_scheme']}): {result['rows']} rows in memory (LanceDB bypassed) = "
+            f"{result['codes']} real codes ({shape}) x {result['copies_per_code']} copies each; every copy but "
+            f"the first flips every sign bit with p={result['flip_probability']:.4f} and scales every module "
+            f"scale by exp({result['scale_jitter_sigma']}*N(0,1)); {result['queries']} held-out queries",
+            f"exact top-20 holds copies of {d['mean']} distinct real codes on average (min {d['min']}, max {d['max']})",
+        ]
     lines = [
         f"workload: {result['workload']}",
         *store,
@@ -528,43 +617,76 @@ def render(result: Dict[str, Any]) -> str:
         "",
     ]
     lines += [render_row(r) for r in result["results"]]
-    lines.append(f"(codes {result['model_seconds']}s, store {result['store_seconds']}s, "
-                 f"total {result['total_seconds']}s)")
+    lines.append(
+        f"(codes {result['model_seconds']}s, store {result['store_seconds']}s, total {result['total_seconds']}s)"
+    )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="HuggingFace model directory (default: examples/default/model)")
-    parser.add_argument("--store", choices=["packed", "windows", "docs"], default="packed",
-                        help="packed: distinct packed examples of random real windows (default); windows: copies "
-                             "of every real window; docs: copies of 512 documents (the earlier store)")
+    parser.add_argument(
+        "--store",
+        choices=["packed", "windows", "docs"],
+        default="packed",
+        help="packed: distinct packed examples of random real windows (default); windows: copies "
+        "of every real window; docs: copies of 512 documents (the earlier store)",
+    )
     parser.add_argument("--pack", type=int, default=4, help="packed: real windows per row")
-    parser.add_argument("--corpus", nargs="+", default=None,
-                        help="shards to read documents from (default: pretrain + train for windows, pretrain for docs)")
-    parser.add_argument("--queries-file", default=None, help="windows: query documents (default: examples/default/queries.jsonl)")
+    parser.add_argument(
+        "--corpus",
+        nargs="+",
+        default=None,
+        help="shards to read documents from (default: pretrain + train for windows, pretrain for docs)",
+    )
+    parser.add_argument(
+        "--queries-file", default=None, help="windows: query documents (default: examples/default/queries.jsonl)"
+    )
     parser.add_argument("--docs", type=int, default=512, help="docs: real documents replicated into the store")
     parser.add_argument("--queries", type=int, default=32, help="queries")
     parser.add_argument("--fit-examples", type=int, default=160, help="examples the projection is fitted on")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="tokens per window (windows, default 32) or per document (docs, default 64)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens per window (windows, default 32) or per document (docs, default 64)",
+    )
     parser.add_argument("--min-window", type=int, default=16, help="windows: drop a last window shorter than this")
     parser.add_argument("--k", type=int, default=128, help="coordinates per module")
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the replicated store")
     parser.add_argument("--flip", type=float, default=0.05, help="per-bit flip probability of each copy")
     parser.add_argument("--scale-jitter", type=float, default=0.1, help="sigma of the log-normal scale jitter")
     parser.add_argument("--C", type=int, nargs="+", default=[500, 1000, 2000, 5000], help="candidates")
-    parser.add_argument("--kinds", default="ivf,hnsw,flat,clustered",
-                        help="FAISS kinds (flat, ivf, hnsw) and the clustered copy (clustered)")
-    parser.add_argument("--clustered-share", type=float, default=0.1,
-                        help="clustered: the budget of rows scanned per side, as a share of the rows")
-    parser.add_argument("--clustered-z", type=float, nargs="+", default=[3.0, 4.0, 5.0],
-                        help="clustered: z values, one line each")
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 4],
-                        help="replicas per sign bit in FAISS (one build each; 1 = plain Hamming; default: 1 and 4)")
-    parser.add_argument("--nlist", type=int, default=1024,
-                        help="IVF lists (library default 4*sqrt(n) = 4000 at 1M rows takes long to train here)")
+    parser.add_argument(
+        "--kinds",
+        default="ivf,hnsw,flat,clustered",
+        help="FAISS kinds (flat, ivf, hnsw) and the clustered copy (clustered)",
+    )
+    parser.add_argument(
+        "--clustered-share",
+        type=float,
+        default=0.1,
+        help="clustered: the budget of rows scanned per side, as a share of the rows",
+    )
+    parser.add_argument(
+        "--clustered-z", type=float, nargs="+", default=[3.0, 4.0, 5.0], help="clustered: z values, one line each"
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="replicas per sign bit in FAISS (one build each; 1 = plain Hamming; default: 1 and 4)",
+    )
+    parser.add_argument(
+        "--nlist",
+        type=int,
+        default=1024,
+        help="IVF lists (library default 4*sqrt(n) = 4000 at 1M rows takes long to train here)",
+    )
     parser.add_argument("--train-points-per-list", type=int, default=40, help="IVF k-means sample per list")
     parser.add_argument("--nprobe", type=int, nargs="+", default=[64, 256], help="IVF lists probed (one line each)")
     parser.add_argument("--hnsw-m", type=int, default=16)
@@ -572,9 +694,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ef-construction", type=int, default=20, help="HNSW build beam (library default 40)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeat", type=int, default=3, help="timings per query; the best counts (shared machines)")
-    parser.add_argument("--codes-cache", default=None,
-                        help="an .npz to reuse the real codes from (written on the first run; no check that "
-                             "the other options match)")
+    parser.add_argument(
+        "--codes-cache",
+        default=None,
+        help="an .npz to reuse the real codes from (written on the first run; no check that the other options match)",
+    )
     parser.add_argument("--verbose", action="store_true", help="print each line as it is measured (stderr)")
     add_json_argument(parser)
     parser.add_argument("--check", action="store_true", help="exit 1 when no line meets the target")

@@ -108,32 +108,42 @@ def real_coordinates(demo: Path, cache: Path) -> Dict[str, np.ndarray]:
 
     def docs(max_tokens):
         spec = RecordSpec(max_tokens=max_tokens)
-        return [ex for ex in iter_examples([str(p) for p in CORPORA], spec, index.tokenizer, on_error="skip")
-                if isinstance(ex, Example)]
+        return [
+            ex
+            for ex in iter_examples([str(p) for p in CORPORA], spec, index.tokenizer, on_error="skip")
+            if isinstance(ex, Example)
+        ]
 
     def windows(full, width):
         out = []
         for doc in full:
             ids = list(doc.input_ids)
             for start in range(0, len(ids), width):
-                w = ids[start:start + width]
+                w = ids[start : start + width]
                 if len(w) >= max(2, width // 2):
-                    out.append(Example.from_ids(id=f"{doc.id}@{start}", input_ids=w, labels=w, shard=doc.shard,
-                                                position=doc.position))
+                    out.append(
+                        Example.from_ids(
+                            id=f"{doc.id}@{start}", input_ids=w, labels=w, shard=doc.shard, position=doc.position
+                        )
+                    )
         return out
 
     def project(examples, chunk=256):
         # In chunks, collecting garbage between them: without, memory grows by ~2 GB per 1000 examples.
         out = []
         for a in range(0, len(examples), chunk):
-            out.append(index.project(examples[a:a + chunk]))
+            out.append(index.project(examples[a : a + chunk]))
             gc.collect()
             print(f"  projected {min(len(examples), a + chunk)}/{len(examples)}", file=sys.stderr, flush=True)
         return np.concatenate(out)
 
     full = docs(None)
-    parts = {"docs": project(docs(128)), "w64": project(windows(full, 64)),
-             "w32": project(windows(full, 32)), "k": np.array(index.layout.k)}
+    parts = {
+        "docs": project(docs(128)),
+        "w64": project(windows(full, 64)),
+        "w32": project(windows(full, 32)),
+        "k": np.array(index.layout.k),
+    }
     cache.parent.mkdir(parents=True, exist_ok=True)
     np.savez(cache, **parts)
     return parts
@@ -157,8 +167,8 @@ class CodeModel:
         self.layout = layout
         offsets, ks = layout.coord_offsets, layout.k
         X = np.asarray(X, np.float32)
-        N = np.stack([np.linalg.norm(X[:, o:o + k], axis=1) for o, k in zip(offsets, ks)], 1)
-        V = np.concatenate([X[:, o:o + k] / N[:, [u]] for u, (o, k) in enumerate(zip(offsets, ks))], 1)
+        N = np.stack([np.linalg.norm(X[:, o : o + k], axis=1) for o, k in zip(offsets, ks)], 1)
+        V = np.concatenate([X[:, o : o + k] / N[:, [u]] for u, (o, k) in enumerate(zip(offsets, ks))], 1)
         L = np.log(N)
         if groups > 1:
             km = faiss.Kmeans(V.shape[1], groups, niter=20, seed=seed)
@@ -182,14 +192,14 @@ class CodeModel:
         """``n`` drawn projected gradients ``(n, K)`` float32."""
         g = rng.choice(len(self.weights), size=n, p=self.weights)
         z = rng.standard_normal((n, self.U + self.rank), dtype=np.float32) @ self.chol.T
-        L = self.lmu[g] + z[:, :self.U]
-        v = z[:, self.U:] @ self.W.T
+        L = self.lmu[g] + z[:, : self.U]
+        v = z[:, self.U :] @ self.W.T
         v += self.mu[g].astype(np.float32)
         noise = rng.standard_normal(v.shape, dtype=np.float32)
         noise *= self.resid_std
         v += noise
         for u, (o, k) in enumerate(zip(self.layout.coord_offsets, self.layout.k)):
-            block = v[:, o:o + k]
+            block = v[:, o : o + k]
             block *= (np.exp(L[:, u]) / np.linalg.norm(block, axis=1)).astype(np.float32)[:, None]
         return v
 
@@ -201,7 +211,7 @@ class CodeModel:
         scales = np.empty((n, self.layout.num_modules), np.float16)
         for a in range(0, n, block):
             e = encode(self.sample_x(min(block, n - a), rng), self.layout, "1bit")
-            codes[a:a + len(e.signs)], scales[a:a + len(e.signs)] = e.signs, e.scales
+            codes[a : a + len(e.signs)], scales[a : a + len(e.signs)] = e.signs, e.scales
         return codes, scales
 
 
@@ -215,12 +225,17 @@ def code_statistics(codes, scales, y, layout) -> Dict[str, Any]:
     S = scan_scores(codes, scales, y, layout).astype(np.float64)
     z = np.sort((S - S.mean(1, keepdims=True)) / S.std(1, keepdims=True), 1)
     s = scales.astype(np.float32)
-    norm = np.sqrt((s ** 2 * np.array(layout.k)).sum(1))
-    return {"rate": (b > 0).mean(0), "corr": np.corrcoef(sub.T)[np.triu_indices(sub.shape[1], 1)],
-            "log_scale_sd": float(np.log(s).std(0).mean()),
-            "norm_quantiles": np.round(np.quantile(norm, [0.01, 0.5, 0.99, 1.0]) / norm.mean(), 2).tolist(),
-            "top1_z": float(z[:, -1].mean()), "top20_z": float(z[:, -TOP:].mean()),
-            "bottom1_z": float(-z[:, 0].mean()), "bottom20_z": float(-z[:, :TOP].mean())}
+    norm = np.sqrt((s**2 * np.array(layout.k)).sum(1))
+    return {
+        "rate": (b > 0).mean(0),
+        "corr": np.corrcoef(sub.T)[np.triu_indices(sub.shape[1], 1)],
+        "log_scale_sd": float(np.log(s).std(0).mean()),
+        "norm_quantiles": np.round(np.quantile(norm, [0.01, 0.5, 0.99, 1.0]) / norm.mean(), 2).tolist(),
+        "top1_z": float(z[:, -1].mean()),
+        "top20_z": float(z[:, -TOP:].mean()),
+        "bottom1_z": float(-z[:, 0].mean()),
+        "bottom20_z": float(-z[:, :TOP].mean()),
+    }
 
 
 def compare_model(real: Dict[str, np.ndarray], y: np.ndarray, layout, args) -> Dict[str, Any]:
@@ -241,10 +256,14 @@ def compare_model(real: Dict[str, np.ndarray], y: np.ndarray, layout, args) -> D
     out = {"rows": len(held)}
     for key in ("log_scale_sd", "norm_quantiles", "top1_z", "top20_z", "bottom1_z", "bottom20_z"):
         out[key] = {"real": a[key], "model": b[key]}
-    out["sign_rate_corr"] = {"model_vs_real": float(np.corrcoef(a["rate"], b["rate"])[0, 1]),
-                             "real_half_vs_half": float(np.corrcoef(h1["rate"], h2["rate"])[0, 1])}
-    out["bit_corr_corr"] = {"model_vs_real": float(np.corrcoef(a["corr"], b["corr"])[0, 1]),
-                            "real_half_vs_half": float(np.corrcoef(h1["corr"], h2["corr"])[0, 1])}
+    out["sign_rate_corr"] = {
+        "model_vs_real": float(np.corrcoef(a["rate"], b["rate"])[0, 1]),
+        "real_half_vs_half": float(np.corrcoef(h1["rate"], h2["rate"])[0, 1]),
+    }
+    out["bit_corr_corr"] = {
+        "model_vs_real": float(np.corrcoef(a["corr"], b["corr"])[0, 1]),
+        "real_half_vs_half": float(np.corrcoef(h1["corr"], h2["corr"])[0, 1]),
+    }
     return out
 
 
@@ -254,21 +273,27 @@ def modelled_codes(model: CodeModel, n: int, work: Path, key: str):
     Rows are independent draws, so the first ``n`` rows of a larger kept draw are a draw of ``n``
     rows: they are used when there is one (a memory-mapped view)."""
     codes_path, scales_path = work / f"codes-{key}-{n}.npy", work / f"scales-{key}-{n}.npy"
-    larger = sorted((int(p.stem.rsplit("-", 1)[1]), p) for p in work.glob(f"codes-{key}-*.npy")
-                    if int(p.stem.rsplit("-", 1)[1]) > n and (work / p.name.replace("codes-", "scales-", 1)).exists())
+    larger = sorted(
+        (int(p.stem.rsplit("-", 1)[1]), p)
+        for p in work.glob(f"codes-{key}-*.npy")
+        if int(p.stem.rsplit("-", 1)[1]) > n and (work / p.name.replace("codes-", "scales-", 1)).exists()
+    )
     if not codes_path.exists() and larger:
         size, path = larger[0]
         print(f"  the first {n} rows of the kept draw of {size}", file=sys.stderr, flush=True)
-        return (np.load(path, mmap_mode="r")[:n],
-                np.load(work / path.name.replace("codes-", "scales-", 1), mmap_mode="r")[:n])
+        return (
+            np.load(path, mmap_mode="r")[:n],
+            np.load(work / path.name.replace("codes-", "scales-", 1), mmap_mode="r")[:n],
+        )
     if not (codes_path.exists() and scales_path.exists()):
-        codes = np.lib.format.open_memmap(codes_path.with_suffix(".tmp"), mode="w+", dtype=np.uint8,
-                                          shape=(n, model.layout.nbytes))
+        codes = np.lib.format.open_memmap(
+            codes_path.with_suffix(".tmp"), mode="w+", dtype=np.uint8, shape=(n, model.layout.nbytes)
+        )
         scales = np.empty((n, model.layout.num_modules), np.float16)
         rng = np.random.default_rng(7)
         step = 1 << 18
         for a in range(0, n, step):
-            codes[a:a + step], scales[a:a + step] = model.sample(min(step, n - a), rng)
+            codes[a : a + step], scales[a : a + step] = model.sample(min(step, n - a), rng)
             print(f"  drawn {min(n, a + step)}/{n} rows", file=sys.stderr, flush=True)
         codes.flush()
         del codes
@@ -311,13 +336,22 @@ def build_store(demo: Path, path: Path, codes, scales, commit_rows: int) -> Dict
         i = np.arange(a, min(n, a + commit_rows))
         bucket = bucket_of(i)
         ids = [f"m{j:09d}" for j in i]
-        info = RowInfo(ids=ids, shards=["modelled"] * len(i), positions=i.tolist(), num_tokens=[128] * len(i),
-                       num_loss_tokens=[127] * len(i), truncated=[False] * len(i),
-                       metadata=[{"bucket": int(b), "topic": topics[b]} for b in bucket],
-                       content_sha256=[hashlib.sha256(x.encode()).hexdigest() for x in ids],
-                       content_kind=["tokens"] * len(i))
-        rows = build_rows(info, Encoded(signs=np.asarray(codes[a:a + len(i)]),
-                                        scales=np.asarray(scales[a:a + len(i)])), schema=stored.store.schema)
+        info = RowInfo(
+            ids=ids,
+            shards=["modelled"] * len(i),
+            positions=i.tolist(),
+            num_tokens=[128] * len(i),
+            num_loss_tokens=[127] * len(i),
+            truncated=[False] * len(i),
+            metadata=[{"bucket": int(b), "topic": topics[b]} for b in bucket],
+            content_sha256=[hashlib.sha256(x.encode()).hexdigest() for x in ids],
+            content_kind=["tokens"] * len(i),
+        )
+        rows = build_rows(
+            info,
+            Encoded(signs=np.asarray(codes[a : a + len(i)]), scales=np.asarray(scales[a : a + len(i)])),
+            schema=stored.store.schema,
+        )
         t = time.perf_counter()
         stored.store.add(rows)
         report = maybe_optimize(stored)
@@ -325,18 +359,26 @@ def build_store(demo: Path, path: Path, codes, scales, commit_rows: int) -> Dict
         if report is not None:
             optimizations.append(report.seconds)
         if (a // commit_rows) % 2000 == 0:
-            print(f"  {a + len(i)}/{n} rows, {len(commit_seconds)} commits, {time.perf_counter() - started:.0f}s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {a + len(i)}/{n} rows, {len(commit_seconds)} commits, {time.perf_counter() - started:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
     t = time.perf_counter()
     final = optimize(stored)
     final_seconds = time.perf_counter() - t
     c = np.array(commit_seconds)
-    return {"rows": n, "commits": len(c), "seconds": round(time.perf_counter() - started, 1),
-            "commit_ms_first_1000": round(1000 * float(np.median(c[:1000])), 1),
-            "commit_ms_last_1000": round(1000 * float(np.median(c[-1000:])), 1),
-            "optimizations_during_ingest": len(optimizations),
-            "optimize_seconds_during_ingest": round(float(np.sum(optimizations)), 1),
-            "final_optimize_seconds": round(final_seconds, 1), "fragments": final.fragments_after}
+    return {
+        "rows": n,
+        "commits": len(c),
+        "seconds": round(time.perf_counter() - started, 1),
+        "commit_ms_first_1000": round(1000 * float(np.median(c[:1000])), 1),
+        "commit_ms_last_1000": round(1000 * float(np.median(c[-1000:])), 1),
+        "optimizations_during_ingest": len(optimizations),
+        "optimize_seconds_during_ingest": round(float(np.sum(optimizations)), 1),
+        "final_optimize_seconds": round(final_seconds, 1),
+        "fragments": final.fragments_after,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,16 +447,23 @@ def measure(path: Path, args) -> Dict[str, Any]:
         e, s = float(np.median([r[0] for r in results])), float(np.median([r[1] for r in results]))
         qr = float(np.median([r[0] / warm[q][0] for q, r in enumerate(results)]))
         sr = float(np.median([r[1] / warm[q][1] for q, r in enumerate(results)]))
-        row = {"name": name, "query_ms": _ms(e), "search_ms": _ms(s), "query_ratio": round(qr, 2),
-               "search_ratio": round(sr, 3)}
+        row = {
+            "name": name,
+            "query_ms": _ms(e),
+            "search_ms": _ms(s),
+            "query_ratio": round(qr, 2),
+            "search_ratio": round(sr, 3),
+        }
         if share is not None:
             row["target_search_ratio"] = round(share + 0.1, 3)
         rows.append(row)
 
     record("warm unfiltered", warm)
-    filters = {0.001: lambda j: f"bucket = {j}",
-               1 / 100: lambda j: f"bucket >= {10 * j} AND bucket < {10 * j + 10}",
-               0.25: lambda j: f"topic = 't{j % 4}'" if j < 4 else f"topic IN ('t{j % 4}')"}
+    filters = {
+        0.001: lambda j: f"bucket = {j}",
+        1 / 100: lambda j: f"bucket >= {10 * j} AND bucket < {10 * j + 10}",
+        0.25: lambda j: f"topic = 't{j % 4}'" if j < 4 else f"topic IN ('t{j % 4}')",
+    }
     used = {share: 0 for share in filters}
 
     def fresh(share):
@@ -430,11 +479,11 @@ def measure(path: Path, args) -> Dict[str, Any]:
         label = "with scalar indexes" if indexed else "no scalar index"
         for share in filters:
             wheres = [fresh(share) for _ in range(min(nq, 4))]
-            record(f"filter {100 * share:g}% fresh, {label}", [search(q, where=w) for q, w in enumerate(wheres)],
-                   share)
+            record(f"filter {100 * share:g}% fresh, {label}", [search(q, where=w) for q, w in enumerate(wheres)], share)
             # The same queries again, each with the filter it ran with: the filter is now seen.
-            record(f"filter {100 * share:g}% repeated, {label}",
-                   [search(q, where=w) for q, w in enumerate(wheres)], share)
+            record(
+                f"filter {100 * share:g}% repeated, {label}", [search(q, where=w) for q, w in enumerate(wheres)], share
+            )
     # A batch of 64 queries: one pass, against 64 single searches.
     batch = min(64, len(texts))
     t = time.perf_counter()
@@ -442,10 +491,17 @@ def measure(path: Path, args) -> Dict[str, Any]:
     t1 = time.perf_counter()
     index.search(texts[:batch], many=True).limit(TOP).to_list(coordinates=Yb)
     t2 = time.perf_counter()
-    rows.append({"name": f"batch of {batch}", "query_ms": _ms(t2 - t), "search_ms": _ms(t2 - t1),
-                 "query_ratio": round((t2 - t) / e2e, 2), "search_ratio": round((t2 - t1) / base, 2),
-                 "search_per_query_ratio": round((t2 - t1) / batch / base, 3),
-                 "floor_ratio": round(batch_floor_seconds(batch, n, index.layout.nbytes) / base, 2)})
+    rows.append(
+        {
+            "name": f"batch of {batch}",
+            "query_ms": _ms(t2 - t),
+            "search_ms": _ms(t2 - t1),
+            "query_ratio": round((t2 - t) / e2e, 2),
+            "search_ratio": round((t2 - t1) / base, 2),
+            "search_per_query_ratio": round((t2 - t1) / batch / base, 3),
+            "floor_ratio": round(batch_floor_seconds(batch, n, index.layout.nbytes) / base, 2),
+        }
+    )
     out["figures"] = rows
     out["duplicates"] = duplicates(index, Y[:nq])
     if not args.no_candidates:
@@ -471,7 +527,7 @@ def duplicates(index, Y) -> Dict[str, Any]:
     distinct, closest, typical = [], [], []
     rng = np.random.default_rng(0)
     for q in range(Y.shape[0]):
-        hits = searcher.top_k(Y[q:q + 1], TOP, ("positive",))[0]["positive"]
+        hits = searcher.top_k(Y[q : q + 1], TOP, ("positive",))[0]["positive"]
         codes = np.asarray(hot.codes[np.sort(hot.positions(np.sort(hits.rowaddr)))])
         bits = np.unpackbits(codes, axis=1)
         d = (bits[:, None, :] != bits[None, :, :]).sum(2)
@@ -479,21 +535,36 @@ def duplicates(index, Y) -> Dict[str, Any]:
         closest.append(int(d[np.triu_indices(len(codes), 1)].min()))
         other = np.unpackbits(np.asarray(hot.codes[np.sort(rng.choice(hot.num_rows, 2 * TOP, replace=False))]), axis=1)
         typical.append(float(np.median((other[:TOP] != other[TOP:]).sum(1))))
-    return {"distinct_codes_in_top20": {"min": int(min(distinct)), "mean": round(float(np.mean(distinct)), 1)},
-            "closest_pair_hamming": {"min": int(min(closest)), "median": float(np.median(closest))},
-            "random_pair_hamming_median": float(np.median(typical)), "bits": int(index.layout.nbytes * 8)}
+    return {
+        "distinct_codes_in_top20": {"min": int(min(distinct)), "mean": round(float(np.mean(distinct)), 1)},
+        "closest_pair_hamming": {"min": int(min(closest)), "median": float(np.median(closest))},
+        "random_pair_hamming_median": float(np.median(typical)),
+        "bits": int(index.layout.nbytes * 8),
+    }
 
 
-def first_pass_line(z: float, side: str, exact_s: Sequence[float], cand_s: Sequence[float],
-                    recall: Sequence[float], scanned: Sequence[float]) -> Dict[str, Any]:
+def first_pass_line(
+    z: float,
+    side: str,
+    exact_s: Sequence[float],
+    cand_s: Sequence[float],
+    recall: Sequence[float],
+    scanned: Sequence[float],
+) -> Dict[str, Any]:
     """One line of the first pass's table from per-query figures: the exact scan's and the
     candidates' seconds, recall@20 and the share of rows scanned."""
     speedup = float(np.mean(exact_s)) / float(np.mean(cand_s))
-    return {"z": z, "side": side, "recall_at_20": round(float(np.mean(recall)), 4),
-            "min_recall": round(float(np.min(recall)), 2), "exact_search_ms": _ms(float(np.mean(exact_s))),
-            "candidates_search_ms": _ms(float(np.mean(cand_s))), "speedup": round(speedup, 2),
-            "rows_scanned_share": round(float(np.mean(scanned)), 4),
-            "meets_target": bool(np.mean(recall) >= TARGET_RECALL and speedup >= TARGET_SPEEDUP)}
+    return {
+        "z": z,
+        "side": side,
+        "recall_at_20": round(float(np.mean(recall)), 4),
+        "min_recall": round(float(np.min(recall)), 2),
+        "exact_search_ms": _ms(float(np.mean(exact_s))),
+        "candidates_search_ms": _ms(float(np.mean(cand_s))),
+        "speedup": round(speedup, 2),
+        "rows_scanned_share": round(float(np.mean(scanned)), 4),
+        "meets_target": bool(np.mean(recall) >= TARGET_RECALL and speedup >= TARGET_SPEEDUP),
+    }
 
 
 def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
@@ -506,9 +577,17 @@ def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
     build_s = time.perf_counter() - t
     C = max(TOP, int(args.candidate_share * n))
     cand = open_first_pass(index.stored, "bench")
-    out: Dict[str, Any] = {"build_s": round(build_s, 1), "C": C, "kind": "clustered",
-                           "params": {"scale_cells": cand.config.scale_cells, "lists": cand.config.lists,
-                                      "first_fraction": cand.config.first_fraction}, "lines": []}
+    out: Dict[str, Any] = {
+        "build_s": round(build_s, 1),
+        "C": C,
+        "kind": "clustered",
+        "params": {
+            "scale_cells": cand.config.scale_cells,
+            "lists": cand.config.lists,
+            "first_fraction": cand.config.first_fraction,
+        },
+        "lines": [],
+    }
     Y = index.query_coordinates(texts[:nq])
 
     def timed(builder, y):
@@ -518,14 +597,17 @@ def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
     # Untimed first runs: the copy's pages and the kernels' compiled forms are loaded once.
     for side in ("positive", "negative"):
         index.search("").limit(TOP).direction(side).candidates(C, faiss_name="bench").to_list(coordinates=Y[:1])
-    exact = {(side, q): timed(index.search("").limit(TOP).direction(side), Y[q:q + 1])
-             for side in ("positive", "negative") for q in range(nq)}
+    exact = {
+        (side, q): timed(index.search("").limit(TOP).direction(side), Y[q : q + 1])
+        for side in ("positive", "negative")
+        for q in range(nq)
+    }
     for z in args.z:
         cand.set_search(z=z)
         for side in ("positive", "negative"):
             cand_t, recall, scanned = [], [], []
             for q in range(nq):
-                y = Y[q:q + 1]
+                y = Y[q : q + 1]
                 seconds, ids = timed(index.search("").limit(TOP).direction(side).candidates(C, faiss_name="bench"), y)
                 cand_t.append(seconds)
                 recall.append(len(exact[(side, q)][1] & ids) / TOP)
@@ -551,11 +633,20 @@ def first_pass_only(codes, scales, layout, Y: np.ndarray, work: Path, args) -> D
     n = codes.shape[0]
     C = max(TOP, int(args.candidate_share * n))
     t = time.perf_counter()
-    cand = ClusteredFirstPass.from_codes(codes, scales, layout, ClusteredConfig(), work / f"first-pass-{n}",
-                                     name="bench")
-    out: Dict[str, Any] = {"rows": n, "build_s": round(time.perf_counter() - t, 1), "C": C,
-                           "params": {"scale_cells": cand.config.scale_cells, "lists": cand.config.lists,
-                                      "first_fraction": cand.config.first_fraction}, "lines": []}
+    cand = ClusteredFirstPass.from_codes(
+        codes, scales, layout, ClusteredConfig(), work / f"first-pass-{n}", name="bench"
+    )
+    out: Dict[str, Any] = {
+        "rows": n,
+        "build_s": round(time.perf_counter() - t, 1),
+        "C": C,
+        "params": {
+            "scale_cells": cand.config.scale_cells,
+            "lists": cand.config.lists,
+            "first_fraction": cand.config.first_fraction,
+        },
+        "lines": [],
+    }
 
     class CodesOnly:  # all ClusteredFirstPass.top_k reads of a store when no filter is given
         pass
@@ -568,8 +659,10 @@ def first_pass_only(codes, scales, layout, Y: np.ndarray, work: Path, args) -> D
     for side in ("positive", "negative"):
         largest = side == "positive"
         for q in range(nq):
-            seconds, _, top = best_of(lambda: scan_top_k(codes, scales, Y[q:q + 1], layout, TOP, largest=largest,
-                                                      smallest=not largest), args.repeat)
+            seconds, _, top = best_of(
+                lambda: scan_top_k(codes, scales, Y[q : q + 1], layout, TOP, largest=largest, smallest=not largest),
+                args.repeat,
+            )
             exact[(side, q)] = (seconds, set((top.largest_indices if largest else top.smallest_indices)[0].tolist()))
         print(f"  exact {side} done", file=sys.stderr, flush=True)
     for z in args.z:
@@ -577,7 +670,7 @@ def first_pass_only(codes, scales, layout, Y: np.ndarray, work: Path, args) -> D
         for side in ("positive", "negative"):
             times, recall, scanned = [], [], []
             for q in range(nq):
-                seconds, _, found = best_of(lambda: cand.top_k(stored, Y[q:q + 1], TOP, C, [side])[side], args.repeat)
+                seconds, _, found = best_of(lambda: cand.top_k(stored, Y[q : q + 1], TOP, C, [side])[side], args.repeat)
                 times.append(seconds)
                 recall.append(len(exact[(side, q)][1] & set(found[0][:TOP].astype(np.int64).tolist())) / TOP)
                 scanned.append(found[2] / n)
@@ -629,63 +722,96 @@ def render(result: Dict[str, Any]) -> str:
         ]
         for f in r["figures"]:
             target = f.get("target_search_ratio")
-            extra = (f"  per query {f['search_per_query_ratio']}, arithmetic floor {f['floor_ratio']}x"
-                     if "search_per_query_ratio" in f else "")
-            lines.append(f"{f['name']:44s} {f['query_ms']:9.1f} {f['query_ratio']:6.2f} {f['search_ms']:10.1f} "
-                         f"{f['search_ratio']:6.2f} {'' if target is None else f'<= {target:.2f}':>7s}{extra}")
+            extra = (
+                f"  per query {f['search_per_query_ratio']}, arithmetic floor {f['floor_ratio']}x"
+                if "search_per_query_ratio" in f
+                else ""
+            )
+            lines.append(
+                f"{f['name']:44s} {f['query_ms']:9.1f} {f['query_ratio']:6.2f} {f['search_ms']:10.1f} "
+                f"{f['search_ratio']:6.2f} {'' if target is None else f'<= {target:.2f}':>7s}{extra}"
+            )
         c = r.get("candidates")
         if c:
             lines.append(f"candidates ({c['kind']}, {c['params']}), built in {c['build_s']}s, C = {c['C']:,} rows:")
             for x in c["lines"]:
-                lines.append(f"  z={x['z']:<4} {x['side']:8s} recall@20 {x['recall_at_20']:.3f} "
-                             f"(min {x['min_recall']:.2f}), "
-                             f"{x['rows_scanned_share']:.1%} of rows scanned, {x['candidates_search_ms']} ms "
-                             f"({x['candidates_search_ms'] / r['warm_search_ms']:.3f}x the warm search) vs exact "
-                             f"{x['exact_search_ms']} ms: speed-up {x['speedup']}x  "
-                             f"{'ok' if x['meets_target'] else 'MISSED'} (target recall >= {TARGET_RECALL} at >= "
-                             f"{TARGET_SPEEDUP}x)")
+                lines.append(
+                    f"  z={x['z']:<4} {x['side']:8s} recall@20 {x['recall_at_20']:.3f} "
+                    f"(min {x['min_recall']:.2f}), "
+                    f"{x['rows_scanned_share']:.1%} of rows scanned, {x['candidates_search_ms']} ms "
+                    f"({x['candidates_search_ms'] / r['warm_search_ms']:.3f}x the warm search) vs exact "
+                    f"{x['exact_search_ms']} ms: speed-up {x['speedup']}x  "
+                    f"{'ok' if x['meets_target'] else 'MISSED'} (target recall >= {TARGET_RECALL} at >= "
+                    f"{TARGET_SPEEDUP}x)"
+                )
     return "\n".join(lines)
 
 
 def render_first_pass(runs: List[Dict[str, Any]]) -> str:
     lines = []
     for c in runs:
-        lines.append(f"first pass alone on {c['rows']:,} modelled rows (no table; {c['params']}), built in "
-                     f"{c['build_s']}s, C = {c['C']:,} rows:")
+        lines.append(
+            f"first pass alone on {c['rows']:,} modelled rows (no table; {c['params']}), built in "
+            f"{c['build_s']}s, C = {c['C']:,} rows:"
+        )
         for x in c["lines"]:
-            lines.append(f"  z={x['z']:<4} {x['side']:8s} recall@20 {x['recall_at_20']:.3f} "
-                         f"(min {x['min_recall']:.2f}), "
-                         f"{x['rows_scanned_share']:.1%} of rows scanned, {x['candidates_search_ms']} ms vs exact "
-                         f"{x['exact_search_ms']} ms: speed-up {x['speedup']}x  "
-                         f"{'ok' if x['meets_target'] else 'MISSED'} (target recall >= {TARGET_RECALL} at >= "
-                         f"{TARGET_SPEEDUP}x)")
+            lines.append(
+                f"  z={x['z']:<4} {x['side']:8s} recall@20 {x['recall_at_20']:.3f} "
+                f"(min {x['min_recall']:.2f}), "
+                f"{x['rows_scanned_share']:.1%} of rows scanned, {x['candidates_search_ms']} ms vs exact "
+                f"{x['exact_search_ms']} ms: speed-up {x['speedup']}x  "
+                f"{'ok' if x['meets_target'] else 'MISSED'} (target recall >= {TARGET_RECALL} at >= "
+                f"{TARGET_SPEEDUP}x)"
+            )
     return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--demo", type=Path, default=REPO / "default-index",
-                        help="a demo index (make demo INDEX=...): its model, projection and real codes")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--demo",
+        type=Path,
+        default=REPO / "default-index",
+        help="a demo index (make demo INDEX=...): its model, projection and real codes",
+    )
     parser.add_argument("--rows", default="1e6", help="store sizes, comma separated (1e7 is slow: see above)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/eogp-bench-client"),
-                        help="where the stores and the cached codes go")
+    parser.add_argument(
+        "--work", type=Path, default=Path("/tmp/eogp-bench-client"), help="where the stores and the cached codes go"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the stores (default: remove each after it)")
     parser.add_argument("--commit-rows", type=int, default=256)
     parser.add_argument("--groups", type=int, default=256, help="mixture groups of the code model")
     parser.add_argument("--rank", type=int, default=256, help="rank of the code model's within-group PCA")
     parser.add_argument("--queries", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3, help="timings per candidate query; the best counts")
-    parser.add_argument("--candidate-share", type=float, default=0.1,
-                        help="C, the candidates' budget of rows per side, as a share of the rows")
-    parser.add_argument("--z", type=float, nargs="+", default=[3.0, 4.0, 5.0],
-                        help="the clustered candidates' z values to measure (the index default is 4)")
+    parser.add_argument(
+        "--candidate-share",
+        type=float,
+        default=0.1,
+        help="C, the candidates' budget of rows per side, as a share of the rows",
+    )
+    parser.add_argument(
+        "--z",
+        type=float,
+        nargs="+",
+        default=[3.0, 4.0, 5.0],
+        help="the clustered candidates' z values to measure (the index default is 4)",
+    )
     parser.add_argument("--no-candidates", action="store_true")
-    parser.add_argument("--first-pass-only", action="store_true",
-                        help="only the clustered first pass against the exact kernel, straight over the drawn codes "
-                             "(no table, no AttributionIndex; first_pass_only)")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="torch threads of the measuring process (the query gradient; 1 on a shared machine)")
+    parser.add_argument(
+        "--first-pass-only",
+        action="store_true",
+        help="only the clustered first pass against the exact kernel, straight over the drawn codes "
+        "(no table, no AttributionIndex; first_pass_only)",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch threads of the measuring process (the query gradient; 1 on a shared machine)",
+    )
     add_json_argument(parser)
     parser.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)  # the fresh process
     args = parser.parse_args(argv)
@@ -717,18 +843,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fit_seconds = round(time.perf_counter() - t, 1)
         fitted.write_bytes(pickle.dumps((model, check, fit_seconds)))
     result: Dict[str, Any] = {
-        "model": {"description": (
-            f"mixture of {args.groups} low-rank (rank {args.rank}) Gaussians over per-module directions, joint with "
-            f"the log module norms, fitted to {len(X)} real projected gradients of the demo index "
-            f"({len(real['docs'])} documents, {len(real['w64'])} 64-token and {len(real['w32'])} 32-token windows; "
-            f"layout {len(layout.k)} modules x k={layout.k[0]}), every row a fresh draw, 1-bit encoded"),
-            "fit_seconds": fit_seconds},
-        "model_check": check, "commit_rows": args.commit_rows, "runs": []}
+        "model": {
+            "description": (
+                f"mixture of {args.groups} low-rank (rank {args.rank}) Gaussians over per-module directions, joint with "
+                f"the log module norms, fitted to {len(X)} real projected gradients of the demo index "
+                f"({len(real['docs'])} documents, {len(real['w64'])} 64-token and {len(real['w32'])} 32-token windows; "
+                f"layout {len(layout.k)} modules x k={layout.k[0]}), every row a fresh draw, 1-bit encoded"
+            ),
+            "fit_seconds": fit_seconds,
+        },
+        "model_check": check,
+        "commit_rows": args.commit_rows,
+        "runs": [],
+    }
     for n in [int(float(r)) for r in args.rows.split(",")]:
         print(f"{n} rows: drawing codes", file=sys.stderr, flush=True)
         codes, scales = modelled_codes(model, n, args.work, key)
         if args.first_pass_only:
-            Y = AttributionIndex.open(args.demo).query_coordinates(texts[:args.queries])
+            Y = AttributionIndex.open(args.demo).query_coordinates(texts[: args.queries])
             result.setdefault("first_pass", []).append(first_pass_only(codes, scales, layout, Y, args.work, args))
             print(render_first_pass(result["first_pass"]), file=sys.stderr, flush=True)
             write_json(str(args.work / "result-first-pass.json"), result)
@@ -736,10 +868,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         path = args.work / f"store-{n}"
         store = build_store(args.demo, path, codes, scales, args.commit_rows)
         print(f"{n} rows: measuring", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, "--measure", str(path), "--queries", str(args.queries), "--repeat",
-               str(args.repeat), "--candidate-share", str(args.candidate_share), "--torch-threads",
-               str(args.torch_threads), "--z", *[str(z) for z in args.z]] + \
-            (["--no-candidates"] if args.no_candidates else [])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--measure",
+            str(path),
+            "--queries",
+            str(args.queries),
+            "--repeat",
+            str(args.repeat),
+            "--candidate-share",
+            str(args.candidate_share),
+            "--torch-threads",
+            str(args.torch_threads),
+            "--z",
+            *[str(z) for z in args.z],
+        ] + (["--no-candidates"] if args.no_candidates else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"measuring failed:\n{proc.stderr[-4000:]}")

@@ -51,13 +51,19 @@ def _rows(rng: np.random.Generator, start: int, n: int, code_bytes: int) -> pa.T
     signs = rng.integers(0, 256, (n, code_bytes - 16), dtype=np.uint8)
     scales = rng.random((n, 8)).astype(np.float16)
     i = np.arange(start, start + n)
-    return pa.table({
-        "id": pa.array([f"doc-{j}" for j in i]), "signs": fixed_size_list(signs), "scales": fixed_size_list(scales),
-        "shard": pa.array(["part-0.jsonl"] * n), "position": pa.array(i, pa.int64()),
-        "num_tokens": pa.array(rng.integers(10, 512, n), pa.int32()),
-        "num_loss_tokens": pa.array(rng.integers(10, 512, n), pa.int32()),
-        "truncated": pa.array(np.zeros(n, bool)), "n_chars": pa.array(rng.integers(0, 10000, n), pa.int64()),
-    })
+    return pa.table(
+        {
+            "id": pa.array([f"doc-{j}" for j in i]),
+            "signs": fixed_size_list(signs),
+            "scales": fixed_size_list(scales),
+            "shard": pa.array(["part-0.jsonl"] * n),
+            "position": pa.array(i, pa.int64()),
+            "num_tokens": pa.array(rng.integers(10, 512, n), pa.int32()),
+            "num_loss_tokens": pa.array(rng.integers(10, 512, n), pa.int32()),
+            "truncated": pa.array(np.zeros(n, bool)),
+            "n_chars": pa.array(rng.integers(0, 10000, n), pa.int64()),
+        }
+    )
 
 
 def _probe(store: Store) -> tuple[float, float, float]:
@@ -91,15 +97,24 @@ def run(root: Path, *, commits: int, rows: int, code_bytes: int, every: int, com
         window += time.perf_counter() - t
         if (c + 1) % every == 0:
             opened, listed, counted = _probe(store)
-            line = {"commits": c + 1, "fragments": len(store.dataset().get_fragments()),
-                    "versions_dir": len(list(Path(store.path, "_versions").iterdir())),
-                    "ms_per_commit": 1e3 * window / every, "open_ms": opened, "fragments_ms": listed,
-                    "count_ms": counted, "compaction_s": compaction}
-            print(("  compacting " if compact else "  piling up  ") +
-                  f"{line['commits']:6d} commits  {line['fragments']:6d} fragments  "
-                  f"{line['versions_dir']:6d} manifests  {line['ms_per_commit']:6.1f} ms/commit  "
-                  f"open {opened:6.1f} ms  list fragments {listed:6.1f} ms  filtered count {counted:6.1f} ms"
-                  + (f"  (compactions so far {compaction:.1f} s)" if compact else ""), flush=True)
+            line = {
+                "commits": c + 1,
+                "fragments": len(store.dataset().get_fragments()),
+                "versions_dir": len(list(Path(store.path, "_versions").iterdir())),
+                "ms_per_commit": 1e3 * window / every,
+                "open_ms": opened,
+                "fragments_ms": listed,
+                "count_ms": counted,
+                "compaction_s": compaction,
+            }
+            print(
+                ("  compacting " if compact else "  piling up  ")
+                + f"{line['commits']:6d} commits  {line['fragments']:6d} fragments  "
+                f"{line['versions_dir']:6d} manifests  {line['ms_per_commit']:6.1f} ms/commit  "
+                f"open {opened:6.1f} ms  list fragments {listed:6.1f} ms  filtered count {counted:6.1f} ms"
+                + (f"  (compactions so far {compaction:.1f} s)" if compact else ""),
+                flush=True,
+            )
             lines.append(line)
             window = 0.0
     return lines
@@ -120,15 +135,32 @@ def main(argv=None) -> None:
     piled = compacted = None
     try:
         if args.only != "compacting":
-            piled = run(work / "piled", commits=args.commits, rows=args.rows, code_bytes=args.code_bytes,
-                        every=args.every, compact=False)
+            piled = run(
+                work / "piled",
+                commits=args.commits,
+                rows=args.rows,
+                code_bytes=args.code_bytes,
+                every=args.every,
+                compact=False,
+            )
         if args.only != "piling":
-            compacted = run(work / "compacted", commits=args.commits, rows=args.rows, code_bytes=args.code_bytes,
-                            every=args.every, compact=True)
+            compacted = run(
+                work / "compacted",
+                commits=args.commits,
+                rows=args.rows,
+                code_bytes=args.code_bytes,
+                every=args.every,
+                compact=True,
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    figures = {"commits": args.commits, "rows": args.rows, "code_bytes": args.code_bytes, "piling_up": piled,
-               "compacting": compacted}
+    figures = {
+        "commits": args.commits,
+        "rows": args.rows,
+        "code_bytes": args.code_bytes,
+        "piling_up": piled,
+        "compacting": compacted,
+    }
     if piled is None or compacted is None:
         write_json(args.json, figures)
         return
@@ -136,19 +168,27 @@ def main(argv=None) -> None:
     per = np.array([line["ms_per_commit"] for line in piled])
     slope, intercept = np.polyfit(frags, per, 1)
     target = 10_000_000 // args.rows
-    print(f"\npiling up: ms/commit ≈ {intercept:.1f} + {slope * 1000:.2f} per 1,000 fragments "
-          f"→ {intercept + slope * target:.0f} ms/commit at {target:,} fragments (10M rows, extrapolated); "
-          f"open {piled[-1]['open_ms']:.0f} ms at {piled[-1]['fragments']:,} fragments")
+    print(
+        f"\npiling up: ms/commit ≈ {intercept:.1f} + {slope * 1000:.2f} per 1,000 fragments "
+        f"→ {intercept + slope * target:.0f} ms/commit at {target:,} fragments (10M rows, extrapolated); "
+        f"open {piled[-1]['open_ms']:.0f} ms at {piled[-1]['fragments']:,} fragments"
+    )
     last = compacted[-1]
     total_piled = sum(line["ms_per_commit"] for line in piled) * args.every / 1e3
     total_compacted = sum(line["ms_per_commit"] for line in compacted) * args.every / 1e3
-    print(f"compacting: {last['fragments']} fragments and {last['versions_dir']} manifests after {last['commits']:,} "
-          f"commits; {last['ms_per_commit']:.1f} ms/commit in the last window; all commits {total_compacted:.0f} s "
-          f"(compactions {last['compaction_s']:.0f} s) vs {total_piled:.0f} s piling up = "
-          f"{total_compacted / total_piled:.2f}x")
-    figures.update(fit_ms_per_commit={"intercept": intercept, "per_1000_fragments": slope * 1000},
-                   extrapolated_fragments=target, extrapolated_ms_per_commit=intercept + slope * target,
-                   seconds_piling_up=total_piled, seconds_compacting=total_compacted)
+    print(
+        f"compacting: {last['fragments']} fragments and {last['versions_dir']} manifests after {last['commits']:,} "
+        f"commits; {last['ms_per_commit']:.1f} ms/commit in the last window; all commits {total_compacted:.0f} s "
+        f"(compactions {last['compaction_s']:.0f} s) vs {total_piled:.0f} s piling up = "
+        f"{total_compacted / total_piled:.2f}x"
+    )
+    figures.update(
+        fit_ms_per_commit={"intercept": intercept, "per_1000_fragments": slope * 1000},
+        extrapolated_fragments=target,
+        extrapolated_ms_per_commit=intercept + slope * target,
+        seconds_piling_up=total_piled,
+        seconds_compacting=total_compacted,
+    )
     write_json(args.json, figures)
 
 

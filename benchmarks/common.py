@@ -60,8 +60,9 @@ def peak_rss_bytes() -> int:
 def add_json_argument(parser: argparse.ArgumentParser) -> None:
     """``--json PATH``: also write the printed figures as one JSON object to ``PATH``; ``-``
     prints the JSON (in place of the closing table, where a script prints one)."""
-    parser.add_argument("--json", metavar="PATH", default=None,
-                        help="also write the figures as one JSON object to PATH ('-': print it)")
+    parser.add_argument(
+        "--json", metavar="PATH", default=None, help="also write the figures as one JSON object to PATH ('-': print it)"
+    )
 
 
 def _plain(value: Any) -> Any:

@@ -53,19 +53,36 @@ def main() -> None:
     runs = [("float32", {}), ("bfloat16", {}), ("bfloat16", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"})]
     results = []
     for dtype, env in runs:
-        done = subprocess.run([sys.executable, __file__, "--child", dtype], capture_output=True, text=True,
-                              env={**os.environ, **env}, check=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", dtype],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            check=True,
+        )
         results.append((dtype, env, json.loads(done.stdout.strip().splitlines()[-1])))
     base = results[0][2]["peak_gb"]
-    write_json(args.json, [{"dtype": dtype, "onednn_cache": "off" if env else "default", **result,
-                            "peak_over_float32": result["peak_gb"] / base} for dtype, env, result in results])
+    write_json(
+        args.json,
+        [
+            {
+                "dtype": dtype,
+                "onednn_cache": "off" if env else "default",
+                **result,
+                "peak_over_float32": result["peak_gb"] / base,
+            }
+            for dtype, env, result in results
+        ],
+    )
     if prints_json(args):
         return
     print(f"{'dtype':<10} {'oneDNN cache':<13} {'start':>8} {'peak':>8} {'peak / float32':>15}")
     for dtype, env, result in results:
         cache = "off" if env else "default"
-        print(f"{dtype:<10} {cache:<13} {result['start_gb']:>6.2f}GB {result['peak_gb']:>6.2f}GB "
-              f"{result['peak_gb'] / base:>15.2f}")
+        print(
+            f"{dtype:<10} {cache:<13} {result['start_gb']:>6.2f}GB {result['peak_gb']:>6.2f}GB "
+            f"{result['peak_gb'] / base:>15.2f}"
+        )
 
 
 if __name__ == "__main__":

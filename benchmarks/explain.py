@@ -57,22 +57,36 @@ def main() -> None:
     bare = GradientCapture(index.model, names, lambda name, a, g: g.sum(dim=1))
     projected = GradientCapture(index.model, names, index.projection.transform)
     pad = pad_token_id(index.tokenizer)
-    show(f"index {args.index}: {index.info()['rows']} rows, {len(names)} modules, "
-          f"{index.manifest.bytes_per_example} code bytes per row; top {args.top}; 2 threads, best of 3")
+    show(
+        f"index {args.index}: {index.info()['rows']} rows, {len(names)} modules, "
+        f"{index.manifest.bytes_per_example} code bytes per row; top {args.top}; 2 threads, best of 3"
+    )
     for query in queries:
         hits = index.top_influential(query, k=args.top).column("id").to_pylist()
         docs = [index.stored.document(i, index.tokenizer) for i in hits]
         tokens = sum(len(d.input_ids) for d in docs)
         t_query = best_of(lambda: index.top_influential(query, k=args.top))
         t_explain = best_of(lambda: index.explain_many(query, hits))
-        t_bare = best_of(lambda: project_examples(bare, docs, batch_size=len(docs), pad_token_id=pad,
-                                                  device=index.device))
-        t_proj = best_of(lambda: project_examples(projected, docs, batch_size=len(docs), pad_token_id=pad,
-                                                  device=index.device))
+        t_bare = best_of(
+            lambda: project_examples(bare, docs, batch_size=len(docs), pad_token_id=pad, device=index.device)
+        )
+        t_proj = best_of(
+            lambda: project_examples(projected, docs, batch_size=len(docs), pad_token_id=pad, device=index.device)
+        )
         label = (query.get("text") or json.dumps(query))[:60].replace("\n", " ")
-        figures["queries"].append({"query": label, "documents": len(docs), "tokens": tokens, "query_seconds": t_query,
-                                   "explain_seconds": t_explain, "bare_seconds": t_bare, "projected_seconds": t_proj,
-                                   "explain_over_bare": t_explain / t_bare, "explain_over_projected": t_explain / t_proj})
+        figures["queries"].append(
+            {
+                "query": label,
+                "documents": len(docs),
+                "tokens": tokens,
+                "query_seconds": t_query,
+                "explain_seconds": t_explain,
+                "bare_seconds": t_bare,
+                "projected_seconds": t_proj,
+                "explain_over_bare": t_explain / t_bare,
+                "explain_over_projected": t_explain / t_proj,
+            }
+        )
         show(f"\nquery {label!r}: {len(docs)} documents, {tokens} tokens")
         show(f"  top-{args.top} query           {t_query * 1e3:8.1f} ms")
         show(f"  explain_many({len(docs)})        {t_explain * 1e3:8.1f} ms")
@@ -81,10 +95,15 @@ def main() -> None:
     if "text" in (index.store.schema.names if index.store.schema is not None else []):
         texts = index.store.read(["text"]).column("text").to_pylist()
         sizes = [len(t.encode("utf-8")) for t in texts if t is not None]
-        show(f"\nstored text: {sum(sizes) / max(1, len(sizes)):.0f} bytes per row on average (max {max(sizes)}), "
-              f"{len(texts) - len(sizes)} rows over the cap; codes: {index.manifest.bytes_per_example} bytes per row")
-        figures["stored_text"] = {"mean_bytes": sum(sizes) / max(1, len(sizes)), "max_bytes": max(sizes),
-                                  "rows_over_cap": len(texts) - len(sizes)}
+        show(
+            f"\nstored text: {sum(sizes) / max(1, len(sizes)):.0f} bytes per row on average (max {max(sizes)}), "
+            f"{len(texts) - len(sizes)} rows over the cap; codes: {index.manifest.bytes_per_example} bytes per row"
+        )
+        figures["stored_text"] = {
+            "mean_bytes": sum(sizes) / max(1, len(sizes)),
+            "max_bytes": max(sizes),
+            "rows_over_cap": len(texts) - len(sizes),
+        }
     figures.update(rows=index.info()["rows"], modules=len(names), code_bytes=index.manifest.bytes_per_example)
     common.write_json(args.json, figures)
 

@@ -88,8 +88,9 @@ def grow(source: Path, out: Path, rows: int, commit: int) -> None:
         flips = np.packbits(rng.random((n, signs.shape[1] * 8)) < 0.2, axis=1, bitorder="little")
         cols = {name: base.column(name).take(pa.array(src_i)) for name in names if name not in ("signs", "scales")}
         cols["signs"] = fixed_size_list(signs[src_i] ^ (flips & valid))
-        cols["scales"] = fixed_size_list((scales[src_i] * np.exp(0.3 * rng.standard_normal((n, scales.shape[1]))))
-                                         .astype(np.float16))
+        cols["scales"] = fixed_size_list(
+            (scales[src_i] * np.exp(0.3 * rng.standard_normal((n, scales.shape[1])))).astype(np.float16)
+        )
         cols["id"] = pa.array([f"row-{j}" for j in i])
         cols["position"] = pa.array(i, pa.int64())
         if "n_chars" in cols:
@@ -100,8 +101,10 @@ def grow(source: Path, out: Path, rows: int, commit: int) -> None:
             cols["qualname"] = pa.array([f"q{j % 100000}" for j in i])
         dst.store.add(pa.table(cols).select(names))
     fragments = dst.store.fragment_count()
-    print(f"grew {out} to {rows:,} rows in {fragments:,} commits of {commit} rows: {time.perf_counter() - started:.0f} s",
-          flush=True)
+    print(
+        f"grew {out} to {rows:,} rows in {fragments:,} commits of {commit} rows: {time.perf_counter() - started:.0f} s",
+        flush=True,
+    )
 
 
 def _valid_bits(layout):
@@ -184,20 +187,33 @@ def measure(path: Path, repeat: int, torch_threads: int, what: str) -> None:
             fresh.append(search(unseen.format(j=counter, d=counter % 10)))
             again.append(search(repeated))
         best = lambda runs, k: min(r[k] for r in runs)  # noqa: E731
-        lines.append({"filter": name, "fraction": fraction, "target": fraction + 0.1,
-                      "unfiltered_ms": best(base, 0), "unseen_ms": best(fresh, 0), "repeated_ms": best(again, 0),
-                      "unseen_x": best(fresh, 0) / best(base, 0), "repeated_x": best(again, 0) / best(base, 0),
-                      "unseen_cpu_x": best(fresh, 1) / best(base, 1), "repeated_cpu_x": best(again, 1) / best(base, 1)})
+        lines.append(
+            {
+                "filter": name,
+                "fraction": fraction,
+                "target": fraction + 0.1,
+                "unfiltered_ms": best(base, 0),
+                "unseen_ms": best(fresh, 0),
+                "repeated_ms": best(again, 0),
+                "unseen_x": best(fresh, 0) / best(base, 0),
+                "repeated_x": best(again, 0) / best(base, 0),
+                "unseen_cpu_x": best(fresh, 1) / best(base, 1),
+                "repeated_cpu_x": best(again, 1) / best(base, 1),
+            }
+        )
     out["filters"] = lines
     rng = np.random.default_rng(0)
-    y64 = (np.repeat(y, 64, axis=0) + rng.standard_normal((64, y.shape[1])).astype(np.float32)
-           * np.abs(y).mean())
+    y64 = np.repeat(y, 64, axis=0) + rng.standard_normal((64, y.shape[1])).astype(np.float32) * np.abs(y).mean()
     one, batch = [], []
     for _ in range(max(3, repeat // 2)):
         one.append(search())
         batch.append(search(coords=y64))
-    out["batch"] = {"one_ms": min(r[0] for r in one), "batch_ms": min(r[0] for r in batch),
-                    "one_cpu_ms": min(r[1] for r in one), "batch_cpu_ms": min(r[1] for r in batch)}
+    out["batch"] = {
+        "one_ms": min(r[0] for r in one),
+        "batch_ms": min(r[0] for r in batch),
+        "one_cpu_ms": min(r[1] for r in one),
+        "batch_cpu_ms": min(r[1] for r in batch),
+    }
     layout = index.layout
     products = 64 * rows * layout.nbytes * 8  # int8 x 1-bit products of the batch pre-scan
     out["batch"]["floor_cpu_ms_at_3ghz"] = products / 64 / 3e9 * 1e3
@@ -212,9 +228,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--commit", type=int, default=256, help="rows per commit (eogp ingest's default)")
     parser.add_argument("--repeat", type=int, default=9)
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="threads of the query's gradient pass (1: on shared cores, OpenMP spinning "
-                             "otherwise dominates the end-to-end times)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="threads of the query's gradient pass (1: on shared cores, OpenMP spinning "
+        "otherwise dominates the end-to-end times)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="keep the grown index here (reused if present)")
     parser.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--what", default="all", help=argparse.SUPPRESS)
@@ -235,8 +255,18 @@ def main(argv=None) -> None:
             print(f"eogp optimize: {report.describe()}; steps {report.steps}", flush=True)
 
         def child(what):
-            cmd = [sys.executable, __file__, "--measure", str(path), "--what", what, "--repeat", str(args.repeat),
-                   "--torch-threads", str(args.torch_threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--measure",
+                str(path),
+                "--what",
+                what,
+                "--repeat",
+                str(args.repeat),
+                "--torch-threads",
+                str(args.torch_threads),
+            ]
             done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
             if done.returncode:
                 raise SystemExit(done.stderr[-3000:])
@@ -246,30 +276,50 @@ def main(argv=None) -> None:
         firsts = [child("first") for _ in range(3)]
         run = child("all")
         print(f"\n{run['rows']:,} rows; load average {os.getloadavg()[0]:.1f}; torch threads {args.torch_threads}")
-        print(f"import eogp_index.client {min(o['import_ms'] for o in opened):.0f} ms; model load "
-              f"{min(o['model_load_ms'] for o in opened):.0f} ms; open (model given) "
-              f"{min(o['open_ms'] for o in opened):.0f} ms (runs: {[round(o['open_ms']) for o in opened]}), then the "
-              f"first query {min(o['first_query_model_given_ms'] for o in opened):.0f} ms "
-              f"(runs: {[round(o['first_query_model_given_ms']) for o in opened]})")
-        print(f"open loading the model {min(f['open_with_model_ms'] for f in firsts):.0f} ms; first query "
-              f"{min(f['first_query_ms'] for f in firsts):.0f} ms (runs: {[round(f['first_query_ms']) for f in firsts]})")
+        print(
+            f"import eogp_index.client {min(o['import_ms'] for o in opened):.0f} ms; model load "
+            f"{min(o['model_load_ms'] for o in opened):.0f} ms; open (model given) "
+            f"{min(o['open_ms'] for o in opened):.0f} ms (runs: {[round(o['open_ms']) for o in opened]}), then the "
+            f"first query {min(o['first_query_model_given_ms'] for o in opened):.0f} ms "
+            f"(runs: {[round(o['first_query_model_given_ms']) for o in opened]})"
+        )
+        print(
+            f"open loading the model {min(f['open_with_model_ms'] for f in firsts):.0f} ms; first query "
+            f"{min(f['first_query_ms'] for f in firsts):.0f} ms (runs: {[round(f['first_query_ms']) for f in firsts]})"
+        )
         base = min(line["unfiltered_ms"] for line in run["filters"])
-        print(f"warm query end to end {run['warm_query_ms']:.1f} ms = {run['warm_query_ms'] / base:.2f}x the search; "
-              f"search (unfiltered) {base:.1f} ms")
-        print(f"{'filter':14s} {'f':>7s} {'target':>7s} {'unseen':>18s} {'repeated':>18s} {'unseen cpu':>10s} "
-              f"{'rep. cpu':>9s}")
+        print(
+            f"warm query end to end {run['warm_query_ms']:.1f} ms = {run['warm_query_ms'] / base:.2f}x the search; "
+            f"search (unfiltered) {base:.1f} ms"
+        )
+        print(
+            f"{'filter':14s} {'f':>7s} {'target':>7s} {'unseen':>18s} {'repeated':>18s} {'unseen cpu':>10s} "
+            f"{'rep. cpu':>9s}"
+        )
         for line in run["filters"]:
-            print(f"{line['filter']:14s} {line['fraction']:7.4f} {line['target']:6.3f}x "
-                  f"{line['unseen_ms']:8.1f} ms {line['unseen_x']:6.3f}x {line['repeated_ms']:8.1f} ms "
-                  f"{line['repeated_x']:6.3f}x {line['unseen_cpu_x']:9.3f}x {line['repeated_cpu_x']:8.3f}x")
+            print(
+                f"{line['filter']:14s} {line['fraction']:7.4f} {line['target']:6.3f}x "
+                f"{line['unseen_ms']:8.1f} ms {line['unseen_x']:6.3f}x {line['repeated_ms']:8.1f} ms "
+                f"{line['repeated_x']:6.3f}x {line['unseen_cpu_x']:9.3f}x {line['repeated_cpu_x']:8.3f}x"
+            )
         b = run["batch"]
-        print(f"batch of 64: {b['batch_ms']:.0f} ms = {b['batch_ms'] / b['one_ms']:.1f}x one query's search (wall); "
-              f"CPU {b['batch_cpu_ms']:.0f} ms = {b['batch_cpu_ms'] / b['one_cpu_ms']:.1f}x; arithmetic floor of the "
-              f"batch pre-scan {b['floor_cpu_ms_at_3ghz']:.0f} CPU-ms at 3 GHz = "
-              f"{b['floor_cpu_ms_at_3ghz'] / b['one_cpu_ms']:.1f}x one query's CPU")
+        print(
+            f"batch of 64: {b['batch_ms']:.0f} ms = {b['batch_ms'] / b['one_ms']:.1f}x one query's search (wall); "
+            f"CPU {b['batch_cpu_ms']:.0f} ms = {b['batch_cpu_ms'] / b['one_cpu_ms']:.1f}x; arithmetic floor of the "
+            f"batch pre-scan {b['floor_cpu_ms_at_3ghz']:.0f} CPU-ms at 3 GHz = "
+            f"{b['floor_cpu_ms_at_3ghz'] / b['one_cpu_ms']:.1f}x one query's CPU"
+        )
         print(f"peak RSS of the measuring process {run['peak_rss_mib']:.0f} MiB")
-        write_json(args.json, {"load_average": os.getloadavg()[0], "torch_threads": args.torch_threads,
-                               "open": opened, "first": firsts, **run})
+        write_json(
+            args.json,
+            {
+                "load_average": os.getloadavg()[0],
+                "torch_threads": args.torch_threads,
+                "open": opened,
+                "first": firsts,
+                **run,
+            },
+        )
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

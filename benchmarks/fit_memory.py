@@ -48,8 +48,12 @@ CORPUS = ROOT / "examples" / "default" / "corpus" / "train.jsonl.gz"
 QUERIES = ROOT / "examples" / "default" / "queries.jsonl"
 BATCH = 8
 #: The plan's memory keys beside the measured phases.
-PHASES = {"fit_curvature": "_curvature", "fit_first_stage": "_first_stage_pass", "fit_pca": "_fit_modules",
-          "fit_save": "save_projection"}
+PHASES = {
+    "fit_curvature": "_curvature",
+    "fit_first_stage": "_first_stage_pass",
+    "fit_pca": "_fit_modules",
+    "fit_save": "save_projection",
+}
 
 
 def hwm() -> int:
@@ -126,8 +130,11 @@ def tensor_peaks(prof, marks) -> dict:
     for size, op in at_peak.values():
         by_op[op] = by_op.get(op, 0) + size
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:8]
-    return {"peak_gb": peak_bytes / 1e9, "stretches_gb": {k: v / 1e9 for k, v in stretches.items()},
-            "at_peak_by_op_gb": {op: b / 1e9 for op, b in top}}
+    return {
+        "peak_gb": peak_bytes / 1e9,
+        "stretches_gb": {k: v / 1e9 for k, v in stretches.items()},
+        "at_peak_by_op_gb": {op: b / 1e9 for op, b in top},
+    }
 
 
 def loss_bytes() -> None:
@@ -144,8 +151,11 @@ def loss_bytes() -> None:
 
     def upcast(logits, labels):
         shifted = logits[:, :-1].float()
-        return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels[:, 1:].reshape(-1),
-                               reduction="none").view(labels[:, 1:].shape).sum(1)
+        return (
+            F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels[:, 1:].reshape(-1), reduction="none")
+            .view(labels[:, 1:].shape)
+            .sum(1)
+        )
 
     batch, tokens, vocab = 8, 128, 50257  # GPT-2's vocabulary
     print(f"loss over {batch} x {tokens} tokens x {vocab:,} logits: bytes held per logit element beyond the logits")
@@ -166,8 +176,16 @@ def loss_bytes() -> None:
 def _gpt2(tokenizer, layers: int, max_tokens: int, width: int):
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=len(tokenizer), n_positions=max_tokens, n_embd=width, n_layer=layers,
-                      n_head=width // 64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=max_tokens,
+        n_embd=width,
+        n_layer=layers,
+        n_head=width // 64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
 
 
 def _model(tokenizer, layers: int, max_tokens: int, width: int, dtype: str):
@@ -217,36 +235,59 @@ def child(args: argparse.Namespace) -> None:
                     return inner(*a, **kw)
                 finally:
                     mark(f"after {key}")
+
             setattr(owner, attr, wrapper)
 
         for key, attr in PHASES.items():
             measured(projection_file if attr == "save_projection" else fitting, attr, key)
         mark("sampling the fitting set")
-        examples, _ = sample_shards([CORPUS], RecordSpec(max_tokens=args.max_tokens), tokenizer, args.pca_examples,
-                                    seed=0)
-        AttributionIndex.create(args.out, model, tokenizer, examples, model_name="random-gpt2",
-                                projection=ProjectionConfig(k=args.k, m=args.m, num_fit_examples=args.pca_examples),
-                                curvature=CurvatureConfig(num_examples=args.curvature_examples, batch_size=BATCH),
-                                gradients=gradients, mode="overwrite", progress=False, dtype=args.dtype[0])
+        examples, _ = sample_shards(
+            [CORPUS], RecordSpec(max_tokens=args.max_tokens), tokenizer, args.pca_examples, seed=0
+        )
+        AttributionIndex.create(
+            args.out,
+            model,
+            tokenizer,
+            examples,
+            model_name="random-gpt2",
+            projection=ProjectionConfig(k=args.k, m=args.m, num_fit_examples=args.pca_examples),
+            curvature=CurvatureConfig(num_examples=args.curvature_examples, batch_size=BATCH),
+            gradients=gradients,
+            mode="overwrite",
+            progress=False,
+            dtype=args.dtype[0],
+        )
     elif args.child == "ingest":
         examples, _ = sample_shards([CORPUS], RecordSpec(max_tokens=args.max_tokens), tokenizer, args.ingest, seed=1)
         index = AttributionIndex.open(args.out, model=model, tokenizer=tokenizer, gradients=gradients)
         index.ingest(examples, progress=False)
     else:
         index = AttributionIndex.open(args.out, model=model, tokenizer=tokenizer, gradients=gradients)
-        queries = [json.loads(line)["text"] for line in QUERIES.read_text().splitlines()[:args.queries]]
+        queries = [json.loads(line)["text"] for line in QUERIES.read_text().splitlines()[: args.queries]]
         for query in queries:
             index.top_influential(query, k=20)
     seconds = time.perf_counter() - start
     mark("end")
-    result = {"run": args.child, "layers": args.layers, "k": args.k, "width": args.width[0],
-              "dtype": args.dtype[0], "seconds": seconds, "modules": 4 * args.layers}
+    result = {
+        "run": args.child,
+        "layers": args.layers,
+        "k": args.k,
+        "width": args.width[0],
+        "dtype": args.dtype[0],
+        "seconds": seconds,
+        "modules": 4 * args.layers,
+    }
     if profiler is not None:
         profiler.__exit__(None, None, None)
         result["tensors"] = tensor_peaks(profiler, MARKS)
     else:
-        result.update({"peak_rss_gb": peak() / 1e9, "process_gb": process / 1e9,
-                       "phases_gb": {k: v / 1e9 for k, v in STRETCHES.items()}})
+        result.update(
+            {
+                "peak_rss_gb": peak() / 1e9,
+                "process_gb": process / 1e9,
+                "phases_gb": {k: v / 1e9 for k, v in STRETCHES.items()},
+            }
+        )
     print(json.dumps(result))
 
 
@@ -260,28 +301,63 @@ def plan_for(layers: int, k: int, width: int, dtype: str, args: argparse.Namespa
 
     config = _gpt2(AutoTokenizer.from_pretrained(MODEL), layers, args.max_tokens, width)
     projection = ProjectionConfig(k=k, m=args.m, num_fit_examples=args.pca_examples)
-    return make_plan(shape_of_config(config, name="random-gpt2"), projection,
-                     curvature_examples=args.curvature_examples, batch_size=BATCH, max_tokens=args.max_tokens,
-                     documents=args.ingest, dtype=dtype, device="cpu")
+    return make_plan(
+        shape_of_config(config, name="random-gpt2"),
+        projection,
+        curvature_examples=args.curvature_examples,
+        batch_size=BATCH,
+        max_tokens=args.max_tokens,
+        documents=args.ingest,
+        dtype=dtype,
+        device="cpu",
+    )
 
 
-def run_child(kind: str, layers: int, k: int, width: int, dtype: str, out: Path, args: argparse.Namespace,
-              tensors: bool = False) -> dict:
-    command = [sys.executable, __file__, "--child", kind, "--layers", str(layers), "--k", str(k),
-               "--width", str(width), "--dtype", dtype,
-               "--max-tokens", str(args.max_tokens), "--m", str(args.m), "--pca-examples", str(args.pca_examples),
-               "--curvature-examples", str(args.curvature_examples),
-               "--ingest", str(args.ingest), "--queries", str(args.queries), "--out", str(out)]
+def run_child(
+    kind: str, layers: int, k: int, width: int, dtype: str, out: Path, args: argparse.Namespace, tensors: bool = False
+) -> dict:
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--layers",
+        str(layers),
+        "--k",
+        str(k),
+        "--width",
+        str(width),
+        "--dtype",
+        dtype,
+        "--max-tokens",
+        str(args.max_tokens),
+        "--m",
+        str(args.m),
+        "--pca-examples",
+        str(args.pca_examples),
+        "--curvature-examples",
+        str(args.curvature_examples),
+        "--ingest",
+        str(args.ingest),
+        "--queries",
+        str(args.queries),
+        "--out",
+        str(out),
+    ]
     if tensors:
         command.append("--tensors")
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{kind} of {layers} layers, k={k} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    what = (f"tensor peak {result['tensors']['peak_gb']:.2f} GB" if tensors
-            else f"peak RSS {result['peak_rss_gb']:.2f} GB")
-    print(f"width {width}, {layers} layers, k = {k}, {dtype}, {kind}: {what} in {result['seconds']:.0f}s",
-          file=sys.stderr, flush=True)
+    what = (
+        f"tensor peak {result['tensors']['peak_gb']:.2f} GB" if tensors else f"peak RSS {result['peak_rss_gb']:.2f} GB"
+    )
+    print(
+        f"width {width}, {layers} layers, k = {k}, {dtype}, {kind}: {what} in {result['seconds']:.0f}s",
+        file=sys.stderr,
+        flush=True,
+    )
     return result
 
 
@@ -300,14 +376,25 @@ def lines_of(r: dict) -> list:
             continue
         run = r[kind]
         tensors = run.get("tensors", {})
-        out.append((kind, run["peak_rss_gb"] - run["process_gb"], tensors.get("peak_gb"),
-                    (memory[key]["bytes"] - PROCESS_BYTES) / 1e9))
+        out.append(
+            (
+                kind,
+                run["peak_rss_gb"] - run["process_gb"],
+                tensors.get("peak_gb"),
+                (memory[key]["bytes"] - PROCESS_BYTES) / 1e9,
+            )
+        )
         if kind == "fit":
             for phase in PHASES:
                 rss = run["phases_gb"].get(phase)
-                out.append((f"  {phase}", None if rss is None else rss - run["process_gb"],
-                            tensors.get("stretches_gb", {}).get(phase),
-                            (memory[phase]["bytes"] - PROCESS_BYTES) / 1e9))
+                out.append(
+                    (
+                        f"  {phase}",
+                        None if rss is None else rss - run["process_gb"],
+                        tensors.get("stretches_gb", {}).get(phase),
+                        (memory[phase]["bytes"] - PROCESS_BYTES) / 1e9,
+                    )
+                )
     return out
 
 
@@ -323,19 +410,39 @@ def summary(results: list) -> dict:
                     factors[what].append(max(planned / measured, measured / planned))
     ratios = []
     for r in results:
-        base = next((o for o in results if o["dtype"] == "float32" and r["dtype"] != "float32"
-                     and (o["width"], o["k"], o["layers"]) == (r["width"], r["k"], r["layers"])), None)
+        base = next(
+            (
+                o
+                for o in results
+                if o["dtype"] == "float32"
+                and r["dtype"] != "float32"
+                and (o["width"], o["k"], o["layers"]) == (r["width"], r["k"], r["layers"])
+            ),
+            None,
+        )
         if base is None:
             continue
         mine, theirs = lines_of(r), lines_of(base)
         for (name, rss, tensors, planned), (_, rss0, tensors0, planned0) in zip(mine, theirs):
             if name.startswith(" "):
                 continue
-            ratios.append({"width": r["width"], "layers": r["layers"], "k": r["k"], "dtype": r["dtype"], "run": name,
-                           "rss": rss / rss0, "tensors": tensors / tensors0 if tensors and tensors0 else None,
-                           "plan": planned / planned0})
-    return {"worst_factor_rss": max(factors["rss"], default=None),
-            "worst_factor_tensors": max(factors["tensors"], default=None), "dtype_ratios": ratios}
+            ratios.append(
+                {
+                    "width": r["width"],
+                    "layers": r["layers"],
+                    "k": r["k"],
+                    "dtype": r["dtype"],
+                    "run": name,
+                    "rss": rss / rss0,
+                    "tensors": tensors / tensors0 if tensors and tensors0 else None,
+                    "plan": planned / planned0,
+                }
+            )
+    return {
+        "worst_factor_rss": max(factors["rss"], default=None),
+        "worst_factor_tensors": max(factors["tensors"], default=None),
+        "dtype_ratios": ratios,
+    }
 
 
 def main() -> None:
@@ -343,8 +450,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[64], help="k values (0: the plan's k_max)")
     parser.add_argument("--layers", type=int, nargs="+", default=[2])
     parser.add_argument("--width", type=int, nargs="+", default=[256], help="hidden sizes (the issue's: 256 768)")
-    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
-                        choices=["float32", "bfloat16", "float16"], help="the model's precision in every run")
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "float16"],
+        help="the model's precision in every run",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--m", type=int, default=65536, help="first-stage coordinates per module")
     parser.add_argument("--pca-examples", type=int, default=512, help="PCA fitting examples")
@@ -352,11 +464,17 @@ def main() -> None:
     parser.add_argument("--ingest", type=int, default=256, help="documents ingested after each fit")
     parser.add_argument("--queries", type=int, default=8, help="queries run after the ingest")
     parser.add_argument("--no-ingest", action="store_true", help="measure the fits only")
-    parser.add_argument("--no-tensors", action="store_true",
-                        help="skip the profiled runs that measure live tensor bytes (each run is then made once)")
+    parser.add_argument(
+        "--no-tensors",
+        action="store_true",
+        help="skip the profiled runs that measure live tensor bytes (each run is then made once)",
+    )
     add_json_argument(parser)
-    parser.add_argument("--loss", action="store_true",
-                        help="only print the bytes per logit element the loss holds, against the plan's figure")
+    parser.add_argument(
+        "--loss",
+        action="store_true",
+        help="only print the bytes per logit element the loss holds, against the plan's figure",
+    )
     parser.add_argument("--child", choices=("fit", "ingest", "query"), help=argparse.SUPPRESS)
     parser.add_argument("--tensors", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -381,8 +499,9 @@ def main() -> None:
                 row[kind] = run_child(kind, layers, k, width, dtype, out, args)
             if not args.no_tensors:  # again, profiled: the fit into a second directory, ingest and query into it
                 for kind in runs:
-                    row[kind]["tensors"] = run_child(kind, layers, k, width, dtype, out.with_name(out.name + "-t"),
-                                                     args, tensors=True)["tensors"]
+                    row[kind]["tensors"] = run_child(
+                        kind, layers, k, width, dtype, out.with_name(out.name + "-t"), args, tensors=True
+                    )["tensors"]
             row["plan"] = plan_for(layers, k, width, dtype, args)
             results.append(row)
             shutil.rmtree(out, ignore_errors=True)
@@ -390,10 +509,19 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     totals = summary(results)
-    figures = {"settings": {"m": args.m, "pca_examples": args.pca_examples, "batch": BATCH,
-                            "curvature_examples": args.curvature_examples, "max_tokens": args.max_tokens,
-                            "ingest": args.ingest, "queries": args.queries},
-               "runs": results, "summary": totals}
+    figures = {
+        "settings": {
+            "m": args.m,
+            "pca_examples": args.pca_examples,
+            "batch": BATCH,
+            "curvature_examples": args.curvature_examples,
+            "max_tokens": args.max_tokens,
+            "ingest": args.ingest,
+            "queries": args.queries,
+        },
+        "runs": results,
+        "summary": totals,
+    }
     write_json(args.json, figures)
     if prints_json(args):
         return
@@ -402,14 +530,20 @@ def main() -> None:
 
 def report(results: list, totals: dict, args: argparse.Namespace, ks: list) -> None:
     """The figures as text: a row per run and fit phase, then the worst factors and dtype ratios."""
-    print(f"m = {args.m:,} per module, {args.pca_examples} PCA fitting examples, {args.curvature_examples} curvature examples, "
-          f"max {args.max_tokens} tokens, batch {BATCH}; ingest of {args.ingest} documents and {args.queries} queries "
-          "into the fitted index; each run in its own process")
-    print("rss: peak RSS (VmHWM) above the process baseline (imports, no model); tensors: peak of live tensor bytes "
-          "(torch's CPU allocator, a profiled run of its own); plan: eogp plan's estimate less its process term")
+    print(
+        f"m = {args.m:,} per module, {args.pca_examples} PCA fitting examples, {args.curvature_examples} curvature examples, "
+        f"max {args.max_tokens} tokens, batch {BATCH}; ingest of {args.ingest} documents and {args.queries} queries "
+        "into the fitted index; each run in its own process"
+    )
+    print(
+        "rss: peak RSS (VmHWM) above the process baseline (imports, no model); tensors: peak of live tensor bytes "
+        "(torch's CPU allocator, a profiled run of its own); plan: eogp plan's estimate less its process term"
+    )
     print(f"process baseline: {results[0]['fit']['process_gb']:.2f} GB measured")
-    print(f"{'width':>5} {'k':>4} {'layers':>6} {'dtype':<9} {'run':<17} {'rss':>8} {'tensors':>8} {'plan':>8} "
-          f"{'plan/rss':>9} {'plan/tensors':>13}")
+    print(
+        f"{'width':>5} {'k':>4} {'layers':>6} {'dtype':<9} {'run':<17} {'rss':>8} {'tensors':>8} {'plan':>8} "
+        f"{'plan/rss':>9} {'plan/tensors':>13}"
+    )
 
     def gb(x):
         return f"{x:.3f}" if x is not None else "-"
@@ -419,29 +553,42 @@ def report(results: list, totals: dict, args: argparse.Namespace, ks: list) -> N
 
     for r in results:
         for name, rss, tensors, planned in lines_of(r):
-            print(f"{r['width']:>5} {r['k']:>4} {r['layers']:>6} {r['dtype']:<9} {name:<17} {gb(rss):>8} "
-                  f"{gb(tensors):>8} {gb(planned):>8} {ratio(planned, rss):>9} {ratio(planned, tensors):>13}")
+            print(
+                f"{r['width']:>5} {r['k']:>4} {r['layers']:>6} {r['dtype']:<9} {name:<17} {gb(rss):>8} "
+                f"{gb(tensors):>8} {gb(planned):>8} {ratio(planned, rss):>9} {ratio(planned, tensors):>13}"
+            )
         at_peak = r["fit"].get("tensors", {}).get("at_peak_by_op_gb", {})
         if at_peak:
-            print(f"{'':>12} tensors alive at the fit's peak, by allocating op: "
-                  + ", ".join(f"{op} {b:.3f}" for op, b in at_peak.items()))
+            print(
+                f"{'':>12} tensors alive at the fit's peak, by allocating op: "
+                + ", ".join(f"{op} {b:.3f}" for op, b in at_peak.items())
+            )
         for kind in ("ingest", "query"):
             at_peak = r.get(kind, {}).get("tensors", {}).get("at_peak_by_op_gb", {})
             if at_peak:
                 print(f"{'':>12} at the {kind} peak: " + ", ".join(f"{op} {b:.3f}" for op, b in at_peak.items()))
     for width, k, dtype in itertools.product(args.width, ks, args.dtype):
-        fits = {r["layers"]: r["fit"]["peak_rss_gb"] for r in results
-                if (r["width"], r["k"], r["dtype"]) == (width, k, dtype)}
+        fits = {
+            r["layers"]: r["fit"]["peak_rss_gb"]
+            for r in results
+            if (r["width"], r["k"], r["dtype"]) == (width, k, dtype)
+        }
         if len(fits) >= 2:
             lo, hi = min(fits), max(fits)
-            print(f"width {width}, k = {k}, {dtype}: the fit's peak RSS grows by {fits[hi] - fits[lo]:.2f} GB from "
-                  f"{lo} to {hi} layers")
-    print(f"plan vs measured peaks (fit, ingest, query), worst factor: rss {ratio(totals['worst_factor_rss'], 1)}, "
-          f"tensors {ratio(totals['worst_factor_tensors'], 1)} (target within 1.5x)")
+            print(
+                f"width {width}, k = {k}, {dtype}: the fit's peak RSS grows by {fits[hi] - fits[lo]:.2f} GB from "
+                f"{lo} to {hi} layers"
+            )
+    print(
+        f"plan vs measured peaks (fit, ingest, query), worst factor: rss {ratio(totals['worst_factor_rss'], 1)}, "
+        f"tensors {ratio(totals['worst_factor_tensors'], 1)} (target within 1.5x)"
+    )
     for q in totals["dtype_ratios"]:
-        print(f"width {q['width']}, {q['layers']} layers, k = {q['k']}: {q['dtype']} / float32 {q['run']}: "
-              f"rss {q['rss']:.2f}, tensors {ratio(q['tensors'], 1)}, plan {q['plan']:.2f}"
-              + (" (target <= 0.6)" if q["run"] == "ingest" else ""))
+        print(
+            f"width {q['width']}, {q['layers']} layers, k = {q['k']}: {q['dtype']} / float32 {q['run']}: "
+            f"rss {q['rss']:.2f}, tensors {ratio(q['tensors'], 1)}, plan {q['plan']:.2f}"
+            + (" (target <= 0.6)" if q["run"] == "ingest" else "")
+        )
 
 
 if __name__ == "__main__":

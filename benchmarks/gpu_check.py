@@ -118,8 +118,10 @@ class Comparison:
             if a == b:
                 continue
             if b not in ref_by_id or abs(ref_by_id[b] - ref_scores[rank]) > self.rtol * scale:
-                raise Mismatch(f"{what}: rank {rank + 1} is {b!r} on the device, {a!r} on the CPU "
-                               f"(not a tie within {self.rtol:.0e})")
+                raise Mismatch(
+                    f"{what}: rank {rank + 1} is {b!r} on the device, {a!r} on the CPU "
+                    f"(not a tie within {self.rtol:.0e})"
+                )
             self.ties_swapped += 1
         self.scores(what, ref_scores, got_scores)
 
@@ -176,13 +178,22 @@ class Check:
         from ingest.records import Example, RecordSpec, iter_examples
 
         model, tokenizer = load_model(self.model_dir, device=device)
-        examples = [e for e in iter_examples(self.shards, RecordSpec(max_tokens=self.max_tokens), tokenizer)
-                    if isinstance(e, Example)]
+        examples = [
+            e
+            for e in iter_examples(self.shards, RecordSpec(max_tokens=self.max_tokens), tokenizer)
+            if isinstance(e, Example)
+        ]
         return AttributionIndex.create(
-            out, model, tokenizer, examples, model_name=self.model_dir,
+            out,
+            model,
+            tokenizer,
+            examples,
+            model_name=self.model_dir,
             projection=ProjectionConfig(k=self.k, num_fit_examples=len(examples)),
             curvature=CurvatureConfig(num_examples=len(examples), batch_size=BATCH),
-            gradients=self.gradients(device), progress=False)
+            gradients=self.gradients(device),
+            progress=False,
+        )
 
     def open(self, path: Path, device: str):
         from eogp_index.client import AttributionIndex
@@ -199,8 +210,11 @@ class Check:
         """``(nq, n)`` unquantized ``<y_q, x_d>`` of the queries against every document."""
         from ingest.records import Example, RecordSpec, iter_examples
 
-        examples = [e for e in iter_examples(self.shards, RecordSpec(max_tokens=self.max_tokens), index.tokenizer)
-                    if isinstance(e, Example)]
+        examples = [
+            e
+            for e in iter_examples(self.shards, RecordSpec(max_tokens=self.max_tokens), index.tokenizer)
+            if isinstance(e, Example)
+        ]
         return index.query_coordinates(self.queries) @ index.project(examples).T
 
     def answers(self, index, *, coordinates=None, candidates: Optional[int] = None):
@@ -228,7 +242,7 @@ class Check:
         scale_rel = float(np.max(np.abs(scales(got) - scales(ref)) / np.maximum(np.abs(scales(ref)), 1e-30)))
         if flipped > comparison.rtol:
             raise Mismatch(f"{what}: {flipped:.2e} of the stored sign bits differ (tolerance {comparison.rtol:.0e})")
-        if scale_rel > 2 * 2.0 ** -10:  # two float16 ulps: both sides round an almost equal float32
+        if scale_rel > 2 * 2.0**-10:  # two float16 ulps: both sides round an almost equal float32
             raise Mismatch(f"{what}: stored scales differ by {scale_rel:.2e} relative")
         return {"rows": ref.num_rows, "sign_bits_flipped": flipped, "scale_max_rel": scale_rel}
 
@@ -242,8 +256,13 @@ def stage_fit(check: Check, comparison: Comparison) -> str:
     comparison.scores("projected scores", ref, got)
     for q in range(ref.shape[0]):
         order_ref, order_got = np.argsort(-ref[q])[: check.top], np.argsort(-got[q])[: check.top]
-        comparison.ranking(f"projected top {check.top}, query {q}", [str(i) for i in order_ref], ref[q, order_ref],
-                           [str(i) for i in order_got], got[q, order_got])
+        comparison.ranking(
+            f"projected top {check.top}, query {q}",
+            [str(i) for i in order_ref],
+            ref[q, order_ref],
+            [str(i) for i in order_got],
+            got[q, order_got],
+        )
     return f"{ref.shape[1]} documents x {ref.shape[0]} queries; " + comparison.summary()
 
 
@@ -253,10 +272,16 @@ def stage_ingest(check: Check, comparison: Comparison) -> str:
     check.ingest(check.cpu)
     check.ingest(check.open(check.work / "ingest-device", check.device))
     rows = check.compare_rows(comparison, "stored rows", check.work / "cpu", check.work / "ingest-device")
-    check.compare_answers(comparison, "ranking of the stored rows", check.answers(check.cpu),
-                          check.answers(check.open(check.work / "ingest-device", "cpu")))
-    return (f"{rows['rows']} rows, {rows['sign_bits_flipped']:.1e} of the sign bits flipped, scales within "
-            f"{rows['scale_max_rel']:.1e}; " + comparison.summary())
+    check.compare_answers(
+        comparison,
+        "ranking of the stored rows",
+        check.answers(check.cpu),
+        check.answers(check.open(check.work / "ingest-device", "cpu")),
+    )
+    return (
+        f"{rows['rows']} rows, {rows['sign_bits_flipped']:.1e} of the sign bits flipped, scales within "
+        f"{rows['scale_max_rel']:.1e}; " + comparison.summary()
+    )
 
 
 def stage_torch_scan(check: Check, comparison: Comparison) -> str:
@@ -272,8 +297,10 @@ def stage_torch_scan(check: Check, comparison: Comparison) -> str:
     device_index = check.open(check.cpu.path, check.device)
     comparison.scores("query coordinates", y, device_index.query_coordinates(check.queries))
     check.compare_answers(comparison, "eogp query", check.answers(check.cpu), check.answers(device_index))
-    return f"{hot.num_rows} rows; searcher {type(device_index.search(check.queries[0]).searcher()).__name__}; " + \
-        comparison.summary()
+    return (
+        f"{hot.num_rows} rows; searcher {type(device_index.search(check.queries[0]).searcher()).__name__}; "
+        + comparison.summary()
+    )
 
 
 def stage_explain(check: Check, comparison: Comparison) -> str:
@@ -308,9 +335,12 @@ def stage_serve(check: Check, comparison: Comparison) -> str:
     try:
         got = []
         for query in check.queries:
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/query", method="POST",
-                                             data=json.dumps({"text": query, "k": check.top}).encode(),
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/query",
+                method="POST",
+                data=json.dumps({"text": query, "k": check.top}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             for attempt in range(600):  # the server loads the model and the hot copy first
                 try:
                     with urllib.request.urlopen(request, timeout=120) as response:
@@ -324,8 +354,12 @@ def stage_serve(check: Check, comparison: Comparison) -> str:
         server.should_exit = True
         thread.join(timeout=30)
     for q, (ref, rows) in enumerate(zip(check.answers(check.cpu), got)):
-        comparison.ranking(f"POST /v1/query, query {q}", *_ranked(ref),
-                           [f"{r.get('direction', '')}:{r['id']}" for r in rows], [r["score"] for r in rows])
+        comparison.ranking(
+            f"POST /v1/query, query {q}",
+            *_ranked(ref),
+            [f"{r.get('direction', '')}:{r['id']}" for r in rows],
+            [r["score"] for r in rows],
+        )
     return f"{len(got)} queries over HTTP; " + comparison.summary()
 
 
@@ -357,8 +391,9 @@ def stage_faiss(check: Check, comparison: Comparison) -> str:
                 raise Mismatch(f"query {q}: rows at Hamming distance {dist} differ")
     clear_cache()
     candidates = stored.count()  # every row a candidate: the rescored answer must be the exact one
-    check.compare_answers(comparison, "query --candidates", check.answers(check.cpu),
-                          check.answers(check.cpu, candidates=candidates))
+    check.compare_answers(
+        comparison, "query --candidates", check.answers(check.cpu), check.answers(check.cpu, candidates=candidates)
+    )
     where = "GpuIndexBinaryFlat" if on_gpu else "CPU IndexBinaryFlat (no GPU)"
     return f"{where}: Hamming distances identical; candidates rescored: " + comparison.summary()
 
@@ -371,22 +406,42 @@ def stage_distributed_ingest(check: Check, comparison: Comparison) -> str:
         raise Skip(f"NCCL needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     target = check.work / "ingest-x2"
     shutil.copytree(check.work / "fitted", target)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "eogp_index.cli", "ingest", str(target), *map(str, check.shards), "--id-field", "id",
-               "--batch-size", str(BATCH), "--device", "auto" if cuda else "cpu", "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "eogp_index.cli",
+        "ingest",
+        str(target),
+        *map(str, check.shards),
+        "--id-field",
+        "id",
+        "--batch-size",
+        str(BATCH),
+        "--device",
+        "auto" if cuda else "cpu",
+        "--json",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     if result.returncode != 0:
         raise Mismatch(f"torchrun ingest failed:\n{result.stderr[-3000:]}")
-    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    summary = json.loads(result.stdout[result.stdout.index("{") :])
     if summary.get("workers") != 2:
         raise Mismatch(f"torchrun ingest ran {summary.get('workers')} workers, not 2")
     rows = check.compare_rows(comparison, "stored rows", check.cpu.path, target)
-    check.compare_answers(comparison, "ranking of the stored rows", check.answers(check.cpu),
-                          check.answers(check.open(target, "cpu")))
+    check.compare_answers(
+        comparison, "ranking of the stored rows", check.answers(check.cpu), check.answers(check.open(target, "cpu"))
+    )
     backend = "NCCL" if cuda else "Gloo"
-    return (f"2 workers ({backend}), {rows['rows']} rows, {rows['sign_bits_flipped']:.1e} of the sign bits "
-            f"flipped; " + comparison.summary())
+    return (
+        f"2 workers ({backend}), {rows['rows']} rows, {rows['sign_bits_flipped']:.1e} of the sign bits "
+        f"flipped; " + comparison.summary()
+    )
 
 
 STAGES: List[tuple[str, Callable[[Check, Comparison], str]]] = [
@@ -429,8 +484,10 @@ def describe_machine(device: str) -> str:
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
-    return (f"device {device} ({gpu}, {torch.cuda.device_count()} visible); torch {torch.__version__}, "
-            f"FAISS {faiss.__version__} ({faiss.get_num_gpus() if hasattr(faiss, 'get_num_gpus') else 0} GPUs)")
+    return (
+        f"device {device} ({gpu}, {torch.cuda.device_count()} visible); torch {torch.__version__}, "
+        f"FAISS {faiss.__version__} ({faiss.get_num_gpus() if hasattr(faiss, 'get_num_gpus') else 0} GPUs)"
+    )
 
 
 def main(argv=None) -> int:
@@ -438,11 +495,13 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     parser.add_argument("--documents", type=int, default=64, help="training documents to fit and ingest")
     parser.add_argument("-k", type=int, default=32, help="coordinates per module")
-    parser.add_argument("--max-tokens", type=int, default=128,
-                        help="tokens per document (the shipped model was fine-tuned on 128)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=128, help="tokens per document (the shipped model was fine-tuned on 128)"
+    )
     parser.add_argument("--top", type=int, default=10, help="hits per direction compared")
-    parser.add_argument("--rtol", type=float, default=1e-3,
-                        help="score tolerance, relative to the largest score of a query")
+    parser.add_argument(
+        "--rtol", type=float, default=1e-3, help="score tolerance, relative to the largest score of a query"
+    )
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
     add_json_argument(parser)
     args = parser.parse_args(argv)
@@ -461,11 +520,13 @@ def main(argv=None) -> int:
     write_json(args.json, {"machine": machine, "rtol": args.rtol, "stages": [vars(s) for s in report]})
     if not prints_json(args):
         print(f"eogp-index GPU check: {machine}")
-        print(f"shipped model, {args.documents} documents of at most {args.max_tokens} tokens, k = {args.k}, top {args.top} per direction, "
-              f"score tolerance {args.rtol:.0e} of the largest score")
+        print(
+            f"shipped model, {args.documents} documents of at most {args.max_tokens} tokens, k = {args.k}, top {args.top} per direction, "
+            f"score tolerance {args.rtol:.0e} of the largest score"
+        )
         for s in report:
             print(f"  {s.name:<22} {s.status:<8} {s.seconds:6.1f} s  {s.detail}")
-        missing = [name for name, _ in STAGES[len(report):]]
+        missing = [name for name, _ in STAGES[len(report) :]]
         if missing:
             print(f"  not run (the CPU reference failed): {', '.join(missing)}")
     return 0 if all(s.status != "FAILED" for s in report) and len(report) == len(STAGES) else 1

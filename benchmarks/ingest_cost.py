@@ -135,10 +135,13 @@ def load_workload(args) -> Workload:
 
 def _row_info(batch: Sequence[Example]) -> RowInfo:
     return RowInfo(
-        ids=[ex.id for ex in batch], shards=[ex.shard for ex in batch], positions=[ex.position for ex in batch],
+        ids=[ex.id for ex in batch],
+        shards=[ex.shard for ex in batch],
+        positions=[ex.position for ex in batch],
         num_tokens=[len(ex.input_ids) for ex in batch],
         num_loss_tokens=[sum(1 for x in list(ex.labels)[1:] if x != -100) for ex in batch],
-        truncated=[False] * len(batch), metadata=[{} for _ in batch],
+        truncated=[False] * len(batch),
+        metadata=[{} for _ in batch],
     )
 
 
@@ -195,8 +198,12 @@ class Methods:
         outputs, _ = self.logra.run(self._batch(batch))
         coords = torch.cat([outputs[n] for n in self.index.manifest.module_names], dim=1)
         encoded = Encoded(coords=coords.to(torch.float16).cpu().numpy())
-        self._commit("logra", self.logra_store, build_rows(_row_info(batch), encoded, schema=self.logra_store.schema),
-                     flush=flush)
+        self._commit(
+            "logra",
+            self.logra_store,
+            build_rows(_row_info(batch), encoded, schema=self.logra_store.schema),
+            flush=flush,
+        )
 
 
 def first_stage_shapes(index: AttributionIndex) -> List[Dict[str, Any]]:
@@ -205,8 +212,17 @@ def first_stage_shapes(index: AttributionIndex) -> List[Dict[str, Any]]:
     out = []
     for name, module in index.projection.modules.items():
         d_out, d_in = module.shape
-        out.append({"name": name, "d_out": d_out, "d_in": d_in, "m": module.m, "k": module.k,
-                    "r": int(module.gradient_eigenvectors.shape[1]), "c": int(module.activation_eigenvectors.shape[1])})
+        out.append(
+            {
+                "name": name,
+                "d_out": d_out,
+                "d_in": d_in,
+                "m": module.m,
+                "k": module.k,
+                "r": int(module.gradient_eigenvectors.shape[1]),
+                "c": int(module.activation_eigenvectors.shape[1]),
+            }
+        )
     return out
 
 
@@ -215,11 +231,17 @@ def arithmetic(shapes, batch, flops, entries, projectors) -> Dict[str, Any]:
     live = sum(len(ex.input_ids) - 1 for ex in batch)  # the last token predicts nothing counted
     rotation = 2 * live * sum(s["d_out"] * s["r"] + s["d_in"] * s["c"] for s in shapes)
     pca = 2 * len(batch) * sum(s["m"] * s["k"] for s in shapes)
-    logra = 2 * sum(len(ex.input_ids) for ex in batch) * sum(
-        (e.d_in + e.d_out) * projectors[e.name].rank for e in entries)
-    return {"live_tokens": live, "bare_gflops": flops["bare_gradient"] / 1e9, "rotation_gflops": rotation / 1e9,
-            "pca_gflops": pca / 1e9, "eogp_other_gflops": (flops["eogp"] - flops["bare_gradient"] - rotation - pca) / 1e9,
-            "logra_projection_gflops": logra / 1e9}
+    logra = (
+        2 * sum(len(ex.input_ids) for ex in batch) * sum((e.d_in + e.d_out) * projectors[e.name].rank for e in entries)
+    )
+    return {
+        "live_tokens": live,
+        "bare_gflops": flops["bare_gradient"] / 1e9,
+        "rotation_gflops": rotation / 1e9,
+        "pca_gflops": pca / 1e9,
+        "eogp_other_gflops": (flops["eogp"] - flops["bare_gradient"] - rotation - pca) / 1e9,
+        "logra_projection_gflops": logra / 1e9,
+    }
 
 
 def prepare(args):
@@ -231,7 +253,7 @@ def prepare(args):
     examples = workload.examples
     if len(examples) < args.fit_examples + 2 * args.batch_size:
         raise SystemExit(f"only {len(examples)} documents; need at least {args.fit_examples + 2 * args.batch_size}")
-    return device, workload, examples[: args.fit_examples], examples[args.fit_examples:]
+    return device, workload, examples[: args.fit_examples], examples[args.fit_examples :]
 
 
 def run(args) -> Dict[str, Any]:
@@ -245,11 +267,17 @@ def run(args) -> Dict[str, Any]:
         reused = kept is not None and (kept / "manifest.json").exists()
         if not reused:
             index = AttributionIndex.create(
-                kept or workdir / "index", workload.model, workload.tokenizer, fit, model_name=workload.source,
+                kept or workdir / "index",
+                workload.model,
+                workload.tokenizer,
+                fit,
+                model_name=workload.source,
                 projection=ProjectionConfig(k=args.k, m=args.m, num_fit_examples=len(fit)),
-                curvature=CurvatureConfig(num_examples=min(args.curvature_examples, len(fit)),
-                                          batch_size=args.batch_size),
-                gradients=gradients, progress=False,
+                curvature=CurvatureConfig(
+                    num_examples=min(args.curvature_examples, len(fit)), batch_size=args.batch_size
+                ),
+                gradients=gradients,
+                progress=False,
             )
         fit_seconds = time.perf_counter() - fit_started
         if kept is not None:
@@ -264,15 +292,19 @@ def run(args) -> Dict[str, Any]:
             shutil.copytree(kept, workdir / "index", copy_function=link_or_copy)
             if not reused:  # the fit swapped GPT-2's Conv1D layers in place: open a fresh model
                 workload = load_workload(args)
-            index = AttributionIndex.open(workdir / "index", model=workload.model, tokenizer=workload.tokenizer,
-                                          gradients=gradients)
+            index = AttributionIndex.open(
+                workdir / "index", model=workload.model, tokenizer=workload.tokenizer, gradients=gradients
+            )
         shapes = first_stage_shapes(index)
         methods = Methods(index, workdir, device, args.commit_rows)
-        batches = [timed[i:i + args.batch_size] for i in range(0, len(timed), args.batch_size)]
+        batches = [timed[i : i + args.batch_size] for i in range(0, len(timed), args.batch_size)]
         batches = [b for b in batches if len(b) == args.batch_size]
         warmup, batches = batches[0], batches[1:]
-        order = [("bare_gradient", methods.bare_gradient), ("eogp", methods.eogp),
-                 ("logra_fp16", methods.logra_store_batch)]
+        order = [
+            ("bare_gradient", methods.bare_gradient),
+            ("eogp", methods.eogp),
+            ("logra_fp16", methods.logra_store_batch),
+        ]
         flops = {}
         for name, fn in order:  # first calls pay for allocations and table creation: not timed
             with FlopCounterMode(display=False) as counter:  # but their arithmetic is counted
@@ -282,7 +314,7 @@ def run(args) -> Dict[str, Any]:
         per_batch: Dict[str, List[float]] = {name: [] for name, _ in order}
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1  # the last batch commits what is still queued
-            for name, fn in order[i % 3:] + order[: i % 3]:
+            for name, fn in order[i % 3 :] + order[: i % 3]:
                 t0 = time.perf_counter()
                 fn(batch, flush=last)
                 elapsed = time.perf_counter() - t0
@@ -290,8 +322,11 @@ def run(args) -> Dict[str, Any]:
                 per_batch[name].append(elapsed)
         docs = sum(len(b) for b in batches)
         tokens = sum(len(ex.input_ids) for b in batches for ex in b)
-        bytes_per_example = {"bare_gradient": 0, "eogp": index.manifest.bytes_per_example,
-                             "logra_fp16": methods.logra_bytes}
+        bytes_per_example = {
+            "bare_gradient": 0,
+            "eogp": index.manifest.bytes_per_example,
+            "logra_fp16": methods.logra_bytes,
+        }
         assert index.store.count() == docs + len(warmup) == methods.logra_store.count()
     result: Dict[str, Any] = {
         "workload": workload.source,
@@ -327,23 +362,26 @@ def run(args) -> Dict[str, Any]:
             "flops_eogp_over_bare_gradient": round(flops["eogp"] / flops["bare_gradient"], 3),
             "flops_eogp_over_logra": round(flops["eogp"] / flops["logra_fp16"], 3),
             # Medians of per-batch ratios: less sensitive to a load spike on a shared machine.
-            "median_batch_eogp_over_bare_gradient": round(float(np.median(
-                np.array(per_batch["eogp"]) / np.array(per_batch["bare_gradient"]))), 3),
-            "median_batch_eogp_over_logra": round(float(np.median(
-                np.array(per_batch["eogp"]) / np.array(per_batch["logra_fp16"]))), 3),
+            "median_batch_eogp_over_bare_gradient": round(
+                float(np.median(np.array(per_batch["eogp"]) / np.array(per_batch["bare_gradient"]))), 3
+            ),
+            "median_batch_eogp_over_logra": round(
+                float(np.median(np.array(per_batch["eogp"]) / np.array(per_batch["logra_fp16"]))), 3
+            ),
         },
         "targets": {"eogp_over_bare_gradient": TARGET_VS_BARE, "eogp_over_logra": TARGET_VS_LOGRA},
     }
-    result["meets_targets"] = {
-        key: result["ratios"][key] <= target for key, target in result["targets"].items()
-    }
+    result["meets_targets"] = {key: result["ratios"][key] <= target for key, target in result["targets"].items()}
     result["total_seconds"] = round(time.perf_counter() - started, 1)
     return result
 
 
 def render(result: Dict[str, Any]) -> str:
-    labels = {"bare_gradient": "bare gradient (fwd+bwd)", "eogp": "EOGP ingest (1-bit)",
-              "logra_fp16": "LoGra-style store (fp16)"}
+    labels = {
+        "bare_gradient": "bare gradient (fwd+bwd)",
+        "eogp": "EOGP ingest (1-bit)",
+        "logra_fp16": "LoGra-style store (fp16)",
+    }
     lines = [
         f"workload: {result['workload']}",
         f"device: {result['device']} ({result['threads']} threads); {result['documents']} documents, "
@@ -354,8 +392,10 @@ def render(result: Dict[str, Any]) -> str:
         f"{'method':<27}{'docs/s':>10}{'tokens/s':>12}{'seconds':>10}{'bytes/example':>15}{'GFLOP/batch':>13}",
     ]
     for name, row in result["methods"].items():
-        lines.append(f"{labels[name]:<27}{row['docs_per_s']:>10.1f}{row['tokens_per_s']:>12.0f}"
-                     f"{row['seconds']:>10.2f}{row['bytes_per_example']:>15}{row['gflops_per_batch']:>13.3f}")
+        lines.append(
+            f"{labels[name]:<27}{row['docs_per_s']:>10.1f}{row['tokens_per_s']:>12.0f}"
+            f"{row['seconds']:>10.2f}{row['bytes_per_example']:>15}{row['gflops_per_batch']:>13.3f}"
+        )
     ratios, targets, ok = result["ratios"], result["targets"], result["meets_targets"]
     fitting = "reused from --index" if result["fit_reused"] else f"{result['fit_seconds']}s"
     lines += [
@@ -386,8 +426,10 @@ def render(result: Dict[str, Any]) -> str:
         f"{'module':<34}{'d_out':>6}{'d_in':>6}{'m':>8}{'k':>5}{'r/d_out':>9}{'c/d_in':>8}",
     ]
     for s in result["first_stage"]:
-        lines.append(f"{s['name'][:34]:<34}{s['d_out']:>6}{s['d_in']:>6}{s['m']:>8}{s['k']:>5}"
-                     f"{s['r'] / s['d_out']:>9.2f}{s['c'] / s['d_in']:>8.2f}")
+        lines.append(
+            f"{s['name'][:34]:<34}{s['d_out']:>6}{s['d_in']:>6}{s['m']:>8}{s['k']:>5}"
+            f"{s['r'] / s['d_out']:>9.2f}{s['c'] / s['d_in']:>8.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -414,25 +456,39 @@ def run_blocks(args) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="eogp-bench-") as tmp:
         workdir = Path(tmp)
         AttributionIndex.create(
-            workdir / "fitted", workload.model, workload.tokenizer, fit, model_name=workload.source,
+            workdir / "fitted",
+            workload.model,
+            workload.tokenizer,
+            fit,
+            model_name=workload.source,
             projection=ProjectionConfig(k=args.k, m=args.m, num_fit_examples=len(fit)),
             curvature=CurvatureConfig(num_examples=min(args.curvature_examples, len(fit)), batch_size=args.batch_size),
-            gradients=GradientConfig(batch_size=args.batch_size, device=device), progress=False)
+            gradients=GradientConfig(batch_size=args.batch_size, device=device),
+            progress=False,
+        )
         shard = _write_shard(workdir / "docs.jsonl", timed)
         order = list(modes)
         for round_ in range(args.rounds):
-            for mode in order[round_ % 2:] + order[: round_ % 2]:
+            for mode in order[round_ % 2 :] + order[: round_ % 2]:
                 path = Path(shutil.copytree(workdir / "fitted", workdir / f"{mode}-{round_}"))
-                gradients = GradientConfig(batch_size=args.batch_size, device=device,
-                                           projection_memory_gb=args.projection_memory_gb)
+                gradients = GradientConfig(
+                    batch_size=args.batch_size, device=device, projection_memory_gb=args.projection_memory_gb
+                )
                 # The fit and every open swap GPT-2's Conv1D layers in place: a fresh model each time.
                 workload = load_workload(args)
-                index = AttributionIndex.open(path, model=workload.model, tokenizer=workload.tokenizer,
-                                              gradients=gradients)
+                index = AttributionIndex.open(
+                    path, model=workload.model, tokenizer=workload.tokenizer, gradients=gradients
+                )
                 p_total = index.projection.pca_bytes
                 t0 = time.perf_counter()
-                summary = run_ingest(index, [str(shard)], spec=RecordSpec(id_field="id"), progress=False,
-                                     optimize_threshold=None, block_documents=modes[mode])
+                summary = run_ingest(
+                    index,
+                    [str(shard)],
+                    spec=RecordSpec(id_field="id"),
+                    progress=False,
+                    optimize_threshold=None,
+                    block_documents=modes[mode],
+                )
                 seconds[mode] += time.perf_counter() - t0
                 p_read[mode] += index.projection.pca_bytes_read
                 assert summary.stored == len(timed), summary
@@ -441,11 +497,19 @@ def run_blocks(args) -> Dict[str, Any]:
                 shutil.rmtree(path)
     docs = len(timed) * args.rounds
     result = {
-        "workload": workload.source, "device": device, "threads": torch.get_num_threads(),
-        "documents": len(timed), "rounds": args.rounds, "batch_size": args.batch_size, "block_documents": block,
-        "projection_memory_gb": args.projection_memory_gb, "p_total_bytes": p_total,
-        "modes": {mode: {"seconds_per_document": seconds[mode] / docs, "p_bytes_read_per_document": p_read[mode] / docs}
-                  for mode in modes},
+        "workload": workload.source,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "documents": len(timed),
+        "rounds": args.rounds,
+        "batch_size": args.batch_size,
+        "block_documents": block,
+        "projection_memory_gb": args.projection_memory_gb,
+        "p_total_bytes": p_total,
+        "modes": {
+            mode: {"seconds_per_document": seconds[mode] / docs, "p_bytes_read_per_document": p_read[mode] / docs}
+            for mode in modes
+        },
         "same_codes": codes["per_batch"].equals(codes["block"]),
     }
     result["block_speedup"] = seconds["per_batch"] / seconds["block"]
@@ -464,47 +528,89 @@ def render_blocks(result: Dict[str, Any]) -> str:
         f"{'ingest':<12}{'s/document':>14}{'P read/document':>18}",
     ]
     for mode, row in result["modes"].items():
-        lines.append(f"{mode:<12}{row['seconds_per_document']:>14.4f}{row['p_bytes_read_per_document'] / 1e6:>15.2f} MB")
-    lines += ["", f"block ingest / per-batch ingest, time: {1 / result['block_speedup']:.3f} "
-              f"({result['block_speedup']:.2f}x faster); same stored codes: {result['same_codes']} "
-              f"(total {result['total_seconds']}s)"]
+        lines.append(
+            f"{mode:<12}{row['seconds_per_document']:>14.4f}{row['p_bytes_read_per_document'] / 1e6:>15.2f} MB"
+        )
+    lines += [
+        "",
+        f"block ingest / per-batch ingest, time: {1 / result['block_speedup']:.3f} "
+        f"({result['block_speedup']:.2f}x faster); same stored codes: {result['same_codes']} "
+        f"(total {result['total_seconds']}s)",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="HuggingFace model directory (default: examples/default/model)")
     parser.add_argument("--corpus", default=None, help="shard path or glob to read documents from")
-    parser.add_argument("--random-model", default=None, metavar="JSON",
-                        help="time a random-init GPT-2 on random tokens instead: tinylm.default_config overrides, "
-                             "e.g. '{\"n_embd\": 512, \"n_inner\": 2048, \"n_head\": 8}' ('{}' = the default shape)")
-    parser.add_argument("--gpt2-small", action="store_true",
-                        help=f"time a random-init GPT-2-small-shaped model: --random-model '{GPT2_SMALL}'")
+    parser.add_argument(
+        "--random-model",
+        default=None,
+        metavar="JSON",
+        help="time a random-init GPT-2 on random tokens instead: tinylm.default_config overrides, "
+        'e.g. \'{"n_embd": 512, "n_inner": 2048, "n_head": 8}\' (\'{}\' = the default shape)',
+    )
+    parser.add_argument(
+        "--gpt2-small",
+        action="store_true",
+        help=f"time a random-init GPT-2-small-shaped model: --random-model '{GPT2_SMALL}'",
+    )
     parser.add_argument("--docs", type=int, default=200, help="documents timed (default 200)")
-    parser.add_argument("--fit-examples", type=int, default=160,
-                        help="documents the PCA is fitted on (default 160; at least --k)")
-    parser.add_argument("--curvature-examples", type=int, default=32,
-                        help="documents (of the fitting ones) the EK-FAC factors are fitted on (default 32)")
+    parser.add_argument(
+        "--fit-examples", type=int, default=160, help="documents the PCA is fitted on (default 160; at least --k)"
+    )
+    parser.add_argument(
+        "--curvature-examples",
+        type=int,
+        default=32,
+        help="documents (of the fitting ones) the EK-FAC factors are fitted on (default 32)",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="documents per batch (default 8)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per document at most (default 128)")
-    parser.add_argument("--k", type=int, default=128,
-                        help="EOGP coordinates per module (default 128: 18 bytes, = LoGra rank 3 in fp16)")
-    parser.add_argument("--m", type=int, default=None,
-                        help="EOGP first-stage width per module (default: eogp fit's default, see ProjectionConfig)")
-    parser.add_argument("--commit-rows", type=int, default=DEFAULT_COMMIT_ROWS,
-                        help=f"rows per Lance commit, as eogp ingest --batch-size (default {DEFAULT_COMMIT_ROWS})")
+    parser.add_argument(
+        "--k", type=int, default=128, help="EOGP coordinates per module (default 128: 18 bytes, = LoGra rank 3 in fp16)"
+    )
+    parser.add_argument(
+        "--m",
+        type=int,
+        default=None,
+        help="EOGP first-stage width per module (default: eogp fit's default, see ProjectionConfig)",
+    )
+    parser.add_argument(
+        "--commit-rows",
+        type=int,
+        default=DEFAULT_COMMIT_ROWS,
+        help=f"rows per Lance commit, as eogp ingest --batch-size (default {DEFAULT_COMMIT_ROWS})",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--index", default=None, metavar="DIR",
-                        help="keep the fitted index in DIR and reuse it when DIR holds one (the same model and "
-                             "options; fitting GPT-2 small takes longer than timing it); each run ingests into a copy")
-    parser.add_argument("--blocks", action="store_true",
-                        help="time eogp ingest per gradient batch against per block, P out of memory (see above)")
-    parser.add_argument("--block-documents", type=int, default=None,
-                        help="with --blocks: documents per block (default: all of --docs in one block)")
-    parser.add_argument("--projection-memory-gb", type=float, default=1e-9,
-                        help="with --blocks: the memory P may hold (default 1e-9: none, P is read when applied)")
+    parser.add_argument(
+        "--index",
+        default=None,
+        metavar="DIR",
+        help="keep the fitted index in DIR and reuse it when DIR holds one (the same model and "
+        "options; fitting GPT-2 small takes longer than timing it); each run ingests into a copy",
+    )
+    parser.add_argument(
+        "--blocks",
+        action="store_true",
+        help="time eogp ingest per gradient batch against per block, P out of memory (see above)",
+    )
+    parser.add_argument(
+        "--block-documents",
+        type=int,
+        default=None,
+        help="with --blocks: documents per block (default: all of --docs in one block)",
+    )
+    parser.add_argument(
+        "--projection-memory-gb",
+        type=float,
+        default=1e-9,
+        help="with --blocks: the memory P may hold (default 1e-9: none, P is read when applied)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="with --blocks: ingests of each kind (default 2)")
     add_json_argument(parser)
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")

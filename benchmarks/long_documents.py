@@ -37,8 +37,16 @@ def one_pass(args) -> dict:
     from eogp_index.gradients.model import find_attributed_modules, freeze, replace_conv1d
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=2048, n_positions=args.tokens, n_embd=args.width, n_layer=args.layers,
-                        n_head=max(1, args.width // 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=2048,
+        n_positions=args.tokens,
+        n_embd=args.width,
+        n_layer=args.layers,
+        n_head=max(1, args.width // 64),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     model = GPT2LMHeadModel(config).eval()
     replace_conv1d(model)
     freeze(model)
@@ -86,10 +94,24 @@ def main(argv=None) -> int:
         return 0
     results = {}
     for checkpoint in (False, True):
-        command = [sys.executable, os.path.abspath(__file__), "--child", "--tokens", str(args.tokens), "--layers",
-                   str(args.layers), "--width", str(args.width), "--batch", str(args.batch), "--device", args.device]
-        out = subprocess.run(command + (["--checkpoint"] if checkpoint else []), check=True, capture_output=True,
-                             text=True)
+        command = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            "--tokens",
+            str(args.tokens),
+            "--layers",
+            str(args.layers),
+            "--width",
+            str(args.width),
+            "--batch",
+            str(args.batch),
+            "--device",
+            args.device,
+        ]
+        out = subprocess.run(
+            command + (["--checkpoint"] if checkpoint else []), check=True, capture_output=True, text=True
+        )
         results[checkpoint] = json.loads(out.stdout.strip().splitlines()[-1])
     import numpy as np
 
@@ -98,20 +120,34 @@ def main(argv=None) -> int:
     what = "CUDA max_memory_allocated" if args.device.startswith("cuda") else "growth of peak RSS"
     ratio = results[True]["peak_bytes"] / max(results[False]["peak_bytes"], 1)
     time_ratio = results[True]["seconds"] / results[False]["seconds"]
-    write_json(args.json, {"layers": args.layers, "width": args.width, "batch": args.batch, "tokens": args.tokens,
-                           "device": args.device, "memory": what,
-                           **{key: {k: v for k, v in results[c].items() if k != "values"}
-                              for key, c in (("plain", False), ("checkpointed", True))},
-                           "memory_ratio": ratio, "time_ratio": time_ratio, "outputs_relative_difference": rel})
+    write_json(
+        args.json,
+        {
+            "layers": args.layers,
+            "width": args.width,
+            "batch": args.batch,
+            "tokens": args.tokens,
+            "device": args.device,
+            "memory": what,
+            **{
+                key: {k: v for k, v in results[c].items() if k != "values"}
+                for key, c in (("plain", False), ("checkpointed", True))
+            },
+            "memory_ratio": ratio,
+            "time_ratio": time_ratio,
+            "outputs_relative_difference": rel,
+        },
+    )
     if prints_json(args):
         return 0
-    print(f"GPT-2 shape: {args.layers} layers, width {args.width}; {args.batch} x {args.tokens} tokens on {args.device}")
+    print(
+        f"GPT-2 shape: {args.layers} layers, width {args.width}; {args.batch} x {args.tokens} tokens on {args.device}"
+    )
     print(f"{'':<28}{'peak memory (' + what + ')':>44}{'time':>10}")
     for checkpoint, label in ((False, "without checkpointing"), (True, "--gradient-checkpointing")):
         r = results[checkpoint]
         print(f"{label:<28}{r['peak_bytes'] / 2**20:>40.1f} MiB{r['seconds']:>9.2f}s")
-    print(f"ratio checkpointed / plain: memory {ratio:.2f}, time "
-          f"{time_ratio:.2f}; outputs agree to {rel:.1e} relative")
+    print(f"ratio checkpointed / plain: memory {ratio:.2f}, time {time_ratio:.2f}; outputs agree to {rel:.1e} relative")
     return 0
 
 

@@ -68,14 +68,17 @@ def measure(name: str, folder: Path, args: argparse.Namespace) -> dict:
     from eogp_index.gradients.model import find_attributed_modules, load_model, pad_token_id, replace_conv1d
 
     torch.manual_seed(0)
+
     def say(msg: str) -> None:
         print(f"[{name}] {msg}", file=sys.stderr, flush=True)
 
     model, tokenizer = load_model(str(folder / "model"), device="cpu")
-    train = load_documents([str(folder / "corpus" / "train.jsonl.gz")], tokenizer, max_tokens=args.max_tokens,
-                           limit=args.limit_train)
-    queries = load_documents([str(folder / "queries.jsonl")], tokenizer, max_tokens=args.max_tokens,
-                             limit=args.limit_queries)
+    train = load_documents(
+        [str(folder / "corpus" / "train.jsonl.gz")], tokenizer, max_tokens=args.max_tokens, limit=args.limit_train
+    )
+    queries = load_documents(
+        [str(folder / "queries.jsonl")], tokenizer, max_tokens=args.max_tokens, limit=args.limit_queries
+    )
     pad = pad_token_id(tokenizer)
     replace_conv1d(model)
     model.eval()
@@ -83,9 +86,16 @@ def measure(name: str, folder: Path, args: argparse.Namespace) -> dict:
     work = args.work / name
     timings = {}
     t0 = time.perf_counter()
-    curvature = fit_curvature(model, train.pairs(), names, work / "curvature",
-                              config=CurvatureConfig(num_examples=len(train), batch_size=8, damping_ratio=0.1, seed=0),
-                              pad_token_id=pad, device="cpu", progress=False)
+    curvature = fit_curvature(
+        model,
+        train.pairs(),
+        names,
+        work / "curvature",
+        config=CurvatureConfig(num_examples=len(train), batch_size=8, damping_ratio=0.1, seed=0),
+        pad_token_id=pad,
+        device="cpu",
+        progress=False,
+    )
     timings["ekfac_fit_s"] = time.perf_counter() - t0
     say(f"EK-FAC fitted on {len(train)} documents in {timings['ekfac_fit_s']:.0f}s")
     t0 = time.perf_counter()
@@ -120,9 +130,17 @@ def measure(name: str, folder: Path, args: argparse.Namespace) -> dict:
     rows = []
     for (rule, _), cfg in plans.items():
         scores = pca_scores(spectra, names, cfg)
-        rows.append({"rule": rule, "method": cfg.method, "budget": cfg.budget, "k": cfg.k[0], "m": list(cfg.m),
-                     "ndcg@20": metrics.mean_ndcg_at_k(scores, reference, 20),
-                     "spearman": metrics.mean_spearman(scores, reference)[0]})
+        rows.append(
+            {
+                "rule": rule,
+                "method": cfg.method,
+                "budget": cfg.budget,
+                "k": cfg.k[0],
+                "m": list(cfg.m),
+                "ndcg@20": metrics.mean_ndcg_at_k(scores, reference, 20),
+                "spearman": metrics.mean_spearman(scores, reference)[0],
+            }
+        )
     # The evaluation's own path (SharedPass.finish: fit_pca, then project) on the cheapest pairs:
     # the Gram-domain scores above must give the same metrics.
     check = [cfg for (rule, _), cfg in plans.items() if rule == rules[1]][:2]
@@ -131,13 +149,26 @@ def measure(name: str, folder: Path, args: argparse.Namespace) -> dict:
     agreement = 0.0
     for cfg in check:
         row = next(r for r in rows if r["rule"] == rules[1] and r["method"] == cfg.method and r["budget"] == cfg.budget)
-        agreement = max(agreement, abs(metrics.mean_ndcg_at_k(reference_path[cfg.id][0], reference, 20) - row["ndcg@20"]),
-                        abs(metrics.mean_spearman(reference_path[cfg.id][0], reference)[0] - row["spearman"]))
-    say(f"Gram-domain scores against the evaluation's fit_pca path on {len(check)} pairs: metrics differ by "
-        f"at most {agreement:.1e}")
-    return {"case": name, "folder": str(folder), "num_train": len(train), "num_queries": len(queries),
-            "modules": [dataclasses.asdict(mod) for mod in shapes], "rows": rows, "skipped": skipped,
-            "timings": timings, "check_max_metric_difference": agreement}
+        agreement = max(
+            agreement,
+            abs(metrics.mean_ndcg_at_k(reference_path[cfg.id][0], reference, 20) - row["ndcg@20"]),
+            abs(metrics.mean_spearman(reference_path[cfg.id][0], reference)[0] - row["spearman"]),
+        )
+    say(
+        f"Gram-domain scores against the evaluation's fit_pca path on {len(check)} pairs: metrics differ by "
+        f"at most {agreement:.1e}"
+    )
+    return {
+        "case": name,
+        "folder": str(folder),
+        "num_train": len(train),
+        "num_queries": len(queries),
+        "modules": [dataclasses.asdict(mod) for mod in shapes],
+        "rows": rows,
+        "skipped": skipped,
+        "timings": timings,
+        "check_max_metric_difference": agreement,
+    }
 
 
 def gram_spectra(shared, names, widths_of) -> dict:
@@ -161,9 +192,9 @@ def gram_spectra(shared, names, widths_of) -> dict:
         done = 0
         for m in sorted(widths_of[name]):
             for i in range(done, m, 8192):
-                block = train[:, i:min(m, i + 8192)].double()
+                block = train[:, i : min(m, i + 8192)].double()
                 gram += block @ block.T
-                cross += query[:, i:min(m, i + 8192)].double() @ block.T
+                cross += query[:, i : min(m, i + 8192)].double() @ block.T
             done = m
             weights, vectors = torch.linalg.eigh(gram)
             out[(name, m)] = (weights.flip(0), vectors.flip(1), cross.clone())
@@ -194,15 +225,19 @@ def table(result: dict) -> str:
     rows = result["rows"]
     budgets = sorted({r["budget"] for r in rows})
     d = sorted({m["d_out"] * m["d_in"] for m in result["modules"]})
-    lines = [f"## {result['case']} ({result['folder']}): {len(result['modules'])} modules, d_u {d[0]:,}..{d[-1]:,}, "
-             f"{result['num_train']} training documents (PCA fitted on them), {result['num_queries']} queries",
-             "NDCG@20 / Spearman against kronfluence's EK-FAC; m_u = min(d_u, max(k_u, M))",
-             f"{'method':<10} {'M':>9} " + " ".join(f"{b:>13}" for b in budgets)]
+    lines = [
+        f"## {result['case']} ({result['folder']}): {len(result['modules'])} modules, d_u {d[0]:,}..{d[-1]:,}, "
+        f"{result['num_train']} training documents (PCA fitted on them), {result['num_queries']} queries",
+        "NDCG@20 / Spearman against kronfluence's EK-FAC; m_u = min(d_u, max(k_u, M))",
+        f"{'method':<10} {'M':>9} " + " ".join(f"{b:>13}" for b in budgets),
+    ]
     for method in dict.fromkeys(r["method"] for r in rows):
         for rule in dict.fromkeys(r["rule"] for r in rows):
             cells = {r["budget"]: r for r in rows if r["method"] == method and r["rule"] == rule}
-            text = " ".join(f"{cells[b]['ndcg@20']:.3f} / {cells[b]['spearman']:.3f}" if b in cells else f"{'-':>13}"
-                            for b in budgets)
+            text = " ".join(
+                f"{cells[b]['ndcg@20']:.3f} / {cells[b]['spearman']:.3f}" if b in cells else f"{'-':>13}"
+                for b in budgets
+            )
             lines.append(f"{method:<10} {str(rule):>9} {text}")
         ks = {r["budget"]: r["k"] for r in rows if r["method"] == method}
         lines.append(f"{'':<10} {'k_u':>9} " + " ".join(f"{ks.get(b, '-'):>13}" for b in budgets))
@@ -217,13 +252,19 @@ def compare(result: dict, new_rule: int) -> str:
     for r in rows:
         if r["rule"] != new_rule:
             continue
-        old = next(o for o in rows if o["rule"] == OLD_RULE and o["method"] == r["method"] and o["budget"] == r["budget"])
+        old = next(
+            o for o in rows if o["rule"] == OLD_RULE and o["method"] == r["method"] and o["budget"] == r["budget"]
+        )
         dn, ds = r["ndcg@20"] - old["ndcg@20"], r["spearman"] - old["spearman"]
         worst = min(dn, ds) if worst is None else min(worst, dn, ds)
-        lines.append(f"  {r['method']:<10} {r['budget']:>5} B  k {r['k']:>4}  NDCG@20 {old['ndcg@20']:.3f} -> "
-                     f"{r['ndcg@20']:.3f} ({dn:+.3f})  Spearman {old['spearman']:.3f} -> {r['spearman']:.3f} ({ds:+.3f})")
+        lines.append(
+            f"  {r['method']:<10} {r['budget']:>5} B  k {r['k']:>4}  NDCG@20 {old['ndcg@20']:.3f} -> "
+            f"{r['ndcg@20']:.3f} ({dn:+.3f})  Spearman {old['spearman']:.3f} -> {r['spearman']:.3f} ({ds:+.3f})"
+        )
     if worst is not None:
-        lines.append(f"  smallest change: {worst:+.4f} ({'never below the old rule' if worst >= 0 else 'below the old rule somewhere'})")
+        lines.append(
+            f"  smallest change: {worst:+.4f} ({'never below the old rule' if worst >= 0 else 'below the old rule somewhere'})"
+        )
     return "\n".join(lines)
 
 
@@ -254,8 +295,9 @@ def plot(results: list, path: Path, new_rule: int | None) -> None:
             ax.grid(alpha=0.3)
             ax.set_ylabel(f"{'NDCG@20' if metric == 'ndcg@20' else 'Spearman'} vs EK-FAC (EOGP, 1-bit)")
             if row == 0:
-                ax.set_title(f"{result['case']}: d_u {d[0] // 1000}k-{d[-1] // 1000}k; right end m_u = d_u",
-                             fontsize=10)
+                ax.set_title(
+                    f"{result['case']}: d_u {d[0] // 1000}k-{d[-1] // 1000}k; right end m_u = d_u", fontsize=10
+                )
                 ax.legend(fontsize=7, title="budget (x: old rule m_u = 8k_u)", title_fontsize=7)
             else:
                 ax.set_xlabel("M, with m_u = min(d_u, max(k_u, M))")
@@ -266,12 +308,24 @@ def plot(results: list, path: Path, new_rule: int | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--case", type=parse_case, action="append",
-                        help="NAME=DIRECTORY (repeatable; default: default=examples/default)")
-    parser.add_argument("--grid", type=lambda s: tuple(int(x) for x in s.split(",")), default=DEFAULT_GRID,
-                        help="widths M, comma-separated (d_u and the old rule are always added)")
-    parser.add_argument("--budgets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
-                        help="bytes per example (default: eogp eval fidelity's)")
+    parser.add_argument(
+        "--case",
+        type=parse_case,
+        action="append",
+        help="NAME=DIRECTORY (repeatable; default: default=examples/default)",
+    )
+    parser.add_argument(
+        "--grid",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=DEFAULT_GRID,
+        help="widths M, comma-separated (d_u and the old rule are always added)",
+    )
+    parser.add_argument(
+        "--budgets",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=None,
+        help="bytes per example (default: eogp eval fidelity's)",
+    )
     parser.add_argument("--methods", type=lambda s: tuple(s.split(",")), default=("eogp", "eogp-fp16"))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--limit-train", type=int, default=None)
@@ -279,8 +333,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/m-curve"), help="kronfluence's files and the JSON")
     parser.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     parser.add_argument("--replot", action="store_true", help="only print and plot the saved JSON of the cases")
-    parser.add_argument("--new", type=int, default=None, help="compare this M with the old rule (default: the "
-                                                                  "library's DEFAULT_M)")
+    parser.add_argument(
+        "--new", type=int, default=None, help="compare this M with the old rule (default: the library's DEFAULT_M)"
+    )
     add_json_argument(parser)
     args = parser.parse_args()
     from eogp_index.config import DEFAULT_M
@@ -304,7 +359,9 @@ def main() -> None:
             print(compare(result, new_rule))
         print()
     if args.plot:
-        plot(results, args.plot, new_rule if any(r["rule"] == new_rule for res in results for r in res["rows"]) else None)
+        plot(
+            results, args.plot, new_rule if any(r["rule"] == new_rule for res in results for r in res["rows"]) else None
+        )
         print(f"plot: {args.plot}")
     write_json(args.json, results)
 

@@ -52,9 +52,10 @@ def main(argv=None) -> int:
     n = int(args.rows)
     layout = SignLayout((args.k,) * args.modules)
     rng = np.random.default_rng(args.seed)
-    encoded = Encoded(signs=rng.integers(0, 256, size=(n, layout.nbytes), dtype=np.uint8),
-                      scales=rng.lognormal(0.0, 1.0, size=(n, layout.num_modules)).astype(np.float16)
-                      .astype(np.float32))
+    encoded = Encoded(
+        signs=rng.integers(0, 256, size=(n, layout.nbytes), dtype=np.uint8),
+        scales=rng.lognormal(0.0, 1.0, size=(n, layout.num_modules)).astype(np.float16).astype(np.float32),
+    )
     y = rng.standard_normal((1, layout.num_coords)).astype(np.float32)
     names = pa.array([f"source-{i}" for i in range(args.groups)])
     source = pa.DictionaryArray.from_arrays(pa.array(rng.integers(0, args.groups, n).astype(np.int32)), names)
@@ -64,24 +65,46 @@ def main(argv=None) -> int:
     scores = exact_scores(encoded, y, layout)[0]
     full, full_cpu, _ = best_of(lambda: exact_scores(encoded, y, layout), args.repeat)
     threads = int(__import__("numba").get_num_threads())
-    figures = {"rows": n, "nbytes_per_row": layout.nbytes, "modules": args.modules, "k": args.k, "threads": threads,
-               "load_average": os.getloadavg()[0], "full_seconds": full, "full_cpu_seconds": full_cpu,
-               "group_by": []}
-    lines = [f"{n} rows x {layout.nbytes} B of signs ({args.modules} modules x k={args.k}), "
-             f"{int(__import__('numba').get_num_threads())} threads, load average {os.getloadavg()[0]:.2f}",
-             f"full scores (one query, every row):      {full * 1e3:8.1f} ms (cpu {full_cpu * 1e3:.0f} ms)"]
+    figures = {
+        "rows": n,
+        "nbytes_per_row": layout.nbytes,
+        "modules": args.modules,
+        "k": args.k,
+        "threads": threads,
+        "load_average": os.getloadavg()[0],
+        "full_seconds": full,
+        "full_cpu_seconds": full_cpu,
+        "group_by": [],
+    }
+    lines = [
+        f"{n} rows x {layout.nbytes} B of signs ({args.modules} modules x k={args.k}), "
+        f"{int(__import__('numba').get_num_threads())} threads, load average {os.getloadavg()[0]:.2f}",
+        f"full scores (one query, every row):      {full * 1e3:8.1f} ms (cpu {full_cpu * 1e3:.0f} ms)",
+    ]
     for column, values in (("source", source), ("parent_id", parent_id)):
         groups = roll_up(values, scores, args.topk, column).num_rows
         codes = group_codes(values)
         for when, given in (("first", values), ("repeated", codes)):
-            t, cpu, _ = best_of(lambda: roll_up(given, exact_scores(encoded, y, layout)[0], args.topk, column),
-                                args.repeat)
+            t, cpu, _ = best_of(
+                lambda: roll_up(given, exact_scores(encoded, y, layout)[0], args.topk, column), args.repeat
+            )
             ratio = t / full
-            figures["group_by"].append({"column": column, "groups": groups, "when": when, "seconds": t,
-                                        "cpu_seconds": cpu, "ratio": ratio, "target_met": ratio <= 1.5})
-            lines.append(f"group-by {column:<10} ({groups:>7} groups), {when:<8}: {t * 1e3:8.1f} ms "
-                         f"(cpu {cpu * 1e3:.0f} ms) = {ratio:.2f} x full scores (target <= 1.5) "
-                         f"[{'ok' if ratio <= 1.5 else 'MISSED'}]")
+            figures["group_by"].append(
+                {
+                    "column": column,
+                    "groups": groups,
+                    "when": when,
+                    "seconds": t,
+                    "cpu_seconds": cpu,
+                    "ratio": ratio,
+                    "target_met": ratio <= 1.5,
+                }
+            )
+            lines.append(
+                f"group-by {column:<10} ({groups:>7} groups), {when:<8}: {t * 1e3:8.1f} ms "
+                f"(cpu {cpu * 1e3:.0f} ms) = {ratio:.2f} x full scores (target <= 1.5) "
+                f"[{'ok' if ratio <= 1.5 else 'MISSED'}]"
+            )
     lines.append(f"load average after: {os.getloadavg()[0]:.2f}")
     figures["load_average_after"] = os.getloadavg()[0]
     if not prints_json(args):

@@ -59,8 +59,11 @@ def main(argv=None) -> int:
     ap.add_argument("--subset", type=float, default=0.01, help="fraction of rows for the filtered scan")
     ap.add_argument("--seed", type=int, default=0)
     common.add_json_argument(ap)
-    ap.add_argument("--planes-batch", action="store_true",
-                    help="also time the query batch's top-k with the bit-plane pre-scan (on AVX512-VNNI hosts)")
+    ap.add_argument(
+        "--planes-batch",
+        action="store_true",
+        help="also time the query batch's top-k with the bit-plane pre-scan (on AVX512-VNNI hosts)",
+    )
     args = ap.parse_args(argv)
 
     layout = SignLayout((args.k,) * args.modules)
@@ -87,14 +90,25 @@ def main(argv=None) -> int:
     bandwidth = gb / bw_t
 
     vnni = scan_module._prescan_vnni()
-    res: dict = {"gb": gb, "rows": n, "nbytes_per_row": layout.nbytes, "modules": args.modules, "k": args.k,
-                 "threads": int(__import__("numba").get_num_threads()), "bandwidth_gbps": bandwidth,
-                 "bandwidth_s": bw_t, "prescan_vnni": vnni, "load_average": os.getloadavg()}
-    lines = [f"store: {n} rows x {layout.nbytes} B = {gb:.3f} GB ({args.modules} modules x k={args.k}), "
-             f"{res['threads']} threads, load average {os.getloadavg()[0]:.2f}",
-             "top-k pre-scan: bit planes for one query, "
-             + ("AVX512-VNNI query groups for batches" if vnni else "bit planes for batches (no AVX512-VNNI)"),
-             f"memory read (numpy sum, uint64): {bw_t:.3f} s  {bandwidth:.2f} GB/s"]
+    res: dict = {
+        "gb": gb,
+        "rows": n,
+        "nbytes_per_row": layout.nbytes,
+        "modules": args.modules,
+        "k": args.k,
+        "threads": int(__import__("numba").get_num_threads()),
+        "bandwidth_gbps": bandwidth,
+        "bandwidth_s": bw_t,
+        "prescan_vnni": vnni,
+        "load_average": os.getloadavg(),
+    }
+    lines = [
+        f"store: {n} rows x {layout.nbytes} B = {gb:.3f} GB ({args.modules} modules x k={args.k}), "
+        f"{res['threads']} threads, load average {os.getloadavg()[0]:.2f}",
+        "top-k pre-scan: bit planes for one query, "
+        + ("AVX512-VNNI query groups for batches" if vnni else "bit planes for batches (no AVX512-VNNI)"),
+        f"memory read (numpy sum, uint64): {bw_t:.3f} s  {bandwidth:.2f} GB/s",
+    ]
 
     def report(name, seconds, target_text, ratio, ok, **extra):
         cpu = CPU.pop("", 0.0)
@@ -107,8 +121,9 @@ def main(argv=None) -> int:
 
     tk1 = best_of(lambda: scan_top_k(codes, scales, y1, layout, args.topk), args.repeat)
     r = (gb / tk1) / bandwidth
-    report(f"scan_top_k_1q_k{args.topk}", tk1, f"{gb / tk1:.2f} GB/s = {r:.3f} x bandwidth (target >= 0.5)",
-           r, r >= 0.5)
+    report(
+        f"scan_top_k_1q_k{args.topk}", tk1, f"{gb / tk1:.2f} GB/s = {r:.3f} x bandwidth (target >= 0.5)", r, r >= 0.5
+    )
 
     # Unit-normalized scores (--normalize unit): the same kernels on each row's scales divided by
     # its norm, which the hot copy divides once per table version; both lines read float32 scales,
@@ -119,10 +134,16 @@ def main(argv=None) -> int:
     tkf = best_of(lambda: scan_top_k(codes, scales32, y1, layout, args.topk), args.repeat)
     tkn = best_of(lambda: scan_top_k(codes, unit, y1, layout, args.topk), args.repeat)
     r = tkf / tkn
-    report(f"scan_top_k_1q_k{args.topk}_unit", tkn,
-           f"{gb / tkn:.2f} GB/s = {r:.3f} x the unnormalized top-k on the same float32 scales ({gb / tkf:.2f} GB/s, "
-           f"{tkf:.3f} s) (target >= 0.9); dividing the scales once: {prep:.3f} s", r, r >= 0.9,
-           unnormalized_seconds=tkf, divide_seconds=prep)
+    report(
+        f"scan_top_k_1q_k{args.topk}_unit",
+        tkn,
+        f"{gb / tkn:.2f} GB/s = {r:.3f} x the unnormalized top-k on the same float32 scales ({gb / tkf:.2f} GB/s, "
+        f"{tkf:.3f} s) (target >= 0.9); dividing the scales once: {prep:.3f} s",
+        r,
+        r >= 0.9,
+        unnormalized_seconds=tkf,
+        divide_seconds=prep,
+    )
 
     tb = best_of(lambda: scan_scores(codes, scales, yb, layout), 1)
     r = tb / t1
@@ -140,18 +161,31 @@ def main(argv=None) -> int:
         finally:
             scan_module._PRESCAN_VNNI = None
         r = tkp / tk1
-        report(f"scan_top_k_{args.nq}q_k{args.topk}_bit_planes", tkp, f"= {r:.2f} x one query's (target <= 8)",
-               r, r <= 8)
+        report(
+            f"scan_top_k_{args.nq}q_k{args.topk}_bit_planes", tkp, f"= {r:.2f} x one query's (target <= 8)", r, r <= 8
+        )
 
     ts = best_of(lambda: scan_scores(codes, scales, y1, layout, rows=subset), args.repeat)
     r = ts / t1
-    report("scan_scores_1q_subset", ts, f"({subset.size} rows) = {r:.4f} x full scan (target <= 0.05)", r,
-           r <= 0.05, rows=int(subset.size))
+    report(
+        "scan_scores_1q_subset",
+        ts,
+        f"({subset.size} rows) = {r:.4f} x full scan (target <= 0.05)",
+        r,
+        r <= 0.05,
+        rows=int(subset.size),
+    )
 
     tks = best_of(lambda: scan_top_k(codes, scales, y1, layout, args.topk, rows=subset), args.repeat)
     r = tks / tk1
-    report(f"scan_top_k_1q_k{args.topk}_subset", tks, f"({subset.size} rows) = {r:.4f} x full top-k (target <= 0.05)",
-           r, r <= 0.05, rows=int(subset.size))
+    report(
+        f"scan_top_k_1q_k{args.topk}_subset",
+        tks,
+        f"({subset.size} rows) = {r:.4f} x full top-k (target <= 0.05)",
+        r,
+        r <= 0.05,
+        rows=int(subset.size),
+    )
 
     lines.append(f"load average after: {os.getloadavg()[0]:.2f}")
     if not common.prints_json(args):

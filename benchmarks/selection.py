@@ -49,11 +49,28 @@ def build(path: Path) -> None:
     model.save_pretrained(path / "model")
     tokenizer.save_pretrained(path / "model")
     docs = path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": " ".join(f"t{(i * 11 + j * j) % 63 + 1}" for j in range(12))}) + "\n"
-                            for i in range(64)))
-    for args in (["fit", str(path / "model"), "--data", str(docs), "--out", str(path / "small"), "-k", "64",
-                  "--curvature-examples", "32", "--pca-examples", "32"],
-                 ["ingest", str(path / "small"), str(docs)]):
+    docs.write_text(
+        "".join(
+            json.dumps({"text": " ".join(f"t{(i * 11 + j * j) % 63 + 1}" for j in range(12))}) + "\n" for i in range(64)
+        )
+    )
+    for args in (
+        [
+            "fit",
+            str(path / "model"),
+            "--data",
+            str(docs),
+            "--out",
+            str(path / "small"),
+            "-k",
+            "64",
+            "--curvature-examples",
+            "32",
+            "--pca-examples",
+            "32",
+        ],
+        ["ingest", str(path / "small"), str(docs)],
+    ):
         try:
             main(args)
         except SystemExit as exc:
@@ -79,9 +96,18 @@ def measure(path: Path, what: str) -> None:
         how = "max" if what == "select max" else "mean"
         selection = select_documents(index, QUERIES, SelectOptions(top="10%", score=how, ids_only=True))
         picked = write_selection(index.stored, selection, path / "subset.parquet")
-    print(json.dumps({"what": what, "rows": index.store.count(), "picked": picked,
-                      "seconds": time.perf_counter() - started, "opened_rss_mb": opened,
-                      "peak_rss_mb": peak_rss_bytes() / 2**20}))
+    print(
+        json.dumps(
+            {
+                "what": what,
+                "rows": index.store.count(),
+                "picked": picked,
+                "seconds": time.perf_counter() - started,
+                "opened_rss_mb": opened,
+                "peak_rss_mb": peak_rss_bytes() / 2**20,
+            }
+        )
+    )
 
 
 def main(argv=None) -> None:
@@ -104,8 +130,12 @@ def main(argv=None) -> None:
     grow(work / "small", work / "grown", args.rows, args.commit)
     results = []
     for what in ("query", "select", "select max"):
-        done = subprocess.run([sys.executable, __file__, "--measure", str(work), "--what", what],
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--measure", str(work), "--what", what],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     base = results[0]["peak_rss_mb"]
     write_json(args.json, [{**r, "over_query": r["peak_rss_mb"] / base} for r in results])
@@ -113,9 +143,11 @@ def main(argv=None) -> None:
         return
     print(f"{results[0]['rows']:,} rows")
     for r in results:
-        print(f"  {r['what']:<11} peak RSS {r['peak_rss_mb']:8.0f} MB  ({r['peak_rss_mb'] / base:4.2f} x query)  "
-              f"+{r['peak_rss_mb'] - r['opened_rss_mb']:6.0f} MB over the opened index  "
-              f"{r['picked']:>9,} picked  {r['seconds']:6.1f} s")
+        print(
+            f"  {r['what']:<11} peak RSS {r['peak_rss_mb']:8.0f} MB  ({r['peak_rss_mb'] / base:4.2f} x query)  "
+            f"+{r['peak_rss_mb'] - r['opened_rss_mb']:6.0f} MB over the opened index  "
+            f"{r['picked']:>9,} picked  {r['seconds']:6.1f} s"
+        )
 
 
 if __name__ == "__main__":

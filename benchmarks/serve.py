@@ -52,16 +52,54 @@ FILTERS = [None, None, "kind = 'function'", "kind = 'class'", "n_chars > 300"]
 def build_demo_index(path: Path) -> None:
     """``make demo``'s fit and ingest (with stored text), when no demo index exists yet."""
     print(f"building the demo index at {path} (make demo's fit and ingest; a few minutes)", flush=True)
-    subprocess.run([*EOGP, "fit", str(DEMO / "model"), "--data", str(DEMO / "corpus" / "train.jsonl.gz"),
-                    "--out", str(path), "-k", "256", "--curvature-examples", "256", "--pca-examples", "512",
-                    "--max-tokens", "128", "--overwrite", "--json"], check=True, stdout=subprocess.DEVNULL,
-                   timeout=1800)
-    ingest = [*EOGP, "ingest", str(path), str(DEMO / "corpus" / "train.jsonl.gz"), "--id-field", "id",
-              "--metadata", "module", "--metadata", "kind", "--metadata", "qualname", "--metadata", "n_chars",
-              "--json"]
+    subprocess.run(
+        [
+            *EOGP,
+            "fit",
+            str(DEMO / "model"),
+            "--data",
+            str(DEMO / "corpus" / "train.jsonl.gz"),
+            "--out",
+            str(path),
+            "-k",
+            "256",
+            "--curvature-examples",
+            "256",
+            "--pca-examples",
+            "512",
+            "--max-tokens",
+            "128",
+            "--overwrite",
+            "--json",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=1800,
+    )
+    ingest = [
+        *EOGP,
+        "ingest",
+        str(path),
+        str(DEMO / "corpus" / "train.jsonl.gz"),
+        "--id-field",
+        "id",
+        "--metadata",
+        "module",
+        "--metadata",
+        "kind",
+        "--metadata",
+        "qualname",
+        "--metadata",
+        "n_chars",
+        "--json",
+    ]
     help_text = subprocess.run([*EOGP, "ingest", "--help"], capture_output=True, text=True).stdout
-    subprocess.run(ingest + (["--store-text"] if "--store-text" in help_text else []), check=True,
-                   stdout=subprocess.DEVNULL, timeout=1800)
+    subprocess.run(
+        ingest + (["--store-text"] if "--store-text" in help_text else []),
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=1800,
+    )
 
 
 def grow(path: Path, rows: int) -> Tuple[int, float]:
@@ -120,8 +158,10 @@ async def _client(port: int, bodies, stop_at: float, latencies: List[float], err
     try:
         while time.monotonic() < stop_at:
             body = next(bodies)
-            head = (f"POST /v1/query HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                    f"Content-Length: {len(body)}\r\n\r\n").encode()
+            head = (
+                f"POST /v1/query HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
             started = time.perf_counter()
             writer.write(head + body)
             await writer.drain()
@@ -159,9 +199,16 @@ def load(port: int, clients: int, seconds: float, bodies: List[bytes]) -> dict:
     def pct(p):
         return 1000 * ordered[min(len(ordered) - 1, int(p * len(ordered)))] if ordered else float("nan")
 
-    return {"clients": clients, "requests": len(latencies), "seconds": round(elapsed, 2),
-            "throughput": len(latencies) / elapsed, "p50_ms": pct(0.50), "p99_ms": pct(0.99),
-            "errors": len(errors), "first_errors": errors[:3]}
+    return {
+        "clients": clients,
+        "requests": len(latencies),
+        "seconds": round(elapsed, 2),
+        "throughput": len(latencies) / elapsed,
+        "p50_ms": pct(0.50),
+        "p99_ms": pct(0.99),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+    }
 
 
 def free_port() -> int:
@@ -179,8 +226,13 @@ def main(argv=None) -> int:
     parser.add_argument("--single-seconds", type=float, default=10.0)
     parser.add_argument("--work", type=Path, default=None, help="where the grown copy goes (default: a temp dir)")
     add_json_argument(parser)
-    parser.add_argument("--serve-option", action="append", default=[], metavar="OPT",
-                        help="passed to eogp serve (repeatable), e.g. --serve-option=--batch-window-ms=5")
+    parser.add_argument(
+        "--serve-option",
+        action="append",
+        default=[],
+        metavar="OPT",
+        help="passed to eogp serve (repeatable), e.g. --serve-option=--batch-window-ms=5",
+    )
     args = parser.parse_args(argv)
 
     if not (args.index / "manifest.json").exists():
@@ -196,8 +248,11 @@ def main(argv=None) -> int:
     port = free_port()
     log = work / "serve.log"
     with open(log, "wb") as sink:
-        server = subprocess.Popen([*EOGP, "serve", str(grown), "--port", str(port), "--device", "cpu", *args.serve_option],
-                                  stdout=sink, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            [*EOGP, "serve", str(grown), "--port", str(port), "--device", "cpu", *args.serve_option],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     try:
         started = time.monotonic()
         while True:
@@ -209,8 +264,10 @@ def main(argv=None) -> int:
                     print(log.read_text()[-3000:])
                     raise SystemExit("eogp serve did not start")
                 time.sleep(0.2)
-        print(f"server: pid {server.pid}, ready in {time.monotonic() - started:.1f} s "
-              f"(imports, model, hot copy of {rows} rows, kernels)")
+        print(
+            f"server: pid {server.pid}, ready in {time.monotonic() - started:.1f} s "
+            f"(imports, model, hot copy of {rows} rows, kernels)"
+        )
         bodies = request_bodies()
         # Warm-up, alone and in a burst: the first passes of each batch size allocate their buffers,
         # so "start" is the server as it runs, and growth after it is what a leak would show.
@@ -228,8 +285,9 @@ def main(argv=None) -> int:
 
     print(f"\n{'':<12}{'requests':>9}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}")
     for name, r in (("1 client", single), (f"{args.clients} clients", many)):
-        print(f"{name:<12}{r['requests']:>9}{r['throughput']:>9.1f}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
-              f"{r['errors']:>8}")
+        print(
+            f"{name:<12}{r['requests']:>9}{r['throughput']:>9.1f}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['errors']:>8}"
+        )
         for error in r["first_errors"]:
             print(f"    e.g. {error}")
     growth = (rss_end - rss_start) / rss_start
@@ -238,13 +296,26 @@ def main(argv=None) -> int:
     if sizes:
         print(f"batch size (last {len(sizes)} batches): mean {sum(sizes) / len(sizes):.1f}, max {max(sizes)}")
     print("\ntargets (printed, not asserted):")
-    print(f"  errors = 0 ........................ {single['errors'] + many['errors']}  "
-          f"{'met' if single['errors'] + many['errors'] == 0 else 'MISSED'}")
+    print(
+        f"  errors = 0 ........................ {single['errors'] + many['errors']}  "
+        f"{'met' if single['errors'] + many['errors'] == 0 else 'MISSED'}"
+    )
     print(f"  RSS growth < 10% .................. {100 * growth:+.1f}%  {'met' if growth < 0.10 else 'MISSED'}")
-    print(f"  throughput {args.clients} clients >= 2x one .... {speedup:.2f}x  {'met' if speedup >= 2 else 'MISSED'}"
-          f"  (lone-client p50 {single['p50_ms']:.1f} ms with the batching window on)")
-    write_json(args.json, {"rows": rows, "single": single, "many": many, "rss_start_mb": rss_start,
-                           "rss_end_mb": rss_end, "speedup": speedup})
+    print(
+        f"  throughput {args.clients} clients >= 2x one .... {speedup:.2f}x  {'met' if speedup >= 2 else 'MISSED'}"
+        f"  (lone-client p50 {single['p50_ms']:.1f} ms with the batching window on)"
+    )
+    write_json(
+        args.json,
+        {
+            "rows": rows,
+            "single": single,
+            "many": many,
+            "rss_start_mb": rss_start,
+            "rss_end_mb": rss_end,
+            "speedup": speedup,
+        },
+    )
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -39,8 +39,18 @@ INDEX_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 
 #: Which record fields hold what (``fit`` and ``ingest``); the command gets them as ``record``.
 _record_options = option_group(
-    *(field_option(RecordSpec, name) for name in ("text_field", "messages_field", "input_ids_field", "labels_field",
-                                                  "prompt_field", "completion_field", "id_field")),
+    *(
+        field_option(RecordSpec, name)
+        for name in (
+            "text_field",
+            "messages_field",
+            "input_ids_field",
+            "labels_field",
+            "prompt_field",
+            "completion_field",
+            "id_field",
+        )
+    ),
     field_option(RecordSpec, "metadata_fields", "--metadata", multiple=True),
     into="record",
 )
@@ -60,11 +70,16 @@ _projection_memory_option = field_option(GradientConfig, "projection_memory_gb")
 #: The model's precision (every command that loads it).
 _dtype_option = field_option(GradientConfig, "dtype")
 #: The memory budget and the batch's tokens (``fit``, ``ingest``, ``plan``).
-_budget_options = (field_option(GradientConfig, "memory_budget_gb", "--memory-budget"),
-                   field_option(GradientConfig, "batch_tokens"))
+_budget_options = (
+    field_option(GradientConfig, "memory_budget_gb", "--memory-budget"),
+    field_option(GradientConfig, "batch_tokens"),
+)
 _model_option = click.option(
-    "--model", "model_name", default=None,
-    help="Load the model from here instead of the path or name in the manifest (it must be the same model).")
+    "--model",
+    "model_name",
+    default=None,
+    help="Load the model from here instead of the path or name in the manifest (it must be the same model).",
+)
 
 
 @click.group()
@@ -84,17 +99,34 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("model")
-@click.option("--adapter", "adapter", default=None, type=click.Path(exists=True, file_okay=False),
-              help="A LoRA adapter directory (saved by peft) to load onto MODEL; its LoRA matrices are attributed "
-                   "unless --module names base layers.")
-@click.option("--data", "data", multiple=True,
-              help="Shard files or globs (JSONL[.gz/.zst], Parquet, datasets.save_to_disk dirs), or a dataset "
-                   "(owner/name, hf://datasets/owner/name, a local dataset directory; with --split) to fit on.")
-@click.option("--fit-data", "fit_data", multiple=True,
-              help="Fit on these shards instead of --data: fitting data kept apart from what you ingest "
-                   "(e.g. a held-out split).")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Index directory to create (or the interrupted fit to resume).")
+@click.option(
+    "--adapter",
+    "adapter",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="A LoRA adapter directory (saved by peft) to load onto MODEL; its LoRA matrices are attributed "
+    "unless --module names base layers.",
+)
+@click.option(
+    "--data",
+    "data",
+    multiple=True,
+    help="Shard files or globs (JSONL[.gz/.zst], Parquet, datasets.save_to_disk dirs), or a dataset "
+    "(owner/name, hf://datasets/owner/name, a local dataset directory; with --split) to fit on.",
+)
+@click.option(
+    "--fit-data",
+    "fit_data",
+    multiple=True,
+    help="Fit on these shards instead of --data: fitting data kept apart from what you ingest (e.g. a held-out split).",
+)
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Index directory to create (or the interrupted fit to resume).",
+)
 @click.option("--split", default=None, help="The split to read of a dataset in --data / --fit-data (train, …).")
 @click.option("--config", "dataset_config", default=None, help="The config of a dataset with several.")
 @_projection_options
@@ -105,19 +137,43 @@ def cli() -> None:
     into="curvature",
 )
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
-@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "device", "dtype", "experts",
-                                                              "gradient_checkpointing")),
-              *_budget_options, into="gradients")
+@option_group(
+    *(
+        field_option(GradientConfig, name)
+        for name in ("max_tokens", "batch_size", "device", "dtype", "experts", "gradient_checkpointing")
+    ),
+    *_budget_options,
+    into="gradients",
+)
 @field_option(ProjectionConfig, "seed", help="Seed of the fitting samples, the sampled labels and the SRHT.")
-@click.option("--table-uri", default=None,
-              help="LanceDB URI for the table (e.g. s3://bucket/prefix); default: inside --out.")
+@click.option(
+    "--table-uri", default=None, help="LanceDB URI for the table (e.g. s3://bucket/prefix); default: inside --out."
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing index, or an interrupted fit, at --out.")
 @distributed_option
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @_record_options
 @_fail_cleanly
-def fit(model, adapter, data, fit_data, out, split, dataset_config, projection, storage, curvature, modules, gradients,
-        seed, table_uri, overwrite, distributed, as_json, record):
+def fit(
+    model,
+    adapter,
+    data,
+    fit_data,
+    out,
+    split,
+    dataset_config,
+    projection,
+    storage,
+    curvature,
+    modules,
+    gradients,
+    seed,
+    table_uri,
+    overwrite,
+    distributed,
+    as_json,
+    record,
+):
     """Fit EK-FAC curvature and the projection; create an empty index.
 
     MODEL is a HuggingFace hub name, a local model directory, or a LoRA
@@ -171,17 +227,28 @@ def fit(model, adapter, data, fit_data, out, split, dataset_config, projection, 
         check_index_dir(out, "overwrite" if overwrite else "create")
         with _fit_process_group(gradients.resolved_device()) if sharded else contextlib.nullcontext():
             model, adapter = model_and_adapter(model, adapter)
-            loaded, tokenizer = load_model(model, adapter=adapter, device=gradients.resolved_device(),
-                                           dtype=gradients.dtype)
+            loaded, tokenizer = load_model(
+                model, adapter=adapter, device=gradients.resolved_device(), dtype=gradients.dtype
+            )
             wanted = curvature.num_examples + (projection.num_fit_examples if projection.second_stage == "pca" else 0)
             examples, seen = sample_shards(list(fit_data or data), spec, tokenizer, wanted, seed)
             if torchrun_rank() == 0:
                 click.echo(f"fitting on {len(examples)} documents sampled from {seen} records", err=True)
-            index = AttributionIndex.create(out, loaded, tokenizer, examples, model_name=model, adapter=adapter,
-                                            modules=list(modules) or None, curvature=curvature,
-                                            projection=projection, storage=StorageConfig(**storage),
-                                            gradients=gradients, table_uri=table_uri,
-                                            mode="overwrite" if overwrite else "create")
+            index = AttributionIndex.create(
+                out,
+                loaded,
+                tokenizer,
+                examples,
+                model_name=model,
+                adapter=adapter,
+                modules=list(modules) or None,
+                curvature=curvature,
+                projection=projection,
+                storage=StorageConfig(**storage),
+                gradients=gradients,
+                table_uri=table_uri,
+                mode="overwrite" if overwrite else "create",
+            )
     except EOGPError:
         if torchrun_rank() != 0:  # every worker fails alike: rank 0 alone says why
             raise click.exceptions.Exit(1)
@@ -219,12 +286,25 @@ def _fit_process_group(device: str):
 @cli.command()
 @click.argument("index_dir", type=INDEX_DIR)
 @click.argument("shards", nargs=-1, required=True)
-@click.option("--on-error", type=click.Choice(["raise", "skip"]), default="raise", show_default=True,
-              help="raise: stop at the first bad record; skip: list bad records in a rejects file.")
-@click.option("--rejects", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Where to write rejected records (default: INDEX/rejects/<time>.jsonl).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None,
-              help="Examples per batch, one commit each (under torchrun: per worker and step).")
+@click.option(
+    "--on-error",
+    type=click.Choice(["raise", "skip"]),
+    default="raise",
+    show_default=True,
+    help="raise: stop at the first bad record; skip: list bad records in a rejects file.",
+)
+@click.option(
+    "--rejects",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write rejected records (default: INDEX/rejects/<time>.jsonl).",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Examples per batch, one commit each (under torchrun: per worker and step).",
+)
 @_model_option
 @field_option(GradientConfig, "device")
 @_dtype_option
@@ -232,26 +312,64 @@ def _fit_process_group(device: str):
 @_projection_memory_option
 @field_option(IngestConfig, "block_documents")
 @option_group(*_budget_options, into="budget")
-@click.option("--shard-root", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Name shards by their path relative to this directory (needed when file names repeat); "
-                   "keep it the same across runs.")
-@click.option("--store-text", "store_text", is_flag=True,
-              help="Keep each document's text (a chat or ids as JSON) in the table, so results show it and "
-                   "`eogp explain` needs no shard; costs about the documents' own size per row.")
-@click.option("--store-text-max-bytes", type=click.IntRange(min=1), default=DEFAULT_TEXT_BYTES, show_default=True,
-              help="With --store-text: longer documents are not stored (explained from their shard instead).")
+@click.option(
+    "--shard-root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Name shards by their path relative to this directory (needed when file names repeat); "
+    "keep it the same across runs.",
+)
+@click.option(
+    "--store-text",
+    "store_text",
+    is_flag=True,
+    help="Keep each document's text (a chat or ids as JSON) in the table, so results show it and "
+    "`eogp explain` needs no shard; costs about the documents' own size per row.",
+)
+@click.option(
+    "--store-text-max-bytes",
+    type=click.IntRange(min=1),
+    default=DEFAULT_TEXT_BYTES,
+    show_default=True,
+    help="With --store-text: longer documents are not stored (explained from their shard instead).",
+)
 @field_option(RecordSpec, "long_documents")
 @click.option("--split", default=None, help="The split to read of a dataset among SHARDS (train, …).")
 @click.option("--config", "dataset_config", default=None, help="The config of a dataset with several.")
 @distributed_option
-@click.option("--commit-every", type=click.IntRange(min=1), default=None,
-              help="Under torchrun: steps between commits (default 1); a crash loses at most this many steps.")
+@click.option(
+    "--commit-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Under torchrun: steps between commits (default 1); a crash loses at most this many steps.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_record_options
 @_fail_cleanly
-def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device, dtype, gradient_checkpointing,
-           projection_memory_gb, block_documents, budget, shard_root, store_text, store_text_max_bytes, long_documents,
-           split, dataset_config, distributed, commit_every, as_json, record):
+def ingest(
+    index_dir,
+    shards,
+    on_error,
+    rejects,
+    batch_size,
+    model_name,
+    device,
+    dtype,
+    gradient_checkpointing,
+    projection_memory_gb,
+    block_documents,
+    budget,
+    shard_root,
+    store_text,
+    store_text_max_bytes,
+    long_documents,
+    split,
+    dataset_config,
+    distributed,
+    commit_every,
+    as_json,
+    record,
+):
     """Store corpus shards in an index. Safe to rerun: stored examples are skipped.
 
     Under torchrun (several workers, or --distributed) the shards are dealt out to the
@@ -264,29 +382,49 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
     """
     spec = RecordSpec(**record, long_documents=long_documents)  # max_tokens: the index's
     shards = _dataset_splits(shards, split, dataset_config)
-    gradients = GradientConfig(batch_size=batch_size or GradientConfig().batch_size, device=device, dtype=dtype,
-                               gradient_checkpointing=gradient_checkpointing, projection_memory_gb=projection_memory_gb,
-                               **budget)
+    gradients = GradientConfig(
+        batch_size=batch_size or GradientConfig().batch_size,
+        device=device,
+        dtype=dtype,
+        gradient_checkpointing=gradient_checkpointing,
+        projection_memory_gb=projection_memory_gb,
+        **budget,
+    )
     sharded = under_torchrun(distributed)
     if commit_every is not None and not sharded:
         raise click.UsageError("--commit-every applies to torchrun workers; run under torchrun or drop it")
-    config = IngestConfig(spec=spec, on_error=on_error, rejects_path=rejects, batch_size=batch_size,
-                          block_documents=block_documents, progress=not as_json, shard_root=shard_root,
-                          store_text=store_text_max_bytes if store_text else None, commit_every=commit_every or 1)
+    config = IngestConfig(
+        spec=spec,
+        on_error=on_error,
+        rejects_path=rejects,
+        batch_size=batch_size,
+        block_documents=block_documents,
+        progress=not as_json,
+        shard_root=shard_root,
+        store_text=store_text_max_bytes if store_text else None,
+        commit_every=commit_every or 1,
+    )
     from eogp_index.store.stored_index import StoredIndex
     from ingest.pipeline import check_before_loading
 
     def check() -> None:  # what needs no model, said before it loads
-        check_before_loading(StoredIndex.open(index_dir), list(shards), spec, shard_root=shard_root,
-                             store_text=config.store_text, distributed=sharded)
+        check_before_loading(
+            StoredIndex.open(index_dir),
+            list(shards),
+            spec,
+            shard_root=shard_root,
+            store_text=config.store_text,
+            distributed=sharded,
+        )
 
     if sharded:
         from ingest.distributed import run_distributed_ingest
 
         try:
             check()
-            summary = run_distributed_ingest(index_dir, list(shards), config, gradients=gradients,
-                                             model_path=model_name)
+            summary = run_distributed_ingest(
+                index_dir, list(shards), config, gradients=gradients, model_path=model_name
+            )
         except EOGPError:
             if torchrun_rank() != 0:  # every worker fails alike: rank 0 alone says why
                 raise click.exceptions.Exit(1)
@@ -306,32 +444,49 @@ def ingest(index_dir, shards, on_error, rejects, batch_size, model_name, device,
 
 def _sizing_line(sizing) -> str:
     """What AttributionIndex.open chose for the memory budget, in one line."""
-    return (f"memory budget {sizing['budget'] / 1e9:.3g} GB ({sizing['budget_from']}): batches of "
-            f"{sizing['documents']} documents of up to {sizing['document_tokens']} tokens (from {sizing['from']}), "
-            f"P {'resident' if sizing['p_resident'] else 'read one module at a time'}; eogp plan INDEX prints the "
-            "estimates")
+    return (
+        f"memory budget {sizing['budget'] / 1e9:.3g} GB ({sizing['budget_from']}): batches of "
+        f"{sizing['documents']} documents of up to {sizing['document_tokens']} tokens (from {sizing['from']}), "
+        f"P {'resident' if sizing['p_resident'] else 'read one module at a time'}; eogp plan INDEX prints the "
+        "estimates"
+    )
 
 
 @cli.command()
 @click.argument("index_dir", type=INDEX_DIR)
 @click.option("--text", "texts", multiple=True, help="A query text (repeatable).")
-@click.option("--queries", "queries_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="JSONL file of queries: {text} / {messages} / {input_ids} / {prompt, completion} records, or "
-                   "preference queries {prompt, chosen, rejected}. A bad line is reported by its line number and "
-                   "the other queries are still answered (exit status 1).")
-@click.option("--limit-queries", type=click.IntRange(min=1), default=None,
-              help="Use only the first N queries of --queries.")
-@click.option("-k", "k", type=click.IntRange(min=1), default=10, show_default=True,
-              help="How many examples per direction.")
+@click.option(
+    "--queries",
+    "queries_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL file of queries: {text} / {messages} / {input_ids} / {prompt, completion} records, or "
+    "preference queries {prompt, chosen, rejected}. A bad line is reported by its line number and "
+    "the other queries are still answered (exit status 1).",
+)
+@click.option(
+    "--limit-queries", type=click.IntRange(min=1), default=None, help="Use only the first N queries of --queries."
+)
+@click.option(
+    "-k", "k", type=click.IntRange(min=1), default=10, show_default=True, help="How many examples per direction."
+)
 @click.option("--where", default=None, help="SQL filter on stored columns, e.g. \"kind = 'function'\".")
 @click.option("--direction", type=click.Choice(["positive", "negative", "both"]), default="both", show_default=True)
-@click.option("--candidates", type=click.IntRange(min=1), default=None,
-              help="Score only this many first-pass candidates per direction (needs `eogp build-candidates`).")
+@click.option(
+    "--candidates",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Score only this many first-pass candidates per direction (needs `eogp build-candidates`).",
+)
 @click.option("--stream", is_flag=True, help="Scan the table in batches instead of an in-memory copy.")
-@click.option("--by-module", is_flag=True,
-              help="Split each hit's score into its per-module terms (they sum to the score).")
-@option_group(field_option(AnswerConfig, "aggregate"), field_option(AnswerConfig, "normalize"),
-              field_option(AnswerConfig, "group_by", metavar="COLUMN"), into="answer")
+@click.option(
+    "--by-module", is_flag=True, help="Split each hit's score into its per-module terms (they sum to the score)."
+)
+@option_group(
+    field_option(AnswerConfig, "aggregate"),
+    field_option(AnswerConfig, "normalize"),
+    field_option(AnswerConfig, "group_by", metavar="COLUMN"),
+    into="answer",
+)
 @_model_option
 @field_option(GradientConfig, "device")
 @_dtype_option
@@ -339,8 +494,25 @@ def _sizing_line(sizing) -> str:
 @distributed_option
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @_fail_cleanly
-def query(index_dir, texts, queries_file, limit_queries, k, where, direction, candidates, stream, by_module,
-          answer, model_name, device, dtype, projection_memory_gb, distributed, as_json):
+def query(
+    index_dir,
+    texts,
+    queries_file,
+    limit_queries,
+    k,
+    where,
+    direction,
+    candidates,
+    stream,
+    by_module,
+    answer,
+    model_name,
+    device,
+    dtype,
+    projection_memory_gb,
+    distributed,
+    as_json,
+):
     """Show the stored examples that most influence each query.
 
     Positive scores: training on the example lowers the query's loss. Under torchrun
@@ -362,12 +534,16 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
     if sharded and (candidates is not None or stream):
         raise click.UsageError("--candidates and --stream choose single-process routes; drop them under torchrun")
     with process_group():
-        gradients = GradientConfig(device=worker_device(device) if sharded else device, dtype=dtype,
-                                   projection_memory_gb=projection_memory_gb)
+        gradients = GradientConfig(
+            device=worker_device(device) if sharded else device, dtype=dtype, projection_memory_gb=projection_memory_gb
+        )
         index = AttributionIndex.open(index_dir, model_name=model_name, gradients=gradients)
         if index.store.count() == 0 and torchrun_rank() == 0:
-            click.echo(f"{index_dir} has no rows yet: nothing has been ingested. "
-                       f"Store documents first: eogp ingest {index_dir} SHARDS...", err=True)
+            click.echo(
+                f"{index_dir} has no rows yet: nothing has been ingested. "
+                f"Store documents first: eogp ingest {index_dir} SHARDS...",
+                err=True,
+            )
         queries = _answerable(index, labels, queries, errors)
         tables = []
         if queries:
@@ -381,13 +557,17 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
     if torchrun_rank() == 0:
         asked = [{"aggregate": answer["aggregate"], "queries": queries}] if answer["aggregate"] and queries else queries
         if answer["group_by"]:
-            _emit([{"query": q, "group_by": answer["group_by"], "groups": t.to_pylist()} for q, t in zip(asked, tables)],
-                  as_json, _print_groups)
+            _emit(
+                [{"query": q, "group_by": answer["group_by"], "groups": t.to_pylist()} for q, t in zip(asked, tables)],
+                as_json,
+                _print_groups,
+            )
         else:
             _emit([{"query": q, "results": t.to_pylist()} for q, t in zip(asked, tables)], as_json, _print_results)
         if errors:
-            raise click.ClickException(f"{len(errors)} of {len(errors) + len(queries)} queries were not answered:\n"
-                                       + "\n".join(errors))
+            raise click.ClickException(
+                f"{len(errors)} of {len(errors) + len(queries)} queries were not answered:\n" + "\n".join(errors)
+            )
     elif errors:
         raise click.exceptions.Exit(1)
 
@@ -395,11 +575,20 @@ def query(index_dir, texts, queries_file, limit_queries, k, where, direction, ca
 @cli.command()
 @click.argument("index_dir", type=INDEX_DIR)
 @click.option("--text", "texts", multiple=True, help="The query text.")
-@click.option("--query-file", "--queries", "queries_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="JSONL file of queries ({text} / {messages} / {input_ids}); the first one is explained.")
+@click.option(
+    "--query-file",
+    "--queries",
+    "queries_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL file of queries ({text} / {messages} / {input_ids}); the first one is explained.",
+)
 @click.option("--id", "ids", multiple=True, help="Stored example id to explain (repeatable: one batched pass).")
-@click.option("--top", type=click.IntRange(min=1), default=None,
-              help="Explain the query's N most positive hits instead of naming --id.")
+@click.option(
+    "--top",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Explain the query's N most positive hits instead of naming --id.",
+)
 @click.option("--color/--no-color", default=None, help="Shade tokens with colour (default: when a terminal).")
 @_model_option
 @field_option(GradientConfig, "device")
@@ -429,15 +618,20 @@ def explain(index_dir, texts, queries_file, ids, top, color, model_name, device,
         raise click.ClickException(labels[0])
     if bool(ids) == (top is not None):
         raise click.UsageError("give --id ID (repeatable) or --top N")
-    index = AttributionIndex.open(index_dir, model_name=model_name,
-                                  gradients=GradientConfig(device=device, dtype=dtype,
-                                                           projection_memory_gb=projection_memory_gb))
+    index = AttributionIndex.open(
+        index_dir,
+        model_name=model_name,
+        gradients=GradientConfig(device=device, dtype=dtype, projection_memory_gb=projection_memory_gb),
+    )
     if top is not None:
         ids = tuple(index.top_influential(queries[0], k=top).column("id").to_pylist())
     explanations = index.explain_many(queries[0], list(ids))
     use_color = sys.stdout.isatty() if color is None else color
-    _emit([e.to_json() for e in explanations], as_json,
-          lambda _: click.echo("\n\n".join(explanation_terminal(e, color=use_color) for e in explanations)))
+    _emit(
+        [e.to_json() for e in explanations],
+        as_json,
+        lambda _: click.echo("\n\n".join(explanation_terminal(e, color=use_color) for e in explanations)),
+    )
 
 
 def _dataset_splits(patterns, split: Optional[str], config: Optional[str]) -> tuple:
@@ -447,8 +641,10 @@ def _dataset_splits(patterns, split: Optional[str], config: Optional[str]) -> tu
     from eogp_index.data.readers import dataset_source, with_split
 
     if patterns and not any(dataset_source(p) is not None for p in patterns):
-        raise click.UsageError("--split and --config pick a split of a dataset (owner/name, hf://datasets/owner/name "
-                               "or a local dataset directory); none of the shards given is one")
+        raise click.UsageError(
+            "--split and --config pick a split of a dataset (owner/name, hf://datasets/owner/name "
+            "or a local dataset directory); none of the shards given is one"
+        )
     return tuple(with_split(p, split, config) if dataset_source(p) is not None else p for p in patterns)
 
 
@@ -503,9 +699,15 @@ def _answerable(index, labels: List[str], queries: List[Any], errors: List[str])
 
 _target_options = option_group(
     click.option("--text", "texts", multiple=True, help="A target query text (repeatable)."),
-    click.option("--queries", "queries_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                 help="JSONL file of target queries (as for `eogp query`)."),
-    _model_option, field_option(GradientConfig, "device"), _projection_memory_option,
+    click.option(
+        "--queries",
+        "queries_file",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help="JSONL file of target queries (as for `eogp query`).",
+    ),
+    _model_option,
+    field_option(GradientConfig, "device"),
+    _projection_memory_option,
 )
 _OUT_FILE = click.Path(dir_okay=False, path_type=Path)
 
@@ -513,10 +715,17 @@ _OUT_FILE = click.Path(dir_okay=False, path_type=Path)
 @cli.command()
 @click.argument("index_dir", type=INDEX_DIR)
 @_target_options
-@option_group(*(field_option(SelectOptions, name)
-                for name in ("top", "score", "direction", "where", "ids_only", "normalize")), into="options")
-@click.option("--out", "out", required=True, type=_OUT_FILE,
-              help="The subset to write: .jsonl, .jsonl.gz or .parquet (written whole or not at all).")
+@option_group(
+    *(field_option(SelectOptions, name) for name in ("top", "score", "direction", "where", "ids_only", "normalize")),
+    into="options",
+)
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=_OUT_FILE,
+    help="The subset to write: .jsonl, .jsonl.gz or .parquet (written whole or not at all).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_fail_cleanly
 def select(index_dir, texts, queries_file, model_name, device, projection_memory_gb, options, out, as_json):
@@ -544,19 +753,33 @@ def select(index_dir, texts, queries_file, model_name, device, projection_memory
     selection = select_documents(index, _target_set(texts, queries_file), SelectOptions(**options))
     written = write_selection(index.stored, selection, out)
     scores = selection.scores.tolist()
-    summary = {"out": str(out), "selected": written, "min_score": min(scores, default=None),
-               "max_score": max(scores, default=None)}
-    _emit(summary, as_json, lambda s: click.echo(f"wrote {s['selected']} documents to {s['out']}"
-                                                 + (f" (scores {s['min_score']:+.4e} … {s['max_score']:+.4e})"
-                                                    if s["selected"] else "")))
+    summary = {
+        "out": str(out),
+        "selected": written,
+        "min_score": min(scores, default=None),
+        "max_score": max(scores, default=None),
+    }
+    _emit(
+        summary,
+        as_json,
+        lambda s: click.echo(
+            f"wrote {s['selected']} documents to {s['out']}"
+            + (f" (scores {s['min_score']:+.4e} … {s['max_score']:+.4e})" if s["selected"] else "")
+        ),
+    )
 
 
 @cli.command()
 @click.argument("index_dir", type=INDEX_DIR)
 @_target_options
 @click.option("--where", default=None, help="SQL filter on stored columns.")
-@click.option("--out", "out", required=True, type=_OUT_FILE,
-              help="Parquet file of (id, query, score, metadata...), written whole or not at all.")
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=_OUT_FILE,
+    help="Parquet file of (id, query, score, metadata...), written whole or not at all.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_fail_cleanly
 def scores(index_dir, texts, queries_file, model_name, device, projection_memory_gb, where, out, as_json):
@@ -592,8 +815,11 @@ def _target_set(texts, queries_file) -> List[Any]:
 def _open_for_queries(index_dir, model_name, device, projection_memory_gb):
     from eogp_index.client import AttributionIndex
 
-    return AttributionIndex.open(index_dir, model_name=model_name,
-                                 gradients=GradientConfig(device=device, projection_memory_gb=projection_memory_gb))
+    return AttributionIndex.open(
+        index_dir,
+        model_name=model_name,
+        gradients=GradientConfig(device=device, projection_memory_gb=projection_memory_gb),
+    )
 
 
 @cli.command()
@@ -615,8 +841,13 @@ def info(index_dir, as_json):
 @cli.command("index-column")
 @click.argument("index_dir", type=INDEX_DIR)
 @click.argument("column")
-@click.option("--kind", type=click.Choice(["BTREE", "BITMAP"]), default="BTREE", show_default=True,
-              help="BTREE for ranges and many distinct values, BITMAP for few distinct values.")
+@click.option(
+    "--kind",
+    type=click.Choice(["BTREE", "BITMAP"]),
+    default="BTREE",
+    show_default=True,
+    help="BTREE for ranges and many distinct values, BITMAP for few distinct values.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_fail_cleanly
 def index_column(index_dir, column, kind, as_json):
@@ -631,8 +862,11 @@ def index_column(index_dir, column, kind, as_json):
 
     store = StoredIndex.open(index_dir).store
     store.create_scalar_index(column, kind)
-    _emit({"column": column, "kind": kind, "indices": store.index_names()},
-          as_json, lambda d: click.echo(f"indexed {d['column']} ({d['kind']})"))
+    _emit(
+        {"column": column, "kind": kind, "indices": store.index_names()},
+        as_json,
+        lambda d: click.echo(f"indexed {d['column']} ({d['kind']})"),
+    )
 
 
 _DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -650,8 +884,9 @@ def _retention(value: str):
     try:
         seconds = float(number) * _DURATION[unit]
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not a duration; give e.g. 0, 90s, 30m, 1h, 7d or none",
-                                 param_hint="--retention") from None
+        raise click.BadParameter(
+            f"{value!r} is not a duration; give e.g. 0, 90s, 30m, 1h, 7d or none", param_hint="--retention"
+        ) from None
     if seconds < 0:
         raise click.BadParameter("a retention cannot be negative", param_hint="--retention")
     return timedelta(seconds=seconds)
@@ -659,10 +894,18 @@ def _retention(value: str):
 
 @cli.command()
 @click.argument("index_dir", type=INDEX_DIR)
-@click.option("--retention", default="1h", show_default=True,
-              help="Remove table versions older than this (0: all but the latest; none: keep every version).")
-@click.option("--target-rows", type=click.IntRange(min=1), default=None,
-              help="Rows per fragment after compaction (default 262144).")
+@click.option(
+    "--retention",
+    default="1h",
+    show_default=True,
+    help="Remove table versions older than this (0: all but the latest; none: keep every version).",
+)
+@click.option(
+    "--target-rows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Rows per fragment after compaction (default 262144).",
+)
 @click.option("--no-hot", is_flag=True, help="Leave the hot copy as it is (the next query brings it up to date).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_fail_cleanly
@@ -683,8 +926,12 @@ def optimize(index_dir, retention, target_rows, no_hot, as_json):
     from eogp_index.store.maintenance import optimize as optimize_index
     from eogp_index.store.stored_index import StoredIndex
 
-    report = optimize_index(StoredIndex.open(index_dir), retention=_retention(retention), rebuild_hot=not no_hot,
-                            target_rows=target_rows or DEFAULT_TARGET_ROWS)
+    report = optimize_index(
+        StoredIndex.open(index_dir),
+        retention=_retention(retention),
+        rebuild_hot=not no_hot,
+        target_rows=target_rows or DEFAULT_TARGET_ROWS,
+    )
     _emit(report.to_json(), as_json, lambda _: click.echo(report.describe()))
 
 
@@ -711,15 +958,24 @@ class FirstPassKind(click.ParamType):
 
 @cli.command("build-candidates")
 @click.argument("index_dir", type=INDEX_DIR)
-@click.option("--kind", type=FirstPassKind(), default="flat", show_default=True,
-              help="Which first pass: clustered groups the codes by scale profile and scans the promising "
-                   "cells exactly (--candidates is then its budget of rows); flat, ivf and hnsw are FAISS "
-                   "binary indexes over the signs (exact Hamming, inverted lists, a graph).")
+@click.option(
+    "--kind",
+    type=FirstPassKind(),
+    default="flat",
+    show_default=True,
+    help="Which first pass: clustered groups the codes by scale profile and scans the promising "
+    "cells exactly (--candidates is then its budget of rows); flat, ivf and hnsw are FAISS "
+    "binary indexes over the signs (exact Hamming, inverted lists, a graph).",
+)
 @click.option("--name", default="default", show_default=True, help="Name of the first pass in the index directory.")
-@click.option("--replicas", type=click.IntRange(1, 16), default=None,
-              help="FAISS kinds: copies of each sign bit, so that queries weight coordinates by |y| "
-                   "(1 = plain Hamming; FAISS memory and search time grow with it). Build only; "
-                   "default 1; 4 raises recall at a given --candidates.")
+@click.option(
+    "--replicas",
+    type=click.IntRange(1, 16),
+    default=None,
+    help="FAISS kinds: copies of each sign bit, so that queries weight coordinates by |y| "
+    "(1 = plain Hamming; FAISS memory and search time grow with it). Build only; "
+    "default 1; 4 raises recall at a given --candidates.",
+)
 @click.option("--extend", "extend_only", is_flag=True, help="Only add rows ingested since the last build.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_fail_cleanly
@@ -749,29 +1005,56 @@ def build_candidates(index_dir, kind, name, replicas, extend_only, as_json):
         built = first_pass.build(index, name, first_pass.make_config(kind, **options), progress=not as_json)
         added = built.ntotal
     params = built.build_params
-    _emit({"name": name, "kind": built.kind, "rows": built.ntotal, "added": added, **params}, as_json,
-          lambda d: click.echo(f"first pass {d['name']!r} ({d['kind']}): {d['rows']} rows ({d['added']} added); "
-                               + ", ".join(f"{key} {value}" for key, value in params.items())))
+    _emit(
+        {"name": name, "kind": built.kind, "rows": built.ntotal, "added": added, **params},
+        as_json,
+        lambda d: click.echo(
+            f"first pass {d['name']!r} ({d['kind']}): {d['rows']} rows ({d['added']} added); "
+            + ", ".join(f"{key} {value}" for key, value in params.items())
+        ),
+    )
 
 
-cli.add_command(click.Command(
-    "build-faiss", callback=build_candidates.callback, params=build_candidates.params, hidden=True,
-    help="The former name of `eogp build-candidates`, kept as an alias: the same options and result.\n\n"
-         "\b\nExample:\n    eogp build-faiss my-index --kind hnsw"))
+cli.add_command(
+    click.Command(
+        "build-faiss",
+        callback=build_candidates.callback,
+        params=build_candidates.params,
+        hidden=True,
+        help="The former name of `eogp build-candidates`, kept as an alias: the same options and result.\n\n"
+        "\b\nExample:\n    eogp build-faiss my-index --kind hnsw",
+    )
+)
 
 
 @cli.command()
 @click.argument("index_dir", type=INDEX_DIR)
-@option_group(field_option(ServeConfig, "host"), field_option(ServeConfig, "port"),
-              field_option(ServeConfig, "token", envvar="EOGP_SERVE_TOKEN"), into="serving")
+@option_group(
+    field_option(ServeConfig, "host"),
+    field_option(ServeConfig, "port"),
+    field_option(ServeConfig, "token", envvar="EOGP_SERVE_TOKEN"),
+    into="serving",
+)
 @field_option(GradientConfig, "device")
 @_dtype_option
 @_projection_memory_option
 @_model_option
-@option_group(*(field_option(ServeConfig, name) for name in ("batch_window_ms", "max_batch", "queue_size", "timeout_s",
-                                                              "max_k", "max_query_tokens", "max_request_bytes",
-                                                              "max_queries")),
-              into="limits")
+@option_group(
+    *(
+        field_option(ServeConfig, name)
+        for name in (
+            "batch_window_ms",
+            "max_batch",
+            "queue_size",
+            "timeout_s",
+            "max_k",
+            "max_query_tokens",
+            "max_request_bytes",
+            "max_queries",
+        )
+    ),
+    into="limits",
+)
 @_fail_cleanly
 def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, limits):
     """Serve influence queries over HTTP, with a web page, to many users at once.
@@ -790,18 +1073,24 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401  (the serve extra; say how to get it before loading the model)
     except ImportError as exc:
-        raise click.ClickException(f"eogp serve needs the serve extra ({exc.name} is not installed): "
-                                   "pip install 'eogp-index[serve]'") from exc
+        raise click.ClickException(
+            f"eogp serve needs the serve extra ({exc.name} is not installed): pip install 'eogp-index[serve]'"
+        ) from exc
     from eogp_index.serve.app import create_app, open_index
     from eogp_index.serve.middleware import configure_logging
 
     config = ServeConfig(**serving, **limits)
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.token is None:
-        click.echo(f"warning: serving on {config.host} without --token: anyone who can reach it can query",
-                   err=True)
+        click.echo(f"warning: serving on {config.host} without --token: anyone who can reach it can query", err=True)
     configure_logging()
-    index = open_index(index_dir, device=device, batch_size=config.max_batch, model_name=model_name,
-                       projection_memory_gb=projection_memory_gb, dtype=dtype)
+    index = open_index(
+        index_dir,
+        device=device,
+        batch_size=config.max_batch,
+        model_name=model_name,
+        projection_memory_gb=projection_memory_gb,
+        dtype=dtype,
+    )
     app = create_app(index, config)
     click.echo(f"serving {index_dir} on http://{config.host}:{config.port}/ (Ctrl-C stops)", err=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
@@ -812,23 +1101,58 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
 @_projection_options
 @option_group(field_option(StorageConfig, "precision"), into="storage")
 @field_option(CurvatureConfig, "num_examples", "--curvature-examples")
-@option_group(*(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "dtype", "experts")),
-              *_budget_options, into="gradients")
-@click.option("--document-tokens", type=click.IntRange(min=1), default=None,
-              help="The documents' length in tokens, for the batch (default: --max-tokens, else the model's context).")
-@click.option("--device", "device_kind", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
-              help="Where the budget is: on cpu, kronfluence's host memory counts in it too.")
+@option_group(
+    *(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "dtype", "experts")),
+    *_budget_options,
+    into="gradients",
+)
+@click.option(
+    "--document-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The documents' length in tokens, for the batch (default: --max-tokens, else the model's context).",
+)
+@click.option(
+    "--device",
+    "device_kind",
+    type=click.Choice(["cuda", "cpu"]),
+    default="cuda",
+    show_default=True,
+    help="Where the budget is: on cpu, kronfluence's host memory counts in it too.",
+)
 @click.option("--module", "modules", multiple=True, help="Module name or glob to attribute (repeatable).")
-@click.option("--documents", type=click.IntRange(min=0), default=1_000_000, show_default=True,
-              help="Documents in the store, for its size.")
-@field_option(IngestConfig, "block_documents",
-              help=f"Documents per ingest block when P does not stay in memory (default: {MAX_BLOCK_DOCUMENTS:,}; "
-                   "an ingest sizes its own from the free disk and memory, at most that).")
-@click.option("--all-modules", is_flag=True, help="One line per module (default: modules alike in every block, grouped).")
+@click.option(
+    "--documents",
+    type=click.IntRange(min=0),
+    default=1_000_000,
+    show_default=True,
+    help="Documents in the store, for its size.",
+)
+@field_option(
+    IngestConfig,
+    "block_documents",
+    help=f"Documents per ingest block when P does not stay in memory (default: {MAX_BLOCK_DOCUMENTS:,}; "
+    "an ingest sizes its own from the free disk and memory, at most that).",
+)
+@click.option(
+    "--all-modules", is_flag=True, help="One line per module (default: modules alike in every block, grouped)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_fail_cleanly
-def plan(model, projection, storage, num_examples, gradients, document_tokens, device_kind, modules, documents,
-         block_documents, all_modules, as_json):
+def plan(
+    model,
+    projection,
+    storage,
+    num_examples,
+    gradients,
+    document_tokens,
+    device_kind,
+    modules,
+    documents,
+    block_documents,
+    all_modules,
+    as_json,
+):
     """Plan an index before fitting it, or read a fitted one's: nothing runs.
 
     MODEL is a hub name, a local model directory, a LoRA adapter directory or
@@ -858,20 +1182,32 @@ def plan(model, projection, storage, num_examples, gradients, document_tokens, d
 
     gradients = GradientConfig(**gradients)
     budget = None if gradients.memory_budget_gb is None else int(gradients.memory_budget_gb * 1e9)
-    options = dict(curvature_examples=num_examples, batch_size=gradients.batch_size, max_tokens=gradients.max_tokens,
-                   documents=documents, dtype=gradients.dtype, memory_budget=budget,
-                   batch_tokens=gradients.batch_tokens, document_tokens=document_tokens, device=device_kind)
+    options = dict(
+        curvature_examples=num_examples,
+        batch_size=gradients.batch_size,
+        max_tokens=gradients.max_tokens,
+        documents=documents,
+        dtype=gradients.dtype,
+        memory_budget=budget,
+        batch_tokens=gradients.batch_tokens,
+        document_tokens=document_tokens,
+        device=device_kind,
+    )
     if (Path(model) / "manifest.json").is_file():
         result = plan_of_index(Path(model), **options)
     else:
         if projection["k"] is None and projection["budget_kb"] is None:
             projection["k"] = 256
         shape = model_shape(model, list(modules) or None, experts=gradients.experts)
-        result = make_plan(shape, ProjectionConfig(**projection), precision=StorageConfig(**storage).precision,
-                           **options)
+        result = make_plan(
+            shape, ProjectionConfig(**projection), precision=StorageConfig(**storage).precision, **options
+        )
     result["p_reads"] = p_reads(result, block_documents=block_documents)
-    _emit(result, as_json, lambda data: click.echo(format_plan(data, all_modules=all_modules) + "\n"
-                                                   + format_p_reads(data["p_reads"])))
+    _emit(
+        result,
+        as_json,
+        lambda data: click.echo(format_plan(data, all_modules=all_modules) + "\n" + format_p_reads(data["p_reads"])),
+    )
 
 
 @cli.command()
@@ -899,8 +1235,10 @@ def verify(index_dir, model_name, device, as_json):
     _emit(report, as_json, _print_verify)
     if not report["ok"]:
         wrong = [part for part in ("projection", "model") if not report[part]["ok"]]
-        raise click.ClickException(f"{' and '.join(wrong)} of {index_dir} differ from the manifest: queries would be "
-                                   "wrong. Restore the files the index was built with, or rebuild it (eogp fit).")
+        raise click.ClickException(
+            f"{' and '.join(wrong)} of {index_dir} differ from the manifest: queries would be "
+            "wrong. Restore the files the index was built with, or rebuild it (eogp fit)."
+        )
 
 
 def _print_verify(report: dict) -> None:
@@ -908,28 +1246,38 @@ def _print_verify(report: dict) -> None:
         entry = report[part]
         what = entry.get("file") or entry.get("name")
         click.echo(f"{part:<11} {'ok' if entry['ok'] else 'DIFFERS'}  {what}")
-        click.echo(f"            sha256 {entry['sha256']}" + ("" if entry["sha256"] == entry["expected_sha256"] else
-                                                          f" (manifest: {entry['expected_sha256']})"))
+        click.echo(
+            f"            sha256 {entry['sha256']}"
+            + ("" if entry["sha256"] == entry["expected_sha256"] else f" (manifest: {entry['expected_sha256']})")
+        )
 
 
 def _print_info(data: dict) -> None:
     modules = data["modules"]
     click.echo(f"index       {data['path']}")
     click.echo(f"model       {data['model']['name']}  (sha256 {data['model']['weights_sha256'][:12]}…)")
-    click.echo(f"variant     {data['projection']['variant']}, precision {data['precision']}, "
-               f"damping ratio {data['damping_ratio']}")
-    click.echo(f"modules     {len(modules)}  (k = {sorted({m['k'] for m in modules})}, "
-               f"m = {sorted({m['m'] for m in modules})})")
+    click.echo(
+        f"variant     {data['projection']['variant']}, precision {data['precision']}, "
+        f"damping ratio {data['damping_ratio']}"
+    )
+    click.echo(
+        f"modules     {len(modules)}  (k = {sorted({m['k'] for m in modules})}, "
+        f"m = {sorted({m['m'] for m in modules})})"
+    )
     fidelity = data["projection"].get("fidelity")
     if fidelity:
-        click.echo(f"1-bit code  per module, held-out NDCG@{fidelity['ndcg_at']} / Spearman against the first-stage "
-                   "inner products (EOGP | EOGP-rot | FP16 at k):")
+        click.echo(
+            f"1-bit code  per module, held-out NDCG@{fidelity['ndcg_at']} / Spearman against the first-stage "
+            "inner products (EOGP | EOGP-rot | FP16 at k):"
+        )
         for name, c in fidelity["modules"].items():
-            cells = " | ".join(_fidelity_cell(c.get(code), fidelity["ndcg_at"])
-                               for code in ("eogp", "eogp-rot", "fp16"))
+            cells = " | ".join(
+                _fidelity_cell(c.get(code), fidelity["ndcg_at"]) for code in ("eogp", "eogp-rot", "fp16")
+            )
             stored = c["code"] if data["projection"]["variant"] == "auto" else data["projection"]["variant"]
-            click.echo(f"            {name:<28} {stored:<8} {cells}  ({c['held_out']} held out; measured best: "
-                       f"{c['code']})")
+            click.echo(
+                f"            {name:<28} {stored:<8} {cells}  ({c['held_out']} held out; measured best: {c['code']})"
+            )
     click.echo(f"bytes/row   {data['bytes_per_example']}")
     click.echo(f"rows        {data['rows']}  (table version {data['table_version']})")
 
@@ -948,16 +1296,20 @@ def _print_groups(results: list, head: int = 20, tail: int = 5) -> None:
     for item in results:
         column, groups = item["group_by"], item["groups"]
         click.echo(f"\nquery: {_query_line(item['query'])}")
-        click.echo(f"  {column[:24]:<24} {'rows':>7} {'sum':>11} {'mean':>11} {'max':>11} {'top+':>5} {'top-':>5} "
-                   f"{'share+':>7} {'share-':>7}")
+        click.echo(
+            f"  {column[:24]:<24} {'rows':>7} {'sum':>11} {'mean':>11} {'max':>11} {'top+':>5} {'top-':>5} "
+            f"{'share+':>7} {'share-':>7}"
+        )
         hidden = max(0, len(groups) - head - tail)
         for g in groups[:head] + [None] + groups[-tail:] if hidden else groups:
             if g is None:
                 click.echo(f"  … {hidden} more groups (--json lists them all)")
                 continue
-            click.echo(f"  {str(g[column])[:24]:<24} {g['rows']:>7} {g['sum']:>+11.4e} {g['mean']:>+11.4e} "
-                       f"{g['max']:>+11.4e} {g['top_positive']:>5} {g['top_negative']:>5} "
-                       f"{g['share_positive']:>7.1%} {g['share_negative']:>7.1%}")
+            click.echo(
+                f"  {str(g[column])[:24]:<24} {g['rows']:>7} {g['sum']:>+11.4e} {g['mean']:>+11.4e} "
+                f"{g['max']:>+11.4e} {g['top_positive']:>5} {g['top_negative']:>5} "
+                f"{g['share_positive']:>7.1%} {g['share_negative']:>7.1%}"
+            )
 
 
 def _fidelity_cell(entry: Optional[dict], ndcg_at: int) -> str:

@@ -89,8 +89,11 @@ def field_option(cls: type, name: str, *decls: str, **attrs: Any) -> Callable:
         default = None
         attrs.setdefault("required", True)
     decls = decls or ("--" + name.replace("_", "-"),)
-    kwargs: Dict[str, Any] = {"default": default, "help": field.metadata.get("help"),
-                              "show_default": default is not None and default != ()}
+    kwargs: Dict[str, Any] = {
+        "default": default,
+        "help": field.metadata.get("help"),
+        "show_default": default is not None and default != (),
+    }
     if hint is bool:
         kwargs["is_flag"] = True
         if default:  # a flag that is on by default needs a way to turn it off

@@ -73,8 +73,9 @@ class AttributionIndex:
     """An EOGP attribution index with its model loaded: a directory with a manifest, a projection
     and a LanceDB table (:class:`StoredIndex`), plus the model and tokenizer that project texts."""
 
-    def __init__(self, stored: StoredIndex, model: nn.Module, tokenizer, *,
-                 gradients: GradientConfig = GradientConfig()):
+    def __init__(
+        self, stored: StoredIndex, model: nn.Module, tokenizer, *, gradients: GradientConfig = GradientConfig()
+    ):
         self.stored = stored
         self.model = model
         self.tokenizer = tokenizer
@@ -93,12 +94,25 @@ class AttributionIndex:
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: Union[str, Path], model: nn.Module, tokenizer, examples: Sequence[Example], *,
-               model_name: str, adapter: Optional[str] = None, modules: Optional[Sequence[str]] = None,
-               curvature: CurvatureConfig = CurvatureConfig(), projection: ProjectionConfig = ProjectionConfig(k=256),
-               storage: StorageConfig = StorageConfig(), gradients: GradientConfig = GradientConfig(),
-               table_uri: Optional[str] = None, mode: Literal["create", "overwrite"] = "create",
-               progress: bool = True, dtype: Optional[ModelDtype] = None) -> "AttributionIndex":
+    def create(
+        cls,
+        path: Union[str, Path],
+        model: nn.Module,
+        tokenizer,
+        examples: Sequence[Example],
+        *,
+        model_name: str,
+        adapter: Optional[str] = None,
+        modules: Optional[Sequence[str]] = None,
+        curvature: CurvatureConfig = CurvatureConfig(),
+        projection: ProjectionConfig = ProjectionConfig(k=256),
+        storage: StorageConfig = StorageConfig(),
+        gradients: GradientConfig = GradientConfig(),
+        table_uri: Optional[str] = None,
+        mode: Literal["create", "overwrite"] = "create",
+        progress: bool = True,
+        dtype: Optional[ModelDtype] = None,
+    ) -> "AttributionIndex":
         """Fit curvature and projection on ``examples`` and write an empty index at ``path``.
 
         Args:
@@ -126,9 +140,11 @@ class AttributionIndex:
             raise InputError("no examples to fit the curvature and projection on")
         context = hard_context_length(model)
         if gradients.max_tokens is not None and context is not None and gradients.max_tokens > context:
-            raise ConfigError(f"max_tokens (--max-tokens) is {gradients.max_tokens}, but {model_name} reads at most "
-                              f"{context} tokens; give at most {context} (longer documents are then cut, or split "
-                              "with `eogp ingest --long-documents windows`)")
+            raise ConfigError(
+                f"max_tokens (--max-tokens) is {gradients.max_tokens}, but {model_name} reads at most "
+                f"{context} tokens; give at most {context} (longer documents are then cut, or split "
+                "with `eogp ingest --long-documents windows`)"
+            )
         distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if distributed else 0
         if rank == 0:
@@ -139,17 +155,41 @@ class AttributionIndex:
         gradients = _in_dtype(model, dtype or gradients.dtype, gradients)
         weights_fingerprint = model_fingerprint(model)  # before fitting swaps GPT-2's Conv1D, like weights_sha256
         adapter_entry = _adapter_entry(model, adapter)
-        fitted = fit_projection(model, tokenizer, examples, path, modules=modules, curvature=curvature,
-                                projection=projection, storage=storage, gradients=gradients, progress=progress)
+        fitted = fit_projection(
+            model,
+            tokenizer,
+            examples,
+            path,
+            modules=modules,
+            curvature=curvature,
+            projection=projection,
+            storage=storage,
+            gradients=gradients,
+            progress=progress,
+        )
         if rank == 0:
             stored = StoredIndex.create(
-                path, fitted, model_name=model_name, tokenizer_name=getattr(tokenizer, "name_or_path", None),
-                precision=storage.precision, damping_ratio=curvature.damping_ratio, max_tokens=gradients.max_tokens,
-                curvature={"num_examples": fitted.curvature_examples, "seed": curvature.seed,
-                           "batch_size": curvature.batch_size, "factors_dir": "curvature",
-                           "fitting_set": "fit/fitting_set.json", "disjoint_from_pca": fitted.disjoint},
-                table_uri=table_uri, weights_fingerprint=weights_fingerprint, adapter=adapter_entry,
-                experts=gradients.experts, model_dtype=gradients.dtype)
+                path,
+                fitted,
+                model_name=model_name,
+                tokenizer_name=getattr(tokenizer, "name_or_path", None),
+                precision=storage.precision,
+                damping_ratio=curvature.damping_ratio,
+                max_tokens=gradients.max_tokens,
+                curvature={
+                    "num_examples": fitted.curvature_examples,
+                    "seed": curvature.seed,
+                    "batch_size": curvature.batch_size,
+                    "factors_dir": "curvature",
+                    "fitting_set": "fit/fitting_set.json",
+                    "disjoint_from_pca": fitted.disjoint,
+                },
+                table_uri=table_uri,
+                weights_fingerprint=weights_fingerprint,
+                adapter=adapter_entry,
+                experts=gradients.experts,
+                model_dtype=gradients.dtype,
+            )
         if distributed:
             dist.barrier()  # every rank is done with the fit's files
         if rank == 0 and fitted.folder is not None:
@@ -161,9 +201,16 @@ class AttributionIndex:
         return cls(stored, model, tokenizer, gradients=gradients)
 
     @classmethod
-    def open(cls, path: Union[str, Path], *, model: Optional[nn.Module] = None, tokenizer=None,
-             model_name: Optional[str] = None, gradients: GradientConfig = GradientConfig(),
-             dtype: Optional[ModelDtype] = None) -> "AttributionIndex":
+    def open(
+        cls,
+        path: Union[str, Path],
+        *,
+        model: Optional[nn.Module] = None,
+        tokenizer=None,
+        model_name: Optional[str] = None,
+        gradients: GradientConfig = GradientConfig(),
+        dtype: Optional[ModelDtype] = None,
+    ) -> "AttributionIndex":
         """Open an index; load its model from the manifest's name unless one is given.
 
         Args:
@@ -196,18 +243,24 @@ class AttributionIndex:
         stored.projection_memory = _projection_memory(gradients)
         stored.projection  # noqa: B018  (loads and checks the projection before the model is loaded)
         if model is None:
-            model, loaded = load_indexed_model(stored.manifest.model, model_name, device=gradients.resolved_device(),
-                                               dtype=model_dtype)
+            model, loaded = load_indexed_model(
+                stored.manifest.model, model_name, device=gradients.resolved_device(), dtype=model_dtype
+            )
             tokenizer = tokenizer or loaded
         elif tokenizer is None:
             raise ConfigError("AttributionIndex.open: pass the tokenizer together with the model")
         elif dtype_name(model) != model_dtype:
             raise IncompatibleIndexError(
                 f"{stored.path} was built with the model in {model_dtype} (manifest model.dtype) but the model given "
-                f"is {dtype_name(model)}; pass model.to(torch.{model_dtype}), or let open load it")
+                f"is {dtype_name(model)}; pass model.to(torch.{model_dtype}), or let open load it"
+            )
         if stored.manifest.model.get("weights_fingerprint"):
-            check_compatible(stored.manifest, model_fingerprint=model_fingerprint(model),
-                             adapter_fingerprint=adapter_fingerprint(model), where=str(stored.path))
+            check_compatible(
+                stored.manifest,
+                model_fingerprint=model_fingerprint(model),
+                adapter_fingerprint=adapter_fingerprint(model),
+                where=str(stored.path),
+            )
         else:  # written before fingerprints: the full hash
             check_compatible(stored.manifest, model_hash=model_sha256(model), where=str(stored.path))
         replace_conv1d(model)
@@ -229,25 +282,46 @@ class AttributionIndex:
             # P does not stay in memory: the first stage of every batch, then each module's P read
             # once for all of them (the paper's batched queries), not once per batch.
             groups = self.first_stage_groups(examples, progress=progress)
-            return concat_modules([torch.cat(self.projection.modules[name].second_groups(groups.pop(name))).cpu()
-                                   .numpy() for name in names])
-        capture = GradientCapture(self.model, names, self.projection.transform,
-                                  checkpoint=self.gradients.gradient_checkpointing)
-        out = project_examples(capture, examples, batch_size=self.gradients.batch_size,
-                               pad_token_id=pad_token_id(self.tokenizer), device=self.device, progress=progress)
+            return concat_modules(
+                [
+                    torch.cat(self.projection.modules[name].second_groups(groups.pop(name))).cpu().numpy()
+                    for name in names
+                ]
+            )
+        capture = GradientCapture(
+            self.model, names, self.projection.transform, checkpoint=self.gradients.gradient_checkpointing
+        )
+        out = project_examples(
+            capture,
+            examples,
+            batch_size=self.gradients.batch_size,
+            pad_token_id=pad_token_id(self.tokenizer),
+            device=self.device,
+            progress=progress,
+        )
         return concat_modules([out[name].numpy() for name in names])
 
-    def first_stage_groups(self, examples: Sequence[Example], *,
-                           progress: bool = False) -> Dict[str, List[torch.Tensor]]:
+    def first_stage_groups(
+        self, examples: Sequence[Example], *, progress: bool = False
+    ) -> Dict[str, List[torch.Tensor]]:
         """First-stage coordinates at the projection's cache dtype, one ``(B, m_u)`` group per
         gradient batch: ``{module: [group, ...]}`` (on the model's device)."""
         names = self.manifest.module_names
-        capture = GradientCapture(self.model, names, self.projection.cached_first_stage_transform,
-                                  checkpoint=self.gradients.gradient_checkpointing)
+        capture = GradientCapture(
+            self.model,
+            names,
+            self.projection.cached_first_stage_transform,
+            checkpoint=self.gradients.gradient_checkpointing,
+        )
         groups: Dict[str, List[torch.Tensor]] = {name: [] for name in names}
-        for _, outputs in run_batches(capture, examples, batch_size=self.gradients.batch_size,
-                                      pad_token_id=pad_token_id(self.tokenizer), device=self.device,
-                                      progress=progress):
+        for _, outputs in run_batches(
+            capture,
+            examples,
+            batch_size=self.gradients.batch_size,
+            pad_token_id=pad_token_id(self.tokenizer),
+            device=self.device,
+            progress=progress,
+        ):
             for name in names:
                 groups[name].append(outputs[name])
         return groups
@@ -261,8 +335,10 @@ class AttributionIndex:
         out = []
         for i, query in enumerate(queries):
             if preference_pair(query) is not None:
-                raise InputError(f"query {i}: a preference query ({{prompt, chosen, rejected}}) measures two "
-                                 "completions; it is answered by query, select and scores, not here")
+                raise InputError(
+                    f"query {i}: a preference query ({{prompt, chosen, rejected}}) measures two "
+                    "completions; it is answered by query, select and scores, not here"
+                )
             if isinstance(query, str):
                 record: Dict[str, Any] = {"text": query}
             elif isinstance(query, dict):
@@ -272,8 +348,10 @@ class AttributionIndex:
             elif isinstance(query, (list, tuple)):
                 record = {"input_ids": list(query)}
             else:
-                raise InputError(f"query {i}: expected a text, a chat (list of role/content dicts), token ids or a "
-                                 f"record dict, got {type(query).__name__}")
+                raise InputError(
+                    f"query {i}: expected a text, a chat (list of role/content dicts), token ids or a "
+                    f"record dict, got {type(query).__name__}"
+                )
             out.append(tokenize_record(record, shard="query", position=i, spec=spec, tokenizer=self.tokenizer))
         return out
 
@@ -290,7 +368,7 @@ class AttributionIndex:
         sign: List[float] = []
         for i, query in enumerate(queries):
             pair = preference_pair(query)
-            for part, s in (zip(pair, (1.0, -1.0)) if pair is not None else [(query, 1.0)]):
+            for part, s in zip(pair, (1.0, -1.0)) if pair is not None else [(query, 1.0)]:
                 parts.append(part)
                 owner.append(i)
                 sign.append(s)
@@ -323,21 +401,28 @@ class AttributionIndex:
             options: fields of ``config`` to replace, e.g. ``store_text=4096, progress=False``.
         """
         if is_dataset_object(examples):
-            raise ConfigError("AttributionIndex.ingest takes tokenized Examples; ingest a datasets.Dataset or "
-                              "IterableDataset with ingest.run_ingest(index, [dataset], spec=RecordSpec(...)), which "
-                              "reads its records as a shard (resumable, recorded in sources.json)")
+            raise ConfigError(
+                "AttributionIndex.ingest takes tokenized Examples; ingest a datasets.Dataset or "
+                "IterableDataset with ingest.run_ingest(index, [dataset], spec=RecordSpec(...)), which "
+                "reads its records as a shard (resumable, recorded in sources.json)"
+            )
         config = (config or IngestConfig()).with_options(**options)
-        config.refuse(("spec", "on_error", "rejects_path", "shard_root", "commit_every"),
-                      "AttributionIndex.ingest takes tokenized examples; to read shards (with rejects, or under "
-                      "torchrun) use ingest.run_ingest or eogp ingest")
+        config.refuse(
+            ("spec", "on_error", "rejects_path", "shard_root", "commit_every"),
+            "AttributionIndex.ingest takes tokenized examples; to read shards (with rejects, or under "
+            "torchrun) use ingest.run_ingest or eogp ingest",
+        )
         store_text = config.store_text
         self.stored.agree_store_text(store_text)
         if self.manifest.has_content_hashes and store_text is not None:
             self.stored.sources.save()
         stored = StoredIds(self.store)
         cache = self.block_cache(config)
-        rows_per_commit = cache.documents if cache is not None else config.commit_rows(
-            self.gradients.batch_size, default=self.gradients.batch_size)
+        rows_per_commit = (
+            cache.documents
+            if cache is not None
+            else config.commit_rows(self.gradients.batch_size, default=self.gradients.batch_size)
+        )
         bar = _bar(config.progress)
         added = optimized = 0
         try:
@@ -364,19 +449,24 @@ class AttributionIndex:
         self.store.add(rows)
         return rows.num_rows
 
-    def block_cache(self, config: IngestConfig = IngestConfig(), *, worker: Optional[int] = None,
-                    workers: int = 1) -> Optional[BlockCache]:
+    def block_cache(
+        self, config: IngestConfig = IngestConfig(), *, worker: Optional[int] = None, workers: int = 1
+    ) -> Optional[BlockCache]:
         """The cache of block ingest, or None for per-batch ingest: blocks when ``P`` does not stay
         in memory (:func:`~eogp_index.store.block_cache.block_documents`, sized by
         ``config.block_documents``). ``worker``: a torchrun worker's rank (its own cache), one of
         ``workers``. The caller closes it."""
-        documents = block_documents(self.stored, self.gradients.batch_size, config.block_documents,
-                                    workers=workers)
+        documents = block_documents(self.stored, self.gradients.batch_size, config.block_documents, workers=workers)
         return None if documents is None else BlockCache(self.path, documents, worker=worker)
 
-    def encode_commit(self, examples: Sequence[Example], *, cache: Optional[BlockCache] = None,
-                      on_chunk: Optional[Callable[[Sequence[Example]], None]] = None,
-                      store_text: Optional[int] = None) -> pa.Table:
+    def encode_commit(
+        self,
+        examples: Sequence[Example],
+        *,
+        cache: Optional[BlockCache] = None,
+        on_chunk: Optional[Callable[[Sequence[Example]], None]] = None,
+        store_text: Optional[int] = None,
+    ) -> pa.Table:
         """The Arrow rows of one commit, projected one gradient batch at a time; ``on_chunk(examples)``
         after each batch.
 
@@ -417,18 +507,24 @@ class AttributionIndex:
         """
         return self.rows(examples, self.project(examples), store_text=store_text)
 
-    def rows(self, examples: Sequence[Example], coordinates: np.ndarray, *,
-             store_text: Optional[int] = None) -> pa.Table:
+    def rows(
+        self, examples: Sequence[Example], coordinates: np.ndarray, *, store_text: Optional[int] = None
+    ) -> pa.Table:
         """:meth:`encode_rows` from the examples' projected coordinates ``(n, K)`` float32."""
         encoded = self.codec.encode(coordinates)
         hashed = self.manifest.has_content_hashes
-        info = RowInfo(ids=[ex.id for ex in examples], shards=[ex.shard for ex in examples],
-                       positions=[ex.position for ex in examples], num_tokens=[ex.num_tokens for ex in examples],
-                       num_loss_tokens=[ex.num_loss_tokens for ex in examples],
-                       truncated=[ex.truncated for ex in examples], metadata=[dict(ex.metadata) for ex in examples],
-                       content_sha256=[ex.content_sha256 for ex in examples] if hashed else None,
-                       content_kind=[ex.content_kind for ex in examples] if hashed else None,
-                       text=None if store_text is None else [_capped(ex.display_text, store_text) for ex in examples])
+        info = RowInfo(
+            ids=[ex.id for ex in examples],
+            shards=[ex.shard for ex in examples],
+            positions=[ex.position for ex in examples],
+            num_tokens=[ex.num_tokens for ex in examples],
+            num_loss_tokens=[ex.num_loss_tokens for ex in examples],
+            truncated=[ex.truncated for ex in examples],
+            metadata=[dict(ex.metadata) for ex in examples],
+            content_sha256=[ex.content_sha256 for ex in examples] if hashed else None,
+            content_kind=[ex.content_kind for ex in examples] if hashed else None,
+            text=None if store_text is None else [_capped(ex.display_text, store_text) for ex in examples],
+        )
         return build_rows(info, encoded, schema=self.store.schema)
 
     # -- queries ----------------------------------------------------------------------------------
@@ -439,10 +535,18 @@ class AttributionIndex:
         """
         return InfluenceQuery(self, query, many=many)
 
-    def top_influential(self, query: Query, k: int = 20, *, where: Optional[str] = None,
-                        direction: Literal["positive", "negative", "both"] = "positive",
-                        candidates: Optional[int] = None, stream: bool = False, by_module: bool = False,
-                        route: Literal["auto", "hot", "stream", "sharded", "candidates"] = "auto") -> pa.Table:
+    def top_influential(
+        self,
+        query: Query,
+        k: int = 20,
+        *,
+        where: Optional[str] = None,
+        direction: Literal["positive", "negative", "both"] = "positive",
+        candidates: Optional[int] = None,
+        stream: bool = False,
+        by_module: bool = False,
+        route: Literal["auto", "hot", "stream", "sharded", "candidates"] = "auto",
+    ) -> pa.Table:
         """The ``k`` stored examples that most help (``positive``) or hurt (``negative``) the query.
 
         Args:
@@ -462,8 +566,9 @@ class AttributionIndex:
             route = "candidates"
         elif stream:
             route = "stream"
-        options = QueryOptions(k=k, where=where, direction=direction, route=route, candidates=candidates,
-                               by_module=by_module)
+        options = QueryOptions(
+            k=k, where=where, direction=direction, route=route, candidates=candidates, by_module=by_module
+        )
         return InfluenceQuery(self, query, options=options).to_arrow()
 
     def scores(self, queries: Sequence[Query], *, where: Optional[str] = None) -> tuple[List[str], np.ndarray]:
@@ -474,7 +579,9 @@ class AttributionIndex:
         ``log p(chosen | prompt) - log p(rejected | prompt)`` (:meth:`query_coordinates`).
         """
         y = self.query_coordinates(queries)
-        searcher = TorchSearcher(self.stored, self.device) if self.device.startswith("cuda") else HotSearcher(self.stored)
+        searcher = (
+            TorchSearcher(self.stored, self.device) if self.device.startswith("cuda") else HotSearcher(self.stored)
+        )
         rowaddr, scores = searcher.scores(y, where)
         ids = self.stored.rows(rowaddr, ["id"]).column("id").to_pylist() if rowaddr.size else []
         return ids, scores
@@ -496,8 +603,13 @@ class AttributionIndex:
         """The manifest plus live facts: row count, table version, path."""
         return self.stored.info()
 
-    def optimize(self, *, retention: Optional[timedelta] = DEFAULT_RETENTION, rebuild_hot: bool = True,
-                 target_rows: int = DEFAULT_TARGET_ROWS) -> OptimizeReport:
+    def optimize(
+        self,
+        *,
+        retention: Optional[timedelta] = DEFAULT_RETENTION,
+        rebuild_hot: bool = True,
+        target_rows: int = DEFAULT_TARGET_ROWS,
+    ) -> OptimizeReport:
         """Compact the table, refresh its scalar indexes, remove versions older than ``retention``
         and rebuild the hot copy (``eogp optimize``; :func:`eogp_index.store.maintenance.optimize`).
 
@@ -517,12 +629,22 @@ def _sized(stored: StoredIndex, model: nn.Module, gradients: GradientConfig) -> 
     device = gradients.resolved_device()
     budget, budget_from = memory_budget(gradients.memory_budget_gb, device)
     shape = shape_of_model(model, stored.manifest.module_names, name=stored.manifest.model["name"])
-    plan = plan_of_index(stored.path, shape=shape, batch_size=gradients.batch_size, memory_budget=budget,
-                         batch_tokens=gradients.batch_tokens, document_tokens=stored.manifest.max_tokens,
-                         projection_memory=_projection_memory(gradients),
-                         device="cpu" if device == "cpu" else "cuda")
-    sizing = {**plan["batch"], "budget": budget, "budget_from": budget_from,
-              "p_resident": plan["projection_in_memory"]["resident"]}
+    plan = plan_of_index(
+        stored.path,
+        shape=shape,
+        batch_size=gradients.batch_size,
+        memory_budget=budget,
+        batch_tokens=gradients.batch_tokens,
+        document_tokens=stored.manifest.max_tokens,
+        projection_memory=_projection_memory(gradients),
+        device="cpu" if device == "cpu" else "cuda",
+    )
+    sizing = {
+        **plan["batch"],
+        "budget": budget,
+        "budget_from": budget_from,
+        "p_resident": plan["projection_in_memory"]["resident"],
+    }
     return dataclasses.replace(gradients, batch_size=plan["batch"]["documents"]), sizing
 
 
@@ -567,8 +689,10 @@ def _fresh_commits(examples: Iterable[Example], stored: StoredIds, size: int, ba
             bar.update(1)
         status, where = stored.lookup(ex)
         if status == "other":
-            raise InputError(f"duplicate id {ex.id!r}: already stored from {where}; ids must be unique",
-                             location=f"{ex.shard}:{ex.position}" if ex.shard else None)
+            raise InputError(
+                f"duplicate id {ex.id!r}: already stored from {where}; ids must be unique",
+                location=f"{ex.shard}:{ex.position}" if ex.shard else None,
+            )
         if status == "absent":
             fresh.append(ex)
             stored.remember([ex])  # a repeat later in this call is then a rerun, not a new row
@@ -589,7 +713,9 @@ def _adapter_entry(model: nn.Module, adapter: Optional[str]) -> Optional[Dict[st
     if (fingerprint is None) != (adapter is None):
         raise ConfigError(
             "the model has LoRA layers but no adapter directory was given: pass adapter=<the directory it was "
-            "loaded from>, so that the index can reload it" if adapter is None else
-            f"adapter={adapter!r} was given but the model has no LoRA layers: load it with "
-            "eogp_index.gradients.model.load_model(base, adapter=...)")
+            "loaded from>, so that the index can reload it"
+            if adapter is None
+            else f"adapter={adapter!r} was given but the model has no LoRA layers: load it with "
+            "eogp_index.gradients.model.load_model(base, adapter=...)"
+        )
     return None if fingerprint is None else {"path": str(adapter), "fingerprint": fingerprint}

@@ -45,7 +45,8 @@ def under_torchrun(flag: bool) -> bool:
 
 
 distributed_option = click.option(
-    "--distributed", is_flag=True,
+    "--distributed",
+    is_flag=True,
     help="Run as one worker of a torchrun job (implied when torchrun starts more than one).",
 )
 

@@ -73,8 +73,11 @@ class CurvatureConfig:
     batch_size: int = field(default=8, metadata={"help": "Examples per batch while fitting.", "min": 1})
     damping_ratio: float = field(
         default=0.1,
-        metadata={"help": "λ_u = damping_ratio · tr(Λ_u)/d_u (kronfluence's heuristic damping when 0.1).",
-                  "min": 0.0, "min_open": True},
+        metadata={
+            "help": "λ_u = damping_ratio · tr(Λ_u)/d_u (kronfluence's heuristic damping when 0.1).",
+            "min": 0.0,
+            "min_open": True,
+        },
     )
     seed: int = field(default=0, metadata={"help": "Seed of the example sample and the sampled labels."})
 
@@ -120,11 +123,13 @@ class ProjectionConfig:
 
     variant: Literal["auto", "eogp", "eogp-rot", "eogp-r", "ekfac-topk"] = field(
         default="eogp",
-        metadata={"help": "eogp: PCA second stage (the paper's EOGP); auto: per module, eogp or eogp-rot, whichever "
-                          "1-bit code ranks held-out fitting documents closer to their first-stage inner products (a tie within "
-                          "one standard error keeps eogp; see docs/variants.md for how it fared); eogp-rot: PCA, then a randomized Hadamard rotation of "
-                          "the k coordinates before the signs; eogp-r: SRHT; ekfac-topk: top-k EK-FAC axes "
-                          "(ablation)."},
+        metadata={
+            "help": "eogp: PCA second stage (the paper's EOGP); auto: per module, eogp or eogp-rot, whichever "
+            "1-bit code ranks held-out fitting documents closer to their first-stage inner products (a tie within "
+            "one standard error keeps eogp; see docs/variants.md for how it fared); eogp-rot: PCA, then a randomized Hadamard rotation of "
+            "the k coordinates before the signs; eogp-r: SRHT; ekfac-topk: top-k EK-FAC axes "
+            "(ablation)."
+        },
     )
     k: Optional[int] = field(default=None, metadata={"help": "Output coordinates per module.", "min": 1})
     budget_kb: Optional[float] = field(
@@ -139,15 +144,20 @@ class ProjectionConfig:
     seed: int = field(default=0, metadata={"help": "Seed of the PCA fitting sample and the SRHT."})
     held_out_fraction: float = field(
         default=HELD_OUT_FRACTION,
-        metadata={"help": "Share of the PCA fitting set held out to measure how well each 1-bit code ranks them "
-                          "against their first-stage inner products (printed by the fit; variant auto chooses by "
-                          "it); P is fitted on the rest first, then on all. 0 measures nothing (auto then keeps "
-                          "eogp).", "min": 0.0},
+        metadata={
+            "help": "Share of the PCA fitting set held out to measure how well each 1-bit code ranks them "
+            "against their first-stage inner products (printed by the fit; variant auto chooses by "
+            "it); P is fitted on the rest first, then on all. 0 measures nothing (auto then keeps "
+            "eogp).",
+            "min": 0.0,
+        },
     )
     pca_dtype: PcaDtype = field(
         default="fp16",
-        metadata={"help": "Precision of the stored PCA matrices P (m_u x k_u per module): fp16 as in the paper "
-                          "(half the disk and memory), or fp32. Applied in float32 either way."},
+        metadata={
+            "help": "Precision of the stored PCA matrices P (m_u x k_u per module): fp16 as in the paper "
+            "(half the disk and memory), or fp32. Applied in float32 either way."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -162,8 +172,10 @@ class ProjectionConfig:
         _positive("ProjectionConfig.m", self.m)
         _positive("ProjectionConfig.num_fit_examples", self.num_fit_examples, allow_none=False)
         if not 0 <= self.held_out_fraction <= 0.5:
-            raise ConfigError(f"ProjectionConfig.held_out_fraction (--held-out-fraction) must lie in [0, 0.5], "
-                              f"got {self.held_out_fraction!r}")
+            raise ConfigError(
+                f"ProjectionConfig.held_out_fraction (--held-out-fraction) must lie in [0, 0.5], "
+                f"got {self.held_out_fraction!r}"
+            )
 
     @property
     def second_stage(self) -> SecondStage:
@@ -185,7 +197,6 @@ class ProjectionConfig:
         if self.second_stage == "none":
             return k, k  # the ablation keeps the top-k EK-FAC axes themselves
         return first_stage_width(d, k, self.m), k
-
 
 
 #: Per-module storage of ``k`` coordinates, by precision: the one place these formulas live.
@@ -252,42 +263,58 @@ class GradientConfig:
     device: str = field(default="auto", metadata={"help": "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1'…"})
     gradient_checkpointing: bool = field(
         default=False,
-        metadata={"help": "Recompute each transformer block in the backward pass instead of keeping its "
-                          "activations: far less memory for long documents, about one more forward pass of "
-                          "time, the same coordinates."},
+        metadata={
+            "help": "Recompute each transformer block in the backward pass instead of keeping its "
+            "activations: far less memory for long documents, about one more forward pass of "
+            "time, the same coordinates."
+        },
     )
     projection_memory_gb: Optional[float] = field(
         default=None,
-        metadata={"help": "GiB the PCA matrices P may hold in memory at once. Under it each module's P is read "
-                          "once and kept; over it the modules' P are read one at a time in every batch and "
-                          "dropped (slower, bounded). Default: $EOGP_PROJECTION_MEMORY_GB, else half the "
-                          "available memory.", "min": 0.0, "min_open": True},
+        metadata={
+            "help": "GiB the PCA matrices P may hold in memory at once. Under it each module's P is read "
+            "once and kept; over it the modules' P are read one at a time in every batch and "
+            "dropped (slower, bounded). Default: $EOGP_PROJECTION_MEMORY_GB, else half the "
+            "available memory.",
+            "min": 0.0,
+            "min_open": True,
+        },
     )
     experts: Experts = field(
         default="fused",
-        metadata={"help": "Mixtures of experts kept as fused 3-D tensors: 'fused' leaves them out (they have no "
-                          "per-example inputs); 'dense' rebuilds each expert as nn.Linear layers run on every token "
-                          "with the unrouted ones zeroed, the same function, so they are attributed (E/top_k times "
-                          "the experts' compute). Fit and plan only: an index reloads it from its manifest."},
+        metadata={
+            "help": "Mixtures of experts kept as fused 3-D tensors: 'fused' leaves them out (they have no "
+            "per-example inputs); 'dense' rebuilds each expert as nn.Linear layers run on every token "
+            "with the unrouted ones zeroed, the same function, so they are attributed (E/top_k times "
+            "the experts' compute). Fit and plan only: an index reloads it from its manifest."
+        },
     )
     dtype: ModelDtype = field(
         default="auto",
-        metadata={"help": "The model's precision: auto is the checkpoint's own (what from_pretrained(dtype='auto') "
-                          "gives); bfloat16/float16 halve the weights and activations. Curvature, the first stage "
-                          "and P are computed in float32 whatever it is. An index is queried in the dtype it was "
-                          "built in (auto: the manifest's)."},
+        metadata={
+            "help": "The model's precision: auto is the checkpoint's own (what from_pretrained(dtype='auto') "
+            "gives); bfloat16/float16 halve the weights and activations. Curvature, the first stage "
+            "and P are computed in float32 whatever it is. An index is queried in the dtype it was "
+            "built in (auto: the manifest's)."
+        },
     )
     memory_budget_gb: Optional[float] = field(
         default=None,
-        metadata={"help": "GB of device memory a run may use: batch sizes and kronfluence's module partitions are "
-                          "chosen to fit it. Default: the device's memory (a GPU's total; on the CPU the "
-                          "available memory).", "min": 0.0, "min_open": True},
+        metadata={
+            "help": "GB of device memory a run may use: batch sizes and kronfluence's module partitions are "
+            "chosen to fit it. Default: the device's memory (a GPU's total; on the CPU the "
+            "available memory).",
+            "min": 0.0,
+            "min_open": True,
+        },
     )
     batch_tokens: Optional[int] = field(
         default=None,
-        metadata={"help": "Tokens per forward/backward pass (documents x padded length); a batch holds at most "
-                          "--batch-size documents. Default: the most that fit --memory-budget (eogp plan prints it).",
-                  "min": 1},
+        metadata={
+            "help": "Tokens per forward/backward pass (documents x padded length); a batch holds at most "
+            "--batch-size documents. Default: the most that fit --memory-budget (eogp plan prints it).",
+            "min": 1,
+        },
     )
 
     def __post_init__(self) -> None:
@@ -299,10 +326,14 @@ class GradientConfig:
         _positive("GradientConfig.max_tokens", self.max_tokens)
         _positive("GradientConfig.projection_memory_gb", self.projection_memory_gb)
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
-            raise ConfigError(f"GradientConfig.device must be 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N' "
-                              f"(--device), got {self.device!r}")
+            raise ConfigError(
+                f"GradientConfig.device must be 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N' "
+                f"(--device), got {self.device!r}"
+            )
         if self.experts not in EXPERTS:
-            raise ConfigError(f"GradientConfig.experts must be one of {list(EXPERTS)} (--experts), got {self.experts!r}")
+            raise ConfigError(
+                f"GradientConfig.experts must be one of {list(EXPERTS)} (--experts), got {self.experts!r}"
+            )
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -340,45 +371,62 @@ class IngestConfig:
 
     spec: Any = field(
         default=None,
-        metadata={"help": "A RecordSpec (eogp_index.data.records): the record fields holding content, id and "
-                          "metadata, and what becomes of long documents. None: RecordSpec(), with the index's "
-                          "max_tokens."},
+        metadata={
+            "help": "A RecordSpec (eogp_index.data.records): the record fields holding content, id and "
+            "metadata, and what becomes of long documents. None: RecordSpec(), with the index's "
+            "max_tokens."
+        },
     )
     batch_size: Optional[int] = field(
         default=None,
-        metadata={"help": f"Rows per commit (under torchrun: per worker and step), rounded up to whole gradient "
-                          f"batches. Default: {DEFAULT_COMMIT_ROWS} for shards, one gradient batch for "
-                          "AttributionIndex.ingest. A kill loses at most the commit in flight.", "min": 1},
+        metadata={
+            "help": f"Rows per commit (under torchrun: per worker and step), rounded up to whole gradient "
+            f"batches. Default: {DEFAULT_COMMIT_ROWS} for shards, one gradient batch for "
+            "AttributionIndex.ingest. A kill loses at most the commit in flight.",
+            "min": 1,
+        },
     )
     block_documents: Optional[int] = field(
         default=None,
-        metadata={"help": "When P does not stay in memory: documents per ingest block. Their first-stage "
-                          "coordinates are cached on disk, then each module's P is read once for the whole block "
-                          f"(one commit per block). Default: sized from the free disk and memory, at most "
-                          f"{MAX_BLOCK_DOCUMENTS:,}; the gradient batch size reads P in every batch.", "min": 1},
+        metadata={
+            "help": "When P does not stay in memory: documents per ingest block. Their first-stage "
+            "coordinates are cached on disk, then each module's P is read once for the whole block "
+            f"(one commit per block). Default: sized from the free disk and memory, at most "
+            f"{MAX_BLOCK_DOCUMENTS:,}; the gradient batch size reads P in every batch.",
+            "min": 1,
+        },
     )
     on_error: OnError = field(
         default="raise",
         metadata={"help": "raise: stop at the first bad record; skip: list bad records in a rejects file."},
     )
     rejects_path: Optional[Path] = field(
-        default=None, metadata={"help": "Where on_error='skip' lists rejected records (default: "
-                                        "INDEX/rejects/<time>-<pid>.jsonl)."})
+        default=None,
+        metadata={"help": "Where on_error='skip' lists rejected records (default: INDEX/rejects/<time>-<pid>.jsonl)."},
+    )
     shard_root: Optional[Path] = field(
         default=None,
-        metadata={"help": "Name shards by their path relative to this directory (needed when file names repeat); "
-                          "keep it the same across runs."},
+        metadata={
+            "help": "Name shards by their path relative to this directory (needed when file names repeat); "
+            "keep it the same across runs."
+        },
     )
     store_text: Optional[int] = field(
         default=None,
-        metadata={"help": "Keep each document's text in the table, up to this many UTF-8 bytes (a longer one is "
-                          "read back from its shard when explained); None keeps none. Every ingest into one index "
-                          "uses the same setting.", "min": 1},
+        metadata={
+            "help": "Keep each document's text in the table, up to this many UTF-8 bytes (a longer one is "
+            "read back from its shard when explained); None keeps none. Every ingest into one index "
+            "uses the same setting.",
+            "min": 1,
+        },
     )
     optimize_threshold: Optional[int] = field(
         default=DEFAULT_FRAGMENT_THRESHOLD,
-        metadata={"help": "Compact the table between commits past this many small fragments, and leave it ready "
-                          "to query at the end (None: neither; eogp optimize later).", "min": 0},
+        metadata={
+            "help": "Compact the table between commits past this many small fragments, and leave it ready "
+            "to query at the end (None: neither; eogp optimize later).",
+            "min": 0,
+        },
     )
     commit_every: int = field(
         default=1,
@@ -494,14 +542,20 @@ class SelectOptions:
 
     top: str = field(default="10%", metadata={"help": "How many documents: a count N or a share P% of the rows."})
     score: Literal["mean", "max"] = field(
-        default="mean", metadata={"help": "A document's score over the target queries: their mean, or LESS's max."})
+        default="mean", metadata={"help": "A document's score over the target queries: their mean, or LESS's max."}
+    )
     direction: Literal["positive", "negative"] = field(
-        default="positive", metadata={"help": "Keep the most helpful (positive) or most harmful (negative)."})
+        default="positive", metadata={"help": "Keep the most helpful (positive) or most harmful (negative)."}
+    )
     where: Optional[str] = field(default=None, metadata={"help": "SQL filter on stored columns."})
     ids_only: bool = field(default=False, metadata={"help": "Write only id and score, not the records."})
-    normalize: Normalize = field(default="none", metadata={
-        "help": "unit: score each document by its code divided by its norm (cosine to the targets); "
-                "none: the paper's influence."})
+    normalize: Normalize = field(
+        default="none",
+        metadata={
+            "help": "unit: score each document by its code divided by its norm (cosine to the targets); "
+            "none: the paper's influence."
+        },
+    )
 
     def __post_init__(self) -> None:
         self.parse_top()
@@ -517,8 +571,10 @@ class SelectOptions:
         value = float(match.group(1)) if match else 0.0
         percent = bool(match and match.group(2))
         if not match or value <= 0 or (percent and value > 100) or (not percent and value != int(value)):
-            raise ConfigError(f"--top takes a positive count N (e.g. 1000) or a share P% with 0 < P <= 100 "
-                              f"(e.g. 10%), got {self.top!r}")
+            raise ConfigError(
+                f"--top takes a positive count N (e.g. 1000) or a share P% with 0 < P <= 100 "
+                f"(e.g. 10%), got {self.top!r}"
+            )
         return value, percent
 
     def count(self, rows: int) -> int:
@@ -540,18 +596,29 @@ class AnswerConfig:
     ``group_by`` rolls the scores of every matching row up by a stored column.
     """
 
-    aggregate: Optional[Aggregate] = field(default=None, metadata={
-        "help": "Answer all the queries as one measurement, their mean (or summed) loss: exact, one scan."})
-    normalize: Normalize = field(default="none", metadata={
-        "help": "unit: divide each training code by its norm (cosine to the query); none: the paper's influence."})
-    group_by: Optional[str] = field(default=None, metadata={
-        "help": "Roll the scores of every row matching --where up by this stored column (rows, sum, mean, max, "
-                "top-k counts, shares of the positive and negative influence) instead of listing hits."})
+    aggregate: Optional[Aggregate] = field(
+        default=None,
+        metadata={"help": "Answer all the queries as one measurement, their mean (or summed) loss: exact, one scan."},
+    )
+    normalize: Normalize = field(
+        default="none",
+        metadata={
+            "help": "unit: divide each training code by its norm (cosine to the query); none: the paper's influence."
+        },
+    )
+    group_by: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Roll the scores of every row matching --where up by this stored column (rows, sum, mean, max, "
+            "top-k counts, shares of the positive and negative influence) instead of listing hits."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.aggregate is not None and self.aggregate not in AGGREGATES:
-            raise ConfigError(f"aggregate must be one of {list(AGGREGATES)} (or None: each query on its own), "
-                              f"got {self.aggregate!r}")
+            raise ConfigError(
+                f"aggregate must be one of {list(AGGREGATES)} (or None: each query on its own), got {self.aggregate!r}"
+            )
         check_normalize(self.normalize)
         if self.group_by is not None and (not isinstance(self.group_by, str) or not self.group_by):
             raise ConfigError(f"group_by must name a stored column, got {self.group_by!r}")
@@ -560,5 +627,7 @@ class AnswerConfig:
 def check_normalize(normalize: str) -> None:
     """Refuse a normalization other than ``none`` or ``unit``."""
     if normalize not in NORMALIZATIONS:
-        raise ConfigError(f"normalize must be one of {list(NORMALIZATIONS)}, got {normalize!r} "
-                          "(none: the paper's influence; unit: each training code divided by its norm)")
+        raise ConfigError(
+            f"normalize must be one of {list(NORMALIZATIONS)}, got {normalize!r} "
+            "(none: the paper's influence; unit: each training code divided by its norm)"
+        )

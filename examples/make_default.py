@@ -49,7 +49,10 @@ import torch  # noqa: E402
 from eogp_index.evaluation import tinylm  # noqa: E402
 
 #: Pure-Python standard-library modules whose docstrings make the corpus (sorted, fixed).
-MODULES = tuple(sorted(set("""
+MODULES = tuple(
+    sorted(
+        set(
+            """
 abc argparse ast asyncio.base_events asyncio.events asyncio.futures asyncio.locks
 asyncio.protocols asyncio.queues asyncio.runners asyncio.selector_events asyncio.streams
 asyncio.subprocess asyncio.taskgroups asyncio.tasks asyncio.timeouts asyncio.transports
@@ -77,10 +80,13 @@ urllib.robotparser uuid warnings wave weakref wsgiref.handlers wsgiref.simple_se
 wsgiref.util wsgiref.validate xml.dom.minidom xml.dom.pulldom xml.etree.ElementInclude
 xml.etree.ElementTree xml.sax.handler xml.sax.saxutils xml.sax.xmlreader xmlrpc.client
 zipapp zipfile zipimport
-""".split())))
+""".split()
+        )
+    )
+)
 
-MIN_CHARS = 200          # every document
-SHORT_MAX_CHARS = 400    # train and query documents (most fit in 128 tokens)
+MIN_CHARS = 200  # every document
+SHORT_MAX_CHARS = 400  # train and query documents (most fit in 128 tokens)
 N_TRAIN = 512
 N_QUERIES = 64
 N_CHAT = 32
@@ -168,8 +174,11 @@ def split_corpus(docs: list[dict], seed: int = SPLIT_SEED, max_pretrain: int | N
     if max_pretrain is not None and len(pretrain_idx) > max_pretrain:
         pretrain_idx = sorted(rng.sample(pretrain_idx, max_pretrain))
     out = {}
-    for split, prefix, idx in (("pretrain", "pretrain", pretrain_idx), ("train", "train", train_idx),
-                               ("queries", "query", query_idx)):
+    for split, prefix, idx in (
+        ("pretrain", "pretrain", pretrain_idx),
+        ("train", "train", train_idx),
+        ("queries", "query", query_idx),
+    ):
         out[split] = [{"id": f"{prefix}-{k:05d}", **docs[i]} for k, i in enumerate(idx)]
     return out
 
@@ -198,12 +207,14 @@ def make_chats(train: list[dict], seed: int = SPLIT_SEED) -> list[dict]:
                 {"role": "user", "content": f"And `{b['qualname']}`?"},
                 {"role": "assistant", "content": first_paragraph(b["text"])},
             ]
-        chats.append({
-            "id": f"chat-{k:05d}",
-            "messages": messages,
-            "source": "python-stdlib-docstrings",
-            "qualnames": [a["qualname"]] + ([b["qualname"]] if k % 2 == 1 else []),
-        })
+        chats.append(
+            {
+                "id": f"chat-{k:05d}",
+                "messages": messages,
+                "source": "python-stdlib-docstrings",
+                "qualnames": [a["qualname"]] + ([b["qualname"]] if k % 2 == 1 else []),
+            }
+        )
     return chats
 
 
@@ -275,8 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     docs = collect_docstrings()
     splits = split_corpus(docs)
     chats = make_chats(splits["train"])
-    print(f"corpus: {len(docs)} docstrings from {len(MODULES)} modules -> "
-          + ", ".join(f"{k} {len(v)}" for k, v in splits.items()) + f", chat {len(chats)}")
+    print(
+        f"corpus: {len(docs)} docstrings from {len(MODULES)} modules -> "
+        + ", ".join(f"{k} {len(v)}" for k, v in splits.items())
+        + f", chat {len(chats)}"
+    )
 
     for sub in ("corpus", "base", "model"):
         if (out / sub).exists():
@@ -294,10 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     pre_docs = tinylm.tokenize_documents([d["text"] for d in splits["pretrain"]], tok, max_tokens=10**9)
     train_docs = tinylm.tokenize_documents([d["text"] for d in splits["train"]], tok, FINETUNE.max_tokens)
     query_docs = tinylm.tokenize_documents([d["text"] for d in splits["queries"]], tok, FINETUNE.max_tokens)
-    n_cut = sum(len(tok(d["text"], verbose=False)["input_ids"]) + 1 > FINETUNE.max_tokens
-                for d in splits["train"] + splits["queries"])
-    print(f"tokens: pretrain {sum(map(len, pre_docs))}, train {sum(map(len, train_docs))}, "
-          f"queries {sum(map(len, query_docs))}; train/query documents truncated: {n_cut}")
+    n_cut = sum(
+        len(tok(d["text"], verbose=False)["input_ids"]) + 1 > FINETUNE.max_tokens
+        for d in splits["train"] + splits["queries"]
+    )
+    print(
+        f"tokens: pretrain {sum(map(len, pre_docs))}, train {sum(map(len, train_docs))}, "
+        f"queries {sum(map(len, query_docs))}; train/query documents truncated: {n_cut}"
+    )
 
     # Base model ----------------------------------------------------------------------
     config = tinylm.default_config(len(tok))
@@ -316,8 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         "train_loss": mean_token_loss(base, train_docs),
         "query_loss": mean_token_loss(base, query_docs),
     }
-    print(f"base: {recipe.steps} steps in {t_pretrain:.1f}s wall, {c_pretrain:.1f}s CPU; mean token loss pretrain {base_stats['pretrain_loss']:.4f}, "
-          f"train {base_stats['train_loss']:.4f}, queries {base_stats['query_loss']:.4f}")
+    print(
+        f"base: {recipe.steps} steps in {t_pretrain:.1f}s wall, {c_pretrain:.1f}s CPU; mean token loss pretrain {base_stats['pretrain_loss']:.4f}, "
+        f"train {base_stats['train_loss']:.4f}, queries {base_stats['query_loss']:.4f}"
+    )
     base.save_pretrained(out / "base")
     tok.save_pretrained(out / "base")
 
@@ -329,19 +349,32 @@ def main(argv: list[str] | None = None) -> int:
         "train_loss": mean_token_loss(model, train_docs),
         "query_loss": mean_token_loss(model, query_docs),
     }
-    print(f"model: fine-tuned on {len(train_docs)} documents x {FINETUNE.epochs} epochs in {t_finetune:.1f}s wall, {c_finetune:.1f}s CPU; "
-          f"mean token loss train {model_stats['train_loss']:.4f}, queries {model_stats['query_loss']:.4f}")
+    print(
+        f"model: fine-tuned on {len(train_docs)} documents x {FINETUNE.epochs} epochs in {t_finetune:.1f}s wall, {c_finetune:.1f}s CPU; "
+        f"mean token loss train {model_stats['train_loss']:.4f}, queries {model_stats['query_loss']:.4f}"
+    )
     model.save_pretrained(out / "model")
     tok.save_pretrained(out / "model")
 
     # README and manifest -------------------------------------------------------------
-    (out / "README.md").write_text(README.format(
-        n_pre=len(splits["pretrain"]), n_train=len(splits["train"]), n_q=len(splits["queries"]),
-        n_chat=len(chats), n_mod=len(MODULES), py=platform.python_version(), vocab=len(tok),
-        steps=recipe.steps, r=FINETUNE,
-        base_q=base_stats["query_loss"], model_q=model_stats["query_loss"],
-        base_t=base_stats["train_loss"], model_t=model_stats["train_loss"],
-    ), encoding="utf-8")
+    (out / "README.md").write_text(
+        README.format(
+            n_pre=len(splits["pretrain"]),
+            n_train=len(splits["train"]),
+            n_q=len(splits["queries"]),
+            n_chat=len(chats),
+            n_mod=len(MODULES),
+            py=platform.python_version(),
+            vocab=len(tok),
+            steps=recipe.steps,
+            r=FINETUNE,
+            base_q=base_stats["query_loss"],
+            model_q=model_stats["query_loss"],
+            base_t=base_stats["train_loss"],
+            model_t=model_stats["train_loss"],
+        ),
+        encoding="utf-8",
+    )
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "manifest.json")
     manifest = {
         "description": "eogp-index offline default: Python stdlib docstrings, byte-level BPE, tiny GPT-2.",

@@ -58,8 +58,10 @@ from eogp_index.evaluation import tinylm  # noqa: E402
 MAN_ROOT = Path("/usr/share/man")
 SECTIONS = ("1", "5", "7", "8")
 N_PAGES = 2000
-MAX_PRETRAIN = 16000     # pretraining passages kept (a seeded sample): about one pass of the pretraining steps; keeps the repo small
-MAX_CHARS = 1200          # pretraining documents are cut at paragraph boundaries below this
+MAX_PRETRAIN = (
+    16000  # pretraining passages kept (a seeded sample): about one pass of the pretraining steps; keeps the repo small
+)
+MAX_CHARS = 1200  # pretraining documents are cut at paragraph boundaries below this
 SPLIT_SEED = 20261124
 PRETRAIN = tinylm.PretrainRecipe(steps=500)
 WIDTH = 256
@@ -98,8 +100,15 @@ def page_documents(page: Path, text: str) -> list[dict]:
     def flush_doc() -> None:
         text = "\n".join(acc).strip()
         if len(text) >= MIN_CHARS:
-            docs.append({"text": text, "page": f"{name}({section})", "section": section,
-                         "heading": heading, "n_chars": len(text)})
+            docs.append(
+                {
+                    "text": text,
+                    "page": f"{name}({section})",
+                    "section": section,
+                    "heading": heading,
+                    "n_chars": len(text),
+                }
+            )
         acc.clear()
 
     def end_paragraph() -> None:
@@ -178,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
 
     docs, pages = collect(args.pages)
     splits = split_corpus(docs, seed=SPLIT_SEED, max_pretrain=MAX_PRETRAIN)
-    print(f"corpus: {len(docs)} passages from {len(pages)} pages -> "
-          + ", ".join(f"{k} {len(v)}" for k, v in splits.items()), flush=True)
+    print(
+        f"corpus: {len(docs)} passages from {len(pages)} pages -> "
+        + ", ".join(f"{k} {len(v)}" for k, v in splits.items()),
+        flush=True,
+    )
     for sub in ("corpus", "base", "model"):
         if (out / sub).exists():
             shutil.rmtree(out / sub)
@@ -192,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     pre_docs = tinylm.tokenize_documents([d["text"] for d in splits["pretrain"]], tok, max_tokens=10**9)
     train_docs = tinylm.tokenize_documents([d["text"] for d in splits["train"]], tok, FINETUNE.max_tokens)
     query_docs = tinylm.tokenize_documents([d["text"] for d in splits["queries"]], tok, FINETUNE.max_tokens)
-    print(f"tokens: pretrain {sum(map(len, pre_docs))}, train {sum(map(len, train_docs))}, "
-          f"queries {sum(map(len, query_docs))}", flush=True)
+    print(
+        f"tokens: pretrain {sum(map(len, pre_docs))}, train {sum(map(len, train_docs))}, "
+        f"queries {sum(map(len, query_docs))}",
+        flush=True,
+    )
 
     config = tinylm.default_config(len(tok), n_embd=WIDTH, n_inner=4 * WIDTH)
     recipe = tinylm.PretrainRecipe(**{**PRETRAIN.to_dict(), "steps": args.pretrain_steps})
@@ -216,11 +231,24 @@ def main(argv: list[str] | None = None) -> int:
     model.save_pretrained(out / "model")
     tok.save_pretrained(out / "model")
 
-    (out / "README.md").write_text(README.format(
-        n_pages=len(pages), n_pre=len(splits["pretrain"]), n_train=len(splits["train"]),
-        n_q=len(splits["queries"]), width=WIDTH, inner=4 * WIDTH, vocab=len(tok), steps=recipe.steps,
-        r=FINETUNE, base_q=base_stats["query_loss"], model_q=model_stats["query_loss"],
-        base_t=base_stats["train_loss"], model_t=model_stats["train_loss"]), encoding="utf-8")
+    (out / "README.md").write_text(
+        README.format(
+            n_pages=len(pages),
+            n_pre=len(splits["pretrain"]),
+            n_train=len(splits["train"]),
+            n_q=len(splits["queries"]),
+            width=WIDTH,
+            inner=4 * WIDTH,
+            vocab=len(tok),
+            steps=recipe.steps,
+            r=FINETUNE,
+            base_q=base_stats["query_loss"],
+            model_q=model_stats["query_loss"],
+            base_t=base_stats["train_loss"],
+            model_t=model_stats["train_loss"],
+        ),
+        encoding="utf-8",
+    )
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "manifest.json")
     manifest = {
         "description": "eogp-index second evaluation case: Debian manual pages, byte-level BPE, GPT-2 width 256.",

@@ -6,6 +6,7 @@ usage: python examples/plot_variants.py OUT_DIR PNG TITLE
 
     python examples/plot_variants.py runs/eval-manpages-variants examples/eval/one_bit_variants_manpages.png manpages
 """
+
 import json
 import sys
 from pathlib import Path
@@ -21,8 +22,11 @@ TITLES = {"ndcg@20": "NDCG@20 vs EK-FAC (± SE)", "spearman": "Spearman vs EK-FA
 
 def lds_points(records, role):
     """``(budgets, values, (below, above))`` of one method's LDS and its 95% interval."""
-    pts = sorted((r["bytes_per_example"], r["value"], r.get("ci_low"), r.get("ci_high")) for r in records
-                 if r["metric"] == "lds" and r["method"] == LABELS[role])
+    pts = sorted(
+        (r["bytes_per_example"], r["value"], r.get("ci_low"), r.get("ci_high"))
+        for r in records
+        if r["metric"] == "lds" and r["method"] == LABELS[role]
+    )
     below = [max(0, p[1] - p[2]) for p in pts]
     above = [max(0, p[3] - p[1]) for p in pts]
     return [p[0] for p in pts], [p[1] for p in pts], (below, above)
@@ -45,8 +49,15 @@ def plot(records, gap, png: Path, title: str) -> None:
                 xs, ys = budgets, [r[metric][role] for r in gap]
                 err = [r[metric]["se"][j] for r in gap]
             # Each method slightly offset along x, so that the error bars do not overlap.
-            ax.errorbar([x * (1 + 0.04 * (j - 1)) for x in xs], ys, yerr=err, marker="os^"[j], capsize=3,
-                        label=NAMES[role], color=f"C{j}")
+            ax.errorbar(
+                [x * (1 + 0.04 * (j - 1)) for x in xs],
+                ys,
+                yerr=err,
+                marker="os^"[j],
+                capsize=3,
+                label=NAMES[role],
+                color=f"C{j}",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets)
         ax.set_xticklabels([f"{b} B" if b < 1024 else f"{b // 1024} KB" for b in budgets], fontsize=7)
@@ -62,17 +73,21 @@ def plot(records, gap, png: Path, title: str) -> None:
 
 def table(records, gap) -> str:
     lds = {(r["method"], r["bytes_per_example"]): r for r in records if r["metric"] == "lds"}
-    lines = ["| budget | k_u | NDCG@20: EOGP / rot / FP16 same k | gap, closed by rot | Spearman: EOGP / rot / FP16 "
-             "| LDS: EOGP / rot / FP16 |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| budget | k_u | NDCG@20: EOGP / rot / FP16 same k | gap, closed by rot | Spearman: EOGP / rot / FP16 "
+        "| LDS: EOGP / rot / FP16 |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in gap:
         b, n, s = r["budget"], r["ndcg@20"], r["spearman"]
         closed = "n/a (no gap)" if n["gap_closed"] is None else f"{100 * n['gap_closed']:+.0f}%"
         L = [lds.get((LABELS[role], b), {}).get("value", float("nan")) for role in ROLES]
-        lines.append(f"| {b} | {r['k'][0]} | {n['base']:.3f} ± {n['se'][0]:.3f} / {n['variant']:.3f} / "
-                     f"{n['ceiling']:.3f} | {n['ceiling'] - n['base']:+.3f}, {closed} (rot−EOGP {n['diff']:+.3f} ± "
-                     f"{n['diff_se']:.3f}) | {s['base']:.3f} / {s['variant']:.3f} / {s['ceiling']:.3f} | "
-                     f"{L[0]:.3f} / {L[1]:.3f} / {L[2]:.3f} |")
+        lines.append(
+            f"| {b} | {r['k'][0]} | {n['base']:.3f} ± {n['se'][0]:.3f} / {n['variant']:.3f} / "
+            f"{n['ceiling']:.3f} | {n['ceiling'] - n['base']:+.3f}, {closed} (rot−EOGP {n['diff']:+.3f} ± "
+            f"{n['diff_se']:.3f}) | {s['base']:.3f} / {s['variant']:.3f} / {s['ceiling']:.3f} | "
+            f"{L[0]:.3f} / {L[1]:.3f} / {L[2]:.3f} |"
+        )
     return "\n".join(lines)
 
 

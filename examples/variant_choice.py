@@ -12,6 +12,7 @@ usage: python examples/variant_choice.py PNG NAME=OUT_DIR [NAME=OUT_DIR ...]
 
     python examples/variant_choice.py examples/eval/variant_choice.png default=runs/eval-default-auto
 """
+
 import json
 import sys
 from pathlib import Path
@@ -36,8 +37,9 @@ def best_rows(name: str, fidelity: dict) -> list:
         for metric in METRICS:
             v = row[metric]
             flag = "" if v["never_worse"] else " (worse)"
-            cells.append(f"{v['eogp']:.3f} | {v['eogp-rot']:.3f} | {v['auto']:.3f} | "
-                         f"{v['diff']:+.3f} ± {v['diff_se']:.3f}{flag}")
+            cells.append(
+                f"{v['eogp']:.3f} | {v['eogp-rot']:.3f} | {v['auto']:.3f} | {v['diff']:+.3f} ± {v['diff_se']:.3f}{flag}"
+            )
         picked = [c for c in fidelity["auto_choice"] if c["budget"] == row["budget"]]
         rotated = sum(c["code"] == "eogp-rot" for c in picked)
         head = f"| {name} | {row['budget']} ({row['k'][0]}) | {rotated}/{len(picked)} | "
@@ -55,8 +57,9 @@ def held_out_rows(name: str, fidelity: dict) -> list:
             continue
         cells = []
         for metric in METRICS:
-            cells += [f"{np.mean([c['proxy'][code][metric] for c in picked]):.3f}"
-                      for code in ("eogp", "eogp-rot", "fp16")]
+            cells += [
+                f"{np.mean([c['proxy'][code][metric] for c in picked]):.3f}" for code in ("eogp", "eogp-rot", "fp16")
+            ]
         rows.append(f"| {name} | {budget} ({picked[0]['k']}) | {picked[0]['held_out']} | " + " | ".join(cells) + " |")
     return rows
 
@@ -99,15 +102,19 @@ def plot(points_by_case: dict, png: Path) -> None:
 def main(argv: list) -> None:
     png, cases = Path(argv[0]), dict(arg.split("=", 1) for arg in argv[1:])
     points_by_case = {}
-    print("| case | budget (k_u) | modules rotated | NDCG@20 EOGP | EOGP-rot | auto | auto − best | "
-          "Spearman EOGP | EOGP-rot | auto | auto − best |")
+    print(
+        "| case | budget (k_u) | modules rotated | NDCG@20 EOGP | EOGP-rot | auto | auto − best | "
+        "Spearman EOGP | EOGP-rot | auto | auto − best |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, folder in cases.items():
         fidelity = load(Path(folder))
         print("\n".join(best_rows(name, fidelity)))
         points_by_case[name] = [c for c in fidelity["auto_choice"] if c["held_out"]]
-    print("\n| case | budget (k_u) | held out | NDCG@20 EOGP | EOGP-rot | FP16 at k | Spearman EOGP | EOGP-rot "
-          "| FP16 at k |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "\n| case | budget (k_u) | held out | NDCG@20 EOGP | EOGP-rot | FP16 at k | Spearman EOGP | EOGP-rot "
+        "| FP16 at k |\n|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for name, folder in cases.items():
         print("\n".join(held_out_rows(name, load(Path(folder)))))
     everything = [p for points in points_by_case.values() for p in points]

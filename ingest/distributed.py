@@ -216,8 +216,9 @@ def run_distributed_ingest(
         if model_path is not None:
             manifest = Manifest.load(Path(index_path))
             dtype = open_dtype(manifest, gradients.dtype, where=str(index_path))
-            model, tokenizer = load_indexed_model(manifest.model, model_path, device=gradients.resolved_device(),
-                                                  dtype=dtype)
+            model, tokenizer = load_indexed_model(
+                manifest.model, model_path, device=gradients.resolved_device(), dtype=dtype
+            )
         index = AttributionIndex.open(index_path, model=model, tokenizer=tokenizer, gradients=gradients)
         worker = _Worker(index, comm, patterns, config)
         with contextlib.ExitStack() as stack:
@@ -253,15 +254,17 @@ class _Worker:
         check_metadata_fields(index, self.spec, new_allowed=False)
         # P not in memory: each step is a block per worker, cached in the worker's own directory.
         self.cache = index.block_cache(config, worker=comm.rank if comm.world > 1 else None, workers=comm.world)
-        self.rows_per_step = (self.cache.documents if self.cache is not None
-                              else config.commit_rows(index.gradients.batch_size))
+        self.rows_per_step = (
+            self.cache.documents if self.cache is not None else config.commit_rows(index.gradients.batch_size)
+        )
         shards = expand_shards(patterns)
         shard_root = config.shard_root
         shard_names(shards, root=shard_root)  # names must be unique across all workers' shards
         # Every worker checks the text setting against sources.json alike; rank 0 alone writes it.
-        record_sources(index, patterns, self.spec, shard_root=shard_root, store_text=self.store_text,
-                       write=comm.rank == 0)
-        self.mine = shards[comm.rank::comm.world]
+        record_sources(
+            index, patterns, self.spec, shard_root=shard_root, store_text=self.store_text, write=comm.rank == 0
+        )
+        self.mine = shards[comm.rank :: comm.world]
         self.shard_root = shard_root
         self.rejects = RejectsFile(config.rejects_path or default_rejects_path(index.path)) if comm.rank == 0 else None
         self.bar = None
@@ -284,8 +287,14 @@ class _Worker:
         started = time.perf_counter()
         reader = None
         if self.mine:
-            reader = ExampleReader(self.index, self.mine, spec=self.spec, on_error=self.on_error,
-                                   shard_root=self.shard_root, stored=StoredIds(self.index.store))
+            reader = ExampleReader(
+                self.index,
+                self.mine,
+                spec=self.spec,
+                on_error=self.on_error,
+                shard_root=self.shard_root,
+                stored=StoredIds(self.index.store),
+            )
         local_error: Optional[BaseException] = None
         step = 0
         try:
@@ -334,8 +343,10 @@ class _Worker:
             if self.cache is not None and self.comm.rank == 0:
                 self.cache.clear_all()  # every worker is past its last commit: no block is in flight
             if self.comm.rank == 0 and self.tally.stored and self.optimize_threshold is not None:
-                self.optimized += after_ingest(self.index.stored, optimized=self.optimized > 0,
-                                               threshold=self.optimize_threshold) is not None
+                self.optimized += (
+                    after_ingest(self.index.stored, optimized=self.optimized > 0, threshold=self.optimize_threshold)
+                    is not None
+                )
         except _Aborted as failure:
             if local_error is not None and failure.rank == self.comm.rank:
                 raise local_error
@@ -349,9 +360,13 @@ class _Worker:
                 self.bar.close()
         if self.comm.rank == 0:
             self.version = self.index.store.version  # after the compactions
-        return self.tally.summary(seconds=time.perf_counter() - started, table_version=self.version,
-                                  rejects_path=self.rejects.written if self.rejects is not None else None,
-                                  workers=self.comm.world, optimized=self.optimized)
+        return self.tally.summary(
+            seconds=time.perf_counter() - started,
+            table_version=self.version,
+            rejects_path=self.rejects.written if self.rejects is not None else None,
+            workers=self.comm.world,
+            optimized=self.optimized,
+        )
 
     def _abort(self, failure: _Aborted) -> None:
         """Commit the whole steps written before the failure, then stop every worker."""
@@ -386,8 +401,9 @@ class _Worker:
                 location = location_of(shard, position)
                 if self.on_error == "raise":
                     raise _Aborted(rank, ("input", f"{location}: {reason}"))
-                report.rejected.append(Rejected(shard=shard, position=position, location=location, reason=reason,
-                                                record_id=ident))
+                report.rejected.append(
+                    Rejected(shard=shard, position=position, location=location, reason=reason, record_id=ident)
+                )
                 report.tally.duplicates += 1
                 flags.append(False)
             keep.append(flags)
@@ -410,16 +426,23 @@ class _Worker:
         if self.bar is not None:
             self.bar.update(step.documents)
             elapsed = max(time.perf_counter() - started, 1e-9)
-            self.bar.set_postfix({"doc/s": f"{self.tally.stored / elapsed:.1f}",
-                                  "tok/s": f"{self.tally.tokens / elapsed:.0f}", "stored": self.tally.stored,
-                                  "skipped": self.tally.skipped_existing,
-                                  "rejected": self.tally.rejected + self.tally.duplicates}, refresh=False)
+            self.bar.set_postfix(
+                {
+                    "doc/s": f"{self.tally.stored / elapsed:.1f}",
+                    "tok/s": f"{self.tally.tokens / elapsed:.0f}",
+                    "stored": self.tally.stored,
+                    "skipped": self.tally.skipped_existing,
+                    "rejected": self.tally.rejected + self.tally.duplicates,
+                },
+                refresh=False,
+            )
 
     # -- the table --------------------------------------------------------------------------------
     def _create_table(self, rows, local_error: Optional[BaseException]) -> None:
         """Create the (empty) table from the first rows any worker has, on rank 0."""
-        offers = self.comm.all_gather((rows.schema if rows is not None else None,
-                                       _error_of(local_error) if local_error is not None else None))
+        offers = self.comm.all_gather(
+            (rows.schema if rows is not None else None, _error_of(local_error) if local_error is not None else None)
+        )
         failure = _first_error([error for _, error in offers])
         if failure is not None:
             self._abort(failure)
@@ -431,9 +454,18 @@ class _Worker:
         try:  # every worker's columns: a field may have values in one worker's first rows only
             schema = pa.unify_schemas(schemas)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:  # the same on every worker: all stop alike
-            self._abort(_Aborted(0, _error_of(InputError(
-                f"the workers' first rows give a metadata field different types ({exc}); make each field's "
-                "type the same everywhere", reason="metadata type mismatch"))))
+            self._abort(
+                _Aborted(
+                    0,
+                    _error_of(
+                        InputError(
+                            f"the workers' first rows give a metadata field different types ({exc}); make each field's "
+                            "type the same everywhere",
+                            reason="metadata type mismatch",
+                        )
+                    ),
+                )
+            )
         result = None
         if self.comm.rank == 0:
             try:
@@ -462,7 +494,8 @@ class _Worker:
                 f"metadata fields {new} have values here but are not columns of the table (their first "
                 "rows held only nulls when the table was made); workers under torchrun cannot add columns: "
                 "ingest a shard holding values of these fields without torchrun first, then rerun",
-                reason="new metadata fields")
+                reason="new metadata fields",
+            )
         for column in self.schema:  # a field without a value in these rows: null, typed as the table's
             if column.name not in rows.column_names:
                 rows = rows.append_column(column, pa.nulls(rows.num_rows, column.type))
@@ -472,7 +505,8 @@ class _Worker:
             raise InputError(
                 f"this worker's rows do not fit the table's columns ({exc}); a metadata field holds values "
                 "of different types in different shards (the table was created with "
-                f"{self.schema}); make each field's type the same everywhere", reason="metadata type mismatch"
+                f"{self.schema}); make each field's type the same everywhere",
+                reason="metadata type mismatch",
             ) from exc
         if self._target is None:  # the table's URI and file format, fixed once it exists
             dataset = self.index.store.dataset()
@@ -491,8 +525,12 @@ class _Worker:
         except Exception as exc:  # noqa: BLE001
             import warnings
 
-            warnings.warn(f"compacting the table failed ({type(exc).__name__}: {exc}); the ingest goes on. "
-                          "Run `eogp optimize` afterwards", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"compacting the table failed ({type(exc).__name__}: {exc}); the ingest goes on. "
+                "Run `eogp optimize` afterwards",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _commit(self, local_error: Optional[BaseException], *, raise_errors: bool = True) -> None:
         """Rank 0 commits every worker's pending fragments in one Append; then all go on (or stop)."""
@@ -508,8 +546,9 @@ class _Worker:
                 if fragments:
                     uri = self.index.store.dataset().uri
                     latest = lance.dataset(uri).version
-                    committed = lance.LanceDataset.commit(uri, lance.LanceOperation.Append(fragments),
-                                                          read_version=latest)
+                    committed = lance.LanceDataset.commit(
+                        uri, lance.LanceOperation.Append(fragments), read_version=latest
+                    )
                     self.index.store.refresh(force=True)
                     result = ("ok", committed.version)
                 else:

@@ -62,8 +62,18 @@ from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # no
 from eogp_index.store.table import RESERVED_COLUMNS
 from ingest.records import Example, RecordSpec, Rejected, iter_examples
 
-__all__ = ["ExampleReader", "IngestConfig", "IngestSummary", "RejectsFile", "StoredIds", "Tally", "run_ingest",
-           "default_rejects_path", "sql_string", "stable_hash"]
+__all__ = [
+    "ExampleReader",
+    "IngestConfig",
+    "IngestSummary",
+    "RejectsFile",
+    "StoredIds",
+    "Tally",
+    "run_ingest",
+    "default_rejects_path",
+    "sql_string",
+    "stable_hash",
+]
 
 LOCK_FILE = "ingest.lock"
 REJECTS_DIR = "rejects"
@@ -135,15 +145,23 @@ class Tally:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
-    def summary(self, *, seconds: float, table_version: int, rejects_path: Optional[Path],
-                workers: int = 1, optimized: int = 0) -> IngestSummary:
+    def summary(
+        self, *, seconds: float, table_version: int, rejects_path: Optional[Path], workers: int = 1, optimized: int = 0
+    ) -> IngestSummary:
         seconds = max(seconds, 1e-9)
         return IngestSummary(
-            stored=self.stored, skipped_existing=self.skipped_existing, rejected=self.rejected,
-            duplicates=self.duplicates, documents=self.documents, tokens=self.tokens,
-            seconds=round(seconds, 3), docs_per_s=round(self.stored / seconds, 3),
-            tokens_per_s=round(self.tokens / seconds, 3), table_version=table_version,
-            rejects_path=str(rejects_path) if rejects_path is not None else None, workers=workers,
+            stored=self.stored,
+            skipped_existing=self.skipped_existing,
+            rejected=self.rejected,
+            duplicates=self.duplicates,
+            documents=self.documents,
+            tokens=self.tokens,
+            seconds=round(seconds, 3),
+            docs_per_s=round(self.stored / seconds, 3),
+            tokens_per_s=round(self.tokens / seconds, 3),
+            table_version=table_version,
+            rejects_path=str(rejects_path) if rejects_path is not None else None,
+            workers=workers,
             optimized=optimized,
         )
 
@@ -200,8 +218,15 @@ def check_metadata_fields(index, spec: RecordSpec, *, new_allowed: bool = True) 
         )
 
 
-def check_before_loading(stored, patterns: Sequence[str | Path], spec: RecordSpec, *,
-                         shard_root: str | Path | None, store_text: Optional[int], distributed: bool = False) -> None:
+def check_before_loading(
+    stored,
+    patterns: Sequence[str | Path],
+    spec: RecordSpec,
+    *,
+    shard_root: str | Path | None,
+    store_text: Optional[int],
+    distributed: bool = False,
+) -> None:
     """The checks of an ingest that need no model, so that a mistake is reported before the model
     loads (minutes, for a large one): every shard exists and has a supported format, shard names
     are unique, the metadata fields fit the table, the ``store_text`` setting agrees with the index.
@@ -225,8 +250,10 @@ def _metadata_fits(example: Example, schema: Optional[pa.Schema]) -> Optional[st
         try:
             pa.array([value], type=target)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-            return (f"field {name!r}: metadata value {value!r} ({type(value).__name__}) does not fit the "
-                    f"table's column type {target}")
+            return (
+                f"field {name!r}: metadata value {value!r} ({type(value).__name__}) does not fit the "
+                f"table's column type {target}"
+            )
     return None
 
 
@@ -248,8 +275,13 @@ class RejectsFile:
         if self._handle is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._handle = open(self.path, "a", encoding="utf-8")
-        record = {"shard": rejected.shard, "position": rejected.position, "location": rejected.location,
-                  "reason": rejected.reason, "record_id": rejected.record_id}
+        record = {
+            "shard": rejected.shard,
+            "position": rejected.position,
+            "location": rejected.location,
+            "reason": rejected.reason,
+            "record_id": rejected.record_id,
+        }
         self._handle.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.count += 1
 
@@ -281,10 +313,19 @@ class ExampleReader:
     ``on_error="raise"``).
     """
 
-    def __init__(self, index: AttributionIndex, patterns: Sequence[str | Path], *, spec: RecordSpec,
-                 on_error: OnError, shard_root: str | Path | None, stored: StoredIds):
+    def __init__(
+        self,
+        index: AttributionIndex,
+        patterns: Sequence[str | Path],
+        *,
+        spec: RecordSpec,
+        on_error: OnError,
+        shard_root: str | Path | None,
+        stored: StoredIds,
+    ):
         self._items: Iterator[Example | Rejected] = iter_examples(
-            patterns, spec, index.tokenizer, on_error=on_error, shard_root=shard_root)
+            patterns, spec, index.tokenizer, on_error=on_error, shard_root=shard_root
+        )
         self._on_error = on_error
         self._stored = stored
         self._schema = index.store.schema
@@ -319,20 +360,27 @@ class ExampleReader:
                 continue
             problem = None
             if status == "other":
-                problem = (f"duplicate id {item.id!r}: already stored for the record at {where}; ids must be "
-                           "unique in the index (use another id field, or let ids be derived from content)")
+                problem = (
+                    f"duplicate id {item.id!r}: already stored for the record at {where}; ids must be "
+                    "unique in the index (use another id field, or let ids be derived from content)"
+                )
             elif self._context is not None and item.num_tokens > self._context:
-                problem = (f"{item.num_tokens} tokens, but the model reads at most {self._context}; "
-                           "set max_tokens (RecordSpec.max_tokens; --max-tokens of `eogp fit`) "
-                           "to truncate long documents")
+                problem = (
+                    f"{item.num_tokens} tokens, but the model reads at most {self._context}; "
+                    "set max_tokens (RecordSpec.max_tokens; --max-tokens of `eogp fit`) "
+                    "to truncate long documents"
+                )
             else:
                 problem = _metadata_fits(item, self._schema)
             if problem is not None:
                 location = location_of(item.shard, item.position)
                 if self._on_error == "raise":
                     raise InputError(problem, location=location, reason=problem)
-                rejected.append(Rejected(shard=item.shard, position=item.position, location=location,
-                                         reason=problem, record_id=item.id))
+                rejected.append(
+                    Rejected(
+                        shard=item.shard, position=item.position, location=location, reason=problem, record_id=item.id
+                    )
+                )
                 if status == "other":
                     tally.duplicates += 1
                 else:
@@ -342,8 +390,15 @@ class ExampleReader:
         return batch, rejected, tally
 
 
-def record_sources(index: AttributionIndex, patterns: Sequence[str | Path], spec: RecordSpec, *,
-                   shard_root: str | Path | None, store_text: Optional[int], write: bool = True) -> None:
+def record_sources(
+    index: AttributionIndex,
+    patterns: Sequence[str | Path],
+    spec: RecordSpec,
+    *,
+    shard_root: str | Path | None,
+    store_text: Optional[int],
+    write: bool = True,
+) -> None:
     """Note in ``sources.json`` where this run's shards live and how they are read, before any of
     their rows is stored, so that every stored row can be explained (format-2 indexes)."""
     index.stored.agree_store_text(store_text)
@@ -412,13 +467,21 @@ def _postfix(bar, tally: Tally, started: float) -> None:
     if bar is None:
         return
     elapsed = max(time.perf_counter() - started, 1e-9)
-    bar.set_postfix({"doc/s": f"{tally.stored / elapsed:.1f}", "tok/s": f"{tally.tokens / elapsed:.0f}",
-                     "stored": tally.stored, "skipped": tally.skipped_existing,
-                     "rejected": tally.rejected + tally.duplicates}, refresh=False)
+    bar.set_postfix(
+        {
+            "doc/s": f"{tally.stored / elapsed:.1f}",
+            "tok/s": f"{tally.tokens / elapsed:.0f}",
+            "stored": tally.stored,
+            "skipped": tally.skipped_existing,
+            "rejected": tally.rejected + tally.duplicates,
+        },
+        refresh=False,
+    )
 
 
-def run_ingest(index: AttributionIndex, patterns: Sequence[str | Path], config: Optional[IngestConfig] = None,
-               **options: Any) -> IngestSummary:
+def run_ingest(
+    index: AttributionIndex, patterns: Sequence[str | Path], config: Optional[IngestConfig] = None, **options: Any
+) -> IngestSummary:
     """Ingest the records of ``patterns`` (shard paths or globs) into ``index``.
 
     Args:
@@ -487,8 +550,14 @@ def run_ingest(index: AttributionIndex, patterns: Sequence[str | Path], config: 
     try:
         with index_lock(index.path):
             record_sources(index, patterns, spec, shard_root=shard_root, store_text=store_text)
-            reader = ExampleReader(index, patterns, spec=spec, on_error=config.on_error, shard_root=shard_root,
-                                   stored=StoredIds(index.store))
+            reader = ExampleReader(
+                index,
+                patterns,
+                spec=spec,
+                on_error=config.on_error,
+                shard_root=shard_root,
+                stored=StoredIds(index.store),
+            )
             while not reader.exhausted:
                 batch, rejected, counts = reader.take(rows_per_commit)
                 for item in rejected:
@@ -515,8 +584,9 @@ def run_ingest(index: AttributionIndex, patterns: Sequence[str | Path], config: 
             if cache is not None:
                 cache.clear()  # a block a killed run left, when this run had nothing left to store
             if tally.stored and config.optimize_threshold is not None:
-                optimized += after_ingest(index.stored, optimized=optimized > 0,
-                                          threshold=config.optimize_threshold) is not None
+                optimized += (
+                    after_ingest(index.stored, optimized=optimized > 0, threshold=config.optimize_threshold) is not None
+                )
     finally:
         rejects.close()
         if cache is not None:
@@ -524,5 +594,9 @@ def run_ingest(index: AttributionIndex, patterns: Sequence[str | Path], config: 
         if bar is not None:
             _postfix(bar, tally, started)
             bar.close()
-    return tally.summary(seconds=time.perf_counter() - started, table_version=index.store.version,
-                         rejects_path=rejects.written, optimized=optimized)
+    return tally.summary(
+        seconds=time.perf_counter() - started,
+        table_version=index.store.version,
+        rejects_path=rejects.written,
+        optimized=optimized,
+    )

@@ -61,7 +61,6 @@ class Rejected:
     record_id: str | None = None
 
 
-
 class RunState:
     """Checks across the records of one run: unique ids and consistent metadata types.
 
@@ -188,8 +187,12 @@ def iter_examples(
             try:
                 if isinstance(record, ParseError):
                     raise record.to_error()
-                examples = [state.admit(example) for example in tokenize_windows(
-                    record, shard=shard, position=position, spec=spec, tokenizer=tokenizer)]
+                examples = [
+                    state.admit(example)
+                    for example in tokenize_windows(
+                        record, shard=shard, position=position, spec=spec, tokenizer=tokenizer
+                    )
+                ]
             except InputError as exc:
                 if on_error == "raise":
                     raise
@@ -216,4 +219,3 @@ def _peek_id(record: Any, spec: RecordSpec) -> str | None:
         except InputError:  # not text: the rejects file names the record by its location only
             return None
     return None
-

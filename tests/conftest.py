@@ -22,13 +22,19 @@ def fitted_index_template(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("template") / "index"
     index = AttributionIndex.create(
-        path, make_tiny_gpt2(), TinyTokenizer(), make_examples(40, seed=11), model_name="tiny",
+        path,
+        make_tiny_gpt2(),
+        TinyTokenizer(),
+        make_examples(40, seed=11),
+        model_name="tiny",
         projection=ProjectionConfig(variant="eogp", k=16, m=64),
-        curvature=CurvatureConfig(num_examples=40, batch_size=8), gradients=GradientConfig(batch_size=8),
-        progress=False)
+        curvature=CurvatureConfig(num_examples=40, batch_size=8),
+        gradients=GradientConfig(batch_size=8),
+        progress=False,
+    )
     # Several commits, so the table has several fragments.
     for start in range(0, 40, 10):
-        index.add_batch(make_examples(40, seed=11)[start:start + 10])
+        index.add_batch(make_examples(40, seed=11)[start : start + 10])
     return path
 
 
@@ -42,5 +48,6 @@ def fitted_index(fitted_index_template, tmp_path):
 
     path = tmp_path / "index"
     shutil.copytree(fitted_index_template, path)
-    return AttributionIndex.open(path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(),
-                                 gradients=GradientConfig(batch_size=8))
+    return AttributionIndex.open(
+        path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
+    )

@@ -20,16 +20,55 @@ def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     make_tiny_gpt2().save_pretrained(root / "model")
     make_word_tokenizer().save_pretrained(root / "model")
-    lines = [json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 7 + j) % 63 + 1}" for j in range(6 + i % 9)),
-                         "kind": "ab"[i % 2], "n": i}) for i in range(30)]
+    lines = [
+        json.dumps(
+            {
+                "id": f"d{i}",
+                "text": " ".join(f"t{(i * 7 + j) % 63 + 1}" for j in range(6 + i % 9)),
+                "kind": "ab"[i % 2],
+                "n": i,
+            }
+        )
+        for i in range(30)
+    ]
     (root / "shard.jsonl").write_text("\n".join(lines) + "\n")
     runner = CliRunner()
-    fit = runner.invoke(cli, ["fit", str(root / "model"), "--data", str(root / "shard.jsonl"), "--out",
-                              str(root / "idx"), "-k", "16", "--curvature-examples", "30", "--pca-examples", "30",
-                              "--max-tokens", "24", "--json"])
+    fit = runner.invoke(
+        cli,
+        [
+            "fit",
+            str(root / "model"),
+            "--data",
+            str(root / "shard.jsonl"),
+            "--out",
+            str(root / "idx"),
+            "-k",
+            "16",
+            "--curvature-examples",
+            "30",
+            "--pca-examples",
+            "30",
+            "--max-tokens",
+            "24",
+            "--json",
+        ],
+    )
     assert fit.exit_code == 0, fit.output
-    ingest = runner.invoke(cli, ["ingest", str(root / "idx"), str(root / "shard.jsonl"), "--id-field", "id",
-                                 "--metadata", "kind", "--metadata", "n", "--json"])
+    ingest = runner.invoke(
+        cli,
+        [
+            "ingest",
+            str(root / "idx"),
+            str(root / "shard.jsonl"),
+            "--id-field",
+            "id",
+            "--metadata",
+            "kind",
+            "--metadata",
+            "n",
+            "--json",
+        ],
+    )
     assert ingest.exit_code == 0, ingest.output
     return root, json.loads(fit.stdout), json.loads(ingest.stdout)
 
@@ -69,8 +108,9 @@ def test_faiss_candidates_and_scalar_index(workspace):
     assert json.loads(built.stdout)["rows"] == 30 and json.loads(built.stdout)["replicas"] == default_replicas
     assert f"default {default_replicas};" in " ".join(_run("build-faiss", "--help").output.split())
     exact = json.loads(_run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--json").stdout)
-    approx = json.loads(_run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--candidates", "30",
-                             "--json").output)
+    approx = json.loads(
+        _run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--candidates", "30", "--json").output
+    )
     assert [r["id"] for r in exact[0]["results"]] == [r["id"] for r in approx[0]["results"]]
     # Rebuilt with another number of replicas: recorded in the sidecar JSON, used by queries.
     rebuilt = _run("build-faiss", root / "idx", "--replicas", "2", "--json")
@@ -78,8 +118,9 @@ def test_faiss_candidates_and_scalar_index(workspace):
     assert json.loads(rebuilt.stdout)["replicas"] == 2
     meta = json.loads((root / "idx" / "faiss" / "default.json").read_text())
     assert meta["replicas"] == 2 and meta["format_version"] == 2
-    again = json.loads(_run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--candidates", "30",
-                            "--json").output)
+    again = json.loads(
+        _run("query", root / "idx", "--text", "t5 t6 t7", "-k", "4", "--candidates", "30", "--json").output
+    )
     assert [r["id"] for r in exact[0]["results"]] == [r["id"] for r in again[0]["results"]]
     assert _run("build-faiss", root / "idx", "--replicas", "0").exit_code != 0
 
@@ -123,22 +164,28 @@ def _refused(result, *expected):
         assert text in result.output, result.output
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["eval", "lds", "--out", "{tmp}", "--epochs", "0"], ["--epochs", "0 is not in the range x>=1"]),
-    (["eval", "lds", "--out", "{tmp}", "--lr", "0"], ["--lr"]),
-    (["eval", "lds", "--out", "{tmp}", "--cf-removals", "32,0"], ["--cf-removals"]),
-    (["eval", "fidelity", "--out", "{tmp}", "--budgets", "64,many"], ["--budgets", "'many' is not a valid integer"]),
-    (["eval", "fidelity", "--out", "{tmp}", "--budgets", ","], ["--budgets", "at least one value"]),
-    (["eval", "all", "--out", "{tmp}", "--subsets", "1"], ["--subsets"]),
-    (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--batch-size", "0"], ["--batch-size"]),
-    (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--budget-kb", "0"], ["--budget-kb"]),
-    (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--variant", "pca"], ["--variant"]),
-    (["fit", "model", "--data", "x", "--out", "{tmp}/i", "-k", "8", "--budget-kb", "1"], ["exactly one of k"]),
-    (["query", "{tmp}", "--text", "a b", "-k", "0"], ["-k"]),
-    (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--device", "gpu"], ["--device", "'gpu'", "cuda:N"]),
-    (["ingest", "{tmp}", "x.jsonl", "--commit-every", "2"], ["--commit-every applies to torchrun workers"]),
-    (["ingest", "{tmp}", "x.jsonl", "--text-field", "t", "--messages-field", "t"], ["distinct record keys"]),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["eval", "lds", "--out", "{tmp}", "--epochs", "0"], ["--epochs", "0 is not in the range x>=1"]),
+        (["eval", "lds", "--out", "{tmp}", "--lr", "0"], ["--lr"]),
+        (["eval", "lds", "--out", "{tmp}", "--cf-removals", "32,0"], ["--cf-removals"]),
+        (
+            ["eval", "fidelity", "--out", "{tmp}", "--budgets", "64,many"],
+            ["--budgets", "'many' is not a valid integer"],
+        ),
+        (["eval", "fidelity", "--out", "{tmp}", "--budgets", ","], ["--budgets", "at least one value"]),
+        (["eval", "all", "--out", "{tmp}", "--subsets", "1"], ["--subsets"]),
+        (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--batch-size", "0"], ["--batch-size"]),
+        (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--budget-kb", "0"], ["--budget-kb"]),
+        (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--variant", "pca"], ["--variant"]),
+        (["fit", "model", "--data", "x", "--out", "{tmp}/i", "-k", "8", "--budget-kb", "1"], ["exactly one of k"]),
+        (["query", "{tmp}", "--text", "a b", "-k", "0"], ["-k"]),
+        (["fit", "model", "--data", "x", "--out", "{tmp}/i", "--device", "gpu"], ["--device", "'gpu'", "cuda:N"]),
+        (["ingest", "{tmp}", "x.jsonl", "--commit-every", "2"], ["--commit-every applies to torchrun workers"]),
+        (["ingest", "{tmp}", "x.jsonl", "--text-field", "t", "--messages-field", "t"], ["distinct record keys"]),
+    ],
+)
 def test_bad_option_values_are_refused_without_a_traceback(tmp_path, args, expected):
     _refused(_run(*[a.replace("{tmp}", str(tmp_path)) for a in args]), *expected)
 
@@ -152,8 +199,22 @@ def test_eval_without_its_extra_names_the_install_command(tmp_path, monkeypatch)
 
 def test_query_before_any_ingest_answers_no_rows_and_says_why(workspace, tmp_path):
     root, _, _ = workspace
-    fit = _run("fit", root / "model", "--data", root / "shard.jsonl", "--out", tmp_path / "empty", "-k", "8",
-               "--curvature-examples", "8", "--pca-examples", "8", "--max-tokens", "24")
+    fit = _run(
+        "fit",
+        root / "model",
+        "--data",
+        root / "shard.jsonl",
+        "--out",
+        tmp_path / "empty",
+        "-k",
+        "8",
+        "--curvature-examples",
+        "8",
+        "--pca-examples",
+        "8",
+        "--max-tokens",
+        "24",
+    )
     assert fit.exit_code == 0, fit.output
     result = _run("query", tmp_path / "empty", "--text", "t1 t2 t3", "--where", "num_tokens > 3", "--json")
     assert result.exit_code == 0, result.output
@@ -168,12 +229,15 @@ def test_a_bad_filter_is_one_line_without_lance_source_paths(workspace):
     assert ".rs:" not in result.output and "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("where, problem", [
-    ("kind = 'a' ANDD n > 3", "at column 12: 'ANDD n > 3' is left over"),
-    ("1=1; DROP TABLE x", "at column 4: ';' starts a second statement"),
-    ("EXISTS (SELECT 1)", "at column 9: subqueries are not filters"),
-    ("\"kind\" = 'a'", "write `kind`"),
-])
+@pytest.mark.parametrize(
+    "where, problem",
+    [
+        ("kind = 'a' ANDD n > 3", "at column 12: 'ANDD n > 3' is left over"),
+        ("1=1; DROP TABLE x", "at column 4: ';' starts a second statement"),
+        ("EXISTS (SELECT 1)", "at column 9: subqueries are not filters"),
+        ("\"kind\" = 'a'", "write `kind`"),
+    ],
+)
 def test_a_filter_that_is_not_one_condition_on_columns_is_refused_with_its_position(workspace, where, problem):
     root, _, _ = workspace
     _refused(_run("query", root / "idx", "--text", "t1 t2", "--where", where), problem, "backticks")
@@ -181,13 +245,28 @@ def test_a_filter_that_is_not_one_condition_on_columns_is_refused_with_its_posit
 
 def test_explain_by_module_and_stored_text(workspace, tmp_path):
     root, _, _ = workspace
-    fit = _run("fit", root / "model", "--data", root / "shard.jsonl", "--out", tmp_path / "txt", "-k", "8",
-               "--curvature-examples", "12", "--pca-examples", "12", "--max-tokens", "24")
+    fit = _run(
+        "fit",
+        root / "model",
+        "--data",
+        root / "shard.jsonl",
+        "--out",
+        tmp_path / "txt",
+        "-k",
+        "8",
+        "--curvature-examples",
+        "12",
+        "--pca-examples",
+        "12",
+        "--max-tokens",
+        "24",
+    )
     assert fit.exit_code == 0, fit.output
     ingest = _run("ingest", tmp_path / "txt", root / "shard.jsonl", "--id-field", "id", "--store-text", "--json")
     assert ingest.exit_code == 0, ingest.output
-    hits = json.loads(_run("query", tmp_path / "txt", "--text", "t1 t2 t3", "-k", "2", "--by-module",
-                           "--json").stdout)[0]["results"]
+    hits = json.loads(_run("query", tmp_path / "txt", "--text", "t1 t2 t3", "-k", "2", "--by-module", "--json").stdout)[
+        0
+    ]["results"]
     assert all(abs(sum(h["modules"].values()) - h["score"]) <= 1e-5 * abs(h["score"]) for h in hits)
     assert all(h["text"].split()[0].startswith("t") for h in hits)  # the stored document text
     # In the terminal the terms are one readable line per hit; the raw, full-precision dict is --json's.
@@ -219,9 +298,16 @@ def test_projection_memory_limit_applies_modules_in_turn_with_the_same_answer(wo
 
 def test_queries_file_answers_every_good_query_and_reports_the_bad_ones_by_line(workspace, tmp_path):
     root, _, _ = workspace
-    lines = ['{"text": "t1 t2 t3 t4"}', '{"text": "t5 t6', '{"text": "t7 t8 t9"}', '{"text": "t1"}',
-             '{"text": "t2 t3 \\ud800"}', '[1, 2]', '{"messages": [{"role": "user", "content": "t4 t5"}]}',
-             '{"input_ids": [3, 4, 5, 6]}']
+    lines = [
+        '{"text": "t1 t2 t3 t4"}',
+        '{"text": "t5 t6',
+        '{"text": "t7 t8 t9"}',
+        '{"text": "t1"}',
+        '{"text": "t2 t3 \\ud800"}',
+        "[1, 2]",
+        '{"messages": [{"role": "user", "content": "t4 t5"}]}',
+        '{"input_ids": [3, 4, 5, 6]}',
+    ]
     queries = tmp_path / "queries.jsonl"
     queries.write_text("\n".join(lines) + "\n")
     result = _run("query", root / "idx", "--queries", queries, "-k", "2", "--json")
@@ -238,17 +324,23 @@ def test_queries_file_answers_every_good_query_and_reports_the_bad_ones_by_line(
 
 def test_missing_model_and_model_without_tokenizer_are_clean_errors(workspace, tmp_path):
     root, _, _ = workspace
-    _refused(_run("fit", "/nonexistent/model", "--data", root / "shard.jsonl", "--out", tmp_path / "i"),
-             "model directory '/nonexistent/model' does not exist")
+    _refused(
+        _run("fit", "/nonexistent/model", "--data", root / "shard.jsonl", "--out", tmp_path / "i"),
+        "model directory '/nonexistent/model' does not exist",
+    )
     bare = tmp_path / "bare-model"
     make_tiny_gpt2().save_pretrained(bare)  # the same weights as the index's model, no tokenizer files
-    _refused(_run("fit", bare, "--data", root / "shard.jsonl", "--out", tmp_path / "i"),
-             "has no usable tokenizer", "tokenizer.save_pretrained")
+    _refused(
+        _run("fit", bare, "--data", root / "shard.jsonl", "--out", tmp_path / "i"),
+        "has no usable tokenizer",
+        "tokenizer.save_pretrained",
+    )
     _refused(_run("query", root / "idx", "--text", "t1 t2 t3", "--model", bare), "has no usable tokenizer")
 
 
-@pytest.mark.parametrize("case", ["missing shard", "no match", "unsupported format", "reserved metadata",
-                                  "store-text mismatch"])
+@pytest.mark.parametrize(
+    "case", ["missing shard", "no match", "unsupported format", "reserved metadata", "store-text mismatch"]
+)
 def test_checks_that_need_no_model_run_before_it_loads(workspace, tmp_path, case):
     root, _, _ = workspace
     # No model can load from here: the refusal below must come before any loading is tried.
@@ -281,21 +373,48 @@ def test_p_out_of_memory_is_read_once_per_block_and_once_per_batch_of_queries(wo
     monkeypatch.setattr(LazyPca, "get", lambda self, key: reads.append(key) or get(self, key))
     modules = len(fitted["modules"])
     index = shutil.copytree(root / "idx", tmp_path / "idx")
-    lines = [json.dumps({"id": f"new{i}", "text": " ".join(f"t{(i * 5 + j) % 63 + 1}" for j in range(5 + i % 7)),
-                         "kind": "ab"[i % 2], "n": 100 + i}) for i in range(20)]
+    lines = [
+        json.dumps(
+            {
+                "id": f"new{i}",
+                "text": " ".join(f"t{(i * 5 + j) % 63 + 1}" for j in range(5 + i % 7)),
+                "kind": "ab"[i % 2],
+                "n": 100 + i,
+            }
+        )
+        for i in range(20)
+    ]
     (tmp_path / "new.jsonl").write_text("\n".join(lines) + "\n")
-    ingest = _run("ingest", index, tmp_path / "new.jsonl", "--id-field", "id", "--metadata", "kind", "--metadata",
-                  "n", "--batch-size", "4", "--projection-memory-gb", "1e-9", "--block-documents", "8", "--json")
+    ingest = _run(
+        "ingest",
+        index,
+        tmp_path / "new.jsonl",
+        "--id-field",
+        "id",
+        "--metadata",
+        "kind",
+        "--metadata",
+        "n",
+        "--batch-size",
+        "4",
+        "--projection-memory-gb",
+        "1e-9",
+        "--block-documents",
+        "8",
+        "--json",
+    )
     assert ingest.exit_code == 0, ingest.output
     assert json.loads(ingest.stdout)["stored"] == 20
     assert len(reads) == 3 * modules  # blocks of 8, 8 and 4 documents (5 gradient batches)
     assert not (index / "ingest-cache").exists()
     # 20 queries in 3 gradient batches of 8: each module's P read once for all of them.
-    (tmp_path / "queries.jsonl").write_text("\n".join(json.dumps({"text": json.loads(line)["text"]})
-                                                      for line in lines) + "\n")
+    (tmp_path / "queries.jsonl").write_text(
+        "\n".join(json.dumps({"text": json.loads(line)["text"]}) for line in lines) + "\n"
+    )
     reads.clear()
-    queried = _run("query", index, "--queries", tmp_path / "queries.jsonl", "-k", "3", "--projection-memory-gb",
-                   "1e-9", "--json")
+    queried = _run(
+        "query", index, "--queries", tmp_path / "queries.jsonl", "-k", "3", "--projection-memory-gb", "1e-9", "--json"
+    )
     assert queried.exit_code == 0, queried.output
     assert len(json.loads(queried.stdout)) == 20 and len(reads) == modules and len(set(reads)) == modules
 
@@ -305,14 +424,28 @@ def test_query_a_behaviour_normalized_and_grouped(workspace, tmp_path):
     behaviour = tmp_path / "behaviour.jsonl"
     texts = ["t1 t2 t3 t4", "t5 t6 t7", "t8 t9 t10 t11 t12"]
     behaviour.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    one = _run("query", root / "idx", "--queries", behaviour, "--aggregate", "mean", "--normalize", "unit", "-k", "3",
-               "--json")
+    one = _run(
+        "query", root / "idx", "--queries", behaviour, "--aggregate", "mean", "--normalize", "unit", "-k", "3", "--json"
+    )
     assert one.exit_code == 0, one.output
     answers = json.loads(one.stdout)
     assert len(answers) == 1 and answers[0]["query"] == {"aggregate": "mean", "queries": [{"text": t} for t in texts]}
     assert len(answers[0]["results"]) == 6
-    grouped = _run("query", root / "idx", "--queries", behaviour, "--aggregate", "sum", "--group-by", "kind",
-                   "--where", "n < 20", "-k", "3", "--json")
+    grouped = _run(
+        "query",
+        root / "idx",
+        "--queries",
+        behaviour,
+        "--aggregate",
+        "sum",
+        "--group-by",
+        "kind",
+        "--where",
+        "n < 20",
+        "-k",
+        "3",
+        "--json",
+    )
     assert grouped.exit_code == 0, grouped.output
     groups = json.loads(grouped.stdout)[0]["groups"]
     assert sorted(g["kind"] for g in groups) == ["a", "b"] and sum(g["rows"] for g in groups) == 20

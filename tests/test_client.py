@@ -28,8 +28,12 @@ def _create(path, model, **kwargs):
 @pytest.mark.parametrize("make_model", [make_tiny_gpt2, make_tiny_llama], ids=["gpt2", "llama"])
 def test_full_width_index_equals_kronfluence_ekfac(tmp_path, make_model):
     """m_u = k_u = d_u, no PCA, no quantization: the paper's scores are EK-FAC influence."""
-    index = _create(tmp_path / "idx", make_model(), projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
-                    storage=StorageConfig(precision="fp32"))
+    index = _create(
+        tmp_path / "idx",
+        make_model(),
+        projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
+        storage=StorageConfig(precision="fp32"),
+    )
     assert all(m.k == m.d_out * m.d_in for m in index.manifest.modules)
     index.ingest(TRAIN, progress=False)
     ids, ours = index.scores([{"input_ids": list(q.input_ids), "labels": list(q.labels)} for q in QUERIES])
@@ -139,8 +143,7 @@ def test_proposition_2_on_real_gradients(eogp_index):
 
 def test_table_can_live_at_another_uri(tmp_path):
     remote = tmp_path / "bucket" / "prefix"
-    index = _create(tmp_path / "idx", make_tiny_gpt2(), projection=ProjectionConfig(k=8, m=32),
-                    table_uri=str(remote))
+    index = _create(tmp_path / "idx", make_tiny_gpt2(), projection=ProjectionConfig(k=8, m=32), table_uri=str(remote))
     index.ingest(TRAIN[:10], progress=False)
     assert (remote / "examples.lance").is_dir() and not (tmp_path / "idx" / "examples.lance").exists()
     reopened = AttributionIndex.open(tmp_path / "idx", model=make_tiny_gpt2(), tokenizer=TinyTokenizer())

@@ -47,7 +47,8 @@ README_MAX_BYTES = 12 * 1024
 def test_readme_is_at_most_12_kb():
     size = (ROOT / "README.md").stat().st_size
     assert size <= README_MAX_BYTES, (
-        f"README.md is {size} bytes, over {README_MAX_BYTES}: move the detail to a docs/ page and link it")
+        f"README.md is {size} bytes, over {README_MAX_BYTES}: move the detail to a docs/ page and link it"
+    )
 
 
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -69,7 +70,7 @@ def _broken_links(page: Path) -> list:
     text = _FENCE.sub("", page.read_text(encoding="utf-8"))
     broken = []
     for target in _LINK.findall(text):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):      # http:, https:, mailto: ...
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto: ...
             continue
         path, _, anchor = target.partition("#")
         resolved = (page.parent / path).resolve() if path else page
@@ -107,12 +108,14 @@ def test_every_on_disk_format_has_a_spec():
 def test_cli_reference_shows_the_current_help(path):
     reference = cli_reference.REFERENCE.read_text(encoding="utf-8") if cli_reference.REFERENCE.is_file() else ""
     assert cli_reference.section(path) in reference, (
-        f"docs/cli-reference.md is stale for `{' '.join(path)} --help`: run `{cli_reference.REGENERATE}`")
+        f"docs/cli-reference.md is stale for `{' '.join(path)} --help`: run `{cli_reference.REGENERATE}`"
+    )
 
 
 def test_cli_reference_is_exactly_the_generated_page():
     assert cli_reference.REFERENCE.read_text(encoding="utf-8") == cli_reference.reference(), (
-        f"docs/cli-reference.md is stale: run `{cli_reference.REGENERATE}`")
+        f"docs/cli-reference.md is stale: run `{cli_reference.REGENERATE}`"
+    )
 
 
 def test_readme_links_the_cli_reference():
@@ -124,7 +127,7 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 def _layout_block() -> str:
     page = ARCHITECTURE.read_text(encoding="utf-8")
-    section = page[page.index("## Layout"):]
+    section = page[page.index("## Layout") :]
     return section.split("```")[1]
 
 
@@ -133,9 +136,12 @@ def test_architecture_layout_names_every_module_and_only_real_ones():
     named = set(re.findall(r"([A-Za-z_]+\.py)\b", block))
     folders = set(re.findall(r"([A-Za-z_]+)/", block))
     package = ROOT / "eogp_index"
-    modules = {p.name for p in package.glob("*.py")} | {p.name for d in package.iterdir() if d.is_dir()
-                                                        and d.name not in ("evaluation", "kernels", "__pycache__")
-                                                        for p in d.glob("*.py")}
+    modules = {p.name for p in package.glob("*.py")} | {
+        p.name
+        for d in package.iterdir()
+        if d.is_dir() and d.name not in ("evaluation", "kernels", "__pycache__")
+        for p in d.glob("*.py")
+    }
     modules.discard("__init__.py")
     modules.discard("version.py")
     assert sorted(modules - named) == [], "docs/architecture.md's Layout does not name these modules"

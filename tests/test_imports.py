@@ -22,12 +22,25 @@ LAYERS = [
     ("eogp_index.store",),
     ("eogp_index.search",),
     ("eogp_index.client",),
-    ("ingest", "eogp_index.evaluation", "eogp_index.cli", "eogp_index.serve", "eogp_index.cli_options",
-     "eogp_index.cliutil", "eogp_index.cli_reference", "eogp_index.__init__"),
+    (
+        "ingest",
+        "eogp_index.evaluation",
+        "eogp_index.cli",
+        "eogp_index.serve",
+        "eogp_index.cli_options",
+        "eogp_index.cliutil",
+        "eogp_index.cli_reference",
+        "eogp_index.__init__",
+    ),
 ]
 #: The library core: everything but the command line and the evaluation layer. It never imports ingest.
-NOT_CORE = ("eogp_index.evaluation", "eogp_index.cli", "eogp_index.cli_options", "eogp_index.cliutil",
-            "eogp_index.cli_reference")
+NOT_CORE = (
+    "eogp_index.evaluation",
+    "eogp_index.cli",
+    "eogp_index.cli_options",
+    "eogp_index.cliutil",
+    "eogp_index.cli_reference",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -139,13 +152,19 @@ def test_cycle_detection_finds_a_cycle():
 
 
 def test_library_core_never_imports_ingest():
-    offenders = {module: sorted(t for t in targets if t.startswith("ingest"))
-                 for module, targets in _graph().items()
-                 if module.startswith("eogp_index") and not module.startswith(NOT_CORE)}
+    offenders = {
+        module: sorted(t for t in targets if t.startswith("ingest"))
+        for module, targets in _graph().items()
+        if module.startswith("eogp_index") and not module.startswith(NOT_CORE)
+    }
     assert {m: t for m, t in offenders.items() if t} == {}
 
 
 def test_imports_run_down_the_pipeline():
-    upward = [f"{module} imports {target}" for module, targets in _graph().items() for target in sorted(targets)
-              if _layer(target) > _layer(module)]
+    upward = [
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        for target in sorted(targets)
+        if _layer(target) > _layer(module)
+    ]
     assert upward == []

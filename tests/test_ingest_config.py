@@ -21,14 +21,17 @@ def test_keyword_arguments_replace_fields_and_unknown_ones_are_named():
         config.batch_size = 1  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("on_error", "ignore", r"on_error must be 'raise' or 'skip' \(--on-error\)"),
-    ("batch_size", 0, r"IngestConfig.batch_size \(--batch-size\) must be a positive int"),
-    ("block_documents", 2.5, r"IngestConfig.block_documents \(--block-documents\) must be a positive int"),
-    ("store_text", True, r"IngestConfig.store_text \(--store-text-max-bytes\) must be a positive int"),
-    ("commit_every", 0, r"commit_every \(--commit-every\) must be a positive int"),
-    ("optimize_threshold", -1, r"optimize_threshold must be a non-negative int or None"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("on_error", "ignore", r"on_error must be 'raise' or 'skip' \(--on-error\)"),
+        ("batch_size", 0, r"IngestConfig.batch_size \(--batch-size\) must be a positive int"),
+        ("block_documents", 2.5, r"IngestConfig.block_documents \(--block-documents\) must be a positive int"),
+        ("store_text", True, r"IngestConfig.store_text \(--store-text-max-bytes\) must be a positive int"),
+        ("commit_every", 0, r"commit_every \(--commit-every\) must be a positive int"),
+        ("optimize_threshold", -1, r"optimize_threshold must be a non-negative int or None"),
+    ],
+)
 def test_bad_values_fail_where_they_are_set(field, value, message):
     with pytest.raises(ConfigError, match=message):
         IngestConfig(**{field: value})

@@ -23,11 +23,16 @@ def test_import_loads_no_heavy_library(module):
     assert result.stdout.strip() == "[]", f"import {module} loads {result.stdout.strip()}"
 
 
-@pytest.mark.parametrize("args", [["--help"], ["fit", "--help"], ["ingest", "--help"], ["query", "--help"],
-                                  ["eval", "lds", "--help"]], ids=" ".join)
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["fit", "--help"], ["ingest", "--help"], ["query", "--help"], ["eval", "lds", "--help"]],
+    ids=" ".join,
+)
 def test_help_loads_no_heavy_library(args):
-    code = (f"from eogp_index.cli import cli\ntry:\n    cli.main({args!r}, prog_name='eogp')\n"
-            f"except SystemExit as exit:\n    assert exit.code == 0, exit.code\n{REPORT_HEAVY}")
+    code = (
+        f"from eogp_index.cli import cli\ntry:\n    cli.main({args!r}, prog_name='eogp')\n"
+        f"except SystemExit as exit:\n    assert exit.code == 0, exit.code\n{REPORT_HEAVY}"
+    )
     result = _python(code)
     assert result.returncode == 0, result.stderr
     assert "Usage: eogp" in result.stdout

@@ -23,13 +23,21 @@ _OFFENCES = {
     "issue reference": re.compile(r"\b(?:issues?|PR|pull request)\s*#?\s*\d+|(?<![\w&#/])#\d{1,5}\b", re.IGNORECASE),
     "throughput figure": re.compile(_NUM + r"\s*(?:[KMGT]i?B|rows|req(?:uests)?|documents|queries)/s\b"),
     # "90s" or "{x:8s}" is not prose: seconds and minutes need a space before the unit.
-    "timing figure": re.compile(_NUM + r"(?:\s*[–-]\s*\d+(?:\.\d+)?)?(?:\s*(?:ms|µs|ns)|\s+(?:s|sec|seconds|min|minutes))\b"),
+    "timing figure": re.compile(
+        _NUM + r"(?:\s*[–-]\s*\d+(?:\.\d+)?)?(?:\s*(?:ms|µs|ns)|\s+(?:s|sec|seconds|min|minutes))\b"
+    ),
     # "1.91×", "2-4× the norm", "4x faster"; not a shape ("16384 × 256") or a target ("2x one's").
-    "speed-up figure": re.compile(r"(?<![\w.])\d+(?:\.\d+)?×(?!\s*\d)"
-                                  + "|" + _NUM + r"\s*[x×]\s+(?:faster|slower|cheaper|less|more)\b"
-                                  + r"|\bspeed-?ups?\s+(?:of\s+)?~?\d", re.IGNORECASE),
-    "quality figure": re.compile(r"\b(?:recall|correlation|NDCG)(?:@\d+)?\b[^;]{0,40}?(?<![\w.:+-])0?\.\d+",
-                                 re.IGNORECASE),
+    "speed-up figure": re.compile(
+        r"(?<![\w.])\d+(?:\.\d+)?×(?!\s*\d)"
+        + "|"
+        + _NUM
+        + r"\s*[x×]\s+(?:faster|slower|cheaper|less|more)\b"
+        + r"|\bspeed-?ups?\s+(?:of\s+)?~?\d",
+        re.IGNORECASE,
+    ),
+    "quality figure": re.compile(
+        r"\b(?:recall|correlation|NDCG)(?:@\d+)?\b[^;]{0,40}?(?<![\w.:+-])0?\.\d+", re.IGNORECASE
+    ),
     "machine description": re.compile(r"\b(?:EPYC|Xeon|Zen\s?\d|Core i\d|load average \d)", re.IGNORECASE),
 }
 _TARGET = re.compile(r"≥|>=|≤|<=|at least|at most")
@@ -64,31 +72,38 @@ def offences(path: Path) -> list:
             for match in pattern.finditer(line):
                 if _TARGET.search(line[max(0, match.start() - 12) : match.end()]):
                     continue  # a target ("recall@20 >= 0.95 at >= 5x") is no measurement
-                found.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{lineno}: "
-                             f"{kind}: {match.group(0)!r}")
+                found.append(
+                    f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{lineno}: "
+                    f"{kind}: {match.group(0)!r}"
+                )
     return found
 
 
 def test_the_library_holds_no_history_or_figures():
     found = [o for path in _library_files() for o in offences(path)]
-    assert not found, ("history or measured figures outside docs/ and CHANGELOG.md (move figures to the "
-                       "docs/ page with the command that prints them):\n" + "\n".join(found))
+    assert not found, (
+        "history or measured figures outside docs/ and CHANGELOG.md (move figures to the "
+        "docs/ page with the command that prints them):\n" + "\n".join(found)
+    )
 
 
-@pytest.mark.parametrize("offence", [
-    "# fixed in 3f2a9c1e",
-    "# see issue 13",
-    "# Targets (issue #13)",
-    "# as #12 asked",
-    "# the pre-scan reads ~13.5 GB/s",
-    "# a 1% filter costs 2.4 ms",
-    "# the first call compiles for ~30 s",
-    "# 1.91× the bare pass",
-    "# 4x faster than 64 separate scans",
-    "# replicas=4 gives recall 0.88",
-    "# the proxy's correlation with the score is 0.85 at R = 1",
-    "# on a 2-core AMD EPYC Zen 4 VM",
-])
+@pytest.mark.parametrize(
+    "offence",
+    [
+        "# fixed in 3f2a9c1e",
+        "# see issue 13",
+        "# Targets (issue #13)",
+        "# as #12 asked",
+        "# the pre-scan reads ~13.5 GB/s",
+        "# a 1% filter costs 2.4 ms",
+        "# the first call compiles for ~30 s",
+        "# 1.91× the bare pass",
+        "# 4x faster than 64 separate scans",
+        "# replicas=4 gives recall 0.88",
+        "# the proxy's correlation with the score is 0.85 at R = 1",
+        "# on a 2-core AMD EPYC Zen 4 VM",
+    ],
+)
 def test_each_kind_of_offence_is_found(tmp_path, offence):
     path = tmp_path / "module.py"
     path.write_text(f'"""A module."""\n\n{offence}\nX = 1\n', encoding="utf-8")
@@ -97,7 +112,10 @@ def test_each_kind_of_offence_is_found(tmp_path, offence):
 
 def test_code_and_plain_prose_pass(tmp_path):
     path = tmp_path / "module.py"
-    path.write_text('"""Scores ``(nq, n)`` float32 of 64 modules x k=512 bits; the 8x smaller nibble tables."""\n\n'
-                    "# one pass over the codes per query batch (see docs/benchmarks.md for its speed)\n"
-                    "TIMEOUT_S = 30\nHASH = hashlib.sha256(b'abc').hexdigest()\n", encoding="utf-8")
+    path.write_text(
+        '"""Scores ``(nq, n)`` float32 of 64 modules x k=512 bits; the 8x smaller nibble tables."""\n\n'
+        "# one pass over the codes per query batch (see docs/benchmarks.md for its speed)\n"
+        "TIMEOUT_S = 30\nHASH = hashlib.sha256(b'abc').hexdigest()\n",
+        encoding="utf-8",
+    )
     assert offences(path) == []

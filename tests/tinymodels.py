@@ -23,8 +23,17 @@ def make_tiny_gpt2(seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, n_inner=32,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        n_inner=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config).eval()
 
 
@@ -32,13 +41,21 @@ def make_tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     return LlamaForCausalLM(config).eval()
 
 
-def make_examples(n: int, *, seed: int = 0, prefix: str = "ex", min_len: int = 5, max_len: int = 18,
-                  masked_prompt: bool = False) -> List[Example]:
+def make_examples(
+    n: int, *, seed: int = 0, prefix: str = "ex", min_len: int = 5, max_len: int = 18, masked_prompt: bool = False
+) -> List[Example]:
     """Random token sequences; with ``masked_prompt`` the first few labels are -100 (chat-like)."""
     rng = random.Random(seed)
     out = []
@@ -49,8 +66,16 @@ def make_examples(n: int, *, seed: int = 0, prefix: str = "ex", min_len: int = 5
         if masked_prompt:
             cut = rng.randint(1, length - 2)
             labels[:cut] = [-100] * cut
-        out.append(Example.from_ids(id=f"{prefix}-{i}", input_ids=ids, labels=labels, shard="synthetic",
-                                    position=i, metadata={"group": i % 3, "name": f"doc{i}"}))
+        out.append(
+            Example.from_ids(
+                id=f"{prefix}-{i}",
+                input_ids=ids,
+                labels=labels,
+                shard="synthetic",
+                position=i,
+                metadata={"group": i % 3, "name": f"doc{i}"},
+            )
+        )
     return out
 
 
@@ -83,14 +108,17 @@ def save_workspace(root: Path, model, documents: int) -> Path:
 
     model.save_pretrained(root / "model")
     make_word_tokenizer().save_pretrained(root / "model")
-    lines = [json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 7 + j) % 63 + 1}" for j in range(6 + i % 9))})
-             for i in range(documents)]
+    lines = [
+        json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 7 + j) % 63 + 1}" for j in range(6 + i % 9))})
+        for i in range(documents)
+    ]
     (root / "shard.jsonl").write_text("\n".join(lines) + "\n")
     return root
 
 
-def kronfluence_scores(index, queries, train, *, per_token: bool = False, preference: bool = False,
-                       aggregate_queries: bool = False):
+def kronfluence_scores(
+    index, queries, train, *, per_token: bool = False, preference: bool = False, aggregate_queries: bool = False
+):
     """kronfluence's own uncompressed EK-FAC pairwise scores from the index's factors, float64:
     ``(n_queries, n_train)``, or ``(n_queries, n_train, T_max)`` per training token; with
     ``aggregate_queries`` ``(1, n_train)``, the scores of the queries' summed loss (kronfluence's
@@ -114,8 +142,10 @@ def kronfluence_scores(index, queries, train, *, per_token: bool = False, prefer
     class PreferenceTask(LanguageModelingTask):
         def compute_measurement(self, batch, model):
             chosen, rejected = batch
-            return (per_example_loss(logits_of(model, chosen), chosen["labels"]).sum()
-                    - per_example_loss(logits_of(model, rejected), rejected["labels"]).sum())
+            return (
+                per_example_loss(logits_of(model, chosen), chosen["labels"]).sum()
+                - per_example_loss(logits_of(model, rejected), rejected["labels"]).sum()
+            )
 
     def collate_any(items):
         if preference and isinstance(items[0][0][0], (tuple, list)):  # (chosen, rejected) pairs
@@ -128,21 +158,33 @@ def kronfluence_scores(index, queries, train, *, per_token: bool = False, prefer
     task = (PreferenceTask if preference else LanguageModelingTask)(modules=index.manifest.module_names)
     prepared = prepare_model(index.model, task)
     try:
-        analyzer = Analyzer(analysis_name=ANALYSIS_NAME, model=prepared, task=task, cpu=True, disable_tqdm=True,
-                            output_dir=str(index.path / "curvature"), log_level=logging.WARNING)
+        analyzer = Analyzer(
+            analysis_name=ANALYSIS_NAME,
+            model=prepared,
+            task=task,
+            cpu=True,
+            disable_tqdm=True,
+            output_dir=str(index.path / "curvature"),
+            log_level=logging.WARNING,
+        )
         if preference:
             fitted_args = analyzer.load_factor_args
             analyzer.load_factor_args = lambda factors_name: dataclasses.replace(
-                fitted_args(factors_name), has_shared_parameters=True)
+                fitted_args(factors_name), has_shared_parameters=True
+            )
         analyzer.compute_pairwise_scores(
-            scores_name="reference", factors_name=FACTORS_NAME,
+            scores_name="reference",
+            factors_name=FACTORS_NAME,
             query_dataset=_ExampleDataset([(pair(q[0]), pair(q[1])) if preference else pair(q) for q in queries]),
             train_dataset=_ExampleDataset([pair(e) for e in train]),
-            per_device_query_batch_size=2, per_device_train_batch_size=len(train) if per_token else 3,
+            per_device_query_batch_size=2,
+            per_device_train_batch_size=len(train) if per_token else 3,
             dataloader_kwargs=DataLoaderKwargs(collate_fn=collate_any),
-            score_args=ScoreArguments(damping_factor=None, compute_per_token_scores=per_token,
-                                      aggregate_query_gradients=aggregate_queries),
-            overwrite_output_dir=True)
+            score_args=ScoreArguments(
+                damping_factor=None, compute_per_token_scores=per_token, aggregate_query_gradients=aggregate_queries
+            ),
+            overwrite_output_dir=True,
+        )
         return analyzer.load_pairwise_scores("reference")["all_modules"].double().numpy()
     finally:
         _unwrap_tracked_modules(index.model)
@@ -154,11 +196,17 @@ def full_width_index(path, model, train, **create_kwargs):
     from eogp_index.client import AttributionIndex
     from eogp_index.config import CurvatureConfig, ProjectionConfig, StorageConfig
 
-    index = AttributionIndex.create(path, model, TinyTokenizer(), train,
-                                    projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
-                                    storage=StorageConfig(precision="fp32"),
-                                    curvature=CurvatureConfig(num_examples=len(train), batch_size=4),
-                                    progress=False, **create_kwargs)
+    index = AttributionIndex.create(
+        path,
+        model,
+        TinyTokenizer(),
+        train,
+        projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
+        storage=StorageConfig(precision="fp32"),
+        curvature=CurvatureConfig(num_examples=len(train), batch_size=4),
+        progress=False,
+        **create_kwargs,
+    )
     assert all(m.k == m.d_out * m.d_in for m in index.manifest.modules)
     index.ingest(train, progress=False)
     return index
@@ -172,4 +220,3 @@ def relative_error_to_kronfluence(index, queries, train) -> float:
     reference = kronfluence_scores(index, queries, train)
     order = [ids.index(e.id) for e in train]
     return float(np.linalg.norm(ours[:, order] - reference) / np.linalg.norm(reference))
-

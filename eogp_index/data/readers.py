@@ -126,9 +126,17 @@ class RawRecord(NamedTuple):
 #: The ``datasets`` iterables that keep a stream's records in its order and count, one per record
 #: (anything else, such as a shuffle, skip, take or filter, gives other positions than the dataset's
 #: info names).
-_ORDER_KEEPING_ITERABLES = frozenset({"ExamplesIterable", "ArrowExamplesIterable", "RebatchedArrowExamplesIterable",
-                                      "MappedExamplesIterable", "SelectColumnsIterable", "FormattedExamplesIterable",
-                                      "TypedExamplesIterable"})
+_ORDER_KEEPING_ITERABLES = frozenset(
+    {
+        "ExamplesIterable",
+        "ArrowExamplesIterable",
+        "RebatchedArrowExamplesIterable",
+        "MappedExamplesIterable",
+        "SelectColumnsIterable",
+        "FormattedExamplesIterable",
+        "TypedExamplesIterable",
+    }
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,9 +159,12 @@ class DatasetShard:
         its info records, and for a ``Dataset`` its row count and ``datasets`` fingerprint."""
         info = getattr(self.dataset, "info", None)
         split = getattr(self.dataset, "split", None)
-        known = {"type": type(self.dataset).__name__,
-                 "dataset_name": getattr(info, "dataset_name", None), "config_name": getattr(info, "config_name", None),
-                 "split": None if split is None else str(split)}
+        known = {
+            "type": type(self.dataset).__name__,
+            "dataset_name": getattr(info, "dataset_name", None),
+            "config_name": getattr(info, "config_name", None),
+            "split": None if split is None else str(split),
+        }
         if hasattr(self.dataset, "num_rows"):
             known["num_rows"] = int(self.dataset.num_rows)
             known["fingerprint"] = getattr(self.dataset, "_fingerprint", None)
@@ -186,18 +197,23 @@ def dataset_shard(dataset: Any, name: str | None = None) -> DatasetShard:
     if isinstance(dataset, DatasetShard):
         return dataset if name is None else DatasetShard(dataset.dataset, _checked_name(name))
     if _is_dataset_dict(dataset):
-        raise InputError(f"a {type(dataset).__name__} holds several splits [{', '.join(dataset)}]; pass one of them, "
-                         "e.g. dataset['train']")
+        raise InputError(
+            f"a {type(dataset).__name__} holds several splits [{', '.join(dataset)}]; pass one of them, "
+            "e.g. dataset['train']"
+        )
     if not is_dataset_object(dataset):
-        raise InputError(f"a shard is a path, a glob or a datasets.Dataset / IterableDataset, not a "
-                         f"{type(dataset).__name__}")
+        raise InputError(
+            f"a shard is a path, a glob or a datasets.Dataset / IterableDataset, not a {type(dataset).__name__}"
+        )
     if name is not None:
         return DatasetShard(dataset, _checked_name(name))
     derived, why = _name_from_info(dataset)
     if derived is None:
-        raise InputError(f"this {type(dataset).__name__} has no stable name ({why}); a shard name goes into ids and "
-                         "what a rerun skips as already stored, so name it, the same in every run: "
-                         "dataset_shard(dataset, 'my-corpus') from eogp_index.data.readers")
+        raise InputError(
+            f"this {type(dataset).__name__} has no stable name ({why}); a shard name goes into ids and "
+            "what a rerun skips as already stored, so name it, the same in every run: "
+            "dataset_shard(dataset, 'my-corpus') from eogp_index.data.readers"
+        )
     return DatasetShard(dataset, derived)
 
 
@@ -213,22 +229,30 @@ def _name_from_info(dataset: Any) -> tuple[str | None, str]:
     dataset_name, config = getattr(info, "dataset_name", None), getattr(info, "config_name", None)
     split = getattr(dataset, "split", None)
     if not dataset_name or split is None:
-        return None, ("its info records no dataset name and split, as for one built with from_list or "
-                      "to_iterable_dataset")
+        return None, (
+            "its info records no dataset name and split, as for one built with from_list or to_iterable_dataset"
+        )
     split = str(split)
     if hasattr(dataset, "num_rows"):
         sizes = getattr(info, "splits", None) or {}
         recorded = sizes.get(split)
-        if getattr(dataset, "_indices", None) is not None or recorded is None \
-                or recorded.num_examples != dataset.num_rows:
-            return None, (f"it is not split {split!r} of {dataset_name} as loaded (shuffled, filtered or a "
-                          "selection), so its positions are not that split's")
+        if (
+            getattr(dataset, "_indices", None) is not None
+            or recorded is None
+            or recorded.num_examples != dataset.num_rows
+        ):
+            return None, (
+                f"it is not split {split!r} of {dataset_name} as loaded (shuffled, filtered or a "
+                "selection), so its positions are not that split's"
+            )
     else:
         iterable = getattr(dataset, "_ex_iterable", None)
         while iterable is not None:
             if type(iterable).__name__ not in _ORDER_KEEPING_ITERABLES:
-                return None, (f"it is not split {split!r} of {dataset_name} as streamed (it goes through "
-                              f"{type(iterable).__name__}), so its positions are not that split's")
+                return None, (
+                    f"it is not split {split!r} of {dataset_name} as streamed (it goes through "
+                    f"{type(iterable).__name__}), so its positions are not that split's"
+                )
             iterable = getattr(iterable, "ex_iterable", None)
         if getattr(dataset, "_distributed", None) is not None:
             return None, "it is one node's part of the split (split_dataset_by_node)"
@@ -272,7 +296,7 @@ def dataset_source(text: str | Path) -> str | None:
     ``save_to_disk`` directories, globs)."""
     text = re.sub(r"^hf:/+datasets/", HUB_PREFIX, os.fspath(text))  # a Path keeps one slash of '//'
     if text.startswith(HUB_PREFIX):
-        return text[len(HUB_PREFIX):].strip("/")
+        return text[len(HUB_PREFIX) :].strip("/")
     base = Path(text)
     if base.is_dir():
         saved = (base / "dataset_dict.json").is_file() or (base / "state.json").is_file()
@@ -294,9 +318,11 @@ def with_split(pattern: str, split: str | None, config: str | None) -> str:
     Raises :class:`InputError` when ``pattern`` names no dataset, or no split is given for one.
     """
     if dataset_source(pattern) is None:
-        raise InputError("--split and --config apply to datasets (a hub repository such as owner/name, "
-                         "hf://datasets/owner/name, or a local dataset directory); this is a file or glob",
-                         location=pattern)
+        raise InputError(
+            "--split and --config apply to datasets (a hub repository such as owner/name, "
+            "hf://datasets/owner/name, or a local dataset directory); this is a file or glob",
+            location=pattern,
+        )
     if split is None:
         raise InputError("a dataset is read one split at a time: give --split (e.g. --split train)", location=pattern)
     return f"{pattern}{SPLIT_SEPARATOR}{config + '/' if config else ''}{split}"
@@ -314,8 +340,9 @@ def detect_format(path: str | Path) -> tuple[ShardFormat, Literal["gzip", "zstd"
     shown = os.fspath(path)
     if dataset_source(base) is not None:
         if split is None:
-            raise InputError(f"is a dataset: name its split as '{shown}::train' (--split; --config for a config)",
-                             location=shown)
+            raise InputError(
+                f"is a dataset: name its split as '{shown}::train' (--split; --config for a config)", location=shown
+            )
         return "dataset", None
     if base.is_dir():
         if (base / "dataset_dict.json").is_file():
@@ -419,17 +446,17 @@ def shard_names(paths: Sequence[str | Path], *, root: str | Path | None = None) 
             try:
                 name = str(PurePosixPath(*base.resolve().relative_to(root_path).parts))
             except ValueError:
-                raise InputError(
-                    f"shard {os.fspath(path)!r} is not under the shard root {os.fspath(root)!r}"
-                ) from None
+                raise InputError(f"shard {os.fspath(path)!r} is not under the shard root {os.fspath(root)!r}") from None
         names.append(name if split is None else f"{name}{SPLIT_SEPARATOR}{split}")
     seen: dict[str, Any] = {}
     for path, name in zip(paths, names):
         key = id(path.dataset) if isinstance(path, DatasetShard) else os.fspath(path)
         other = seen.setdefault(name, key)
         if other != key and isinstance(path, DatasetShard):
-            raise InputError(f"two shards are named {name!r}; shard names must be unique in a run (they go into "
-                             "example ids): give each dataset its own name with dataset_shard(dataset, name)")
+            raise InputError(
+                f"two shards are named {name!r}; shard names must be unique in a run (they go into "
+                "example ids): give each dataset its own name with dataset_shard(dataset, name)"
+            )
         if other != key:
             raise InputError(
                 f"shards {other!r} and {os.fspath(path)!r} have the same name {name!r}; "
@@ -553,9 +580,7 @@ def _iter_parquet(path: Path, shard: str) -> Iterator[RawRecord]:
             except StopIteration:
                 return
             except (OSError, pa.ArrowException) as exc:
-                raise InputError(
-                    f"cannot read Parquet rows from row {position}: {exc}", location=shard
-                ) from exc
+                raise InputError(f"cannot read Parquet rows from row {position}: {exc}", location=shard) from exc
             for row in batch.to_pylist():
                 yield RawRecord(shard, position, row)
                 position += 1
@@ -573,8 +598,7 @@ def _iter_hf(path: str | Path, shard: str) -> Iterator[RawRecord]:
         splits = ", ".join(loaded.keys())
         if split is None:
             raise InputError(
-                f"is a DatasetDict with splits [{splits}]; pick one by passing "
-                f"'{os.fspath(base)}::<split>'",
+                f"is a DatasetDict with splits [{splits}]; pick one by passing '{os.fspath(base)}::<split>'",
                 location=shard,
             )
         if split not in loaded:
@@ -607,8 +631,10 @@ def _iter_dataset(path: str | Path, shard: str) -> Iterator[RawRecord]:
     try:
         stream = datasets.load_dataset(source, name=config or None, split=split, streaming=True)
     except Exception as exc:  # datasets raises ValueError, FileNotFoundError, hub errors
-        raise InputError(f"cannot load split {split!r}{f' of config {config!r}' if config else ''} of dataset "
-                         f"{source!r}: {exc}", location=shard) from exc
+        raise InputError(
+            f"cannot load split {split!r}{f' of config {config!r}' if config else ''} of dataset {source!r}: {exc}",
+            location=shard,
+        ) from exc
     for position, row in enumerate(stream):
         yield RawRecord(shard, position, dict(row))
 

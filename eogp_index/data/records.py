@@ -90,7 +90,6 @@ def location_of(shard: str, position: int) -> str:
     return f"{shard}:row {position}"
 
 
-
 LongDocuments = Literal["truncate", "windows"]
 #: The metadata columns ``long_documents="windows"`` gives every row: the document's id and the
 #: window's number in it (0 for a document that fits in one).
@@ -141,14 +140,14 @@ class RecordSpec:
     metadata_fields: tuple[str, ...] = field(
         default=(), metadata={"help": "Record field stored as a typed column, usable in --where (repeatable)."}
     )
-    max_tokens: int | None = field(
-        default=None, metadata={"help": "Truncate examples to this many tokens.", "min": 2}
-    )
+    max_tokens: int | None = field(default=None, metadata={"help": "Truncate examples to this many tokens.", "min": 2})
     long_documents: LongDocuments = field(
         default="truncate",
-        metadata={"help": "A document longer than max_tokens: truncate (keep its start; the row is flagged "
-                          "`truncated`) or windows (split it into windows of max_tokens tokens, one row each; "
-                          "every row gets a parent_id column, the document's id, and a window column)."},
+        metadata={
+            "help": "A document longer than max_tokens: truncate (keep its start; the row is flagged "
+            "`truncated`) or windows (split it into windows of max_tokens tokens, one row each; "
+            "every row gets a parent_id column, the document's id, and a window column)."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -164,14 +163,10 @@ class RecordSpec:
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"RecordSpec.{name} must be a non-empty string, got {value!r}")
         if len(set(content.values())) != len(content):
-            raise ConfigError(
-                f"RecordSpec content fields must be distinct record keys, got {content}"
-            )
+            raise ConfigError(f"RecordSpec content fields must be distinct record keys, got {content}")
         if self.id_field is not None:
             if not isinstance(self.id_field, str) or not self.id_field:
-                raise ConfigError(
-                    f"RecordSpec.id_field must be None or a non-empty string, got {self.id_field!r}"
-                )
+                raise ConfigError(f"RecordSpec.id_field must be None or a non-empty string, got {self.id_field!r}")
             if self.id_field in content.values():
                 raise ConfigError(
                     f"RecordSpec.id_field {self.id_field!r} is also a content field; "
@@ -180,15 +175,12 @@ class RecordSpec:
         fields = self.metadata_fields
         if isinstance(fields, (str, bytes)) or not isinstance(fields, Sequence):
             raise ConfigError(
-                "RecordSpec.metadata_fields must be a tuple of field names, e.g. ('source',), "
-                f"got {fields!r}"
+                f"RecordSpec.metadata_fields must be a tuple of field names, e.g. ('source',), got {fields!r}"
             )
         fields = tuple(fields)
         for name in fields:
             if not isinstance(name, str) or not name:
-                raise ConfigError(
-                    f"RecordSpec.metadata_fields entries must be non-empty strings, got {name!r}"
-                )
+                raise ConfigError(f"RecordSpec.metadata_fields entries must be non-empty strings, got {name!r}")
             if name in content.values():
                 raise ConfigError(
                     f"RecordSpec.metadata_fields has {name!r}, which is a content field; "
@@ -202,12 +194,12 @@ class RecordSpec:
             raise ConfigError(f"RecordSpec.long_documents must be 'truncate' or 'windows', got {self.long_documents!r}")
         clash = [name for name in WINDOW_COLUMNS if name in fields]
         if self.long_documents == "windows" and clash:
-            raise ConfigError(f"RecordSpec.metadata_fields has {clash}, the columns that long_documents='windows' "
-                              "fills; rename those record fields or drop them from metadata_fields (--metadata)")
+            raise ConfigError(
+                f"RecordSpec.metadata_fields has {clash}, the columns that long_documents='windows' "
+                "fills; rename those record fields or drop them from metadata_fields (--metadata)"
+            )
         if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool)
-            or not isinstance(self.max_tokens, int)
-            or self.max_tokens < 2
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 2
         ):
             raise ConfigError(
                 "RecordSpec.max_tokens must be None or an int >= 2 (an example needs two tokens "
@@ -247,8 +239,11 @@ class Example:
     def content_sha256(self) -> str:
         """SHA-256 of the content as canonical JSON (of the token ids when ``content`` is None):
         stored per row, so that a document read back from a changed shard is recognised."""
-        content = self.content if self.content is not None else {"input_ids": list(self.input_ids),
-                                                                  "labels": list(self.labels)}
+        content = (
+            self.content
+            if self.content is not None
+            else {"input_ids": list(self.input_ids), "labels": list(self.labels)}
+        )
         return content_sha256(content)
 
     @property
@@ -269,14 +264,31 @@ class Example:
         return json.dumps(content.get("messages", content), ensure_ascii=False)
 
     @classmethod
-    def from_ids(cls, id: str, input_ids: Sequence[int], labels: Sequence[int] | None = None, *, shard: str = "",
-                 position: int = 0, metadata: dict[str, Any] | None = None, truncated: bool = False) -> "Example":
+    def from_ids(
+        cls,
+        id: str,
+        input_ids: Sequence[int],
+        labels: Sequence[int] | None = None,
+        *,
+        shard: str = "",
+        position: int = 0,
+        metadata: dict[str, Any] | None = None,
+        truncated: bool = False,
+    ) -> "Example":
         """An example from token ids made elsewhere (tests, benchmarks, custom pipelines);
         ``labels`` default to the ids, counts are derived."""
         labels = tuple(int(t) for t in (input_ids if labels is None else labels))
-        return cls(id=id, shard=shard, position=position, input_ids=tuple(int(t) for t in input_ids), labels=labels,
-                   metadata=dict(metadata or {}), num_tokens=len(input_ids),
-                   num_loss_tokens=sum(1 for t in labels[1:] if t != IGNORE_INDEX), truncated=truncated)
+        return cls(
+            id=id,
+            shard=shard,
+            position=position,
+            input_ids=tuple(int(t) for t in input_ids),
+            labels=labels,
+            metadata=dict(metadata or {}),
+            num_tokens=len(input_ids),
+            num_loss_tokens=sum(1 for t in labels[1:] if t != IGNORE_INDEX),
+            truncated=truncated,
+        )
 
 
 def split_windows(example: Example, max_tokens: int | None) -> list[Example]:
@@ -295,13 +307,22 @@ def split_windows(example: Example, max_tokens: int | None) -> list[Example]:
         return [replace(example, metadata={**metadata, "parent_id": example.id, "window": 0})]
     out = []
     for number, start in enumerate(range(0, example.num_tokens - 1, max_tokens - 1)):
-        input_ids = example.input_ids[start:start + max_tokens]
-        labels = example.labels[start:start + max_tokens]
+        input_ids = example.input_ids[start : start + max_tokens]
+        labels = example.labels[start : start + max_tokens]
         counted = sum(1 for t in labels[1:] if t != IGNORE_INDEX)
         if counted:
-            out.append(replace(example, id=f"{example.id}#{number}", input_ids=input_ids, labels=labels,
-                               num_tokens=len(input_ids), num_loss_tokens=counted, truncated=False,
-                               metadata={**metadata, "parent_id": example.id, "window": number}))
+            out.append(
+                replace(
+                    example,
+                    id=f"{example.id}#{number}",
+                    input_ids=input_ids,
+                    labels=labels,
+                    num_tokens=len(input_ids),
+                    num_loss_tokens=counted,
+                    truncated=False,
+                    metadata={**metadata, "parent_id": example.id, "window": number},
+                )
+            )
     return out
 
 
@@ -310,8 +331,9 @@ def tokenize_windows(record: Any, *, shard: str, position: int, spec: RecordSpec
     the document's windows (:func:`split_windows`)."""
     if spec.long_documents == "truncate":
         return [tokenize_record(record, shard=shard, position=position, spec=spec, tokenizer=tokenizer)]
-    whole = tokenize_record(record, shard=shard, position=position, spec=replace(spec, max_tokens=None),
-                            tokenizer=tokenizer)
+    whole = tokenize_record(
+        record, shard=shard, position=position, spec=replace(spec, max_tokens=None), tokenizer=tokenizer
+    )
     return split_windows(whole, spec.max_tokens)
 
 
@@ -368,6 +390,7 @@ def record_content(record: dict[str, Any], spec: "RecordSpec") -> dict[str, Any]
     """The content of a record as :func:`tokenize_record` hashes it (:attr:`Example.content`),
     without tokenizing; None when the record has no content field. For checking a record read
     back against its stored ``content_sha256``."""
+
     def get(name: str) -> Any:
         return record.get(name) if isinstance(record, dict) else None
 
@@ -398,9 +421,7 @@ def record_of(content: dict[str, Any], spec: "RecordSpec") -> dict[str, Any]:
 
 def _canonical_json(value: Any) -> bytes:
     # default=str: extra message keys read from Parquet may hold dates and the like.
-    return json.dumps(
-        value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str
-    ).encode("utf-8")
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str).encode("utf-8")
 
 
 def _type_name(value: Any) -> str:
@@ -459,8 +480,7 @@ def _record_id(record: dict[str, Any], spec: RecordSpec, location: str) -> str |
     if isinstance(value, str) and value:
         return check_text(value, spec.id_field, location)
     raise InputError(
-        f"field {spec.id_field!r}: an id must be a non-empty string or an int, got "
-        f"{_type_name(value)} {value!r}",
+        f"field {spec.id_field!r}: an id must be a non-empty string or an int, got {_type_name(value)} {value!r}",
         location=location,
     )
 
@@ -509,8 +529,7 @@ def _check_token_list(
     for index, token in enumerate(value):
         if not _is_int(token):
             raise InputError(
-                f"field {field_name!r}: expected a list of ints, item {index} is "
-                f"{_type_name(token)} {token!r}",
+                f"field {field_name!r}: expected a list of ints, item {index} is {_type_name(token)} {token!r}",
                 location=location,
             )
         if allow_ignore and token == IGNORE_INDEX:
@@ -519,8 +538,7 @@ def _check_token_list(
             allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
             extra = f" or {IGNORE_INDEX}" if allow_ignore else ""
             raise InputError(
-                f"field {field_name!r}: item {index} is {token}, outside the tokenizer's ids "
-                f"{allowed}{extra}",
+                f"field {field_name!r}: item {index} is {token}, outside the tokenizer's ids {allowed}{extra}",
                 location=location,
             )
     return list(value)
@@ -529,8 +547,7 @@ def _check_token_list(
 def _check_messages(messages: Any, field_name: str, location: str) -> list[dict[str, Any]]:
     if not isinstance(messages, list):
         raise InputError(
-            f"field {field_name!r}: expected a list of {{role, content}} messages, got "
-            f"{_type_name(messages)}",
+            f"field {field_name!r}: expected a list of {{role, content}} messages, got {_type_name(messages)}",
             location=location,
         )
     if not messages:
@@ -539,8 +556,7 @@ def _check_messages(messages: Any, field_name: str, location: str) -> list[dict[
         where = f"{field_name}[{index}]"
         if not isinstance(message, dict):
             raise InputError(
-                f"field {where!r}: expected an object with 'role' and 'content', got "
-                f"{_type_name(message)}",
+                f"field {where!r}: expected an object with 'role' and 'content', got {_type_name(message)}",
                 location=location,
             )
         for key in ("role", "content"):
@@ -570,19 +586,15 @@ def _render_chat(
     location: str,
 ) -> list[int]:
     try:
-        rendered = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja errors and raise_exception() calls inside templates
         raise InputError(
-            f"field {field_name!r}: the chat template failed on this conversation: "
-            f"{type(exc).__name__}: {exc}",
+            f"field {field_name!r}: the chat template failed on this conversation: {type(exc).__name__}: {exc}",
             location=location,
         ) from exc
     if not isinstance(rendered, str):
         raise ConfigError(
-            f"{location}: tokenizer.apply_chat_template(tokenize=False) returned "
-            f"{_type_name(rendered)}, not a string"
+            f"{location}: tokenizer.apply_chat_template(tokenize=False) returned {_type_name(rendered)}, not a string"
         )
     # The template writes the special tokens it wants (BOS included); adding them again here
     # would put a second BOS in front.
@@ -633,16 +645,22 @@ def _chat_tokens(
             (start, end, f"messages[:{index}] with add_generation_prompt=True"),
             (end, full, f"messages[:{index + 1}]"),
         ):
-            _check_prefix(shorter, longer, field_name, location,
-                          f"the chat template is not prefix-stable at assistant message {index}: the tokens "
-                          f"of {what}", "use a template that renders earlier turns the same way whatever "
-                          "follows them (and that tokenizes cleanly at turn boundaries)")
+            _check_prefix(
+                shorter,
+                longer,
+                field_name,
+                location,
+                f"the chat template is not prefix-stable at assistant message {index}: the tokens of {what}",
+                "use a template that renders earlier turns the same way whatever "
+                "follows them (and that tokenizes cleanly at turn boundaries)",
+            )
         labels[len(start) : len(end)] = full[len(start) : len(end)]
     return full, labels
 
 
-def _check_prefix(shorter: Sequence[int], longer: Sequence[int], field_name: str, location: str,
-                  what: str, fix: str) -> None:
+def _check_prefix(
+    shorter: Sequence[int], longer: Sequence[int], field_name: str, location: str, what: str, fix: str
+) -> None:
     """Refuse a record whose loss mask cannot be placed: ``shorter`` must start ``longer``."""
     if list(longer[: len(shorter)]) != list(shorter):
         at = _first_difference(shorter, longer)
@@ -663,8 +681,10 @@ def _completion_tokens(
             raise InputError(f"field {spec.completion_field!r}: empty completion", location=location)
         start = _encode_text(tokenizer, prompt, add_special_tokens=True)
         full = _encode_text(tokenizer, prompt + completion, add_special_tokens=True)
-        fix = ("end the prompt where the tokenizer splits (e.g. with the space or newline before the "
-               "completion) so that the prompt tokenizes the same alone and followed by its completion")
+        fix = (
+            "end the prompt where the tokenizer splits (e.g. with the space or newline before the "
+            "completion) so that the prompt tokenizes the same alone and followed by its completion"
+        )
     elif isinstance(prompt, list) and isinstance(completion, list):
         prompt = _check_messages(prompt, spec.prompt_field, location)
         completion = _check_messages(completion, spec.completion_field, location)
@@ -673,10 +693,10 @@ def _completion_tokens(
                 f"{location}: fields {list(fields)} hold messages, but the tokenizer has no chat template; "
                 "pass a tokenizer with one (tokenizer.chat_template = '...')"
             )
-        start = _render_chat(tokenizer, prompt, add_generation_prompt=True, field_name=fields[0],
-                             location=location)
-        full = _render_chat(tokenizer, prompt + completion, add_generation_prompt=False,
-                            field_name=fields[1], location=location)
+        start = _render_chat(tokenizer, prompt, add_generation_prompt=True, field_name=fields[0], location=location)
+        full = _render_chat(
+            tokenizer, prompt + completion, add_generation_prompt=False, field_name=fields[1], location=location
+        )
         fix = "use a template that renders the prompt's turns the same way whatever follows them"
     else:
         raise InputError(
@@ -685,7 +705,7 @@ def _completion_tokens(
             location=location,
         )
     _check_prefix(start, full, spec.completion_field, location, "the tokens of the prompt alone", fix)
-    labels = [IGNORE_INDEX] * len(start) + full[len(start):]
+    labels = [IGNORE_INDEX] * len(start) + full[len(start) :]
     return full, labels, {"prompt": prompt, "completion": completion}
 
 
@@ -769,8 +789,7 @@ def tokenize_record(
                 f"(a whole document with no prompt is a {spec.text_field!r} record)",
                 location=location,
             )
-        input_ids, labels, hashed = _completion_tokens(tokenizer, record[spec.prompt_field], value, spec,
-                                                       location)
+        input_ids, labels, hashed = _completion_tokens(tokenizer, record[spec.prompt_field], value, spec, location)
     elif content_field == spec.messages_field:
         kind = "chat"
         messages = _check_messages(value, content_field, location)
@@ -780,16 +799,12 @@ def tokenize_record(
     else:
         kind = "tokens"
         vocab_size = len(tokenizer) if tokenizer is not None else None
-        input_ids = _check_token_list(
-            value, content_field, location, vocab_size, allow_ignore=False
-        )
+        input_ids = _check_token_list(value, content_field, location, vocab_size, allow_ignore=False)
         raw_labels = record.get(spec.labels_field)
         if raw_labels is None:
             labels = list(input_ids)
         else:
-            labels = _check_token_list(
-                raw_labels, spec.labels_field, location, vocab_size, allow_ignore=True
-            )
+            labels = _check_token_list(raw_labels, spec.labels_field, location, vocab_size, allow_ignore=True)
             if len(labels) != len(input_ids):
                 raise InputError(
                     f"field {spec.labels_field!r}: {len(labels)} labels for {len(input_ids)} "
@@ -822,8 +837,7 @@ def tokenize_record(
         else:
             why = f"every label in {spec.labels_field!r} after the first is {IGNORE_INDEX}"
         raise InputError(
-            f"field {content_field!r}: no loss tokens ({why}); the document cannot be "
-            "attributed",
+            f"field {content_field!r}: no loss tokens ({why}); the document cannot be attributed",
             location=location,
         )
     if record_id is None:

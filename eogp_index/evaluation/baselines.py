@@ -93,7 +93,9 @@ def _check_factors(a: Tensor, g: Tensor, d_in: int, d_out: int) -> tuple[Tensor,
     if g.dim() == 2:
         g = g.unsqueeze(1)
     if a.dim() != 3 or g.dim() != 3:
-        raise InputError(f"expected a (B, T, d_in) and g (B, T, d_out), got shapes {tuple(a.shape)} and {tuple(g.shape)}")
+        raise InputError(
+            f"expected a (B, T, d_in) and g (B, T, d_out), got shapes {tuple(a.shape)} and {tuple(g.shape)}"
+        )
     if a.shape[:2] != g.shape[:2]:
         raise InputError(f"a and g disagree on (B, T): {tuple(a.shape[:2])} vs {tuple(g.shape[:2])}")
     if a.shape[2] != d_in:
@@ -184,7 +186,11 @@ class ProjectedCurvature:
         cls, second_moment: Tensor, damping_ratio: float = 0.1, *, num_examples: int = 0
     ) -> ProjectedCurvature:
         """second_moment: ``(k, k)`` uncentered ``E[v v^T]``, e.g. accumulated in batches."""
-        if not isinstance(second_moment, Tensor) or second_moment.dim() != 2 or second_moment.shape[0] != second_moment.shape[1]:
+        if (
+            not isinstance(second_moment, Tensor)
+            or second_moment.dim() != 2
+            or second_moment.shape[0] != second_moment.shape[1]
+        ):
             raise InputError("second_moment must be a square (k, k) tensor")
         if isinstance(damping_ratio, bool) or not isinstance(damping_ratio, (int, float)) or not damping_ratio > 0:
             raise ConfigError(f"damping_ratio must be a positive number, got {damping_ratio!r}")
@@ -222,9 +228,13 @@ def _top_eigenvectors(vectors: Tensor | None, values: Tensor | None, dim: int, r
             "(eigenvalues select the top directions; torch.linalg.eigh returns them ascending)"
         )
     if vectors.dim() != 2 or vectors.shape[0] != dim:
-        raise InputError(f"{which}_eigenvectors must be ({dim}, n_vectors) with eigenvectors as columns, got {tuple(vectors.shape)}")
+        raise InputError(
+            f"{which}_eigenvectors must be ({dim}, n_vectors) with eigenvectors as columns, got {tuple(vectors.shape)}"
+        )
     if values.dim() != 1 or values.shape[0] != vectors.shape[1]:
-        raise InputError(f"{which}_eigenvalues must have one value per eigenvector column ({vectors.shape[1]}), got {tuple(values.shape)}")
+        raise InputError(
+            f"{which}_eigenvalues must have one value per eigenvector column ({vectors.shape[1]}), got {tuple(values.shape)}"
+        )
     if vectors.shape[1] < rank:
         raise ConfigError(f"rank={rank} exceeds the {vectors.shape[1]} {which} eigenvectors given")
     order = torch.argsort(values.detach().to(torch.float64), descending=True, stable=True)[:rank]
@@ -267,7 +277,9 @@ class LoGraProjector:
             self.P_a = (torch.randn(d_in, rank, generator=gen, dtype=torch.float64) * scale).to(dtype)
             self.P_g = (torch.randn(d_out, rank, generator=gen, dtype=torch.float64) * scale).to(dtype)
         elif init == "pca":
-            self.P_a = _top_eigenvectors(activation_eigenvectors, activation_eigenvalues, d_in, rank, "activation").to(dtype)
+            self.P_a = _top_eigenvectors(activation_eigenvectors, activation_eigenvalues, d_in, rank, "activation").to(
+                dtype
+            )
             self.P_g = _top_eigenvectors(gradient_eigenvectors, gradient_eigenvalues, d_out, rank, "gradient").to(dtype)
         else:
             raise ConfigError(f"init must be 'random' or 'pca', got {init!r}")
@@ -276,15 +288,26 @@ class LoGraProjector:
 
     @classmethod
     def from_covariances(
-        cls, activation_covariance: Tensor, gradient_covariance: Tensor, rank: int, *, dtype: torch.dtype = torch.float32
+        cls,
+        activation_covariance: Tensor,
+        gradient_covariance: Tensor,
+        rank: int,
+        *,
+        dtype: torch.dtype = torch.float32,
     ) -> LoGraProjector:
         """PCA initialization from the K-FAC factors ``(d_in, d_in)`` and ``(d_out, d_out)``."""
         va, Va = torch.linalg.eigh(activation_covariance.detach().to(torch.float64))
         vg, Vg = torch.linalg.eigh(gradient_covariance.detach().to(torch.float64))
         return cls(
-            Va.shape[0], Vg.shape[0], rank, init="pca",
-            activation_eigenvectors=Va, gradient_eigenvectors=Vg,
-            activation_eigenvalues=va, gradient_eigenvalues=vg, dtype=dtype,
+            Va.shape[0],
+            Vg.shape[0],
+            rank,
+            init="pca",
+            activation_eigenvectors=Va,
+            gradient_eigenvectors=Vg,
+            activation_eigenvalues=va,
+            gradient_eigenvalues=vg,
+            dtype=dtype,
         )
 
     def num_coordinates(self) -> int:
@@ -392,7 +415,11 @@ class GaussianProjector:
 
     def project_dense(self, gradients: Tensor) -> Tensor:
         """gradients: ``(B, d_out, d_in)`` dense (e.g. already preconditioned) -> ``(B, rank**2)``."""
-        if not isinstance(gradients, Tensor) or gradients.dim() != 3 or tuple(gradients.shape[1:]) != (self.d_out, self.d_in):
+        if (
+            not isinstance(gradients, Tensor)
+            or gradients.dim() != 3
+            or tuple(gradients.shape[1:]) != (self.d_out, self.d_in)
+        ):
             shape = tuple(gradients.shape) if isinstance(gradients, Tensor) else type(gradients).__name__
             raise InputError(f"gradients must have shape (B, {self.d_out}, {self.d_in}), got {shape}")
         x = gradients if gradients.dtype in (torch.float32, torch.float64) else gradients.to(torch.float32)

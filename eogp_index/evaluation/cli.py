@@ -37,10 +37,17 @@ _data_options = option_group(
         *(field_option(DataConfig, name) for name in ("pca_sample", "limit_train", "limit_queries", "max_tokens")),
         into="data",
     ),
-    click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
-                 help="Directory for results.json, results.md, the PNGs and the caches."),
-    option_group(*(field_option(FidelityConfig, name) for name in ("budgets", "methods", "m", "batch_size", "seed")),
-                 into="fidelity"),
+    click.option(
+        "--out",
+        "out",
+        required=True,
+        type=click.Path(file_okay=False, path_type=Path),
+        help="Directory for results.json, results.md, the PNGs and the caches.",
+    ),
+    option_group(
+        *(field_option(FidelityConfig, name) for name in ("budgets", "methods", "m", "batch_size", "seed")),
+        into="fidelity",
+    ),
     click.option("--json", "as_json", is_flag=True, help="Print all numbers as JSON."),
     click.option("--quiet", is_flag=True, help="No progress messages."),
 )
@@ -53,8 +60,9 @@ _lds_options = option_group(
     *(field_option(LDSConfig, name) for name in ("cf_budget", "cf_removals", "cf_seeds", "cf_queries")),
     into="lds",
 )
-_recipe_options = option_group(field_option(FinetuneRecipe, "epochs"), field_option(FinetuneRecipe, "lr"),
-                               into="recipe")
+_recipe_options = option_group(
+    field_option(FinetuneRecipe, "epochs"), field_option(FinetuneRecipe, "lr"), into="recipe"
+)
 
 
 def _configs(data: dict, fidelity: dict) -> Tuple[DataConfig, FidelityConfig]:
@@ -67,8 +75,12 @@ def _configs(data: dict, fidelity: dict) -> Tuple[DataConfig, FidelityConfig]:
 def _lds_config(lds: dict, recipe: dict, cfg: FidelityConfig) -> LDSConfig:
     """The LDS settings; the counterfactual ranks only methods this run compares."""
     default_cf = LDSConfig.__dataclass_fields__["cf_methods"].default
-    return LDSConfig(**lds, seed=cfg.seed, recipe=FinetuneRecipe(**recipe),
-                     cf_methods=tuple(m for m in default_cf if m in cfg.methods))
+    return LDSConfig(
+        **lds,
+        seed=cfg.seed,
+        recipe=FinetuneRecipe(**recipe),
+        cf_methods=tuple(m for m in default_cf if m in cfg.methods),
+    )
 
 
 def _finish(result, as_json: bool) -> None:

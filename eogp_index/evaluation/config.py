@@ -79,8 +79,10 @@ class FinetuneRecipe:
     """
 
     epochs: int = field(default=3, metadata={"help": "Fine-tuning epochs of every retraining.", "min": 1})
-    lr: float = field(default=1e-3, metadata={"help": "Peak fine-tuning learning rate (linear decay to 0).",
-                                              "min": 0.0, "min_open": True})
+    lr: float = field(
+        default=1e-3,
+        metadata={"help": "Peak fine-tuning learning rate (linear decay to 0).", "min": 0.0, "min_open": True},
+    )
     weight_decay: float = field(default=0.01, metadata={"min": 0.0})
     batch_size: int = field(default=8, metadata={"min": 1})
     max_tokens: int = field(default=128, metadata={"min": 1})
@@ -134,12 +136,14 @@ class DataConfig:
     """
 
     model: str = _shipped("model", "The attributed (fine-tuned) model directory.")
-    train: Tuple[str, ...] = _shipped("corpus/train.jsonl.gz", "Training-document shards or globs (repeatable).",
-                                      many=True)
+    train: Tuple[str, ...] = _shipped(
+        "corpus/train.jsonl.gz", "Training-document shards or globs (repeatable).", many=True
+    )
     queries: Tuple[str, ...] = _shipped("queries.jsonl", "Query-document shards or globs (repeatable).", many=True)
     max_tokens: int = field(default=128, metadata={"help": "Truncate documents to this many tokens.", "min": 2})
-    limit_train: Optional[int] = field(default=None,
-                                       metadata={"help": "Use only the first N training documents.", "min": 1})
+    limit_train: Optional[int] = field(
+        default=None, metadata={"help": "Use only the first N training documents.", "min": 1}
+    )
     limit_queries: Optional[int] = field(default=None, metadata={"help": "Use only the first N queries.", "min": 1})
     pca_data: Optional[Tuple[str, ...]] = field(
         default=None,
@@ -147,8 +151,10 @@ class DataConfig:
     )
     pca_sample: Optional[int] = field(
         default=None,
-        metadata={"help": "Fit the PCA on a random sample of N of the --pca-data documents (seeded by --seed).",
-                  "min": 1},
+        metadata={
+            "help": "Fit the PCA on a random sample of N of the --pca-data documents (seeded by --seed).",
+            "min": 1,
+        },
     )
 
     def __post_init__(self) -> None:
@@ -165,8 +171,9 @@ class FidelityConfig:
     gaussian_seeds: draws averaged for the Gaussian control. ndcg_k: NDCG cut-off.
     """
 
-    budgets: Tuple[int, ...] = field(default=DEFAULT_BUDGETS,
-                                     metadata={"help": "Bytes per example (all modules), comma-separated.", "min": 1})
+    budgets: Tuple[int, ...] = field(
+        default=DEFAULT_BUDGETS, metadata={"help": "Bytes per example (all modules), comma-separated.", "min": 1}
+    )
     methods: Tuple[str, ...] = field(
         default=DEFAULT_METHODS,
         metadata={"help": "Methods, comma-separated, from: " + ",".join(METHODS) + "."},
@@ -174,8 +181,11 @@ class FidelityConfig:
     damping_ratio: float = 0.1
     m: Optional[int] = field(
         default=None,
-        metadata={"help": "First-stage width m_u of EOGP and EOGP-R per module, capped at d_u (default: the "
-                          "index's, see eogp fit --m); a budget whose k_u exceeds it is skipped.", "min": 1},
+        metadata={
+            "help": "First-stage width m_u of EOGP and EOGP-R per module, capped at d_u (default: the "
+            "index's, see eogp fit --m); a budget whose k_u exceeds it is skipped.",
+            "min": 1,
+        },
     )
     gaussian_seeds: int = field(default=3, metadata={"min": 1})
     seed: int = field(default=0, metadata={"help": "Seed of the projections, samples and retrainings."})
@@ -205,22 +215,26 @@ class LDSConfig:
     """
 
     base: str = _shipped("base", "The pretrained model every retraining starts from.")
-    num_subsets: int = field(default=24, metadata={"help": "LDS subsets R (a random half of the documents each).",
-                                                   "min": 2})
+    num_subsets: int = field(
+        default=24, metadata={"help": "LDS subsets R (a random half of the documents each).", "min": 2}
+    )
     fraction: float = 0.5
     seed: int = 0
     recipe: FinetuneRecipe = FinetuneRecipe()
-    n_bootstrap: int = field(default=1000, metadata={"help": "Bootstrap resamples of the LDS confidence interval.",
-                                                     "min": 0})
-    counterfactual: bool = field(default=True,
-                                 metadata={"help": "Also retrain without each method's top-ranked documents."})
+    n_bootstrap: int = field(
+        default=1000, metadata={"help": "Bootstrap resamples of the LDS confidence interval.", "min": 0}
+    )
+    counterfactual: bool = field(
+        default=True, metadata={"help": "Also retrain without each method's top-ranked documents."}
+    )
     cf_budget: int = field(
-        default=256, metadata={"help": "Budget (bytes per example) of the compressed methods in the counterfactual.",
-                               "min": 1}
+        default=256,
+        metadata={"help": "Budget (bytes per example) of the compressed methods in the counterfactual.", "min": 1},
     )
     cf_methods: Tuple[str, ...] = ("eogp", "logra-pca", "grass")
-    cf_removals: Tuple[int, ...] = field(default=(32, 64),
-                                         metadata={"help": "Documents removed, comma-separated.", "min": 1})
+    cf_removals: Tuple[int, ...] = field(
+        default=(32, 64), metadata={"help": "Documents removed, comma-separated.", "min": 1}
+    )
     cf_seeds: Tuple[int, ...] = field(default=(0, 1), metadata={"help": "Retraining seeds, comma-separated."})
     cf_queries: int = field(default=16, metadata={"help": "Rank and measure on the first N queries.", "min": 1})
 
@@ -230,5 +244,7 @@ class LDSConfig:
             raise ConfigError(f"LDSConfig.fraction must lie in (0, 1), got {self.fraction}")
         check_methods(self.cf_methods, "LDSConfig.cf_methods")
         if self.counterfactual and not (self.cf_removals and self.cf_seeds):
-            raise ConfigError("LDSConfig: the counterfactual needs at least one removal count and one seed "
-                              "(--cf-removals, --cf-seeds), or counterfactual=False (--no-counterfactual)")
+            raise ConfigError(
+                "LDSConfig: the counterfactual needs at least one removal count and one seed "
+                "(--cf-removals, --cf-seeds), or counterfactual=False (--no-counterfactual)"
+            )

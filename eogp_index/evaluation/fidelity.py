@@ -131,8 +131,11 @@ class Documents:
         import random
 
         keep = sorted(random.Random(seed).sample(range(len(self)), n))
-        return Documents(tuple(self.ids[i] for i in keep), tuple(self.input_ids[i] for i in keep),
-                         tuple(self.labels[i] for i in keep))
+        return Documents(
+            tuple(self.ids[i] for i in keep),
+            tuple(self.input_ids[i] for i in keep),
+            tuple(self.labels[i] for i in keep),
+        )
 
     def pairs(self) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
         return list(zip(self.input_ids, self.labels))
@@ -244,6 +247,7 @@ def plan_methods(
             configs.append(MethodConfig(method, budget, **dims))
     return configs, skipped
 
+
 # --------------------------------------------------------------------------- the shared pass
 
 
@@ -273,8 +277,16 @@ class ModuleBatch:
             together.
     """
 
-    def __init__(self, shared: "SharedPass", name: str, side: str, a: torch.Tensor, g: torch.Tensor,
-                 first: torch.Tensor, factored: Dict[str, torch.Tensor]):
+    def __init__(
+        self,
+        shared: "SharedPass",
+        name: str,
+        side: str,
+        a: torch.Tensor,
+        g: torch.Tensor,
+        first: torch.Tensor,
+        factored: Dict[str, torch.Tensor],
+    ):
         self.shared, self.name, self.side = shared, name, side
         self.a, self.g, self.first, self.factored = a, g, first, factored
         self._preconditioned: Optional[torch.Tensor] = None
@@ -391,8 +403,10 @@ class SharedPass:
     def kfac_eigenvalues(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """kronfluence's K-FAC eigenvalues of module ``name``: ``(activation (d_in,), gradient (d_out,))``."""
         if self._kfac_values is None:
-            raise ConfigError("logra-pca needs the K-FAC eigenvalues: pass SharedPass(kfac_eigenvalues=...) "
-                              "(compute_scores reads them from kronfluence's factors)")
+            raise ConfigError(
+                "logra-pca needs the K-FAC eigenvalues: pass SharedPass(kfac_eigenvalues=...) "
+                "(compute_scores reads them from kronfluence's factors)"
+            )
         return self._kfac_values[name]
 
     def precondition(self, name: str, dense: torch.Tensor) -> torch.Tensor:
@@ -438,8 +452,16 @@ class SharedPass:
         return out
 
     # -- passes -----------------------------------------------------------------------------
-    def run(self, docs: Documents, side: str, *, batch_size: int = 8, pad_token_id: int = 0,
-            device: str = "cpu", progress: bool = False) -> None:
+    def run(
+        self,
+        docs: Documents,
+        side: str,
+        *,
+        batch_size: int = 8,
+        pad_token_id: int = 0,
+        device: str = "cpu",
+        progress: bool = False,
+    ) -> None:
         """One gradient pass: ``side`` is ``"query"`` (first), ``"train"`` or ``"fit"`` (PCA only)."""
         if side not in ("query", "train", "fit"):
             raise ConfigError(f"side must be 'query', 'train' or 'fit', got {side!r}")
@@ -455,7 +477,7 @@ class SharedPass:
             batches = tqdm(batches, desc=f"{side} gradients", unit="batch")
         parts: Dict[str, Dict[str, List[torch.Tensor]]] = {}
         for start in batches:
-            batch = collate(pairs[start:start + batch_size], pad_token_id)
+            batch = collate(pairs[start : start + batch_size], pad_token_id)
             outputs, _ = capture.run({k: v.to(device) for k, v in batch.items()})
             if side == "fit":
                 for n in self.names:
@@ -469,8 +491,10 @@ class SharedPass:
             self._score_batch(outputs)
         if side == "query":
             self.query_parts = parts
-            self.query = {key: np.concatenate([_stack(per[n]) for n in self.names if n in per], axis=1)
-                          for key, per in parts.items()}
+            self.query = {
+                key: np.concatenate([_stack(per[n]) for n in self.names if n in per], axis=1)
+                for key, per in parts.items()
+            }
 
     def _streamed_as(self, key: str) -> Optional[Tuple[str, Sequence[int]]]:
         """(precision, k) of a key scored batch by batch; None for keys kept for later."""
@@ -499,8 +523,9 @@ class SharedPass:
                     if key in outputs[n]:
                         self.train_parts.setdefault(key, {}).setdefault(n, []).append(outputs[n][key].detach().cpu())
                 continue
-            x = np.concatenate([outputs[n][key].detach().cpu().numpy() for n in self.names if key in outputs[n]],
-                               axis=1)
+            x = np.concatenate(
+                [outputs[n][key].detach().cpu().numpy() for n in self.names if key in outputs[n]], axis=1
+            )
             precision, k = streamed
             y = self.query[key].astype(np.float64)
             stored = stored_coordinates(x, precision, k).astype(np.float64)
@@ -653,15 +678,26 @@ def kronfluence_scores(
     task = LanguageModelingTask(modules=list(modules))
     prepared = prepare_model(model, task)
     try:
-        analyzer = Analyzer(analysis_name=ANALYSIS_NAME, model=prepared, task=task, cpu=True,
-                            disable_tqdm=not progress, output_dir=str(curvature_dir), log_level=logging.WARNING)
+        analyzer = Analyzer(
+            analysis_name=ANALYSIS_NAME,
+            model=prepared,
+            task=task,
+            cpu=True,
+            disable_tqdm=not progress,
+            output_dir=str(curvature_dir),
+            log_level=logging.WARNING,
+        )
         analyzer.compute_pairwise_scores(
-            scores_name="eval_reference", factors_name=FACTORS_NAME,
-            query_dataset=_PairDataset(queries.pairs()), train_dataset=_PairDataset(train.pairs()),
+            scores_name="eval_reference",
+            factors_name=FACTORS_NAME,
+            query_dataset=_PairDataset(queries.pairs()),
+            train_dataset=_PairDataset(train.pairs()),
             per_device_query_batch_size=min(query_batch_size, len(queries)),
             per_device_train_batch_size=train_batch_size,
             dataloader_kwargs=DataLoaderKwargs(collate_fn=lambda b: collate(b, pad_token_id)),
-            score_args=ScoreArguments(damping_factor=None), overwrite_output_dir=True)
+            score_args=ScoreArguments(damping_factor=None),
+            overwrite_output_dir=True,
+        )
         return analyzer.load_pairwise_scores("eval_reference")["all_modules"].double().numpy()
     finally:
         _unwrap_tracked_modules(model)
@@ -722,10 +758,17 @@ class ScoreSet:
         arrays.update({f"ref/{k}": v for k, v in self.references.items()})
         arrays.update({f"scores/{k}": v for k, v in self.scores.items()})
         arrays.update({f"unquantized/{k}": v for k, v in self.unquantized.items()})
-        meta = {"train_ids": list(self.train_ids), "query_ids": list(self.query_ids),
-                "modules": [asdict(m) for m in self.modules], "configs": [asdict(c) for c in self.configs],
-                "skipped": self.skipped, "timings": self.timings, "key": self.key, "notes": self.notes,
-                "choices": self.choices}
+        meta = {
+            "train_ids": list(self.train_ids),
+            "query_ids": list(self.query_ids),
+            "modules": [asdict(m) for m in self.modules],
+            "configs": [asdict(c) for c in self.configs],
+            "skipped": self.skipped,
+            "timings": self.timings,
+            "key": self.key,
+            "notes": self.notes,
+            "choices": self.choices,
+        }
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
@@ -736,15 +779,34 @@ class ScoreSet:
     def load(cls, path: Path) -> "ScoreSet":
         with np.load(path, allow_pickle=False) as data:
             meta = json.loads(str(data["meta"]))
-            get = lambda prefix: {k[len(prefix):]: data[k] for k in data.files if k.startswith(prefix)}  # noqa: E731
-            configs = [MethodConfig(**{**c, "k": tuple(c["k"]), "m": tuple(c["m"]) if c["m"] else None,
-                                       "rank": tuple(c["rank"]) if c["rank"] else None, "seeds": tuple(c["seeds"])})
-                       for c in meta["configs"]]
-            return cls(train_ids=tuple(meta["train_ids"]), query_ids=tuple(meta["query_ids"]),
-                       modules=tuple(ModuleShape(**m) for m in meta["modules"]), configs=configs,
-                       skipped=meta["skipped"], reference=data["reference"], references=get("ref/"),
-                       scores=get("scores/"), unquantized=get("unquantized/"), timings=meta["timings"],
-                       key=meta["key"], notes=meta.get("notes", []), choices=meta.get("choices", []))
+            get = lambda prefix: {k[len(prefix) :]: data[k] for k in data.files if k.startswith(prefix)}  # noqa: E731
+            configs = [
+                MethodConfig(
+                    **{
+                        **c,
+                        "k": tuple(c["k"]),
+                        "m": tuple(c["m"]) if c["m"] else None,
+                        "rank": tuple(c["rank"]) if c["rank"] else None,
+                        "seeds": tuple(c["seeds"]),
+                    }
+                )
+                for c in meta["configs"]
+            ]
+            return cls(
+                train_ids=tuple(meta["train_ids"]),
+                query_ids=tuple(meta["query_ids"]),
+                modules=tuple(ModuleShape(**m) for m in meta["modules"]),
+                configs=configs,
+                skipped=meta["skipped"],
+                reference=data["reference"],
+                references=get("ref/"),
+                scores=get("scores/"),
+                unquantized=get("unquantized/"),
+                timings=meta["timings"],
+                key=meta["key"],
+                notes=meta.get("notes", []),
+                choices=meta.get("choices", []),
+            )
 
 
 def compute_scores(
@@ -790,10 +852,17 @@ def compute_scores(
 
     t0 = time.perf_counter()
     curvature = fit_curvature(
-        model, train.pairs(), names, curvature_dir,
-        config=CurvatureConfig(num_examples=len(train), batch_size=curvature_batch_size,
-                               damping_ratio=damping_ratio, seed=seed),
-        pad_token_id=pad_token_id, device="cpu", progress=progress)
+        model,
+        train.pairs(),
+        names,
+        curvature_dir,
+        config=CurvatureConfig(
+            num_examples=len(train), batch_size=curvature_batch_size, damping_ratio=damping_ratio, seed=seed
+        ),
+        pad_token_id=pad_token_id,
+        device="cpu",
+        progress=progress,
+    )
     timings["ekfac_fit_s"] = time.perf_counter() - t0
     say(f"EK-FAC fitted on {len(train)} documents in {timings['ekfac_fit_s']:.1f}s")
     kfac_values = load_kfac_eigenvalues(curvature_dir, names)
@@ -804,8 +873,16 @@ def compute_scores(
         say(f"PCA fitted on {num_fit} documents: a larger k is completed with leading EK-FAC axes, as the index does")
 
     t0 = time.perf_counter()
-    reference = kronfluence_scores(model, names, curvature_dir, queries, train, pad_token_id=pad_token_id,
-                                   train_batch_size=batch_size, progress=progress)
+    reference = kronfluence_scores(
+        model,
+        names,
+        curvature_dir,
+        queries,
+        train,
+        pad_token_id=pad_token_id,
+        train_batch_size=batch_size,
+        progress=progress,
+    )
     timings["kronfluence_scores_s"] = time.perf_counter() - t0
     say(f"kronfluence pairwise EK-FAC scores {reference.shape} in {timings['kronfluence_scores_s']:.1f}s")
 
@@ -820,12 +897,24 @@ def compute_scores(
     t0 = time.perf_counter()
     scores, unquantized, references = shared.finish()
     timings["fitting_and_scoring_s"] = time.perf_counter() - t0
-    say(f"shared pass over {len(queries)} queries and {len(train)} documents: "
-        f"{timings['gradient_passes_s']:.1f}s gradients, {timings['fitting_and_scoring_s']:.1f}s PCA/curvature fits")
-    return ScoreSet(train_ids=train.ids, query_ids=queries.ids, modules=shapes, configs=shared.configs,
-                    skipped=skipped + shared.skipped, notes=shared.notes,
-                    reference=reference, references=references, scores=scores, unquantized=unquantized,
-                    timings=timings, choices=registry.Auto.code_choices(shared, reference))
+    say(
+        f"shared pass over {len(queries)} queries and {len(train)} documents: "
+        f"{timings['gradient_passes_s']:.1f}s gradients, {timings['fitting_and_scoring_s']:.1f}s PCA/curvature fits"
+    )
+    return ScoreSet(
+        train_ids=train.ids,
+        query_ids=queries.ids,
+        modules=shapes,
+        configs=shared.configs,
+        skipped=skipped + shared.skipped,
+        notes=shared.notes,
+        reference=reference,
+        references=references,
+        scores=scores,
+        unquantized=unquantized,
+        timings=timings,
+        choices=registry.Auto.code_choices(shared, reference),
+    )
 
 
 # --------------------------------------------------------------------------- fidelity metrics
@@ -848,8 +937,12 @@ def fidelity_records(scoreset: ScoreSet, *, ndcg_k: int = 20) -> Tuple[List[Dict
         s = scoreset.scores[cfg.id]
         sp = [metrics.mean_spearman(x, ref) for x in s]
         nd = [metrics.mean_ndcg_at_k(x, ref, ndcg_k) for x in s]
-        entry = {"config": cfg.to_json(), "spearman": [v for v, _ in sp], "spearman_valid": [n for _, n in sp],
-                 ndcg_name: nd}
+        entry = {
+            "config": cfg.to_json(),
+            "spearman": [v for v, _ in sp],
+            "spearman_valid": [n for _, n in sp],
+            ndcg_name: nd,
+        }
         records.append(_record(cfg, ndcg_name, float(np.mean(nd))))
         records.append(_record(cfg, "spearman", metrics.nanmean([v for v, _ in sp])))
         if cfg.id in scoreset.unquantized:
@@ -863,9 +956,12 @@ def fidelity_records(scoreset: ScoreSet, *, ndcg_k: int = 20) -> Tuple[List[Dict
         if key in scoreset.references:
             lines[ndcg_name][label] = metrics.mean_ndcg_at_k(scoreset.references[key], ref, ndcg_k)
             lines["spearman"][label] = metrics.mean_spearman(scoreset.references[key], ref)[0]
-    details = {"per_config": per_config, "reference_lines": lines,
-               "index_vs_kronfluence_rel_err": scoreset.reference_error(),
-               "skipped": scoreset.skipped}
+    details = {
+        "per_config": per_config,
+        "reference_lines": lines,
+        "index_vs_kronfluence_rel_err": scoreset.reference_error(),
+        "skipped": scoreset.skipped,
+    }
     for family in registry.families():
         details.update(family.fidelity_details(scoreset, ndcg_k))
     return records, details
@@ -876,4 +972,3 @@ def _record(cfg: MethodConfig, metric: str, value: float, ci: Optional[Tuple[flo
     if ci is not None and all(math.isfinite(v) for v in ci):
         rec["ci_low"], rec["ci_high"] = ci
     return rec
-

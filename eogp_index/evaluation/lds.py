@@ -68,8 +68,7 @@ def _base_model(base):
     return model, model_sha256(model)
 
 
-def subset_masks(n_train: int, num_subsets: int, *, fraction: float = 0.5, seed: int = 0,
-                 start: int = 0) -> np.ndarray:
+def subset_masks(n_train: int, num_subsets: int, *, fraction: float = 0.5, seed: int = 0, start: int = 0) -> np.ndarray:
     """Masks ``(num_subsets, n_train)`` bool of subsets ``start .. start + num_subsets - 1``.
 
     Subset ``r`` keeps ``round(fraction · n_train)`` documents drawn without replacement by a
@@ -105,11 +104,25 @@ class Retraining:
     key: str
 
 
-def retraining_key(recipe: tinylm.FinetuneRecipe, *, seed: int, fraction: float, base_sha256: str,
-                   train: Sequence[Sequence[int]], queries: Sequence[Sequence[int]]) -> str:
+def retraining_key(
+    recipe: tinylm.FinetuneRecipe,
+    *,
+    seed: int,
+    fraction: float,
+    base_sha256: str,
+    train: Sequence[Sequence[int]],
+    queries: Sequence[Sequence[int]],
+) -> str:
     """The cache key of retraining outcomes: everything they depend on except ``R``."""
-    payload = {"recipe": recipe.to_dict(), "seed": seed, "fraction": fraction, "base": base_sha256,
-               "train": _tokens_hash(train), "queries": _tokens_hash(queries), "version": 1}
+    payload = {
+        "recipe": recipe.to_dict(),
+        "seed": seed,
+        "fraction": fraction,
+        "base": base_sha256,
+        "train": _tokens_hash(train),
+        "queries": _tokens_hash(queries),
+        "version": 1,
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -167,8 +180,14 @@ def retrain_subsets(
         if cache is not None:
             _save_npz(Path(cache), key=np.array(key), masks=masks, losses=losses, seconds=np.array(seconds_cached))
     count = max(len(masks), 1)
-    return Retraining(masks=masks[:num_subsets], losses=losses[:num_subsets], num_trained=trained,
-                      seconds=time.perf_counter() - t_start, seconds_per_subset=seconds_cached / count, key=key)
+    return Retraining(
+        masks=masks[:num_subsets],
+        losses=losses[:num_subsets],
+        num_trained=trained,
+        seconds=time.perf_counter() - t_start,
+        seconds_per_subset=seconds_cached / count,
+        key=key,
+    )
 
 
 def _save_npz(path: Path, **arrays) -> None:
@@ -185,8 +204,9 @@ def _lds(scores: np.ndarray, retraining: Retraining, n_bootstrap: int, seed: int
     return metrics.lds(scores, retraining.masks, retraining.losses, n_bootstrap=n_bootstrap, seed=seed)
 
 
-def lds_records(scoreset: ScoreSet, retraining: Retraining, *, n_bootstrap: int = 1000,
-                seed: int = 0) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+def lds_records(
+    scoreset: ScoreSet, retraining: Retraining, *, n_bootstrap: int = 1000, seed: int = 0
+) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """LDS of every config and reference; returns ``(records, details)``.
 
     A config with several seeds (the Gaussian control) reports the mean of its seeds' LDS
@@ -203,22 +223,31 @@ def lds_records(scoreset: ScoreSet, retraining: Retraining, *, n_bootstrap: int 
         if math.isfinite(lo) and math.isfinite(hi):
             rec.update(ci_low=lo, ci_high=hi)
         records.append(rec)
-        per_config[cfg.id] = {"lds": [r.mean for r in results], "ci_low": [r.ci_low for r in results],
-                              "ci_high": [r.ci_high for r in results], "n_valid": [r.n_valid for r in results]}
+        per_config[cfg.id] = {
+            "lds": [r.mean for r in results],
+            "ci_low": [r.ci_low for r in results],
+            "ci_high": [r.ci_high for r in results],
+            "n_valid": [r.n_valid for r in results],
+        }
     references: Dict[str, Dict[str, float]] = {}
     named = [(f"{REF_EKFAC.split(' (')[0]} (uncompressed)", scoreset.reference)]
-    named += [(f"{label} (uncompressed)", scoreset.references[key])
-              for key, label in (("kfac", REF_KFAC), ("tracin", REF_TRACIN)) if key in scoreset.references]
+    named += [
+        (f"{label} (uncompressed)", scoreset.references[key])
+        for key, label in (("kfac", REF_KFAC), ("tracin", REF_TRACIN))
+        if key in scoreset.references
+    ]
     for label, scores in named:
         r = _lds(scores, retraining, n_bootstrap, seed)
         references[label] = {"lds": r.mean, "ci_low": r.ci_low, "ci_high": r.ci_high, "n_valid": r.n_valid}
-    details = {"per_config": per_config, "references": references,
-               "reference_lines": {name: v["lds"] for name, v in references.items()},
-               "num_subsets": int(len(retraining.masks)), "subset_size": int(retraining.masks[0].sum()),
-               "retraining_seconds_per_subset": retraining.seconds_per_subset}
+    details = {
+        "per_config": per_config,
+        "references": references,
+        "reference_lines": {name: v["lds"] for name, v in references.items()},
+        "num_subsets": int(len(retraining.masks)),
+        "subset_size": int(retraining.masks[0].sum()),
+        "retraining_seconds_per_subset": retraining.seconds_per_subset,
+    }
     return records, details
-
-
 
 
 # --------------------------------------------------------------------------- counterfactual
@@ -326,6 +355,13 @@ def counterfactual(
                 ppl.append(perplexity(removed, s))
             delta[name][int(n)] = float(np.mean([p - b for p, b in zip(ppl, base_ppl)]))
             std[name][int(n)] = float(np.std(ppl))
-    return CounterfactualResult(removals=tuple(int(n) for n in removals), seeds=tuple(int(s) for s in seeds),
-                                num_queries=num_queries, base_ppl=tuple(base_ppl), delta_ppl=delta, std=std,
-                                num_trained=trained, seconds=time.perf_counter() - t_start)
+    return CounterfactualResult(
+        removals=tuple(int(n) for n in removals),
+        seeds=tuple(int(s) for s in seeds),
+        num_queries=num_queries,
+        base_ppl=tuple(base_ppl),
+        delta_ppl=delta,
+        std=std,
+        num_trained=trained,
+        seconds=time.perf_counter() - t_start,
+    )

@@ -116,20 +116,25 @@ class MethodFamily:
             return
         own = cls.__dict__.get("variants", ())  # not the parent's: each name belongs to one family
         if family in _FAMILIES or seed_index is None or seed_index in (f.seed_index for f in _FAMILIES.values()):
-            raise ConfigError(f"method family {cls.__name__}: family {family!r} or seed_index {seed_index} is "
-                              "missing or already registered; give each family its own")
+            raise ConfigError(
+                f"method family {cls.__name__}: family {family!r} or seed_index {seed_index} is "
+                "missing or already registered; give each family its own"
+            )
         taken = [v.name for v in own if v.name in _VARIANTS]
         if not own or taken or len({v.name for v in own}) < len(own):
-            raise ConfigError(f"method family {cls.__name__}: its variants {[v.name for v in own]} must be new, "
-                              f"distinct names ({taken} already registered); rename them")
+            raise ConfigError(
+                f"method family {cls.__name__}: its variants {[v.name for v in own]} must be new, "
+                f"distinct names ({taken} already registered); rename them"
+            )
         cls.family, cls.seed_index = family, seed_index
         instance = cls()
         _FAMILIES[family] = instance
         _VARIANTS.update((v.name, (v, instance)) for v in own)
 
     # -- planning ---------------------------------------------------------------------------
-    def dimensions(self, k: int, modules: Sequence[Any], *, m: Optional[int], gaussian_seeds: int,
-                   seed: int) -> Dict[str, Any]:
+    def dimensions(
+        self, k: int, modules: Sequence[Any], *, m: Optional[int], gaussian_seeds: int, seed: int
+    ) -> Dict[str, Any]:
         """The :class:`~eogp_index.evaluation.fidelity.MethodConfig` fields ``k``, ``m``, ``rank``
         and ``seeds`` when each module's bytes hold ``k`` coordinates.
 
@@ -213,8 +218,10 @@ def _per_query(reference: Any, ndcg_k: int) -> Dict[str, Any]:
     """``{metric: scores -> (nq,) values against reference}`` of the two fidelity metrics."""
     from eogp_index.evaluation import metrics
 
-    return {f"ndcg@{ndcg_k}": lambda s: metrics.ndcg_at_k_per_query(s, reference, ndcg_k),
-            "spearman": lambda s: metrics.spearman_per_query(s, reference)}
+    return {
+        f"ndcg@{ndcg_k}": lambda s: metrics.ndcg_at_k_per_query(s, reference, ndcg_k),
+        "spearman": lambda s: metrics.spearman_per_query(s, reference),
+    }
 
 
 # --------------------------------------------------------------------------- EOGP and its codes
@@ -226,8 +233,15 @@ class EOGP(MethodFamily, family="eogp", seed_index=0):
 
     variants = (
         Variant("eogp", "EOGP", "1bit", order=0, colour="tab:blue", default=True),
-        Variant("eogp-fp16-same-k", "EOGP (FP16, same k)", "fp16", order=3, colour="tab:green", default=True,
-                sized_as="1bit"),
+        Variant(
+            "eogp-fp16-same-k",
+            "EOGP (FP16, same k)",
+            "fp16",
+            order=3,
+            colour="tab:green",
+            default=True,
+            sized_as="1bit",
+        ),
         Variant("eogp-fp16", "EOGP (FP16)", "fp16", order=4, colour="tab:red", default=True),
         Variant("eogp-fp32", "EOGP (FP32)", "fp32", order=11, colour="midnightblue"),
     )
@@ -252,8 +266,14 @@ class EOGPRot(EOGP, family="eogp-rot", seed_index=7):
         return {"one_bit_gap": self.one_bit_gap(scoreset, ndcg_k=ndcg_k)}
 
     @staticmethod
-    def one_bit_gap(scoreset: Any, *, ndcg_k: int = 20, base: str = "eogp", variant: str = "eogp-rot",
-                    ceiling: str = "eogp-fp16-same-k") -> List[Dict[str, Any]]:
+    def one_bit_gap(
+        scoreset: Any,
+        *,
+        ndcg_k: int = 20,
+        base: str = "eogp",
+        variant: str = "eogp-rot",
+        ceiling: str = "eogp-fp16-same-k",
+    ) -> List[Dict[str, Any]]:
         """How much of the gap between 1-bit ``base`` and FP16 at the same ``k`` (``ceiling``) the
         1-bit ``variant`` closes, per budget where all three ran.
 
@@ -279,10 +299,15 @@ class EOGPRot(EOGP, family="eogp-rot", seed_index=7):
                 means = [float(np.nanmean(x)) for x in (b, v, c)]
                 diff = v - b
                 gap = means[2] - means[0]
-                row[metric] = {"base": means[0], "variant": means[1], "ceiling": means[2],
-                               "se": [standard_error(x) for x in (b, v, c)], "diff": float(np.nanmean(diff)),
-                               "diff_se": standard_error(diff),
-                               "gap_closed": (means[1] - means[0]) / gap if gap > 0 else None}
+                row[metric] = {
+                    "base": means[0],
+                    "variant": means[1],
+                    "ceiling": means[2],
+                    "se": [standard_error(x) for x in (b, v, c)],
+                    "diff": float(np.nanmean(diff)),
+                    "diff_se": standard_error(diff),
+                    "gap_closed": (means[1] - means[0]) / gap if gap > 0 else None,
+                }
             rows.append(row)
         return rows
 
@@ -311,7 +336,8 @@ class Auto(EOGP, family="auto", seed_index=8):
         shared.choices.setdefault(cfg.id, {})[name] = choice
         codes = {self.PLAIN: basis, self.ROTATED: rotate_directions(basis, module_rotation(cfg.seeds[0], name, k))}
         shared.module_scores.setdefault(cfg.id, {})[name] = {
-            code: shared.one_bit_share(query_first, train_first, b) for code, b in codes.items()}
+            code: shared.one_bit_share(query_first, train_first, b) for code, b in codes.items()
+        }
         return codes[choice.code]
 
     def choose(self, shared: Any, cfg: Any, name: str, m: int, k: int) -> Any:
@@ -371,9 +397,19 @@ class Auto(EOGP, family="auto", seed_index=8):
                 for metric, fn in per_query.items():
                     diff = np.asarray(fn(swapped), dtype=np.float64) - base[metric]
                     gain[metric], gain[f"{metric}_se"] = float(np.nanmean(diff)), standard_error(diff)
-                rows.append({"budget": cfg.budget, "k": cfg.k[shared.names.index(name)], "module": name,
-                             "code": choice.code, "held_out": choice.held_out, "proxy_diff": choice.diff,
-                             "proxy_diff_se": choice.diff_se, "proxy": choice.fidelity, "reference_gain": gain})
+                rows.append(
+                    {
+                        "budget": cfg.budget,
+                        "k": cfg.k[shared.names.index(name)],
+                        "module": name,
+                        "code": choice.code,
+                        "held_out": choice.held_out,
+                        "proxy_diff": choice.diff,
+                        "proxy_diff_se": choice.diff_se,
+                        "proxy": choice.fidelity,
+                        "reference_gain": gain,
+                    }
+                )
         return rows
 
     def fidelity_details(self, scoreset, ndcg_k):
@@ -396,14 +432,18 @@ class Auto(EOGP, family="auto", seed_index=8):
                 continue
             row: Dict[str, Any] = {"budget": budget, "k": list(cfgs["auto"].k)}
             for metric, fn in per_query.items():
-                values = {method: np.asarray(fn(scoreset.scores[cfg.id][0]), dtype=np.float64)
-                          for method, cfg in cfgs.items()}
+                values = {
+                    method: np.asarray(fn(scoreset.scores[cfg.id][0]), dtype=np.float64) for method, cfg in cfgs.items()
+                }
                 means = {method: float(np.nanmean(v)) for method, v in values.items()}
                 best = self.ROTATED if means[self.ROTATED] > means[self.PLAIN] else self.PLAIN
                 diff = values["auto"] - values[best]
                 entry = {**means, "best": best, "diff": float(np.nanmean(diff)), "diff_se": standard_error(diff)}
-                entry["never_worse"] = bool(entry["diff"] >= -entry["diff_se"]) if math.isfinite(entry["diff_se"]) \
+                entry["never_worse"] = (
+                    bool(entry["diff"] >= -entry["diff_se"])
+                    if math.isfinite(entry["diff_se"])
                     else bool(entry["diff"] >= 0)
+                )
                 row[metric] = entry
             rows.append(row)
         return rows
@@ -488,10 +528,16 @@ class LoGraPCA(LoGraRandom, family="logra-pca", seed_index=4):
         c = shared.curvature[name]
         d_out, d_in = c.shape
         eva, evg = shared.kfac_eigenvalues(name)
-        return LoGraProjector(d_in, d_out, cfg.rank[u], init="pca",
-                              activation_eigenvectors=c.activation_eigenvectors,
-                              gradient_eigenvectors=c.gradient_eigenvectors,
-                              activation_eigenvalues=eva, gradient_eigenvalues=evg)
+        return LoGraProjector(
+            d_in,
+            d_out,
+            cfg.rank[u],
+            init="pca",
+            activation_eigenvectors=c.activation_eigenvectors,
+            gradient_eigenvectors=c.gradient_eigenvectors,
+            activation_eigenvalues=eva,
+            gradient_eigenvalues=evg,
+        )
 
 
 class GraSS(MethodFamily, family="grass", seed_index=5):
@@ -572,8 +618,10 @@ def check_methods(names: Iterable[str], where: str = "methods") -> None:
     """Raise ConfigError naming the unknown methods among ``names`` and every choice."""
     unknown = [name for name in names if name not in _VARIANTS]
     if unknown:
-        raise ConfigError(f"{where}: unknown method(s) {', '.join(map(repr, unknown))}; choose from "
-                          f"{', '.join(METHODS)} (comma-separated, e.g. --methods eogp,logra-pca)")
+        raise ConfigError(
+            f"{where}: unknown method(s) {', '.join(map(repr, unknown))}; choose from "
+            f"{', '.join(METHODS)} (comma-separated, e.g. --methods eogp,logra-pca)"
+        )
 
 
 _LISTED = sorted(_VARIANTS.values(), key=lambda entry: entry[0].order)

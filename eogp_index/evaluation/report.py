@@ -79,7 +79,9 @@ class ResultRecord:
                 raise InputError(f"{where}: {name} must be a non-empty string, got {data[name]!r}")
         size = _number(data["bytes_per_example"], where, "bytes_per_example")
         if size is None or not (math.isfinite(size) and size > 0):
-            raise InputError(f"{where}: bytes_per_example must be a positive finite number, got {data['bytes_per_example']!r}")
+            raise InputError(
+                f"{where}: bytes_per_example must be a positive finite number, got {data['bytes_per_example']!r}"
+            )
         value = _number(data["value"], where, "value")
         # A missing value (None/nan) marks a budget a method cannot reach; it is kept but
         # neither plotted nor tabulated.
@@ -198,19 +200,34 @@ def plot_metric_vs_bytes(
         points = sorted((r for r in recs if r.method == method), key=lambda r: r.bytes_per_example)
         color = (colours or {}).get(method, colors[i % len(colors)])
         xs = [r.bytes_per_example for r in points]
-        ax.plot(xs, [r.value for r in points], marker=_MARKERS[i % len(_MARKERS)], color=color,
-                linewidth=1.6, markersize=5.5, label=method)
+        ax.plot(
+            xs,
+            [r.value for r in points],
+            marker=_MARKERS[i % len(_MARKERS)],
+            color=color,
+            linewidth=1.6,
+            markersize=5.5,
+            label=method,
+        )
         with_ci = [r for r in points if r.has_ci]
         if with_ci:
             # Drawn as [lo, hi] around the interval midpoint: a percentile bootstrap CI
             # need not contain the point estimate, and errorbar rejects negative extents.
             mids = [(r.ci_low + r.ci_high) / 2 for r in with_ci]
             half = [(r.ci_high - r.ci_low) / 2 for r in with_ci]
-            ax.errorbar([r.bytes_per_example for r in with_ci], mids, yerr=half, fmt="none",
-                        ecolor=color, elinewidth=1.0, capsize=3)
+            ax.errorbar(
+                [r.bytes_per_example for r in with_ci],
+                mids,
+                yerr=half,
+                fmt="none",
+                ecolor=color,
+                elinewidth=1.0,
+                capsize=3,
+            )
     for j, (name, value) in enumerate(refs.items()):
-        ax.axhline(value, color="black", linewidth=1.2, linestyle=_REFERENCE_DASHES[j % len(_REFERENCE_DASHES)],
-                   label=name)
+        ax.axhline(
+            value, color="black", linewidth=1.2, linestyle=_REFERENCE_DASHES[j % len(_REFERENCE_DASHES)], label=name
+        )
 
     ax.set_xscale("log", base=2)
     ticks = sorted({r.bytes_per_example for r in recs})
@@ -295,8 +312,9 @@ def _references_by_metric(reference_lines, metrics: Sequence[str]) -> dict[str, 
     return {m: flat for m in metrics}
 
 
-def write_report(records: Sequence, out_dir: str | Path, *, reference_lines=None,
-                 colours: Mapping[str, str] | None = None) -> dict[str, Path]:
+def write_report(
+    records: Sequence, out_dir: str | Path, *, reference_lines=None, colours: Mapping[str, str] | None = None
+) -> dict[str, Path]:
     """Write ``results.json``, one ``<metric>.png`` per metric present and ``results.md``.
 
     reference_lines: ``{name: value}`` drawn on every plot, or ``{metric: {name: value}}``
@@ -327,11 +345,12 @@ def write_report(records: Sequence, out_dir: str | Path, *, reference_lines=None
     for m in metrics:
         stem = _file_stem(m)
         if stem in stems.values():
-            raise InputError(f"metrics {m!r} and {[k for k, v in stems.items() if v == stem][0]!r} map to the same file name")
+            raise InputError(
+                f"metrics {m!r} and {[k for k, v in stems.items() if v == stem][0]!r} map to the same file name"
+            )
         stems[m] = stem
         if any(r.metric == m and math.isfinite(r.value) for r in recs):
-            paths[m] = plot_metric_vs_bytes(recs, m, out_dir / f"{stem}.png", reference_lines=refs[m],
-                                            colours=colours)
+            paths[m] = plot_metric_vs_bytes(recs, m, out_dir / f"{stem}.png", reference_lines=refs[m], colours=colours)
 
     md = ["# Evaluation results", "", markdown_table(recs, metrics)]
     with_refs = [m for m in metrics if refs[m]]

@@ -67,8 +67,7 @@ class EvalResult:
     paths: Dict[str, Path]
 
     def to_json(self) -> Dict[str, Any]:
-        return {"records": self.records, "details": self.details,
-                "files": {k: str(v) for k, v in self.paths.items()}}
+        return {"records": self.records, "details": self.details, "files": {k: str(v) for k, v in self.paths.items()}}
 
 
 # --------------------------------------------------------------------------- documents
@@ -120,8 +119,10 @@ def _plain(docs: Documents, what: str) -> List[List[int]]:
     """Token lists for retraining; refuses documents with masked labels (chats)."""
     for ident, ids, labels in zip(docs.ids, docs.input_ids, docs.labels):
         if tuple(ids[1:]) != tuple(labels[1:]):
-            raise InputError(f"{what} document {ident!r} masks part of its loss; retraining evaluation "
-                             "(LDS) needs plain documents whose every token counts")
+            raise InputError(
+                f"{what} document {ident!r} masks part of its loss; retraining evaluation "
+                "(LDS) needs plain documents whose every token counts"
+            )
     return [list(d) for d in docs.input_ids]
 
 
@@ -147,10 +148,20 @@ def _scores(data: DataConfig, cfg: FidelityConfig, out: Path, log) -> Tuple[Scor
     from eogp_index.gradients.model import pad_token_id as _pad_id
 
     model, tokenizer, train, queries, pca_docs = _load_inputs(data, cfg.seed)
-    key = hashlib.sha256(json.dumps({
-        "model": model_sha256(model), "train": train.fingerprint(), "queries": queries.fingerprint(),
-        "pca": pca_docs.fingerprint() if pca_docs is not None else None,
-        "config": asdict(cfg), "version": 2}, sort_keys=True, default=str).encode()).hexdigest()
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "model": model_sha256(model),
+                "train": train.fingerprint(),
+                "queries": queries.fingerprint(),
+                "pca": pca_docs.fingerprint() if pca_docs is not None else None,
+                "config": asdict(cfg),
+                "version": 2,
+            },
+            sort_keys=True,
+            default=str,
+        ).encode()
+    ).hexdigest()
     cache = out / SCORES_FILE
     if cache.exists():
         try:
@@ -160,12 +171,27 @@ def _scores(data: DataConfig, cfg: FidelityConfig, out: Path, log) -> Tuple[Scor
         if cached is not None and cached.key == key:
             log(f"scores reused from {cache}")
             return cached, train, queries, True
-    log(f"scoring {len(queries)} queries against {len(train)} training documents "
-        f"({len(cfg.methods)} methods x {len(cfg.budgets)} budgets)")
+    log(
+        f"scoring {len(queries)} queries against {len(train)} training documents "
+        f"({len(cfg.methods)} methods x {len(cfg.budgets)} budgets)"
+    )
     scoreset = compute_scores(
-        model, train, queries, out, budgets=cfg.budgets, methods=cfg.methods, modules=cfg.modules,
-        damping_ratio=cfg.damping_ratio, m=cfg.m, gaussian_seeds=cfg.gaussian_seeds, seed=cfg.seed,
-        batch_size=cfg.batch_size, pca_docs=pca_docs, pad_token_id=_pad_id(tokenizer), log=log)
+        model,
+        train,
+        queries,
+        out,
+        budgets=cfg.budgets,
+        methods=cfg.methods,
+        modules=cfg.modules,
+        damping_ratio=cfg.damping_ratio,
+        m=cfg.m,
+        gaussian_seeds=cfg.gaussian_seeds,
+        seed=cfg.seed,
+        batch_size=cfg.batch_size,
+        pca_docs=pca_docs,
+        pad_token_id=_pad_id(tokenizer),
+        log=log,
+    )
     scoreset.key = key
     scoreset.save(cache)
     return scoreset, train, queries, False
@@ -175,18 +201,27 @@ def _setup_details(data: DataConfig, cfg: FidelityConfig, scoreset: ScoreSet) ->
     import torch
 
     return {
-        "model": data.model, "train": list(data.train), "queries": list(data.queries),
+        "model": data.model,
+        "train": list(data.train),
+        "queries": list(data.queries),
         "pca_data": list(data.pca_data) if data.pca_data else "the training documents",
         "pca_sample": data.pca_sample if data.pca_data else None,
-        "num_train": len(scoreset.train_ids), "num_queries": len(scoreset.query_ids),
-        "max_tokens": data.max_tokens, "fidelity_config": asdict(cfg),
+        "num_train": len(scoreset.train_ids),
+        "num_queries": len(scoreset.query_ids),
+        "max_tokens": data.max_tokens,
+        "fidelity_config": asdict(cfg),
         "modules": [asdict(m) for m in scoreset.modules],
-        "configs": [c.to_json() for c in scoreset.configs], "skipped": scoreset.skipped,
+        "configs": [c.to_json() for c in scoreset.configs],
+        "skipped": scoreset.skipped,
         "notes": scoreset.notes,
         "index_vs_kronfluence_rel_err": scoreset.reference_error(),
         "score_timings_s": scoreset.timings,
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "processor": platform.machine()},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "processor": platform.machine(),
+        },
     }
 
 
@@ -197,26 +232,44 @@ def _log_to(log: Optional[Callable[[str], None]]) -> Callable[[str], None]:
     return log or (lambda _msg: None)
 
 
-def run_fidelity(data: DataConfig = DataConfig(), cfg: FidelityConfig = FidelityConfig(), out: Path = Path("runs/eval"),
-                 *, log: Optional[Callable[[str], None]] = None) -> EvalResult:
+def run_fidelity(
+    data: DataConfig = DataConfig(),
+    cfg: FidelityConfig = FidelityConfig(),
+    out: Path = Path("runs/eval"),
+    *,
+    log: Optional[Callable[[str], None]] = None,
+) -> EvalResult:
     """Fidelity to EK-FAC of every method at every budget; writes the report under ``out``."""
     return _run(data, cfg, None, Path(out), _log_to(log), fidelity=True)
 
 
-def run_lds(data: DataConfig = DataConfig(), cfg: FidelityConfig = FidelityConfig(), lds_cfg: LDSConfig = LDSConfig(),
-            out: Path = Path("runs/eval"), *, log: Optional[Callable[[str], None]] = None) -> EvalResult:
+def run_lds(
+    data: DataConfig = DataConfig(),
+    cfg: FidelityConfig = FidelityConfig(),
+    lds_cfg: LDSConfig = LDSConfig(),
+    out: Path = Path("runs/eval"),
+    *,
+    log: Optional[Callable[[str], None]] = None,
+) -> EvalResult:
     """LDS (and counterfactual removal) of every method at every budget; writes the report."""
     return _run(data, cfg, lds_cfg, Path(out), _log_to(log), fidelity=False)
 
 
-def run_all(data: DataConfig = DataConfig(), cfg: FidelityConfig = FidelityConfig(), lds_cfg: LDSConfig = LDSConfig(),
-            out: Path = Path("runs/eval"), *, log: Optional[Callable[[str], None]] = None) -> EvalResult:
+def run_all(
+    data: DataConfig = DataConfig(),
+    cfg: FidelityConfig = FidelityConfig(),
+    lds_cfg: LDSConfig = LDSConfig(),
+    out: Path = Path("runs/eval"),
+    *,
+    log: Optional[Callable[[str], None]] = None,
+) -> EvalResult:
     """Fidelity, LDS and counterfactual from one scoring pass; writes one report."""
     return _run(data, cfg, lds_cfg, Path(out), _log_to(log), fidelity=True)
 
 
-def _run(data: DataConfig, cfg: FidelityConfig, lds_cfg: Optional[LDSConfig], out: Path, log, *,
-         fidelity: bool) -> EvalResult:
+def _run(
+    data: DataConfig, cfg: FidelityConfig, lds_cfg: Optional[LDSConfig], out: Path, log, *, fidelity: bool
+) -> EvalResult:
     t_start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     scoreset, train, queries, reused = _scores(data, cfg, out, log)
@@ -260,16 +313,30 @@ def _lds_part(scoreset: ScoreSet, train: Documents, queries: Documents, cfg: LDS
 
     train_tokens, query_tokens = _plain(train, "training"), _plain(queries, "query")
     t0 = time.perf_counter()
-    retraining = retrain_subsets(cfg.base, train_tokens, query_tokens, recipe=cfg.recipe, num_subsets=cfg.num_subsets,
-                                 fraction=cfg.fraction, seed=cfg.seed, cache=out / RETRAINING_FILE, log=log)
+    retraining = retrain_subsets(
+        cfg.base,
+        train_tokens,
+        query_tokens,
+        recipe=cfg.recipe,
+        num_subsets=cfg.num_subsets,
+        fraction=cfg.fraction,
+        seed=cfg.seed,
+        cache=out / RETRAINING_FILE,
+        log=log,
+    )
     t_retrain = time.perf_counter() - t0
-    log(f"LDS retraining: {retraining.num_trained} subsets trained now, "
-        f"{cfg.num_subsets - retraining.num_trained} reused ({t_retrain:.1f}s)")
+    log(
+        f"LDS retraining: {retraining.num_trained} subsets trained now, "
+        f"{cfg.num_subsets - retraining.num_trained} reused ({t_retrain:.1f}s)"
+    )
     t0 = time.perf_counter()
     records, details = lds_records(scoreset, retraining, n_bootstrap=cfg.n_bootstrap, seed=cfg.seed)
     details["config"] = {**asdict(cfg), "recipe": cfg.recipe.to_dict()}
-    details["timings_s"] = {"retraining": t_retrain, "lds_metrics": time.perf_counter() - t0,
-                            "subsets_trained_now": retraining.num_trained}
+    details["timings_s"] = {
+        "retraining": t_retrain,
+        "lds_metrics": time.perf_counter() - t0,
+        "subsets_trained_now": retraining.num_trained,
+    }
     if cfg.counterfactual:
         chosen: Dict[str, np.ndarray] = {}
         for method in cfg.cf_methods:
@@ -281,8 +348,18 @@ def _lds_part(scoreset: ScoreSet, train: Documents, queries: Documents, cfg: LDS
         chosen["EK-FAC (uncompressed)"] = scoreset.reference
         t0 = time.perf_counter()
         removals = tuple(n for n in cfg.cf_removals if n < len(train_tokens))
-        result = counterfactual(cfg.base, train_tokens, query_tokens, chosen, removals=removals, seeds=cfg.cf_seeds,
-                                num_queries=cfg.cf_queries, recipe=cfg.recipe, cache=out / COUNTERFACTUAL_FILE, log=log)
+        result = counterfactual(
+            cfg.base,
+            train_tokens,
+            query_tokens,
+            chosen,
+            removals=removals,
+            seeds=cfg.cf_seeds,
+            num_queries=cfg.cf_queries,
+            recipe=cfg.recipe,
+            cache=out / COUNTERFACTUAL_FILE,
+            log=log,
+        )
         details["counterfactual"] = result.to_json()
         details["timings_s"]["counterfactual"] = time.perf_counter() - t0
         details["timings_s"]["counterfactual_runs_trained_now"] = result.num_trained
@@ -335,21 +412,33 @@ def details_markdown(details: Dict[str, Any]) -> str:
     counterfactual, skipped pairs and timings."""
     setup = details["setup"]
     lines = ["## Setup", ""]
-    lines.append(f"- model `{setup['model']}`; {setup['num_train']} training documents, {setup['num_queries']} "
-                 f"queries, at most {setup['max_tokens']} tokens each")
+    lines.append(
+        f"- model `{setup['model']}`; {setup['num_train']} training documents, {setup['num_queries']} "
+        f"queries, at most {setup['max_tokens']} tokens each"
+    )
     num_params = sum(m["d_out"] * m["d_in"] for m in setup["modules"])
-    lines.append(f"- {len(setup['modules'])} attributed modules, {num_params:,} parameters "
-                 f"(full FP16 gradient: {report.format_bytes(2 * num_params)} per example)")
-    lines.append(f"- index-side full-width EK-FAC vs kronfluence `compute_pairwise_scores`: relative error "
-                 f"{_fmt(setup['index_vs_kronfluence_rel_err'], '.2e')}")
-    lines += ["", "### Dimensions per module at each budget", "",
-              "| Method | Budget | Actual bytes | k per module | m per module | rank | seeds |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines.append(
+        f"- {len(setup['modules'])} attributed modules, {num_params:,} parameters "
+        f"(full FP16 gradient: {report.format_bytes(2 * num_params)} per example)"
+    )
+    lines.append(
+        f"- index-side full-width EK-FAC vs kronfluence `compute_pairwise_scores`: relative error "
+        f"{_fmt(setup['index_vs_kronfluence_rel_err'], '.2e')}"
+    )
+    lines += [
+        "",
+        "### Dimensions per module at each budget",
+        "",
+        "| Method | Budget | Actual bytes | k per module | m per module | rank | seeds |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in setup["configs"]:
         m = _span(c["m"]) if c["m"] else "—"
         rank = _span(c["rank"]) if c["rank"] else "—"
-        lines.append(f"| {c['label']} | {c['budget']} | {c['bytes_per_example']} | {_span(c['k'])} | {m} | {rank} | "
-                     f"{len(c['seeds'])} |")
+        lines.append(
+            f"| {c['label']} | {c['budget']} | {c['bytes_per_example']} | {_span(c['k'])} | {m} | {rank} | "
+            f"{len(c['seeds'])} |"
+        )
     if setup.get("notes"):
         lines += ["", "Notes from the fits:", ""] + [f"- {note}" for note in setup["notes"]]
     if setup["skipped"]:
@@ -357,42 +446,69 @@ def details_markdown(details: Dict[str, Any]) -> str:
         lines += [f"- {registry.label(s['method'])} at {s['budget']} B: {s['reason']}" for s in setup["skipped"]]
     gap = (details.get("fidelity") or {}).get("one_bit_gap")
     if gap:
-        lines += ["", "## 1-bit codes against FP16 at the same k", "",
-                  "EOGP and EOGP-rot in 1 bit, and EOGP's coordinates in FP16 at the same `k` (16 x the bytes). "
-                  "Query means ± standard error; Δ = EOGP-rot − EOGP ± the standard error of the paired "
-                  "per-query differences; closed = Δ / (FP16 − EOGP).", ""]
+        lines += [
+            "",
+            "## 1-bit codes against FP16 at the same k",
+            "",
+            "EOGP and EOGP-rot in 1 bit, and EOGP's coordinates in FP16 at the same `k` (16 x the bytes). "
+            "Query means ± standard error; Δ = EOGP-rot − EOGP ± the standard error of the paired "
+            "per-query differences; closed = Δ / (FP16 − EOGP).",
+            "",
+        ]
         for metric in [key for key in gap[0] if key not in ("budget", "k", "m")]:
-            lines += [f"| {report.metric_label(metric)} | k per module | EOGP | EOGP-rot | FP16, same k | Δ | closed |",
-                      "|---|---:|---:|---:|---:|---:|---:|"]
+            lines += [
+                f"| {report.metric_label(metric)} | k per module | EOGP | EOGP-rot | FP16, same k | Δ | closed |",
+                "|---|---:|---:|---:|---:|---:|---:|",
+            ]
             for row in gap:
                 v = row[metric]
                 cells = [f"{_fmt(x)} ± {_fmt(se)}" for x, se in zip((v["base"], v["variant"], v["ceiling"]), v["se"])]
                 closed = "—" if v["gap_closed"] is None else f"{100 * v['gap_closed']:.0f}%"
-                lines.append(f"| {report.format_bytes(row['budget'])} | {_span(row['k'])} | " + " | ".join(cells)
-                             + f" | {_fmt(v['diff'], '+.3f')} ± {_fmt(v['diff_se'])} | {closed} |")
+                lines.append(
+                    f"| {report.format_bytes(row['budget'])} | {_span(row['k'])} | "
+                    + " | ".join(cells)
+                    + f" | {_fmt(v['diff'], '+.3f')} ± {_fmt(v['diff_se'])} | {closed} |"
+                )
             lines.append("")
     lines += _auto_markdown(details.get("fidelity") or {})
     lds = details.get("lds")
     if lds:
-        lines += ["", "## LDS references (uncompressed)", "",
-                  f"{lds['num_subsets']} subsets of {lds['subset_size']} documents; 95% bootstrap intervals.", "",
-                  "| Reference | LDS | 95% CI |", "|---|---:|---:|"]
+        lines += [
+            "",
+            "## LDS references (uncompressed)",
+            "",
+            f"{lds['num_subsets']} subsets of {lds['subset_size']} documents; 95% bootstrap intervals.",
+            "",
+            "| Reference | LDS | 95% CI |",
+            "|---|---:|---:|",
+        ]
         for name, v in lds["references"].items():
             lines.append(f"| {name} | {_fmt(v['lds'])} | [{_fmt(v['ci_low'])}, {_fmt(v['ci_high'])}] |")
         cf = lds.get("counterfactual")
         if cf:
             removals = [str(n) for n in cf["removals"]]
-            lines += ["", "## Counterfactual removal", "",
-                      f"Perplexity increase of the first {cf['num_queries']} queries after removing the top-N "
-                      f"documents and retraining (mean over seeds {list(cf['seeds'])}; no-removal perplexity "
-                      f"{', '.join(_fmt(p, '.2f') for p in cf['base_ppl'])}).", "",
-                      "| Ranking | " + " | ".join(f"N = {n}" for n in removals) + " |",
-                      "|---|" + "---:|" * len(removals)]
+            lines += [
+                "",
+                "## Counterfactual removal",
+                "",
+                f"Perplexity increase of the first {cf['num_queries']} queries after removing the top-N "
+                f"documents and retraining (mean over seeds {list(cf['seeds'])}; no-removal perplexity "
+                f"{', '.join(_fmt(p, '.2f') for p in cf['base_ppl'])}).",
+                "",
+                "| Ranking | " + " | ".join(f"N = {n}" for n in removals) + " |",
+                "|---|" + "---:|" * len(removals),
+            ]
             for name, values in cf["delta_ppl"].items():
-                lines.append(f"| {name} | " + " | ".join(
-                    f"{_fmt(values[n], '+.3f')} ± {_fmt(cf['std'][name][n], '.3f')}" for n in removals) + " |")
-    timings = {"scoring": setup["score_timings_s"], **({"lds": lds["timings_s"]} if lds else {}),
-               "run": details.get("timings_s", {})}
+                lines.append(
+                    f"| {name} | "
+                    + " | ".join(f"{_fmt(values[n], '+.3f')} ± {_fmt(cf['std'][name][n], '.3f')}" for n in removals)
+                    + " |"
+                )
+    timings = {
+        "scoring": setup["score_timings_s"],
+        **({"lds": lds["timings_s"]} if lds else {}),
+        "run": details.get("timings_s", {}),
+    }
     lines += ["", "## Timings (seconds)", "", "```", json.dumps(_jsonable(timings), indent=1), "```", ""]
     return "\n".join(lines)
 
@@ -403,36 +519,53 @@ def _auto_markdown(fidelity: Dict[str, Any]) -> List[str]:
     lines: List[str] = []
     best = fidelity.get("auto_vs_best")
     if best:
-        lines += ["", "## EOGP auto against the better of EOGP and EOGP-rot", "",
-                  "Query means; Δ = auto − best ± the standard error of the paired per-query differences; "
-                  "never worse: Δ ≥ −SE.", ""]
+        lines += [
+            "",
+            "## EOGP auto against the better of EOGP and EOGP-rot",
+            "",
+            "Query means; Δ = auto − best ± the standard error of the paired per-query differences; "
+            "never worse: Δ ≥ −SE.",
+            "",
+        ]
         for metric in [key for key in best[0] if key not in ("budget", "k")]:
-            lines += [f"| {report.metric_label(metric)} | k per module | EOGP | EOGP-rot | auto | Δ (auto − best) "
-                      "| never worse |", "|---|---:|---:|---:|---:|---:|---|"]
+            lines += [
+                f"| {report.metric_label(metric)} | k per module | EOGP | EOGP-rot | auto | Δ (auto − best) "
+                "| never worse |",
+                "|---|---:|---:|---:|---:|---:|---|",
+            ]
             for row in best:
                 v = row[metric]
-                lines.append(f"| {report.format_bytes(row['budget'])} | {_span(row['k'])} | {_fmt(v['eogp'])} | "
-                             f"{_fmt(v['eogp-rot'])} | {_fmt(v['auto'])} | {_fmt(v['diff'], '+.3f')} ± "
-                             f"{_fmt(v['diff_se'])} | {'yes' if v['never_worse'] else 'NO'} |")
+                lines.append(
+                    f"| {report.format_bytes(row['budget'])} | {_span(row['k'])} | {_fmt(v['eogp'])} | "
+                    f"{_fmt(v['eogp-rot'])} | {_fmt(v['auto'])} | {_fmt(v['diff'], '+.3f')} ± "
+                    f"{_fmt(v['diff_se'])} | {'yes' if v['never_worse'] else 'NO'} |"
+                )
             lines.append("")
     choices = fidelity.get("auto_choice")
     if choices:
         metric = next(key for key in choices[0]["reference_gain"] if key.startswith("ndcg@"))
         rotated = sum(1 for c in choices if c["code"] == registry.Auto.ROTATED)
-        lines += ["", "## EOGP auto: the choice per module", "",
-                  f"{rotated} of {len(choices)} (budget, module) pairs chose EOGP-rot. Proxy: EOGP-rot − EOGP "
-                  "on the held-out fitting documents (mean of NDCG@20 and Spearman against their first-stage inner "
-                  "products, paired per "
-                  "pseudo-query, ± SE). Reference gain: fidelity to kronfluence's EK-FAC with only this module "
-                  "rotated, minus all-EOGP (± paired SE).", "",
-                  f"| Budget | module | k | code | proxy | gain {report.metric_label(metric)} | gain Spearman |",
-                  "|---|---|---:|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "## EOGP auto: the choice per module",
+            "",
+            f"{rotated} of {len(choices)} (budget, module) pairs chose EOGP-rot. Proxy: EOGP-rot − EOGP "
+            "on the held-out fitting documents (mean of NDCG@20 and Spearman against their first-stage inner "
+            "products, paired per "
+            "pseudo-query, ± SE). Reference gain: fidelity to kronfluence's EK-FAC with only this module "
+            "rotated, minus all-EOGP (± paired SE).",
+            "",
+            f"| Budget | module | k | code | proxy | gain {report.metric_label(metric)} | gain Spearman |",
+            "|---|---|---:|---|---:|---:|---:|",
+        ]
         for c in choices:
             gain = c["reference_gain"]
-            lines.append(f"| {report.format_bytes(c['budget'])} | {c['module']} | {c['k']} | {c['code']} | "
-                         f"{_fmt(c['proxy_diff'], '+.3f')} ± {_fmt(c['proxy_diff_se'])} | "
-                         f"{_fmt(gain[metric], '+.4f')} ± {_fmt(gain[metric + '_se'], '.4f')} | "
-                         f"{_fmt(gain['spearman'], '+.4f')} ± {_fmt(gain['spearman_se'], '.4f')} |")
+            lines.append(
+                f"| {report.format_bytes(c['budget'])} | {c['module']} | {c['k']} | {c['code']} | "
+                f"{_fmt(c['proxy_diff'], '+.3f')} ± {_fmt(c['proxy_diff_se'])} | "
+                f"{_fmt(gain[metric], '+.4f')} ± {_fmt(gain[metric + '_se'], '.4f')} | "
+                f"{_fmt(gain['spearman'], '+.4f')} ± {_fmt(gain['spearman_se'], '.4f')} |"
+            )
         lines.append("")
     return lines
 

@@ -151,9 +151,11 @@ def tokenize_documents(texts: Sequence[str], tokenizer, max_tokens: int = 128) -
         raise ConfigError(f"max_tokens must be at least 1, got {max_tokens}; pass a positive --max-tokens")
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ModelError(f"the tokenizer ({type(tokenizer).__name__}) has no eos token, which ends every document "
-                         "as in fine-tuning; use a model directory whose tokenizer sets eos_token (e.g. "
-                         "'<|endoftext|>' in its special_tokens_map.json), or give documents as input_ids records")
+        raise ModelError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no eos token, which ends every document "
+            "as in fine-tuning; use a model directory whose tokenizer sets eos_token (e.g. "
+            "'<|endoftext|>' in its special_tokens_map.json), or give documents as input_ids records"
+        )
     out = []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
@@ -198,12 +200,16 @@ def _token_losses(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Te
 def _check_documents(documents: Sequence[Sequence[int]], vocab_size: int | None = None) -> None:
     for i, doc in enumerate(documents):
         if len(doc) == 0:
-            raise InputError(f"document {i} is empty; every document needs at least one token (drop it, or "
-                             "tokenize with tokenize_documents, which ends each with eos)")
+            raise InputError(
+                f"document {i} is empty; every document needs at least one token (drop it, or "
+                "tokenize with tokenize_documents, which ends each with eos)"
+            )
         if vocab_size is not None and (min(doc) < 0 or max(doc) >= vocab_size):
-            raise InputError(f"document {i} has token ids outside the model's vocabulary [0, {vocab_size}): it was "
-                             "tokenized for another model; retrain from a base model (--base) that shares the "
-                             "attributed model's tokenizer")
+            raise InputError(
+                f"document {i} has token ids outside the model's vocabulary [0, {vocab_size}): it was "
+                "tokenized for another model; retrain from a base model (--base) that shares the "
+                "attributed model's tokenizer"
+            )
 
 
 def _pad_id(model) -> int:
@@ -250,8 +256,10 @@ def _load_model(base_dir_or_model):
     if isinstance(base_dir_or_model, (str, os.PathLike)):
         path = Path(base_dir_or_model)
         if not (path / "config.json").is_file():
-            raise ConfigError(f"{path}: not a model directory (no config.json); pass the directory that "
-                              "save_pretrained wrote (for LDS: --base)")
+            raise ConfigError(
+                f"{path}: not a model directory (no config.json); pass the directory that "
+                "save_pretrained wrote (for LDS: --base)"
+            )
         return GPT2LMHeadModel.from_pretrained(str(path), local_files_only=True).float()
     if isinstance(base_dir_or_model, torch.nn.Module):
         return copy.deepcopy(base_dir_or_model)
@@ -334,8 +342,10 @@ def pack_blocks(documents: Sequence[Sequence[int]], block_size: int) -> torch.Te
     flat = [t for d in documents for t in d]
     n_blocks = len(flat) // block_size
     if n_blocks == 0:
-        raise InputError(f"{len(flat)} tokens do not fill one block of {block_size}; give more pretraining "
-                         "documents or a smaller PretrainRecipe.block_size")
+        raise InputError(
+            f"{len(flat)} tokens do not fill one block of {block_size}; give more pretraining "
+            "documents or a smaller PretrainRecipe.block_size"
+        )
     return torch.as_tensor(flat[: n_blocks * block_size], dtype=torch.long).view(n_blocks, block_size)
 
 
@@ -395,8 +405,10 @@ def _pretrain_loop(model, blocks: torch.Tensor, recipe: PretrainRecipe, log, log
         running.append(loss.item())
         if log is not None and ((step + 1) % log_every == 0 or step + 1 == recipe.steps):
             recent = running[-log_every:]
-            log(f"pretrain step {step + 1}/{recipe.steps}  loss {sum(recent) / len(recent):.4f}  "
-                f"({time.perf_counter() - t0:.1f}s)")
+            log(
+                f"pretrain step {step + 1}/{recipe.steps}  loss {sum(recent) / len(recent):.4f}  "
+                f"({time.perf_counter() - t0:.1f}s)"
+            )
 
 
 # --------------------------------------------------------------------------------------
@@ -407,8 +419,10 @@ def _pretrain_loop(model, blocks: torch.Tensor, recipe: PretrainRecipe, log, log
 def _resolve_root(root: str | os.PathLike | None) -> Path:
     path = Path(root) if root is not None else default_root()
     if not path.is_dir():
-        raise ConfigError(f"{path}: the default example is missing; regenerate it with "
-                          "`python examples/make_default.py`, or pass the directory that holds it")
+        raise ConfigError(
+            f"{path}: the default example is missing; regenerate it with "
+            "`python examples/make_default.py`, or pass the directory that holds it"
+        )
     return path
 
 

@@ -38,8 +38,9 @@ def block_memory_per_document(ms: Sequence[int], ks: Sequence[int], cache_itemsi
     return cache_itemsize * max(ms) + 4 * sum(ks)
 
 
-def default_block_documents(ms: Sequence[int], ks: Sequence[int], cache_itemsize: int, batch_size: int, *,
-                            free_disk: int, free_memory: int) -> int:
+def default_block_documents(
+    ms: Sequence[int], ks: Sequence[int], cache_itemsize: int, batch_size: int, *, free_disk: int, free_memory: int
+) -> int:
     """Documents per block, in whole gradient batches: at most :data:`MAX_BLOCK_DOCUMENTS`, and no
     more than :data:`DISK_SHARE` of ``free_disk`` of cache or :data:`MEMORY_SHARE` of
     ``free_memory`` while applying ``P``. At least one batch (then ingest reads ``P`` per batch)."""
@@ -91,8 +92,10 @@ def p_reads(plan: Dict[str, Any], *, block_documents: Optional[int] = None) -> D
         },
         "cache_bytes_per_document": per_doc_cache,
         "cache_bytes": per_doc_cache * block,
-        "block_memory_bytes": block * block_memory_per_document([r["m"] for r in rows], [r["k"] for r in rows],
-                                                                itemsize) if p_total else 0,
+        "block_memory_bytes": block
+        * block_memory_per_document([r["m"] for r in rows], [r["k"] for r in rows], itemsize)
+        if p_total
+        else 0,
     }
 
 
@@ -103,11 +106,13 @@ def format_p_reads(reads: Dict[str, Any]) -> str:
     if not reads["p_total_bytes"]:
         return "P reads       none: this variant has no P"
     per = reads["per_document"]
-    return "\n".join([
-        f"P reads       per ingested document, of {size(reads['p_total_bytes'])} of P: resident {size(per['resident'])} "
-        f"(read once for the {reads['documents']:,} documents); in turn per batch of {reads['batch_size']} {size(per['per_batch'])}; "
-        f"in turn per block of {reads['block_documents']:,} {size(per['block'])} (--block-documents)",
-        f"block cache   {size(reads['cache_bytes_per_document'])} per document (first-stage coordinates in FP16), "
-        f"{size(reads['cache_bytes'])} of disk for the block (INDEX/ingest-cache/, removed once it is committed), "
-        f"{size(reads['block_memory_bytes'])} of memory while each P is applied; under torchrun, per worker",
-    ])
+    return "\n".join(
+        [
+            f"P reads       per ingested document, of {size(reads['p_total_bytes'])} of P: resident {size(per['resident'])} "
+            f"(read once for the {reads['documents']:,} documents); in turn per batch of {reads['batch_size']} {size(per['per_batch'])}; "
+            f"in turn per block of {reads['block_documents']:,} {size(per['block'])} (--block-documents)",
+            f"block cache   {size(reads['cache_bytes_per_document'])} per document (first-stage coordinates in FP16), "
+            f"{size(reads['cache_bytes'])} of disk for the block (INDEX/ingest-cache/, removed once it is committed), "
+            f"{size(reads['block_memory_bytes'])} of memory while each P is applied; under torchrun, per worker",
+        ]
+    )

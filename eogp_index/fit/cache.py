@@ -70,8 +70,16 @@ class FitFolder:
         curvature, pca: the fitting sets.
     """
 
-    def __init__(self, index_dir: Path, settings: Dict[str, Any], curvature: Sequence[Example],
-                 pca: Sequence[Example], *, disjoint: bool, held_out: Sequence[Example] = ()):
+    def __init__(
+        self,
+        index_dir: Path,
+        settings: Dict[str, Any],
+        curvature: Sequence[Example],
+        pca: Sequence[Example],
+        *,
+        disjoint: bool,
+        held_out: Sequence[Example] = (),
+    ):
         self.dir = Path(index_dir) / FIT_DIR
         self.record = {
             "format": "eogp-fit",
@@ -93,8 +101,10 @@ class FitFolder:
         try:
             return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:  # renamed into place, so only a foreign file
-            raise ConfigError(f"{path} is not a fitting set written by eogp fit ({exc}); pass --overwrite "
-                              "(mode='overwrite') to start the fit over") from exc
+            raise ConfigError(
+                f"{path} is not a fitting set written by eogp fit ({exc}); pass --overwrite "
+                "(mode='overwrite') to start the fit over"
+            ) from exc
 
     @staticmethod
     def existing_settings(index_dir: Path) -> Optional[Dict[str, Any]]:
@@ -111,18 +121,21 @@ class FitFolder:
         found = self.existing()
         if found is None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.dir / FITTING_SET_FILE,
-                         lambda tmp: tmp.write_text(json.dumps(self.record, indent=1)))
+            atomic_write(self.dir / FITTING_SET_FILE, lambda tmp: tmp.write_text(json.dumps(self.record, indent=1)))
             return False
-        differ = [key for key in ("format", "format_version", "disjoint", "curvature_sha256", "pca_sha256")
-                  if found.get(key) != self.record[key]]
+        differ = [
+            key
+            for key in ("format", "format_version", "disjoint", "curvature_sha256", "pca_sha256")
+            if found.get(key) != self.record[key]
+        ]
         mine, theirs = self.record["settings"], found.get("settings", {})
         differ += [f"settings.{key}" for key in sorted(set(mine) | set(theirs)) if mine.get(key) != theirs.get(key)]
         if differ:
             raise ConfigError(
                 f"{self.dir} holds an interrupted fit with other settings or fitting examples (differs in: "
                 f"{', '.join(differ)}); rerun it with the same options and data to resume it, or pass "
-                "--overwrite (mode='overwrite') to start over")
+                "--overwrite (mode='overwrite') to start over"
+            )
         return True
 
     # -- stages ------------------------------------------------------------------------------------
@@ -153,7 +166,8 @@ class FitFolder:
                 raise ModelError(
                     f"first-stage coordinates of module {name!r} (fitting batch {batch}) overflow float16 "
                     f"(|z| > 65504): the half-whitened gradients are far larger than the curvature predicts; "
-                    "check that the model and fitting data are the ones the curvature was fitted on")
+                    "check that the model and fitting data are the ones the curvature was fitted on"
+                )
             half[name] = z
         atomic_write(self.batch_path(batch), lambda tmp: save_file(half, str(tmp)))
 
@@ -170,7 +184,7 @@ class FitFolder:
         start = 0
         for path, shape in zip(paths, rows):
             with safe_open(path, framework="pt") as handle:
-                out[start:start + shape[0]] = handle.get_tensor(name)
+                out[start : start + shape[0]] = handle.get_tensor(name)
             start += shape[0]
         return out
 

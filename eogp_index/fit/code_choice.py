@@ -88,8 +88,9 @@ def ranking_agreement(a: torch.Tensor, e: torch.Tensor, ndcg_at: int = FIDELITY_
     return {f"ndcg@{ndcg_at}": (hits * discount).sum(dim=1) / discount.sum(), "spearman": spearman}
 
 
-def ranking_fidelity(y: torch.Tensor, documents: torch.Tensor, target: torch.Tensor,
-                     ndcg_at: int = FIDELITY_NDCG_AT) -> Dict[str, torch.Tensor]:
+def ranking_fidelity(
+    y: torch.Tensor, documents: torch.Tensor, target: torch.Tensor, ndcg_at: int = FIDELITY_NDCG_AT
+) -> Dict[str, torch.Tensor]:
     """How well held-out documents, stored as ``documents``, keep the target's ranking.
 
     Each of the ``h`` held-out documents is a pseudo-query (its coordinates ``y`` in full
@@ -140,22 +141,35 @@ class CodeChoice:
 
     def to_json(self) -> Dict[str, object]:
         """JSON-able, an undefined value (nan) as None."""
+
         def plain(x: float) -> Optional[float]:
             return x if math.isfinite(x) else None
 
         fidelity = {code: {metric: plain(v) for metric, v in values.items()} for code, values in self.fidelity.items()}
-        return {"code": self.code, "held_out": self.held_out, **fidelity, "diff": plain(self.diff),
-                "diff_se": plain(self.diff_se), "seconds": self.seconds}
+        return {
+            "code": self.code,
+            "held_out": self.held_out,
+            **fidelity,
+            "diff": plain(self.diff),
+            "diff_se": plain(self.diff_se),
+            "seconds": self.seconds,
+        }
 
     @classmethod
     def from_json(cls, data: Dict[str, object]) -> "CodeChoice":
         def number(x) -> float:
             return float("nan") if x is None else float(x)
 
-        return cls(code=str(data["code"]), held_out=int(data["held_out"]),
-                   fidelity={code: {metric: number(v) for metric, v in data[code].items()}
-                             for code in (*CODES, FP16) if code in data},
-                   diff=number(data["diff"]), diff_se=number(data["diff_se"]), seconds=float(data.get("seconds", 0.0)))
+        return cls(
+            code=str(data["code"]),
+            held_out=int(data["held_out"]),
+            fidelity={
+                code: {metric: number(v) for metric, v in data[code].items()} for code in (*CODES, FP16) if code in data
+            },
+            diff=number(data["diff"]),
+            diff_se=number(data["diff_se"]),
+            seconds=float(data.get("seconds", 0.0)),
+        )
 
 
 def held_out_directions(z: torch.Tensor, k: int, held_out: torch.Tensor) -> torch.Tensor:
@@ -168,8 +182,9 @@ def held_out_directions(z: torch.Tensor, k: int, held_out: torch.Tensor) -> torc
         return fit_pca(z[keep], k).double()
 
 
-def held_out_coordinates(z: torch.Tensor, k: int, held_out: torch.Tensor,
-                         gram: Optional[torch.Tensor] = None) -> torch.Tensor:
+def held_out_coordinates(
+    z: torch.Tensor, k: int, held_out: torch.Tensor, gram: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """``z_held P`` ``(h, k)`` float64, with ``P`` fitted without the held-out rows.
 
     With the whole set's Gram matrix ``G = Z Zᵀ`` (the stored P's fit needs it anyway) and a fit
@@ -186,8 +201,13 @@ def held_out_coordinates(z: torch.Tensor, k: int, held_out: torch.Tensor,
     return z[held_out].double() @ held_out_directions(z, k, held_out)
 
 
-def compare_codes(y: torch.Tensor, target: torch.Tensor, rotation: HadamardRotation,
-                  ndcg_at: int = FIDELITY_NDCG_AT, seconds: float = 0.0) -> CodeChoice:
+def compare_codes(
+    y: torch.Tensor,
+    target: torch.Tensor,
+    rotation: HadamardRotation,
+    ndcg_at: int = FIDELITY_NDCG_AT,
+    seconds: float = 0.0,
+) -> CodeChoice:
     """Both codes' fidelity, and the FP16 coordinates', to the first-stage inner products, and the choice.
 
     Args:
@@ -198,8 +218,10 @@ def compare_codes(y: torch.Tensor, target: torch.Tensor, rotation: HadamardRotat
     start = time_counter()
     y = y.to(torch.float64)
     rotated = rotation.apply(y)
-    per_code = {"eogp": ranking_fidelity(y, one_bit_documents(y), target, ndcg_at),
-                "eogp-rot": ranking_fidelity(rotated, one_bit_documents(rotated), target, ndcg_at)}
+    per_code = {
+        "eogp": ranking_fidelity(y, one_bit_documents(y), target, ndcg_at),
+        "eogp-rot": ranking_fidelity(rotated, one_bit_documents(rotated), target, ndcg_at),
+    }
     fp16 = ranking_fidelity(y, y.to(torch.float16), target, ndcg_at)
     fidelity: Dict[str, Dict[str, float]] = {}
     for code, values in {**per_code, FP16: fp16}.items():
@@ -221,8 +243,15 @@ def held_out_target(z: torch.Tensor, held_out: torch.Tensor, gram: Optional[torc
     return rows @ rows.T
 
 
-def choose_code(z: torch.Tensor, k: int, rotation: HadamardRotation, held_out: torch.Tensor,
-                ndcg_at: int = FIDELITY_NDCG_AT, *, gram: Optional[torch.Tensor] = None) -> CodeChoice:
+def choose_code(
+    z: torch.Tensor,
+    k: int,
+    rotation: HadamardRotation,
+    held_out: torch.Tensor,
+    ndcg_at: int = FIDELITY_NDCG_AT,
+    *,
+    gram: Optional[torch.Tensor] = None,
+) -> CodeChoice:
     """Measure both codes of one module on its held-out documents and pick one.
 
     Args:
@@ -245,5 +274,8 @@ def fidelity_record(choices: Dict[str, CodeChoice]) -> Optional[Dict[str, object
     when nothing was measured: ``{"ndcg_at", "seconds", "modules": {name: CodeChoice.to_json()}}``."""
     if not choices:
         return None
-    return {"ndcg_at": FIDELITY_NDCG_AT, "seconds": sum(c.seconds for c in choices.values()),
-            "modules": {name: choice.to_json() for name, choice in choices.items()}}
+    return {
+        "ndcg_at": FIDELITY_NDCG_AT,
+        "seconds": sum(c.seconds for c in choices.values()),
+        "modules": {name: choice.to_json() for name, choice in choices.items()},
+    }

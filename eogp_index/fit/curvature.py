@@ -147,9 +147,9 @@ def fit_curvature(
     try:
         with kronfluence_device(device):
             analyzer = Analyzer(
-            analysis_name=ANALYSIS_NAME,
-            model=prepared,
-            task=task,
+                analysis_name=ANALYSIS_NAME,
+                model=prepared,
+                task=task,
                 cpu=device == "cpu",
                 disable_tqdm=not progress,
                 output_dir=str(output_dir),
@@ -161,11 +161,16 @@ def fit_curvature(
                 per_device_batch_size=config.batch_size,
                 dataloader_kwargs=DataLoaderKwargs(collate_fn=lambda batch: collate(batch, pad_token_id)),
                 factor_args=FactorArguments(
-                    strategy="ekfac", amp_dtype=None, activation_covariance_dtype=torch.float32,
-                    gradient_covariance_dtype=torch.float32, eigendecomposition_dtype=torch.float64,
-                    per_sample_gradient_dtype=torch.float32, lambda_dtype=torch.float32,
+                    strategy="ekfac",
+                    amp_dtype=None,
+                    activation_covariance_dtype=torch.float32,
+                    gradient_covariance_dtype=torch.float32,
+                    eigendecomposition_dtype=torch.float64,
+                    per_sample_gradient_dtype=torch.float32,
+                    lambda_dtype=torch.float32,
                     covariance_module_partitions=min(module_partitions, len(modules)),
-                    lambda_module_partitions=min(module_partitions, len(modules))),
+                    lambda_module_partitions=min(module_partitions, len(modules)),
+                ),
                 overwrite_output_dir=True,
             )
     finally:
@@ -200,8 +205,9 @@ class CurvatureFiles(Mapping[str, ModuleCurvature]):
         for name in self._FILES:
             path = self.folder / f"{name}.safetensors"
             if not path.exists():
-                raise IndexNotFoundError(f"kronfluence factor file {path} is missing; fit the curvature first "
-                                         "(eogp fit)")
+                raise IndexNotFoundError(
+                    f"kronfluence factor file {path} is missing; fit the curvature first (eogp fit)"
+                )
         with safe_open(str(self.folder / "lambda_matrix.safetensors"), framework="pt") as handle:
             present = set(handle.keys())
         for module in self.modules:
@@ -221,7 +227,8 @@ class CurvatureFiles(Mapping[str, ModuleCurvature]):
             activation_eigenvectors=tensors["activation_eigenvectors"].float().contiguous(),
             gradient_eigenvectors=tensors["gradient_eigenvectors"].float().contiguous(),
             eigenvalues=(tensors["lambda_matrix"].double() / tensors["num_lambda_processed"].double())
-            .float().contiguous(),
+            .float()
+            .contiguous(),
         )
 
     def __iter__(self) -> Iterator[str]:

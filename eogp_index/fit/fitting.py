@@ -120,7 +120,7 @@ class Ranks:
 
     def share(self, items: Sequence[int]) -> list:
         """This rank's items, dealt round-robin."""
-        return list(items)[self.rank::self.world]
+        return list(items)[self.rank :: self.world]
 
 
 def fit_projection(
@@ -162,34 +162,65 @@ def fit_projection(
         report_coverage(model, names, log)
     pad_id = pad_token_id(tokenizer)
     use_pca = projection.second_stage == "pca"
-    sets = split_fit_sets(examples, curvature.num_examples, projection.num_fit_examples if use_pca else 0,
-                          curvature_seed=curvature.seed, pca_seed=projection.seed)
+    sets = split_fit_sets(
+        examples,
+        curvature.num_examples,
+        projection.num_fit_examples if use_pca else 0,
+        curvature_seed=curvature.seed,
+        pca_seed=projection.seed,
+    )
     check_counted(sets.pca)
     _probe_capture(model, names, sets.pca or sets.curvature, pad_id, device)
-    gradients, curvature, partitions = _sized(model, names, sets, out_dir, projection, storage, curvature, gradients,
-                                              device, ranks)
+    gradients, curvature, partitions = _sized(
+        model, names, sets, out_dir, projection, storage, curvature, gradients, device, ranks
+    )
     held_out = held_out_rows(len(sets.pca), projection.held_out_fraction, projection.seed) if use_pca else None
-    settings = {"weights_sha256": weights_sha256, "modules": list(names), "curvature": curvature.__dict__,
-                "projection": projection.__dict__, "precision": storage.precision,
-                "max_tokens": gradients.max_tokens, "gradient_batch_size": gradients.batch_size}
-    folder = FitFolder(out_dir, settings, sets.curvature, sets.pca, disjoint=sets.disjoint,
-                       held_out=[sets.pca[i] for i in held_out.tolist()] if use_pca else ())
+    settings = {
+        "weights_sha256": weights_sha256,
+        "modules": list(names),
+        "curvature": curvature.__dict__,
+        "projection": projection.__dict__,
+        "precision": storage.precision,
+        "max_tokens": gradients.max_tokens,
+        "gradient_batch_size": gradients.batch_size,
+    }
+    folder = FitFolder(
+        out_dir,
+        settings,
+        sets.curvature,
+        sets.pca,
+        disjoint=sets.disjoint,
+        held_out=[sets.pca[i] for i in held_out.tolist()] if use_pca else (),
+    )
     num_batches = -(-len(sets.pca) // gradients.batch_size)
     if ranks.rank == 0 and folder.begin():
-        log.info("resuming the interrupted fit in %s: reusing %s", folder.dir,
-                 _reused(folder, num_batches, len(names), use_pca))
+        log.info(
+            "resuming the interrupted fit in %s: reusing %s",
+            folder.dir,
+            _reused(folder, num_batches, len(names), use_pca),
+        )
     ranks.barrier()
 
-    factors = _curvature(model, sets.curvature, names, out_dir, folder, curvature, pad_id, device, ranks, progress,
-                         partitions)
-    fitted = build_projection(factors, projection, storage, damping_ratio=curvature.damping_ratio,
-                              eigenvector_dtype=torch_dtype(EIGENVECTOR_DTYPES[dtype_name(model)]))
+    factors = _curvature(
+        model, sets.curvature, names, out_dir, folder, curvature, pad_id, device, ranks, progress, partitions
+    )
+    fitted = build_projection(
+        factors,
+        projection,
+        storage,
+        damping_ratio=curvature.damping_ratio,
+        eigenvector_dtype=torch_dtype(EIGENVECTOR_DTYPES[dtype_name(model)]),
+    )
     del factors  # build_projection copied the columns it keeps
     if use_pca and projection.variant == "auto" and not held_out.numel():
         if ranks.rank == 0:
-            log.info("variant auto: %d held-out documents (held_out_fraction %s of %d) are too few to measure the "
-                     "1-bit codes; every module keeps EOGP", held_out.numel(), projection.held_out_fraction,
-                     len(sets.pca))
+            log.info(
+                "variant auto: %d held-out documents (held_out_fraction %s of %d) are too few to measure the "
+                "1-bit codes; every module keeps EOGP",
+                held_out.numel(),
+                projection.held_out_fraction,
+                len(sets.pca),
+            )
         for module in fitted.modules.values():
             module.rotation = None
     if use_pca:
@@ -215,8 +246,9 @@ def fit_projection(
     )
 
 
-def _probe_capture(model: nn.Module, names: Sequence[str], examples: Sequence[Example], pad_id: int,
-                   device: str) -> None:
+def _probe_capture(
+    model: nn.Module, names: Sequence[str], examples: Sequence[Example], pad_id: int, device: str
+) -> None:
     """Two examples through the gradient capture before kronfluence's curvature pass, so that a
     module the capture refuses (one without per-example inputs) is refused at once, not after it."""
     counted = [ex for ex in examples[:16] if any(label != IGNORE_INDEX for label in list(ex.labels)[1:])][:2]
@@ -228,8 +260,10 @@ def _probe_capture(model: nn.Module, names: Sequence[str], examples: Sequence[Ex
 def _reused(folder: FitFolder, num_batches: int, num_modules: int, use_pca: bool) -> str:
     parts = ["the curvature factors" if folder.curvature_done() else "no curvature factors (refitting them)"]
     if use_pca:
-        parts.append(f"the first-stage coordinates of {len(folder.batches_done(num_batches))} of {num_batches} "
-                     "batches (every module's cache, float16)")
+        parts.append(
+            f"the first-stage coordinates of {len(folder.batches_done(num_batches))} of {num_batches} "
+            "batches (every module's cache, float16)"
+        )
         parts.append(f"{len(folder.modules_done(num_modules))} of {num_modules} fitted modules")
     return ", ".join(parts)
 
@@ -245,25 +279,41 @@ def _sized(model, names, sets, out_dir, projection, storage, curvature, gradient
 
     budget, budget_from = memory_budget(gradients.memory_budget_gb, device)
     examples = [*sets.curvature, *sets.pca]
-    plan = make_plan(shape_of_model(model, names, name="the model"), projection, precision=storage.precision,
-                     curvature_examples=len(sets.curvature), batch_size=gradients.batch_size,
-                     document_tokens=max(len(ex.input_ids) for ex in examples), memory_budget=budget,
-                     batch_tokens=gradients.batch_tokens, device="cpu" if device == "cpu" else "cuda")
+    plan = make_plan(
+        shape_of_model(model, names, name="the model"),
+        projection,
+        precision=storage.precision,
+        curvature_examples=len(sets.curvature),
+        batch_size=gradients.batch_size,
+        document_tokens=max(len(ex.input_ids) for ex in examples),
+        memory_budget=budget,
+        batch_tokens=gradients.batch_tokens,
+        device="cpu" if device == "cpu" else "cuda",
+    )
     documents = plan["batch"]["documents"]
     found = (FitFolder.existing_settings(out_dir) or {}).get("gradient_batch_size")
     if found is not None and gradients.batch_tokens is None and found <= gradients.batch_size:
         documents = found  # the interrupted fit's batches, whatever memory is free now
     partitions = plan["curvature"]["module_partitions"]
     if ranks.rank == 0:
-        log.info("memory budget %.3g GB (%s): batches of %d documents of up to %d tokens, kronfluence in %d module "
-                 "partition(s); eogp plan prints the estimates", budget / 1e9, budget_from, documents,
-                 plan["batch"]["document_tokens"], partitions)
+        log.info(
+            "memory budget %.3g GB (%s): batches of %d documents of up to %d tokens, kronfluence in %d module "
+            "partition(s); eogp plan prints the estimates",
+            budget / 1e9,
+            budget_from,
+            documents,
+            plan["batch"]["document_tokens"],
+            partitions,
+        )
         for key in ("fit_curvature", "fit_first_stage", "fit_pca", "fit_save"):
             entry = plan["memory"][key]
             if entry["fits"] is False:
                 log.warning("%s is estimated at %.3g GB, over the budget: %s", key, entry["bytes"] / 1e9, entry["fix"])
-    return (dataclasses.replace(gradients, batch_size=documents),
-            dataclasses.replace(curvature, batch_size=min(curvature.batch_size, documents)), partitions)
+    return (
+        dataclasses.replace(gradients, batch_size=documents),
+        dataclasses.replace(curvature, batch_size=min(curvature.batch_size, documents)),
+        partitions,
+    )
 
 
 def _curvature(model, examples, names, out_dir, folder, config, pad_id, device, ranks, progress, partitions=1):
@@ -275,11 +325,21 @@ def _curvature(model, examples, names, out_dir, folder, config, pad_id, device, 
         everyone = ranks.world > 1 and str(device).startswith("cuda") and ranks.backend == "nccl"
         if everyone or ranks.rank == 0:
             if ranks.world > 1 and not everyone:
-                log.info("rank 0 fits the curvature (kronfluence splits it only on CUDA with NCCL); "
-                         "the other %d ranks wait", ranks.world - 1)
-            fit_curvature(model, [(ex.input_ids, ex.labels) for ex in examples], names, curvature_dir,
-                          config=config, pad_token_id=pad_id, device=device, progress=progress,
-                          module_partitions=partitions)
+                log.info(
+                    "rank 0 fits the curvature (kronfluence splits it only on CUDA with NCCL); the other %d ranks wait",
+                    ranks.world - 1,
+                )
+            fit_curvature(
+                model,
+                [(ex.input_ids, ex.labels) for ex in examples],
+                names,
+                curvature_dir,
+                config=config,
+                pad_token_id=pad_id,
+                device=device,
+                progress=progress,
+                module_partitions=partitions,
+            )
         ranks.barrier()
         if ranks.rank == 0:
             folder.mark_curvature_done()
@@ -287,8 +347,18 @@ def _curvature(model, examples, names, out_dir, folder, config, pad_id, device, 
     return load_curvature(curvature_dir, list(names))
 
 
-def _first_stage_pass(model, fitted: Projection, names, examples, folder: FitFolder, gradients: GradientConfig,
-                      pad_id: int, device: str, ranks: Ranks, progress: bool) -> None:
+def _first_stage_pass(
+    model,
+    fitted: Projection,
+    names,
+    examples,
+    folder: FitFolder,
+    gradients: GradientConfig,
+    pad_id: int,
+    device: str,
+    ranks: Ranks,
+    progress: bool,
+) -> None:
     """First-stage coordinates of the PCA set, one file per batch (all modules, float16).
 
     Batches are fixed by position (``gradients.batch_size``), so a batch's coordinates do not
@@ -301,8 +371,13 @@ def _first_stage_pass(model, fitted: Projection, names, examples, folder: FitFol
     ranks.barrier()  # every rank has the same list before any rank writes a batch
     mine = ranks.share(pending)
     if ranks.world > 1:
-        log.info("rank %d: first-stage coordinates of %d of the %d batches left (%d examples in all)",
-                 ranks.rank, len(mine), len(pending), len(examples))
+        log.info(
+            "rank %d: first-stage coordinates of %d of the %d batches left (%d examples in all)",
+            ranks.rank,
+            len(mine),
+            len(pending),
+            len(examples),
+        )
 
     # Each module's rows leave the hook as float16: one batch of every module is what is held.
     def to_half(name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -315,8 +390,9 @@ def _first_stage_pass(model, fitted: Projection, names, examples, folder: FitFol
         folder.write_batch(b, coords)
 
 
-def _fit_modules(fitted: Projection, folder: FitFolder, num_batches: int, held_out: torch.Tensor, ranks: Ranks,
-                 progress: bool) -> None:
+def _fit_modules(
+    fitted: Projection, folder: FitFolder, num_batches: int, held_out: torch.Tensor, ranks: Ranks, progress: bool
+) -> None:
     """Each module's P from its cached coordinates, one module in memory at a time, round-robin over ranks.
 
     With held-out rows, each module's two 1-bit codes are measured on them first
@@ -331,8 +407,13 @@ def _fit_modules(fitted: Projection, folder: FitFolder, num_batches: int, held_o
     ranks.barrier()  # every rank has the same list before any rank writes a module
     mine = ranks.share(pending)
     if ranks.world > 1:
-        log.info("rank %d: PCA of %d of the %d modules left: %s", ranks.rank, len(mine), len(pending),
-                 ", ".join(modules[i][0] for i in mine) or "none")
+        log.info(
+            "rank %d: PCA of %d of the %d modules left: %s",
+            ranks.rank,
+            len(mine),
+            len(pending),
+            ", ".join(modules[i][0] for i in mine) or "none",
+        )
     # P is kept on disk at the dtype the projection file stores it in, so that writing that file
     # streams each P from its memory map instead of converting them all in memory first.
     dtype = PCA_TORCH_DTYPES[fitted.config.pca_dtype]
@@ -370,10 +451,12 @@ def format_choices(fitted: Projection, total_seconds: float) -> str:
     the same ``k`` beside them, the paired difference and the code stored."""
     choices = fitted.choices
     held = max(c.held_out for c in choices.values())
-    lines = [f"held-out 1-bit fidelity to the first-stage inner products ({held} documents of the PCA set held out, "
-             f"each a pseudo-query ranking the others; variant {fitted.config.variant}):",
-             f"  {'module':<28} {'EOGP ndcg@20 / spearman':>26} {'EOGP-rot ndcg@20 / spearman':>30} "
-             f"{'rot - eogp':>16}  {'code':<18} FP16 at k"]
+    lines = [
+        f"held-out 1-bit fidelity to the first-stage inner products ({held} documents of the PCA set held out, "
+        f"each a pseudo-query ranking the others; variant {fitted.config.variant}):",
+        f"  {'module':<28} {'EOGP ndcg@20 / spearman':>26} {'EOGP-rot ndcg@20 / spearman':>30} "
+        f"{'rot - eogp':>16}  {'code':<18} FP16 at k",
+    ]
     for name, c in choices.items():
         if not c.held_out:
             lines.append(f"  {name:<28} {'(not measured)':>26}")
@@ -386,6 +469,8 @@ def format_choices(fitted: Projection, total_seconds: float) -> str:
         diff = f"{c.diff:+.3f}±{c.diff_se:.3f}" if math.isfinite(c.diff) else "n/a"
         lines.append(f"  {name:<28} {cells[0]:>26} {cells[1]:>30} {diff:>16}  {stored:<18} {cells[2]}")
     extra = sum(c.seconds for c in choices.values())
-    lines.append(f"  measurement time {extra:.2f} s of the fit's {total_seconds:.2f} s "
-                 f"({100 * extra / max(total_seconds, 1e-9):.1f}%)")
+    lines.append(
+        f"  measurement time {extra:.2f} s of the fit's {total_seconds:.2f} s "
+        f"({100 * extra / max(total_seconds, 1e-9):.1f}%)"
+    )
     return "\n".join(lines)

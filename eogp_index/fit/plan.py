@@ -98,8 +98,7 @@ class ModelShape:
     dtype: str = "float32"
 
 
-def model_shape(name_or_config: str, patterns: Optional[Sequence[str]] = None, *,
-                experts: str = "fused") -> ModelShape:
+def model_shape(name_or_config: str, patterns: Optional[Sequence[str]] = None, *, experts: str = "fused") -> ModelShape:
     """The attributed modules of a model given as a hub name, a local directory or a config.json
     file, without its weights: the model is built on the ``meta`` device (nothing is allocated;
     a hub name downloads its config only).
@@ -120,13 +119,21 @@ def model_shape(name_or_config: str, patterns: Optional[Sequence[str]] = None, *
         else:
             config = AutoConfig.from_pretrained(base)
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelError(f"cannot read a model config from {name_or_config!r} ({exc}); give a hub name, a model "
-                         "directory or a config.json with a model_type") from exc
+        raise ModelError(
+            f"cannot read a model config from {name_or_config!r} ({exc}); give a hub name, a model "
+            "directory or a config.json with a model_type"
+        ) from exc
     return shape_of_config(config, name=str(name_or_config), patterns=patterns, adapter=adapter, experts=experts)
 
 
-def shape_of_config(config, *, name: str, patterns: Optional[Sequence[str]] = None,
-                    adapter: Optional[str] = None, experts: str = "fused") -> ModelShape:
+def shape_of_config(
+    config,
+    *,
+    name: str,
+    patterns: Optional[Sequence[str]] = None,
+    adapter: Optional[str] = None,
+    experts: str = "fused",
+) -> ModelShape:
     """:func:`model_shape` from a ``transformers`` config object, with ``adapter``'s LoRA layers if
     given, and fused experts rebuilt as linear layers with ``experts="dense"``."""
     import torch
@@ -153,9 +160,11 @@ def shape_of_model(model, names: Sequence[str], *, name: str, dtype: Optional[st
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelShape(
-        name=name, modules=tuple(ModuleShape(n, *module_shape(model, n)) for n in names),
+        name=name,
+        modules=tuple(ModuleShape(n, *module_shape(model, n)) for n in names),
         num_parameters=sum(p.numel() for p in model.parameters()),
-        hidden_size=int(getattr(text, "hidden_size")), num_layers=int(getattr(text, "num_hidden_layers")),
+        hidden_size=int(getattr(text, "hidden_size")),
+        num_layers=int(getattr(text, "num_hidden_layers")),
         vocab_size=int(getattr(text, "vocab_size")),
         context=int(getattr(text, "max_position_embeddings", 0) or getattr(text, "n_positions", 0) or 2048),
         coverage=model_coverage(model, names).to_json(),
@@ -192,15 +201,20 @@ def _config_dtype(config) -> str:
 def _eigen_upper(mod: ModuleShape, element_bytes: int) -> int:
     """Bytes of the kept eigenvector columns at ``element_bytes`` each: at most all of ``Q_S`` and
     ``Q_A``; exactly that when every coordinate is kept."""
-    return element_bytes * (mod.d_out ** 2 + mod.d_in ** 2)
+    return element_bytes * (mod.d_out**2 + mod.d_in**2)
 
 
 def _eigen_row(nbytes: int, dtype: str, exact: bool) -> Dict[str, Any]:
     """A module's kept eigenvector columns in the plan: ``nbytes`` held in ``dtype`` (exact or a
     bound), and the float32 copy its first stage makes of them (none when they are float32)."""
     upcast = 0 if dtype == "float32" else nbytes * F32 // MODEL_DTYPE_BYTES[dtype]
-    return {"eigenbasis_bytes": nbytes, "eigenbasis_bytes_max": nbytes, "eigenbasis_exact": exact,
-            "eigenbasis_dtype": dtype, "eigenbasis_upcast_bytes": upcast}
+    return {
+        "eigenbasis_bytes": nbytes,
+        "eigenbasis_bytes_max": nbytes,
+        "eigenbasis_exact": exact,
+        "eigenbasis_dtype": dtype,
+        "eigenbasis_upcast_bytes": upcast,
+    }
 
 
 def curvature_partitions(factor_bytes: Sequence[int], available: Optional[int]) -> int:
@@ -223,7 +237,7 @@ def curvature_partitions(factor_bytes: Sequence[int], available: Optional[int]) 
 def _largest_part(factor_bytes: Sequence[int], parts: int) -> int:
     """Bytes of the largest of kronfluence's ``parts`` module partitions."""
     div, mod = divmod(len(factor_bytes), parts)
-    return max(sum(factor_bytes[i * div + min(i, mod):(i + 1) * div + min(i + 1, mod)]) for i in range(parts))
+    return max(sum(factor_bytes[i * div + min(i, mod) : (i + 1) * div + min(i + 1, mod)]) for i in range(parts))
 
 
 @dataclass(frozen=True)
@@ -330,9 +344,17 @@ def _in_dtype(inp: _Inputs, dtype: str) -> _Inputs:
     """``inp`` refitted with the model in ``dtype``: its weights, activations and kept eigenvector
     columns (the same rows and columns, held in ``EIGENVECTOR_DTYPES`` of it) counted in it."""
     held = EIGENVECTOR_DTYPES[dtype]
-    rows = tuple({**r, **_eigen_row(r["eigenbasis_bytes"] * MODEL_DTYPE_BYTES[held]
-                                    // MODEL_DTYPE_BYTES[r["eigenbasis_dtype"]], held, r["eigenbasis_exact"])}
-                 for r in inp.rows)
+    rows = tuple(
+        {
+            **r,
+            **_eigen_row(
+                r["eigenbasis_bytes"] * MODEL_DTYPE_BYTES[held] // MODEL_DTYPE_BYTES[r["eigenbasis_dtype"]],
+                held,
+                r["eigenbasis_exact"],
+            ),
+        }
+        for r in inp.rows
+    )
     return replace(inp, dtype=dtype, rows=rows)
 
 
@@ -361,8 +383,11 @@ def fit_curvature_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
     # Its Λ pass keeps every module's input in float32 until that module's backward hook, and
     # one module's per-example gradients of the batch with their rotation into the eigenbasis;
     # eigendecomposing one module's covariance (float64) needs it and its eigenvectors.
-    work = (inp.activations(tokens, captured_bytes=F32, sampled=True) + 2 * F32 * docs * widest
-            + 2 * F64 * max(max(r["d_in"], r["d_out"]) ** 2 for r in inp.rows))
+    work = (
+        inp.activations(tokens, captured_bytes=F32, sampled=True)
+        + 2 * F32 * docs * widest
+        + 2 * F64 * max(max(r["d_in"], r["d_out"]) ** 2 for r in inp.rows)
+    )
     available = None if inp.budget is None else inp.budget - inp.model - work
     parts = curvature_partitions(factor_bytes, available)
     held = _largest_part(factor_bytes, parts)
@@ -374,21 +399,23 @@ def fit_curvature_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
     host = PROCESS_BYTES + max(2 * factors, build)
     on_cpu = inp.device == "cpu"
     peak = inp.model + held + work + (host - PROCESS_BYTES if on_cpu else 0)
-    return {**_phase(
-        peak,
-        f"process + weights ({inp.dtype}) + kronfluence's factors of its largest module partition "
-        f"({parts} partition{'s' if parts > 1 else ''} of the {len(factor_bytes)} modules, {_size(held)}: "
-        "covariances, eigenvectors, eigenvalues, Λ, float32) + one curvature batch's activations (module inputs "
-        "in float32; logits with the float32 probabilities their labels are sampled from) and one module's per-example gradients and eigendecomposition (float64)"
-        + ("; on the CPU also the host memory below" if on_cpu else ""),
-        bound=inp.eigen_is_bound,
-        disk=factors * (2 if parts > 1 else 1),
-        disk_counts="kronfluence's factors (curvature/), twice while partitions are aggregated"),
+    return {
+        **_phase(
+            peak,
+            f"process + weights ({inp.dtype}) + kronfluence's factors of its largest module partition "
+            f"({parts} partition{'s' if parts > 1 else ''} of the {len(factor_bytes)} modules, {_size(held)}: "
+            "covariances, eigenvectors, eigenvalues, Λ, float32) + one curvature batch's activations (module inputs "
+            "in float32; logits with the float32 probabilities their labels are sampled from) and one module's per-example gradients and eigendecomposition (float64)"
+            + ("; on the CPU also the host memory below" if on_cpu else ""),
+            bound=inp.eigen_is_bound,
+            disk=factors * (2 if parts > 1 else 1),
+            disk_counts="kronfluence's factors (curvature/), twice while partitions are aggregated",
+        ),
         "module_partitions": parts,
         "host_bytes": host,
         "host_counts": "process + every module's factors twice (kronfluence aggregates, decomposes and copies "
-                       "them in host memory) or, if larger, every module's kept eigenvector columns (upper bound "
-                       "before the fit) and one module's factors, read back one at a time",
+        "them in host memory) or, if larger, every module's kept eigenvector columns (upper bound "
+        "before the fit) and one module's factors, read back one at a time",
     }
 
 
@@ -401,23 +428,34 @@ def first_stage_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
     # example's (r, c) eigenbasis block at a time, with the intermediate product of the
     # per-example routes, and the batch's (B, m) rows taken from it (float32, each block at most
     # d_u); every module's rows of the batch (float16).
-    work = (inp.eigen_upcast + F32 * (2 * widest + batch.documents * max(r["m"] for r in inp.rows))
-            + 2 * batch.documents * sum_m)
+    work = (
+        inp.eigen_upcast
+        + F32 * (2 * widest + batch.documents * max(r["m"] for r in inp.rows))
+        + 2 * batch.documents * sum_m
+    )
     peak = inp.model + inp.eigen + inp.activations(batch.tokens) + work
-    return _phase(peak, f"process + weights ({inp.dtype}) + kept eigenvector columns ({inp.eigen_dtype}"
-                  + (", upper bound" if inp.eigen_is_bound else "")
-                  + (f"; one module's upcast to float32 while it is projected, {_size(inp.eigen_upcast)})"
-                     if inp.eigen_upcast else ")")
-                  + f" + one batch's activations ({batch.documents} x {batch.document_tokens} tokens), logits and "
-                  "their gradient, captured module inputs and first-stage rows", bound=inp.eigen_is_bound,
-                  disk=2 * inp.n_pca * sum_m if inp.pca else 0,
-                  disk_counts="the PCA set's first-stage coordinates (fit/, float16)")
+    return _phase(
+        peak,
+        f"process + weights ({inp.dtype}) + kept eigenvector columns ({inp.eigen_dtype}"
+        + (", upper bound" if inp.eigen_is_bound else "")
+        + (
+            f"; one module's upcast to float32 while it is projected, {_size(inp.eigen_upcast)})"
+            if inp.eigen_upcast
+            else ")"
+        )
+        + f" + one batch's activations ({batch.documents} x {batch.document_tokens} tokens), logits and "
+        "their gradient, captured module inputs and first-stage rows",
+        bound=inp.eigen_is_bound,
+        disk=2 * inp.n_pca * sum_m if inp.pca else 0,
+        disk_counts="the PCA set's first-stage coordinates (fit/, float16)",
+    )
 
 
 def fit_pca_phase(inp: _Inputs) -> Dict[str, Any]:
     """fit_pca of the largest module from its cache: the FP16 cache, the Gram (n < m) or
     covariance matrix and its eigenvectors (float64), the float64 blocks it upcasts (<= 64 MiB
     each, two at a time), the directions (float32) and P at its stored dtype."""
+
     def one(r: Dict[str, Any]) -> int:
         n, m, k = inp.n_pca, r["m"], r["k"]
         square = min(n, m)
@@ -425,19 +463,27 @@ def fit_pca_phase(inp: _Inputs) -> Dict[str, Any]:
         return 2 * n * m + 2 * F64 * square * square + blocks + (F32 + inp.p_dtype) * m * k
 
     work = max(one(r) for r in inp.rows) if inp.pca else 0
-    return _phase(inp.model + inp.eigen + work,
-                  f"process + weights + kept eigenvector columns + the largest module's PCA: its cached coordinates "
-                  f"({inp.n_pca} x m_u, float16), Gram or covariance matrix and eigenvectors (float64), float64 "
-                  "blocks of at most 64 MiB, P", bound=inp.eigen_is_bound,
-                  disk=inp.pca_total, disk_counts=f"each module's fitted P (fit/pca/, {inp.projection.pca_dtype})")
+    return _phase(
+        inp.model + inp.eigen + work,
+        f"process + weights + kept eigenvector columns + the largest module's PCA: its cached coordinates "
+        f"({inp.n_pca} x m_u, float16), Gram or covariance matrix and eigenvectors (float64), float64 "
+        "blocks of at most 64 MiB, P",
+        bound=inp.eigen_is_bound,
+        disk=inp.pca_total,
+        disk_counts=f"each module's fitted P (fit/pca/, {inp.projection.pca_dtype})",
+    )
 
 
 def fit_save_phase(inp: _Inputs) -> Dict[str, Any]:
     """Writing the projection file, one tensor at a time."""
-    return _phase(inp.model + inp.eigen + inp.largest_pca,
-                  "process + weights + kept eigenvector columns + one module's P: the projection file is written "
-                  "one tensor at a time", bound=inp.eigen_is_bound,
-                  disk=inp.pca_total + inp.eigen, disk_counts="projection.safetensors")
+    return _phase(
+        inp.model + inp.eigen + inp.largest_pca,
+        "process + weights + kept eigenvector columns + one module's P: the projection file is written "
+        "one tensor at a time",
+        bound=inp.eigen_is_bound,
+        disk=inp.pca_total + inp.eigen,
+        disk_counts="projection.safetensors",
+    )
 
 
 def ingest_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> Dict[str, Any]:
@@ -446,41 +492,67 @@ def ingest_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> Dict[str, Any
     base = first_stage_phase(inp, batch)["bytes"]
     p_held = inp.pca_total if resident else inp.largest_pca
     per_example = sum(r["bytes_per_example"] for r in inp.rows)
-    what = ("every module's P, resident" if resident else
-            f"one module's P at a time ({_size(inp.largest_pca)}), read in every batch")
-    return {**_phase(base + p_held + inp.upcast,
-                     f"what the first stage holds + {what}, and an upcast float32 block of it ({_size(inp.upcast)})",
-                     bound=inp.eigen_is_bound, disk=inp.documents * per_example,
-                     disk_counts=f"the codes of {inp.documents:,} documents (table columns not counted)"),
-            "p_resident": resident}
+    what = (
+        "every module's P, resident"
+        if resident
+        else f"one module's P at a time ({_size(inp.largest_pca)}), read in every batch"
+    )
+    return {
+        **_phase(
+            base + p_held + inp.upcast,
+            f"what the first stage holds + {what}, and an upcast float32 block of it ({_size(inp.upcast)})",
+            bound=inp.eigen_is_bound,
+            disk=inp.documents * per_example,
+            disk_counts=f"the codes of {inp.documents:,} documents (table columns not counted)",
+        ),
+        "p_resident": resident,
+    }
 
 
 def query_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> Dict[str, Any]:
     """A batch of queries: what ingest holds, plus the in-memory copy of the codes it scans."""
     rows = inp.rows
-    hot = inp.documents * ((sum(math.ceil(r["k"] / 8) for r in rows) + F32 * len(rows)) if inp.precision == "1bit"
-                           else F32 * sum(r["k"] for r in rows))
+    hot = inp.documents * (
+        (sum(math.ceil(r["k"] / 8) for r in rows) + F32 * len(rows))
+        if inp.precision == "1bit"
+        else F32 * sum(r["k"] for r in rows)
+    )
     ingest = ingest_phase(inp, batch, resident=resident)
-    return {**_phase(ingest["bytes"] + hot,
-                     "what ingest holds, plus the in-memory copy of the codes it scans (packed signs and float32 "
-                     f"scales per row, {_size(hot)})", bound=inp.eigen_is_bound),
-            "hot_bytes": hot, "p_resident": resident}
+    return {
+        **_phase(
+            ingest["bytes"] + hot,
+            "what ingest holds, plus the in-memory copy of the codes it scans (packed signs and float32 "
+            f"scales per row, {_size(hot)})",
+            bound=inp.eigen_is_bound,
+        ),
+        "hot_bytes": hot,
+        "p_resident": resident,
+    }
 
 
 def _batch_phases(inp: _Inputs, batch: Batch, resident: bool) -> Dict[str, Dict[str, Any]]:
     """The phases whose memory grows with the batch."""
-    return {"fit_curvature": fit_curvature_phase(inp, batch), "fit_first_stage": first_stage_phase(inp, batch),
-            "ingest": ingest_phase(inp, batch, resident=resident), "query": query_phase(inp, batch, resident=resident)}
+    return {
+        "fit_curvature": fit_curvature_phase(inp, batch),
+        "fit_first_stage": first_stage_phase(inp, batch),
+        "ingest": ingest_phase(inp, batch, resident=resident),
+        "query": query_phase(inp, batch, resident=resident),
+    }
 
 
 def choose_batch(inp: _Inputs, document_tokens: int, most: int, resident: bool) -> Tuple[Batch, str]:
     """The largest batch of at most ``most`` documents whose projecting phases (first stage,
     ingest, query) fit the budget; one document when none does (the plan then says so)."""
-    fits = [d for d in range(1, most + 1)
-            if inp.budget is None or all(
-                phase["bytes"] <= inp.budget for key, phase in _batch_phases(inp, Batch(d, document_tokens),
-                                                                             resident).items()
-                if key != "fit_curvature")]
+    fits = [
+        d
+        for d in range(1, most + 1)
+        if inp.budget is None
+        or all(
+            phase["bytes"] <= inp.budget
+            for key, phase in _batch_phases(inp, Batch(d, document_tokens), resident).items()
+            if key != "fit_curvature"
+        )
+    ]
     if inp.budget is None:
         return Batch(most, document_tokens), "--batch-size (no memory budget)"
     if not fits:
@@ -488,13 +560,25 @@ def choose_batch(inp: _Inputs, document_tokens: int, most: int, resident: bool) 
     return Batch(max(fits), document_tokens), ("--batch-size" if max(fits) == most else "the memory budget")
 
 
-def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str = "1bit",
-              curvature_examples: int = 1000, batch_size: int = 8, max_tokens: Optional[int] = None,
-              documents: int = 0, dtype: Optional[str] = None, memory_budget: Optional[int] = None,
-              batch_tokens: Optional[int] = None, document_tokens: Optional[int] = None,
-              projection_memory: Optional[int] = None, device: str = "cuda",
-              eigenbasis_bytes: Optional[Dict[str, int]] = None, eigenbasis_dtype: Optional[str] = None,
-              dims: Optional[Dict[str, Tuple[int, int]]] = None) -> Dict[str, Any]:
+def make_plan(
+    shape: ModelShape,
+    projection: ProjectionConfig,
+    *,
+    precision: str = "1bit",
+    curvature_examples: int = 1000,
+    batch_size: int = 8,
+    max_tokens: Optional[int] = None,
+    documents: int = 0,
+    dtype: Optional[str] = None,
+    memory_budget: Optional[int] = None,
+    batch_tokens: Optional[int] = None,
+    document_tokens: Optional[int] = None,
+    projection_memory: Optional[int] = None,
+    device: str = "cuda",
+    eigenbasis_bytes: Optional[Dict[str, int]] = None,
+    eigenbasis_dtype: Optional[str] = None,
+    dims: Optional[Dict[str, Tuple[int, int]]] = None,
+) -> Dict[str, Any]:
     """The storage and memory accounting of an index of ``shape`` under these fit options.
 
     Args:
@@ -534,39 +618,77 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
         m, k = dims[mod.name] if dims else projection.dims(mod.d, num, precision)  # type: ignore[arg-type]
         exact = eigenbasis_bytes is not None and mod.name in eigenbasis_bytes
         srht_bytes = (F32 * m + 8 * k) if projection.second_stage == "srht" else 0
-        rows.append({
-            "name": mod.name, "d_out": mod.d_out, "d_in": mod.d_in, "d": mod.d, "m": m, "k": k,
-            "bytes_per_example": bytes_per_module(k, precision),  # type: ignore[arg-type]
-            "pca_bytes": m * k * p_dtype if pca else 0,
-            **_eigen_row(eigenbasis_bytes[mod.name] if exact else _eigen_upper(mod, MODEL_DTYPE_BYTES[held]), held,
-                         exact or m == mod.d),
-            # whiten (float32) and local_index (int64) per kept coordinate, and the SRHT's signs/rows
-            "other_bytes": 12 * m + srht_bytes,
-            # kronfluence: A and S covariances and eigenvectors, their eigenvalues, Λ (float32)
-            "factor_bytes": F32 * (2 * mod.d_in ** 2 + 2 * mod.d_out ** 2 + mod.d_in + mod.d_out + mod.d),
-        })
-    inp = _Inputs(shape=shape, rows=tuple(rows), projection=projection, dtype=dtype,
-                  n_pca=projection.num_fit_examples if pca else 0, curvature_examples=curvature_examples,
-                  documents=documents, precision=precision, budget=memory_budget, device=device)
-    limit = projection_memory if projection_memory is not None else (
-        memory_budget // 2 if memory_budget is not None else None)
+        rows.append(
+            {
+                "name": mod.name,
+                "d_out": mod.d_out,
+                "d_in": mod.d_in,
+                "d": mod.d,
+                "m": m,
+                "k": k,
+                "bytes_per_example": bytes_per_module(k, precision),  # type: ignore[arg-type]
+                "pca_bytes": m * k * p_dtype if pca else 0,
+                **_eigen_row(
+                    eigenbasis_bytes[mod.name] if exact else _eigen_upper(mod, MODEL_DTYPE_BYTES[held]),
+                    held,
+                    exact or m == mod.d,
+                ),
+                # whiten (float32) and local_index (int64) per kept coordinate, and the SRHT's signs/rows
+                "other_bytes": 12 * m + srht_bytes,
+                # kronfluence: A and S covariances and eigenvectors, their eigenvalues, Λ (float32)
+                "factor_bytes": F32 * (2 * mod.d_in**2 + 2 * mod.d_out**2 + mod.d_in + mod.d_out + mod.d),
+            }
+        )
+    inp = _Inputs(
+        shape=shape,
+        rows=tuple(rows),
+        projection=projection,
+        dtype=dtype,
+        n_pca=projection.num_fit_examples if pca else 0,
+        curvature_examples=curvature_examples,
+        documents=documents,
+        precision=precision,
+        budget=memory_budget,
+        device=device,
+    )
+    limit = (
+        projection_memory
+        if projection_memory is not None
+        else (memory_budget // 2 if memory_budget is not None else None)
+    )
     resident = limit is None or inp.pca_total <= limit
     if batch_tokens is not None:
         batch = Batch(max(1, min(batch_size, batch_tokens // doc_tokens)), doc_tokens)
         batch_from = "--batch-tokens"
     else:
         batch, batch_from = choose_batch(inp, doc_tokens, batch_size, resident)
-    memory = {"process": {"bytes": PROCESS_BYTES, "bound": False,
-                          "counts": "the interpreter, torch, transformers, kronfluence, LanceDB and their libraries, "
-                                    "before any model or index data (measured once on x86-64 Linux with CPU torch: "
-                                    "benchmarks/fit_memory.py prints it; counted in every figure below)"}}
+    memory = {
+        "process": {
+            "bytes": PROCESS_BYTES,
+            "bound": False,
+            "counts": "the interpreter, torch, transformers, kronfluence, LanceDB and their libraries, "
+            "before any model or index data (measured once on x86-64 Linux with CPU torch: "
+            "benchmarks/fit_memory.py prints it; counted in every figure below)",
+        }
+    }
     phases = _batch_phases(inp, batch, resident)
-    memory.update({"fit_curvature": phases["fit_curvature"], "fit_first_stage": phases["fit_first_stage"],
-                   "fit_pca": fit_pca_phase(inp), "fit_save": fit_save_phase(inp), "ingest": phases["ingest"],
-                   "ingest_in_turn": ingest_phase(inp, batch, resident=False), "query": phases["query"]})
+    memory.update(
+        {
+            "fit_curvature": phases["fit_curvature"],
+            "fit_first_stage": phases["fit_first_stage"],
+            "fit_pca": fit_pca_phase(inp),
+            "fit_save": fit_save_phase(inp),
+            "ingest": phases["ingest"],
+            "ingest_in_turn": ingest_phase(inp, batch, resident=False),
+            "query": phases["query"],
+        }
+    )
     fit_peak = max(FIT_PHASES, key=lambda key: memory[key]["bytes"])
-    memory["fit_peak"] = {"bytes": memory[fit_peak]["bytes"], "bound": memory[fit_peak]["bound"],
-                          "counts": f"the largest of the fit's phases ({fit_peak}; they run one after another)"}
+    memory["fit_peak"] = {
+        "bytes": memory[fit_peak]["bytes"],
+        "bound": memory[fit_peak]["bound"],
+        "counts": f"the largest of the fit's phases ({fit_peak}; they run one after another)",
+    }
     for key, entry in memory.items():
         entry["fits"] = None if memory_budget is None else entry["bytes"] <= memory_budget
         entry["fix"] = _fix(inp, key, batch, resident, memory_budget) if entry["fits"] is False else None
@@ -580,54 +702,99 @@ def make_plan(shape: ModelShape, projection: ProjectionConfig, *, precision: str
     # would be completed with EK-FAC axes, with a warning), and no module outputs more than m_u.
     widths = min(r["m"] for r in rows) if pca else min(r["d"] for r in rows)
     k_max = min(inp.n_pca, widths) if pca else widths
-    k_max_note = (f"min(PCA examples {inp.n_pca}, smallest m_u {widths:,})" if pca
-                  else f"the smallest d_u ({widths:,})")
+    k_max_note = f"min(PCA examples {inp.n_pca}, smallest m_u {widths:,})" if pca else f"the smallest d_u ({widths:,})"
     exact = all(r["eigenbasis_exact"] for r in rows)
     return {
-        "model": {"name": shape.name, "num_parameters": shape.num_parameters, "weights_bytes": inp.weights,
-                  "dtype": dtype, "attributed_parameters": attributed, "modules": num, "coverage": shape.coverage},
-        "options": {"variant": projection.variant, "k": projection.k, "budget_kb": projection.budget_kb,
-                    "m": projection.m, "precision": precision, "dtype": dtype,
-                    "pca_dtype": projection.pca_dtype, "pca_examples": inp.n_pca,
-                    "curvature_examples": curvature_examples, "batch_size": batch.documents, "tokens": doc_tokens,
-                    "tokens_from": ("--document-tokens" if document_tokens else "--max-tokens" if max_tokens
-                                    else "the model's context length"),
-                    "memory_budget": memory_budget, "device": device},
-        "batch": {"documents": batch.documents, "document_tokens": doc_tokens, "tokens": batch.tokens,
-                  "from": batch_from, "most_documents": batch_size},
-        "curvature": {"module_partitions": memory["fit_curvature"]["module_partitions"],
-                      "host_bytes": memory["fit_curvature"]["host_bytes"]},
+        "model": {
+            "name": shape.name,
+            "num_parameters": shape.num_parameters,
+            "weights_bytes": inp.weights,
+            "dtype": dtype,
+            "attributed_parameters": attributed,
+            "modules": num,
+            "coverage": shape.coverage,
+        },
+        "options": {
+            "variant": projection.variant,
+            "k": projection.k,
+            "budget_kb": projection.budget_kb,
+            "m": projection.m,
+            "precision": precision,
+            "dtype": dtype,
+            "pca_dtype": projection.pca_dtype,
+            "pca_examples": inp.n_pca,
+            "curvature_examples": curvature_examples,
+            "batch_size": batch.documents,
+            "tokens": doc_tokens,
+            "tokens_from": (
+                "--document-tokens"
+                if document_tokens
+                else "--max-tokens"
+                if max_tokens
+                else "the model's context length"
+            ),
+            "memory_budget": memory_budget,
+            "device": device,
+        },
+        "batch": {
+            "documents": batch.documents,
+            "document_tokens": doc_tokens,
+            "tokens": batch.tokens,
+            "from": batch_from,
+            "most_documents": batch_size,
+        },
+        "curvature": {
+            "module_partitions": memory["fit_curvature"]["module_partitions"],
+            "host_bytes": memory["fit_curvature"]["host_bytes"],
+        },
         "projection_in_memory": {"resident": resident, "limit_bytes": limit},
         "modules": rows,
         "limits": {"k_max": k_max, "note": k_max_note},
-        "per_example": {"bytes": per_example, "uncompressed_fp16_bytes": 2 * attributed,
-                        "compression": (2 * attributed / per_example) if per_example else None},
-        "shared": {"pca_bytes": inp.pca_total, "eigenbasis_bytes_max": eigen_max, "eigenbasis_exact": exact,
-                   "eigenbasis_dtype": inp.eigen_dtype,
-                   "other_bytes": other, "projection_file_bytes_max": projection_file_max,
-                   "projection_file_note": "plus a safetensors header of a few KB"
-                                           + ("" if exact else "; the eigenbases are an upper bound before the fit "
-                                              "(exact for modules with m_u = d_u; `eogp plan INDEX` gives them "
-                                              "exactly)"),
-                   "curvature_factor_bytes": factors},
-        "fit_cache": {"coordinate_bytes": 2 * inp.n_pca * sum(r["m"] for r in rows) if pca else 0,
-                      "pca_bytes": inp.pca_total,
-                      "note": "fit/ during eogp fit: the PCA set's first-stage coordinates (float16) and each "
-                              f"module's fitted P ({projection.pca_dtype}); deleted when the index is written"},
+        "per_example": {
+            "bytes": per_example,
+            "uncompressed_fp16_bytes": 2 * attributed,
+            "compression": (2 * attributed / per_example) if per_example else None,
+        },
+        "shared": {
+            "pca_bytes": inp.pca_total,
+            "eigenbasis_bytes_max": eigen_max,
+            "eigenbasis_exact": exact,
+            "eigenbasis_dtype": inp.eigen_dtype,
+            "other_bytes": other,
+            "projection_file_bytes_max": projection_file_max,
+            "projection_file_note": "plus a safetensors header of a few KB"
+            + (
+                ""
+                if exact
+                else "; the eigenbases are an upper bound before the fit "
+                "(exact for modules with m_u = d_u; `eogp plan INDEX` gives them "
+                "exactly)"
+            ),
+            "curvature_factor_bytes": factors,
+        },
+        "fit_cache": {
+            "coordinate_bytes": 2 * inp.n_pca * sum(r["m"] for r in rows) if pca else 0,
+            "pca_bytes": inp.pca_total,
+            "note": "fit/ during eogp fit: the PCA set's first-stage coordinates (float16) and each "
+            f"module's fitted P ({projection.pca_dtype}); deleted when the index is written",
+        },
         "memory": memory,
-        "fits": None if memory_budget is None else all(
-            memory[key]["fits"] for key in (*FIT_PHASES, "ingest", "query")),
-        "store": {"documents": documents, "codes_bytes": documents * per_example,
-                  "hot_copy_bytes": memory["query"]["hot_bytes"],
-                  "total_bytes_max": documents * per_example + projection_file_max + factors,
-                  "note": "codes: N x bytes per example (the paper's N_store B_1bit); the table adds ids and "
-                          "metadata columns (and --store-text), not counted; total = codes + projection file "
-                          "+ kronfluence factors"},
+        "fits": None if memory_budget is None else all(memory[key]["fits"] for key in (*FIT_PHASES, "ingest", "query")),
+        "store": {
+            "documents": documents,
+            "codes_bytes": documents * per_example,
+            "hot_copy_bytes": memory["query"]["hot_bytes"],
+            "total_bytes_max": documents * per_example + projection_file_max + factors,
+            "note": "codes: N x bytes per example (the paper's N_store B_1bit); the table adds ids and "
+            "metadata columns (and --store-text), not counted; total = codes + projection file "
+            "+ kronfluence factors",
+        },
     }
 
 
 def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int) -> str:
     """Which option would make phase ``key`` fit ``budget``, found by re-planning with it."""
+
     def peak(alt: _Inputs, alt_batch: Batch, alt_resident: bool) -> int:
         if key in ("fit_pca", "fit_save"):
             return (fit_pca_phase if key == "fit_pca" else fit_save_phase)(alt)["bytes"]
@@ -656,9 +823,11 @@ def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int) -> s
         if peak(alt, alt_batch, alt_resident) <= budget:
             return option
     need = peak(inp, one, False if key in ("ingest", "query") else resident)
-    return (f"needs at least {_size(need)} even with one document per batch"
-            + (" and P read one module at a time" if key in ("ingest", "query") else "")
-            + f": raise --memory-budget to {math.ceil(need / 1e9)}, or lower --m or -k")
+    return (
+        f"needs at least {_size(need)} even with one document per batch"
+        + (" and P read one module at a time" if key in ("ingest", "query") else "")
+        + f": raise --memory-budget to {math.ceil(need / 1e9)}, or lower --m or -k"
+    )
 
 
 def _size(n: Optional[float]) -> str:
@@ -676,23 +845,26 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
     then the totals."""
     opts, model = plan["options"], plan["model"]
     batch, budget = plan["batch"], opts["memory_budget"]
-    lines = [f"model       {model['name']}: {model['num_parameters']:,} parameters ({_size(model['weights_bytes'])} "
-             f"{model['dtype']}), {model['modules']} attributed modules, {model['attributed_parameters']:,} attributed "
-             "parameters",
-             f"options     variant {opts['variant']}, precision {opts['precision']}, P in {opts['pca_dtype']}, "
-             f"k {opts['k'] if opts['k'] is not None else '(budget ' + str(opts['budget_kb']) + ' KiB)'}, "
-             f"m {opts['m'] if opts['m'] is not None else DEFAULT_M_HELP}, "
-             f"{opts['pca_examples']} PCA examples, documents of {opts['tokens']} tokens ({opts['tokens_from']})",
-             f"batch       {batch['documents']} x {batch['document_tokens']} = {batch['tokens']:,} tokens "
-             f"(from {batch['from']}; at most --batch-size {batch['most_documents']} documents); kronfluence in "
-             f"{plan['curvature']['module_partitions']} module partition(s); P "
-             + ("resident" if plan["projection_in_memory"]["resident"] else "read one module at a time"),
-             f"budget      {_size(budget) + ' of device memory' if budget else 'none given: nothing is checked'}"
-             + ("" if plan["fits"] is None else "; every phase fits" if plan["fits"] else
-                "; SOME PHASES DO NOT FIT (below)"),
-             "",
-             f"{'module':<44} {'d_out':>7} {'d_in':>7} {'d_u':>12} {'m_u':>9} {'k_u':>6} {'B/ex':>6} "
-             f"{'P':>10} {'eigenbases':>11}"]
+    lines = [
+        f"model       {model['name']}: {model['num_parameters']:,} parameters ({_size(model['weights_bytes'])} "
+        f"{model['dtype']}), {model['modules']} attributed modules, {model['attributed_parameters']:,} attributed "
+        "parameters",
+        f"options     variant {opts['variant']}, precision {opts['precision']}, P in {opts['pca_dtype']}, "
+        f"k {opts['k'] if opts['k'] is not None else '(budget ' + str(opts['budget_kb']) + ' KiB)'}, "
+        f"m {opts['m'] if opts['m'] is not None else DEFAULT_M_HELP}, "
+        f"{opts['pca_examples']} PCA examples, documents of {opts['tokens']} tokens ({opts['tokens_from']})",
+        f"batch       {batch['documents']} x {batch['document_tokens']} = {batch['tokens']:,} tokens "
+        f"(from {batch['from']}; at most --batch-size {batch['most_documents']} documents); kronfluence in "
+        f"{plan['curvature']['module_partitions']} module partition(s); P "
+        + ("resident" if plan["projection_in_memory"]["resident"] else "read one module at a time"),
+        f"budget      {_size(budget) + ' of device memory' if budget else 'none given: nothing is checked'}"
+        + (
+            "" if plan["fits"] is None else "; every phase fits" if plan["fits"] else "; SOME PHASES DO NOT FIT (below)"
+        ),
+        "",
+        f"{'module':<44} {'d_out':>7} {'d_in':>7} {'d_u':>12} {'m_u':>9} {'k_u':>6} {'B/ex':>6} "
+        f"{'P':>10} {'eigenbases':>11}",
+    ]
     groups: Dict[tuple, List[Dict[str, Any]]] = {}
     for row in plan["modules"]:
         key = (row["name"],) if all_modules else _pattern_key(row)
@@ -701,14 +873,19 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
         row = rows[0]
         name = row["name"] if len(rows) == 1 else f"{key[0]} (x{len(rows)})"
         eigen = ("" if row["eigenbasis_exact"] else "<=") + _size(row["eigenbasis_bytes_max"])
-        lines.append(f"{name[:44]:<44} {row['d_out']:>7} {row['d_in']:>7} {row['d']:>12,} {row['m']:>9,} "
-                     f"{row['k']:>6} {row['bytes_per_example']:>6} {_size(row['pca_bytes']):>10} {eigen:>11}")
+        lines.append(
+            f"{name[:44]:<44} {row['d_out']:>7} {row['d_in']:>7} {row['d']:>12,} {row['m']:>9,} "
+            f"{row['k']:>6} {row['bytes_per_example']:>6} {_size(row['pca_bytes']):>10} {eigen:>11}"
+        )
     per, shared, cache, store = plan["per_example"], plan["shared"], plan["fit_cache"], plan["store"]
     lines += [
         "",
         f"largest k     {plan['limits']['k_max']:,}: {plan['limits']['note']}"
-        + ("" if max(r["k"] for r in plan["modules"]) <= plan["limits"]["k_max"] else
-           " -- k_u is above it: the PCA leaves directions undetermined (completed with EK-FAC axes)"),
+        + (
+            ""
+            if max(r["k"] for r in plan["modules"]) <= plan["limits"]["k_max"]
+            else " -- k_u is above it: the PCA leaves directions undetermined (completed with EK-FAC axes)"
+        ),
         f"per example   {per['bytes']:,} bytes ({_size(per['bytes'])}); an uncompressed FP16 gradient is "
         f"{_size(per['uncompressed_fp16_bytes'])}"
         + (f", {per['compression']:,.0f}x more" if per["compression"] else ""),
@@ -724,16 +901,26 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
         "peak memory   (estimates; <= marks an upper bound before the fit)"
         + (f" against the budget of {_size(budget)}" if budget else ""),
     ]
-    for key in ("fit_peak", "fit_curvature", "fit_first_stage", "fit_pca", "fit_save", "ingest", "ingest_in_turn",
-                "query"):
+    for key in (
+        "fit_peak",
+        "fit_curvature",
+        "fit_first_stage",
+        "fit_pca",
+        "fit_save",
+        "ingest",
+        "ingest_in_turn",
+        "query",
+    ):
         entry = plan["memory"][key]
         verdict = "" if entry["fits"] is None else "  fits" if entry["fits"] else "  DOES NOT FIT"
         amount = ("<=" if entry["bound"] else "") + _size(entry["bytes"])
         lines.append(f"  {key:<16} {amount:>11}{verdict}  {entry['counts']}")
         if entry["fix"]:
             lines.append(f"  {'':<16} {'':>11}  to fit: {entry['fix']}")
-    lines.append(f"  {'host memory':<16} {_size(plan['curvature']['host_bytes']):>11}  "
-                 f"{plan['memory']['fit_curvature']['host_counts']}")
+    lines.append(
+        f"  {'host memory':<16} {_size(plan['curvature']['host_bytes']):>11}  "
+        f"{plan['memory']['fit_curvature']['host_counts']}"
+    )
     lines.append("disk")
     for key in ("fit_curvature", "fit_first_stage", "fit_pca", "fit_save", "ingest"):
         entry = plan["memory"][key]

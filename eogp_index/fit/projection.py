@@ -130,13 +130,19 @@ class ModuleProjection:
             # entries, in chunks of coordinates so that (N, chunk) stays small.
             gs, aa = g_live @ q_s, a_live @ q_a  # (N, r), (N, c): both factors in the eigenbasis
             rows, cols = index // c, index % c
-            example = torch.repeat_interleave(torch.arange(batch, device=g.device),
-                                              torch.as_tensor(counts, device=g.device))
+            example = torch.repeat_interleave(
+                torch.arange(batch, device=g.device), torch.as_tensor(counts, device=g.device)
+            )
             chunk = max(1, (1 << 24) // max(1, gs.shape[0]))
-            kept = torch.cat([
-                gs.new_zeros(batch, min(chunk, self.m - i)).index_add_(
-                    0, example, gs[:, rows[i:i + chunk]] * aa[:, cols[i:i + chunk]])
-                for i in range(0, self.m, chunk)], dim=1)
+            kept = torch.cat(
+                [
+                    gs.new_zeros(batch, min(chunk, self.m - i)).index_add_(
+                        0, example, gs[:, rows[i : i + chunk]] * aa[:, cols[i : i + chunk]]
+                    )
+                    for i in range(0, self.m, chunk)
+                ],
+                dim=1,
+            )
         return kept * self.whiten.to(a.device)
 
     def second(self, z: torch.Tensor) -> torch.Tensor:
@@ -199,10 +205,10 @@ def apply_pca_groups(groups: Sequence[torch.Tensor], pca: torch.Tensor) -> List[
     outs = [z.new_zeros(z.shape[0], k, dtype=torch.float32) for z in rounded]
     scratch = _upcast_scratch(rows * k, outs[0]) if outs else None
     for i in range(0, m, rows):
-        block = pca[i:i + rows]
-        upcast = block.float() if scratch is None else scratch[:block.numel()].view(block.shape).copy_(block)
+        block = pca[i : i + rows]
+        upcast = block.float() if scratch is None else scratch[: block.numel()].view(block.shape).copy_(block)
         for z, out in zip(rounded, outs):
-            out.addmm_(z[:, i:i + rows].float(), upcast)
+            out.addmm_(z[:, i : i + rows].float(), upcast)
     return outs
 
 
@@ -217,9 +223,11 @@ def _at_precision(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return z
     rounded = z.detach().to(dtype)
     if not torch.isfinite(rounded).all() and torch.isfinite(z).all():
-        raise ModelError(f"first-stage coordinates overflow {dtype} (|z| up to {z.abs().max().item():.3g}): the "
-                         "half-whitened gradients are far larger than the curvature predicts; check that the model "
-                         "is the one the index was fitted with")
+        raise ModelError(
+            f"first-stage coordinates overflow {dtype} (|z| up to {z.abs().max().item():.3g}): the "
+            "half-whitened gradients are far larger than the curvature predicts; check that the model "
+            "is the one the index was fitted with"
+        )
     if z.requires_grad:
         return z + (rounded.to(z.dtype) - z).detach()  # exact: z and its rounding are within a factor 2
     return rounded
@@ -268,8 +276,15 @@ def block_route(n: int, batch: int, d_out: int, r: int, d_in: int, c: int) -> Bl
     return "rotate_after_g" if after_g <= after_a else "rotate_after_a"
 
 
-def _kept_from_blocks(route: BlockRoute, g: torch.Tensor, a: torch.Tensor, counts: List[int],
-                      q_s: torch.Tensor, q_a: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _kept_from_blocks(
+    route: BlockRoute,
+    g: torch.Tensor,
+    a: torch.Tensor,
+    counts: List[int],
+    q_s: torch.Tensor,
+    q_a: torch.Tensor,
+    index: torch.Tensor,
+) -> torch.Tensor:
     """The kept entries of each example's ``Q_S[:, rows]ᵀ G_b Q_A[:, cols]``, ``(B, m)``.
 
     Each example's ``(r, c)`` block is formed in one reused buffer and gathered at once, never
@@ -285,16 +300,19 @@ def _kept_from_blocks(route: BlockRoute, g: torch.Tensor, a: torch.Tensor, count
     block = g.new_empty(r, c)
     if route == "factors":
         xs, ys = (g @ q_s).split(counts), (a @ q_a).split(counts)  # (n_b, r), (n_b, c)
+
         def form(x, y):
             return torch.mm(x.T, y, out=block)
     elif route == "rotate_after_g":
         xs, ys = g.split(counts), (a @ q_a).split(counts)  # (n_b, d_out), (n_b, c)
         middle = g.new_empty(g.shape[1], c)
+
         def form(x, y):
             return torch.mm(q_s.T, torch.mm(x.T, y, out=middle), out=block)
     elif route == "rotate_after_a":
         xs, ys = (g @ q_s).split(counts), a.split(counts)  # (n_b, r), (n_b, d_in')
         middle = g.new_empty(r, a.shape[1])
+
         def form(x, y):
             return torch.mm(torch.mm(x.T, y, out=middle), q_a, out=block)
     else:
@@ -305,8 +323,9 @@ def _kept_from_blocks(route: BlockRoute, g: torch.Tensor, a: torch.Tensor, count
     return kept
 
 
-def first_stage_from_curvature(curvature: ModuleCurvature, m: int, damping_ratio: float, *,
-                               dtype: torch.dtype = torch.float32) -> ModuleProjection:
+def first_stage_from_curvature(
+    curvature: ModuleCurvature, m: int, damping_ratio: float, *, dtype: torch.dtype = torch.float32
+) -> ModuleProjection:
     """Keep the ``m`` EK-FAC directions with the largest corrected eigenvalues.
 
     Ties are broken by position (a stable sort) so that the same factors always give the same
@@ -341,7 +360,7 @@ def gram_matrix(z: torch.Tensor) -> torch.Tensor:
     cols = max(1, _UPCAST_BYTES // (8 * n))
     gram = z.new_zeros(n, n, dtype=torch.float64)
     for i in range(0, m, cols):
-        block = z[:, i:i + cols].double()
+        block = z[:, i : i + cols].double()
         gram.addmm_(block, block.T)
     return gram
 
@@ -375,12 +394,12 @@ def fit_pca(z: torch.Tensor, k: int, *, gram: Optional[torch.Tensor] = None) -> 
         scaled = vectors[:, :rank] / weights[:rank].sqrt()
         directions = torch.empty(m, rank, dtype=torch.float64 if rank < k else torch.float32, device=z.device)
         for i in range(0, m, cols):
-            directions[i:i + cols] = z[:, i:i + cols].double().T @ scaled
+            directions[i : i + cols] = z[:, i : i + cols].double().T @ scaled
     else:
         rows = max(1, _UPCAST_BYTES // (8 * m))
         covariance = z.new_zeros(m, m, dtype=torch.float64)
         for i in range(0, n, rows):
-            block = z[i:i + rows].double()
+            block = z[i : i + rows].double()
             covariance.addmm_(block.T, block)
         weights, vectors = torch.linalg.eigh(covariance)
         del covariance
@@ -413,7 +432,7 @@ def fit_pca(z: torch.Tensor, k: int, *, gram: Optional[torch.Tensor] = None) -> 
             diagonal = r.diagonal()
             small = (diagonal.abs() <= 1e-4).nonzero()
             take = int(small[0]) if small.numel() else width
-            basis[:, filled:filled + take] = q[:, :take] * diagonal[:take].sign()
+            basis[:, filled : filled + take] = q[:, :take] * diagonal[:take].sign()
             filled += take
             j += take + (1 if take < width else 0)
         directions = basis[:, :filled]
@@ -529,7 +548,7 @@ class HadamardRotation:
             x[..., :p] = fwht(x[..., :p]) * norm
             if p < k:
                 x *= signs[1]
-                x[..., k - p:] = fwht(x[..., k - p:]) * norm
+                x[..., k - p :] = fwht(x[..., k - p :]) * norm
             x = x[..., perm]
         return x
 
@@ -550,12 +569,13 @@ def rotate_directions(pca: torch.Tensor, rotation: HadamardRotation) -> torch.Te
     out = torch.empty(pca.shape, dtype=torch.float32, device=pca.device)
     rows = max(1, _UPCAST_BYTES // (8 * max(1, pca.shape[1])))
     for i in range(0, pca.shape[0], rows):
-        out[i:i + rows] = rotation.apply(pca[i:i + rows].double()).float()
+        out[i : i + rows] = rotation.apply(pca[i : i + rows].double()).float()
     return out
 
 
-def second_stage_directions(z: torch.Tensor, module: "ModuleProjection", *,
-                            gram: Optional[torch.Tensor] = None) -> torch.Tensor:
+def second_stage_directions(
+    z: torch.Tensor, module: "ModuleProjection", *, gram: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """A module's stored ``P``, ``(m, k)`` float32, from its fitting set's first-stage coordinates
     ``z`` ``(n, m)``: the top-``k`` principal directions (:func:`fit_pca`; ``gram``: ``z``'s Gram
     matrix if already computed), rotated by the module's :class:`HadamardRotation` when it has one
@@ -583,8 +603,9 @@ class Projection:
             False: each is read once and kept.
     """
 
-    def __init__(self, modules: Dict[str, ModuleProjection], *, config: ProjectionConfig, damping_ratio: float,
-                 lazy=None):
+    def __init__(
+        self, modules: Dict[str, ModuleProjection], *, config: ProjectionConfig, damping_ratio: float, lazy=None
+    ):
         """``lazy``: for a projection read from its file, the reader of its ``P`` matrices
         (:class:`~eogp_index.store.projection_file.LazyPca`: ``resident``, ``total_bytes``, ``bytes_read``)."""
         self.modules = modules
@@ -632,8 +653,10 @@ class Projection:
         """
         found = {t.dtype for p in self.modules.values() for t in (p.gradient_eigenvectors, p.activation_eigenvectors)}
         if len(found) != 1:
-            raise ConfigError(f"the modules hold their eigenvector columns in {sorted(map(str, found))}: a projection "
-                              "holds them in one dtype; build it with build_projection")
+            raise ConfigError(
+                f"the modules hold their eigenvector columns in {sorted(map(str, found))}: a projection "
+                "holds them in one dtype; build it with build_projection"
+            )
         return found.pop()
 
     @property
@@ -653,8 +676,9 @@ class Projection:
         """Bytes of every module's ``P`` at its stored dtype (0 without a PCA stage)."""
         if self._lazy is not None:
             return self._lazy.total_bytes
-        return sum(p.m * p.k * PCA_DTYPE_BYTES[self.config.pca_dtype]
-                   for p in self.modules.values() if p.second_stage == "pca")
+        return sum(
+            p.m * p.k * PCA_DTYPE_BYTES[self.config.pca_dtype] for p in self.modules.values() if p.second_stage == "pca"
+        )
 
     def transform(self, name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """A :data:`~eogp_index.gradients.Transform` giving the final coordinates."""
@@ -697,4 +721,3 @@ def build_projection(
             proj.rotation = module_rotation(config.seed, name, k)
         modules[name] = proj
     return Projection(modules, config=config, damping_ratio=damping_ratio)
-

@@ -46,8 +46,15 @@ def reservoir_sample(items: Iterable[T], size: int, seed: int) -> List[T]:
     return [item for _, item in sorted(kept, key=lambda pair: pair[0])]
 
 
-def sample_shards(paths: Sequence[Any] | Any, spec: RecordSpec, tokenizer: Any, size: int, seed: int, *,
-                  shard_root: str | Path | None = None) -> Tuple[List[Example], int]:
+def sample_shards(
+    paths: Sequence[Any] | Any,
+    spec: RecordSpec,
+    tokenizer: Any,
+    size: int,
+    seed: int,
+    *,
+    shard_root: str | Path | None = None,
+) -> Tuple[List[Example], int]:
     """A seeded uniform sample of ``size`` examples across all records of the shards.
 
     paths: shard paths or globs, as :func:`~eogp_index.data.readers.expand_shards` takes them; a
@@ -83,8 +90,9 @@ def sample_shards(paths: Sequence[Any] | Any, spec: RecordSpec, tokenizer: Any, 
             break
         raw = kept[i]
         try:
-            examples.append((i, tokenize_record(raw.record, shard=raw.shard, position=raw.position, spec=spec,
-                                                tokenizer=tokenizer)))
+            examples.append(
+                (i, tokenize_record(raw.record, shard=raw.shard, position=raw.position, spec=spec, tokenizer=tokenizer))
+            )
         except InputError:
             continue
     return [ex for _, ex in sorted(examples, key=lambda pair: pair[0])], counter.count
@@ -116,8 +124,9 @@ class FitSets:
     disjoint: bool
 
 
-def split_fit_sets(examples: Sequence[Example], num_curvature: int, num_pca: int, *, curvature_seed: int,
-                   pca_seed: int) -> FitSets:
+def split_fit_sets(
+    examples: Sequence[Example], num_curvature: int, num_pca: int, *, curvature_seed: int, pca_seed: int
+) -> FitSets:
     """Seeded, disjoint curvature and PCA sets from ``examples``; overlapping ones if too few.
 
     With at least ``num_curvature + num_pca`` examples a seeded permutation gives the first
@@ -141,6 +150,11 @@ def split_fit_sets(examples: Sequence[Example], num_curvature: int, num_pca: int
             f"only {n} fitting examples, fewer than the {num_curvature} curvature + {num_pca} PCA examples asked "
             f"for: the curvature and PCA sets overlap ({both} examples are in both). For disjoint sets give more "
             "documents (--data / --fit-data) or fewer --curvature-examples / --pca-examples.",
-            OverlappingFitSetsWarning, stacklevel=2)
-    return FitSets(curvature=[examples[i] for i in curvature.sort().values.tolist()],
-                   pca=[examples[i] for i in pca.sort().values.tolist()], disjoint=disjoint)
+            OverlappingFitSetsWarning,
+            stacklevel=2,
+        )
+    return FitSets(
+        curvature=[examples[i] for i in curvature.sort().values.tolist()],
+        pca=[examples[i] for i in pca.sort().values.tolist()],
+        disjoint=disjoint,
+    )

@@ -67,7 +67,9 @@ class LanguageModelingTask(Task):
         self.modules = modules
         self.seed = seed
 
-    def compute_train_loss(self, batch: Dict[str, torch.Tensor], model: nn.Module, sample: bool = False) -> torch.Tensor:
+    def compute_train_loss(
+        self, batch: Dict[str, torch.Tensor], model: nn.Module, sample: bool = False
+    ) -> torch.Tensor:
         logits = logits_of(model, batch)
         labels = batch["labels"]
         if sample:

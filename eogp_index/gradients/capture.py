@@ -97,7 +97,8 @@ class GradientCapture:
                         f"module {name!r} takes inputs of shape {tuple(inputs[0].shape)}, not (batch, tokens, "
                         f"features) = {tuple(mask.shape[:2])} + (features,): it runs on tokens flattened or "
                         "gathered across the batch (as layers inside a sparse MoE block do), so it has no "
-                        "per-example gradient; leave it out of --module")
+                        "per-example gradient; leave it out of --module"
+                    )
                 if name not in captured:
                     captured.add(name)
                     # Held until the module's backward hook in the model's own dtype (half of float32
@@ -127,8 +128,7 @@ class GradientCapture:
         patched: List[nn.Module] = []
         try:
             for block in blocks:
-                block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
-                                                  use_reentrant=False)
+                block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
                 patched.append(block)
             # A key/value cache would grow again in the recomputation: none is kept when checkpointing.
             no_cache = {"use_cache": False} if blocks else {}
@@ -163,8 +163,10 @@ def checkpointed_blocks(model: nn.Module) -> List[nn.Module]:
         if isinstance(module, nn.ModuleList) and len(module) > len(best) and len({type(m) for m in module}) == 1:
             best = list(module)
     if not best:
-        raise ModelError(f"{type(model).__name__} has no list of transformer blocks to checkpoint; "
-                         "run without gradient checkpointing")
+        raise ModelError(
+            f"{type(model).__name__} has no list of transformer blocks to checkpoint; "
+            "run without gradient checkpointing"
+        )
     return best
 
 
@@ -184,13 +186,21 @@ def check_counted(examples: Sequence[Any]) -> None:
     """Refuse, by name, an example with no counted label: it has no gradient."""
     for ex in examples:
         if not any(label != IGNORE_INDEX for label in list(ex.labels)[1:]):
-            raise InputError(f"example {ex.id!r} has no tokens that count in the loss",
-                             location=getattr(ex, "shard", "") or None)
+            raise InputError(
+                f"example {ex.id!r} has no tokens that count in the loss", location=getattr(ex, "shard", "") or None
+            )
 
 
-def run_batches(capture: GradientCapture, examples: Sequence[Any], *, batch_size: int, pad_token_id: int,
-                device: str, progress: bool = False,
-                desc: str = "projecting") -> Iterator[Tuple[List[Any], Dict[str, torch.Tensor]]]:
+def run_batches(
+    capture: GradientCapture,
+    examples: Sequence[Any],
+    *,
+    batch_size: int,
+    pad_token_id: int,
+    device: str,
+    progress: bool = False,
+    desc: str = "projecting",
+) -> Iterator[Tuple[List[Any], Dict[str, torch.Tensor]]]:
     """Run ``capture`` over tokenized examples, a batch at a time: yields each batch and its
     ``{module: (B, ...)}`` outputs, as the transform gives them (on the model's device).
 
@@ -208,12 +218,21 @@ def run_batches(capture: GradientCapture, examples: Sequence[Any], *, batch_size
         yield batch, outputs
 
 
-def project_examples(capture: GradientCapture, examples: Sequence[Any], *, batch_size: int, pad_token_id: int,
-                     device: str, progress: bool = False, desc: str = "projecting") -> Dict[str, torch.Tensor]:
+def project_examples(
+    capture: GradientCapture,
+    examples: Sequence[Any],
+    *,
+    batch_size: int,
+    pad_token_id: int,
+    device: str,
+    progress: bool = False,
+    desc: str = "projecting",
+) -> Dict[str, torch.Tensor]:
     """:func:`run_batches`, gathered: ``{module: (n, ...) float32 on the CPU}``."""
     parts: Dict[str, List[torch.Tensor]] = {name: [] for name in capture.modules}
-    for _, outputs in run_batches(capture, examples, batch_size=batch_size, pad_token_id=pad_token_id,
-                                  device=device, progress=progress, desc=desc):
+    for _, outputs in run_batches(
+        capture, examples, batch_size=batch_size, pad_token_id=pad_token_id, device=device, progress=progress, desc=desc
+    ):
         for name in capture.modules:
             parts[name].append(outputs[name].cpu())
     return {name: torch.cat(chunks) if chunks else torch.zeros(0) for name, chunks in parts.items()}

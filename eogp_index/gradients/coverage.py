@@ -38,11 +38,11 @@ WARN_BELOW = 0.5
 _BLOCK = re.compile(r"\.\d+\.")
 _REASONS = {
     "fused": "fused expert tensors (3-D parameters, not nn.Linear layers): kronfluence tracks nn.Linear and "
-             "nn.Conv2d modules only, and the experts see tokens gathered from the whole batch, so no "
-             "per-example gradient exists to capture; --experts dense attributes them (each expert as "
-             "nn.Linear layers run on every token: E/top_k times the experts' compute)",
+    "nn.Conv2d modules only, and the experts see tokens gathered from the whole batch, so no "
+    "per-example gradient exists to capture; --experts dense attributes them (each expert as "
+    "nn.Linear layers run on every token: E/top_k times the experts' compute)",
     "moe": "routers and other layers inside a sparse MoE block: the block flattens batch and tokens before "
-           "routing, so they see no per-example inputs and kronfluence cannot take per-example gradients of them",
+    "routing, so they see no per-example inputs and kronfluence cannot take per-example gradients of them",
     "embedding": "embedding lookups, not linear layers (the paper leaves embeddings out)",
     "norm": "normalisation layers, not linear layers (the paper leaves them out)",
     "head": "the output head: a linear layer the paper leaves out (name it with --module to attribute it)",
@@ -106,8 +106,11 @@ def model_coverage(model: nn.Module, attributed: Sequence[str]) -> Coverage:
     Works on a model built on the ``meta`` device: only names, types and shapes are read.
     """
     chosen = set(attributed)
-    owners = {f"{m}.{p}" if m else p: (m, module) for m, module in model.named_modules()
-              for p, _ in module.named_parameters(recurse=False)}
+    owners = {
+        f"{m}.{p}" if m else p: (m, module)
+        for m, module in model.named_modules()
+        for p, _ in module.named_parameters(recurse=False)
+    }
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     blocks = moe_blocks(model)
@@ -139,21 +142,30 @@ def model_coverage(model: nn.Module, attributed: Sequence[str]) -> Coverage:
             pattern = _BLOCK.sub(".*.", f".{module_name}.").strip(".") or name
             if pattern not in group[1]:
                 group[1].append(pattern)
-    left_out = tuple(LeftOut(kind, _REASONS[reason], n, tuple(patterns))
-                     for (kind, reason), (n, patterns) in sorted(groups.items(), key=lambda g: -g[1][0]))
-    return Coverage(scope="adapter" if adapter else "model",
-                    attributed=sum(a for a, _ in by_kind.values()), total=sum(t for _, t in by_kind.values()),
-                    by_kind={k: (by_kind[k][0], by_kind[k][1]) for k in KINDS if k in by_kind},
-                    blocks=(in_blocks[0], in_blocks[1]), left_out=left_out, frozen_base=frozen,
-                    tied_head=not adapter and head is not None and embeddings is not None
-                    and getattr(head, "weight", None) is getattr(embeddings, "weight", False))
+    left_out = tuple(
+        LeftOut(kind, _REASONS[reason], n, tuple(patterns))
+        for (kind, reason), (n, patterns) in sorted(groups.items(), key=lambda g: -g[1][0])
+    )
+    return Coverage(
+        scope="adapter" if adapter else "model",
+        attributed=sum(a for a, _ in by_kind.values()),
+        total=sum(t for _, t in by_kind.values()),
+        by_kind={k: (by_kind[k][0], by_kind[k][1]) for k in KINDS if k in by_kind},
+        blocks=(in_blocks[0], in_blocks[1]),
+        left_out=left_out,
+        frozen_base=frozen,
+        tied_head=not adapter
+        and head is not None
+        and embeddings is not None
+        and getattr(head, "weight", None) is getattr(embeddings, "weight", False),
+    )
 
 
 def _in_moe(module_name: str, blocks: Sequence[str]) -> Optional[str]:
     """The path below the sparse MoE block that holds ``module_name`` (``"experts"``, ``"gate"``), if any."""
     for block in blocks:
         if module_name.startswith(block + "."):
-            return module_name[len(block) + 1:]
+            return module_name[len(block) + 1 :]
     return None
 
 
@@ -206,15 +218,21 @@ def format_coverage(data: Dict[str, Any]) -> List[str]:
     """:meth:`Coverage.to_json` as lines of text: the share, a line per kind, what is left out and why."""
     of = "of the LoRA adapter's parameters" if data["scope"] == "adapter" else "of the model's parameters"
     blocks = data["blocks"]
-    lines = [f"coverage      {data['attributed']:,} {of} attributed ({_percent(data['attributed'], data['total'])} "
-             f"of {data['total']:,}); in the blocks {_percent(blocks['attributed'], blocks['total'])} "
-             f"of {blocks['total']:,}"]
+    lines = [
+        f"coverage      {data['attributed']:,} {of} attributed ({_percent(data['attributed'], data['total'])} "
+        f"of {data['total']:,}); in the blocks {_percent(blocks['attributed'], blocks['total'])} "
+        f"of {blocks['total']:,}"
+    ]
     if data["scope"] == "adapter":
-        lines.append(f"              the base model's {data['frozen_base']:,} parameters are frozen: not attributed "
-                     "(name base layers with --module to attribute them instead)")
+        lines.append(
+            f"              the base model's {data['frozen_base']:,} parameters are frozen: not attributed "
+            "(name base layers with --module to attribute them instead)"
+        )
     for kind, counts in data["by_kind"].items():
-        lines.append(f"  {kind:<12} {counts['attributed']:>14,} of {counts['total']:>14,} "
-                     f"({_percent(counts['attributed'], counts['total'])})")
+        lines.append(
+            f"  {kind:<12} {counts['attributed']:>14,} of {counts['total']:>14,} "
+            f"({_percent(counts['attributed'], counts['total'])})"
+        )
     if data.get("tied_head"):
         lines.append("  head: tied to the input embeddings (the same tensor, counted with them)")
     for entry in data["left_out"]:
@@ -229,8 +247,10 @@ def coverage_warning(coverage: Coverage) -> Optional[str]:
         return None
     largest = max(coverage.left_out, key=lambda entry: entry.parameters, default=None)
     why = f"; the largest part left out is {largest.kind} ({largest.reason})" if largest else ""
-    return (f"the attributed modules hold {_percent(*coverage.blocks)} of the parameters of the model's blocks "
-            f"(less than {WARN_BELOW:.0%}): influence will say nothing about the rest{why}")
+    return (
+        f"the attributed modules hold {_percent(*coverage.blocks)} of the parameters of the model's blocks "
+        f"(less than {WARN_BELOW:.0%}): influence will say nothing about the rest{why}"
+    )
 
 
 def report_coverage(model: nn.Module, attributed: Sequence[str], log) -> Coverage:

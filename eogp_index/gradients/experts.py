@@ -31,8 +31,9 @@ from eogp_index.errors import ModelError
 class _Expert(nn.Module):
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn: nn.Module):
         super().__init__()
-        self.gate_up_proj = nn.Linear(gate_up.shape[1], gate_up.shape[0], bias=False,
-                                      device=gate_up.device, dtype=gate_up.dtype)
+        self.gate_up_proj = nn.Linear(
+            gate_up.shape[1], gate_up.shape[0], bias=False, device=gate_up.device, dtype=gate_up.dtype
+        )
         self.down_proj = nn.Linear(down.shape[1], down.shape[0], bias=False, device=down.device, dtype=down.dtype)
         if gate_up.device.type != "meta":
             with torch.no_grad():
@@ -66,12 +67,14 @@ class DenseExperts(nn.ModuleList):
     per_example_inputs = True
 
     def __init__(self, fused: nn.Module, batch: _BatchShape):
-        super().__init__(_Expert(fused.gate_up_proj[e], fused.down_proj[e], fused.act_fn)
-                         for e in range(fused.gate_up_proj.shape[0]))
+        super().__init__(
+            _Expert(fused.gate_up_proj[e], fused.down_proj[e], fused.act_fn) for e in range(fused.gate_up_proj.shape[0])
+        )
         self.batch = batch
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         n, hidden = hidden_states.shape
         shape = self.batch.of(n)
         x = hidden_states.view(*shape, hidden)
@@ -84,8 +87,8 @@ class DenseExperts(nn.ModuleList):
         weights, routed = weights[:, :num].view(*shape, num), routed[:, :num].view(*shape, num)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self):
-            gate, up = expert.gate_up_proj(x * routed[..., e:e + 1]).chunk(2, dim=-1)
-            out = out + expert.down_proj(expert.act_fn(gate) * up) * weights[..., e:e + 1].to(x.dtype)
+            gate, up = expert.gate_up_proj(x * routed[..., e : e + 1]).chunk(2, dim=-1)
+            out = out + expert.down_proj(expert.act_fn(gate) * up) * weights[..., e : e + 1].to(x.dtype)
         return out.view(n, hidden)
 
 
@@ -98,8 +101,13 @@ def _is_fused_experts(module: nn.Module) -> bool:
     if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False):
         return False
     gate_up, down = params["gate_up_proj"], params["down_proj"]
-    return (gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[0] == down.shape[0]
-            and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1])
+    return (
+        gate_up.dim() == 3
+        and down.dim() == 3
+        and gate_up.shape[0] == down.shape[0]
+        and gate_up.shape[1] == 2 * down.shape[2]
+        and gate_up.shape[2] == down.shape[1]
+    )
 
 
 def _check_same_function(name: str, fused: nn.Module, dense: DenseExperts) -> None:
@@ -118,9 +126,11 @@ def _check_same_function(name: str, fused: nn.Module, dense: DenseExperts) -> No
         expected, got = fused(tokens, index, weights), dense(tokens, index, weights)
     tolerance = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 2e-2
     if not torch.allclose(got, expected, rtol=tolerance, atol=tolerance * float(expected.abs().max())):
-        raise ModelError(f"{name} ({type(fused).__name__}) does not compute act(gate) * up then down per expert as "
-                         "transformers' fused layout does; --experts dense cannot rebuild it (use --experts fused: "
-                         "its experts are then left out)")
+        raise ModelError(
+            f"{name} ({type(fused).__name__}) does not compute act(gate) * up then down per expert as "
+            "transformers' fused layout does; --experts dense cannot rebuild it (use --experts fused: "
+            "its experts are then left out)"
+        )
 
 
 def _record_batch_shape(batch: _BatchShape):
@@ -133,6 +143,7 @@ def _record_batch_shape(batch: _BatchShape):
 
 def _unflatten_inputs(batch: _BatchShape):
     """A pre-hook giving a shared expert ``(B, T, H)`` for the block's flattened ``(B·T, H)`` tokens."""
+
     def hook(module: nn.Module, args):
         if args and args[0].dim() == 2 and batch.of(args[0].shape[0]) == batch.shape:
             module._flattened_rows = args[0].shape[0]
@@ -151,8 +162,11 @@ def _flatten_output(module: nn.Module, args, output: torch.Tensor):
 
 def _shared_experts(block: nn.Module):
     """A block's shared-expert MLPs (``shared_expert``, ``shared_experts``; not a gate layer)."""
-    return [child for name, child in block.named_children()
-            if name.startswith("shared_expert") and not name.endswith("_gate") and not isinstance(child, nn.Linear)]
+    return [
+        child
+        for name, child in block.named_children()
+        if name.startswith("shared_expert") and not name.endswith("_gate") and not isinstance(child, nn.Linear)
+    ]
 
 
 def make_experts_trackable(model: nn.Module, *, dense: bool = False) -> int:

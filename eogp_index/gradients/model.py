@@ -27,9 +27,31 @@ from eogp_index.errors import ConfigError, ModelError
 
 # Llama / OLMo / Mistral / Qwen projections, GPT-2 / GPT-J / GPT-NeoX names.
 _DEFAULT_LEAF_NAMES = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "c_attn", "c_proj", "c_fc", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
-    "fc_in", "fc_out", "out_proj", "qkv_proj", "gate_up_proj", "fc1", "fc2", "wq", "wk", "wv", "wo",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "c_attn",
+    "c_proj",
+    "c_fc",
+    "query_key_value",
+    "dense",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+    "fc_in",
+    "fc_out",
+    "out_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "fc1",
+    "fc2",
+    "wq",
+    "wk",
+    "wv",
+    "wo",
 )
 
 
@@ -105,8 +127,7 @@ def find_attributed_modules(model: nn.Module, patterns: Optional[Sequence[str]] 
     """
     output_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     linear_names = [
-        name for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module is not output_head
+        name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not output_head
     ]
     if patterns:
         chosen = [n for n in linear_names if any(_matches(n, p) for p in patterns)]
@@ -127,11 +148,19 @@ def find_attributed_modules(model: nn.Module, patterns: Optional[Sequence[str]] 
     block = re.compile(r"\.\d+\.")
     blocks = moe_blocks(model)
     moe = tuple(f"{name}." for name in blocks)
-    per_example = tuple(f"{name}.{child}." for name in blocks
-                        for child, module in model.get_submodule(name).named_children()
-                        if getattr(module, "per_example_inputs", False))
-    chosen = [n for n in linear_names if block.search(n) and n.rsplit(".", 1)[-1] in _DEFAULT_LEAF_NAMES
-              and (n.startswith(per_example) or not n.startswith(moe))]
+    per_example = tuple(
+        f"{name}.{child}."
+        for name in blocks
+        for child, module in model.get_submodule(name).named_children()
+        if getattr(module, "per_example_inputs", False)
+    )
+    chosen = [
+        n
+        for n in linear_names
+        if block.search(n)
+        and n.rsplit(".", 1)[-1] in _DEFAULT_LEAF_NAMES
+        and (n.startswith(per_example) or not n.startswith(moe))
+    ]
     if not chosen:
         raise ModelError(
             "found no attention/MLP linear layers to attribute; name them explicitly "
@@ -182,15 +211,19 @@ def adapter_config(adapter: str) -> Dict[str, Any]:
     """
     path = Path(adapter) / ADAPTER_CONFIG
     if not path.is_file():
-        raise ConfigError(f"{adapter}: not a peft adapter directory (no {ADAPTER_CONFIG}); give the directory "
-                          "that peft's save_pretrained wrote")
+        raise ConfigError(
+            f"{adapter}: not a peft adapter directory (no {ADAPTER_CONFIG}); give the directory "
+            "that peft's save_pretrained wrote"
+        )
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: cannot be read as JSON ({exc}); save the adapter again with peft") from exc
     if str(config.get("peft_type", "")).upper() != "LORA":
-        raise ConfigError(f"{path}: peft_type is {config.get('peft_type')!r}; eogp-index attributes LoRA "
-                          "adapters only (merge another kind into its base and give the merged model)")
+        raise ConfigError(
+            f"{path}: peft_type is {config.get('peft_type')!r}; eogp-index attributes LoRA "
+            "adapters only (merge another kind into its base and give the merged model)"
+        )
     return config
 
 
@@ -203,21 +236,30 @@ def model_and_adapter(name_or_path: str, adapter: Optional[str] = None) -> Tuple
     """
     if adapter is not None:
         if is_adapter_dir(name_or_path):
-            raise ConfigError(f"{name_or_path} is itself an adapter: give its base model with --adapter "
-                              f"{adapter}, or the adapter directory alone")
+            raise ConfigError(
+                f"{name_or_path} is itself an adapter: give its base model with --adapter "
+                f"{adapter}, or the adapter directory alone"
+            )
         adapter_config(adapter)
         return name_or_path, adapter
     if not is_adapter_dir(name_or_path):
         return name_or_path, None
     base = adapter_config(name_or_path).get("base_model_name_or_path")
     if not base:
-        raise ConfigError(f"{Path(name_or_path) / ADAPTER_CONFIG}: base_model_name_or_path is empty; give the base "
-                          f"model and the adapter: eogp fit BASE --adapter {name_or_path}")
+        raise ConfigError(
+            f"{Path(name_or_path) / ADAPTER_CONFIG}: base_model_name_or_path is empty; give the base "
+            f"model and the adapter: eogp fit BASE --adapter {name_or_path}"
+        )
     return str(base), name_or_path
 
 
-def load_model(name_or_path: str, *, adapter: Optional[str] = None, device: str = "cpu",
-               dtype: Union[str, torch.dtype, None] = "float32"):
+def load_model(
+    name_or_path: str,
+    *,
+    adapter: Optional[str] = None,
+    device: str = "cpu",
+    dtype: Union[str, torch.dtype, None] = "float32",
+):
     """Load a HuggingFace causal LM and its tokenizer (hub name or local directory).
 
     ``name_or_path`` may be a LoRA adapter directory (its base is loaded from
@@ -240,28 +282,34 @@ def load_model(name_or_path: str, *, adapter: Optional[str] = None, device: str 
     name = str(base)
     looks_local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
     if looks_local and not os.path.isdir(os.path.expanduser(name)):
-        raise ModelError(f"model directory {name!r} does not exist; give a local model directory (config.json, "
-                         "weights and tokenizer files, as save_pretrained writes them) or a hub name")
+        raise ModelError(
+            f"model directory {name!r} does not exist; give a local model directory (config.json, "
+            "weights and tokenizer files, as save_pretrained writes them) or a hub name"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=wanted)
     except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load a causal LM from {name!r}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
-                         ) from exc
+        raise ModelError(
+            f"cannot load a causal LM from {name!r}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        ) from exc
     tokenizer_from = base
     if adapter is not None:
         try:
             from peft import PeftModel
         except ImportError as exc:
-            raise ConfigError(f"{adapter} is a LoRA adapter: loading it needs peft "
-                              "(pip install 'eogp-index[adapters]')") from exc
+            raise ConfigError(
+                f"{adapter} is a LoRA adapter: loading it needs peft (pip install 'eogp-index[adapters]')"
+            ) from exc
         model = PeftModel.from_pretrained(model, adapter, is_trainable=False).get_base_model()
         if any((Path(adapter) / f).is_file() for f in _TOKENIZER_FILES):
             tokenizer_from = adapter
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     except (OSError, ValueError, TypeError) as exc:
-        raise ModelError(f"cannot load the tokenizer of {str(tokenizer_from)!r}: {exc}; save it beside the model "
-                         "(tokenizer.save_pretrained(directory))") from exc
+        raise ModelError(
+            f"cannot load the tokenizer of {str(tokenizer_from)!r}: {exc}; save it beside the model "
+            "(tokenizer.save_pretrained(directory))"
+        ) from exc
     check_tokenizer(tokenizer, str(tokenizer_from))
     model.to(device).eval()
     dtype_name(model)  # refuses a checkpoint in a dtype gradients are not taken in (float64, int8, ...)
@@ -285,9 +333,11 @@ def check_tokenizer(tokenizer, name: str) -> None:
         ids = None
     why = f"it has {len(tokenizer)} token(s)" + (f" and turns {_TOKENIZER_PROBE!r} into none" if ids == [] else "")
     if len(tokenizer) < 2 or ids == []:
-        raise ModelError(f"{name!r} has no usable tokenizer ({why}); the directory needs the tokenizer files "
-                         "(tokenizer.json or vocab files and tokenizer_config.json): save them beside the model "
-                         "with tokenizer.save_pretrained(directory)")
+        raise ModelError(
+            f"{name!r} has no usable tokenizer ({why}); the directory needs the tokenizer files "
+            "(tokenizer.json or vocab files and tokenizer_config.json): save them beside the model "
+            "with tokenizer.save_pretrained(directory)"
+        )
 
 
 def add_lora_layers(model: nn.Module, adapter: str) -> nn.Module:
@@ -296,14 +346,20 @@ def add_lora_layers(model: nn.Module, adapter: str) -> nn.Module:
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as exc:
-        raise ConfigError(f"{adapter} is a LoRA adapter: reading it needs peft "
-                          "(pip install 'eogp-index[adapters]')") from exc
+        raise ConfigError(
+            f"{adapter} is a LoRA adapter: reading it needs peft (pip install 'eogp-index[adapters]')"
+        ) from exc
     adapter_config(adapter)
     return inject_adapter_in_model(LoraConfig.from_pretrained(adapter), model)
 
 
-def load_indexed_model(entry: Dict[str, Any], override: Optional[str] = None, *, device: str = "cpu",
-                       dtype: Union[str, torch.dtype, None] = "float32"):
+def load_indexed_model(
+    entry: Dict[str, Any],
+    override: Optional[str] = None,
+    *,
+    device: str = "cpu",
+    dtype: Union[str, torch.dtype, None] = "float32",
+):
     """Load the model a manifest's ``model`` entry names, with its adapter if it has one.
 
     ``override`` (``--model``) replaces where the base is loaded from, or, when it is an
@@ -333,8 +389,10 @@ def dtype_name(model: nn.Module) -> str:
     found = {p.dtype for p in model.parameters() if p.is_floating_point()}
     names = sorted(str(d).removeprefix("torch.") for d in found)
     if len(names) != 1 or names[0] not in _MODEL_DTYPES:
-        raise ConfigError(f"the model's weights are {', '.join(names) or 'not floating point'}; an index is built "
-                          f"with one of {sorted(_MODEL_DTYPES)}: load it with --dtype float32 (or model.to(...))")
+        raise ConfigError(
+            f"the model's weights are {', '.join(names) or 'not floating point'}; an index is built "
+            f"with one of {sorted(_MODEL_DTYPES)}: load it with --dtype float32 (or model.to(...))"
+        )
     return names[0]
 
 

@@ -67,10 +67,14 @@ class Explanation:
     metadata: Dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> Dict[str, Any]:
-        data = {"id": self.id, "score": self.score, "score_projected": self.score_projected,
-                "train_tokens": [{"token": t.token, "contribution": t.contribution} for t in self.train_tokens],
-                "query_tokens": [{"token": t.token, "contribution": t.contribution} for t in self.query_tokens],
-                "modules": dict(self.modules)}
+        data = {
+            "id": self.id,
+            "score": self.score,
+            "score_projected": self.score_projected,
+            "train_tokens": [{"token": t.token, "contribution": t.contribution} for t in self.train_tokens],
+            "query_tokens": [{"token": t.token, "contribution": t.contribution} for t in self.query_tokens],
+            "modules": dict(self.modules),
+        }
         if self.text is not None:
             data["text"] = self.text
         if self.metadata:
@@ -130,8 +134,10 @@ def token_contributions(index, examples: Sequence[Example], coords: np.ndarray) 
     names = index.manifest.module_names
     layout = index.layout
     coords_t = torch.as_tensor(np.asarray(coords, np.float32))
-    pulled = {name: weight_space(index.projection.modules[name], coords_t[:, off:off + k]).to(index.device)
-              for name, off, k in zip(names, layout.coord_offsets, layout.k)}
+    pulled = {
+        name: weight_space(index.projection.modules[name], coords_t[:, off : off + k]).to(index.device)
+        for name, off, k in zip(names, layout.coord_offsets, layout.k)
+    }
 
     def contributions(name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:  # (B, n_coords, T)
         return torch.einsum("bto,noi,bti->bnt", g, pulled[name], a)
@@ -139,10 +145,11 @@ def token_contributions(index, examples: Sequence[Example], coords: np.ndarray) 
     capture = GradientCapture(index.model, names, contributions, checkpoint=index.gradients.gradient_checkpointing)
     out: List[np.ndarray] = []
     for batch in batches(examples, index.gradients.batch_size):  # each batch padded to its own longest
-        per_module = project_examples(capture, batch, batch_size=len(batch),
-                                      pad_token_id=pad_token_id(index.tokenizer), device=index.device)
+        per_module = project_examples(
+            capture, batch, batch_size=len(batch), pad_token_id=pad_token_id(index.tokenizer), device=index.device
+        )
         total = sum(per_module[name].double() for name in names).numpy()  # (B, n_coords, T)
-        out.extend(total[i, :, :len(ex.input_ids)] for i, ex in enumerate(batch))
+        out.extend(total[i, :, : len(ex.input_ids)] for i, ex in enumerate(batch))
     return out
 
 
@@ -169,24 +176,32 @@ def explain_documents(index, query, ids: Sequence[str]) -> List[Explanation]:
         return []
     stored = index.stored
     query_example = index.query_examples([query])[0]
-    documents = [stored.document(i, index.tokenizer) for i in ids]       # checked against their hashes
-    y = index.project([query_example])                                     # (1, K)
+    documents = [stored.document(i, index.tokenizer) for i in ids]  # checked against their hashes
+    y = index.project([query_example])  # (1, K)
     where = f"id IN ({', '.join(sql_string(i) for i in ids)})"
     table = stored.store.read(["id", *stored.codec.columns], where)
     position = {doc_id: row for row, doc_id in enumerate(table.column("id").to_pylist())}
     codes = stored.codec.from_arrow(table).take(np.array([position[i] for i in ids], np.int64))
-    stored_coords = decode(codes, stored.layout)                          # (r, K): s_u·b_u, or x
-    terms = module_terms(codes, y[0], stored.layout)                      # (r, U)
-    train = token_contributions(index, documents, y)                      # [(1, T_i)]
+    stored_coords = decode(codes, stored.layout)  # (r, K): s_u·b_u, or x
+    terms = module_terms(codes, y[0], stored.layout)  # (r, U)
+    train = token_contributions(index, documents, y)  # [(1, T_i)]
     (queried,) = token_contributions(index, [query_example], stored_coords)  # (r, T_q)
     names = stored.manifest.module_names
     query_texts = _token_texts(index.tokenizer, query_example.input_ids)
     out = []
     for j, doc in enumerate(documents):
-        out.append(Explanation(
-            id=doc.id, score=float(terms[j].sum()), score_projected=float(train[j][0].sum()),
-            train_tokens=[TokenContribution(t, float(c))
-                          for t, c in zip(_token_texts(index.tokenizer, doc.input_ids), train[j][0])],
-            query_tokens=[TokenContribution(t, float(c)) for t, c in zip(query_texts, queried[j])],
-            modules=module_dicts(terms[j:j + 1], names)[0], text=doc.display_text))
+        out.append(
+            Explanation(
+                id=doc.id,
+                score=float(terms[j].sum()),
+                score_projected=float(train[j][0].sum()),
+                train_tokens=[
+                    TokenContribution(t, float(c))
+                    for t, c in zip(_token_texts(index.tokenizer, doc.input_ids), train[j][0])
+                ],
+                query_tokens=[TokenContribution(t, float(c)) for t, c in zip(query_texts, queried[j])],
+                modules=module_dicts(terms[j : j + 1], names)[0],
+                text=doc.display_text,
+            )
+        )
     return out

@@ -43,8 +43,10 @@ def unit_normalized(encoded: Encoded, layout: SignLayout) -> Encoded:
     divisor = np.where(norms > 0, norms, 1.0)[:, None]  # a zero row stays zero
     if encoded.coords is not None:
         return Encoded(coords=(encoded.coords.astype(np.float64) / divisor).astype(np.float32))
-    return Encoded(signs=encoded.signs,
-                   scales=np.ascontiguousarray((encoded.scales.astype(np.float64) / divisor).astype(np.float32)))
+    return Encoded(
+        signs=encoded.signs,
+        scales=np.ascontiguousarray((encoded.scales.astype(np.float64) / divisor).astype(np.float32)),
+    )
 
 
 def normalized_codes(encoded: Encoded, layout: SignLayout, normalize: str) -> Encoded:

@@ -129,11 +129,15 @@ class QueryOptions(AnswerConfig):
         if self.where is not None and not isinstance(self.where, str):
             raise ConfigError(f"where must be an SQL string, got {type(self.where).__name__}")
         if self.normalize != "none" and self.route == "candidates":
-            raise ConfigError("normalize='unit' needs an exact scan; first-pass candidates are picked for unnormalized "
-                              "scores: drop --candidates or --normalize")
+            raise ConfigError(
+                "normalize='unit' needs an exact scan; first-pass candidates are picked for unnormalized "
+                "scores: drop --candidates or --normalize"
+            )
         if self.group_by is not None and self.route not in ("auto", "hot"):
-            raise ConfigError(f"group_by scores every matching row of the hot copy; the {self.route} route "
-                              "lists top hits only: drop the route (or --stream/--candidates) to group")
+            raise ConfigError(
+                f"group_by scores every matching row of the hot copy; the {self.route} route "
+                "lists top hits only: drop the route (or --stream/--candidates) to group"
+            )
 
 
 class InfluenceQuery:
@@ -145,16 +149,26 @@ class InfluenceQuery:
             as one behaviour with :meth:`aggregate`.
     """
 
-    def __init__(self, index: Projects, queries: Union[Query, List[Query]], *, many: bool = False,
-                 options: QueryOptions = QueryOptions()):
+    def __init__(
+        self,
+        index: Projects,
+        queries: Union[Query, List[Query]],
+        *,
+        many: bool = False,
+        options: QueryOptions = QueryOptions(),
+    ):
         self._index = index
         self._queries: List[Query] = list(queries) if many else [queries]
         self._many = many
         self.options = options
 
     def _with(self, **changes) -> "InfluenceQuery":
-        return InfluenceQuery(self._index, self._queries if self._many else self._queries[0], many=self._many,
-                              options=replace(self.options, **changes))
+        return InfluenceQuery(
+            self._index,
+            self._queries if self._many else self._queries[0],
+            many=self._many,
+            options=replace(self.options, **changes),
+        )
 
     # -- building ---------------------------------------------------------------------------------
     def limit(self, k: int) -> "InfluenceQuery":
@@ -233,8 +247,7 @@ class InfluenceQuery:
         y = self.coordinates(coordinates)
         found = of_their_sign(self.searcher().top_k(y, opts.k, sides, opts.where))  # every route
         modules = [self._module_terms(hits, y[q]) for q, hits in enumerate(found)] if opts.by_module else None
-        return ranked_tables(self._index.stored, found, with_direction=opts.direction == "both",
-                             modules=modules)
+        return ranked_tables(self._index.stored, found, with_direction=opts.direction == "both", modules=modules)
 
     def _module_terms(self, hits, y: np.ndarray):
         """``{side: [{module: term}, ...]}`` of the hits of one query, from their stored codes."""
@@ -248,8 +261,9 @@ class InfluenceQuery:
             if hot is not None:
                 codes = hot.encoded.take(hot.positions(found.rowaddr))
             else:
-                codes = stored.codec.from_arrow(stored.store.take_rows(found.rowaddr.tolist(),
-                                                                       list(stored.codec.columns)))
+                codes = stored.codec.from_arrow(
+                    stored.store.take_rows(found.rowaddr.tolist(), list(stored.codec.columns))
+                )
             codes = normalized_codes(codes, stored.layout, self.options.normalize)
             out[side] = module_dicts(module_terms(codes, y, stored.layout), stored.manifest.module_names)
         return out
@@ -266,8 +280,9 @@ class InfluenceQuery:
             raise ConfigError("roll_ups needs a column: .group_by(column)")
         stored = self._index.stored
         hot = stored.hot_codes()
-        check_group_column(opts.group_by, [f.name for f in stored.store.schema or [] if
-                                           f.name not in stored.codec.columns])
+        check_group_column(
+            opts.group_by, [f.name for f in stored.store.schema or [] if f.name not in stored.codec.columns]
+        )
         y = self.coordinates(coordinates)
         searcher = self.searcher()
         rows = stored.matching_rows(opts.where, hot)
@@ -276,14 +291,15 @@ class InfluenceQuery:
             return [empty_roll_up(opts.group_by, type_) for _ in range(y.shape[0])]
         _, scores = searcher.scores(y, opts.where)
         codes = _cached_group_codes(hot, opts.group_by, opts.where, rows)
-        return [roll_up(codes, row, opts.k, opts.group_by, descending=opts.direction != "negative")
-                for row in scores]
+        return [roll_up(codes, row, opts.k, opts.group_by, descending=opts.direction != "negative") for row in scores]
 
     def to_arrow(self) -> pa.Table:
         """The answer to a single query (or to aggregated ones): ``[direction,] rank, id, score`` and
         the stored metadata columns, best first; no rows when nothing is stored (or nothing
         matches ``where``). With :meth:`group_by`: one row per group."""
         if self._many and self.options.aggregate is None:
-            raise ConfigError("this builder holds several queries; use to_list() for one table per query, "
-                              "or .aggregate('mean') to answer them as one")
+            raise ConfigError(
+                "this builder holds several queries; use to_list() for one table per query, "
+                "or .aggregate('mean') to answer them as one"
+            )
         return self.to_list()[0]

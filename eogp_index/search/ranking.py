@@ -32,8 +32,10 @@ DIRECTIONS: Tuple[str, ...] = ("positive", "negative", "both")
 def sides_of(direction: str) -> Tuple[Side, ...]:
     """``"both"`` → ``("positive", "negative")``; a single side → itself; anything else is refused."""
     if direction not in DIRECTIONS:
-        raise ConfigError(f"direction must be one of {list(DIRECTIONS)}, got {direction!r} "
-                          "(positive: documents that help the query; negative: that hurt it)")
+        raise ConfigError(
+            f"direction must be one of {list(DIRECTIONS)}, got {direction!r} "
+            "(positive: documents that help the query; negative: that hurt it)"
+        )
     return ("positive", "negative") if direction == "both" else (direction,)  # type: ignore[return-value]
 
 
@@ -74,8 +76,7 @@ class Hits:
         """Exact top ``k`` of the union of several top-k lists (e.g. one per shard or batch)."""
         if not parts:
             return Hits.empty()
-        return Hits.best(np.concatenate([p.rowaddr for p in parts]), np.concatenate([p.scores for p in parts]),
-                         k, side)
+        return Hits.best(np.concatenate([p.rowaddr for p in parts]), np.concatenate([p.scores for p in parts]), k, side)
 
 
 def of_their_sign(found: Sequence[Dict[Side, Hits]]) -> List[Dict[Side, Hits]]:
@@ -83,8 +84,13 @@ def of_their_sign(found: Sequence[Dict[Side, Hits]]) -> List[Dict[Side, Hits]]:
     return [{side: hits.of_sign(side) for side, hits in by_side.items()} for by_side in found]
 
 
-def ranked_tables(stored: StoredIndex, found: Sequence[Dict[Side, Hits]], *, with_direction: bool,
-                  modules: Optional[Sequence[Dict[Side, List[dict]]]] = None) -> List[pa.Table]:
+def ranked_tables(
+    stored: StoredIndex,
+    found: Sequence[Dict[Side, Hits]],
+    *,
+    with_direction: bool,
+    modules: Optional[Sequence[Dict[Side, List[dict]]]] = None,
+) -> List[pa.Table]:
     """Each query's answer: ``[direction,] rank, id, score[, modules]`` leading, then the stored
     metadata columns. The hits' rows are read once for all the queries: from the hot copy when it
     is loaded (an Arrow take, microseconds), else in one Lance take (milliseconds whatever its

@@ -67,8 +67,10 @@ def _html_tokens(tokens: Sequence[TokenContribution]) -> str:
         rgb = "46, 160, 67" if level > 0 else "207, 34, 46"
         sign = "pos" if level > 0 else "neg" if level < 0 else "zero"
         style = f' style="background: rgba({rgb}, {alpha:.2f})"' if level else ""
-        spans.append(f'<span class="eogp-token eogp-{sign}" data-contribution="{token.contribution:.6e}" '
-                     f'title="{token.contribution:+.3e}"{style}>{html.escape(token.token)}</span>')
+        spans.append(
+            f'<span class="eogp-token eogp-{sign}" data-contribution="{token.contribution:.6e}" '
+            f'title="{token.contribution:+.3e}"{style}>{html.escape(token.token)}</span>'
+        )
     return "".join(spans)
 
 
@@ -86,11 +88,14 @@ def explanation_html(explanation: Explanation) -> str:
         f'<span class="eogp-bar eogp-{"pos" if value >= 0 else "neg"}" '
         f'style="width: {100 * abs(value) / peak:.1f}%"></span>'
         f'<span class="eogp-module-value">{value:+.3e}</span></div>'
-        for name, value in e.modules.items())
-    return (f'<div class="eogp-explanation" data-id="{html.escape(e.id)}">'
-            f'<p class="eogp-scores">score {e.score:+.4e} (1-bit, as ranked) · '
-            f'{e.score_projected:+.4e} unquantized</p>'
-            f'<div class="eogp-modules">{modules}</div>'
-            f'<p class="eogp-label">document tokens</p><p class="eogp-tokens">{_html_tokens(e.train_tokens)}</p>'
-            f'<p class="eogp-label">query tokens</p><p class="eogp-tokens">{_html_tokens(e.query_tokens)}</p>'
-            '</div>')
+        for name, value in e.modules.items()
+    )
+    return (
+        f'<div class="eogp-explanation" data-id="{html.escape(e.id)}">'
+        f'<p class="eogp-scores">score {e.score:+.4e} (1-bit, as ranked) · '
+        f"{e.score_projected:+.4e} unquantized</p>"
+        f'<div class="eogp-modules">{modules}</div>'
+        f'<p class="eogp-label">document tokens</p><p class="eogp-tokens">{_html_tokens(e.train_tokens)}</p>'
+        f'<p class="eogp-label">query tokens</p><p class="eogp-tokens">{_html_tokens(e.query_tokens)}</p>'
+        "</div>"
+    )

@@ -37,8 +37,10 @@ ROLLUP_COLUMNS = ("rows", "sum", "mean", "max", "top_positive", "top_negative", 
 def check_group_column(column: str, available: Sequence[str]) -> None:
     """Refuse a column the rows do not hold, naming the ones they do."""
     if column not in available:
-        raise InputError(f"group_by: no stored column {column!r}; group by one of {sorted(available)} "
-                         "(metadata columns are named at ingest with --metadata)")
+        raise InputError(
+            f"group_by: no stored column {column!r}; group by one of {sorted(available)} "
+            "(metadata columns are named at ingest with --metadata)"
+        )
 
 
 def top_positions(scores: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -110,8 +112,10 @@ def group_codes(values) -> Tuple[pa.Array, np.ndarray]:
     try:
         encoded = values if pa.types.is_dictionary(values.type) else pc.dictionary_encode(values)
     except (pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
-        raise InputError(f"group_by: a column of type {values.type} cannot be grouped ({exc}); group by a column "
-                         "of strings, numbers, dates or booleans") from None
+        raise InputError(
+            f"group_by: a column of type {values.type} cannot be grouped ({exc}); group by a column "
+            "of strings, numbers, dates or booleans"
+        ) from None
     keys = encoded.dictionary
     index = encoded.indices.fill_null(len(keys)).to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
     if encoded.null_count:
@@ -139,18 +143,20 @@ def roll_up(values, scores: np.ndarray, k: int, column: str, *, descending: bool
     rows, total, positive, negative, best = _kernel("sums", _group_sums)(index, scores, size)
     total_pos, total_neg = float(positive.sum()), float(negative.sum())
     used = np.flatnonzero(rows)  # a dictionary may hold values no matching row has
-    out = pa.table({
-        column: keys.take(pa.array(used)),
-        "rows": rows[used],
-        "sum": total[used],
-        "mean": total[used] / rows[used],
-        "max": best[used],
-        "top_positive": np.bincount(index[top_positive], minlength=size)[used],
-        "top_negative": np.bincount(index[top_negative], minlength=size)[used],
-        # (+ 0.0: a group without negative scores has a share of 0, not -0)
-        "share_positive": positive[used] / total_pos + 0.0 if total_pos > 0 else np.zeros(used.size),
-        "share_negative": negative[used] / total_neg + 0.0 if total_neg < 0 else np.zeros(used.size),
-    })
+    out = pa.table(
+        {
+            column: keys.take(pa.array(used)),
+            "rows": rows[used],
+            "sum": total[used],
+            "mean": total[used] / rows[used],
+            "max": best[used],
+            "top_positive": np.bincount(index[top_positive], minlength=size)[used],
+            "top_negative": np.bincount(index[top_negative], minlength=size)[used],
+            # (+ 0.0: a group without negative scores has a share of 0, not -0)
+            "share_positive": positive[used] / total_pos + 0.0 if total_pos > 0 else np.zeros(used.size),
+            "share_negative": negative[used] / total_neg + 0.0 if total_neg < 0 else np.zeros(used.size),
+        }
+    )
     return out.take(_group_order(out, column, descending))
 
 
@@ -169,6 +175,14 @@ def _group_order(groups: pa.Table, column: str, descending: bool) -> np.ndarray:
 
 def empty_roll_up(column: str, type_: pa.DataType) -> pa.Table:
     """A roll-up with no groups (nothing matched), with the roll-up's columns and types."""
-    types: List[pa.DataType] = [pa.int64(), pa.float64(), pa.float64(), pa.float64(), pa.int64(), pa.int64(),
-                                pa.float64(), pa.float64()]
+    types: List[pa.DataType] = [
+        pa.int64(),
+        pa.float64(),
+        pa.float64(),
+        pa.float64(),
+        pa.int64(),
+        pa.int64(),
+        pa.float64(),
+        pa.float64(),
+    ]
     return pa.table({column: pa.array([], type_), **{name: pa.array([], t) for name, t in zip(ROLLUP_COLUMNS, types)}})

@@ -319,8 +319,9 @@ def scan_top_k(
     Returns:
         :class:`TopK` with ``(nq, min(k, m))`` arrays; indices refer to rows of ``codes``.
     """
-    return _TopKScan(codes, scales, y, layout, k, rows=rows, largest=largest, smallest=smallest,
-                     chunk_rows=chunk_rows).run()
+    return _TopKScan(
+        codes, scales, y, layout, k, rows=rows, largest=largest, smallest=smallest, chunk_rows=chunk_rows
+    ).run()
 
 
 def _pairs(todo: dict[int, np.ndarray], split: int) -> Pairs:
@@ -464,9 +465,10 @@ class _TopKScan:
         for q in range(self.nq):
             # (A full running top-k, from the pilot or earlier chunks, is nearly always above the
             # chunk's k-th best lower bound, which is then not worth its pass.)
-            thr1[q] = {d: self._threshold(q, d, approx1[q], bound1[q], -np.inf,
-                                          self.running[(q, d)].val.size < self.kk)
-                       for d in self.dirs}
+            thr1[q] = {
+                d: self._threshold(q, d, approx1[q], bound1[q], -np.inf, self.running[(q, d)].val.size < self.kk)
+                for d in self.dirs
+            }
             union, flags = _reaching(approx1[q], bound1[q], thr1[q].get(1.0, np.inf), thr1[q].get(-1.0, np.inf))
             if union.size:
                 stage1[q] = (union, flags)
@@ -510,8 +512,9 @@ class _TopKScan:
             for d, pos in zip(self.dirs, final[q]):
                 self.running[(q, d)].merge(crow[pos], ex[np.searchsorted(todo[q], pos)])
 
-    def _threshold(self, q: int, d: float, approx: np.ndarray, bound: np.ndarray, floor: float,
-                   lower: bool = True) -> float:
+    def _threshold(
+        self, q: int, d: float, approx: np.ndarray, bound: np.ndarray, floor: float, lower: bool = True
+    ) -> float:
         """A value of ``d · score`` (bigger is better) that ``kk`` rows are guaranteed to reach:
         the running k-th best exact score, the previous level's threshold ``floor``, or (with
         ``lower``) the kk-th best lower bound ``d · approx - bound`` of these rows, whichever is
@@ -527,8 +530,11 @@ class _TopKScan:
         when first needed and kept while the tables fit in 64 MiB.
         """
         out: dict[int, np.ndarray] = {}
-        few = {q: r for q, r in todo.items()
-               if r.size and not self.nibble and q not in self.tables and r.size <= _DIRECT_MAX_ROWS}
+        few = {
+            q: r
+            for q, r in todo.items()
+            if r.size and not self.nibble and q not in self.tables and r.size <= _DIRECT_MAX_ROWS
+        }
         if few:
             if self.padded is None:
                 self.padded = _padded_queries(self.y, self.layout)

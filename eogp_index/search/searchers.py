@@ -40,8 +40,9 @@ STREAM_BATCH_BYTES = 64 << 20
 Found = List[Dict[Side, Hits]]
 
 
-def exact_scores(encoded: Encoded, y: np.ndarray, layout: SignLayout, *, rows: Optional[np.ndarray] = None,
-                 device: str = "cpu") -> np.ndarray:
+def exact_scores(
+    encoded: Encoded, y: np.ndarray, layout: SignLayout, *, rows: Optional[np.ndarray] = None, device: str = "cpu"
+) -> np.ndarray:
     """Exact scores ``(nq, r)`` float32 of the rows ``rows`` (all if None) of a block of codes.
 
     1-bit rows score ``Σ_u s_iu⟨y_u, b_iu⟩``; stored coordinates score ``⟨y, x_i⟩``.
@@ -132,12 +133,23 @@ class HotSearcher:
         from eogp_index.search.scan import scan_top_k
 
         scales = hot_normalized(hot, self.stored.layout, self.normalize).scales
-        top = scan_top_k(hot.codes, scales, y, self.stored.layout, k, rows=rows,
-                         largest="positive" in sides, smallest="negative" in sides)
-        picks = {"positive": (top.largest_indices, top.largest_scores),
-                 "negative": (top.smallest_indices, top.smallest_scores)}
-        return [{side: Hits(hot.rowaddr[picks[side][0][q]], picks[side][1][q]) for side in sides}
-                for q in range(y.shape[0])]
+        top = scan_top_k(
+            hot.codes,
+            scales,
+            y,
+            self.stored.layout,
+            k,
+            rows=rows,
+            largest="positive" in sides,
+            smallest="negative" in sides,
+        )
+        picks = {
+            "positive": (top.largest_indices, top.largest_scores),
+            "negative": (top.smallest_indices, top.smallest_scores),
+        }
+        return [
+            {side: Hits(hot.rowaddr[picks[side][0][q]], picks[side][1][q]) for side in sides} for q in range(y.shape[0])
+        ]
 
 
 class TorchSearcher(HotSearcher):
@@ -166,8 +178,15 @@ class StreamSearcher:
             return []
         return sorted(f.fragment_id for f in self.stored.store.dataset().get_fragments())
 
-    def top_k(self, y: np.ndarray, k: int, sides: Sequence[Side], where: Optional[str] = None,
-              *, fragment_ids: Optional[Sequence[int]] = None) -> Found:
+    def top_k(
+        self,
+        y: np.ndarray,
+        k: int,
+        sides: Sequence[Side],
+        where: Optional[str] = None,
+        *,
+        fragment_ids: Optional[Sequence[int]] = None,
+    ) -> Found:
         best: Found = [{side: Hits.empty() for side in sides} for _ in range(y.shape[0])]
         store, codec = self.stored.store, self.stored.codec
         if where is not None:  # Lance alone would drop what it cannot parse (store/filters.py)
@@ -181,8 +200,13 @@ class StreamSearcher:
             fragments = [f for f in fragments if f.fragment_id in wanted]
         if not fragments:
             return best
-        scanner = dataset.scanner(columns=list(codec.columns), filter=where, fragments=fragments,
-                                  with_row_address=True, batch_size_bytes=self.batch_bytes)
+        scanner = dataset.scanner(
+            columns=list(codec.columns),
+            filter=where,
+            fragments=fragments,
+            with_row_address=True,
+            batch_size_bytes=self.batch_bytes,
+        )
         for batch in store.batches(scanner, where):
             if batch.num_rows == 0:
                 continue
@@ -203,8 +227,15 @@ class ShardedSearcher(StreamSearcher):
     The process group (Gloo: only top-k lists travel) is started here if the caller has not.
     """
 
-    def top_k(self, y: np.ndarray, k: int, sides: Sequence[Side], where: Optional[str] = None,
-              *, fragment_ids: Optional[Sequence[int]] = None) -> Found:
+    def top_k(
+        self,
+        y: np.ndarray,
+        k: int,
+        sides: Sequence[Side],
+        where: Optional[str] = None,
+        *,
+        fragment_ids: Optional[Sequence[int]] = None,
+    ) -> Found:
         if "RANK" not in os.environ:
             return super().top_k(y, k, sides, where)
         import torch.distributed as dist
@@ -215,8 +246,9 @@ class ShardedSearcher(StreamSearcher):
         local = super().top_k(y, k, sides, where, fragment_ids=self.fragment_ids()[rank::world])
         gathered: List[Found] = [None] * world  # type: ignore[list-item]
         dist.all_gather_object(gathered, local)
-        return [{side: Hits.merge([g[q][side] for g in gathered], k, side) for side in sides}
-                for q in range(y.shape[0])]
+        return [
+            {side: Hits.merge([g[q][side] for g in gathered], k, side) for side in sides} for q in range(y.shape[0])
+        ]
 
 
 class CandidateSearcher:
@@ -236,7 +268,8 @@ class CandidateSearcher:
 
         found: Found = []
         for q in range(y.shape[0]):
-            scored = candidate_top_k(self.stored, y[q:q + 1], k, self.candidates, sides, where=where,
-                                     name=self.faiss_name)
+            scored = candidate_top_k(
+                self.stored, y[q : q + 1], k, self.candidates, sides, where=where, name=self.faiss_name
+            )
             found.append({side: Hits.best(rowaddr, scores, k, side) for side, (rowaddr, scores, _) in scored.items()})
         return found

@@ -57,9 +57,15 @@ class Selection:
     options: SelectOptions
 
 
-def scored_batches(stored: StoredIndex, y: np.ndarray, *, where: Optional[str] = None,
-                   columns: Sequence[str] = (), batch_bytes: int = STREAM_BATCH_BYTES,
-                   normalize: str = "none") -> Iterator[Tuple[pa.RecordBatch, np.ndarray]]:
+def scored_batches(
+    stored: StoredIndex,
+    y: np.ndarray,
+    *,
+    where: Optional[str] = None,
+    columns: Sequence[str] = (),
+    batch_bytes: int = STREAM_BATCH_BYTES,
+    normalize: str = "none",
+) -> Iterator[Tuple[pa.RecordBatch, np.ndarray]]:
     """The matching rows in record batches, each with its exact scores ``(nq, b)`` float32
     (with ``normalize="unit"``, of each row's code divided by its norm).
 
@@ -69,16 +75,16 @@ def scored_batches(stored: StoredIndex, y: np.ndarray, *, where: Optional[str] =
     if store.table is None:
         return
     wanted = list(dict.fromkeys([*codec.columns, *columns]))
-    scanner = store.dataset().scanner(columns=wanted, filter=where, with_row_address=True,
-                                      batch_size_bytes=batch_bytes)
+    scanner = store.dataset().scanner(columns=wanted, filter=where, with_row_address=True, batch_size_bytes=batch_bytes)
     for batch in store.batches(scanner, where):
         if batch.num_rows:
             codes = normalized_codes(codec.from_arrow(batch), stored.layout, normalize)
             yield batch, exact_scores(codes, y, stored.layout)
 
 
-def select_documents(index, queries: Sequence[Any], options: SelectOptions = SelectOptions(), *,
-                     batch_bytes: int = STREAM_BATCH_BYTES) -> Selection:
+def select_documents(
+    index, queries: Sequence[Any], options: SelectOptions = SelectOptions(), *, batch_bytes: int = STREAM_BATCH_BYTES
+) -> Selection:
     """The top documents for a target set of queries (texts, chats, records; see :class:`SelectOptions`)."""
     if not queries:
         raise InputError("select needs at least one target query")
@@ -92,11 +98,12 @@ def select_documents(index, queries: Sequence[Any], options: SelectOptions = Sel
     best_addr = np.zeros(0, np.uint64)
     best_key = np.zeros(0, np.float32)  # sign * score: larger is better
     batches = scored_batches(stored, y, where=options.where, batch_bytes=batch_bytes, normalize=options.normalize)
-    for batch, scores in (batches if keep else ()):
+    for batch, scores in batches if keep else ():
         key = sign * (scores[0] if options.score == "mean" else (scores.max(0) if sign > 0 else scores.min(0)))
         rowaddr = batch.column("_rowaddr").to_numpy().astype(np.uint64)
-        best_addr, best_key = _best(np.concatenate([best_addr, rowaddr]),
-                                    np.concatenate([best_key, key.astype(np.float32)]), keep)
+        best_addr, best_key = _best(
+            np.concatenate([best_addr, rowaddr]), np.concatenate([best_key, key.astype(np.float32)]), keep
+        )
     order = np.lexsort((best_addr, -best_key))  # best first; ties by row address
     return Selection(best_addr[order], (sign * best_key[order]).astype(np.float32), options)
 
@@ -109,12 +116,13 @@ def _best(rowaddr: np.ndarray, key: np.ndarray, keep: int) -> Tuple[np.ndarray, 
     threshold = -np.partition(-key, keep - 1)[keep - 1]
     above = np.flatnonzero(key > threshold)
     tied = np.flatnonzero(key == threshold)
-    tied = tied[np.argsort(rowaddr[tied], kind="stable")[:keep - above.size]]
+    tied = tied[np.argsort(rowaddr[tied], kind="stable")[: keep - above.size]]
     chosen = np.concatenate([above, tied])
     return rowaddr[chosen], key[chosen]
 
 
 # -- writing ---------------------------------------------------------------------------------------
+
 
 def output_kind(path: Path) -> str:
     """``jsonl``, ``jsonl.gz`` or ``parquet``, from the output file's name."""
@@ -198,8 +206,10 @@ class _Writer:
             try:
                 table = table.select(self.parquet.schema_arrow.names).cast(self.parquet.schema_arrow)
             except (KeyError, ValueError, pa.ArrowInvalid) as exc:
-                raise InputError(f"the selected records' columns differ between shards ({table.schema.names} vs "
-                                 f"{self.parquet.schema_arrow.names}); write .jsonl instead of .parquet") from exc
+                raise InputError(
+                    f"the selected records' columns differ between shards ({table.schema.names} vs "
+                    f"{self.parquet.schema_arrow.names}); write .jsonl instead of .parquet"
+                ) from exc
         self.parquet.write_table(table)
 
     def close(self, empty_schema: Optional[pa.Schema] = None) -> None:
@@ -207,8 +217,9 @@ class _Writer:
             import pyarrow.parquet as pq
 
             if self.parquet is None:
-                self.parquet = pq.ParquetWriter(self.handle, empty_schema or pa.schema([("id", pa.string()),
-                                                                                         ("score", pa.float32())]))
+                self.parquet = pq.ParquetWriter(
+                    self.handle, empty_schema or pa.schema([("id", pa.string()), ("score", pa.float32())])
+                )
             self.parquet.close()
         elif self.kind == "jsonl.gz":
             self.handle.close()
@@ -236,9 +247,11 @@ def write_selection(stored: StoredIndex, selection: Selection, out: Path) -> int
     kind = output_kind(out)
     columns = ["id", "shard", "position", "content_sha256", "content_kind"]
     if not selection.options.ids_only and not stored.manifest.has_content_hashes:
-        raise InputError(f"{stored.path} records no content hashes (index format "
-                         f"{stored.manifest.format_version}), so records read back could not be checked; "
-                         "use --ids-only, or re-ingest into an index made by this version")
+        raise InputError(
+            f"{stored.path} records no content hashes (index format "
+            f"{stored.manifest.format_version}), so records read back could not be checked; "
+            "use --ids-only, or re-ingest into an index made by this version"
+        )
     rows = stored.store.take_rows(selection.rowaddr.tolist(), ["id"] if selection.options.ids_only else columns)
     with atomic_output(out) as handle:
         writer = _Writer(handle, kind)
@@ -272,17 +285,27 @@ def _write_shard(stored: StoredIndex, writer: _Writer, shard: str, picked: List[
     if not readable:
         # Stored text is read only here, for the shard that cannot be read, one shard at a time.
         has_text = "text" in stored.store.schema.names
-        texts = stored.store.take_rows([r["_rowaddr"] for r in picked], ["text"]).column("text").to_pylist() \
-            if has_text else [None] * len(picked)
+        texts = (
+            stored.store.take_rows([r["_rowaddr"] for r in picked], ["text"]).column("text").to_pylist()
+            if has_text
+            else [None] * len(picked)
+        )
         picked = [{**row, "text": text} for row, text in zip(picked, texts)]
         if any(row["text"] is None for row in picked):
             missing = next(row for row in picked if row["text"] is None)
-            raise InputError(f"example {missing['id']!r}: its shard {shard!r} cannot be read "
-                             f"({uri or 'not recorded in sources.json'}) and its text is not stored; restore the "
-                             "shard where it was ingested from, or use --ids-only")
+            raise InputError(
+                f"example {missing['id']!r}: its shard {shard!r} cannot be read "
+                f"({uri or 'not recorded in sources.json'}) and its text is not stored; restore the "
+                "shard where it was ingested from, or use --ids-only"
+            )
         spec = _stored_text_spec(stored, shard)
-        writer.records([_checked({**_record_from_text(r["text"], r["content_kind"], spec)}, r, spec, "its stored text")
-                        | {"score": r["score"]} for r in picked])
+        writer.records(
+            [
+                _checked({**_record_from_text(r["text"], r["content_kind"], spec)}, r, spec, "its stored text")
+                | {"score": r["score"]}
+                for r in picked
+            ]
+        )
         return
     if fmt == "jsonl":
         for row, line in zip(picked, _jsonl_lines(Path(uri), compression, [r["position"] for r in picked], shard)):
@@ -320,14 +343,17 @@ def _checked(record: Dict[str, Any], row: Dict[str, Any], spec, where: str) -> D
         raise InputError(
             f"example {row['id']!r}: the record at {location_of(row['shard'], row['position'])} in {where} has "
             "changed since it was ingested (its content hash differs), so it would not be the document that was "
-            "scored. Restore the shard as it was, or ingest the new version into a new index")
+            "scored. Restore the shard as it was, or ingest the new version into a new index"
+        )
     return record
 
 
 def _require_all(found: Sequence[Any], picked: Sequence[Dict[str, Any]], shard: str, uri: str) -> None:
     if len(found) != len(picked):
-        raise InputError(f"shard {shard!r} at {uri} no longer holds all the selected records ({len(found)} of "
-                         f"{len(picked)} found); restore it as it was ingested")
+        raise InputError(
+            f"shard {shard!r} at {uri} no longer holds all the selected records ({len(found)} of "
+            f"{len(picked)} found); restore it as it was ingested"
+        )
 
 
 def _parquet_rows(path: Path, picked: List[Dict[str, Any]]) -> Iterator[Tuple[pa.Table, List[Dict[str, Any]]]]:
@@ -372,8 +398,10 @@ def _jsonl_lines(path: Path, compression: Optional[str], positions: Sequence[int
 
 # -- score export ----------------------------------------------------------------------------------
 
-def write_scores(index, queries: Sequence[Any], out: Path, *, where: Optional[str] = None,
-                 batch_bytes: int = STREAM_BATCH_BYTES) -> int:
+
+def write_scores(
+    index, queries: Sequence[Any], out: Path, *, where: Optional[str] = None, batch_bytes: int = STREAM_BATCH_BYTES
+) -> int:
     """Every matching row's score for every query, to Parquet: ``id``, ``query`` (the query's
     0-based position), ``score`` and the stored metadata columns; returns the rows written.
 
@@ -393,13 +421,14 @@ def write_scores(index, queries: Sequence[Any], out: Path, *, where: Optional[st
     written = 0
     with atomic_output(out) as handle:
         writer = None
-        for batch, scores in scored_batches(stored, y, where=where, columns=["id", *metadata],
-                                            batch_bytes=batch_bytes):
+        for batch, scores in scored_batches(stored, y, where=where, columns=["id", *metadata], batch_bytes=batch_bytes):
             rest = batch.select(["id", *metadata])
             for q in range(scores.shape[0]):
-                table = pa.Table.from_batches([rest]).add_column(
-                    1, "query", pa.array(np.full(batch.num_rows, q, np.int32))).add_column(
-                    2, "score", pa.array(scores[q]))
+                table = (
+                    pa.Table.from_batches([rest])
+                    .add_column(1, "query", pa.array(np.full(batch.num_rows, q, np.int32)))
+                    .add_column(2, "score", pa.array(scores[q]))
+                )
                 if writer is None:
                     writer = pq.ParquetWriter(handle, table.schema)
                 writer.write_table(table)

@@ -110,14 +110,19 @@ def _turns_record(body: QueryRequest, given: List[str]) -> Tuple[Dict[str, Any],
     order) as a record dict, and the field that holds its loss."""
     preference = [name for name in ("chosen", "rejected") if name in given]
     if "prompt" not in given:
-        raise RequestError("prompt", f"{given[0]} needs its prompt: a query is prompt + completion or "
-                                     "prompt + chosen + rejected")
+        raise RequestError(
+            "prompt", f"{given[0]} needs its prompt: a query is prompt + completion or prompt + chosen + rejected"
+        )
     if "completion" in given and preference:
-        raise RequestError(preference[0], "give completion (a prompt-completion query) or chosen and rejected "
-                                          "(a preference query), not both")
+        raise RequestError(
+            preference[0],
+            "give completion (a prompt-completion query) or chosen and rejected (a preference query), not both",
+        )
     if given == ["prompt"]:
-        raise RequestError("completion", "prompt goes with completion (a prompt-completion query) or with chosen "
-                                         "and rejected (a preference query)")
+        raise RequestError(
+            "completion",
+            "prompt goes with completion (a prompt-completion query) or with chosen and rejected (a preference query)",
+        )
     if len(preference) == 1:
         missing = "rejected" if preference == ["chosen"] else "chosen"
         raise RequestError(missing, f"a preference query holds prompt, chosen and rejected; {missing} is missing")
@@ -138,11 +143,15 @@ def _behaviour_records(body: QueryRequest, config: ServeConfig) -> Tuple[Dict[st
     if given:
         raise RequestError(given[0], f"give either queries (a behaviour) or {given[0]} (one query), not both")
     if body.aggregate is None:
-        raise RequestError("aggregate", "queries are answered as one measurement: add \"aggregate\": \"mean\" "
-                                        "(or \"sum\"); send one request per query to rank each on its own")
+        raise RequestError(
+            "aggregate",
+            'queries are answered as one measurement: add "aggregate": "mean" '
+            '(or "sum"); send one request per query to rank each on its own',
+        )
     if not 1 <= len(body.queries) <= config.max_queries:
-        raise RequestError("queries", f"queries must hold 1 to {config.max_queries} queries (max_queries), "
-                                      f"got {len(body.queries)}")
+        raise RequestError(
+            "queries", f"queries must hold 1 to {config.max_queries} queries (max_queries), got {len(body.queries)}"
+        )
     records = []
     for i, query in enumerate(body.queries):
         try:
@@ -159,8 +168,11 @@ def _explain_record(query: Any, *, turns: bool = False) -> Dict[str, Any]:
     if isinstance(query, dict):
         unknown = sorted(set(query) - {"text", "messages", "input_ids", "labels", *(_TURNS if turns else ())})
         if unknown:
-            holds = ("text, messages, input_ids (with optional labels), prompt + completion or prompt + chosen + "
-                     "rejected" if turns else "text, messages or input_ids (with optional labels)")
+            holds = (
+                "text, messages, input_ids (with optional labels), prompt + completion or prompt + chosen + rejected"
+                if turns
+                else "text, messages or input_ids (with optional labels)"
+            )
             raise RequestError("query", f"query has unknown keys {unknown}; a record holds {holds}")
         return dict(query)
     if not query:
@@ -177,8 +189,13 @@ def _validation_error(exc: RequestValidationError) -> JSON:
         loc = [p for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
             reason = err.get("ctx", {}).get("error", "")
-            found.append(("body", f"the request body is not valid JSON ({reason}); send a JSON object such as "
-                                  '{"text": "...", "k": 10}'))
+            found.append(
+                (
+                    "body",
+                    f"the request body is not valid JSON ({reason}); send a JSON object such as "
+                    '{"text": "...", "k": 10}',
+                )
+            )
             continue
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "body"
         top = str(loc[0]) if loc else "body"
@@ -189,8 +206,13 @@ def _validation_error(exc: RequestValidationError) -> JSON:
         elif err.get("type") == "missing":
             found.append((path, f"{path} is required"))
         elif top == "query":  # a union: one error per alternative; say what the alternatives are
-            found.append(("query", "query must be a text, a chat (a list of {role, content}), a list of token ids "
-                                   "or a record {text | messages | input_ids}"))
+            found.append(
+                (
+                    "query",
+                    "query must be a text, a chat (a list of {role, content}), a list of token ids "
+                    "or a record {text | messages | input_ids}",
+                )
+            )
         elif path == "body":
             found.append(("body", f"the request body must be a JSON object of fields, got: {err.get('msg')}"))
         else:
@@ -210,8 +232,9 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
     ``with TestClient(app)``), which also warms the hot copy and the scan kernels.
     """
     engine = Engine(index, config)
-    batcher = MicroBatcher(engine.run_queries, window_s=config.window_s, max_batch=config.max_batch,
-                           queue_size=config.queue_size)
+    batcher = MicroBatcher(
+        engine.run_queries, window_s=config.window_s, max_batch=config.max_batch, queue_size=config.queue_size
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -220,9 +243,15 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
         yield
         await batcher.stop()
 
-    app = FastAPI(title="eogp-index", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description="Which training documents influence a model's output: ranked influence queries "
-                              "over an EOGP attribution index.")
+    app = FastAPI(
+        title="eogp-index",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        description="Which training documents influence a model's output: ranked influence queries "
+        "over an EOGP attribution index.",
+    )
     app.state.engine = engine
     app.state.batcher = batcher
 
@@ -234,8 +263,10 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
             raise
         except Exception:
             request_id = request.scope.get("state", {}).get("request_id")
-            log.exception("internal error", extra={"fields": {"event": "error", "request_id": request_id,
-                                                              "path": request.url.path}})
+            log.exception(
+                "internal error",
+                extra={"fields": {"event": "error", "request_id": request_id, "path": request.url.path}},
+            )
             raise InternalError(request_id) from None
 
     # -- errors -----------------------------------------------------------------------------------
@@ -249,24 +280,34 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
 
     @app.exception_handler(QueueFull)
     async def _busy(_: Request, exc: QueueFull):
-        return _error(503, None, f"the server is busy ({config.queue_size} requests queued); retry in a second",
-                      headers={"Retry-After": "1"})
+        return _error(
+            503,
+            None,
+            f"the server is busy ({config.queue_size} requests queued); retry in a second",
+            headers={"Retry-After": "1"},
+        )
 
     @app.exception_handler(TimeoutError)
     async def _timeout(_: Request, exc: TimeoutError):
-        return _error(504, None, f"the request took longer than {config.timeout_s:g} s (timeout_s); the server "
-                                 "is overloaded or the query too long", headers={"Retry-After": "1"})
+        return _error(
+            504,
+            None,
+            f"the request took longer than {config.timeout_s:g} s (timeout_s); the server "
+            "is overloaded or the query too long",
+            headers={"Retry-After": "1"},
+        )
 
     @app.exception_handler(InternalError)
     async def _internal(_: Request, exc: InternalError):
-        return _error(500, None, f"internal error; the server log has its details under request_id "
-                                 f"{exc.request_id}")
+        return _error(500, None, f"internal error; the server log has its details under request_id {exc.request_id}")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         field = {404: "path", 405: "method"}.get(exc.status_code)
-        detail = {404: f"no endpoint {request.url.path}; see /openapi.json",
-                  405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        detail = {
+            404: f"no endpoint {request.url.path}; see /openapi.json",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
         return _error(exc.status_code, field, detail)
 
     # -- endpoints --------------------------------------------------------------------------------
@@ -280,9 +321,18 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
             raise RequestError("k", f"k must be between 1 and {config.max_k} (max_k), got {body.k}")
         where = body.where.strip() if body.where is not None and body.where.strip() else None
         group_by = body.group_by.strip() if body.group_by is not None and body.group_by.strip() else None
-        job = QueryJob(record=record, field=field, k=body.k, where=where, direction=body.direction,
-                       by_module=body.by_module, records=records, aggregate=body.aggregate,
-                       normalize=body.normalize, group_by=group_by)
+        job = QueryJob(
+            record=record,
+            field=field,
+            k=body.k,
+            where=where,
+            direction=body.direction,
+            by_module=body.by_module,
+            records=records,
+            aggregate=body.aggregate,
+            normalize=body.normalize,
+            group_by=group_by,
+        )
         answer = await guarded(request, batcher.submit(job, timeout=config.timeout_s))
         if isinstance(answer, RequestError):
             raise answer
@@ -291,15 +341,22 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
         else:
             query_as_sent = body.text if field == "text" else record[field] if field == "messages" else record
         extra = {"groups": answer.groups.to_pylist()} if answer.groups is not None else {}
-        return JSON({"query": query_as_sent, "results": answer.results.to_pylist(), **extra,
-                     "took_ms": round(1000 * (time.perf_counter() - started), 2)})
+        return JSON(
+            {
+                "query": query_as_sent,
+                "results": answer.results.to_pylist(),
+                **extra,
+                "took_ms": round(1000 * (time.perf_counter() - started), 2),
+            }
+        )
 
     @app.post("/v1/explain", responses=_ERRORS, tags=["query"])
     async def explain(body: ExplainRequest, request: Request) -> Dict[str, Any]:
         """Why document ``id`` ranks for ``query``: its score per module and per token."""
         record = _explain_record(body.query)
-        return JSON(await guarded(request, batcher.call(engine.explain, record, "query", body.id,
-                                                        timeout=config.timeout_s)))
+        return JSON(
+            await guarded(request, batcher.call(engine.explain, record, "query", body.id, timeout=config.timeout_s))
+        )
 
     add_select_route(app, engine, batcher, config, guarded, _ERRORS)
 
@@ -331,14 +388,25 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
     return app
 
 
-def open_index(path, *, device: str = "auto", batch_size: int = 32, model_name: Optional[str] = None,
-               projection_memory_gb: Optional[float] = None, dtype: str = "auto"):
+def open_index(
+    path,
+    *,
+    device: str = "auto",
+    batch_size: int = 32,
+    model_name: Optional[str] = None,
+    projection_memory_gb: Optional[float] = None,
+    dtype: str = "auto",
+):
     """Open an index for serving: its model on ``device`` in ``dtype`` (auto: the one it was built
     in), ``batch_size`` queries per forward pass, at most ``projection_memory_gb`` of P held at
     once (see ``GradientConfig``)."""
     from eogp_index.client import AttributionIndex
     from eogp_index.config import GradientConfig
 
-    return AttributionIndex.open(path, model_name=model_name,
-                                 gradients=GradientConfig(device=device, batch_size=batch_size, dtype=dtype,
-                                                          projection_memory_gb=projection_memory_gb))
+    return AttributionIndex.open(
+        path,
+        model_name=model_name,
+        gradients=GradientConfig(
+            device=device, batch_size=batch_size, dtype=dtype, projection_memory_gb=projection_memory_gb
+        ),
+    )

@@ -46,8 +46,9 @@ class MicroBatcher:
         queue_size: most payloads and calls waiting; :meth:`submit` raises :class:`QueueFull` beyond.
     """
 
-    def __init__(self, process: Callable[[List[Any]], Sequence[Any]], *, window_s: float, max_batch: int,
-                 queue_size: int):
+    def __init__(
+        self, process: Callable[[List[Any]], Sequence[Any]], *, window_s: float, max_batch: int, queue_size: int
+    ):
         self._process = process
         self.window_s = window_s
         self.max_batch = max_batch

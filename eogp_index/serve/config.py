@@ -19,27 +19,53 @@ class ServeConfig:
     is answered 504; a full queue is answered 503 with ``Retry-After``.
     """
 
-    host: str = field(default="127.0.0.1", metadata={
-        "help": "Address to bind. The default is reachable from this machine only; 0.0.0.0 opens it to "
-                "the network (then set --token)."})
+    host: str = field(
+        default="127.0.0.1",
+        metadata={
+            "help": "Address to bind. The default is reachable from this machine only; 0.0.0.0 opens it to "
+            "the network (then set --token)."
+        },
+    )
     port: int = field(default=8000, metadata={"help": "TCP port to listen on (0: any free port).", "min": 0})
-    token: Optional[str] = field(default=None, metadata={
-        "help": "Require 'Authorization: Bearer TOKEN' on /v1/ endpoints (the page asks for it once)."})
-    batch_window_ms: float = field(default=2.0, metadata={
-        "help": "Close a batch when no query has arrived for this long (at most 10x this after its "
-                "first); queries that queue while the model is busy join the next pass.", "min": 0.0})
+    token: Optional[str] = field(
+        default=None,
+        metadata={"help": "Require 'Authorization: Bearer TOKEN' on /v1/ endpoints (the page asks for it once)."},
+    )
+    batch_window_ms: float = field(
+        default=2.0,
+        metadata={
+            "help": "Close a batch when no query has arrived for this long (at most 10x this after its "
+            "first); queries that queue while the model is busy join the next pass.",
+            "min": 0.0,
+        },
+    )
     max_batch: int = field(default=32, metadata={"help": "Most queries in one gradient pass.", "min": 1})
-    queue_size: int = field(default=256, metadata={
-        "help": "Most requests waiting for the model; beyond it requests get 503 with Retry-After.", "min": 1})
-    timeout_s: float = field(default=30.0, metadata={
-        "help": "Seconds a request may wait and run before it is answered 504.", "min": 0.0, "min_open": True})
+    queue_size: int = field(
+        default=256,
+        metadata={
+            "help": "Most requests waiting for the model; beyond it requests get 503 with Retry-After.",
+            "min": 1,
+        },
+    )
+    timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds a request may wait and run before it is answered 504.",
+            "min": 0.0,
+            "min_open": True,
+        },
+    )
     max_k: int = field(default=100, metadata={"help": "Largest k a query may ask for.", "min": 1})
-    max_query_tokens: int = field(default=1024, metadata={
-        "help": "Longest query, in tokens before the index's truncation.", "min": 1})
-    max_request_bytes: int = field(default=1 << 20, metadata={
-        "help": "Largest request body, in bytes (413 beyond it).", "min": 1})
-    max_queries: int = field(default=64, metadata={
-        "help": "Most queries in one behaviour query (queries answered together with aggregate).", "min": 1})
+    max_query_tokens: int = field(
+        default=1024, metadata={"help": "Longest query, in tokens before the index's truncation.", "min": 1}
+    )
+    max_request_bytes: int = field(
+        default=1 << 20, metadata={"help": "Largest request body, in bytes (413 beyond it).", "min": 1}
+    )
+    max_queries: int = field(
+        default=64,
+        metadata={"help": "Most queries in one behaviour query (queries answered together with aggregate).", "min": 1},
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "queue_size", "max_k", "max_query_tokens", "max_request_bytes", "max_queries"):
@@ -49,8 +75,10 @@ class ServeConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"ServeConfig.port must be in 0..65535, got {self.port!r}")
         if self.batch_window_ms < 0 or self.timeout_s <= 0:
-            raise ConfigError("ServeConfig.batch_window_ms must be >= 0 and timeout_s > 0, got "
-                              f"{self.batch_window_ms!r} and {self.timeout_s!r}")
+            raise ConfigError(
+                "ServeConfig.batch_window_ms must be >= 0 and timeout_s > 0, got "
+                f"{self.batch_window_ms!r} and {self.timeout_s!r}"
+            )
         if self.token is not None and not self.token.strip():
             raise ConfigError("ServeConfig.token must not be empty; leave --token out to serve without one")
 

@@ -91,7 +91,7 @@ def _user_message(exc: EOGPError, field: Optional[str] = None) -> str:
     here), led by the request field when the message does not name it."""
     text = str(exc)
     location = getattr(exc, "location", None)
-    text = text[len(location) + 2:] if location and text.startswith(f"{location}: ") else text
+    text = text[len(location) + 2 :] if location and text.startswith(f"{location}: ") else text
     return text if field is None or f"'{field}'" in text or text.startswith(field) else f"{field}: {text}"
 
 
@@ -124,22 +124,35 @@ class Engine:
             self.index.project([Example.from_ids(id="warm-up", input_ids=[1, 2, 3, 1], shard="warm-up")])
         except Exception as exc:  # a tokenizer with fewer than 4 ids: the first query pays instead
             log.info("warm-up pass skipped", extra={"fields": {"event": "warmup", "reason": str(exc)[:200]}})
-        log.info("ready", extra={"fields": {"event": "ready", "rows": stored.store.count(),
-                                            "warm_ms": round(1000 * (time.perf_counter() - started), 1)}})
+        log.info(
+            "ready",
+            extra={
+                "fields": {
+                    "event": "ready",
+                    "rows": stored.store.count(),
+                    "warm_ms": round(1000 * (time.perf_counter() - started), 1),
+                }
+            },
+        )
 
     # -- queries ----------------------------------------------------------------------------------
     def tokenize(self, record: Dict[str, Any], field: str) -> Example:
         """The query's example, as ``eogp query`` tokenizes it; refuses one over ``max_query_tokens``."""
         limit = self.config.max_query_tokens
         if "input_ids" in record and len(record["input_ids"]) > limit:
-            raise RequestError("input_ids", f"input_ids has {len(record['input_ids'])} tokens; the server "
-                                            f"accepts at most {limit} (max_query_tokens): shorten the query", status=413)
+            raise RequestError(
+                "input_ids",
+                f"input_ids has {len(record['input_ids'])} tokens; the server "
+                f"accepts at most {limit} (max_query_tokens): shorten the query",
+                status=413,
+            )
         try:
             example = self.index.query_examples([record])[0]
             length = example.num_tokens
             if example.truncated:  # cut to the index's max_tokens: count what was sent
-                length = tokenize_record(record, shard="query", position=0, spec=RecordSpec(),
-                                         tokenizer=self.index.tokenizer).num_tokens
+                length = tokenize_record(
+                    record, shard="query", position=0, spec=RecordSpec(), tokenizer=self.index.tokenizer
+                ).num_tokens
         except (InputError, ConfigError) as exc:
             if field == "input_ids" and "'labels'" in str(exc):  # the labels that go with the ids are at fault
                 field = "labels"
@@ -147,8 +160,12 @@ class Engine:
                 field = "prompt"  # the completion's prompt is at fault
             raise RequestError(field, _user_message(exc, field)) from None
         if length > limit:
-            raise RequestError(field, f"{field} has {length} tokens; the server accepts at most {limit} "
-                                      "(max_query_tokens): shorten the query", status=413)
+            raise RequestError(
+                field,
+                f"{field} has {length} tokens; the server accepts at most {limit} "
+                "(max_query_tokens): shorten the query",
+                status=413,
+            )
         return example
 
     def measured(self, record: Dict[str, Any], field: str) -> List[Tuple[Example, float]]:
@@ -166,8 +183,9 @@ class Engine:
             try:
                 out.append((self.tokenize(half, name if field in ("chosen", "rejected") else field), sign))
             except RequestError as exc:  # the half is a prompt-completion record: say which completion
-                raise RequestError(exc.field, exc.message.replace("'completion'", f"'{name}'"),
-                                   status=exc.status) from None
+                raise RequestError(
+                    exc.field, exc.message.replace("'completion'", f"'{name}'"), status=exc.status
+                ) from None
         return out
 
     def run_queries(self, jobs: Sequence[QueryJob]) -> List[Any]:
@@ -196,9 +214,14 @@ class Engine:
             query_rows = np.zeros((len(queries), coords.shape[1]), np.float32)
             np.add.at(query_rows, owner, coords * np.asarray([sign for _, sign in parts], np.float32)[:, None])
         bounds = np.cumsum([0] + [len(measurements[i]) for i in live])
-        y = np.concatenate([query_rows[a:b] if jobs[i].aggregate is None else
-                            aggregate_coordinates(query_rows[a:b], jobs[i].aggregate)
-                            for i, a, b in zip(live, bounds[:-1], bounds[1:])])
+        y = np.concatenate(
+            [
+                query_rows[a:b]
+                if jobs[i].aggregate is None
+                else aggregate_coordinates(query_rows[a:b], jobs[i].aggregate)
+                for i, a, b in zip(live, bounds[:-1], bounds[1:])
+            ]
+        )
         row_of = {i: j for j, i in enumerate(live)}
         projected = time.perf_counter()
         groups: Dict[tuple, List[int]] = defaultdict(list)
@@ -206,14 +229,26 @@ class Engine:
             groups[jobs[i].group].append(i)
         for (where, direction, by_module, normalize, group_by), members in groups.items():
             k = max(jobs[i].k for i in members)
-            search = (self.index.search([jobs[i].record for i in members], many=True)
-                      .limit(k).where(where).direction(direction).by_module(by_module).normalize(normalize))
+            search = (
+                self.index.search([jobs[i].record for i in members], many=True)
+                .limit(k)
+                .where(where)
+                .direction(direction)
+                .by_module(by_module)
+                .normalize(normalize)
+            )
             rows = y[[row_of[i] for i in members]]
             try:
                 tables = search.to_list(coordinates=rows)
                 # (Each request's own k counts its rows among the top ones.)
-                rolled = ([search.limit(jobs[i].k).group_by(group_by).to_list(coordinates=rows[j:j + 1])[0]
-                           for j, i in enumerate(members)] if group_by else [None] * len(members))
+                rolled = (
+                    [
+                        search.limit(jobs[i].k).group_by(group_by).to_list(coordinates=rows[j : j + 1])[0]
+                        for j, i in enumerate(members)
+                    ]
+                    if group_by
+                    else [None] * len(members)
+                )
             except InputError as exc:  # the filter or column: the queries themselves were tokenized already
                 error = RequestError("group_by" if "group_by" in str(exc) else "where", _user_message(exc))
                 for i in members:
@@ -221,10 +256,19 @@ class Engine:
                 continue
             for i, table, grouped in zip(members, tables, rolled):
                 out[i] = Answer(cut_to_k(table, jobs[i].k), grouped)
-        log.info("batch", extra={"fields": {
-            "event": "batch", "queries": len(jobs), "projected": len(live), "scans": len(groups),
-            "project_ms": round(1000 * (projected - started), 1),
-            "scan_ms": round(1000 * (time.perf_counter() - projected), 1)}})
+        log.info(
+            "batch",
+            extra={
+                "fields": {
+                    "event": "batch",
+                    "queries": len(jobs),
+                    "projected": len(live),
+                    "scans": len(groups),
+                    "project_ms": round(1000 * (projected - started), 1),
+                    "scan_ms": round(1000 * (time.perf_counter() - projected), 1),
+                }
+            },
+        )
         return out
 
     # -- explanations and lookups -----------------------------------------------------------------
@@ -239,8 +283,9 @@ class Engine:
 
     def _require_row(self, example_id: str) -> None:
         if not self.index.store.count(self._id_filter(example_id)):
-            raise RequestError("id", f"no stored document has id {example_id!r}; take ids from /v1/query results",
-                               status=404)
+            raise RequestError(
+                "id", f"no stored document has id {example_id!r}; take ids from /v1/query results", status=404
+            )
 
     def explain(self, record: Dict[str, Any], field: str, example_id: str) -> Dict[str, Any]:
         """Why document ``example_id`` ranks for the query: ``Explanation.to_json()``."""
@@ -276,8 +321,13 @@ class Engine:
         data["has_text"] = any(c["name"] == "text" for c in data["columns"])
         data["explain"] = hasattr(self.index, "explain")
         cfg = self.config
-        data["limits"] = {"max_k": cfg.max_k, "max_query_tokens": cfg.max_query_tokens,
-                          "max_request_bytes": cfg.max_request_bytes, "timeout_s": cfg.timeout_s,
-                          "max_batch": cfg.max_batch, "batch_window_ms": cfg.batch_window_ms,
-                          "max_queries": cfg.max_queries}
+        data["limits"] = {
+            "max_k": cfg.max_k,
+            "max_query_tokens": cfg.max_query_tokens,
+            "max_request_bytes": cfg.max_request_bytes,
+            "timeout_s": cfg.timeout_s,
+            "max_batch": cfg.max_batch,
+            "batch_window_ms": cfg.batch_window_ms,
+            "max_queries": cfg.max_queries,
+        }
         return data

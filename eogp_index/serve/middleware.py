@@ -40,8 +40,7 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        message = (f"the request body is larger than {self.max_bytes} bytes (max_request_bytes); "
-                   "send a shorter query")
+        message = f"the request body is larger than {self.max_bytes} bytes (max_request_bytes); send a shorter query"
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             if length.isdigit() and int(length) > self.max_bytes:
@@ -88,12 +87,21 @@ class BearerToken:
         given = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, credentials = given.strip().partition(b" ")
         if scheme.lower() != b"bearer" or not secrets.compare_digest(credentials.strip(), self.expected):
-            what = ("no Authorization header" if not given else "a wrong token" if scheme.lower() == b"bearer"
-                    else f"the scheme {scheme.decode('latin-1')[:20]!r}")
-            return await send_error(send, 401, "authorization",
-                                    f"this server needs 'Authorization: Bearer <token>' and got {what}; "
-                                    "ask whoever started `eogp serve --token` for it",
-                                    headers={"WWW-Authenticate": "Bearer"})
+            what = (
+                "no Authorization header"
+                if not given
+                else "a wrong token"
+                if scheme.lower() == b"bearer"
+                else f"the scheme {scheme.decode('latin-1')[:20]!r}"
+            )
+            return await send_error(
+                send,
+                401,
+                "authorization",
+                f"this server needs 'Authorization: Bearer <token>' and got {what}; "
+                "ask whoever started `eogp serve --token` for it",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         await self.app(scope, receive, send)
 
 
@@ -139,9 +147,19 @@ class AccessLog:
         try:
             await self.app(scope, receive, tracking_send)
         finally:
-            log.info("request", extra={"fields": {
-                "event": "request", "request_id": request_id, "method": scope["method"], "path": scope["path"],
-                "status": status, "latency_ms": round(1000 * (time.perf_counter() - started), 2)}})
+            log.info(
+                "request",
+                extra={
+                    "fields": {
+                        "event": "request",
+                        "request_id": request_id,
+                        "method": scope["method"],
+                        "path": scope["path"],
+                        "status": status,
+                        "latency_ms": round(1000 * (time.perf_counter() - started), 2),
+                    }
+                },
+            )
 
 
 class JsonFormatter(logging.Formatter):

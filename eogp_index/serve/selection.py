@@ -24,8 +24,11 @@ from eogp_index.serve.engine import Engine, RequestError, _user_message
 
 #: Target queries one request may hold.
 MAX_TARGETS = 1000
-MEDIA_TYPES = {"jsonl": "application/x-ndjson", "jsonl.gz": "application/gzip",
-               "parquet": "application/vnd.apache.parquet"}
+MEDIA_TYPES = {
+    "jsonl": "application/x-ndjson",
+    "jsonl.gz": "application/gzip",
+    "parquet": "application/vnd.apache.parquet",
+}
 
 
 class SelectRequest(BaseModel):
@@ -34,14 +37,17 @@ class SelectRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     queries: List[Union[str, Dict[str, Any]]] = Field(
         description="Target queries: texts, or records {text | messages | input_ids | prompt+completion | "
-                    "prompt+chosen+rejected}.", examples=[["Return the sum of a and b."]])
+        "prompt+chosen+rejected}.",
+        examples=[["Return the sum of a and b."]],
+    )
     top: str = Field("10%", description="How many documents: a count N or a share P% of the matching rows.")
     score: Literal["mean", "max"] = Field("mean", description="mean over the queries, or LESS's max.")
     direction: Literal["positive", "negative"] = Field("positive", description="Most helpful or most harmful.")
     where: Optional[str] = Field(None, description="SQL filter on stored columns.")
     ids_only: bool = Field(False, description="Only id and score, best first.")
     normalize: Literal["none", "unit"] = Field(
-        "none", description="unit: score each document by its code divided by its norm (cosine); none: influence.")
+        "none", description="unit: score each document by its code divided by its norm (cosine); none: influence."
+    )
     format: Literal["jsonl", "jsonl.gz", "parquet"] = Field("jsonl", description="The file's format.")
 
 
@@ -49,8 +55,12 @@ def _records(queries: List[Union[str, Dict[str, Any]]]) -> List[Dict[str, Any]]:
     if not queries:
         raise RequestError("queries", "give at least one target query")
     if len(queries) > MAX_TARGETS:
-        raise RequestError("queries", f"{len(queries)} target queries; the server takes at most {MAX_TARGETS} "
-                                      "per request: use `eogp select` for more", status=413)
+        raise RequestError(
+            "queries",
+            f"{len(queries)} target queries; the server takes at most {MAX_TARGETS} "
+            "per request: use `eogp select` for more",
+            status=413,
+        )
     return [{"text": q} if isinstance(q, str) else dict(q) for q in queries]
 
 
@@ -62,9 +72,14 @@ def select_file(engine: Engine, body: SelectRequest, folder: Path) -> Path:
     try:
         for record in records:  # the server's limits on each query (and its preference halves)
             engine.measured(record, "queries")
-        options = SelectOptions(top=body.top, score=body.score, direction=body.direction,
-                                where=body.where.strip() if body.where and body.where.strip() else None,
-                                ids_only=body.ids_only, normalize=body.normalize)
+        options = SelectOptions(
+            top=body.top,
+            score=body.score,
+            direction=body.direction,
+            where=body.where.strip() if body.where and body.where.strip() else None,
+            ids_only=body.ids_only,
+            normalize=body.normalize,
+        )
         selection = select_documents(engine.index, records, options)
         out = folder / f"selection.{body.format}"
         write_selection(engine.index.stored, selection, out)
@@ -79,8 +94,7 @@ def select_file(engine: Engine, body: SelectRequest, folder: Path) -> Path:
 def add_select_route(app: FastAPI, engine: Engine, batcher, config, guarded, responses) -> None:
     """Register ``POST /v1/select`` on ``app`` (see :func:`eogp_index.serve.app.create_app`)."""
 
-    @app.post("/v1/select", responses=responses, tags=["query"],
-              response_class=FileResponse)
+    @app.post("/v1/select", responses=responses, tags=["query"], response_class=FileResponse)
     async def select(body: SelectRequest, request: Request):
         """The documents most influential for the target queries, as a file to download (``eogp select``)."""
         folder = Path(tempfile.mkdtemp(prefix="eogp-select-"))
@@ -89,5 +103,9 @@ def add_select_route(app: FastAPI, engine: Engine, batcher, config, guarded, res
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        return FileResponse(out, media_type=MEDIA_TYPES[body.format], filename=out.name,
-                            background=BackgroundTask(shutil.rmtree, folder, ignore_errors=True))
+        return FileResponse(
+            out,
+            media_type=MEDIA_TYPES[body.format],
+            filename=out.name,
+            background=BackgroundTask(shutil.rmtree, folder, ignore_errors=True),
+        )

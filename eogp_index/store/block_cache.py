@@ -63,9 +63,14 @@ def block_documents(stored: StoredIndex, batch_size: int, asked: Optional[int], 
         documents = whole_batches(asked, batch_size)
     else:
         itemsize = projection.cache_dtype.itemsize
-        documents = default_block_documents(projection.m, projection.k, itemsize, batch_size,
-                                            free_disk=free_disk_bytes(Path(stored.path) / CACHE_DIR) // workers,
-                                            free_memory=available_memory() // workers)
+        documents = default_block_documents(
+            projection.m,
+            projection.k,
+            itemsize,
+            batch_size,
+            free_disk=free_disk_bytes(Path(stored.path) / CACHE_DIR) // workers,
+            free_memory=available_memory() // workers,
+        )
     return documents if documents > batch_size else None
 
 
@@ -90,11 +95,15 @@ class BlockCache:
     def begin(self, stored: StoredIndex, batch_size: int, block: Sequence[Example]) -> List[int]:
         """Start ``block`` (gradient batches of ``batch_size``): the batches a killed run already
         cached for this very block (reused), or none, the cache cleared and the new block recorded."""
-        record = {"format": "eogp-ingest-block", "format_version": BLOCK_FORMAT_VERSION,
-                  "projection_sha256": stored.manifest.projection["sha256"],
-                  "weights_fingerprint": stored.manifest.model.get("weights_fingerprint"),
-                  "batch_size": batch_size, "documents": len(block),
-                  "examples_sha256": examples_sha256(block)}
+        record = {
+            "format": "eogp-ingest-block",
+            "format_version": BLOCK_FORMAT_VERSION,
+            "projection_sha256": stored.manifest.projection["sha256"],
+            "weights_fingerprint": stored.manifest.model.get("weights_fingerprint"),
+            "batch_size": batch_size,
+            "documents": len(block),
+            "examples_sha256": examples_sha256(block),
+        }
         path = self.dir / BLOCK_RECORD
         try:
             found = json.loads(path.read_text())
@@ -112,8 +121,7 @@ class BlockCache:
         from safetensors.torch import save_file
 
         host = {name: z.detach().to("cpu").contiguous() for name, z in coords.items()}
-        self._pending.append(self._writer.submit(atomic_write, self.path(batch),
-                                                 lambda tmp: save_file(host, str(tmp))))
+        self._pending.append(self._writer.submit(atomic_write, self.path(batch), lambda tmp: save_file(host, str(tmp))))
 
     def wait(self) -> None:
         """Block until every queued batch is on disk (a failed write raises here)."""

@@ -44,7 +44,9 @@ class SignLayout:
         try:
             k = tuple(int(v) for v in self.k)
         except (TypeError, ValueError):
-            raise ConfigError(f"SignLayout.k must be positive integers (coordinates per module), got {self.k!r}") from None
+            raise ConfigError(
+                f"SignLayout.k must be positive integers (coordinates per module), got {self.k!r}"
+            ) from None
         if not k or min(k) < 1:
             raise ConfigError(f"SignLayout needs at least one module and every k_u >= 1, got k={k}")
         object.__setattr__(self, "k", k)  # hashable and canonical: kernels cache per layout
@@ -110,8 +112,10 @@ def scales_of(x: np.ndarray, layout: SignLayout) -> np.ndarray:
         [np.abs(x[:, off : off + k]).mean(axis=1) for off, k in zip(layout.coord_offsets, layout.k)], axis=1
     )
     if scales.size and scales.max() > float(np.finfo(np.float16).max):
-        raise InputError(f"a scale ({scales.max():.4g}) exceeds the float16 range (65504); "
-                         "the projected coordinates are unreasonably large (check the damping)")
+        raise InputError(
+            f"a scale ({scales.max():.4g}) exceeds the float16 range (65504); "
+            "the projected coordinates are unreasonably large (check the damping)"
+        )
     return scales.astype(np.float16)
 
 
@@ -171,8 +175,12 @@ class Codec:
 
     def from_arrow(self, batch) -> Encoded:
         """Code columns of an Arrow table or record batch → :class:`Encoded` in scanning dtypes."""
-        return Encoded(**{name: list_column_to_numpy(batch.column(name), width, dtype)
-                          for name, (width, dtype) in self.widths().items()})
+        return Encoded(
+            **{
+                name: list_column_to_numpy(batch.column(name), width, dtype)
+                for name, (width, dtype) in self.widths().items()
+            }
+        )
 
     def empty(self) -> Encoded:
         return Encoded(**{name: np.zeros((0, width), dtype) for name, (width, dtype) in self.widths().items()})
@@ -235,8 +243,10 @@ def decode(encoded: Encoded, layout: SignLayout) -> np.ndarray:
 
 def _check_finite(x: np.ndarray) -> None:
     if not np.isfinite(x).all():
-        raise InputError("coordinates contain NaN or inf: their signs are undefined "
-                         "(check the model's loss and the projection upstream)")
+        raise InputError(
+            "coordinates contain NaN or inf: their signs are undefined "
+            "(check the model's loss and the projection upstream)"
+        )
 
 
 def _check_width(array: np.ndarray, expected: int, what: str) -> None:

@@ -31,9 +31,18 @@ class TensorEntry:
     read: Callable[[], torch.Tensor]
 
 
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 #: Bytes written per block: the most a conversion (e.g. float32 → FP16 P) holds at once.
 _WRITE_BLOCK_BYTES = 16 << 20
 
@@ -56,8 +65,11 @@ def write_safetensors(path: Path, entries: Sequence[TensorEntry], metadata: Dict
     offset = 0
     for entry in order:
         size = math.prod(entry.shape) * entry.dtype.itemsize
-        header[entry.name] = {"dtype": _SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
-                              "data_offsets": [offset, offset + size]}
+        header[entry.name] = {
+            "dtype": _SAFETENSORS_DTYPES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -66,6 +78,7 @@ def write_safetensors(path: Path, entries: Sequence[TensorEntry], metadata: Dict
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
+
             def put(data) -> None:
                 handle.write(data)
                 digest.update(data)
@@ -79,7 +92,7 @@ def write_safetensors(path: Path, entries: Sequence[TensorEntry], metadata: Dict
                 flat = tensor.detach().reshape(-1)
                 step = max(1, _WRITE_BLOCK_BYTES // entry.dtype.itemsize)
                 for start in range(0, flat.numel(), step):
-                    block = flat[start:start + step].to("cpu", entry.dtype).contiguous()
+                    block = flat[start : start + step].to("cpu", entry.dtype).contiguous()
                     # As raw bytes: numpy has no bfloat16, and the bytes are what the file holds.
                     put(memoryview(block.view(torch.uint8).numpy()))
                     del block
@@ -134,8 +147,10 @@ def file_fingerprint(path: Path) -> str:
         header_len = min(struct.unpack("<Q", raw)[0], size - 8) if len(raw) == 8 else 0
         header = handle.read(header_len)
         digest.update(raw + header)
-        reads = [(round(i * (size - FINGERPRINT_CHUNK_BYTES) / (FINGERPRINT_CHUNKS - 1)), FINGERPRINT_CHUNK_BYTES)
-                 for i in range(FINGERPRINT_CHUNKS)]
+        reads = [
+            (round(i * (size - FINGERPRINT_CHUNK_BYTES) / (FINGERPRINT_CHUNKS - 1)), FINGERPRINT_CHUNK_BYTES)
+            for i in range(FINGERPRINT_CHUNKS)
+        ]
         try:
             entries = json.loads(header)
         except ValueError:

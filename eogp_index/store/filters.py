@@ -57,8 +57,11 @@ COMPARISON_OPERATORS = frozenset({"=", "!=", "<", "<=", ">", ">=", "IS DISTINCT 
 COMPARISON_VARIANTS = frozenset({"Like", "RLike", "SimilarTo", "Between", "InList"})
 SUBQUERY_VARIANTS = frozenset({"Exists", "InSubquery", "ScalarSubquery"})
 #: DataFusion's wording of a syntax error: ``SQL error: ParserError("Expected: ..., found: x at Line: 1, Column: 19")``.
-_SYNTAX_ERROR = re.compile(r'SQL error: (?:Parser|Tokenizer)Error\("(?P<what>.*?)(?: at Line: (?P<line>\d+), '
-                           r'Column: (?P<column>\d+))?"\)', re.S)
+_SYNTAX_ERROR = re.compile(
+    r'SQL error: (?:Parser|Tokenizer)Error\("(?P<what>.*?)(?: at Line: (?P<line>\d+), '
+    r'Column: (?P<column>\d+))?"\)',
+    re.S,
+)
 
 _NAMED_TABLE = re.compile(r"Error during planning: table '[^']*' not found")
 #: ``Schema error: No field named "KIND".`` (quoted) or ``... named kynd.``; not a dotted path.
@@ -92,14 +95,13 @@ class HotFilter:
             if batch.num_rows == 0:
                 continue
             rows = numpy_to_arrow(np.arange(at, at + batch.num_rows, dtype=np.uint32 if n < (1 << 32) else np.uint64))
-            batches.append(pa.RecordBatch.from_arrays([*batch.columns, rows],
-                                                      names=[*batch.schema.names, ROW_COLUMN]))
+            batches.append(pa.RecordBatch.from_arrays([*batch.columns, rows], names=[*batch.schema.names, ROW_COLUMN]))
             at += batch.num_rows
         # Contiguous runs of batches, one per core: each partition's matches come out in row order,
         # so the answer is sorted without sorting it.
         parts = max(1, min(_cpu_count(), len(batches)))
         size = -(-len(batches) // parts) if batches else 1
-        partitions = [batches[i:i + size] for i in range(0, len(batches), size)]
+        partitions = [batches[i : i + size] for i in range(0, len(batches), size)]
         self._context = _context(parts)
         self._context.register_record_batches("hot", partitions)
         self._frame = self._context.table("hot")
@@ -156,12 +158,14 @@ def _syntax_problem(where: str, error: str) -> Optional[str]:
         return f"the filter ends too early ({what})"
     line, column = int(found["line"]), int(found["column"])
     at = f"column {column}" if "\n" not in where else f"line {line}, column {column}"
-    rest = where.splitlines()[line - 1][column - 1:] if line <= len(where.splitlines()) else ""
+    rest = where.splitlines()[line - 1][column - 1 :] if line <= len(where.splitlines()) else ""
     if rest.startswith(";"):
         return f"at {at}: ';' starts a second statement; a filter is one SQL expression"
     if "expected the end of the filter" in what:
-        return (f"at {at}: {rest[:40]!r} is left over after a complete expression; join conditions with "
-                "AND / OR, and check the spelling of keywords")
+        return (
+            f"at {at}: {rest[:40]!r} is left over after a complete expression; join conditions with "
+            "AND / OR, and check the spelling of keywords"
+        )
     return f"at {at}: {what}"
 
 
@@ -221,13 +225,17 @@ def _semantic_problem(where: str, expr) -> Optional[str]:
         if variant in SUBQUERY_VARIANTS or node.rex_type() == RexType.ScalarSubquery:
             return _subquery_problem(where)
         compares = variant in COMPARISON_VARIANTS or (
-            variant == "BinaryExpr" and node.rex_call_operator() in COMPARISON_OPERATORS)
+            variant == "BinaryExpr" and node.rex_call_operator() in COMPARISON_OPERATORS
+        )
         if compares and not _names_a_column(node):
             literals = [str(n.python_value()) for n in _walk(node) if n.rex_type() == RexType.Literal]
             first = literals[0] if literals else ""
             at = _position(where, f'"{first}"', f"'{first}'", first)
-            hint = (f'"{first}" in double quotes is a string here, not a column: write `{first}`' if f'"{first}"' in where
-                    else "name a column bare or in backticks (`name`), a string in single quotes")
+            hint = (
+                f'"{first}" in double quotes is a string here, not a column: write `{first}`'
+                if f'"{first}"' in where
+                else "name a column bare or in backticks (`name`), a string in single quotes"
+            )
             return f"{at}the comparison {_as_written(node)} names no column, so it is the same for every row; {hint}"
     return None
 

@@ -78,8 +78,12 @@ def numpy_to_arrow(values: np.ndarray, valid: Optional[np.ndarray] = None) -> pa
     """
     values = np.ascontiguousarray(values)
     bitmap = None if valid is None else pa.py_buffer(np.packbits(np.asarray(valid, bool), bitorder="little"))
-    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), values.shape[0], [bitmap, pa.py_buffer(values)],
-                                 null_count=-1 if valid is not None else 0)
+    return pa.Array.from_buffers(
+        pa.from_numpy_dtype(values.dtype),
+        values.shape[0],
+        [bitmap, pa.py_buffer(values)],
+        null_count=-1 if valid is not None else 0,
+    )
 
 
 def strings_to_arrow(values: Sequence[str], type: pa.DataType = pa.string()) -> pa.Array:
@@ -149,8 +153,10 @@ class HotCodes:
         rowaddr = np.asarray(rowaddr, dtype=np.uint64)
         pos = np.searchsorted(self.rowaddr, rowaddr)
         if pos.size and (pos.max() >= self.num_rows or not np.array_equal(self.rowaddr[pos], rowaddr)):
-            raise StaleHotCopyError("the in-memory copy of the codes is older than the table (another process "
-                                    "changed it during this query); run the query again")
+            raise StaleHotCopyError(
+                "the in-memory copy of the codes is older than the table (another process "
+                "changed it during this query); run the query again"
+            )
         return pos.astype(np.int64)
 
     def take(self, positions: np.ndarray, columns: Optional[Sequence[str]] = None) -> pa.Table:
@@ -197,8 +203,10 @@ class _Dictionary:
 
         encoded = pc.dictionary_encode(column.combine_chunks() if column.num_chunks != 1 else column.chunk(0))
         local = encoded.dictionary.to_pylist()
-        if len(self.values) + len(local) > DICTIONARY_MAX_VALUES and \
-                sum(v not in self.values for v in local) + len(self.values) > DICTIONARY_MAX_VALUES:
+        if (
+            len(self.values) + len(local) > DICTIONARY_MAX_VALUES
+            and sum(v not in self.values for v in local) + len(self.values) > DICTIONARY_MAX_VALUES
+        ):
             return False
         fresh = [v for v in local if v is not None and v not in self.values]
         self.bytes += sum(len(v.encode("utf-8")) for v in fresh)
@@ -210,7 +218,7 @@ class _Dictionary:
         if indices.null_count:
             self.nulls = True
             codes[indices.is_null().to_numpy(zero_copy_only=False)] = -1
-        self.codes[at:at + len(codes)] = codes
+        self.codes[at : at + len(codes)] = codes
         return True
 
 
@@ -232,14 +240,17 @@ class _SegmentWriter:
         self.writer = pa.ipc.new_file(self.sink, self.schema)
         # String columns get dictionary codes for filters, until they show too many values.
         self.dictionaries: Dict[str, _Dictionary] = {
-            name: _Dictionary(self.tmp / f"dict-{i}.npy", rows) for i, name in enumerate(self.names)
-            if pa.types.is_string(self.schema.field(name).type) or pa.types.is_large_string(self.schema.field(name).type)}
+            name: _Dictionary(self.tmp / f"dict-{i}.npy", rows)
+            for i, name in enumerate(self.names)
+            if pa.types.is_string(self.schema.field(name).type)
+            or pa.types.is_large_string(self.schema.field(name).type)
+        }
 
     def write(self, rowaddr: np.ndarray, encoded: Encoded, columns: pa.Table) -> None:
         n = rowaddr.shape[0]
-        self.arrays["rowaddr"][self.at:self.at + n] = rowaddr
+        self.arrays["rowaddr"][self.at : self.at + n] = rowaddr
         for name, values in encoded.columns().items():
-            self.arrays[name][self.at:self.at + n] = values
+            self.arrays[name][self.at : self.at + n] = values
         columns = columns.select(self.names).cast(self.schema)
         for batch in columns.to_batches(max_chunksize=ARROW_CHUNK_ROWS):
             self.writer.write_batch(batch)
@@ -252,8 +263,10 @@ class _SegmentWriter:
 
     def close(self, fragments: List[list]) -> str:
         if self.at != self.rows:
-            raise StaleHotCopyError(f"the table changed while its hot copy was written ({self.at} rows read, "
-                                    f"{self.rows} expected); run the query again")
+            raise StaleHotCopyError(
+                f"the table changed while its hot copy was written ({self.at} rows read, "
+                f"{self.rows} expected); run the query again"
+            )
         self.writer.close()
         self.sink.close()
         for array in self.arrays.values():
@@ -265,8 +278,9 @@ class _SegmentWriter:
             values = sorted(d.values, key=d.values.__getitem__)
             dictionaries[name] = {"file": d.path.name, "values": values, "nulls": d.nulls}
         self.dictionaries.clear()
-        (self.tmp / SEGMENT_FILE).write_text(json.dumps({"format": HOT_FORMAT, "rows": self.rows,
-                                                         "fragments": fragments, "dictionaries": dictionaries}))
+        (self.tmp / SEGMENT_FILE).write_text(
+            json.dumps({"format": HOT_FORMAT, "rows": self.rows, "fragments": fragments, "dictionaries": dictionaries})
+        )
         self.tmp.rename(self.folder)  # a half-written segment is never picked up
         return self.folder.name
 
@@ -281,8 +295,13 @@ def _new_segment_name(version: int) -> str:
 def _read_fragments(dataset, fragments: Sequence[Any], codec: Codec, sink) -> None:
     """Stream ``fragments`` (in this order) from Lance into ``sink(rowaddr, encoded, columns)``."""
     names = _column_names(dataset.schema)
-    scanner = dataset.scanner(columns=names + list(codec.columns), fragments=list(fragments),
-                              with_row_address=True, batch_size_bytes=BATCH_BYTES, scan_in_order=True)
+    scanner = dataset.scanner(
+        columns=names + list(codec.columns),
+        fragments=list(fragments),
+        with_row_address=True,
+        batch_size_bytes=BATCH_BYTES,
+        scan_in_order=True,
+    )
     for batch in scanner.to_batches():
         if batch.num_rows == 0:
             continue
@@ -319,15 +338,16 @@ class _Segment:
         codes, values, nulls = self.dictionaries[name]
         chunks = []
         for a in range(start, stop, ARROW_CHUNK_ROWS):
-            part = codes[a:min(stop, a + ARROW_CHUNK_ROWS)]
+            part = codes[a : min(stop, a + ARROW_CHUNK_ROWS)]
             indices = numpy_to_arrow(np.maximum(part, 0), valid=part >= 0) if nulls else numpy_to_arrow(part)
             chunks.append(pa.DictionaryArray.from_arrays(indices, values))
         return pa.chunked_array(chunks, pa.dictionary(pa.int32(), values.type))
 
 
 def _segment_folders(cache_dir: Path) -> List[Path]:
-    return sorted(p for p in cache_dir.iterdir() if p.is_dir() and p.name.startswith("seg-")) \
-        if cache_dir.exists() else []
+    return (
+        sorted(p for p in cache_dir.iterdir() if p.is_dir() and p.name.startswith("seg-")) if cache_dir.exists() else []
+    )
 
 
 # -- the copy ---------------------------------------------------------------------------------------
@@ -349,8 +369,9 @@ def _in_memory(dataset, codec: Codec) -> HotCodes:
     if not rowaddr:
         return _empty(codec, dataset.schema, dataset.version)
     joined = Encoded(**{name: np.concatenate([e.columns()[name] for e in encoded]) for name in codec.columns})
-    return HotCodes(rowaddr=np.concatenate(rowaddr), encoded=joined, version=dataset.version,
-                    columns=pa.concat_tables(tables))
+    return HotCodes(
+        rowaddr=np.concatenate(rowaddr), encoded=joined, version=dataset.version, columns=pa.concat_tables(tables)
+    )
 
 
 def _assemble(pieces: Sequence[Piece], segments: Dict[str, _Segment], codec: Codec, version: int) -> HotCodes:
@@ -358,14 +379,19 @@ def _assemble(pieces: Sequence[Piece], segments: Dict[str, _Segment], codec: Cod
     parts = [(segments[name], start, stop) for name, start, stop in pieces]
     # Dictionary codes of the columns every piece has them for: filters read these instead.
     coded = set.intersection(*(set(seg.dictionaries) for seg, _, _ in parts))
-    dictionaries = {name: pa.chunked_array([chunk for seg, a, b in parts
-                                            for chunk in seg.dictionary_column(name, a, b).chunks])
-                    for name in sorted(coded)}
+    dictionaries = {
+        name: pa.chunked_array([chunk for seg, a, b in parts for chunk in seg.dictionary_column(name, a, b).chunks])
+        for name in sorted(coded)
+    }
     if len(parts) == 1:
         seg, start, stop = parts[0]
-        return HotCodes(rowaddr=seg.rowaddr[start:stop],
-                        encoded=Encoded(**{n: v[start:stop] for n, v in seg.codes.items()}),
-                        version=version, columns=seg.columns.slice(start, stop - start), dictionaries=dictionaries)
+        return HotCodes(
+            rowaddr=seg.rowaddr[start:stop],
+            encoded=Encoded(**{n: v[start:stop] for n, v in seg.codes.items()}),
+            version=version,
+            columns=seg.columns.slice(start, stop - start),
+            dictionaries=dictionaries,
+        )
     rowaddr = np.concatenate([seg.rowaddr[a:b] for seg, a, b in parts])
     encoded = Encoded(**{n: np.concatenate([seg.codes[n][a:b] for seg, a, b in parts]) for n in codec.columns})
     columns = pa.concat_tables([seg.columns.slice(a, b - a) for seg, a, b in parts])
@@ -392,14 +418,23 @@ def _open_state(cache_dir: Path, state: Optional[dict], codec: Codec, version: i
     return _assemble(pieces, segments, codec, version)  # type: ignore[arg-type]
 
 
-def _write_state(cache_dir: Path, version: int, pieces: Sequence[Piece], rows: int,
-                 stamp: Optional[Sequence[int]]) -> None:
+def _write_state(
+    cache_dir: Path, version: int, pieces: Sequence[Piece], rows: int, stamp: Optional[Sequence[int]]
+) -> None:
     """Record the copy of ``version``; ``stamp`` (:meth:`Store.stamp`) lets the next process trust
     that the table is still at ``version`` without opening it."""
     tmp = cache_dir / f".{STATE_FILE}.{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps({"format": HOT_FORMAT, "table_version": version, "rows": rows,
-                               "stamp": list(stamp) if stamp is not None else None,
-                               "pieces": [list(p) for p in pieces]}))
+    tmp.write_text(
+        json.dumps(
+            {
+                "format": HOT_FORMAT,
+                "table_version": version,
+                "rows": rows,
+                "stamp": list(stamp) if stamp is not None else None,
+                "pieces": [list(p) for p in pieces],
+            }
+        )
+    )
     os.replace(tmp, cache_dir / STATE_FILE)
 
 
@@ -493,14 +528,15 @@ def load_hot(store: Store, codec: Codec, cache_dir: Optional[Path], *, consolida
     return _assemble(pieces, segments, codec, version)
 
 
-def _read_segment(dataset, fragments: Sequence[Any], keys: Sequence[FragmentKey], rows: int, codec: Codec,
-                  cache_dir: Path) -> str:
+def _read_segment(
+    dataset, fragments: Sequence[Any], keys: Sequence[FragmentKey], rows: int, codec: Codec, cache_dir: Path
+) -> str:
     """Read ``fragments`` from Lance into a new segment; its name."""
     writer = _SegmentWriter(cache_dir / _new_segment_name(dataset.version), codec, dataset.schema, rows)
     try:
         _read_fragments(dataset, fragments, codec, writer.write)
         # Each fragment's rows are contiguous: count them from the row addresses written.
-        fragment_of = writer.arrays["rowaddr"][:writer.at] >> np.uint64(32)
+        fragment_of = writer.arrays["rowaddr"][: writer.at] >> np.uint64(32)
         spans = []
         for fid, physical, deleted in keys:
             start = int(np.searchsorted(fragment_of, np.uint64(fid), side="left"))
@@ -512,8 +548,16 @@ def _read_segment(dataset, fragments: Sequence[Any], keys: Sequence[FragmentKey]
         raise
 
 
-def _merge_segments(pieces: Sequence[Piece], segments: Dict[str, _Segment], fragments, cached, codec: Codec,
-                    cache_dir: Path, version: int, schema: pa.Schema) -> str:
+def _merge_segments(
+    pieces: Sequence[Piece],
+    segments: Dict[str, _Segment],
+    fragments,
+    cached,
+    codec: Codec,
+    cache_dir: Path,
+    version: int,
+    schema: pa.Schema,
+) -> str:
     """Copy ``pieces`` into one new segment; its name.
 
     The pieces are the fragments' rows in fragment order, so fragment ``j`` lands right after
@@ -527,8 +571,11 @@ def _merge_segments(pieces: Sequence[Piece], segments: Dict[str, _Segment], frag
             step = max(1, BATCH_BYTES // max(1, sum(v.shape[1] * v.itemsize for v in seg.codes.values())))
             for a in range(start, stop, step):
                 b = min(stop, a + step)
-                writer.write(np.asarray(seg.rowaddr[a:b]), Encoded(**{n: v[a:b] for n, v in seg.codes.items()}),
-                             seg.columns.slice(a, b - a))
+                writer.write(
+                    np.asarray(seg.rowaddr[a:b]),
+                    Encoded(**{n: v[a:b] for n, v in seg.codes.items()}),
+                    seg.columns.slice(a, b - a),
+                )
         spans, at = [], 0
         for _, key in fragments:
             _, start, stop = cached[key]

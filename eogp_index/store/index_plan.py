@@ -17,8 +17,14 @@ from eogp_index.store.manifest import Manifest
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-def plan_of_index(index_dir: Path, *, dtype: Optional[str] = None, curvature_examples: Optional[int] = None,
-                  shape: Optional[ModelShape] = None, **options: Any) -> Dict[str, Any]:
+def plan_of_index(
+    index_dir: Path,
+    *,
+    dtype: Optional[str] = None,
+    curvature_examples: Optional[int] = None,
+    shape: Optional[ModelShape] = None,
+    **options: Any,
+) -> Dict[str, Any]:
     """:func:`~eogp_index.fit.plan.make_plan` for a fitted index: its model, modules, ``(m_u, k_u)``,
     options and dtype from its manifest, and the kept eigenvector columns, exact, from its
     projection file's header: their bytes and the dtype they are stored and held in.
@@ -36,22 +42,40 @@ def plan_of_index(index_dir: Path, *, dtype: Optional[str] = None, curvature_exa
     manifest = Manifest.load(index_dir)
     built = manifest.model_dtype
     if dtype not in (None, "auto", built):
-        raise ConfigError(f"{index_dir} was built with the model in {built} (manifest model.dtype); plan it with "
-                          f"--dtype {built} or auto")
+        raise ConfigError(
+            f"{index_dir} was built with the model in {built} (manifest model.dtype); plan it with "
+            f"--dtype {built} or auto"
+        )
     modules = manifest.modules
     shape = shape or model_shape(manifest.model["name"], [m.name for m in modules])
     info = manifest.projection
-    projection = ProjectionConfig(variant=info["variant"], k=max(m.k for m in modules),
-                                  m=max(m.m for m in modules), num_fit_examples=max(1, info["num_fit_examples"]),
-                                  pca_dtype=manifest.pca_dtype)
+    projection = ProjectionConfig(
+        variant=info["variant"],
+        k=max(m.k for m in modules),
+        m=max(m.m for m in modules),
+        num_fit_examples=max(1, info["num_fit_examples"]),
+        pca_dtype=manifest.pca_dtype,
+    )
     header = safetensors_header(index_dir / info["file"])
-    entries = {m.name: [header[f"{m.name}/{key}"] for key in ("gradient_eigenvectors", "activation_eigenvectors")]
-               for m in modules}
+    entries = {
+        m.name: [header[f"{m.name}/{key}"] for key in ("gradient_eigenvectors", "activation_eigenvectors")]
+        for m in modules
+    }
     eigen = {name: sum(tensor_bytes(entry) for entry in pair) for name, pair in entries.items()}
     stored = {_DTYPES.get(entry["dtype"], entry["dtype"]) for pair in entries.values() for entry in pair}
     if len(stored) != 1 or not stored <= set(_DTYPES.values()):
-        raise IncompatibleIndexError(f"{index_dir / info['file']} stores the eigenvector columns as {sorted(stored)}, "
-                                     "not in one model dtype; the file is damaged. Refit the index.")
-    return make_plan(shape, projection, precision=manifest.precision, dtype=built, eigenbasis_bytes=eigen,
-                     eigenbasis_dtype=stored.pop(), dims={m.name: (m.m, m.k) for m in modules},
-                     curvature_examples=manifest.curvature["num_examples"], **options)
+        raise IncompatibleIndexError(
+            f"{index_dir / info['file']} stores the eigenvector columns as {sorted(stored)}, "
+            "not in one model dtype; the file is damaged. Refit the index."
+        )
+    return make_plan(
+        shape,
+        projection,
+        precision=manifest.precision,
+        dtype=built,
+        eigenbasis_bytes=eigen,
+        eigenbasis_dtype=stored.pop(),
+        dims={m.name: (m.m, m.k) for m in modules},
+        curvature_examples=manifest.curvature["num_examples"],
+        **options,
+    )

@@ -79,9 +79,11 @@ class OptimizeReport:
 
     def describe(self) -> str:
         """One human line."""
-        text = (f"{self.fragments_before} → {self.fragments_after} fragments ({self.rows} rows), "
-                f"{len(self.indices)} scalar indexes refreshed, {self.versions_removed} old versions removed "
-                f"({self.bytes_removed / 1e6:.1f} MB), table version {self.version_before} → {self.version_after}")
+        text = (
+            f"{self.fragments_before} → {self.fragments_after} fragments ({self.rows} rows), "
+            f"{len(self.indices)} scalar indexes refreshed, {self.versions_removed} old versions removed "
+            f"({self.bytes_removed / 1e6:.1f} MB), table version {self.version_before} → {self.version_after}"
+        )
         if self.hot_rows is not None:
             text += f", hot copy rebuilt ({self.hot_rows} rows)"
         return text + f" in {self.seconds:.1f}s"
@@ -94,8 +96,9 @@ def _parts(store_or_index):
         return stored, None
     store = getattr(stored, "store", None)
     if not isinstance(store, Store):
-        raise ConfigError(f"optimize needs a Store, a StoredIndex or an AttributionIndex, got "
-                          f"{type(store_or_index).__name__}")
+        raise ConfigError(
+            f"optimize needs a Store, a StoredIndex or an AttributionIndex, got {type(store_or_index).__name__}"
+        )
     return store, stored
 
 
@@ -107,15 +110,22 @@ def small_fragments(store: Store, *, target_rows: int = DEFAULT_TARGET_ROWS) -> 
     return sum(1 for f in dataset.get_fragments() if f.physical_rows < target_rows)
 
 
-def needs_optimize(store: Store, *, threshold: int = DEFAULT_FRAGMENT_THRESHOLD,
-                   target_rows: int = DEFAULT_TARGET_ROWS) -> bool:
+def needs_optimize(
+    store: Store, *, threshold: int = DEFAULT_FRAGMENT_THRESHOLD, target_rows: int = DEFAULT_TARGET_ROWS
+) -> bool:
     """Whether more than ``threshold`` small fragments wait for compaction."""
     store = _parts(store)[0]
     return small_fragments(store, target_rows=target_rows) > threshold
 
 
-def optimize(store_or_index, *, retention: Optional[timedelta] = DEFAULT_RETENTION, rebuild_hot: bool = True,
-             target_rows: int = DEFAULT_TARGET_ROWS, settle: bool = True) -> OptimizeReport:
+def optimize(
+    store_or_index,
+    *,
+    retention: Optional[timedelta] = DEFAULT_RETENTION,
+    rebuild_hot: bool = True,
+    target_rows: int = DEFAULT_TARGET_ROWS,
+    settle: bool = True,
+) -> OptimizeReport:
     """Compact the table, refresh its scalar indexes, remove old versions, rebuild the hot copy.
 
     Safe while other processes read the table or append to it (Lance's commits resolve a
@@ -150,8 +160,7 @@ def optimize(store_or_index, *, retention: Optional[timedelta] = DEFAULT_RETENTI
     fragments_before = len(dataset.get_fragments())
 
     t = time.perf_counter()
-    metrics = dataset.optimize.compact_files(target_rows_per_fragment=target_rows,
-                                             compaction_mode="try_binary_copy")
+    metrics = dataset.optimize.compact_files(target_rows_per_fragment=target_rows, compaction_mode="try_binary_copy")
     store.refresh(force=True)
     steps["compact"] = time.perf_counter() - t
 
@@ -167,8 +176,9 @@ def optimize(store_or_index, *, retention: Optional[timedelta] = DEFAULT_RETENTI
     if retention is not None:
         # delete_unverified=False: data files a running ingest wrote but has not committed yet
         # look unreferenced, and must stay.
-        stats = store.dataset().cleanup_old_versions(older_than=retention, delete_unverified=False,
-                                                     error_if_tagged_old_versions=False)
+        stats = store.dataset().cleanup_old_versions(
+            older_than=retention, delete_unverified=False, error_if_tagged_old_versions=False
+        )
         versions_removed, bytes_removed = int(stats.old_versions), int(stats.bytes_removed)
         store.cleaned_at = time.monotonic()
         store.refresh(force=True)
@@ -185,16 +195,25 @@ def optimize(store_or_index, *, retention: Optional[timedelta] = DEFAULT_RETENTI
         steps["hot"] = time.perf_counter() - t
     dataset = store.dataset()
     return OptimizeReport(
-        fragments_before=fragments_before, fragments_after=len(dataset.get_fragments()),
-        fragments_removed=int(metrics.fragments_removed), fragments_added=int(metrics.fragments_added),
-        indices=indices, versions_removed=versions_removed, bytes_removed=bytes_removed,
-        version_before=version_before, version_after=dataset.version, rows=dataset.count_rows(),
-        hot_rows=hot_rows, seconds=round(time.perf_counter() - started, 3),
-        steps={k: round(v, 3) for k, v in steps.items()})
+        fragments_before=fragments_before,
+        fragments_after=len(dataset.get_fragments()),
+        fragments_removed=int(metrics.fragments_removed),
+        fragments_added=int(metrics.fragments_added),
+        indices=indices,
+        versions_removed=versions_removed,
+        bytes_removed=bytes_removed,
+        version_before=version_before,
+        version_after=dataset.version,
+        rows=dataset.count_rows(),
+        hot_rows=hot_rows,
+        seconds=round(time.perf_counter() - started, 3),
+        steps={k: round(v, 3) for k, v in steps.items()},
+    )
 
 
-def maybe_optimize(stored, *, threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD,
-                   retention: timedelta = DEFAULT_RETENTION) -> Optional[OptimizeReport]:
+def maybe_optimize(
+    stored, *, threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD, retention: timedelta = DEFAULT_RETENTION
+) -> Optional[OptimizeReport]:
     """During an ingest, after a commit: :func:`optimize` (without the hot copy, the rows are still
     moving) once more than ``threshold`` small fragments wait; None when not due or
     ``threshold`` is None.
@@ -212,8 +231,9 @@ def maybe_optimize(stored, *, threshold: Optional[int] = DEFAULT_FRAGMENT_THRESH
     return optimize(stored, rebuild_hot=False, retention=retention if due else None)
 
 
-def after_ingest(stored, *, optimized: bool, threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD,
-                 settle: bool = True) -> Optional[OptimizeReport]:
+def after_ingest(
+    stored, *, optimized: bool, threshold: Optional[int] = DEFAULT_FRAGMENT_THRESHOLD, settle: bool = True
+) -> Optional[OptimizeReport]:
     """After an ingest's last commit, leave the index ready to query: :func:`optimize` (hot copy
     included) when the run compacted along the way or small fragments are due; else bring the
     hot copy up to date (only the new fragments are read from the table) as one segment, which

@@ -116,9 +116,7 @@ class Manifest:
     def load(cls, index_dir: Path) -> "Manifest":
         path = Path(index_dir) / MANIFEST_FILE
         if not path.exists():
-            raise IndexNotFoundError(
-                f"{path} not found: {index_dir} is not an eogp index (create one with `eogp fit`)"
-            )
+            raise IndexNotFoundError(f"{path} not found: {index_dir} is not an eogp index (create one with `eogp fit`)")
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
@@ -148,9 +146,16 @@ def validate(data: Dict[str, Any], *, source: Path) -> None:
         raise IncompatibleIndexError(f"{source}: manifest field {where}: {exc.message}") from exc
 
 
-def check_compatible(manifest: Manifest, *, model_hash: Optional[str] = None, projection_hash: Optional[str] = None,
-                     model_fingerprint: Optional[str] = None, projection_fingerprint: Optional[str] = None,
-                     adapter_fingerprint: Optional[str] = None, where: str = "this index") -> None:
+def check_compatible(
+    manifest: Manifest,
+    *,
+    model_hash: Optional[str] = None,
+    projection_hash: Optional[str] = None,
+    model_fingerprint: Optional[str] = None,
+    projection_fingerprint: Optional[str] = None,
+    adapter_fingerprint: Optional[str] = None,
+    where: str = "this index",
+) -> None:
     """Refuse a model or projection other than the one the index was built with.
 
     ``*_hash`` are full SHA-256s (``manifest.model.weights_sha256``, ``manifest.projection.sha256``);

@@ -55,18 +55,28 @@ def save_projection(projection: Projection, path: Path) -> str:
     for name, p in projection.modules.items():
         for key in ("activation_eigenvectors", "gradient_eigenvectors", "local_index", "whiten"):
             tensor = getattr(p, key)
-            entries.append(TensorEntry(f"{name}/{key}", tensor.dtype, tuple(tensor.shape),
-                                       functools.partial(getattr, p, key)))
+            entries.append(
+                TensorEntry(f"{name}/{key}", tensor.dtype, tuple(tensor.shape), functools.partial(getattr, p, key))
+            )
         if p.has_pca:
             # read at write time (a loaded or fitted P is read from disk then, and dropped after)
             entries.append(TensorEntry(f"{name}/pca", pca_dtype, (p.m, p.k), functools.partial(getattr, p, "pca")))
         if p.srht_signs is not None:
             for key in ("srht_signs", "srht_rows"):
                 tensor = getattr(p, key)
-                entries.append(TensorEntry(f"{name}/{key}", tensor.dtype, tuple(tensor.shape),
-                                           functools.partial(getattr, p, key)))
-        modules_meta.append({"name": name, "shape": list(p.shape), "m": p.m, "k": p.k, "damping": p.damping,
-                             "second_stage": p.second_stage})
+                entries.append(
+                    TensorEntry(f"{name}/{key}", tensor.dtype, tuple(tensor.shape), functools.partial(getattr, p, key))
+                )
+        modules_meta.append(
+            {
+                "name": name,
+                "shape": list(p.shape),
+                "m": p.m,
+                "k": p.k,
+                "damping": p.damping,
+                "second_stage": p.second_stage,
+            }
+        )
     metadata = {
         "format": "eogp-projection",
         "format_version": str(PROJECTION_FORMAT_VERSION),
@@ -128,16 +138,20 @@ def load_projection(path: Path, *, memory_limit: Optional[int] = None) -> Projec
         if key in keys:
             stored = str(handle.get_slice(key).get_dtype())
             if stored != {"fp16": "F16", "fp32": "F32"}[config.pca_dtype]:
-                raise IncompatibleIndexError(f"{path}: {key} is stored as {stored} but the file says pca_dtype "
-                                             f"{config.pca_dtype!r}; the file is damaged. Refit the index.")
+                raise IncompatibleIndexError(
+                    f"{path}: {key} is stored as {stored} but the file says pca_dtype "
+                    f"{config.pca_dtype!r}; the file is damaged. Refit the index."
+                )
             pca_keys[key] = math.prod(handle.get_slice(key).get_shape()) * PCA_DTYPE_BYTES[config.pca_dtype]
         _check_eigenvector_dtype(path, handle, meta["name"], metadata.get("eigenvector_dtype", "float32"))
     lazy = LazyPca(handle, pca_keys, default_projection_memory() if memory_limit is None else memory_limit)
     modules = {}
     for meta in json.loads(metadata["modules"]):
         name = meta["name"]
-        optional = {key: handle.get_tensor(f"{name}/{key}") if f"{name}/{key}" in keys else None
-                    for key in ("srht_signs", "srht_rows")}
+        optional = {
+            key: handle.get_tensor(f"{name}/{key}") if f"{name}/{key}" in keys else None
+            for key in ("srht_signs", "srht_rows")
+        }
         modules[name] = ModuleProjection(
             shape=tuple(meta["shape"]),
             activation_eigenvectors=handle.get_tensor(f"{name}/activation_eigenvectors"),
@@ -157,13 +171,17 @@ def _check_eigenvector_dtype(path: Path, handle, name: str, expected: str) -> No
     """Refuse a module whose eigenvector columns are stored in another dtype than the file says
     (``expected``: its ``eigenvector_dtype``; float32 before format 3, which had none)."""
     if expected not in _STORED_DTYPES:
-        raise IncompatibleIndexError(f"{path}: eigenvector_dtype {expected!r} is not one of {sorted(_STORED_DTYPES)}; "
-                                     "the file is damaged. Refit the index.")
+        raise IncompatibleIndexError(
+            f"{path}: eigenvector_dtype {expected!r} is not one of {sorted(_STORED_DTYPES)}; "
+            "the file is damaged. Refit the index."
+        )
     for key in _EIGENVECTOR_KEYS:
         stored = str(handle.get_slice(f"{name}/{key}").get_dtype())
         if stored != _STORED_DTYPES[expected]:
-            raise IncompatibleIndexError(f"{path}: {name}/{key} is stored as {stored} but the file says "
-                                         f"eigenvector_dtype {expected!r}; the file is damaged. Refit the index.")
+            raise IncompatibleIndexError(
+                f"{path}: {name}/{key} is stored as {stored} but the file says "
+                f"eigenvector_dtype {expected!r}; the file is damaged. Refit the index."
+            )
 
 
 class LazyPca:

@@ -68,11 +68,18 @@ class Sources:
         if max_bytes != self.store_text:
             have = "without stored text" if self.store_text is None else f"with --store-text ({self.store_text} bytes)"
             want = "without --store-text" if max_bytes is None else f"with --store-text ({max_bytes} bytes)"
-            raise ConfigError(f"this index's rows were ingested {have}; an ingest {want} would mix them. "
-                              "Use the same --store-text setting as the first ingest")
+            raise ConfigError(
+                f"this index's rows were ingested {have}; an ingest {want} would mix them. "
+                "Use the same --store-text setting as the first ingest"
+            )
 
-    def record_shards(self, uris: Mapping[str, Optional[str]], spec: RecordSpec, *,
-                      datasets: Optional[Mapping[str, Mapping[str, Any]]] = None) -> None:
+    def record_shards(
+        self,
+        uris: Mapping[str, Optional[str]],
+        spec: RecordSpec,
+        *,
+        datasets: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    ) -> None:
         """Remember each shard's location and the record options it is read with.
 
         uris: shard name -> where it lives; None for a dataset object passed from Python, which
@@ -95,14 +102,18 @@ class Sources:
         (nothing to read it back from)."""
         entry = self.data["shards"].get(name)
         if entry is None:
-            raise InputError(f"{self.path} does not say where shard {name!r} lives (it was ingested by an older "
-                             "eogp-index); ingest it again to record it, or ingest with --store-text")
+            raise InputError(
+                f"{self.path} does not say where shard {name!r} lives (it was ingested by an older "
+                "eogp-index); ingest it again to record it, or ingest with --store-text"
+            )
         if entry["uri"] is None:
             kind = entry.get("dataset", {}).get("type", "dataset")
-            raise InputError(f"shard {name!r} was ingested from a {kind} object in memory, which cannot be read back "
-                             "from anywhere, so its documents are only known from their stored text; ingest it with "
-                             "--store-text (store_text=N in run_ingest) to explain them, or ingest the dataset by its "
-                             "name or directory instead")
+            raise InputError(
+                f"shard {name!r} was ingested from a {kind} object in memory, which cannot be read back "
+                "from anywhere, so its documents are only known from their stored text; ingest it with "
+                "--store-text (store_text=N in run_ingest) to explain them, or ingest the dataset by its "
+                "name or directory instead"
+            )
         return entry["uri"], RecordSpec(**entry["record_spec"])
 
     def save(self) -> None:

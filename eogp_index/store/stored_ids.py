@@ -49,8 +49,11 @@ class StoredIds:
         if store.table is not None:
             scanner = store.dataset().to_batches(columns=["id", "shard", "position"])
             for batch in scanner:
-                rows = zip(batch.column("id").to_pylist(), batch.column("shard").to_pylist(),
-                           batch.column("position").to_pylist())
+                rows = zip(
+                    batch.column("id").to_pylist(),
+                    batch.column("shard").to_pylist(),
+                    batch.column("position").to_pylist(),
+                )
                 pairs = [(stable_hash(i), _location_key(s, p)) for i, s, p in rows]
                 if pairs:
                     array = np.asarray(pairs, dtype=np.int64)

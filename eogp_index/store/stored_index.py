@@ -59,10 +59,14 @@ def _read_record(uri: str, shard: str, position: int) -> Dict[str, Any]:
             if raw.position > position:
                 break
     except (InputError, OSError) as exc:
-        raise InputError(f"shard {shard!r} can no longer be read at {uri} ({exc}); restore it there, or ingest "
-                         "with --store-text so that explanations do not need the shard") from exc
-    raise InputError(f"shard {shard!r} at {uri} no longer has a record at {location_of(shard, position)}; it "
-                     "changed since ingest. Restore it as it was")
+        raise InputError(
+            f"shard {shard!r} can no longer be read at {uri} ({exc}); restore it there, or ingest "
+            "with --store-text so that explanations do not need the shard"
+        ) from exc
+    raise InputError(
+        f"shard {shard!r} at {uri} no longer has a record at {location_of(shard, position)}; it "
+        "changed since ingest. Restore it as it was"
+    )
 
 
 def check_index_dir(path: Union[str, Path], mode: str = "create") -> None:
@@ -74,8 +78,7 @@ def check_index_dir(path: Union[str, Path], mode: str = "create") -> None:
         raise ConfigError(f"{path} already holds an index; pass mode='overwrite' (--overwrite) to replace it")
 
 
-def prepare_index_dir(path: Union[str, Path], *, table_uri: Optional[str] = None,
-                      mode: str = "create") -> Path:
+def prepare_index_dir(path: Union[str, Path], *, table_uri: Optional[str] = None, mode: str = "create") -> Path:
     """Make ``path`` ready for a new index.
 
     ``mode="create"`` refuses a finished index (one with a manifest). A directory with a ``fit/``
@@ -92,8 +95,10 @@ def prepare_index_dir(path: Union[str, Path], *, table_uri: Optional[str] = None
         remote = Store(table_uri, TABLE_NAME)
         if remote.table is not None:
             if mode != "overwrite":
-                raise ConfigError(f"{table_uri} already holds a table {TABLE_NAME!r}; pass mode='overwrite' "
-                                  "(--overwrite) to replace it or choose another --table-uri")
+                raise ConfigError(
+                    f"{table_uri} already holds a table {TABLE_NAME!r}; pass mode='overwrite' "
+                    "(--overwrite) to replace it or choose another --table-uri"
+                )
             remote.drop()
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -121,11 +126,23 @@ class StoredIndex:
         return cls(path, Manifest.load(Path(path)))
 
     @classmethod
-    def create(cls, path: Union[str, Path], fitted, *, model_name: str, tokenizer_name: Optional[str],
-               precision: str, damping_ratio: float, curvature: Dict[str, Any], max_tokens: Optional[int],
-               table_uri: Optional[str] = None, weights_fingerprint: Optional[str] = None,
-               adapter: Optional[Dict[str, str]] = None, experts: str = "fused",
-               model_dtype: str = "float32") -> "StoredIndex":
+    def create(
+        cls,
+        path: Union[str, Path],
+        fitted,
+        *,
+        model_name: str,
+        tokenizer_name: Optional[str],
+        precision: str,
+        damping_ratio: float,
+        curvature: Dict[str, Any],
+        max_tokens: Optional[int],
+        table_uri: Optional[str] = None,
+        weights_fingerprint: Optional[str] = None,
+        adapter: Optional[Dict[str, str]] = None,
+        experts: str = "fused",
+        model_dtype: str = "float32",
+    ) -> "StoredIndex":
         """Write a fitted projection and its manifest into ``path`` (prepared by :func:`prepare_index_dir`).
 
         Args:
@@ -152,28 +169,42 @@ class StoredIndex:
         projection = fitted.projection
         proj_hash = save_projection(projection, path / PROJECTION_FILE)
         layout = SignLayout(projection.k)
-        model_entry = {"name": str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name,
-                       "weights_sha256": fitted.weights_sha256, "num_parameters": fitted.num_parameters,
-                       "tokenizer": tokenizer_name, "dtype": model_dtype}
+        model_entry = {
+            "name": str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name,
+            "weights_sha256": fitted.weights_sha256,
+            "num_parameters": fitted.num_parameters,
+            "tokenizer": tokenizer_name,
+            "dtype": model_dtype,
+        }
         if weights_fingerprint is not None:
             model_entry["weights_fingerprint"] = weights_fingerprint
         if experts != "fused":
             model_entry["experts"] = experts
         if adapter is not None:
-            model_entry["adapter"] = {"path": str(Path(adapter["path"]).resolve()),
-                                      "fingerprint": adapter["fingerprint"]}
-        projection_entry = {"file": PROJECTION_FILE, "sha256": proj_hash, "variant": projection.config.variant,
-                            "seed": projection.config.seed, "num_fit_examples": fitted.pca_examples,
-                            "pca_dtype": projection.config.pca_dtype, "rotation": projection.rotation_record(),
-                            "fingerprint": file_fingerprint(path / PROJECTION_FILE)}
+            model_entry["adapter"] = {
+                "path": str(Path(adapter["path"]).resolve()),
+                "fingerprint": adapter["fingerprint"],
+            }
+        projection_entry = {
+            "file": PROJECTION_FILE,
+            "sha256": proj_hash,
+            "variant": projection.config.variant,
+            "seed": projection.config.seed,
+            "num_fit_examples": fitted.pca_examples,
+            "pca_dtype": projection.config.pca_dtype,
+            "rotation": projection.rotation_record(),
+            "fingerprint": file_fingerprint(path / PROJECTION_FILE),
+        }
         fidelity = fidelity_record(projection.choices)
         if fidelity is not None:
             projection_entry["fidelity"] = fidelity
         manifest = Manifest(
             model=model_entry,
             projection=projection_entry,
-            modules=[ModuleEntry(name=n, d_out=p.shape[0], d_in=p.shape[1], m=p.m, k=p.k, damping=p.damping)
-                     for n, p in projection.modules.items()],
+            modules=[
+                ModuleEntry(name=n, d_out=p.shape[0], d_in=p.shape[1], m=p.m, k=p.k, damping=p.damping)
+                for n, p in projection.modules.items()
+            ],
             precision=precision,
             damping_ratio=damping_ratio,
             bytes_per_example=codec_for(precision, layout).bytes_per_example,  # type: ignore[arg-type]
@@ -213,10 +244,13 @@ class StoredIndex:
         if projection.config.pca_dtype != self.manifest.pca_dtype:
             raise IncompatibleIndexError(
                 f"{path} stores P as {projection.config.pca_dtype} but {self.path / MANIFEST_FILE} says "
-                f"{self.manifest.pca_dtype}; the index was refitted partway. Rebuild it with `eogp fit --overwrite`.")
+                f"{self.manifest.pca_dtype}; the index was refitted partway. Rebuild it with `eogp fit --overwrite`."
+            )
         if projection.k != self.manifest.k or projection.names != self.manifest.module_names:
-            raise IncompatibleIndexError(f"{path} does not match the modules of {self.path / MANIFEST_FILE}; "
-                                         "the index was refitted partway. Rebuild it with `eogp fit --overwrite`.")
+            raise IncompatibleIndexError(
+                f"{path} does not match the modules of {self.path / MANIFEST_FILE}; "
+                "the index was refitted partway. Rebuild it with `eogp fit --overwrite`."
+            )
         return projection
 
     def hot_codes(self, *, consolidate: bool = False):
@@ -281,8 +315,10 @@ class StoredIndex:
     def agree_store_text(self, max_bytes: Optional[int]) -> None:
         """Check an ingest's ``--store-text`` setting against the index's (the first ingest sets it)."""
         if max_bytes is not None and not self.manifest.has_content_hashes:
-            raise ConfigError(f"{self.path} has index format {self.manifest.format_version}, which has no text "
-                              "column; ingest without --store-text, or build a new index with this version")
+            raise ConfigError(
+                f"{self.path} has index format {self.manifest.format_version}, which has no text "
+                "column; ingest without --store-text, or build a new index with this version"
+            )
         if self.manifest.has_content_hashes:
             self.sources.agree_store_text(max_bytes, table_exists=self.store.table is not None)
 
@@ -305,7 +341,8 @@ class StoredIndex:
         if not self.manifest.has_content_hashes:
             raise IncompatibleIndexError(
                 f"{self.path} has index format {self.manifest.format_version}, whose rows record no content hash, "
-                "so a document read back could not be checked; re-ingest into an index made by this version")
+                "so a document read back could not be checked; re-ingest into an index made by this version"
+            )
         wanted = ["id", "shard", "position", "content_sha256", "content_kind"]
         names = self.store.schema.names if self.store.schema is not None else []
         optional = [name for name in ("text", "window") if name in names]
@@ -315,25 +352,29 @@ class StoredIndex:
         if row.get("text") is not None:
             # Tokenized as at ingest: the shard's recorded max_tokens when it has one, else the index's.
             recorded = self.sources.data["shards"].get(row["shard"], {}).get("record_spec", {})
-            spec = RecordSpec(max_tokens=recorded.get("max_tokens", self.manifest.max_tokens),
-                              long_documents=recorded.get("long_documents", "truncate"))
+            spec = RecordSpec(
+                max_tokens=recorded.get("max_tokens", self.manifest.max_tokens),
+                long_documents=recorded.get("long_documents", "truncate"),
+            )
             record, where = _record_from_text(row["text"], row["content_kind"], spec), "its stored text"
         else:
             uri, spec = self.sources.shard(row["shard"])
             record, where = _read_record(uri, row["shard"], row["position"]), uri
-        windows = tokenize_windows(record, shard=row["shard"], position=row["position"], spec=spec,
-                                   tokenizer=tokenizer)
+        windows = tokenize_windows(record, shard=row["shard"], position=row["position"], spec=spec, tokenizer=tokenizer)
         # A window of a long document (long_documents="windows"): the one of the stored number.
         number = row.get("window") if spec.long_documents == "windows" else None
         example = windows[0] if number is None else next((w for w in windows if w.metadata["window"] == number), None)
         if example is None:
-            raise InputError(f"example {example_id!r}: the record at {location_of(row['shard'], row['position'])} in "
-                             f"{where} has no window {number} any more; restore the shard as it was ingested")
+            raise InputError(
+                f"example {example_id!r}: the record at {location_of(row['shard'], row['position'])} in "
+                f"{where} has no window {number} any more; restore the shard as it was ingested"
+            )
         if example.content_sha256 != row["content_sha256"]:
             raise InputError(
                 f"example {example_id!r}: the record at {location_of(row['shard'], row['position'])} in {where} has "
                 "changed since it was ingested (its content hash differs), so an explanation would be wrong. Restore "
-                "the shard as it was, or ingest the new version into a new index")
+                "the shard as it was, or ingest the new version into a new index"
+            )
         return dataclasses.replace(example, id=example_id)
 
     def info(self) -> Dict[str, Any]:

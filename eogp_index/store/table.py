@@ -36,8 +36,20 @@ import pyarrow as pa
 from eogp_index.errors import InputError
 from eogp_index.store.codecs import Encoded, fixed_size_list, list_column_to_numpy  # noqa: F401  (re-exported)
 
-RESERVED_COLUMNS = ("id", "signs", "scales", "coords", "shard", "position", "num_tokens", "num_loss_tokens",
-                    "truncated", "content_sha256", "content_kind", "text")
+RESERVED_COLUMNS = (
+    "id",
+    "signs",
+    "scales",
+    "coords",
+    "shard",
+    "position",
+    "num_tokens",
+    "num_loss_tokens",
+    "truncated",
+    "content_sha256",
+    "content_kind",
+    "text",
+)
 CODE_COLUMNS = ("signs", "scales", "coords")
 #: ", /home/.../rust/lance/src/dataset/scanner.rs:839:33": where in Lance's Rust source an error arose
 _LANCE_SOURCE = re.compile(r",?\s*\S+\.rs:\d+:\d+")

@@ -18,8 +18,9 @@ from eogp_index.store.files import file_fingerprint, file_sha256
 from eogp_index.store.stored_index import StoredIndex
 
 
-def verify_index(path: Union[str, Path], *, model: Optional[nn.Module] = None, model_name: Optional[str] = None,
-                 device: str = "cpu") -> Dict[str, Any]:
+def verify_index(
+    path: Union[str, Path], *, model: Optional[nn.Module] = None, model_name: Optional[str] = None, device: str = "cpu"
+) -> Dict[str, Any]:
     """The complete identity check of an index: every byte of its projection file and of its
     model's weights hashed (SHA-256) and compared with the manifest, and the sampled fingerprints
     that :meth:`AttributionIndex.open` checks recomputed.
@@ -37,20 +38,29 @@ def verify_index(path: Union[str, Path], *, model: Optional[nn.Module] = None, m
     projection_path = stored.path / manifest.projection["file"]
     if not projection_path.exists():
         raise InputError(f"{projection_path} is missing: the index has no projection (refit it with eogp fit)")
-    projection = {"file": str(projection_path), "expected_sha256": manifest.projection["sha256"],
-                  "sha256": file_sha256(projection_path)}
+    projection = {
+        "file": str(projection_path),
+        "expected_sha256": manifest.projection["sha256"],
+        "sha256": file_sha256(projection_path),
+    }
     if manifest.projection.get("fingerprint"):
-        projection.update(expected_fingerprint=manifest.projection["fingerprint"],
-                          fingerprint=file_fingerprint(projection_path))
+        projection.update(
+            expected_fingerprint=manifest.projection["fingerprint"], fingerprint=file_fingerprint(projection_path)
+        )
     if model is None:
         model, _ = load_indexed_model(manifest.model, model_name, device=device, dtype=manifest.model_dtype)
-    weights = {"name": model_name or manifest.model["name"], "expected_sha256": manifest.model["weights_sha256"],
-               "sha256": model_sha256(model)}
+    weights = {
+        "name": model_name or manifest.model["name"],
+        "expected_sha256": manifest.model["weights_sha256"],
+        "sha256": model_sha256(model),
+    }
     if manifest.model.get("weights_fingerprint"):
-        weights.update(expected_fingerprint=manifest.model["weights_fingerprint"],
-                       fingerprint=model_fingerprint(model))
+        weights.update(expected_fingerprint=manifest.model["weights_fingerprint"], fingerprint=model_fingerprint(model))
     for part in (projection, weights):
-        part["ok"] = all(part[key] == part[f"expected_{key}"] for key in ("sha256", "fingerprint")
-                         if key in part)
-    return {"index": str(stored.path), "ok": projection["ok"] and weights["ok"], "projection": projection,
-            "model": weights}
+        part["ok"] = all(part[key] == part[f"expected_{key}"] for key in ("sha256", "fingerprint") if key in part)
+    return {
+        "index": str(stored.path),
+        "ok": projection["ok"] and weights["ok"],
+        "projection": projection,
+        "model": weights,
+    }

@@ -27,8 +27,24 @@ def _load():
 @pytest.mark.distributed
 def test_gpu_check_passes_every_stage_on_cpu(tmp_path, capsys):
     gpu_check = _load()
-    status = gpu_check.main(["--device", "cpu", "--documents", "32", "-k", "8", "--max-tokens", "48", "--top", "5",
-                             "--work", str(tmp_path), "--json", "-"])
+    status = gpu_check.main(
+        [
+            "--device",
+            "cpu",
+            "--documents",
+            "32",
+            "-k",
+            "8",
+            "--max-tokens",
+            "48",
+            "--top",
+            "5",
+            "--work",
+            str(tmp_path),
+            "--json",
+            "-",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     stages = {s["name"]: s for s in report["stages"]}
     assert list(stages) == [name for name, _ in gpu_check.STAGES]

@@ -135,9 +135,7 @@ def test_expand_shards_sorts_dedups_and_checks(tmp_path, jsonl_writer):
     for name in ["b.jsonl", "a.jsonl.gz", "sub/c.jsonl"]:
         jsonl_writer(tmp_path / name, ROWS[:1])
     found = expand_shards([str(tmp_path / "*.jsonl*"), tmp_path / "b.jsonl", str(tmp_path / "**" / "*.jsonl")])
-    assert found == sorted(
-        [tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl", tmp_path / "sub" / "c.jsonl"], key=os.fspath
-    )
+    assert found == sorted([tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl", tmp_path / "sub" / "c.jsonl"], key=os.fspath)
     with pytest.raises(InputError, match=r"shard pattern '.*nothing\*\.jsonl' matches no file"):
         expand_shards([str(tmp_path / "*.jsonl"), str(tmp_path / "nothing*.jsonl")])
     with pytest.raises(InputError, match=r"shard '.*missing\.jsonl' does not exist"):

@@ -263,9 +263,7 @@ def test_metadata_typed_values_preserved(tokenizer, jsonl_writer, tmp_path):
 )
 def test_metadata_type_must_match_earlier_records(tokenizer, jsonl_writer, tmp_path, second, pattern):
     spec = RecordSpec(metadata_fields=("year",))
-    path = jsonl_writer(
-        tmp_path / "meta.jsonl", [{"text": "hello", "year": 2021}, {"text": "hello", **second}]
-    )
+    path = jsonl_writer(tmp_path / "meta.jsonl", [{"text": "hello", "year": 2021}, {"text": "hello", **second}])
     with pytest.raises(InputError, match=rf"meta\.jsonl:2: .*{pattern}"):
         list(iter_examples([path], spec, tokenizer))
 
@@ -288,8 +286,8 @@ def test_prompt_completion_text_labels_the_completion_only(tokenizer):
     prompt = tokenizer("what is the capital of france?")["input_ids"]
     whole = tokenizer("what is the capital of france? paris is the capital")["input_ids"]
     assert example.input_ids == tuple(whole)
-    assert example.labels == tuple([IGNORE_INDEX] * len(prompt) + whole[len(prompt):])
-    assert tokenizer.decode(example.input_ids[len(prompt):]) == " paris is the capital"
+    assert example.labels == tuple([IGNORE_INDEX] * len(prompt) + whole[len(prompt) :])
+    assert tokenizer.decode(example.input_ids[len(prompt) :]) == " paris is the capital"
     assert example.num_loss_tokens == len(whole) - len(prompt)
     assert example.content_kind == "completion"
 
@@ -317,22 +315,36 @@ def test_prompt_completion_round_trips_through_its_stored_text(tokenizer):
     assert again.content_sha256 == example.content_sha256 and again.labels == example.labels
 
 
-@pytest.mark.parametrize("record", [{"text": "hello world"}, {"messages": CHAT},
-                                    {"prompt": "hello", "completion": " world"},
-                                    {"prompt": CHAT[:2], "completion": [CHAT[2]]},
-                                    {"input_ids": [5, 6, 7]}, {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}],
-                         ids=["text", "chat", "completion", "completion-chat", "ids", "ids-labels"])
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"text": "hello world"},
+        {"messages": CHAT},
+        {"prompt": "hello", "completion": " world"},
+        {"prompt": CHAT[:2], "completion": [CHAT[2]]},
+        {"input_ids": [5, 6, 7]},
+        {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+    ],
+    ids=["text", "chat", "completion", "completion-chat", "ids", "ids-labels"],
+)
 def test_record_content_hashes_as_the_tokenized_example(tokenizer, record):
     from eogp_index.data.records import content_sha256, record_content
 
-    assert content_sha256(record_content(record | {"source": "x"}, RecordSpec())) == _tok(record, tokenizer).content_sha256
+    assert (
+        content_sha256(record_content(record | {"source": "x"}, RecordSpec())) == _tok(record, tokenizer).content_sha256
+    )
 
 
 def test_text_record_may_carry_a_prompt_field():
     from eogp_index.data.records import tokenize_record as tokenize
 
-    example = tokenize({"input_ids": [1, 2, 3], "prompt": "kept as an ordinary field"}, shard="s", position=0,
-                       spec=RecordSpec(), tokenizer=None)
+    example = tokenize(
+        {"input_ids": [1, 2, 3], "prompt": "kept as an ordinary field"},
+        shard="s",
+        position=0,
+        spec=RecordSpec(),
+        tokenizer=None,
+    )
     assert example.content_kind == "tokens"
 
 
@@ -374,34 +386,114 @@ GOOD_FIRST = {"text": "hello world", "doc_id": "g1", "lang": "en"}
 GOOD_LAST = {"text": "the lazy dog", "doc_id": "g2", "lang": "fr"}
 
 BAD_RECORDS = [
-    ("missing", {"doc_id": "b", "lang": "en", "title": "x"}, r"missing content: the record has none of the fields 'text', 'messages', 'input_ids'"),
-    ("two content fields", {"text": "a", "input_ids": [1, 2], "doc_id": "b", "lang": "en"}, r"more than one content field: \['text', 'input_ids'\]"),
+    (
+        "missing",
+        {"doc_id": "b", "lang": "en", "title": "x"},
+        r"missing content: the record has none of the fields 'text', 'messages', 'input_ids'",
+    ),
+    (
+        "two content fields",
+        {"text": "a", "input_ids": [1, 2], "doc_id": "b", "lang": "en"},
+        r"more than one content field: \['text', 'input_ids'\]",
+    ),
     ("text not str", {"text": 5, "doc_id": "b", "lang": "en"}, r"field 'text': expected a string, got int"),
     ("messages not list", {"messages": "hi", "doc_id": "b", "lang": "en"}, r"field 'messages': expected a list"),
-    ("message content", {"messages": [{"role": "user", "content": None}], "doc_id": "b", "lang": "en"}, r"field 'messages\[0\]\.content': expected a string, got null"),
-    ("message no role", {"messages": [{"content": "x"}], "doc_id": "b", "lang": "en"}, r"field 'messages\[0\]\.role': expected a non-empty string"),
-    ("message not object", {"messages": ["x"], "doc_id": "b", "lang": "en"}, r"field 'messages\[0\]': expected an object"),
-    ("input_ids not ints", {"input_ids": [1, "2"], "doc_id": "b", "lang": "en"}, r"field 'input_ids': expected a list of ints, item 1 is str"),
-    ("input_ids out of range", {"input_ids": [1, 99999], "doc_id": "b", "lang": "en"}, r"field 'input_ids': item 1 is 99999, outside the tokenizer's ids"),
-    ("labels mismatch", {"input_ids": [1, 2, 3], "labels": [1, 2], "doc_id": "b", "lang": "en"}, r"field 'labels': 2 labels for 3 'input_ids'"),
-    ("labels with text", {"text": "a b", "labels": [1], "doc_id": "b", "lang": "en"}, r"field 'labels' is only allowed with 'input_ids'"),
+    (
+        "message content",
+        {"messages": [{"role": "user", "content": None}], "doc_id": "b", "lang": "en"},
+        r"field 'messages\[0\]\.content': expected a string, got null",
+    ),
+    (
+        "message no role",
+        {"messages": [{"content": "x"}], "doc_id": "b", "lang": "en"},
+        r"field 'messages\[0\]\.role': expected a non-empty string",
+    ),
+    (
+        "message not object",
+        {"messages": ["x"], "doc_id": "b", "lang": "en"},
+        r"field 'messages\[0\]': expected an object",
+    ),
+    (
+        "input_ids not ints",
+        {"input_ids": [1, "2"], "doc_id": "b", "lang": "en"},
+        r"field 'input_ids': expected a list of ints, item 1 is str",
+    ),
+    (
+        "input_ids out of range",
+        {"input_ids": [1, 99999], "doc_id": "b", "lang": "en"},
+        r"field 'input_ids': item 1 is 99999, outside the tokenizer's ids",
+    ),
+    (
+        "labels mismatch",
+        {"input_ids": [1, 2, 3], "labels": [1, 2], "doc_id": "b", "lang": "en"},
+        r"field 'labels': 2 labels for 3 'input_ids'",
+    ),
+    (
+        "labels with text",
+        {"text": "a b", "labels": [1], "doc_id": "b", "lang": "en"},
+        r"field 'labels' is only allowed with 'input_ids'",
+    ),
     ("empty text", {"text": "", "doc_id": "b", "lang": "en"}, r"field 'text': empty document"),
     ("empty input_ids", {"input_ids": [], "doc_id": "b", "lang": "en"}, r"field 'input_ids': empty document"),
     ("one token", {"input_ids": [5], "doc_id": "b", "lang": "en"}, r"no loss tokens \(a single token"),
-    ("no assistant", {"messages": [{"role": "user", "content": "hi"}], "doc_id": "b", "lang": "en"}, r"field 'messages': no loss tokens"),
+    (
+        "no assistant",
+        {"messages": [{"role": "user", "content": "hi"}], "doc_id": "b", "lang": "en"},
+        r"field 'messages': no loss tokens",
+    ),
     ("prompt alone", {"prompt": "a", "doc_id": "b", "lang": "en"}, r"field 'prompt' without 'completion'"),
     ("completion alone", {"completion": "a", "doc_id": "b", "lang": "en"}, r"field 'completion' without 'prompt'"),
-    ("prompt and completion of two kinds", {"prompt": "a", "completion": [{"role": "assistant", "content": "b"}], "doc_id": "b", "lang": "en"}, r"fields \['prompt', 'completion'\]: expected two strings or two lists of messages, got str and list"),
-    ("empty completion", {"prompt": "a", "completion": "", "doc_id": "b", "lang": "en"}, r"field 'completion': empty completion"),
-    ("metadata list in a str field", {"text": "a", "doc_id": "b", "lang": ["en"]}, r"field 'lang': metadata value \['en'\] is a list of str, but the field is str"),
-    ("metadata nested", {"text": "a", "doc_id": "b", "lang": {"en": 1}}, r"field 'lang': metadata values must be str, int, float, bool, null or a list of these, got dict"),
-    ("metadata list of lists", {"text": "a", "doc_id": "b", "lang": [["en"]]}, r"field 'lang': a metadata list holds str, int, float, bool or null items, item 0 is list"),
-    ("metadata surrogate", {"text": "a", "doc_id": "b", "lang": "e\ud800n"}, r"field 'lang': character 1 is U\+D800, a lone UTF-16 surrogate"),
+    (
+        "prompt and completion of two kinds",
+        {"prompt": "a", "completion": [{"role": "assistant", "content": "b"}], "doc_id": "b", "lang": "en"},
+        r"fields \['prompt', 'completion'\]: expected two strings or two lists of messages, got str and list",
+    ),
+    (
+        "empty completion",
+        {"prompt": "a", "completion": "", "doc_id": "b", "lang": "en"},
+        r"field 'completion': empty completion",
+    ),
+    (
+        "metadata list in a str field",
+        {"text": "a", "doc_id": "b", "lang": ["en"]},
+        r"field 'lang': metadata value \['en'\] is a list of str, but the field is str",
+    ),
+    (
+        "metadata nested",
+        {"text": "a", "doc_id": "b", "lang": {"en": 1}},
+        r"field 'lang': metadata values must be str, int, float, bool, null or a list of these, got dict",
+    ),
+    (
+        "metadata list of lists",
+        {"text": "a", "doc_id": "b", "lang": [["en"]]},
+        r"field 'lang': a metadata list holds str, int, float, bool or null items, item 0 is list",
+    ),
+    (
+        "metadata surrogate",
+        {"text": "a", "doc_id": "b", "lang": "e\ud800n"},
+        r"field 'lang': character 1 is U\+D800, a lone UTF-16 surrogate",
+    ),
     ("text surrogate", {"text": "ab\udc00", "doc_id": "b", "lang": "en"}, r"field 'text': character 2 is U\+DC00"),
     ("id surrogate", {"text": "a", "doc_id": "\ud83d", "lang": "en"}, r"field 'doc_id': character 0 is U\+D83D"),
-    ("chat surrogate", {"messages": [{"role": "user", "content": "\udfff"}, {"role": "assistant", "content": "b"}], "doc_id": "b", "lang": "en"}, r"field 'messages\[0\]\.content': character 0 is U\+DFFF"),
-    ("metadata wrong type", {"text": "a", "doc_id": "b", "lang": 3}, r"field 'lang': metadata value 3 is int, but the field is str"),
-    ("duplicate id", {"text": "again", "doc_id": "g1", "lang": "en"}, r"duplicate id 'g1': already used by the record at bad\.jsonl:1"),
+    (
+        "chat surrogate",
+        {
+            "messages": [{"role": "user", "content": "\udfff"}, {"role": "assistant", "content": "b"}],
+            "doc_id": "b",
+            "lang": "en",
+        },
+        r"field 'messages\[0\]\.content': character 0 is U\+DFFF",
+    ),
+    (
+        "metadata wrong type",
+        {"text": "a", "doc_id": "b", "lang": 3},
+        r"field 'lang': metadata value 3 is int, but the field is str",
+    ),
+    (
+        "duplicate id",
+        {"text": "again", "doc_id": "g1", "lang": "en"},
+        r"duplicate id 'g1': already used by the record at bad\.jsonl:1",
+    ),
     ("malformed json", '{"text": "unterminated', r"malformed JSON"),
     ("json not object", "[1, 2, 3]", r"line is a JSON list, not an object"),
 ]
@@ -443,14 +535,21 @@ def test_skip_mode_still_raises_config_errors(tokenizer_factory, jsonl_writer, t
 
 # --- generated odd text in every text field of a record -----------------------------------
 
+
 def _record_with_odd_text(rng, i: int):
     """A valid record with odd code points in one of its text fields: the record, that field's
     name as errors name it, and whether the record is invalid."""
     from oddtext import with_odd
 
-    record = {"doc_id": f"r{i}", "lang": "en", "tags": ["a", "b"],
-              "messages": [{"role": "user", "content": "hello world", "name": "ann"},
-                           {"role": "assistant", "content": "the lazy dog"}]}
+    record = {
+        "doc_id": f"r{i}",
+        "lang": "en",
+        "tags": ["a", "b"],
+        "messages": [
+            {"role": "user", "content": "hello world", "name": "ann"},
+            {"role": "assistant", "content": "the lazy dog"},
+        ],
+    }
     where = rng.choice(["text", "content", "assistant", "role", "name", "doc_id", "lang", "tags"])
     odd, invalid = with_odd(rng, "the quick brown fox")
     if where == "text":

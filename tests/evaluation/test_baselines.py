@@ -55,16 +55,26 @@ def test_logra_pca_selects_top_eigenvectors_by_eigenvalue():
     a_vals = torch.arange(D_IN, dtype=torch.float64)  # ascending, as eigh returns
     g_vecs = torch.eye(D_OUT, dtype=torch.float64)
     g_vals = torch.tensor([5.0, 1.0, 3.0, 0.0, 4.0, 2.0], dtype=torch.float64)
-    proj = LoGraProjector(D_IN, D_OUT, 2, init="pca", activation_eigenvectors=a_vecs, gradient_eigenvectors=g_vecs,
-                          activation_eigenvalues=a_vals, gradient_eigenvalues=g_vals, dtype=torch.float64)
+    proj = LoGraProjector(
+        D_IN,
+        D_OUT,
+        2,
+        init="pca",
+        activation_eigenvectors=a_vecs,
+        gradient_eigenvectors=g_vecs,
+        activation_eigenvalues=a_vals,
+        gradient_eigenvalues=g_vals,
+        dtype=torch.float64,
+    )
     torch.testing.assert_close(proj.P_a, a_vecs[:, [6, 5]])
     torch.testing.assert_close(proj.P_g, g_vecs[:, [0, 4]])
 
 
 def test_logra_pca_without_eigenvalues_raises():
     with pytest.raises(ConfigError):
-        LoGraProjector(D_IN, D_OUT, 2, init="pca", activation_eigenvectors=torch.eye(D_IN),
-                       gradient_eigenvectors=torch.eye(D_OUT))
+        LoGraProjector(
+            D_IN, D_OUT, 2, init="pca", activation_eigenvectors=torch.eye(D_IN), gradient_eigenvectors=torch.eye(D_OUT)
+        )
 
 
 def test_logra_float32_default_and_2d_inputs():
@@ -139,10 +149,14 @@ def test_gaussian_inner_products_unbiased():
     gen = torch.Generator().manual_seed(6)
     X = torch.randn(1, D_OUT, D_IN, generator=gen, dtype=torch.float64)
     Y = X + 0.5 * torch.randn(1, D_OUT, D_IN, generator=gen, dtype=torch.float64)
-    est = torch.stack([
-        (lambda p: p.score(p.project_dense(X), p.project_dense(Y)))(GaussianProjector(D_IN, D_OUT, 4, seed=s, dtype=torch.float64))
-        for s in range(400)
-    ]).mean()
+    est = torch.stack(
+        [
+            (lambda p: p.score(p.project_dense(X), p.project_dense(Y)))(
+                GaussianProjector(D_IN, D_OUT, 4, seed=s, dtype=torch.float64)
+            )
+            for s in range(400)
+        ]
+    ).mean()
     exact = (X * Y).sum()
     assert abs(est - exact) < 0.1 * abs(exact)
 
@@ -152,7 +166,9 @@ def test_gaussian_inner_products_unbiased():
 
 def test_projected_curvature_matches_dense_solve():
     gen = torch.Generator().manual_seed(7)
-    coords = torch.randn(50, 8, generator=gen, dtype=torch.float64) @ torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    coords = torch.randn(50, 8, generator=gen, dtype=torch.float64) @ torch.randn(
+        8, 8, generator=gen, dtype=torch.float64
+    )
     q = torch.randn(4, 8, generator=gen, dtype=torch.float64)
     curv = ProjectedCurvature.fit(coords, damping_ratio=0.1)
     C = coords.T @ coords / 50

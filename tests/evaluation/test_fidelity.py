@@ -37,8 +37,11 @@ torch.set_num_threads(1)
 
 
 def _docs(examples) -> Documents:
-    return Documents(tuple(e.id for e in examples), tuple(tuple(e.input_ids) for e in examples),
-                     tuple(tuple(e.labels) for e in examples))
+    return Documents(
+        tuple(e.id for e in examples),
+        tuple(tuple(e.input_ids) for e in examples),
+        tuple(tuple(e.labels) for e in examples),
+    )
 
 
 TRAIN = _docs(make_examples(28, seed=1))
@@ -50,15 +53,22 @@ ALL_METHODS = tuple(METHODS)  # including the opt-in 1-bit baselines and the FP3
 @pytest.fixture(scope="module")
 def scoreset(tmp_path_factory):
     work = tmp_path_factory.mktemp("fidelity")
-    return compute_scores(make_tiny_gpt2(), TRAIN, QUERIES, work, budgets=BUDGETS, methods=ALL_METHODS,
-                          batch_size=7, gaussian_seeds=2)
+    return compute_scores(
+        make_tiny_gpt2(), TRAIN, QUERIES, work, budgets=BUDGETS, methods=ALL_METHODS, batch_size=7, gaussian_seeds=2
+    )
 
 
 # The default model's 8 modules: (d_out, d_in + 1) of c_attn, attn.c_proj, c_fc, mlp.c_proj, twice.
-DEFAULT_SHAPES = tuple(ModuleShape(f"h.{layer}.{name}", d_out, d_in)
-                       for layer in range(2)
-                       for name, d_out, d_in in (("c_attn", 384, 129), ("attn.c_proj", 128, 129),
-                                                 ("c_fc", 512, 129), ("mlp.c_proj", 128, 513)))
+DEFAULT_SHAPES = tuple(
+    ModuleShape(f"h.{layer}.{name}", d_out, d_in)
+    for layer in range(2)
+    for name, d_out, d_in in (
+        ("c_attn", 384, 129),
+        ("attn.c_proj", 128, 129),
+        ("c_fc", 512, 129),
+        ("mlp.c_proj", 128, 513),
+    )
+)
 
 
 def test_budgets_give_each_method_the_most_coordinates_that_fit():
@@ -172,8 +182,9 @@ def test_rotated_and_same_k_eogp_scores(scoreset):
         np.testing.assert_array_equal(scoreset.scores[same_k.id], scoreset.unquantized[eogp.id])
         plain, rotated = scoreset.unquantized[eogp.id], scoreset.unquantized[rot.id]
         np.testing.assert_allclose(rotated, plain, rtol=0, atol=2e-3 * np.abs(plain).max())  # FP16 rounding
-        assert not np.allclose(scoreset.scores[rot.id], scoreset.scores[eogp.id], rtol=0,
-                               atol=1e-3 * np.abs(plain).max())
+        assert not np.allclose(
+            scoreset.scores[rot.id], scoreset.scores[eogp.id], rtol=0, atol=1e-3 * np.abs(plain).max()
+        )
 
 
 def _fake_curvature(module: ModuleShape):
@@ -216,8 +227,17 @@ def _micro_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(3)
-    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=4, n_layer=1, n_head=1, n_inner=8,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=32,
+        n_embd=4,
+        n_layer=1,
+        n_head=1,
+        n_inner=8,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config).eval()
 
 
@@ -234,8 +254,9 @@ def test_full_width_eogp_and_topk_equal_the_reference(tmp_path):
     names = find_attributed_modules(model, ["*.mlp.*"])
     train = _docs(make_examples(64, seed=5))
     queries = QUERIES
-    curvature = fit_curvature(model, train.pairs(), names, tmp_path, config=CurvatureConfig(num_examples=64),
-                              progress=False)
+    curvature = fit_curvature(
+        model, train.pairs(), names, tmp_path, config=CurvatureConfig(num_examples=64), progress=False
+    )
     d = tuple(c.num_params for c in curvature.values())
     assert max(d) <= len(train)
     configs = [MethodConfig("eogp-fp32", 1, k=d, m=d), MethodConfig("ekfac-topk-fp32", 1, k=d)]
@@ -265,13 +286,16 @@ def tiny_model_dir(tmp_path_factory):
     from eogp_index.evaluation import tinylm
 
     root = tmp_path_factory.mktemp("tinyfid")
-    texts = [f"Return the {w} of the {v} in place; raise ValueError when {w} is empty."
-             for w in ("sum", "length", "first item", "maximum", "copy", "sorted keys", "mean", "name")
-             for v in ("list", "mapping", "string", "queue", "tuple")]
+    texts = [
+        f"Return the {w} of the {v} in place; raise ValueError when {w} is empty."
+        for w in ("sum", "length", "first item", "maximum", "copy", "sorted keys", "mean", "name")
+        for v in ("list", "mapping", "string", "queue", "tuple")
+    ]
     tok = tinylm.train_tokenizer(texts, vocab_size=300)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(tinylm.default_config(len(tok), n_positions=64, n_embd=16, n_layer=1, n_head=2,
-                                                  n_inner=32)).eval()
+    model = GPT2LMHeadModel(
+        tinylm.default_config(len(tok), n_positions=64, n_embd=16, n_layer=1, n_head=2, n_inner=32)
+    ).eval()
     model.save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     with open(root / "train.jsonl", "w") as fh:
@@ -297,10 +321,25 @@ def test_cli_eval_fidelity_writes_json_markdown_and_pngs(tiny_model_dir, tmp_pat
     from eogp_index.evaluation.cli import eval_group
 
     out = tmp_path / "eval"
-    args = ["fidelity", "--model", str(tiny_model_dir / "model"), "--train", str(tiny_model_dir / "train.jsonl"),
-            "--queries", str(tiny_model_dir / "queries.jsonl"), "--out", str(out), "--budgets", "16,20,64",
-            "--methods", "eogp,eogp-rot,eogp-fp16-same-k,eogp-fp16,logra-random,grass", "--limit-queries", "5",
-            "--quiet", "--json"]
+    args = [
+        "fidelity",
+        "--model",
+        str(tiny_model_dir / "model"),
+        "--train",
+        str(tiny_model_dir / "train.jsonl"),
+        "--queries",
+        str(tiny_model_dir / "queries.jsonl"),
+        "--out",
+        str(out),
+        "--budgets",
+        "16,20,64",
+        "--methods",
+        "eogp,eogp-rot,eogp-fp16-same-k,eogp-fp16,logra-random,grass",
+        "--limit-queries",
+        "5",
+        "--quiet",
+        "--json",
+    ]
     result = CliRunner().invoke(eval_group, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
@@ -322,8 +361,9 @@ def test_cli_eval_fidelity_writes_json_markdown_and_pngs(tiny_model_dir, tmp_pat
     assert details["setup"]["index_vs_kronfluence_rel_err"] < 1e-3
     gap = details["fidelity"]["one_bit_gap"]
     assert [row["budget"] for row in gap] == [16, 20, 64]
-    assert all(row["ndcg@20"]["diff"] == pytest.approx(row["ndcg@20"]["variant"] - row["ndcg@20"]["base"])
-               for row in gap)
+    assert all(
+        row["ndcg@20"]["diff"] == pytest.approx(row["ndcg@20"]["variant"] - row["ndcg@20"]["base"]) for row in gap
+    )
     # A second run with the same inputs reuses the cached scores.
     result = CliRunner().invoke(eval_group, args[:-1], catch_exceptions=False)
     assert result.exit_code == 0 and "| EOGP |" in result.stdout
@@ -335,8 +375,10 @@ def test_cli_rejects_unknown_methods(tiny_model_dir, tmp_path):
 
     from eogp_index.evaluation.cli import eval_group
 
-    result = CliRunner().invoke(eval_group, ["fidelity", "--model", str(tiny_model_dir / "model"),
-                                             "--out", str(tmp_path), "--methods", "eogp,bogus"])
+    result = CliRunner().invoke(
+        eval_group,
+        ["fidelity", "--model", str(tiny_model_dir / "model"), "--out", str(tmp_path), "--methods", "eogp,bogus"],
+    )
     assert result.exit_code != 0 and "bogus" in result.output
 
 
@@ -354,13 +396,22 @@ def test_auto_stores_per_module_the_code_the_held_out_measurement_chose(tmp_path
     measurement on held-out fitting documents chooses; its scores are the sum of each module's
     chosen code, so they equal a fixed code's exactly where every module chose it."""
     train = _docs(make_examples(64, seed=4))  # 10 of 64 held out
-    scoreset = compute_scores(make_tiny_gpt2(), train, QUERIES, tmp_path, budgets=(32, 128),
-                              methods=("eogp", "eogp-rot", "auto"), batch_size=16)
+    scoreset = compute_scores(
+        make_tiny_gpt2(),
+        train,
+        QUERIES,
+        tmp_path,
+        budgets=(32, 128),
+        methods=("eogp", "eogp-rot", "auto"),
+        batch_size=16,
+    )
     assert len(scoreset.choices) == 2 * len(scoreset.modules)
     for budget in (32, 128):
         rows = [c for c in scoreset.choices if c["budget"] == budget]
-        assert all(c["held_out"] == 10 and c["code"] == ("eogp-rot" if c["proxy_diff"] > c["proxy_diff_se"]
-                                                            else "eogp") for c in rows)
+        assert all(
+            c["held_out"] == 10 and c["code"] == ("eogp-rot" if c["proxy_diff"] > c["proxy_diff_se"] else "eogp")
+            for c in rows
+        )
         auto = scoreset.scores[scoreset.config("auto", budget).id]
         codes = {c["code"] for c in rows}
         for code in ("eogp", "eogp-rot"):

@@ -46,8 +46,10 @@ def test_every_method_the_cli_offers_is_registered_once():
 def test_a_family_cannot_take_a_registered_name():
     before = registry.families()
     with pytest.raises(ConfigError, match="'eogp'.*already registered"):
+
         class Copy(registry.MethodFamily, family="copy-of-eogp", seed_index=99):
             variants = (registry.Variant("eogp", "Copy", "1bit", order=99, colour="black"),)
+
     assert registry.families() == before and registry.label("eogp") == "EOGP"
 
 
@@ -79,8 +81,21 @@ def test_cli_reports_a_tokenizer_without_eos_in_one_line(tmp_path):
     tok.save_pretrained(tmp_path / "model")
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    result = CliRunner().invoke(eval_group, ["fidelity", "--model", str(tmp_path / "model"), "--train", str(docs),
-                                             "--queries", str(docs), "--out", str(tmp_path / "eval"), "--quiet"])
+    result = CliRunner().invoke(
+        eval_group,
+        [
+            "fidelity",
+            "--model",
+            str(tmp_path / "model"),
+            "--train",
+            str(docs),
+            "--queries",
+            str(docs),
+            "--out",
+            str(tmp_path / "eval"),
+            "--quiet",
+        ],
+    )
     assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
     assert "Traceback" not in result.output
     assert "no eos token" in result.output and "eos_token" in result.output

@@ -197,8 +197,13 @@ def test_lds_sign_convention():
 def test_lds_random_is_near_zero_and_ci_contains_mean():
     rng = np.random.default_rng(7)
     n_queries, n_train, R = 50, 100, 100
-    res = lds(rng.normal(size=(n_queries, n_train)), _subsets(rng, R, n_train),
-              rng.normal(size=(R, n_queries)), n_bootstrap=300, seed=1)
+    res = lds(
+        rng.normal(size=(n_queries, n_train)),
+        _subsets(rng, R, n_train),
+        rng.normal(size=(R, n_queries)),
+        n_bootstrap=300,
+        seed=1,
+    )
     assert abs(res.mean) < 0.1
     assert res.ci_low <= res.mean <= res.ci_high
     assert res.ci_low < res.ci_high

@@ -26,10 +26,20 @@ def _records():
         for i, kb in enumerate((12, 24, 96)):
             size = kb * 1024
             recs.append({"method": method, "bytes_per_example": size, "metric": "ndcg@20", "value": base + 0.05 * i})
-            recs.append({"method": method, "bytes_per_example": size, "metric": "spearman", "value": base - 0.1 + 0.05 * i})
+            recs.append(
+                {"method": method, "bytes_per_example": size, "metric": "spearman", "value": base - 0.1 + 0.05 * i}
+            )
             v = base / 3 + 0.02 * i
-            recs.append({"method": method, "bytes_per_example": size, "metric": "lds", "value": v,
-                         "ci_low": v - 0.02, "ci_high": v + 0.03})
+            recs.append(
+                {
+                    "method": method,
+                    "bytes_per_example": size,
+                    "metric": "lds",
+                    "value": v,
+                    "ci_low": v - 0.02,
+                    "ci_high": v + 0.03,
+                }
+            )
     # A budget a method cannot reach.
     recs.append(ResultRecord("LoGra (PCA)", 1536 * 1024, "lds", float("nan")))
     return recs
@@ -42,8 +52,13 @@ def _assert_png(path):
 
 
 def test_plot_writes_valid_png(tmp_path):
-    out = plot_metric_vs_bytes(_records(), "lds", tmp_path / "sub" / "lds.png",
-                               reference_lines={"EK-FAC": 0.35, "TracIn": 0.1}, title="GPT-2 LDS")
+    out = plot_metric_vs_bytes(
+        _records(),
+        "lds",
+        tmp_path / "sub" / "lds.png",
+        reference_lines={"EK-FAC": 0.35, "TracIn": 0.1},
+        title="GPT-2 LDS",
+    )
     assert out.exists()
     _assert_png(out)
 

@@ -104,10 +104,9 @@ def test_document_losses_match_hf_loss_and_ignore_batching(tiny_model, docs):
     losses = tinylm.document_losses(tiny_model, docs, batch_size=16)
     assert losses.dtype == np.float64 and losses.shape == (len(docs),)
     with torch.no_grad():
-        ref = np.array([
-            float(tiny_model(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss) * (len(d) - 1)
-            for d in docs
-        ])
+        ref = np.array(
+            [float(tiny_model(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss) * (len(d) - 1) for d in docs]
+        )
     np.testing.assert_allclose(losses, ref, rtol=1e-5, atol=1e-5)
 
     # Other batch compositions and paddings: batch size 1 (no padding), reversed order.
@@ -160,13 +159,18 @@ def test_load_default_offline(no_network):
         assert len(ids) == 1 and tok.convert_ids_to_tokens(ids[0]) == special
 
     assert tok.chat_template == tinylm.CHAT_TEMPLATE
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello."}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+    ]
     text = tok.apply_chat_template(messages, tokenize=False)
     assert text == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello.<|endoftext|>\n"
     prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|user|>\nHi\n<|assistant|>\n")
-    assert tok.decode(tok("def f(x):\n    return x", add_special_tokens=False)["input_ids"]) == "def f(x):\n    return x"
+    assert (
+        tok.decode(tok("def f(x):\n    return x", add_special_tokens=False)["input_ids"]) == "def f(x):\n    return x"
+    )
     chat = tinylm.load_default_corpus("chat", root)[0]["messages"]
     rendered = tok.apply_chat_template(chat, tokenize=False)
     assert rendered.count("<|assistant|>\n") == sum(m["role"] == "assistant" for m in chat)

@@ -30,14 +30,18 @@ from eogp_index.gradients.loss import collate
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = make_examples(48, seed=3)
 # 16 curvature + 24 PCA examples out of 48: disjoint sets; 3 PCA batches of 8; 8 modules.
-SETTINGS = dict(projection=ProjectionConfig(k=8, m=48, num_fit_examples=24),
-                curvature=CurvatureConfig(num_examples=16, batch_size=8), gradients=GradientConfig(batch_size=8))
+SETTINGS = dict(
+    projection=ProjectionConfig(k=8, m=48, num_fit_examples=24),
+    curvature=CurvatureConfig(num_examples=16, batch_size=8),
+    gradients=GradientConfig(batch_size=8),
+)
 
 
 def create(path, **kwargs):
     options = {**SETTINGS, **kwargs}
-    return AttributionIndex.create(path, make_tiny_gpt2(), TinyTokenizer(), EXAMPLES, model_name="tiny",
-                                   progress=False, **options)
+    return AttributionIndex.create(
+        path, make_tiny_gpt2(), TinyTokenizer(), EXAMPLES, model_name="tiny", progress=False, **options
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +93,8 @@ def test_cli_samples_the_fitting_set_across_all_shards(tmp_path):
 
     for k in range(3):
         (tmp_path / f"part-{k}.jsonl").write_text(
-            "".join(json.dumps({"text": f"t{k + 1} t{j % 60 + 1} t5"}) + "\n" for j in range(20)))
+            "".join(json.dumps({"text": f"t{k + 1} t{j % 60 + 1} t5"}) + "\n" for j in range(20))
+        )
     examples, seen = sample_shards([str(tmp_path / "*.jsonl")], RecordSpec(), make_word_tokenizer(), 12, seed=1)
     assert seen == 60 and len(examples) == 12
     assert {e.shard for e in examples} == {"part-0.jsonl", "part-1.jsonl", "part-2.jsonl"}  # not the first 12
@@ -216,9 +221,13 @@ def test_fit_killed_mid_stage_resumes_to_the_same_projection(tmp_path, reference
     path = tmp_path / "index"
     script = tmp_path / "killed_fit.py"
     script.write_text(KILLED_FIT)
-    child = subprocess.Popen([sys.executable, str(script), str(path), stage, str(torch.get_num_threads())],
-                             cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(path), stage, str(torch.get_num_threads())],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output = []
     try:
         for line in child.stdout:  # blocks until the child has written one file of the stage
@@ -230,8 +239,10 @@ def test_fit_killed_mid_stage_resumes_to_the_same_projection(tmp_path, reference
         child.wait(timeout=120)
     assert child.returncode == -signal.SIGKILL, "".join(output)[-3000:]
     assert not (path / "manifest.json").exists()
-    folder_files = {"coords": list((path / FIT_DIR / "coords").glob("batch-*.safetensors")),
-                    "pca": list((path / FIT_DIR / "pca").glob("module-*.npy"))}
+    folder_files = {
+        "coords": list((path / FIT_DIR / "coords").glob("batch-*.safetensors")),
+        "pca": list((path / FIT_DIR / "pca").glob("module-*.npy")),
+    }
     assert len(folder_files[stage]) == 1  # killed with one of 3 batches / 8 modules written
 
     with caplog.at_level(logging.INFO, logger="eogp_index.fit"):
@@ -262,19 +273,61 @@ def test_two_process_fit_splits_the_work_and_equals_a_one_process_fit(tmp_path):
     make_tiny_gpt2().save_pretrained(model_dir)
     make_word_tokenizer().save_pretrained(model_dir)
     shard = tmp_path / "fit.jsonl"
-    shard.write_text("".join(json.dumps({"text": " ".join(f"t{(i * 7 + j) % 63 + 1}" for j in range(6 + i % 9))})
-                             + "\n" for i in range(48)))
-    args = ["fit", str(model_dir), "--fit-data", str(shard), "-k", "8", "--curvature-examples", "16",
-            "--pca-examples", "24", "--batch-size", "4", "--device", "cpu", "--json"]
+    shard.write_text(
+        "".join(
+            json.dumps({"text": " ".join(f"t{(i * 7 + j) % 63 + 1}" for j in range(6 + i % 9))}) + "\n"
+            for i in range(48)
+        )
+    )
+    args = [
+        "fit",
+        str(model_dir),
+        "--fit-data",
+        str(shard),
+        "-k",
+        "8",
+        "--curvature-examples",
+        "16",
+        "--pca-examples",
+        "24",
+        "--batch-size",
+        "4",
+        "--device",
+        "cpu",
+        "--json",
+    ]
     # torchrun gives each worker one thread; the reference gets one too, so that both run the
     # same float operations (the batches are computed identically whichever rank has them).
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "eogp_index.cli", *args, "--out", str(tmp_path / "two")],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "eogp_index.cli",
+            *args,
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert two.returncode == 0, two.stderr[-4000:]
-    one = subprocess.run([sys.executable, "-m", "eogp_index.cli", *args, "--out", str(tmp_path / "one")],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    one = subprocess.run(
+        [sys.executable, "-m", "eogp_index.cli", *args, "--out", str(tmp_path / "one")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert one.returncode == 0, one.stderr[-4000:]
     # The work was split: 6 batches and 8 modules, half each; curvature on rank 0 (CPU).
     for rank in (0, 1):

@@ -18,15 +18,30 @@ __import__("transformers").utils.logging.disable_progress_bar()
 FIT = ["--curvature-examples", "30", "--pca-examples", "30", "--max-tokens", "24"]
 #: Each fit: its options, and whether every module keeps all its coordinates (m_u = d_u: then the
 #: stored eigenbases are all of Q_S and Q_A, and the plan's figure for them is exact).
-FITS = {"full": (["-k", "16", "--m", "100000"], True), "narrow": (["-k", "8", "--m", "40", "--pca-dtype", "fp32"], False)}
+FITS = {
+    "full": (["-k", "16", "--m", "100000"], True),
+    "narrow": (["-k", "8", "--m", "40", "--pca-dtype", "fp32"], False),
+}
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = save_workspace(tmp_path_factory.mktemp("plan"), make_tiny_gpt2(), 30)
     for name, (options, _) in FITS.items():
-        result = CliRunner().invoke(cli, ["fit", str(root / "model"), "--data", str(root / "shard.jsonl"),
-                                          "--out", str(root / name), *options, *FIT, "--json"])
+        result = CliRunner().invoke(
+            cli,
+            [
+                "fit",
+                str(root / "model"),
+                "--data",
+                str(root / "shard.jsonl"),
+                "--out",
+                str(root / name),
+                *options,
+                *FIT,
+                "--json",
+            ],
+        )
         assert result.exit_code == 0, result.output
     return root
 
@@ -41,7 +56,7 @@ def _tensor_bytes(path):
     """{tensor name: bytes} of a safetensors file, and its header's size (8-byte length + JSON)."""
     raw = path.read_bytes()
     header_len = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + header_len])
+    header = json.loads(raw[8 : 8 + header_len])
     sizes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
     return sizes, 8 + header_len
 
@@ -52,8 +67,9 @@ def test_plan_figures_are_what_fit_writes(workspace, fit):
     plan = _plan(workspace, options)
     index = workspace / fit
     manifest = json.loads((index / "manifest.json").read_text())
-    assert [(r["name"], r["d_out"], r["d_in"], r["m"], r["k"]) for r in plan["modules"]] == \
-        [(m["name"], m["d_out"], m["d_in"], m["m"], m["k"]) for m in manifest["modules"]]
+    assert [(r["name"], r["d_out"], r["d_in"], r["m"], r["k"]) for r in plan["modules"]] == [
+        (m["name"], m["d_out"], m["d_in"], m["m"], m["k"]) for m in manifest["modules"]
+    ]
     assert all(r["d"] == r["d_out"] * r["d_in"] for r in plan["modules"])
     assert plan["per_example"]["bytes"] == manifest["bytes_per_example"]
     assert plan["store"]["codes_bytes"] == 1000 * manifest["bytes_per_example"]
@@ -74,10 +90,18 @@ def test_plan_figures_are_what_fit_writes(workspace, fit):
     assert header < 16 * 1024  # "plus a safetensors header of a few KB"
 
     factors = index / "curvature" / "eogp" / "factors_ekfac"
-    kept = ("activation_covariance", "gradient_covariance", "activation_eigenvectors", "gradient_eigenvectors",
-            "activation_eigenvalues", "gradient_eigenvalues", "lambda_matrix")
+    kept = (
+        "activation_covariance",
+        "gradient_covariance",
+        "activation_eigenvectors",
+        "gradient_eigenvectors",
+        "activation_eigenvalues",
+        "gradient_eigenvalues",
+        "lambda_matrix",
+    )
     assert plan["shared"]["curvature_factor_bytes"] == sum(
-        sum(_tensor_bytes(factors / f"{name}.safetensors")[0].values()) for name in kept)
+        sum(_tensor_bytes(factors / f"{name}.safetensors")[0].values()) for name in kept
+    )
     # The fit cache (deleted once the fit finishes): n x Σ m_u float16 coordinates, and each
     # module's P at the dtype the projection file stores it in.
     assert plan["fit_cache"]["coordinate_bytes"] == 2 * 30 * sum(m["m"] for m in manifest["modules"])
@@ -97,12 +121,12 @@ def test_default_first_stage_width_is_independent_of_k():
     """m_u = min(d_u, max(k_u, DEFAULT_M)): the same width at every k up to DEFAULT_M, capped at
     d_u; --m overrides it, and an m below k is refused."""
     for k in (1, 8, DEFAULT_M // 2, DEFAULT_M):
-        assert ProjectionConfig(k=k).dims(10 ** 9, 4, "1bit") == (DEFAULT_M, k)
-    assert ProjectionConfig(k=2 * DEFAULT_M).dims(10 ** 9, 4, "1bit") == (2 * DEFAULT_M, 2 * DEFAULT_M)
+        assert ProjectionConfig(k=k).dims(10**9, 4, "1bit") == (DEFAULT_M, k)
+    assert ProjectionConfig(k=2 * DEFAULT_M).dims(10**9, 4, "1bit") == (2 * DEFAULT_M, 2 * DEFAULT_M)
     assert ProjectionConfig(k=8).dims(100, 4, "1bit") == (100, 8)
-    assert ProjectionConfig(k=8, m=40).dims(10 ** 9, 4, "1bit") == (40, 8)
+    assert ProjectionConfig(k=8, m=40).dims(10**9, 4, "1bit") == (40, 8)
     with pytest.raises(ConfigError, match="smaller than k"):
-        ProjectionConfig(k=64, m=40).dims(10 ** 9, 4, "1bit")
+        ProjectionConfig(k=64, m=40).dims(10**9, 4, "1bit")
 
 
 def test_plan_text_and_a_config_file(workspace, tmp_path):
@@ -136,9 +160,16 @@ def test_verify_hashes_model_and_projection_in_full(workspace, tmp_path):
 
 
 #: OLMo-2-1B's shape (allenai/OLMo-2-0425-1B's config, written out: nothing is downloaded).
-OLMO2_1B = {"model_type": "olmo2", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-            "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 100352,
-            "max_position_embeddings": 4096}
+OLMO2_1B = {
+    "model_type": "olmo2",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "vocab_size": 100352,
+    "max_position_embeddings": 4096,
+}
 
 
 def test_block_ingest_reads_a_thousandth_of_p_per_document_at_olmo2_1b(tmp_path):
@@ -146,8 +177,9 @@ def test_block_ingest_reads_a_thousandth_of_p_per_document_at_olmo2_1b(tmp_path)
     that is 15 GB per document; per block of documents at most 1/1,000 of P, for a block cache of
     Σ m_u x 2 B (about 59 MB) per document."""
     (tmp_path / "config.json").write_text(json.dumps(OLMO2_1B))
-    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "config.json"), "-k", "2048", "--m", "262144",
-                                      "--max-tokens", "512", "--json"])
+    result = CliRunner().invoke(
+        cli, ["plan", str(tmp_path / "config.json"), "-k", "2048", "--m", "262144", "--max-tokens", "512", "--json"]
+    )
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
     reads, rows = plan["p_reads"], plan["modules"]
@@ -161,9 +193,26 @@ def test_block_ingest_reads_a_thousandth_of_p_per_document_at_olmo2_1b(tmp_path)
     assert 58e6 < reads["cache_bytes_per_document"] < 60e6
     assert reads["cache_bytes"] == reads["block_documents"] * reads["cache_bytes_per_document"]
     # A smaller block: less cache disk, more P read per document.
-    small = json.loads(CliRunner().invoke(cli, ["plan", str(tmp_path / "config.json"), "-k", "2048", "--m", "262144",
-                                                "--max-tokens", "512", "--block-documents", "1000",
-                                                "--json"]).stdout)["p_reads"]
+    small = json.loads(
+        CliRunner()
+        .invoke(
+            cli,
+            [
+                "plan",
+                str(tmp_path / "config.json"),
+                "-k",
+                "2048",
+                "--m",
+                "262144",
+                "--max-tokens",
+                "512",
+                "--block-documents",
+                "1000",
+                "--json",
+            ],
+        )
+        .stdout
+    )["p_reads"]
     assert small["block_documents"] == 1000 and small["per_document"]["block"] == p_total / 1000
     assert small["cache_bytes"] < reads["cache_bytes"]
     text = CliRunner().invoke(cli, ["plan", str(tmp_path / "config.json"), "-k", "2048", "--m", "262144"]).output
@@ -175,7 +224,7 @@ def test_default_block_is_sized_by_free_disk_and_memory_in_whole_batches():
     from eogp_index.fit.blocks import DISK_SHARE, MEMORY_SHARE, default_block_documents
 
     ms, ks = [1000, 3000], [10, 30]  # 8,000 B of FP16 cache per document; 6,000 + 160 B of memory
-    plenty = 10 ** 15
+    plenty = 10**15
     assert default_block_documents(ms, ks, 2, 8, free_disk=plenty, free_memory=plenty) == MAX_BLOCK_DOCUMENTS // 8 * 8
     by_disk = default_block_documents(ms, ks, 2, 8, free_disk=int(800_000 / DISK_SHARE), free_memory=plenty)
     assert by_disk == 96  # 100 documents' cache, rounded down to whole batches of 8
@@ -190,9 +239,17 @@ def _olmo2(hidden, intermediate, layers, heads, kv_heads):
 
     from eogp_index.fit.plan import shape_of_config
 
-    config = AutoConfig.for_model("olmo2", hidden_size=hidden, intermediate_size=intermediate,
-                                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                  vocab_size=100352, max_position_embeddings=4096, dtype="bfloat16")
+    config = AutoConfig.for_model(
+        "olmo2",
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=100352,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    )
     return shape_of_config(config, name=f"olmo2-{layers}x{hidden}")
 
 
@@ -208,7 +265,7 @@ def olmo2_1b():
 
 
 def test_olmo2_1b_in_bf16_fits_an_80_gb_h100(olmo2_1b):
-    plan = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=80 * 10 ** 9, **PAPER)
+    plan = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=80 * 10**9, **PAPER)
     assert plan["model"]["dtype"] == "bfloat16"  # auto: the checkpoint's
     assert plan["model"]["weights_bytes"] == 2 * olmo2_1b.num_parameters
     assert plan["fits"] and all(plan["memory"][key]["fits"] for key in PHASES), format_plan(plan)
@@ -217,28 +274,36 @@ def test_olmo2_1b_in_bf16_fits_an_80_gb_h100(olmo2_1b):
     # Before a fit the kept eigenvector columns are a bound, and the plan says so.
     assert plan["memory"]["ingest"]["bound"] and "<=" in format_plan(plan)
     # In float32 the weights and every activation double.
-    wide = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=80 * 10 ** 9, dtype="float32", **PAPER)
+    wide = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=80 * 10**9, dtype="float32", **PAPER)
     assert wide["model"]["weights_bytes"] == 2 * plan["model"]["weights_bytes"]
     assert wide["memory"]["fit_first_stage"]["bytes"] > plan["memory"]["fit_first_stage"]["bytes"]
 
 
 def test_a_phase_that_does_not_fit_is_named_with_the_option_that_fits_it(olmo2_1b):
     """The issue's first try: float32, 8 documents at the full 4,096-token context, on 48 GB."""
-    plan = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10 ** 9, dtype="float32", batch_tokens=8 * 4096,
-                     documents=10_000)
+    plan = make_plan(
+        olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10**9, dtype="float32", batch_tokens=8 * 4096, documents=10_000
+    )
     assert plan["fits"] is False
     entry = plan["memory"]["fit_first_stage"]
     assert entry["fits"] is False and "--batch-tokens 4096" in entry["fix"]
     assert "DOES NOT FIT" in format_plan(plan) and "to fit: --batch-tokens 4096" in format_plan(plan)
     # Re-planned with that option, the phase fits.
-    fixed = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10 ** 9, dtype="float32", batch_tokens=4096,
-                      documents=10_000)
+    fixed = make_plan(
+        olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10**9, dtype="float32", batch_tokens=4096, documents=10_000
+    )
     assert fixed["memory"]["fit_first_stage"]["fits"]
     # Without --batch-tokens the plan picks the largest batch that fits.
-    chosen = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10 ** 9, dtype="float32", documents=10_000)
+    chosen = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10**9, dtype="float32", documents=10_000)
     assert chosen["batch"]["from"] == "the memory budget" and chosen["memory"]["fit_first_stage"]["fits"]
-    bigger = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10 ** 9, dtype="float32", documents=10_000,
-                       batch_tokens=(chosen["batch"]["documents"] + 1) * 4096)
+    bigger = make_plan(
+        olmo2_1b,
+        PAPER_PROJECTION,
+        memory_budget=48 * 10**9,
+        dtype="float32",
+        documents=10_000,
+        batch_tokens=(chosen["batch"]["documents"] + 1) * 4096,
+    )
     assert not all(bigger["memory"][key]["fits"] for key in ("fit_first_stage", "ingest", "query"))
 
 
@@ -250,17 +315,19 @@ def test_olmo2_32b_in_bf16_fits_a_192_gb_b200_under_a_stated_assumption():
     given to the plan as exact figures the way `eogp plan INDEX` gives a fitted index's; and
     100,000 documents in the store (the hot copy the queries scan is in the budget)."""
     shape = _olmo2(5120, 27648, 64, 40, 8)
-    bounded = make_plan(shape, PAPER_PROJECTION, memory_budget=192 * 10 ** 9, max_tokens=512, documents=100_000)
+    bounded = make_plan(shape, PAPER_PROJECTION, memory_budget=192 * 10**9, max_tokens=512, documents=100_000)
     assert bounded["memory"]["ingest"]["bound"] and not bounded["shared"]["eigenbasis_exact"]
-    every = sum(m.d_out ** 2 + m.d_in ** 2 for m in shape.modules)
+    every = sum(m.d_out**2 + m.d_in**2 for m in shape.modules)
     assert bounded["shared"]["eigenbasis_dtype"] == "float16" and bounded["shared"]["eigenbasis_bytes_max"] == 2 * every
     assert not bounded["fits"]  # by the bound alone it does not fit: the assumption below is needed
-    wide = make_plan(shape, PAPER_PROJECTION, memory_budget=192 * 10 ** 9, max_tokens=512, documents=100_000,
-                     dtype="float32")
+    wide = make_plan(
+        shape, PAPER_PROJECTION, memory_budget=192 * 10**9, max_tokens=512, documents=100_000, dtype="float32"
+    )
     assert wide["shared"]["eigenbasis_bytes_max"] == 4 * every
     assumed = {m.name: 2 * (m.d_out * (m.d_out // 4) + m.d_in * (m.d_in // 4)) for m in shape.modules}
-    plan = make_plan(shape, PAPER_PROJECTION, memory_budget=192 * 10 ** 9, max_tokens=512, documents=100_000,
-                     eigenbasis_bytes=assumed)
+    plan = make_plan(
+        shape, PAPER_PROJECTION, memory_budget=192 * 10**9, max_tokens=512, documents=100_000, eigenbasis_bytes=assumed
+    )
     assert plan["fits"] and all(plan["memory"][key]["fits"] for key in PHASES), format_plan(plan)
     assert plan["curvature"]["module_partitions"] > 1  # kronfluence's factors do not fit at once
     assert plan["shared"]["pca_bytes"] == 448 * 262144 * 2048 * 2  # the paper's 481 GB of P

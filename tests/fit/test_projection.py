@@ -28,14 +28,24 @@ def _orthonormal(n, gen):
 def _curvature(d_out=6, d_in=5, seed=0):
     gen = torch.Generator().manual_seed(seed)
     eig = torch.rand(d_out, d_in, generator=gen, dtype=torch.float64) ** 3
-    return ModuleCurvature(activation_eigenvectors=_orthonormal(d_in, gen).float(),
-                           gradient_eigenvectors=_orthonormal(d_out, gen).float(), eigenvalues=eig.float())
+    return ModuleCurvature(
+        activation_eigenvectors=_orthonormal(d_in, gen).float(),
+        gradient_eigenvectors=_orthonormal(d_out, gen).float(),
+        eigenvalues=eig.float(),
+    )
 
 
-@pytest.mark.parametrize("d_out,d_in,m,route", [
-    (6, 5, 11, None), (6, 5, 11, "factors"), (6, 5, 11, "rotate_after_g"), (6, 5, 11, "rotate_after_a"),
-    (48, 40, 5, None),
-], ids=["matmul-path", "factors", "rotate-after-g", "rotate-after-a", "gather-path"])
+@pytest.mark.parametrize(
+    "d_out,d_in,m,route",
+    [
+        (6, 5, 11, None),
+        (6, 5, 11, "factors"),
+        (6, 5, 11, "rotate_after_g"),
+        (6, 5, 11, "rotate_after_a"),
+        (48, 40, 5, None),
+    ],
+    ids=["matmul-path", "factors", "rotate-after-g", "rotate-after-a", "gather-path"],
+)
 def test_first_stage_equals_dense_eigenbasis_selection(d_out, d_in, m, route):
     curv = _curvature(d_out, d_in)
     proj = first_stage_from_curvature(curv, m, damping_ratio=0.1)
@@ -77,9 +87,14 @@ def test_damping_equals_kronfluence_heuristic():
     gen = torch.Generator().manual_seed(3)
     lambda_sum = torch.rand(6, 5, generator=gen) * 40  # kronfluence stores a sum over examples
     count = torch.tensor(8.0)
-    storage = {"activation_eigenvectors": torch.eye(5), "gradient_eigenvectors": torch.eye(6),
-               "activation_eigenvalues": None, "gradient_eigenvalues": None,
-               "lambda_matrix": lambda_sum.clone(), "num_lambda_processed": count}
+    storage = {
+        "activation_eigenvectors": torch.eye(5),
+        "gradient_eigenvectors": torch.eye(6),
+        "activation_eigenvalues": None,
+        "gradient_eigenvalues": None,
+        "lambda_matrix": lambda_sum.clone(),
+        "num_lambda_processed": count,
+    }
     FactorConfig.CONFIGS["ekfac"].prepare(storage, ScoreArguments(damping_factor=None), torch.device("cpu"))
     kron_damping = (1.0 / storage["lambda_matrix"].double() - lambda_sum.double() / 8.0).mean()
     ours = ModuleCurvature(torch.eye(5), torch.eye(6), (lambda_sum / count)).damping(0.1)

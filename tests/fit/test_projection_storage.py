@@ -42,14 +42,21 @@ QUERIES = make_examples(4, seed=2, prefix="q", masked_prompt=True)
 DATA = Path(__file__).resolve().parents[1] / "fixtures"
 #: FP16 unit roundoff: round-to-nearest moves a normal number by at most 2^-11 of itself, and
 #: a subnormal (|x| < 2^-14) by at most half its spacing, 2^-25.
-U16, SUBNORMAL_ERR = 2.0 ** -11, 2.0 ** -25
+U16, SUBNORMAL_ERR = 2.0**-11, 2.0**-25
 
 
 def _create(path, pca_dtype="fp16"):
     return AttributionIndex.create(
-        path, make_tiny_gpt2(), TinyTokenizer(), TRAIN, model_name="tiny", progress=False,
+        path,
+        make_tiny_gpt2(),
+        TinyTokenizer(),
+        TRAIN,
+        model_name="tiny",
+        progress=False,
         projection=ProjectionConfig(variant="eogp", k=12, m=40, pca_dtype=pca_dtype),
-        curvature=CurvatureConfig(num_examples=24, batch_size=4), gradients=GradientConfig(batch_size=5))
+        curvature=CurvatureConfig(num_examples=24, batch_size=4),
+        gradients=GradientConfig(batch_size=5),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +67,9 @@ def indexes(tmp_path_factory):
 
 
 def _open(path, **gradients):
-    return AttributionIndex.open(path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(),
-                                 gradients=GradientConfig(batch_size=5, **gradients))
+    return AttributionIndex.open(
+        path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=5, **gradients)
+    )
 
 
 def _first_stage(index):
@@ -109,8 +117,8 @@ def test_fp16_coordinates_equal_fp32_within_the_rounding_of_p(indexes):
         assert torch.equal(p16, p32.half())  # the same fit, rounded once
         assert torch.equal(z16[name], z32[name])  # the first stage does not involve P
         z = z32[name].double().abs()
-        bound = (U16 + module.m * 2.0 ** -23) * (z @ p32.double().abs()) + SUBNORMAL_ERR * z.sum(1, keepdim=True)
-        diff = np.abs(y16[:, offset:offset + module.k] - y32[:, offset:offset + module.k])
+        bound = (U16 + module.m * 2.0**-23) * (z @ p32.double().abs()) + SUBNORMAL_ERR * z.sum(1, keepdim=True)
+        diff = np.abs(y16[:, offset : offset + module.k] - y32[:, offset : offset + module.k])
         assert (diff <= bound.numpy()).all(), name
         assert diff.max() > 0  # FP16 did round something: the bound is exercised, not vacuous
         offset += module.k
@@ -124,7 +132,7 @@ def test_lazy_and_in_turn_modes_give_identical_coordinates(indexes):
     y_eager = eager.project(TRAIN)
     assert len(lazy._kept) == len(eager.manifest.modules)  # each P read once and kept
     in_turn = _open(indexes["fp16"], projection_memory_gb=1e-9)  # below one module's P
-    assert in_turn.projection.in_turn and in_turn.projection.pca_bytes > 1e-9 * 2 ** 30
+    assert in_turn.projection.in_turn and in_turn.projection.pca_bytes > 1e-9 * 2**30
     reads = []
     in_turn.projection._lazy._handle = _Counting(in_turn.projection._lazy._handle, reads)
     y_turn = in_turn.project(TRAIN)  # 24 examples in 5 batches
@@ -151,6 +159,7 @@ class _Counting:
 
 def _curvature_pair():
     """The recipe of tests/fixtures/make_projection_v1.py (same seeds): two modules' factors and P."""
+
     def orth(n, gen):
         q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
         return q.float()
@@ -159,8 +168,9 @@ def _curvature_pair():
     curv = {}
     for name, (d_out, d_in) in {"a": (6, 5), "b": (4, 3)}.items():
         eig = (torch.rand(d_out, d_in, generator=gen, dtype=torch.float64) ** 3).float()
-        curv[name] = ModuleCurvature(activation_eigenvectors=orth(d_in, gen), gradient_eigenvectors=orth(d_out, gen),
-                                     eigenvalues=eig)
+        curv[name] = ModuleCurvature(
+            activation_eigenvectors=orth(d_in, gen), gradient_eigenvectors=orth(d_out, gen), eigenvalues=eig
+        )
     proj = build_projection(curv, ProjectionConfig(variant="eogp", k=4, m=10, pca_dtype="fp32"), StorageConfig())
     for p in proj.modules.values():
         p.pca = fit_pca(torch.randn(20, p.m, generator=gen), p.k)
@@ -210,9 +220,18 @@ def test_an_index_written_before_fp16_and_fingerprints_opens_and_projects_the_sa
     tensors = {k: (v.float() if k.endswith("/pca") else v) for k, v in _load_all(path).items()}
     config = json.loads(meta["config"])
     del config["pca_dtype"]
-    save_file(tensors, str(path), metadata={"format": "eogp-projection", "format_version": "1",
-                                            "variant": meta["variant"], "damping_ratio": meta["damping_ratio"],
-                                            "config": json.dumps(config), "modules": meta["modules"]})
+    save_file(
+        tensors,
+        str(path),
+        metadata={
+            "format": "eogp-projection",
+            "format_version": "1",
+            "variant": meta["variant"],
+            "damping_ratio": meta["damping_ratio"],
+            "config": json.dumps(config),
+            "modules": meta["modules"],
+        },
+    )
     manifest = json.loads((old / MANIFEST_FILE).read_text())
     for key in ("pca_dtype", "fingerprint"):
         del manifest["projection"][key]
@@ -254,6 +273,7 @@ def test_open_checks_fingerprints_and_verify_hashes_everything(indexes, tmp_path
     weight = make_tiny_gpt2().transformer.h[1].mlp.c_fc.weight  # Conv1D (16, 32): 512 floats
     sampled = {i for s, e in model_module.fingerprint_ranges(weight.numel(), 4) for i in range(s, e)}
     missed = next(i for i in range(weight.numel()) if i not in sampled)
+
     def subtle():
         model = make_tiny_gpt2()
         with torch.no_grad():
@@ -264,8 +284,11 @@ def test_open_checks_fingerprints_and_verify_hashes_everything(indexes, tmp_path
     assert model_sha256(subtle()) != manifest["model"]["weights_sha256"]
     AttributionIndex.open(copy, model=subtle(), tokenizer=TinyTokenizer())  # not caught by the sample
     report = verify_index(copy, model=subtle())  # a model as loaded (open swaps GPT-2's Conv1D in place)
-    assert not report["ok"] and not report["model"]["ok"] and report["model"]["fingerprint"] == \
-        report["model"]["expected_fingerprint"]
+    assert (
+        not report["ok"]
+        and not report["model"]["ok"]
+        and report["model"]["fingerprint"] == report["model"]["expected_fingerprint"]
+    )
 
 
 def test_a_changed_projection_file_is_refused(indexes, tmp_path, monkeypatch):
@@ -293,7 +316,7 @@ def test_a_changed_projection_file_is_refused(indexes, tmp_path, monkeypatch):
     _open(copy)  # unchanged: accepted
     raw = (copy / PROJECTION_FILE).read_bytes()
     header_len = int.from_bytes(raw[:8], "little")
-    entry = json.loads(raw[8:8 + header_len])[f"{manifest['modules'][0]['name']}/pca"]
+    entry = json.loads(raw[8 : 8 + header_len])[f"{manifest['modules'][0]['name']}/pca"]
     begin, end = (8 + header_len + x for x in entry["data_offsets"])
     for offset, caught in ((end - 1, True), ((begin + end) // 2, False)):
         data = bytearray(raw)
@@ -310,8 +333,12 @@ def test_a_changed_projection_file_is_refused(indexes, tmp_path, monkeypatch):
 def test_opened_and_created_indexes_never_train_the_model(indexes, tmp_path):
     model = make_tiny_gpt2()
     assert all(p.requires_grad for p in model.parameters())
-    index = AttributionIndex.open(shutil.copytree(indexes["fp16"], tmp_path / "i"), model=model,
-                                  tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=5))
+    index = AttributionIndex.open(
+        shutil.copytree(indexes["fp16"], tmp_path / "i"),
+        model=model,
+        tokenizer=TinyTokenizer(),
+        gradients=GradientConfig(batch_size=5),
+    )
     index.ingest(TRAIN[:6], progress=False, store_text=1 << 16)
     index.top_influential({"input_ids": list(QUERIES[0].input_ids)}, k=3)
     index.explain({"input_ids": list(QUERIES[0].input_ids)}, TRAIN[0].id)
@@ -349,10 +376,15 @@ def test_safetensors_are_written_one_tensor_at_a_time_and_read_back_exactly(tmp_
     tensors aligned to their element size), whose returned SHA-256 is the file's; a tensor is
     cast to its entry's dtype as it is written."""
     gen = torch.Generator().manual_seed(0)
-    tensors = {"a/f32": torch.randn(3, 5, generator=gen), "b/i64": torch.arange(7),
-               "c/f16": torch.randn(5, 3, generator=gen).half(), "d/odd": torch.randn(3, generator=gen).half(),
-               "e/f64": torch.randn(2, 2, generator=gen, dtype=torch.float64),
-               "g/bf16": torch.randn(3, 3, generator=gen).bfloat16(), "h/bool": torch.tensor([True, False, True])}
+    tensors = {
+        "a/f32": torch.randn(3, 5, generator=gen),
+        "b/i64": torch.arange(7),
+        "c/f16": torch.randn(5, 3, generator=gen).half(),
+        "d/odd": torch.randn(3, generator=gen).half(),
+        "e/f64": torch.randn(2, 2, generator=gen, dtype=torch.float64),
+        "g/bf16": torch.randn(3, 3, generator=gen).bfloat16(),
+        "h/bool": torch.tensor([True, False, True]),
+    }
     entries = [files_module.TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: t) for name, t in tensors.items()]
     entries.append(files_module.TensorEntry("f/cast", torch.float16, (4, 2), lambda: torch.ones(4, 2)))
     path = tmp_path / "t.safetensors"
@@ -366,7 +398,7 @@ def test_safetensors_are_written_one_tensor_at_a_time_and_read_back_exactly(tmp_
     raw = path.read_bytes()
     header_len = int.from_bytes(raw[:8], "little")
     assert header_len % 8 == 0
-    header = json.loads(raw[8:8 + header_len])
+    header = json.loads(raw[8 : 8 + header_len])
     itemsize = {"F64": 8, "I64": 8, "F32": 4, "F16": 2, "BF16": 2, "BOOL": 1}
     for name, entry in header.items():
         if name != "__metadata__":

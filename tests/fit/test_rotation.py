@@ -68,7 +68,7 @@ def test_rotation_follows_the_spec():
     expected = torch.eye(k, dtype=torch.float64)
     for (s1, s2), perm in zip(signs, perms):
         first, last = torch.eye(k, dtype=torch.float64), torch.eye(k, dtype=torch.float64)
-        first[:p, :p], last[k - p:, k - p:] = h, h
+        first[:p, :p], last[k - p :, k - p :] = h, h
         expected = expected @ torch.diag(s1) @ first @ torch.diag(s2) @ last
         expected = expected[:, perm]
     torch.testing.assert_close(rotation.matrix(), expected, rtol=0, atol=1e-14)
@@ -86,8 +86,9 @@ def test_rotate_directions_in_blocks_equals_one_product():
     assert rotated.dtype == torch.float32
     torch.testing.assert_close(rotated.double(), pca.double() @ rotation.matrix(), rtol=0, atol=1e-6)
     # Orthonormal columns stay orthonormal.
-    torch.testing.assert_close(rotated.double().T @ rotated.double(), torch.eye(40, dtype=torch.float64),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        rotated.double().T @ rotated.double(), torch.eye(40, dtype=torch.float64), rtol=0, atol=1e-5
+    )
 
 
 def test_variant_tables():
@@ -102,10 +103,16 @@ def test_variant_tables():
 
 def _create(path, variant, pca_dtype="fp16"):
     index = AttributionIndex.create(
-        path, make_tiny_gpt2(), TinyTokenizer(), TRAIN, model_name="tiny",
+        path,
+        make_tiny_gpt2(),
+        TinyTokenizer(),
+        TRAIN,
+        model_name="tiny",
         projection=ProjectionConfig(variant=variant, k=K, m=M, num_fit_examples=48, pca_dtype=pca_dtype),
-        curvature=CurvatureConfig(num_examples=48, batch_size=8), gradients=GradientConfig(batch_size=8),
-        progress=False)
+        curvature=CurvatureConfig(num_examples=48, batch_size=8),
+        gradients=GradientConfig(batch_size=8),
+        progress=False,
+    )
     index.ingest(TRAIN, progress=False)
     return index
 
@@ -137,8 +144,7 @@ def test_the_fit_folds_the_rotation_into_p(indexes):
     for off, (name, module) in zip(rotated.layout.coord_offsets, p_rot.modules.items()):
         r = HadamardRotation.draw(module.k, torch.Generator().manual_seed(rotation_seed(0, name))).matrix().numpy()
         block = slice(off, off + module.k)
-        np.testing.assert_allclose(x_rot[:, block], x_plain[:, block] @ r, rtol=0,
-                                   atol=1e-4 * np.abs(x_plain).max())
+        np.testing.assert_allclose(x_rot[:, block], x_plain[:, block] @ r, rtol=0, atol=1e-4 * np.abs(x_plain).max())
 
 
 def test_manifest_records_the_variant_and_rotation(indexes):
@@ -157,11 +163,13 @@ def test_scan_of_rotated_codes_equals_a_dense_float64_reference(indexes):
     y = index.query_coordinates(_queries()).astype(np.float64)
     table = index.store.read(["id", "signs", "scales"])
     layout = index.layout
-    signs = unpack_signs(list_column_to_numpy(table.column("signs"), layout.nbytes, np.uint8), layout).astype(np.float64)
+    signs = unpack_signs(list_column_to_numpy(table.column("signs"), layout.nbytes, np.uint8), layout).astype(
+        np.float64
+    )
     scales = list_column_to_numpy(table.column("scales"), layout.num_modules, np.float16).astype(np.float64)
     dense = np.zeros((len(y), table.num_rows))
     for u, (off, k) in enumerate(zip(layout.coord_offsets, layout.k)):
-        dense += (y[:, off:off + k] @ signs[:, off:off + k].T) * scales[:, u]
+        dense += (y[:, off : off + k] @ signs[:, off : off + k].T) * scales[:, u]
     # The stored signs are those of the rotated coordinates.
     x = index.project(TRAIN)
     by_id = {ex.id: i for i, ex in enumerate(TRAIN)}
@@ -178,8 +186,9 @@ def test_scan_of_rotated_codes_equals_a_dense_float64_reference(indexes):
             hits = index.top_influential(_queries()[q], k=5, direction=direction)
             expected = np.lexsort((np.arange(table.num_rows), -sign * dense[q]))[:5]
             assert hits.column("id").to_pylist() == [table.column("id")[i].as_py() for i in expected]
-            np.testing.assert_allclose(hits.column("score").to_numpy(), dense[q][expected], rtol=1e-5,
-                                       atol=1e-6 * np.abs(dense).max())
+            np.testing.assert_allclose(
+                hits.column("score").to_numpy(), dense[q][expected], rtol=1e-5, atol=1e-6 * np.abs(dense).max()
+            )
 
 
 def test_faiss_candidates_over_rotated_codes_equal_the_exact_scan(indexes, tmp_path):
@@ -189,8 +198,9 @@ def test_faiss_candidates_over_rotated_codes_equal_the_exact_scan(indexes, tmp_p
     _, index = indexes
     path = tmp_path / "rot"
     shutil.copytree(index.path, path)
-    copy = AttributionIndex.open(path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(),
-                                 gradients=GradientConfig(batch_size=8))
+    copy = AttributionIndex.open(
+        path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
+    )
     build(copy, "flat", FlatConfig(replicas=4), progress=False)
     n = copy.store.count()
     for direction in ("positive", "negative", "both"):
@@ -211,15 +221,19 @@ def test_an_index_written_before_the_rotation_field_opens_and_answers(indexes, t
     manifest_path.write_text(json.dumps(data, indent=2) + "\n")
     validate(data, source=manifest_path)
     assert Manifest.load(path).rotation == {"kind": "none"}
-    old = AttributionIndex.open(path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(),
-                                gradients=GradientConfig(batch_size=8))
+    old = AttributionIndex.open(
+        path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
+    )
     ids_old, scores_old = old.scores(_queries())
     ids_now, scores_now = plain.scores(_queries())
     assert ids_old == ids_now
     np.testing.assert_array_equal(scores_old, scores_now)
     hits = old.top_influential(_queries()[1], k=4, direction="both")
-    assert hits.num_rows == 8 and hits.column("id").to_pylist() == \
-        plain.top_influential(_queries()[1], k=4, direction="both").column("id").to_pylist()
+    assert (
+        hits.num_rows == 8
+        and hits.column("id").to_pylist()
+        == plain.top_influential(_queries()[1], k=4, direction="both").column("id").to_pylist()
+    )
     # It still takes ingests.
     assert old.ingest(make_examples(4, seed=23, prefix="late"), progress=False) == 4
 

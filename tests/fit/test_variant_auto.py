@@ -57,7 +57,7 @@ def test_one_bit_documents_are_what_the_codec_stores():
 
 def test_off_diagonal_drops_each_pseudo_querys_own_column():
     scores = torch.arange(16.0).view(4, 4)
-    expected = torch.stack([torch.cat([row[:i], row[i + 1:]]) for i, row in enumerate(scores)])
+    expected = torch.stack([torch.cat([row[:i], row[i + 1 :]]) for i, row in enumerate(scores)])
     assert torch.equal(_off_diagonal(scores), expected)
 
 
@@ -130,9 +130,16 @@ K = 8
 
 def _fit(path, variant):
     return AttributionIndex.create(
-        path, make_tiny_gpt2(), TinyTokenizer(), EXAMPLES, model_name="tiny", progress=False,
+        path,
+        make_tiny_gpt2(),
+        TinyTokenizer(),
+        EXAMPLES,
+        model_name="tiny",
+        progress=False,
         projection=ProjectionConfig(variant=variant, k=K, m=48, num_fit_examples=64, held_out_fraction=0.25),
-        curvature=CurvatureConfig(num_examples=32, batch_size=16), gradients=GradientConfig(batch_size=16))
+        curvature=CurvatureConfig(num_examples=32, batch_size=16),
+        gradients=GradientConfig(batch_size=16),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +165,7 @@ def test_auto_stores_each_modules_p_from_the_forced_fit_it_chose(fits):
             # 15 candidates per pseudo-query, fewer than 20: NDCG@20 is 1 by definition; Spearman measures
             measured = entry[code_]
             assert measured["ndcg@20"] == 1.0 and -1 < measured["spearman"] < 1 and measured["spearman_se"] > 0
+
     # The same measurement is made (and recorded) whatever the variant; only auto acts on it.
     def without_time(entries):
         return {name: {key: v for key, v in entry.items() if key != "seconds"} for name, entry in entries.items()}
@@ -183,16 +191,27 @@ def test_the_held_out_split_is_recorded_and_printed(fits, capsys):
 
 def test_auto_without_enough_held_out_documents_stores_eogp(tmp_path):
     """Too few PCA documents to hold any out (6 of 40 < 8): auto is EOGP, bit for bit."""
-    settings = dict(model_name="tiny", progress=False, curvature=CurvatureConfig(num_examples=16, batch_size=16),
-                    gradients=GradientConfig(batch_size=16))
+    settings = dict(
+        model_name="tiny",
+        progress=False,
+        curvature=CurvatureConfig(num_examples=16, batch_size=16),
+        gradients=GradientConfig(batch_size=16),
+    )
     paths = {}
     for variant in ("auto", "eogp"):
         paths[variant] = tmp_path / variant
-        index = AttributionIndex.create(paths[variant], make_tiny_gpt2(), TinyTokenizer(), EXAMPLES[:56], **settings,
-                                        projection=ProjectionConfig(variant=variant, k=K, m=48, num_fit_examples=40))
+        index = AttributionIndex.create(
+            paths[variant],
+            make_tiny_gpt2(),
+            TinyTokenizer(),
+            EXAMPLES[:56],
+            **settings,
+            projection=ProjectionConfig(variant=variant, k=K, m=48, num_fit_examples=40),
+        )
         assert "fidelity" not in index.manifest.projection
     assert AttributionIndex.open(paths["auto"], model=make_tiny_gpt2(), tokenizer=TinyTokenizer()).manifest.projection[
-        "rotation"] == {"kind": "hadamard", "rounds": 2, "seed": 0, "modules": []}
+        "rotation"
+    ] == {"kind": "hadamard", "rounds": 2, "seed": 0, "modules": []}
     auto, eogp = (load_file(str(paths[v] / "projection.safetensors")) for v in ("auto", "eogp"))
     assert auto.keys() == eogp.keys() and all(torch.equal(auto[key], eogp[key]) for key in auto)
 
@@ -202,17 +221,21 @@ def test_a_resumed_fit_keeps_the_choices_of_the_modules_it_had_finished(tmp_path
     the rest measured again, and the index is the uninterrupted one."""
     from eogp_index.fit.fitting import fit_projection
 
-    settings = dict(projection=ProjectionConfig(variant="auto", k=K, m=48, num_fit_examples=64, held_out_fraction=0.25),
-                    curvature=CurvatureConfig(num_examples=32, batch_size=16), gradients=GradientConfig(batch_size=16),
-                    progress=False)
+    settings = dict(
+        projection=ProjectionConfig(variant="auto", k=K, m=48, num_fit_examples=64, held_out_fraction=0.25),
+        curvature=CurvatureConfig(num_examples=32, batch_size=16),
+        gradients=GradientConfig(batch_size=16),
+        progress=False,
+    )
     first = fit_projection(make_tiny_gpt2(), TinyTokenizer(), EXAMPLES, tmp_path, **settings)
     # As if killed while fitting module 3: its P and record, and every later module's, are missing.
     num_modules = len(first.projection.modules)
     for i in range(3, num_modules):
         first.folder.module_path(i).unlink()
         first.folder.choice_path(i).unlink()
-    first.folder.choice_path(0).write_text(json.dumps({**json.loads(first.folder.choice_path(0).read_text()),
-                                                       "seconds": 123.0}))  # marks it as read back, not redone
+    first.folder.choice_path(0).write_text(
+        json.dumps({**json.loads(first.folder.choice_path(0).read_text()), "seconds": 123.0})
+    )  # marks it as read back, not redone
     resumed = fit_projection(make_tiny_gpt2(), TinyTokenizer(), EXAMPLES, tmp_path, **settings)
     name0 = next(iter(resumed.projection.modules))
     assert resumed.projection.choices[name0].seconds == 123.0

@@ -56,8 +56,23 @@ def _run(*args):
 
 def _through_the_cli(index, model_args, shard, text):
     """fit, ingest, query and explain an adapter via the CLI; returns the manifest and the hits."""
-    fit = _run("fit", *model_args, "--data", shard, "--out", index, "-k", "8", "--curvature-examples", "16",
-               "--pca-examples", "16", "--max-tokens", "24", "--json")
+    fit = _run(
+        "fit",
+        *model_args,
+        "--data",
+        shard,
+        "--out",
+        index,
+        "-k",
+        "8",
+        "--curvature-examples",
+        "16",
+        "--pca-examples",
+        "16",
+        "--max-tokens",
+        "24",
+        "--json",
+    )
     assert fit.exit_code == 0, fit.output
     ingest = _run("ingest", index, shard, "--id-field", "id", "--store-text", "--json")
     assert ingest.exit_code == 0, ingest.output
@@ -92,7 +107,8 @@ def test_an_adapter_on_the_shipped_model_goes_through_fit_ingest_query_and_expla
     coverage = json.loads(plan.stdout)["model"]["coverage"]
     assert coverage["scope"] == "adapter" and coverage["left_out"] == []
     assert {k: (v["attributed"], v["total"]) for k, v in coverage["by_kind"].items()} == {
-        kind: (n, n) for kind, n in lora.items()}
+        kind: (n, n) for kind, n in lora.items()
+    }
 
     verified = _run("verify", tmp_path / "idx", "--json")  # every byte of base and adapter
     assert verified.exit_code == 0 and json.loads(verified.stdout)["ok"], verified.output
@@ -107,15 +123,21 @@ def test_an_adapter_on_the_shipped_model_goes_through_fit_ingest_query_and_expla
 def test_an_adapter_on_a_named_tiny_llama_uses_its_own_tokenizer(tmp_path):
     base = tmp_path / "base"
     make_tiny_llama().save_pretrained(base)  # no tokenizer: the adapter carries it
-    adapter = save_lora(base, tmp_path / "adapter", ["q_proj", "v_proj", "down_proj"], seed=3,
-                        tokenizer=make_word_tokenizer())
+    adapter = save_lora(
+        base, tmp_path / "adapter", ["q_proj", "v_proj", "down_proj"], seed=3, tokenizer=make_word_tokenizer()
+    )
     shard = tmp_path / "shard.jsonl"
-    shard.write_text("".join(json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 5 + j) % 63 + 1}"
-                                                                         for j in range(5 + i % 7))}) + "\n"
-                             for i in range(20)))
+    shard.write_text(
+        "".join(
+            json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 5 + j) % 63 + 1}" for j in range(5 + i % 7))}) + "\n"
+            for i in range(20)
+        )
+    )
     manifest, hits, _ = _through_the_cli(tmp_path / "idx", [base, "--adapter", adapter], shard, "t1 t2 t3 t4")
-    assert [m["name"].rsplit(".", 3)[-3:-1] for m in manifest["modules"][:2]] == [["q_proj", "lora_A"],
-                                                                                 ["q_proj", "lora_B"]]
+    assert [m["name"].rsplit(".", 3)[-3:-1] for m in manifest["modules"][:2]] == [
+        ["q_proj", "lora_A"],
+        ["q_proj", "lora_B"],
+    ]
     assert len(manifest["modules"]) == 2 * 3 * 2
     assert manifest["model"]["adapter"]["path"] == str(adapter.resolve())
     assert all(h["text"].startswith("t") for h in hits)
@@ -134,8 +156,14 @@ def test_full_width_adapter_scores_equal_kronfluence_on_the_same_peft_model(tmp_
     train = make_examples(16, seed=1)
     queries = make_examples(3, seed=2, prefix="q", masked_prompt=True)
     model, _ = load_model(str(llama_adapter[1]))
-    index = full_width_index(tmp_path / "idx", model, train, model_name=str(llama_adapter[0]),
-                             adapter=str(llama_adapter[1]), gradients=GradientConfig(batch_size=5))
+    index = full_width_index(
+        tmp_path / "idx",
+        model,
+        train,
+        model_name=str(llama_adapter[0]),
+        adapter=str(llama_adapter[1]),
+        gradients=GradientConfig(batch_size=5),
+    )
     assert all(".lora_" in name for name in index.manifest.module_names)
     rel = relative_error_to_kronfluence(index, queries, train)
     assert rel <= 1e-4, rel
@@ -144,10 +172,13 @@ def test_full_width_adapter_scores_equal_kronfluence_on_the_same_peft_model(tmp_
 def test_module_names_base_layers_of_an_adapted_model_and_the_default_is_the_adapter(llama_adapter):
     model, _ = load_model(str(llama_adapter[0]), adapter=str(llama_adapter[1]))
     replace_conv1d(model)
-    assert find_attributed_modules(model, ["*.q_proj"]) == [f"model.layers.{i}.self_attn.q_proj.base_layer"
-                                                            for i in range(2)]
-    assert find_attributed_modules(model)[:2] == ["model.layers.0.self_attn.q_proj.lora_A.default",
-                                                  "model.layers.0.self_attn.q_proj.lora_B.default"]
+    assert find_attributed_modules(model, ["*.q_proj"]) == [
+        f"model.layers.{i}.self_attn.q_proj.base_layer" for i in range(2)
+    ]
+    assert find_attributed_modules(model)[:2] == [
+        "model.layers.0.self_attn.q_proj.lora_A.default",
+        "model.layers.0.self_attn.q_proj.lora_B.default",
+    ]
     adapter = model_coverage(model, find_attributed_modules(model))
     assert adapter.scope == "adapter" and adapter.share == 1.0
     assert adapter.frozen_base == sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)

@@ -22,9 +22,21 @@ __import__("transformers").utils.logging.disable_progress_bar()
 # OLMoE-shaped: L layers of attention (q, k, v, o; no bias; q_norm and k_norm) and a sparse MoE
 # block of E fused experts (gate_up_proj (E, 2FF, H), down_proj (E, H, FF)) with a router (E, H).
 L, H, FF, E, V = 2, 16, 8, 4, 64
-OLMOE = {"model_type": "olmoe", "vocab_size": V, "hidden_size": H, "intermediate_size": FF, "num_hidden_layers": L,
-         "num_attention_heads": 2, "num_key_value_heads": 2, "num_experts": E, "num_experts_per_tok": 2,
-         "max_position_embeddings": 32, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+OLMOE = {
+    "model_type": "olmoe",
+    "vocab_size": V,
+    "hidden_size": H,
+    "intermediate_size": FF,
+    "num_hidden_layers": L,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_experts": E,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 32,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
+}
 HAND_COUNT = {
     "attention": (L * 4 * H * H, L * 4 * H * H),
     "experts": (0, L * E * (2 * FF * H + H * FF)),
@@ -56,21 +68,38 @@ def test_plan_prints_the_hand_counted_coverage_of_an_olmoe_config_and_names_what
     text = _run("plan", tmp_path / "config.json", "-k", "8").output
     attention = L * 4 * H * H
     total = sum(t for _, t in HAND_COUNT.values())
-    assert (f"coverage      {attention:,} of the model's parameters attributed ({100 * attention / total:.1f}% of "
-            f"{total:,}); in the blocks {100 * attention / blocks:.1f}% of {blocks:,}") in text
+    assert (
+        f"coverage      {attention:,} of the model's parameters attributed ({100 * attention / total:.1f}% of "
+        f"{total:,}); in the blocks {100 * attention / blocks:.1f}% of {blocks:,}"
+    ) in text
     assert f"  experts      {0:>14,} of {L * E * 3 * FF * H:>14,} (0.0%)" in text
-    assert (f"  left out: experts, {L * E * 3 * FF * H:,} parameters (model.layers.*.mlp.experts): fused expert "
-            "tensors") in text
+    assert (
+        f"  left out: experts, {L * E * 3 * FF * H:,} parameters (model.layers.*.mlp.experts): fused expert tensors"
+    ) in text
 
 
 def _qwen_moe(seed=0):
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(seed)
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=V, hidden_size=H, intermediate_size=FF, moe_intermediate_size=FF, shared_expert_intermediate_size=12,
-        num_hidden_layers=L, num_attention_heads=2, num_key_value_heads=2, num_experts=E, num_experts_per_tok=2,
-        max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+    return Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            vocab_size=V,
+            hidden_size=H,
+            intermediate_size=FF,
+            moe_intermediate_size=FF,
+            shared_expert_intermediate_size=12,
+            num_hidden_layers=L,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            num_experts=E,
+            num_experts_per_tok=2,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+    ).eval()
 
 
 def _per_example_autograd(model, examples, parameter):
@@ -81,8 +110,9 @@ def _per_example_autograd(model, examples, parameter):
     for example in examples:
         one = collate([(example.input_ids, example.labels)], 0)
         model.zero_grad()
-        per_example_loss(model(input_ids=one["input_ids"], attention_mask=one["attention_mask"]).logits,
-                         one["labels"]).sum().backward()
+        per_example_loss(
+            model(input_ids=one["input_ids"], attention_mask=one["attention_mask"]).logits, one["labels"]
+        ).sum().backward()
         grads.append(parameter.grad.detach().clone())
     return torch.stack(grads)
 
@@ -102,8 +132,11 @@ def test_shared_experts_get_per_example_inputs_and_the_router_is_left_out():
     assert not any(".mlp." in n for n in find_attributed_modules(model))  # as loaded: flattened inputs
     make_experts_trackable(model)
     names = find_attributed_modules(model)
-    shared = [f"model.layers.{layer}.mlp.shared_expert.{proj}" for layer in range(L)
-              for proj in ("gate_proj", "up_proj", "down_proj")]
+    shared = [
+        f"model.layers.{layer}.mlp.shared_expert.{proj}"
+        for layer in range(L)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    ]
     assert [n for n in names if ".mlp." in n] == shared
     coverage = model_coverage(model, names)
     assert coverage.by_kind["experts"] == (L * 3 * 12 * H, L * 3 * 12 * H + L * E * 3 * FF * H)
@@ -143,7 +176,9 @@ def test_plan_with_dense_experts_attributes_every_expert():
     coverage = shape.coverage
     assert coverage["by_kind"]["experts"] == {"attributed": L * E * 3 * FF * H, "total": L * E * 3 * FF * H}
     assert [m.name for m in shape.modules if ".experts." in m.name][:2] == [
-        "model.layers.0.mlp.experts.0.gate_up_proj", "model.layers.0.mlp.experts.0.down_proj"]
+        "model.layers.0.mlp.experts.0.gate_up_proj",
+        "model.layers.0.mlp.experts.0.down_proj",
+    ]
     assert [(m.d_out, m.d_in) for m in shape.modules if ".experts." in m.name][:2] == [(2 * FF, H), (H, FF)]
     assert not any("fused" in e["reason"] for e in coverage["left_out"])
 
@@ -173,8 +208,12 @@ def test_dense_experts_compute_the_fused_function_and_its_per_example_gradients(
         expected = fused(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         got = dense(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}" for layer in range(L) for e in range(E)
-             for proj in ("gate_up_proj", "down_proj")]
+    names = [
+        f"model.layers.{layer}.mlp.experts.{e}.{proj}"
+        for layer in range(L)
+        for e in range(E)
+        for proj in ("gate_up_proj", "down_proj")
+    ]
     captured, _ = GradientCapture(dense, names, dense_gradient).run(batch)
     routed = 0
     for layer in range(L):
@@ -188,18 +227,28 @@ def test_dense_experts_compute_the_fused_function_and_its_per_example_gradients(
     assert routed > 0
 
 
-@pytest.mark.parametrize("make_model, experts, modules, count", [
-    (lambda: _olmoe(), "dense", ["*.experts.*"], L * E * 2),  # every routed expert, rebuilt
-    (lambda: _qwen_moe(), "fused", ["*.shared_expert.*"], L * 3),  # the shared experts, unflattened
-], ids=["olmoe-dense-experts", "qwen-moe-shared-experts"])
+@pytest.mark.parametrize(
+    "make_model, experts, modules, count",
+    [
+        (lambda: _olmoe(), "dense", ["*.experts.*"], L * E * 2),  # every routed expert, rebuilt
+        (lambda: _qwen_moe(), "fused", ["*.shared_expert.*"], L * 3),  # the shared experts, unflattened
+    ],
+    ids=["olmoe-dense-experts", "qwen-moe-shared-experts"],
+)
 def test_full_width_expert_scores_equal_kronfluence(tmp_path, make_model, experts, modules, count):
     from tinymodels import full_width_index, relative_error_to_kronfluence
 
     from eogp_index.config import GradientConfig
 
     train, queries = make_examples(12, seed=1), make_examples(3, seed=2, prefix="q", masked_prompt=True)
-    index = full_width_index(tmp_path / "idx", make_model(), train, model_name="moe", modules=modules,
-                             gradients=GradientConfig(batch_size=5, experts=experts))
+    index = full_width_index(
+        tmp_path / "idx",
+        make_model(),
+        train,
+        model_name="moe",
+        modules=modules,
+        gradients=GradientConfig(batch_size=5, experts=experts),
+    )
     assert len(index.manifest.modules) == count
     assert index.manifest.model.get("experts", "fused") == experts
     rel = relative_error_to_kronfluence(index, queries, train)
@@ -211,17 +260,48 @@ def test_fit_reports_coverage_and_warns_below_half_of_the_blocks(tmp_path):
     model.save_pretrained(tmp_path / "olmoe")
     make_word_tokenizer().save_pretrained(tmp_path / "olmoe")
     shard = tmp_path / "shard.jsonl"
-    shard.write_text("".join(json.dumps({"text": " ".join(f"t{(i * 3 + j) % 63 + 1}" for j in range(6))}) + "\n"
-                             for i in range(12)))
+    shard.write_text(
+        "".join(json.dumps({"text": " ".join(f"t{(i * 3 + j) % 63 + 1}" for j in range(6))}) + "\n" for i in range(12))
+    )
     with pytest.warns(LowCoverageWarning, match="less than 50%.*experts .fused expert tensors"):
-        fit = _run("fit", tmp_path / "olmoe", "--data", shard, "--out", tmp_path / "idx", "-k", "4",
-                   "--curvature-examples", "8", "--pca-examples", "8", "--max-tokens", "12")
+        fit = _run(
+            "fit",
+            tmp_path / "olmoe",
+            "--data",
+            shard,
+            "--out",
+            tmp_path / "idx",
+            "-k",
+            "4",
+            "--curvature-examples",
+            "8",
+            "--pca-examples",
+            "8",
+            "--max-tokens",
+            "12",
+        )
     assert fit.exit_code == 0, fit.output
     assert "coverage      2,048 of the model's parameters attributed" in fit.stderr
     assert "left out: experts, 3,072 parameters (model.layers.*.mlp.experts): fused expert tensors" in fit.stderr
 
-    dense = _run("fit", tmp_path / "olmoe", "--data", shard, "--out", tmp_path / "dense", "-k", "4",
-                 "--curvature-examples", "8", "--pca-examples", "8", "--max-tokens", "12", "--experts", "dense")
+    dense = _run(
+        "fit",
+        tmp_path / "olmoe",
+        "--data",
+        shard,
+        "--out",
+        tmp_path / "dense",
+        "-k",
+        "4",
+        "--curvature-examples",
+        "8",
+        "--pca-examples",
+        "8",
+        "--max-tokens",
+        "12",
+        "--experts",
+        "dense",
+    )
     assert dense.exit_code == 0, dense.output
     assert f"  experts      {L * E * 3 * FF * H:>14,} of {L * E * 3 * FF * H:>14,} (100.0%)" in dense.stderr
     ingest = _run("ingest", tmp_path / "dense", shard, "--json")
@@ -261,8 +341,22 @@ def test_fit_refuses_a_module_without_per_example_inputs_before_the_curvature_pa
     make_word_tokenizer().save_pretrained(tmp_path / "qwen")
     shard = tmp_path / "shard.jsonl"
     shard.write_text("".join(json.dumps({"text": f"t{i + 1} t{i + 2} t{i + 3} t{i + 4}"}) + "\n" for i in range(8)))
-    fit = _run("fit", tmp_path / "qwen", "--data", shard, "--out", tmp_path / "idx", "-k", "4",
-               "--curvature-examples", "4", "--pca-examples", "4", "--module", "model.layers.*.mlp.*")
+    fit = _run(
+        "fit",
+        tmp_path / "qwen",
+        "--data",
+        shard,
+        "--out",
+        tmp_path / "idx",
+        "-k",
+        "4",
+        "--curvature-examples",
+        "4",
+        "--pca-examples",
+        "4",
+        "--module",
+        "model.layers.*.mlp.*",
+    )
     assert fit.exit_code != 0 and "Traceback" not in fit.output
     assert "'model.layers.0.mlp.shared_expert_gate' takes inputs of shape (" in fit.output
     assert not list((tmp_path / "idx").rglob("*.safetensors"))  # kronfluence never ran

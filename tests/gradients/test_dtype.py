@@ -27,8 +27,10 @@ TRAIN = make_examples(32, seed=21)
 QUERIES = make_examples(24, seed=22, prefix="q")
 #: 256 B per example in 1-bit codes (the paper's smallest budget; m_u = 512 keeps the first stage
 #: small), and full width: every EK-FAC coordinate, unquantized (what is left is the precision).
-WIDTHS = {"256B": (ProjectionConfig(budget_kb=0.25, m=512, num_fit_examples=32), "1bit"),
-          "full": (ProjectionConfig(variant="ekfac-topk", k=10 ** 9), "fp32")}
+WIDTHS = {
+    "256B": (ProjectionConfig(budget_kb=0.25, m=512, num_fit_examples=32), "1bit"),
+    "full": (ProjectionConfig(variant="ekfac-topk", k=10**9), "fp32"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +48,31 @@ def test_bfloat16_index_from_the_command_line_and_the_rule_for_opening_it(worksp
     """fit/ingest/query with --dtype bfloat16 on the CPU; the manifest records it; auto opens in
     it; float32 is refused with the fix; a float32 model passed in is refused; plan INDEX is exact."""
     index_dir = tmp_path / "idx"
-    fitted = _cli("fit", workspace / "model", "--data", workspace / "shard.jsonl", "--out", index_dir, "-k", "8",
-                  "--curvature-examples", "12", "--pca-examples", "12", "--dtype", "bfloat16", "--memory-budget", "0.5",
-                  "--json")
+    fitted = _cli(
+        "fit",
+        workspace / "model",
+        "--data",
+        workspace / "shard.jsonl",
+        "--out",
+        index_dir,
+        "-k",
+        "8",
+        "--curvature-examples",
+        "12",
+        "--pca-examples",
+        "12",
+        "--dtype",
+        "bfloat16",
+        "--memory-budget",
+        "0.5",
+        "--json",
+    )
     # Under the process's own size: one document per batch, kronfluence one module at a time, and a
     # warning naming what does not fit.
-    assert ("memory budget 0.5 GB (--memory-budget): batches of 1 documents of up to 14 tokens, kronfluence in "
-            "14 module partition(s)") in fitted.stderr
+    assert (
+        "memory budget 0.5 GB (--memory-budget): batches of 1 documents of up to 14 tokens, kronfluence in "
+        "14 module partition(s)"
+    ) in fitted.stderr
     assert "over the budget" in fitted.stderr
     manifest = json.loads((index_dir / "manifest.json").read_text())
     assert manifest["model"]["dtype"] == "bfloat16"
@@ -74,11 +94,13 @@ def test_bfloat16_index_from_the_command_line_and_the_rule_for_opening_it(worksp
     plan = json.loads(_cli("plan", index_dir, "--json").stdout)
     assert plan["model"]["dtype"] == "bfloat16" and plan["shared"]["eigenbasis_exact"]
     raw = (index_dir / "projection.safetensors").read_bytes()
-    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     assert plan["shared"]["eigenbasis_dtype"] == "float16"
     for row in plan["modules"]:
-        kept = [header[f"{row['name']}/{key}"]["data_offsets"] for key in ("gradient_eigenvectors",
-                                                                             "activation_eigenvectors")]
+        kept = [
+            header[f"{row['name']}/{key}"]["data_offsets"]
+            for key in ("gradient_eigenvectors", "activation_eigenvectors")
+        ]
         assert row["eigenbasis_bytes"] == sum(b - a for a, b in kept)
         # The kept columns are stored in 16 bits for the bf16 model (float16: config.EIGENVECTOR_DTYPES),
         # 2 bytes per entry, and so counted.
@@ -86,14 +108,22 @@ def test_bfloat16_index_from_the_command_line_and_the_rule_for_opening_it(worksp
         assert all(e["dtype"] == "F16" for e in entries)
         assert row["eigenbasis_bytes"] == sum(2 * e["shape"][0] * e["shape"][1] for e in entries)
     assert plan["shared"]["projection_file_bytes_max"] == sum(
-        v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+        v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"
+    )
 
 
 def test_an_index_without_a_dtype_opens_in_float32(tmp_path):
     """Indexes written before the field was recorded ran their model in float32."""
-    index = AttributionIndex.create(tmp_path / "idx", make_tiny_llama(), TinyTokenizer(), TRAIN[:12],
-                                    model_name="tiny", projection=ProjectionConfig(k=4, m=16),
-                                    curvature=CurvatureConfig(num_examples=6, batch_size=6), progress=False)
+    index = AttributionIndex.create(
+        tmp_path / "idx",
+        make_tiny_llama(),
+        TinyTokenizer(),
+        TRAIN[:12],
+        model_name="tiny",
+        projection=ProjectionConfig(k=4, m=16),
+        curvature=CurvatureConfig(num_examples=6, batch_size=6),
+        progress=False,
+    )
     path = tmp_path / "idx" / "manifest.json"
     manifest = json.loads(path.read_text())
     assert manifest["model"]["dtype"] == "float32"
@@ -117,8 +147,10 @@ def test_kronfluence_module_partitions_give_the_same_factors(tmp_path):
         a, b = whole[name], parts[name]
         torch.testing.assert_close(b.eigenvalues, a.eigenvalues, rtol=1e-4, atol=1e-6 * a.eigenvalues.abs().max())
         # Eigenvectors up to sign: compare the projectors onto each one.
-        for left, right in ((a.activation_eigenvectors, b.activation_eigenvectors),
-                            (a.gradient_eigenvectors, b.gradient_eigenvectors)):
+        for left, right in (
+            (a.activation_eigenvectors, b.activation_eigenvectors),
+            (a.gradient_eigenvectors, b.gradient_eigenvectors),
+        ):
             torch.testing.assert_close((left * right).sum(0).abs(), torch.ones(left.shape[1]), atol=1e-3, rtol=0)
 
 
@@ -130,10 +162,19 @@ def _model(kind: str):
 
 def _scores(path, kind, width, dtype):
     projection, precision = WIDTHS[width]
-    index = AttributionIndex.create(path, _model(kind), TinyTokenizer(), TRAIN, model_name=kind, dtype=dtype,
-                                    projection=projection, storage=StorageConfig(precision=precision),
-                                    curvature=CurvatureConfig(num_examples=32, batch_size=8),
-                                    gradients=GradientConfig(batch_size=8), progress=False)
+    index = AttributionIndex.create(
+        path,
+        _model(kind),
+        TinyTokenizer(),
+        TRAIN,
+        model_name=kind,
+        dtype=dtype,
+        projection=projection,
+        storage=StorageConfig(precision=precision),
+        curvature=CurvatureConfig(num_examples=32, batch_size=8),
+        gradients=GradientConfig(batch_size=8),
+        progress=False,
+    )
     index.ingest(TRAIN, progress=False)
     ids, scores = index.scores([list(q.input_ids) for q in QUERIES])
     return index, scores[:, [ids.index(e.id) for e in TRAIN]]

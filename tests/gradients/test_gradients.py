@@ -14,8 +14,9 @@ def _autograd_gradient(model, name, ids, labels):
     for p in model.parameters():
         p.requires_grad_(True)
     batch = collate([(ids, labels)])
-    loss = per_example_loss(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                            batch["labels"]).sum()
+    loss = per_example_loss(
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"]
+    ).sum()
     loss.backward()
     grad = module.weight.grad
     if module.bias is not None:

@@ -67,6 +67,13 @@ def test_max_tokens_past_the_models_context_is_refused(tmp_path):
     from eogp_index.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"max_tokens \(--max-tokens\) is 33, but tiny reads at most 32 tokens"):
-        AttributionIndex.create(tmp_path / "index", make_tiny_gpt2(), TinyTokenizer(), make_examples(4),
-                                model_name="tiny", gradients=GradientConfig(max_tokens=33), progress=False)
+        AttributionIndex.create(
+            tmp_path / "index",
+            make_tiny_gpt2(),
+            TinyTokenizer(),
+            make_examples(4),
+            model_name="tiny",
+            gradients=GradientConfig(max_tokens=33),
+            progress=False,
+        )
     assert not (tmp_path / "index").exists()

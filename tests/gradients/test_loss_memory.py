@@ -15,15 +15,20 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def _labels(batch, tokens, vocab, seed):
     labels = torch.randint(0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(seed))
-    labels[0, tokens // 2:] = -100  # padding
+    labels[0, tokens // 2 :] = -100  # padding
     labels[-1, :3] = -100  # a prompt
     return labels
 
 
 def _reference(logits, labels):
     shifted = logits[:, :-1].float()
-    return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100,
-                           reduction="none").view(labels[:, 1:].shape).sum(1)
+    return (
+        F.cross_entropy(
+            shifted.reshape(-1, shifted.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
+        )
+        .view(labels[:, 1:].shape)
+        .sum(1)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -36,13 +41,15 @@ def test_loss_and_gradient_are_cross_entropy_on_float32_logits(dtype, monkeypatc
     (loss.per_example_loss(ours, labels) * weights).sum().backward()
     (_reference(theirs, labels) * weights).sum().backward()
     tolerance = 1e-5 if dtype == torch.float32 else 1e-3
-    torch.testing.assert_close(loss.per_example_loss(ours, labels), _reference(theirs, labels),
-                               rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(
+        loss.per_example_loss(ours, labels), _reference(theirs, labels), rtol=tolerance, atol=tolerance
+    )
     assert ours.grad.dtype == dtype
-    torch.testing.assert_close(ours.grad.float(), theirs.grad.float(), rtol=tolerance,
-                               atol=1e-6 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(
+        ours.grad.float(), theirs.grad.float(), rtol=tolerance, atol=1e-6 if dtype == torch.float32 else 1e-2
+    )
     assert torch.equal(ours.detach(), logits)  # the logits are left as they were
-    assert (ours.grad[0, 11 // 2:] == 0).all()  # positions predicting padding have no gradient
+    assert (ours.grad[0, 11 // 2 :] == 0).all()  # positions predicting padding have no gradient
 
 
 def _peak_bytes(run):

@@ -18,23 +18,30 @@ from eogp_index.errors import InputError
 
 TRAIN = make_examples(16, seed=3)
 #: Each word ``tN`` is token N; the template wraps a turn in t1 ... t2 and prompts with t1.
-CHAT_TEMPLATE = ("{% for m in messages %}t1 {{ m['content'] }} t2 {% endfor %}"
-                 "{% if add_generation_prompt %}t1 {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}t1 {{ m['content'] }} t2 {% endfor %}{% if add_generation_prompt %}t1 {% endif %}"
+)
 
 TEXT_QUERY = {"prompt": "t5 t9 t3", "completion": " t7 t2 t8 t11"}
-CHAT_QUERY = {"prompt": [{"role": "user", "content": "t5 t6 t40"}],
-              "completion": [{"role": "assistant", "content": "t7 t8"}]}
+CHAT_QUERY = {
+    "prompt": [{"role": "user", "content": "t5 t6 t40"}],
+    "completion": [{"role": "assistant", "content": "t7 t8"}],
+}
 PREFERENCE_QUERIES = [
     {"prompt": "t5 t9 t3", "chosen": " t7 t2 t8", "rejected": " t30 t31"},
-    {"prompt": [{"role": "user", "content": "t12 t13"}], "chosen": [{"role": "assistant", "content": "t14"}],
-     "rejected": [{"role": "assistant", "content": "t20 t21 t22"}]},
+    {
+        "prompt": [{"role": "user", "content": "t12 t13"}],
+        "chosen": [{"role": "assistant", "content": "t14"}],
+        "rejected": [{"role": "assistant", "content": "t20 t21 t22"}],
+    },
 ]
 
 
 def _completion(prompt_ids, completion_ids) -> Example:
     """The reference's example: the prompt's labels are -100, the completion's count."""
-    return Example.from_ids("ref", list(prompt_ids) + list(completion_ids),
-                            [IGNORE_INDEX] * len(prompt_ids) + list(completion_ids))
+    return Example.from_ids(
+        "ref", list(prompt_ids) + list(completion_ids), [IGNORE_INDEX] * len(prompt_ids) + list(completion_ids)
+    )
 
 
 #: The reference tokenizations of the queries above, written out by hand.
@@ -51,10 +58,17 @@ def full_width(request, tmp_path_factory):
     tokenizer = make_word_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     index = AttributionIndex.create(
-        tmp_path_factory.mktemp("measure") / "idx", request.param(), tokenizer, TRAIN, model_name="tiny",
-        curvature=CurvatureConfig(num_examples=16, batch_size=4), gradients=GradientConfig(batch_size=5),
-        projection=ProjectionConfig(variant="ekfac-topk", k=10**9), storage=StorageConfig(precision="fp32"),
-        progress=False)
+        tmp_path_factory.mktemp("measure") / "idx",
+        request.param(),
+        tokenizer,
+        TRAIN,
+        model_name="tiny",
+        curvature=CurvatureConfig(num_examples=16, batch_size=4),
+        gradients=GradientConfig(batch_size=5),
+        projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
+        storage=StorageConfig(precision="fp32"),
+        progress=False,
+    )
     index.ingest(TRAIN, progress=False)
     return index
 

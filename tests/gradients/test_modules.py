@@ -21,8 +21,11 @@ def test_gpt2_default_modules_are_attention_and_mlp_only():
     model = make_tiny_gpt2()
     replace_conv1d(model)
     names = find_attributed_modules(model)
-    assert names == [f"transformer.h.{i}.{leaf}" for i in range(2)
-                     for leaf in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert names == [
+        f"transformer.h.{i}.{leaf}"
+        for i in range(2)
+        for leaf in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
     assert module_shape(model, "transformer.h.0.attn.c_attn") == (48, 17)  # bias adds an input column
 
 
@@ -36,6 +39,8 @@ def test_llama_default_modules():
 def test_explicit_patterns_and_clear_error():
     model = make_tiny_llama()
     assert find_attributed_modules(model, ["*.mlp.down_proj"]) == [
-        "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.down_proj",
+    ]
     with pytest.raises(ModelError, match="no nn.Linear module matches"):
         find_attributed_modules(model, ["model.layers.9.nothing"])

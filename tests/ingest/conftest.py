@@ -51,8 +51,13 @@ def kill_mid_ingest(index_dir: Path, shard: str, spec: str, *, at_least: int) ->
     log_path = index_dir.parent / "killed_ingest.log"
     uri = str(index_dir / "examples.lance")
     with open(log_path, "wb") as log:
-        child = subprocess.Popen([sys.executable, str(script), str(index_dir), shard, spec], cwd=repo,
-                                 env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+        child = subprocess.Popen(
+            [sys.executable, str(script), str(index_dir), shard, spec],
+            cwd=repo,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + 180
             while time.monotonic() < deadline and child.poll() is None:

@@ -45,7 +45,8 @@ def test_a_dataset_object_is_named_from_its_info_or_by_the_caller(corpus, tmp_pa
         expand_shards(datasets.DatasetDict(train=corpus))
     named = dataset_shard(corpus, "corpus")
     assert [(r.shard, r.position, r.record) for r in iter_raw_records(named)] == [
-        ("corpus", i, row) for i, row in enumerate(ROWS)]
+        ("corpus", i, row) for i, row in enumerate(ROWS)
+    ]
     streamed = dataset_shard(corpus.to_iterable_dataset(num_shards=3), "corpus")
     assert [(r.position, r.record) for r in iter_raw_records(streamed)] == list(enumerate(ROWS))
     with pytest.raises(InputError, match="give each dataset its own name"):
@@ -64,8 +65,13 @@ def test_a_dataset_object_is_named_from_its_info_or_by_the_caller(corpus, tmp_pa
     assert [(r.position, r.record) for r in iter_raw_records(dataset_shard(loaded))] == by_path
     assert [(r.position, r.record) for r in iter_raw_records(dataset_shard(stream))] == by_path
     # Another order or selection under the same info has no stable name of its own.
-    for derived in (loaded.shuffle(seed=0), loaded.filter(lambda r: r["id"] != "train-3"), loaded.skip(2),
-                    stream.shuffle(seed=0), stream.skip(2)):
+    for derived in (
+        loaded.shuffle(seed=0),
+        loaded.filter(lambda r: r["id"] != "train-3"),
+        loaded.skip(2),
+        stream.shuffle(seed=0),
+        stream.skip(2),
+    ):
         with pytest.raises(InputError, match="no stable name .*not split 'train' of stdlib-docs"):
             dataset_shard(derived)
     assert dataset_shard(loaded.shuffle(seed=0), "shuffled").name == "shuffled"
@@ -83,16 +89,34 @@ def fitted(tmp_path_factory, corpus, tokenizer):
 
     root = tmp_path_factory.mktemp("fitted")
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=2, n_head=2,
-                                       n_inner=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=64,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            n_inner=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     examples, seen = sample_shards(dataset_shard(corpus, "corpus"), RecordSpec(max_tokens=64), tokenizer, 12, seed=0)
     assert seen == 12 and sorted(ex.position for ex in examples) == list(range(12))
-    AttributionIndex.create(root / "index", model, tokenizer, examples, model_name=str(root / "model"),
-                            curvature=CurvatureConfig(num_examples=6, batch_size=2),
-                            projection=ProjectionConfig(k=8, num_fit_examples=6),
-                            gradients=GradientConfig(batch_size=2, device="cpu", max_tokens=64), progress=False)
+    AttributionIndex.create(
+        root / "index",
+        model,
+        tokenizer,
+        examples,
+        model_name=str(root / "model"),
+        curvature=CurvatureConfig(num_examples=6, batch_size=2),
+        projection=ProjectionConfig(k=8, num_fit_examples=6),
+        gradients=GradientConfig(batch_size=2, device="cpu", max_tokens=64),
+        progress=False,
+    )
     return root / "index"
 
 
@@ -114,8 +138,14 @@ def _ingest(index, shard, **options):
     from ingest.pipeline import run_ingest
     from ingest.records import RecordSpec
 
-    return run_ingest(index, [shard], spec=RecordSpec(id_field="id", metadata_fields=("source",)), batch_size=4,
-                      progress=False, **options)
+    return run_ingest(
+        index,
+        [shard],
+        spec=RecordSpec(id_field="id", metadata_fields=("source",)),
+        batch_size=4,
+        progress=False,
+        **options,
+    )
 
 
 def test_ingest_a_dataset_and_explain_from_its_stored_text(fitted, corpus, tmp_path):
@@ -125,19 +155,27 @@ def test_ingest_a_dataset_and_explain_from_its_stored_text(fitted, corpus, tmp_p
     assert (summary.stored, summary.skipped_existing) == (12, 0)
     rows = _stored(index_dir)
     assert [(r["id"], r["shard"], r["position"], r["source"], r["text"]) for r in rows] == [
-        (row["id"], "corpus", i, "train", row["text"]) for i, row in enumerate(ROWS)]
+        (row["id"], "corpus", i, "train", row["text"]) for i, row in enumerate(ROWS)
+    ]
     entry = json.loads((index_dir / "sources.json").read_text())["shards"]["corpus"]
     assert entry["uri"] is None
-    assert entry["dataset"] == {"type": "Dataset", "dataset_name": None, "config_name": None, "split": None,
-                                "num_rows": 12, "fingerprint": corpus._fingerprint}
+    assert entry["dataset"] == {
+        "type": "Dataset",
+        "dataset_name": None,
+        "config_name": None,
+        "split": None,
+        "num_rows": 12,
+        "fingerprint": corpus._fingerprint,
+    }
 
     # A rerun stores nothing twice, from the Dataset or from the same records streamed.
     again = _ingest(index, dataset_shard(corpus, "corpus"), store_text=4096)
     assert (again.stored, again.skipped_existing) == (0, 12)
     streamed = _ingest(index, dataset_shard(corpus.to_iterable_dataset(num_shards=2), "corpus"), store_text=4096)
     assert (streamed.stored, streamed.skipped_existing) == (0, 12)
-    assert json.loads((index_dir / "sources.json").read_text())["shards"]["corpus"]["dataset"]["type"] == \
-        "IterableDataset"
+    assert (
+        json.loads((index_dir / "sources.json").read_text())["shards"]["corpus"]["dataset"]["type"] == "IterableDataset"
+    )
 
     # explain reads the stored text back (checked against the stored content hash).
     document = index.stored.document("train-7", index.tokenizer)
@@ -168,8 +206,11 @@ def test_without_stored_text_explain_says_the_document_cannot_be_read_back(fitte
     index_dir = Path(shutil.copytree(fitted, tmp_path / "index"))
     index = _open(index_dir)
     assert _ingest(index, dataset_shard(corpus, "corpus")).stored == 12
-    with pytest.raises(InputError, match=r"shard 'corpus' was ingested from a Dataset object in memory, which cannot "
-                                         r"be read back.*--store-text"):
+    with pytest.raises(
+        InputError,
+        match=r"shard 'corpus' was ingested from a Dataset object in memory, which cannot "
+        r"be read back.*--store-text",
+    ):
         index.stored.document("train-3", index.tokenizer)
     with pytest.raises(InputError, match="cannot be read back"):
         index.explain_many("the quick brown fox", ["train-3"])

@@ -31,7 +31,9 @@ SENTENCE = "the quick brown fox jumps over the lazy dog"
 
 
 def _rows(split: str, start: int, n: int) -> list[dict]:
-    return [{"id": f"{split}-{i}", "text": f"{split} {i}: {SENTENCE}", "source": split} for i in range(start, start + n)]
+    return [
+        {"id": f"{split}-{i}", "text": f"{split} {i}: {SENTENCE}", "source": split} for i in range(start, start + n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +53,11 @@ def test_a_dataset_repository_is_read_one_split_at_a_time(repository):
     assert train == f"{repository}::docs/train"
     records = list(iter_raw_records(train))
     assert [(r.shard, r.position, r.record["id"]) for r in records] == [
-        ("stdlib-docs::docs/train", i, f"train-{i}") for i in range(12)]
+        ("stdlib-docs::docs/train", i, f"train-{i}") for i in range(12)
+    ]
     assert [r.record["id"] for r in iter_raw_records(with_split(str(repository), "test", None))] == [
-        f"test-{i}" for i in range(4)]
+        f"test-{i}" for i in range(4)
+    ]
     assert expand_shards([train]) == [Path(train)]
     with pytest.raises(InputError, match=r"stdlib-docs: is a dataset: name its split"):
         expand_shards([repository])
@@ -73,13 +77,47 @@ def fitted(tmp_path_factory, repository, tokenizer):
 
     root = tmp_path_factory.mktemp("fitted")
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=2, n_head=2, n_inner=32,
-                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).save_pretrained(root / "model")
+    GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=64,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            n_inner=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    ).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    result = CliRunner().invoke(cli, ["fit", str(root / "model"), "--data", str(repository), "--split", "train",
-                                      "--config", "docs", "--out", str(root / "index"), "-k", "8",
-                                      "--curvature-examples", "8", "--pca-examples", "8", "--max-tokens", "64",
-                                      "--batch-size", "2", "--device", "cpu"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "fit",
+            str(root / "model"),
+            "--data",
+            str(repository),
+            "--split",
+            "train",
+            "--config",
+            "docs",
+            "--out",
+            str(root / "index"),
+            "-k",
+            "8",
+            "--curvature-examples",
+            "8",
+            "--pca-examples",
+            "8",
+            "--max-tokens",
+            "64",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "sampled from 12 records" in result.output
     return root / "index"
@@ -97,13 +135,30 @@ def test_ingest_a_split_and_explain_reads_a_document_back(fitted, repository, tm
     from eogp_index.config import GradientConfig
 
     index_dir = Path(shutil.copytree(fitted, tmp_path / "index"))
-    command = ["ingest", str(index_dir), str(repository), "--split", "train", "--config", "docs", "--id-field", "id",
-               "--metadata", "source", "--batch-size", "2", "--device", "cpu", "--json"]
+    command = [
+        "ingest",
+        str(index_dir),
+        str(repository),
+        "--split",
+        "train",
+        "--config",
+        "docs",
+        "--id-field",
+        "id",
+        "--metadata",
+        "source",
+        "--batch-size",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+    ]
     result = CliRunner().invoke(cli, command)
     assert result.exit_code == 0, result.output
     rows = sorted(_stored(index_dir), key=lambda r: r["position"])
     assert [(r["id"], r["shard"], r["position"], r["source"]) for r in rows] == [
-        (f"train-{i}", "stdlib-docs::docs/train", i, "train") for i in range(12)]
+        (f"train-{i}", "stdlib-docs::docs/train", i, "train") for i in range(12)
+    ]
     sources = json.loads((index_dir / "sources.json").read_text())["shards"]
     assert sources["stdlib-docs::docs/train"]["uri"] == f"{repository.resolve()}::docs/train"
 
@@ -118,7 +173,7 @@ def test_ingest_a_split_and_explain_reads_a_document_back(fitted, repository, tm
     # Run again: nothing new.
     again = CliRunner().invoke(cli, command)
     assert again.exit_code == 0, again.output
-    again = json.loads(again.stdout[again.stdout.index("{"):])
+    again = json.loads(again.stdout[again.stdout.index("{") :])
     assert (again["stored"], again["skipped_existing"]) == (0, 12)
 
 

@@ -32,8 +32,9 @@ from ingest.records import Example, RecordSpec, iter_examples
 REPO = Path(__file__).resolve().parents[2]
 GRADIENT_BATCH = 4
 
-WORDS = ("the quick brown fox jumps over the lazy dog hello world how are you today "
-         "tell me a joke about cats and dogs").split()
+WORDS = (
+    "the quick brown fox jumps over the lazy dog hello world how are you today tell me a joke about cats and dogs"
+).split()
 
 
 def make_model(tokenizer, seed: int = 0):
@@ -41,9 +42,19 @@ def make_model(tokenizer, seed: int = 0):
 
     torch.manual_seed(seed)
     # vocab_size = len(tokenizer): every id the tokenizer produces has an embedding row.
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=16, n_layer=2, n_head=2, n_inner=32,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=128,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        n_inner=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return GPT2LMHeadModel(config).eval()
 
 
@@ -68,9 +79,15 @@ def fitted(tmp_path_factory, tokenizer):
     fit_shard = write_lines(root / "fit.jsonl", [{"text": doc(i, "fit")} for i in range(24)])
     examples = [e for e in iter_examples([fit_shard], RecordSpec(), tokenizer) if isinstance(e, Example)]
     AttributionIndex.create(
-        root / "index", model, tokenizer, examples, model_name=str(model_dir),
-        projection=ProjectionConfig(k=16), curvature=CurvatureConfig(num_examples=16, batch_size=4),
-        gradients=GradientConfig(batch_size=GRADIENT_BATCH), progress=False,
+        root / "index",
+        model,
+        tokenizer,
+        examples,
+        model_name=str(model_dir),
+        projection=ProjectionConfig(k=16),
+        curvature=CurvatureConfig(num_examples=16, batch_size=4),
+        gradients=GradientConfig(batch_size=GRADIENT_BATCH),
+        progress=False,
     )
     return SimpleNamespace(index=root / "index", model_dir=model_dir)
 
@@ -104,11 +121,12 @@ def corpus(tmp_path: Path, n_jsonl: int = 10, n_parquet: int = 10) -> list[Path]
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    jsonl = write_lines(tmp_path / "web.jsonl",
-                        [{"text": doc(i), "source": "web", "n": i} for i in range(n_jsonl)])
+    jsonl = write_lines(tmp_path / "web.jsonl", [{"text": doc(i), "source": "web", "n": i} for i in range(n_jsonl)])
     parquet = tmp_path / "books.parquet"
-    pq.write_table(pa.Table.from_pylist([{"text": doc(i, "book"), "source": "books", "n": 100 + i}
-                                         for i in range(n_parquet)]), parquet)
+    pq.write_table(
+        pa.Table.from_pylist([{"text": doc(i, "book"), "source": "books", "n": 100 + i} for i in range(n_parquet)]),
+        parquet,
+    )
     return [jsonl, parquet]
 
 
@@ -119,12 +137,19 @@ def test_ingest_twice_stores_each_example_once(index_dir, tmp_path, tokenizer):
     index = open_index(index_dir)
     first = run_ingest(index, [str(p) for p in shards], spec=spec, batch_size=4, progress=False)
     assert isinstance(first, IngestSummary)
-    assert (first.stored, first.skipped_existing, first.rejected, first.duplicates, first.documents) == (20, 0, 0, 0, 20)
+    assert (first.stored, first.skipped_existing, first.rejected, first.duplicates, first.documents) == (
+        20,
+        0,
+        0,
+        0,
+        20,
+    )
     assert first.tokens > 0 and first.tokens_per_s > 0 and first.table_version >= 1
     assert first.rejects_path is None
 
-    second = run_ingest(open_index(index_dir), [str(tmp_path / "*.jsonl"), str(shards[1])], spec=spec,
-                        batch_size=4, progress=False)
+    second = run_ingest(
+        open_index(index_dir), [str(tmp_path / "*.jsonl"), str(shards[1])], spec=spec, batch_size=4, progress=False
+    )
     assert (second.stored, second.skipped_existing, second.documents, second.tokens) == (0, 20, 20, 0)
     assert second.table_version == first.table_version  # nothing was committed
     json.dumps(second.to_json())
@@ -143,8 +168,9 @@ def test_new_metadata_field_joins_an_existing_table_and_old_rows_hold_null(index
     index = open_index(index_dir)
     index.stored.hot_codes()  # a hot copy made before the column exists must not hide it afterwards
     late = write_lines(tmp_path / "late.jsonl", [{"text": doc(i, "late"), "source": "web", "n": i} for i in range(3)])
-    summary = run_ingest(index, [late], spec=RecordSpec(metadata_fields=("source", "n")), batch_size=2,
-                         progress=False)  # the batch after the one that adds the column finds it there
+    summary = run_ingest(
+        index, [late], spec=RecordSpec(metadata_fields=("source", "n")), batch_size=2, progress=False
+    )  # the batch after the one that adds the column finds it there
     assert summary.stored == 3
     store = open_index_store(index_dir)
     assert str(store.schema.field("n").type) == "int64"
@@ -166,26 +192,51 @@ def test_metadata_field_named_like_a_table_or_answer_column_is_refused_before_re
 def test_corpus_with_nulls_lists_a_surrogate_and_a_late_field_stores_every_valid_record(index_dir, tmp_path):
     spec = RecordSpec(id_field="id", metadata_fields=("lang", "stars", "quality", "ok", "tags", "sizes", "late"))
     lines = [
-        {"id": "a", "text": doc(0), "lang": "en", "stars": 3, "quality": 0.5, "ok": True, "tags": ["x", "y"], "sizes": [1]},
+        {
+            "id": "a",
+            "text": doc(0),
+            "lang": "en",
+            "stars": 3,
+            "quality": 0.5,
+            "ok": True,
+            "tags": ["x", "y"],
+            "sizes": [1],
+        },
         {"id": "b", "text": doc(1), "lang": None, "stars": None, "quality": None, "ok": None, "tags": None},
-        {"id": "c", "text": doc(2) + " \ud800 broken"},                                 # 3 lone surrogate: rejected
+        {"id": "c", "text": doc(2) + " \ud800 broken"},  # 3 lone surrogate: rejected
         {"id": "d", "text": doc(3), "tags": [], "sizes": [2, None, 4], "quality": 2},
-        {"id": "e", "messages": [{"role": "user", "content": "hi \udfff"},
-                                 {"role": "assistant", "content": "ok"}]},             # 5 surrogate in a chat
-        {"id": "f", "text": doc(5), "tags": ["z", 1]},                                  # 6 mixed list items
-        {"id": "g", "text": doc(6), "stars": 1.5},                                       # 7 float in an int field
-        {"id": "h", "text": doc(7), "lang": "fr", "tags": ["\u0000nul", "\uffff"]},   # NUL, non-character: kept
+        {
+            "id": "e",
+            "messages": [{"role": "user", "content": "hi \udfff"}, {"role": "assistant", "content": "ok"}],
+        },  # 5 surrogate in a chat
+        {"id": "f", "text": doc(5), "tags": ["z", 1]},  # 6 mixed list items
+        {"id": "g", "text": doc(6), "stars": 1.5},  # 7 float in an int field
+        {"id": "h", "text": doc(7), "lang": "fr", "tags": ["\u0000nul", "\uffff"]},  # NUL, non-character: kept
     ]
     early = tmp_path / "early.jsonl"
     early.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
-    late = write_lines(tmp_path / "late.jsonl", [{"id": "i", "text": doc(8), "late": ["new"]},
-                                                 {"id": "j", "text": doc(9), "late": [{"no": 1}]}])  # 2 a dict item
+    late = write_lines(
+        tmp_path / "late.jsonl",
+        [{"id": "i", "text": doc(8), "late": ["new"]}, {"id": "j", "text": doc(9), "late": [{"no": 1}]}],
+    )  # 2 a dict item
     rejects = tmp_path / "rejects.jsonl"
-    summary = run_ingest(open_index(index_dir), [early, late], spec=spec, on_error="skip", rejects_path=rejects,
-                         batch_size=4, progress=False)
+    summary = run_ingest(
+        open_index(index_dir),
+        [early, late],
+        spec=spec,
+        on_error="skip",
+        rejects_path=rejects,
+        batch_size=4,
+        progress=False,
+    )
     entries = [json.loads(line) for line in rejects.read_text().splitlines()]
-    assert [e["location"] for e in entries] == ["early.jsonl:3", "early.jsonl:5", "early.jsonl:6", "early.jsonl:7",
-                                                "late.jsonl:2"]
+    assert [e["location"] for e in entries] == [
+        "early.jsonl:3",
+        "early.jsonl:5",
+        "early.jsonl:6",
+        "early.jsonl:7",
+        "late.jsonl:2",
+    ]
     assert "field 'text': character" in entries[0]["reason"] and "surrogate" in entries[0]["reason"]
     assert "field 'messages[0].content'" in entries[1]["reason"]
     assert "field 'tags'" in entries[2]["reason"] and "field 'stars'" in entries[3]["reason"]
@@ -194,8 +245,16 @@ def test_corpus_with_nulls_lists_a_surrogate_and_a_late_field_stores_every_valid
     store = open_index_store(index_dir)
     rows = {r["id"]: r for r in store.read(["id", *spec.metadata_fields]).to_pylist()}
     assert sorted(rows) == ["a", "b", "d", "h", "i"]
-    assert rows["a"] == {"id": "a", "lang": "en", "stars": 3, "quality": 0.5, "ok": True, "tags": ["x", "y"],
-                         "sizes": [1], "late": None}
+    assert rows["a"] == {
+        "id": "a",
+        "lang": "en",
+        "stars": 3,
+        "quality": 0.5,
+        "ok": True,
+        "tags": ["x", "y"],
+        "sizes": [1],
+        "late": None,
+    }
     assert rows["b"]["lang"] is None and rows["b"]["tags"] is None and rows["d"]["quality"] == 2.0
     assert rows["d"]["tags"] == [] and rows["d"]["sizes"] == [2, None, 4]
     assert rows["h"]["tags"] == ["\x00nul", "\uffff"] and rows["i"]["late"] == ["new"]
@@ -207,8 +266,12 @@ def test_corpus_with_nulls_lists_a_surrogate_and_a_late_field_stores_every_valid
     index = open_index(index_dir)
     hot = index.stored.hot_codes()
     on_hot_copy = HotFilter(hot.filterable)  # DataFusion itself, without the fallback to Lance
-    for where, ids in (("array_has(tags, 'x')", ["a"]), ("lang IS NULL", ["b", "d", "i"]),
-                       ("array_length(sizes) = 3", ["d"]), ("late IS NOT NULL", ["i"])):
+    for where, ids in (
+        ("array_has(tags, 'x')", ["a"]),
+        ("lang IS NULL", ["b", "d", "i"]),
+        ("array_length(sizes) = 3", ["d"]),
+        ("late IS NOT NULL", ["i"]),
+    ):
         assert sorted(hot.take(on_hot_copy.positions(where), ["id"]).column("id").to_pylist()) == ids, where
         for route in ("hot", "stream"):  # the hot copy and Lance alike
             hits = index.search(doc(0)).limit(10).direction("both").where(where).route(route).to_arrow()
@@ -244,8 +307,9 @@ def kill_mid_shard(script_text: str, index_dir: Path, shard: Path, tmp_path: Pat
     script = tmp_path / "ingest_script.py"
     script.write_text(script_text)
     log = open(tmp_path / "child.log", "wb")
-    child = subprocess.Popen([sys.executable, str(script), str(index_dir), str(shard), *args], cwd=REPO,
-                             stdout=log, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(index_dir), str(shard), *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+    )
     uri = str(index_dir / "examples.lance")
     try:
         deadline = time.monotonic() + 180
@@ -288,8 +352,7 @@ def _codes_by_id(path: Path) -> dict:
     return {row["id"]: (row["signs"], row["scales"]) for row in table.to_pylist()}
 
 
-def test_block_ingest_stores_the_codes_of_per_batch_ingest_and_reads_each_p_once_per_block(fitted, tmp_path,
-                                                                                          tokenizer):
+def test_block_ingest_stores_the_codes_of_per_batch_ingest_and_reads_each_p_once_per_block(fitted, tmp_path, tokenizer):
     from eogp_index.store.block_cache import CACHE_DIR
 
     total = 22  # blocks of 8, 8 and 6 documents; the last gradient batch of the last block has 2
@@ -297,8 +360,9 @@ def test_block_ingest_stores_the_codes_of_per_batch_ingest_and_reads_each_p_once
     resident = Path(shutil.copytree(fitted.index, tmp_path / "resident"))
     blocked = Path(shutil.copytree(fitted.index, tmp_path / "blocked"))
     run_ingest(open_index(resident), [str(shard)], batch_size=GRADIENT_BATCH, progress=False)
-    index = AttributionIndex.open(blocked, gradients=GradientConfig(
-        batch_size=GRADIENT_BATCH, projection_memory_gb=NO_P_IN_MEMORY))
+    index = AttributionIndex.open(
+        blocked, gradients=GradientConfig(batch_size=GRADIENT_BATCH, projection_memory_gb=NO_P_IN_MEMORY)
+    )
     assert index.projection.in_turn
     p_total = index.projection.pca_bytes
     summary = run_ingest(index, [str(shard)], progress=False, block_documents=8)
@@ -329,8 +393,10 @@ def test_client_block_ingest_stores_the_codes_of_per_batch_ingest(fitted, tmp_pa
     examples = [e for e in iter_examples([shard], RecordSpec(), tokenizer) if isinstance(e, Example)]
     resident = open_index(Path(shutil.copytree(fitted.index, tmp_path / "resident")))
     assert resident.ingest(examples, progress=False) == 14 and resident.block_cache() is None
-    blocked = AttributionIndex.open(Path(shutil.copytree(fitted.index, tmp_path / "blocked")), gradients=GradientConfig(
-        batch_size=GRADIENT_BATCH, projection_memory_gb=NO_P_IN_MEMORY))
+    blocked = AttributionIndex.open(
+        Path(shutil.copytree(fitted.index, tmp_path / "blocked")),
+        gradients=GradientConfig(batch_size=GRADIENT_BATCH, projection_memory_gb=NO_P_IN_MEMORY),
+    )
     p_total = blocked.projection.pca_bytes
     # Blocks of 8 and 6 documents: each module's P read twice, not once per gradient batch (4 batches).
     assert blocked.ingest(examples, IngestConfig(block_documents=8, progress=False)) == 14
@@ -398,18 +464,26 @@ def killed_block_reference(fitted, tmp_path_factory):
     root = tmp_path_factory.mktemp("killed-block")
     shard = write_lines(root / "big.jsonl", [{"text": doc(i)} for i in range(30)])
     codes = {}
-    for name, gradients, block in (("unkilled", killed_block_gradients(), KILLED_BLOCK),
-                                   ("resident", GradientConfig(batch_size=KILLED_BATCH), None)):
+    for name, gradients, block in (
+        ("unkilled", killed_block_gradients(), KILLED_BLOCK),
+        ("resident", GradientConfig(batch_size=KILLED_BATCH), None),
+    ):
         whole = Path(shutil.copytree(fitted.index, root / name))
-        run_ingest(AttributionIndex.open(whole, gradients=gradients), [str(shard)], spec=RecordSpec(), progress=False,
-                   block_documents=block)
+        run_ingest(
+            AttributionIndex.open(whole, gradients=gradients),
+            [str(shard)],
+            spec=RecordSpec(),
+            progress=False,
+            block_documents=block,
+        )
         codes[name] = _codes_by_id(whole)
     return SimpleNamespace(shard=shard, codes=codes)
 
 
 @pytest.mark.parametrize("entry", BLOCK_ENTRY_POINTS)
-def test_block_ingest_killed_mid_block_resumes_the_block(entry, killed_block_reference, index_dir, tmp_path,
-                                                         tokenizer, monkeypatch):
+def test_block_ingest_killed_mid_block_resumes_the_block(
+    entry, killed_block_reference, index_dir, tmp_path, tokenizer, monkeypatch
+):
     from eogp_index.fit.cache import examples_sha256
     from eogp_index.store.block_cache import BLOCK_RECORD, CACHE_DIR, BlockCache
 
@@ -426,7 +500,7 @@ def test_block_ingest_killed_mid_block_resumes_the_block(entry, killed_block_ref
             record = json.loads((cache / BLOCK_RECORD).read_text())
         except (OSError, ValueError):  # no cache, or block.json being replaced
             return False
-        in_flight = examples_sha256(examples[committed:committed + block])
+        in_flight = examples_sha256(examples[committed : committed + block])
         return committed >= block and record["examples_sha256"] == in_flight and any(cache.glob("batch-*.safetensors"))
 
     after_kill = kill_mid_shard(KILLED_BLOCK_INGEST, index_dir, shard, tmp_path, in_flight_cached, entry)
@@ -471,18 +545,19 @@ def test_skip_lists_bad_records_with_reasons_and_stores_the_rest(index_dir, tmp_
     spec = RecordSpec(id_field="doc_id", metadata_fields=("n",))
     lines = [
         {"doc_id": "a", "text": doc(0), "n": 0},
-        '{"doc_id": "b", "text": ',                                       # 2 malformed JSON
-        {"doc_id": "c", "n": 2},                                          # 3 no content
-        {"doc_id": "d", "text": "", "n": 3},                              # 4 empty document
-        {"doc_id": "e", "input_ids": [5], "n": 4},                        # 5 no loss tokens
-        {"doc_id": "a", "text": doc(5), "n": 5},                          # 6 duplicate id in the run
-        {"doc_id": "g", "text": doc(6), "n": "six"},                      # 7 metadata type clash
+        '{"doc_id": "b", "text": ',  # 2 malformed JSON
+        {"doc_id": "c", "n": 2},  # 3 no content
+        {"doc_id": "d", "text": "", "n": 3},  # 4 empty document
+        {"doc_id": "e", "input_ids": [5], "n": 4},  # 5 no loss tokens
+        {"doc_id": "a", "text": doc(5), "n": 5},  # 6 duplicate id in the run
+        {"doc_id": "g", "text": doc(6), "n": "six"},  # 7 metadata type clash
         {"doc_id": "h", "text": doc(7), "n": 7},
     ]
     shard = write_lines(tmp_path / "mixed.jsonl", lines)
     rejects = tmp_path / "rejects.jsonl"
-    summary = run_ingest(open_index(index_dir), [shard], spec=spec, on_error="skip", rejects_path=rejects,
-                         batch_size=4, progress=False)
+    summary = run_ingest(
+        open_index(index_dir), [shard], spec=spec, on_error="skip", rejects_path=rejects, batch_size=4, progress=False
+    )
     assert (summary.stored, summary.rejected, summary.duplicates, summary.documents) == (2, 5, 1, 8)
     assert summary.rejects_path == str(rejects)
     assert sorted(stored_ids(index_dir)) == ["a", "h"]
@@ -502,11 +577,15 @@ def test_skip_lists_bad_records_with_reasons_and_stores_the_rest(index_dir, tmp_
 def test_id_stored_from_another_shard_is_a_duplicate(index_dir, tmp_path):
     spec = RecordSpec(id_field="doc_id")
     first = write_lines(tmp_path / "first.jsonl", [{"doc_id": f"x{i}", "text": doc(i)} for i in range(3)])
-    second = write_lines(tmp_path / "second.jsonl", [{"doc_id": "y0", "text": doc(10)},
-                                                     {"doc_id": "x1", "text": doc(11)}])
+    second = write_lines(
+        tmp_path / "second.jsonl", [{"doc_id": "y0", "text": doc(10)}, {"doc_id": "x1", "text": doc(11)}]
+    )
     run_ingest(open_index(index_dir), [first], spec=spec, progress=False)
-    with pytest.raises(InputError, match=r"^second\.jsonl:2: duplicate id 'x1': already stored for the record at "
-                                         r"first\.jsonl:2"):
+    with pytest.raises(
+        InputError,
+        match=r"^second\.jsonl:2: duplicate id 'x1': already stored for the record at "
+        r"first\.jsonl:2",
+    ):
         run_ingest(open_index(index_dir), [second], spec=spec, progress=False)
     summary = run_ingest(open_index(index_dir), [second], spec=spec, on_error="skip", progress=False)
     assert (summary.stored, summary.duplicates) == (1, 1)
@@ -517,7 +596,9 @@ def test_id_stored_from_another_shard_is_a_duplicate(index_dir, tmp_path):
 def test_document_longer_than_the_model_reads_needs_max_tokens(index_dir, tmp_path):
     long_text = " ".join(WORDS * 20)  # far more than the tiny GPT-2's 128 positions
     shard = write_lines(tmp_path / "long.jsonl", [{"text": doc(0)}, {"text": long_text}])
-    with pytest.raises(InputError, match=r"^long\.jsonl:2: \d+ tokens, but the model reads at most 128; set max_tokens"):
+    with pytest.raises(
+        InputError, match=r"^long\.jsonl:2: \d+ tokens, but the model reads at most 128; set max_tokens"
+    ):
         run_ingest(open_index(index_dir), [shard], spec=RecordSpec(), progress=False)
     summary = run_ingest(open_index(index_dir), [shard], spec=RecordSpec(max_tokens=128), progress=False)
     assert summary.stored == 2
@@ -537,8 +618,13 @@ def test_distributed_worker_alone_commits_whole_steps_and_resumes(index_dir, tmp
 
     lines = [{"text": doc(i)} for i in range(6)] + [{"text": 5}] + [{"text": doc(i)} for i in range(6, 9)]
     shard = write_lines(tmp_path / "part.jsonl", lines)
-    options = dict(spec=RecordSpec(), batch_size=2, commit_every=2, progress=False,
-                   gradients=GradientConfig(batch_size=GRADIENT_BATCH, device="cpu"))
+    options = dict(
+        spec=RecordSpec(),
+        batch_size=2,
+        commit_every=2,
+        progress=False,
+        gradients=GradientConfig(batch_size=GRADIENT_BATCH, device="cpu"),
+    )
     with pytest.raises(InputError, match=r"^part\.jsonl:7: field 'text': expected a string"):
         run_distributed_ingest(index_dir, [shard], **options)
     good = expected_ids([shard], RecordSpec(), tokenizer)
@@ -572,21 +658,49 @@ def test_two_process_ingest_equals_one_process_ingest(mode, fitted, tmp_path, to
             write_lines(data / f"part-{k}.jsonl", rows)
     distributed = Path(shutil.copytree(fitted.index, tmp_path / "distributed"))
     single = Path(shutil.copytree(fitted.index, tmp_path / "single"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "eogp_index.cli", "ingest", str(distributed), str(data / "*"),
-               "--metadata", "source", "--metadata", "license", "--batch-size", str(GRADIENT_BATCH), "--device", "cpu",
-               "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "eogp_index.cli",
+        "ingest",
+        str(distributed),
+        str(data / "*"),
+        "--metadata",
+        "source",
+        "--metadata",
+        "license",
+        "--batch-size",
+        str(GRADIENT_BATCH),
+        "--device",
+        "cpu",
+        "--json",
+    ]
     if mode == "block":
         command += ["--projection-memory-gb", str(NO_P_IN_MEMORY), "--block-documents", str(2 * GRADIENT_BATCH)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    reported = json.loads(result.stdout[result.stdout.index("{"):])
+    reported = json.loads(result.stdout[result.stdout.index("{") :])
     assert reported["stored"] == 32 and reported["workers"] == 2
 
     spec = RecordSpec(metadata_fields=("source", "license"))
     run_ingest(open_index(single), [str(data / "*")], spec=spec, batch_size=GRADIENT_BATCH, progress=False)
-    columns = ["id", "signs", "scales", "shard", "position", "num_tokens", "num_loss_tokens", "truncated", "source",
-               "license"]
+    columns = [
+        "id",
+        "signs",
+        "scales",
+        "shard",
+        "position",
+        "num_tokens",
+        "num_loss_tokens",
+        "truncated",
+        "source",
+        "license",
+    ]
     two = open_index_store(distributed).read(columns).sort_by("id")
     one = open_index_store(single).read(columns).sort_by("id")
     assert two.num_rows == one.num_rows == 32
@@ -603,23 +717,33 @@ def test_two_process_ingest_equals_one_process_ingest(mode, fitted, tmp_path, to
     # Running the job again stores nothing new.
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-4000:]
-    rerun = json.loads(again.stdout[again.stdout.index("{"):])
+    rerun = json.loads(again.stdout[again.stdout.index("{") :])
     assert (rerun["stored"], rerun["skipped_existing"]) == (0, 32)
     assert open_index_store(distributed).count() == 32
 
 
 # -- generated metadata: nulls and lists of every type ------------------------------------------
-METADATA_TYPES = {"str": lambda rng: rng.choice(["en", "fr", "", "\x00", "\ufdd0", "é"]),
-                  "int": lambda rng: rng.randrange(-2**63, 2**63), "float": lambda rng: rng.uniform(-1e9, 1e9),
-                  "bool": lambda rng: rng.random() < 0.5}
+METADATA_TYPES = {
+    "str": lambda rng: rng.choice(["en", "fr", "", "\x00", "\ufdd0", "é"]),
+    "int": lambda rng: rng.randrange(-(2**63), 2**63),
+    "float": lambda rng: rng.uniform(-1e9, 1e9),
+    "bool": lambda rng: rng.random() < 0.5,
+}
 
 
 def _wrong_metadata(rng, kind: str, is_list: bool):
     """A value no field of this kind takes: another type, a nested value or bad text."""
     other = rng.choice([k for k in METADATA_TYPES if k != kind and (kind, k) != ("float", "int")])
     value = METADATA_TYPES[other](rng)
-    return rng.choice([[value] if is_list else value, {"a": 1}, [[1]], "bad \ud800" if kind == "str" else [value],
-                       2**64 if kind == "int" else value])
+    return rng.choice(
+        [
+            [value] if is_list else value,
+            {"a": 1},
+            [[1]],
+            "bad \ud800" if kind == "str" else [value],
+            2**64 if kind == "int" else value,
+        ]
+    )
 
 
 def _generated_metadata(rng, first: bool):
@@ -636,8 +760,10 @@ def _generated_metadata(rng, first: bool):
             elif roll < 0.35:
                 record[name] = None
             elif is_list:
-                record[name] = [None if rng.random() < 0.2 and not first else make(rng) for _ in range(rng.randrange(
-                    1 if first else 0, 4))]
+                record[name] = [
+                    None if rng.random() < 0.2 and not first else make(rng)
+                    for _ in range(rng.randrange(1 if first else 0, 4))
+                ]
             else:
                 record[name] = rng.randrange(-5, 5) if kind == "float" and rng.random() < 0.3 else make(rng)
     return record, valid
@@ -656,8 +782,15 @@ def test_generated_nulls_and_lists_of_every_metadata_type_store_every_valid_reco
     shard.write_text("".join(json.dumps(r) + "\n" for r in records))
     fields = tuple(f"{p}_{k}" for k in METADATA_TYPES for p in "ml")
     rejects = tmp_path / "rejects.jsonl"
-    summary = run_ingest(open_index(index_dir), [shard], spec=RecordSpec(id_field="id", metadata_fields=fields),
-                         on_error="skip", rejects_path=rejects, batch_size=4, progress=False)
+    summary = run_ingest(
+        open_index(index_dir),
+        [shard],
+        spec=RecordSpec(id_field="id", metadata_fields=fields),
+        on_error="skip",
+        rejects_path=rejects,
+        batch_size=4,
+        progress=False,
+    )
     rejected = [json.loads(line) for line in rejects.read_text().splitlines()] if rejects.exists() else []
     assert [e["location"] for e in rejected] == [f"generated.jsonl:{i + 1}" for i, ok in enumerate(valid) if not ok]
     assert all(any(f"'{name}" in e["reason"] for name in fields) for e in rejected), rejected
@@ -671,8 +804,11 @@ def test_generated_nulls_and_lists_of_every_metadata_type_store_every_valid_reco
         expected = {name: record.get(name) for name in fields}
         for name in ("m_float", "l_float"):  # ints in a float field are stored as floats
             value = expected[name]
-            expected[name] = [None if v is None else float(v) for v in value] if isinstance(value, list) else (
-                None if value is None else float(value))
+            expected[name] = (
+                [None if v is None else float(v) for v in value]
+                if isinstance(value, list)
+                else (None if value is None else float(value))
+            )
         assert rows[record["id"]] == expected
     for name in fields:  # null-aware filters see exactly the records without a value
         nulls = sorted(r["id"] for r, ok in zip(records, valid) if ok and r.get(name) is None)

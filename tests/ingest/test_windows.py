@@ -34,16 +34,35 @@ def fitted(tmp_path_factory, tokenizer):
 
     root = tmp_path_factory.mktemp("windows")
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=16, n_layer=2, n_head=2,
-                                       n_inner=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=128,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            n_inner=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    ).eval()
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     fit_shard = root / "fit.jsonl"
     fit_shard.write_text("".join(json.dumps({"text": _text(i, 1)}) + "\n" for i in range(12)))
     examples = list(iter_examples([fit_shard], RecordSpec(max_tokens=WINDOW), tokenizer))
-    AttributionIndex.create(root / "index", model, tokenizer, examples, model_name=str(root / "model"),
-                            projection=ProjectionConfig(k=8), curvature=CurvatureConfig(num_examples=12, batch_size=4),
-                            gradients=GradientConfig(batch_size=BATCH, max_tokens=WINDOW), progress=False)
+    AttributionIndex.create(
+        root / "index",
+        model,
+        tokenizer,
+        examples,
+        model_name=str(root / "model"),
+        projection=ProjectionConfig(k=8),
+        curvature=CurvatureConfig(num_examples=12, batch_size=4),
+        gradients=GradientConfig(batch_size=BATCH, max_tokens=WINDOW),
+        progress=False,
+    )
     return root / "index"
 
 
@@ -65,8 +84,23 @@ def test_long_document_becomes_window_rows_with_one_parent_id(index_dir, tmp_pat
     records = [{"id": "short", "text": "hello world"}, {"id": "long", "text": _text(0, 6)}]
     shard = tmp_path / "docs.jsonl"
     shard.write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = CliRunner().invoke(cli, ["ingest", str(index_dir), str(shard), "--id-field", "id",
-                                      "--long-documents", "windows", "--batch-size", "2", "--device", "cpu", "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "ingest",
+            str(index_dir),
+            str(shard),
+            "--id-field",
+            "id",
+            "--long-documents",
+            "windows",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
 
     short, long_doc = iter_examples([shard], RecordSpec(id_field="id"), tokenizer)  # untruncated
@@ -74,8 +108,15 @@ def test_long_document_becomes_window_rows_with_one_parent_id(index_dir, tmp_pat
     assert n > 3 * WINDOW
     expected_windows = -(-(n - 1) // (WINDOW - 1))
     rows = _rows(index_dir)
-    assert rows[0] == {"id": "short", "parent_id": "short", "window": 0, "position": 0, "num_tokens": short.num_tokens,
-                       "num_loss_tokens": short.num_loss_tokens, "truncated": False}
+    assert rows[0] == {
+        "id": "short",
+        "parent_id": "short",
+        "window": 0,
+        "position": 0,
+        "num_tokens": short.num_tokens,
+        "num_loss_tokens": short.num_loss_tokens,
+        "truncated": False,
+    }
     windows = rows[1:]
     assert [r["id"] for r in windows] == [f"long#{j}" for j in range(expected_windows)]
     assert {r["parent_id"] for r in windows} == {"long"} and [r["window"] for r in windows] == list(range(len(windows)))
@@ -87,7 +128,7 @@ def test_long_document_becomes_window_rows_with_one_parent_id(index_dir, tmp_pat
     index = AttributionIndex.open(index_dir, gradients=GradientConfig(batch_size=BATCH, device="cpu"))
     start = (WINDOW - 1) * 2
     third = index.stored.document("long#2", index.tokenizer)
-    assert third.input_ids == long_doc.input_ids[start:start + WINDOW]
+    assert third.input_ids == long_doc.input_ids[start : start + WINDOW]
     # The stored row holds the window's own gradient.
     stored = Store(index_dir, "examples").read(["signs", "scales"], where="id = 'long#2'").to_pylist()[0]
     encoded = index.encode_rows([third]).select(["signs", "scales"]).to_pylist()[0]

@@ -28,13 +28,23 @@ def _records(examples):
 def test_a_behaviour_query_equals_kronfluence_on_the_mean_loss_of_the_set(tmp_path, make_model):
     """At full width, the mean over a set of queries is kronfluence's aggregated query gradient / n."""
     index = AttributionIndex.create(
-        tmp_path / "idx", make_model(), TinyTokenizer(), TRAIN, model_name="tiny", progress=False,
-        projection=ProjectionConfig(variant="ekfac-topk", k=10**9), storage=StorageConfig(precision="fp32"),
-        curvature=CurvatureConfig(num_examples=20, batch_size=4), gradients=GradientConfig(batch_size=5))
+        tmp_path / "idx",
+        make_model(),
+        TinyTokenizer(),
+        TRAIN,
+        model_name="tiny",
+        progress=False,
+        projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
+        storage=StorageConfig(precision="fp32"),
+        curvature=CurvatureConfig(num_examples=20, batch_size=4),
+        gradients=GradientConfig(batch_size=5),
+    )
     index.ingest(TRAIN, progress=False)
     reference = kronfluence_scores(index, BEHAVIOUR, TRAIN, aggregate_queries=True)[0]
     for how, divisor in (("mean", len(BEHAVIOUR)), ("sum", 1)):
-        table = index.search(_records(BEHAVIOUR), many=True).aggregate(how).limit(len(TRAIN)).direction("both").to_arrow()
+        table = (
+            index.search(_records(BEHAVIOUR), many=True).aggregate(how).limit(len(TRAIN)).direction("both").to_arrow()
+        )
         # Every row is on the side of its score's sign: the two sides hold every score.
         ours = dict(zip(table.column("id").to_pylist(), table.column("score").to_numpy().astype(np.float64)))
         got = np.array([ours[e.id] for e in TRAIN])
@@ -69,8 +79,9 @@ def test_normalized_hits_rank_by_cosine_to_a_float64_reference(fitted_index, rou
     y = fitted_index.query_coordinates([QUERIES[0]])
     hot, cosine = _cosine_reference(fitted_index, y)
     ids = hot.columns.column("id").to_pylist()
-    table = (fitted_index.search(QUERIES[0]).normalize("unit").route(route).limit(6).direction("both")
-             .by_module().to_arrow())
+    table = (
+        fitted_index.search(QUERIES[0]).normalize("unit").route(route).limit(6).direction("both").by_module().to_arrow()
+    )
     top = np.lexsort((np.arange(len(ids)), -cosine[0]))[:6]
     bottom = np.lexsort((np.arange(len(ids)), cosine[0]))[:6]
     assert table.column("id").to_pylist() == [ids[i] for i in top] + [ids[i] for i in bottom]
@@ -92,15 +103,20 @@ def _adversarial_store(seed=0):
     x = rng.standard_normal((n, layout.num_coords)).astype(np.float32)
     codes = pack_signs(x, layout)
     kind = rng.integers(0, 4, n)
-    scales = np.where(kind[:, None] == 0, rng.uniform(1e4, 6e4, (n, 3)),          # huge
-             np.where(kind[:, None] == 1, rng.uniform(6e-8, 1e-5, (n, 3)),        # tiny (FP16 subnormals)
-             np.where(kind[:, None] == 2, rng.uniform(0.5, 2.0, (n, 3)),
-                      rng.uniform(1e-3, 1e3, (n, 3))))).astype(np.float16)        # mixed inside a row
+    scales = np.where(
+        kind[:, None] == 0,
+        rng.uniform(1e4, 6e4, (n, 3)),  # huge
+        np.where(
+            kind[:, None] == 1,
+            rng.uniform(6e-8, 1e-5, (n, 3)),  # tiny (FP16 subnormals)
+            np.where(kind[:, None] == 2, rng.uniform(0.5, 2.0, (n, 3)), rng.uniform(1e-3, 1e3, (n, 3))),
+        ),
+    ).astype(np.float16)  # mixed inside a row
     scales[[5, 17, 40]] = rng.uniform(0.5, 2.0, (3, 3))  # (normal FP16: exact after scaling by 2^±12)
     for src, dst, power in ((5, 600, 4), (5, 601, -6), (17, 602, 10), (17, 603, -12), (40, 604, 3)):
         codes[dst] = codes[src]
-        scales[dst] = (scales[src].astype(np.float64) * 2.0 ** power).astype(np.float16)
-        assert np.array_equal(scales[dst].astype(np.float64), scales[src].astype(np.float64) * 2.0 ** power)
+        scales[dst] = (scales[src].astype(np.float64) * 2.0**power).astype(np.float16)
+        assert np.array_equal(scales[dst].astype(np.float64), scales[src].astype(np.float64) * 2.0**power)
     scales[650] = 0  # a zero code: no direction, scores 0
     return layout, codes, scales.astype(np.float32)
 
@@ -144,16 +160,29 @@ def _group_reference(values, scores, k):
     out = {}
     for i, (v, s) in enumerate(zip(values, scores)):
         rows, total, best, tp, tn, pos, neg = out.get(v, (0, 0.0, -np.inf, 0, 0, 0.0, 0.0))
-        out[v] = (rows + 1, total + s, max(best, s), tp + (i in order_pos), tn + (i in order_neg),
-                  pos + max(s, 0.0), neg + min(s, 0.0))
+        out[v] = (
+            rows + 1,
+            total + s,
+            max(best, s),
+            tp + (i in order_pos),
+            tn + (i in order_neg),
+            pos + max(s, 0.0),
+            neg + min(s, 0.0),
+        )
     return out
 
 
 @pytest.mark.parametrize("column", ["group", "name", "shard"])
 def test_group_sums_equal_a_float64_reference(fitted_index, column):
     where = "`group` != 2 OR num_tokens > 10"
-    search = (fitted_index.search(QUERIES, many=True).aggregate("mean").normalize("unit").where(where)
-              .limit(4).group_by(column))
+    search = (
+        fitted_index.search(QUERIES, many=True)
+        .aggregate("mean")
+        .normalize("unit")
+        .where(where)
+        .limit(4)
+        .group_by(column)
+    )
     groups = search.to_arrow()
     y = fitted_index.query_coordinates(QUERIES).astype(np.float64).mean(axis=0, keepdims=True)
     hot, cosine = _cosine_reference(fitted_index, y)
@@ -162,8 +191,17 @@ def test_group_sums_equal_a_float64_reference(fitted_index, column):
     values = hot.columns.column(column).take(rows).to_pylist()
     scores = cosine[0, rows]
     expected = _group_reference(values, scores, 4)
-    assert groups.column_names == [column, "rows", "sum", "mean", "max", "top_positive", "top_negative",
-                                   "share_positive", "share_negative"]
+    assert groups.column_names == [
+        column,
+        "rows",
+        "sum",
+        "mean",
+        "max",
+        "top_positive",
+        "top_negative",
+        "share_positive",
+        "share_negative",
+    ]
     got = {r[column]: r for r in groups.to_pylist()}
     assert set(got) == set(expected)
     total_pos = sum(v[5] for v in expected.values())
@@ -221,13 +259,28 @@ def test_window_rows_roll_up_to_their_documents_by_parent_id(tmp_path):
     document's summed influence, the sum of its windows' exact scores."""
     from eogp_index.data.records import Example
 
-    windows = [Example.from_ids(id=f"doc{i // 3}-w{i % 3}", input_ids=list(e.input_ids), labels=list(e.labels),
-                                shard="windows", position=i, metadata={"parent_id": f"doc{i // 3}"})
-               for i, e in enumerate(make_examples(15, seed=5))]
+    windows = [
+        Example.from_ids(
+            id=f"doc{i // 3}-w{i % 3}",
+            input_ids=list(e.input_ids),
+            labels=list(e.labels),
+            shard="windows",
+            position=i,
+            metadata={"parent_id": f"doc{i // 3}"},
+        )
+        for i, e in enumerate(make_examples(15, seed=5))
+    ]
     index = AttributionIndex.create(
-        tmp_path / "idx", make_tiny_gpt2(), TinyTokenizer(), windows, model_name="tiny", progress=False,
-        projection=ProjectionConfig(variant="eogp", k=8, m=32), curvature=CurvatureConfig(num_examples=15, batch_size=5),
-        gradients=GradientConfig(batch_size=5))
+        tmp_path / "idx",
+        make_tiny_gpt2(),
+        TinyTokenizer(),
+        windows,
+        model_name="tiny",
+        progress=False,
+        projection=ProjectionConfig(variant="eogp", k=8, m=32),
+        curvature=CurvatureConfig(num_examples=15, batch_size=5),
+        gradients=GradientConfig(batch_size=5),
+    )
     index.ingest(windows, progress=False)
     documents = index.search(QUERIES[1]).limit(2).group_by("parent_id").to_arrow().to_pylist()
     ids, scores = index.scores([QUERIES[1]])
@@ -249,7 +302,7 @@ def test_top_positions_equal_a_stable_sort_with_ties_and_sorted_input():
         n, k = int(rng.integers(1, 50)), int(rng.integers(1, 12))
         scores = (rng.integers(-3, 4, n) if trial % 2 else rng.standard_normal(n)).astype(np.float32)
         if trial % 5 == 0:
-            scores = np.sort(scores)[::-1 if trial % 10 else 1].copy()  # every row enters a heap
+            scores = np.sort(scores)[:: -1 if trial % 10 else 1].copy()  # every row enters a heap
         largest, smallest = top_positions(scores, k)
         assert largest.tolist() == np.lexsort((np.arange(n), -scores))[:k].tolist()
         assert smallest.tolist() == np.lexsort((np.arange(n), scores))[:k].tolist()

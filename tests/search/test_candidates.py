@@ -42,8 +42,10 @@ faiss = pytest.importorskip("faiss")
 
 def top_influential_with_candidates(index, query, k, C, *, where=None, direction="positive", faiss_name="default"):
     """The candidates route through the query builder, as users reach it."""
-    return (index.search(query).limit(k).where(where).direction(direction)
-            .candidates(C, faiss_name=faiss_name).to_arrow())
+    return (
+        index.search(query).limit(k).where(where).direction(direction).candidates(C, faiss_name=faiss_name).to_arrow()
+    )
+
 
 FORMAT_VERSION = FaissFirstPass.FORMAT_VERSION
 SEED = 3
@@ -58,10 +60,16 @@ def _query(i=0):
 
 def _create(path):
     index = AttributionIndex.create(
-        path, make_tiny_gpt2(SEED), TinyTokenizer(), TRAIN, model_name="tiny",
+        path,
+        make_tiny_gpt2(SEED),
+        TinyTokenizer(),
+        TRAIN,
+        model_name="tiny",
         projection=ProjectionConfig(variant="eogp", k=16, m=64),
         curvature=CurvatureConfig(num_examples=24, batch_size=4),
-        gradients=GradientConfig(batch_size=8), progress=False)
+        gradients=GradientConfig(batch_size=8),
+        progress=False,
+    )
     index.ingest(TRAIN, progress=False)
     return index
 
@@ -137,8 +145,9 @@ def test_all_rows_as_candidates_equal_the_exact_scan(index, kind):
         approx = top_influential_with_candidates(index, _query(), k=5, C=n, direction=direction, faiss_name=kind)
         assert approx.column_names == exact.column_names
         assert approx.column("id").to_pylist() == exact.column("id").to_pylist()
-        np.testing.assert_allclose(approx.column("score").to_numpy(), exact.column("score").to_numpy(),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            approx.column("score").to_numpy(), exact.column("score").to_numpy(), rtol=1e-5, atol=1e-6
+        )
         if direction == "both":
             assert approx.column("direction").to_pylist() == exact.column("direction").to_pylist()
 
@@ -173,8 +182,9 @@ def test_extend_after_further_ingests(index, tmp_path):
     """New rows are covered without a rebuild, found by their own signs, and never duplicated."""
     path = tmp_path / "copy"
     shutil.copytree(index.path, path)
-    other = AttributionIndex.open(path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(),
-                                  gradients=GradientConfig(batch_size=8))
+    other = AttributionIndex.open(
+        path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
+    )
     assert other.ingest(MORE, progress=False) == len(MORE)
     by_id = _signs_by_id(other)
     n = len(by_id)
@@ -209,8 +219,9 @@ def test_queries_extend_a_stale_faiss_index(index, tmp_path):
     """A query after an ingest covers the new rows (the FAISS index is extended, not bypassed)."""
     path = tmp_path / "copy"
     shutil.copytree(index.path, path)
-    other = AttributionIndex.open(path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(),
-                                  gradients=GradientConfig(batch_size=8))
+    other = AttributionIndex.open(
+        path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
+    )
     other.ingest(MORE, progress=False)
     n = other.store.count()
     exact = other.top_influential(_query(2), k=n, direction="positive")
@@ -234,8 +245,9 @@ def test_where_filter_applies_to_the_candidates(index):
         sub = scores[0, keep]
         order = np.argsort(-sub if direction == "positive" else sub, kind="stable")[:k]
         expected = [ids[keep[j]] for j in order]
-        got = top_influential_with_candidates(index, _query(), k=k, C=C, where=where, direction=direction,
-                                              faiss_name="flat")
+        got = top_influential_with_candidates(
+            index, _query(), k=k, C=C, where=where, direction=direction, faiss_name="flat"
+        )
         assert got.column("id").to_pylist() == expected
         np.testing.assert_allclose(got.column("score").to_numpy(), sub[order], rtol=1e-5, atol=1e-6)
         assert set(got.column("group").to_pylist()) == {1}
@@ -246,8 +258,7 @@ def test_small_filter_is_rescored_entirely(index):
     where = "`group` = 2"
     C = index.store.count(where)
     exact = index.top_influential(_query(), k=5, where=where, direction="both")
-    got = top_influential_with_candidates(index, _query(), k=5, C=C, where=where, direction="both",
-                                          faiss_name="hnsw")
+    got = top_influential_with_candidates(index, _query(), k=5, C=C, where=where, direction="both", faiss_name="hnsw")
     assert got.column("id").to_pylist() == exact.column("id").to_pylist()
 
 
@@ -334,8 +345,9 @@ def test_query_levels_follow_y():
 def test_replicas_are_recorded_and_kept(index, tmp_path):
     path = tmp_path / "copy"
     shutil.copytree(index.path, path)
-    other = AttributionIndex.open(path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(),
-                                  gradients=GradientConfig(batch_size=8))
+    other = AttributionIndex.open(
+        path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
+    )
     built = build(other, "r3", FlatConfig(replicas=3), progress=False)
     meta = json.loads((path / "faiss" / "r3.json").read_text())
     assert meta["replicas"] == 3 and meta["d_bits"] == 3 * other.layout.nbytes * 8 and built.replicas == 3
@@ -381,8 +393,9 @@ def test_gpu_flat_path_maps_positions(index, monkeypatch):
         d_gpu, p_gpu = gpu.search_with_distances(code, C)
         d_cpu, p_cpu = cpu.search_with_distances(code, C)
         np.testing.assert_array_equal(d_gpu, d_cpu)
-        np.testing.assert_array_equal(np.sort(gpu.ids_at(p_gpu[:, :C]).astype(str), axis=1),
-                                      np.sort(cpu.ids_at(p_cpu[:, :C]).astype(str), axis=1))
+        np.testing.assert_array_equal(
+            np.sort(gpu.ids_at(p_gpu[:, :C]).astype(str), axis=1), np.sort(cpu.ids_at(p_cpu[:, :C]).astype(str), axis=1)
+        )
     assert len(made) == 1  # built once, reused
 
 
@@ -410,8 +423,9 @@ CLUSTERED = ClusteredConfig(lists=2, scale_cells=4, z=1.0)
 def _copy(index, tmp_path):
     path = tmp_path / "copy"
     shutil.copytree(index.path, path)
-    return AttributionIndex.open(path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(),
-                                 gradients=GradientConfig(batch_size=8))
+    return AttributionIndex.open(
+        path, model=make_tiny_gpt2(SEED), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
+    )
 
 
 def _exact(index, k, direction="positive", where=None):
@@ -424,8 +438,7 @@ def _check_exactly_rescored(index, got, direction, where=None):
     ids, scores = index.scores([_query()], where=where)
     exact = dict(zip(ids, scores[0]))
     got_scores = got.column("score").to_numpy()
-    np.testing.assert_array_equal(got_scores, np.array([exact[i] for i in got.column("id").to_pylist()],
-                                                       np.float32))
+    np.testing.assert_array_equal(got_scores, np.array([exact[i] for i in got.column("id").to_pylist()], np.float32))
     hot = index.hot_codes()
     address = dict(zip(hot.columns.column("id").to_pylist(), hot.rowaddr.tolist()))
     key = [(-s if direction == "positive" else s, address[i]) for s, i in zip(got_scores, got.column("id").to_pylist())]
@@ -435,8 +448,9 @@ def _check_exactly_rescored(index, got, direction, where=None):
 def recall_at(index, k, C, direction, faiss_name, where=None):
     """Share of the exact top ``k`` (exact scan over the same rows) the candidate path returns."""
     exact = set(_exact(index, k, direction, where).column("id").to_pylist())
-    got = top_influential_with_candidates(index, _query(), k, C, where=where, direction=direction,
-                                          faiss_name=faiss_name)
+    got = top_influential_with_candidates(
+        index, _query(), k, C, where=where, direction=direction, faiss_name=faiss_name
+    )
     return len(exact & set(got.column("id").to_pylist())) / len(exact), got
 
 
@@ -449,13 +463,18 @@ def test_each_side_holds_only_rows_of_its_sign_on_every_route(index, tmp_path):
     chosen = [ids[i] for i in (*order[:2], *order[-3:])]  # the two most negative, the three most positive
     where = "id IN (" + ", ".join(f"'{i}'" for i in chosen) + ")"
     exact = dict(zip(ids, scores[0]))
-    expected = [("positive", i) for i in sorted(chosen, key=lambda i: -exact[i]) if exact[i] > 0] + \
-               [("negative", i) for i in sorted(chosen, key=lambda i: exact[i]) if exact[i] < 0]
+    expected = [("positive", i) for i in sorted(chosen, key=lambda i: -exact[i]) if exact[i] > 0] + [
+        ("negative", i) for i in sorted(chosen, key=lambda i: exact[i]) if exact[i] < 0
+    ]
     assert [side for side, _ in expected] == ["positive"] * 3 + ["negative"] * 2
     search = other.search(_query()).where(where).limit(8).direction("both")
     routes = {"hot": search, "stream": search.route("stream"), "sharded": search.route("sharded")}
-    routes.update({name: search.candidates(other.store.count(), faiss_name=name)
-                   for name in ("flat", "ivf", "hnsw", "plain", "cl")})
+    routes.update(
+        {
+            name: search.candidates(other.store.count(), faiss_name=name)
+            for name in ("flat", "ivf", "hnsw", "plain", "cl")
+        }
+    )
     for route, query in routes.items():
         got = query.to_arrow()
         assert list(zip(got.column("direction").to_pylist(), got.column("id").to_pylist())) == expected, route
@@ -476,8 +495,11 @@ def test_clustered_build_save_load(index, tmp_path):
     assert files == {"cl.json", "cl.codes.npy", "cl.scales.npy", "cl.rowaddr.npy", "cl.cells.npz"}
     meta = json.loads((other.path / "faiss" / "cl.json").read_text())
     assert meta["format"] == "eogp-clustered" and meta["format_version"] == CLUSTERED_VERSION == 1
-    assert meta["rows"] == n and meta["table_version"] == other.store.version and meta["params"] == \
-        {"lists": 2, "scale_cells": 4}
+    assert (
+        meta["rows"] == n
+        and meta["table_version"] == other.store.version
+        and meta["params"] == {"lists": 2, "scale_cells": 4}
+    )
     loaded = load_candidates(other.path, "cl")
     assert isinstance(loaded, ClusteredFirstPass) and loaded.ntotal == n == built.ntotal
     assert loaded.kind == "clustered" and loaded.config.scale_cells == 4
@@ -499,7 +521,7 @@ def test_clustered_results_are_exact_scores_in_exact_order(index, tmp_path, dire
     n = other.store.count()
     for C in (20, 40, n):
         got = top_influential_with_candidates(other, _query(), k=6, C=C, direction=direction, faiss_name="cl")
-        for side in (("positive", "negative") if direction == "both" else (direction,)):
+        for side in ("positive", "negative") if direction == "both" else (direction,):
             part = got.filter(pa.compute.equal(got.column("direction"), side)) if direction == "both" else got
             assert part.num_rows == 6
             _check_exactly_rescored(other, part, side)
@@ -528,8 +550,7 @@ def test_clustered_filter_equals_exact_scan_of_candidates(index, tmp_path):
     build(other, "cl", CLUSTERED, progress=False)
     where = "`group` = 1"
     for direction in ("positive", "negative"):
-        got = top_influential_with_candidates(other, _query(), 4, 24, where=where, direction=direction,
-                                              faiss_name="cl")
+        got = top_influential_with_candidates(other, _query(), 4, 24, where=where, direction=direction, faiss_name="cl")
         assert set(got.column("group").to_pylist()) == {1} and got.num_rows == 4
         _check_exactly_rescored(other, got, direction, where=where)
     matching = other.store.count(where)
@@ -577,8 +598,7 @@ def test_clustered_refuses_incompatible_indexes(index, tmp_path):
     other = _copy(index, tmp_path)
     build(other, "cl", CLUSTERED, progress=False)
     cand = load_candidates(other.path, "cl")
-    for changes in ({"projection": {**other.manifest.projection, "sha256": "0" * 64}},
-                    {"table": "other_table"}):
+    for changes in ({"projection": {**other.manifest.projection, "sha256": "0" * 64}}, {"table": "other_table"}):
         with pytest.raises(IncompatibleIndexError, match="build-candidates"):
             cand.check_compatible(_with_manifest(other, **changes))
     meta_path = other.path / "faiss" / "cl.json"

@@ -35,9 +35,17 @@ QUERY = {"input_ids": [4, 8, 15, 16, 23, 42, 7], "labels": [-100, -100, 15, 16, 
 def _library_index(path, make_model, **kwargs):
     """An index built and filled through the library, with stored text (documents from ids)."""
     kwargs.setdefault("projection", ProjectionConfig(variant="eogp", k=12, m=48))
-    index = AttributionIndex.create(path, make_model(), TinyTokenizer(), TRAIN, model_name="tiny",
-                                    curvature=CurvatureConfig(num_examples=20, batch_size=5),
-                                    gradients=GradientConfig(batch_size=5), progress=False, **kwargs)
+    index = AttributionIndex.create(
+        path,
+        make_model(),
+        TinyTokenizer(),
+        TRAIN,
+        model_name="tiny",
+        curvature=CurvatureConfig(num_examples=20, batch_size=5),
+        gradients=GradientConfig(batch_size=5),
+        progress=False,
+        **kwargs,
+    )
     index.ingest(TRAIN, progress=False, store_text=1 << 16)
     return index
 
@@ -82,17 +90,21 @@ def test_token_contributions_sum_to_the_projected_and_the_ranked_score(library_i
 
 def test_full_width_training_tokens_equal_kronfluence_per_token_scores(tmp_path):
     """m = k = d, fp32, no PCA: each training token's contribution is kronfluence's per-token score."""
-    index = _library_index(tmp_path / "idx", make_tiny_gpt2, projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
-                           storage=StorageConfig(precision="fp32"))
+    index = _library_index(
+        tmp_path / "idx",
+        make_tiny_gpt2,
+        projection=ProjectionConfig(variant="ekfac-topk", k=10**9),
+        storage=StorageConfig(precision="fp32"),
+    )
     docs = TRAIN[:5]
     ours = index.explain_many(QUERY, [d.id for d in docs])
     query = Example.from_ids("q", QUERY["input_ids"], QUERY["labels"])
     reference = kronfluence_scores(index, [query], docs, per_token=True)[0]  # (docs, T_max)
     for i, (doc, e) in enumerate(zip(docs, ours)):
         got = np.array([t.contribution for t in e.train_tokens])
-        expected = reference[i, :len(doc.input_ids)]
+        expected = reference[i, : len(doc.input_ids)]
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
-        assert np.abs(reference[i, len(doc.input_ids):]).max(initial=0.0) == 0.0  # padding adds nothing
+        assert np.abs(reference[i, len(doc.input_ids) :]).max(initial=0.0) == 0.0  # padding adds nothing
 
 
 @pytest.fixture(scope="module")
@@ -101,17 +113,25 @@ def shard_index(tmp_path_factory):
     root = tmp_path_factory.mktemp("shard")
     make_tiny_gpt2().save_pretrained(root / "model")
     make_word_tokenizer().save_pretrained(root / "model")
-    lines = [{"id": f"d{i}", "text": " ".join(f"t{(i * 5 + j) % 60 + 2}" for j in range(5 + i % 7))}
-             for i in range(16)]
+    lines = [{"id": f"d{i}", "text": " ".join(f"t{(i * 5 + j) % 60 + 2}" for j in range(5 + i % 7))} for i in range(16)]
     (root / "docs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     model, tokenizer = load_model(str(root / "model"))
     from eogp_index.data.records import RecordSpec, tokenize_record
 
-    examples = [tokenize_record(line, shard="docs.jsonl", position=i, spec=RecordSpec(id_field="id"),
-                                tokenizer=tokenizer) for i, line in enumerate(lines)]
-    index = AttributionIndex.create(root / "idx", model, tokenizer, examples, model_name=str(root / "model"),
-                                    projection=ProjectionConfig(k=8, m=32),
-                                    curvature=CurvatureConfig(num_examples=16, batch_size=4), progress=False)
+    examples = [
+        tokenize_record(line, shard="docs.jsonl", position=i, spec=RecordSpec(id_field="id"), tokenizer=tokenizer)
+        for i, line in enumerate(lines)
+    ]
+    index = AttributionIndex.create(
+        root / "idx",
+        model,
+        tokenizer,
+        examples,
+        model_name=str(root / "model"),
+        projection=ProjectionConfig(k=8, m=32),
+        curvature=CurvatureConfig(num_examples=16, batch_size=4),
+        progress=False,
+    )
     from ingest.records import RecordSpec as IngestSpec
 
     run_ingest(index, [root / "docs.jsonl"], spec=IngestSpec(id_field="id"), progress=False)
@@ -165,9 +185,16 @@ def test_store_text_setting_is_fixed_by_the_first_ingest(shard_index):
 
 def test_a_format_1_index_still_opens_and_queries_but_cannot_explain(tmp_path):
     """Index format 1 (before content hashes): rows have no content columns and it is read as before."""
-    index = AttributionIndex.create(tmp_path / "v1", make_tiny_gpt2(), TinyTokenizer(), TRAIN, model_name="tiny",
-                                    projection=ProjectionConfig(k=8, m=32),
-                                    curvature=CurvatureConfig(num_examples=20, batch_size=5), progress=False)
+    index = AttributionIndex.create(
+        tmp_path / "v1",
+        make_tiny_gpt2(),
+        TinyTokenizer(),
+        TRAIN,
+        model_name="tiny",
+        projection=ProjectionConfig(k=8, m=32),
+        curvature=CurvatureConfig(num_examples=20, batch_size=5),
+        progress=False,
+    )
     manifest_path = index.path / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["format_version"] = 1

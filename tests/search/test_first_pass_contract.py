@@ -33,8 +33,9 @@ GENEROUS = {"nprobe": 10**6, "ef_search": 10**6}
 
 
 def _open(path):
-    return AttributionIndex.open(path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(),
-                                 gradients=GradientConfig(batch_size=8))
+    return AttributionIndex.open(
+        path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +121,9 @@ def test_a_small_budget_scores_exactly_and_stays_within_it(index, kind):
         np.testing.assert_allclose(found, [exact[address[a]] for a in rowaddr.tolist()], rtol=1e-5, atol=1e-6)
         got = _candidates(index, kind, 4, C, side).to_arrow()
         assert got.num_rows == 4
-        np.testing.assert_allclose(got.column("score").to_numpy(), [exact[i] for i in got.column("id").to_pylist()],
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            got.column("score").to_numpy(), [exact[i] for i in got.column("id").to_pylist()], rtol=1e-5, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -131,10 +133,12 @@ def test_filters_apply_to_the_candidates(index, kind):
     matching = index.store.count(WHERE)
     assert 4 < matching < n
     for direction in ("positive", "negative"):
-        assert _candidates(index, kind, 4, n, direction, WHERE).to_arrow().to_pylist() == \
-            _exact(index, 4, direction, WHERE)
-        assert _candidates(index, kind, 4, matching, direction, WHERE).to_arrow().to_pylist() == \
-            _exact(index, 4, direction, WHERE)  # the filter fits the budget: every matching row
+        assert _candidates(index, kind, 4, n, direction, WHERE).to_arrow().to_pylist() == _exact(
+            index, 4, direction, WHERE
+        )
+        assert _candidates(index, kind, 4, matching, direction, WHERE).to_arrow().to_pylist() == _exact(
+            index, 4, direction, WHERE
+        )  # the filter fits the budget: every matching row
         small = _candidates(index, kind, 4, 8, direction, WHERE).to_arrow()
         assert set(small.column("group").to_pylist()) <= {1}
 
@@ -158,7 +162,8 @@ def test_it_refuses_an_index_it_was_not_built_from(index, kind):
     other = copy.copy(index)
     other.stored = copy.copy(index.stored)
     other.stored.manifest = dataclasses.replace(
-        index.manifest, projection={**index.manifest.projection, "sha256": "0" * 64})
+        index.manifest, projection={**index.manifest.projection, "sha256": "0" * 64}
+    )
     with pytest.raises(IncompatibleIndexError, match=r"projection sha256.*build-candidates .* --kind " + kind):
         first_pass.load(index.path, kind).check_compatible(other.stored)
     with pytest.raises(IncompatibleIndexError, match="projection sha256"):

@@ -41,8 +41,10 @@ def test_a_first_pass_written_before_opens_with_its_parameters(stored, name):
     opened = first_pass.load(stored.path, name)
     assert opened.kind == saved["kind"] == name and opened.ntotal == stored.count() == saved["rows"]
     assert opened.table_version == saved["table_version"] == stored.store.version  # no refresh needed
-    assert opened.build_params == {**({"replicas": saved["replicas"]} if "replicas" in saved else {}),
-                                   **saved["params"]}
+    assert opened.build_params == {
+        **({"replicas": saved["replicas"]} if "replicas" in saved else {}),
+        **saved["params"],
+    }
 
 
 @pytest.mark.parametrize("name", ["flat", "ivf", "hnsw", "clustered"])
@@ -51,12 +53,20 @@ def test_it_answers_the_same_rows_with_the_same_scores(stored, name):
     answers = [a for a in ANSWERS if a["name"] == name]
     assert len(answers) == 12
     for answer in answers:
-        found = first_pass.candidate_top_k(stored, y[answer["query"]:answer["query"] + 1], 5, answer["C"],
-                                           ["positive", "negative"], where=answer["where"], name=name)
+        found = first_pass.candidate_top_k(
+            stored,
+            y[answer["query"] : answer["query"] + 1],
+            5,
+            answer["C"],
+            ["positive", "negative"],
+            where=answer["where"],
+            name=name,
+        )
         for side, expected in answer["sides"].items():
             rowaddr, scores, _ = found[side]
             assert rowaddr.tolist() == expected["rowaddr"], (name, answer["query"], answer["C"], side)
             np.testing.assert_allclose(scores, np.array(expected["scores"], np.float32), rtol=1e-6)
     # The files were only read: nothing was rebuilt or extended.
-    assert json.loads((stored.path / "faiss" / f"{name}.json").read_text()) == \
-        json.loads((DATA / "index" / "faiss" / f"{name}.json").read_text())
+    assert json.loads((stored.path / "faiss" / f"{name}.json").read_text()) == json.loads(
+        (DATA / "index" / "faiss" / f"{name}.json").read_text()
+    )

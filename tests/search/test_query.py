@@ -59,8 +59,7 @@ def test_a_batch_of_64_queries_answers_each_as_alone(fitted_index):
     for q in (0, 17, 63):
         alone = fitted_index.search(queries[q]).limit(3).where("`group` != 1").to_arrow()
         assert _ids(together[q]) == _ids(alone)
-        np.testing.assert_allclose(together[q].column("score").to_numpy(), alone.column("score").to_numpy(),
-                                   rtol=1e-5)
+        np.testing.assert_allclose(together[q].column("score").to_numpy(), alone.column("score").to_numpy(), rtol=1e-5)
 
 
 def test_many_queries_answer_each_on_its_own(fitted_index):
@@ -93,8 +92,9 @@ def test_an_index_with_no_rows_answers_with_no_rows(fitted_index_template, tmp_p
     path = tmp_path / "empty"
     shutil.copytree(fitted_index_template, path)
     shutil.rmtree(path / "examples.lance")
-    index = AttributionIndex.open(path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(),
-                                  gradients=GradientConfig(batch_size=8))
+    index = AttributionIndex.open(
+        path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
+    )
     assert index.info()["rows"] == 0
     for route in ("hot", "stream"):
         table = index.search(QUERY).limit(3).direction("both").route(route).to_arrow()
@@ -117,17 +117,20 @@ def test_ingest_skips_reruns_and_refuses_an_id_stored_from_elsewhere(fitted_inde
 def test_hits_rank_ties_in_table_order():
     hits = Hits.best(np.array([9, 3, 5, 1], np.uint64), np.array([1.0, 2.0, 2.0, 0.5], np.float32), 3, "positive")
     assert hits.rowaddr.tolist() == [3, 5, 9]
-    merged = Hits.merge([Hits.best(np.array([7], np.uint64), np.array([2.0], np.float32), 1, "negative"), hits],
-                        2, "negative")
+    merged = Hits.merge(
+        [Hits.best(np.array([7], np.uint64), np.array([2.0], np.float32), 1, "negative"), hits], 2, "negative"
+    )
     assert merged.rowaddr.tolist() == [9, 3] and merged.scores.tolist() == [1.0, 2.0]
 
 
 def test_stored_index_opens_without_the_model_or_torch(fitted_index):
     info = StoredIndex.open(fitted_index.path).info()
     assert info == fitted_index.info()
-    code = ("import sys; from eogp_index.store.stored_index import StoredIndex; "
-            f"s = StoredIndex.open({str(fitted_index.path)!r}); print(s.info()['rows'], s.store.read(['id']).num_rows); "
-            "heavy = [m for m in ('torch', 'transformers', 'kronfluence') if m in sys.modules]; print(heavy)")
+    code = (
+        "import sys; from eogp_index.store.stored_index import StoredIndex; "
+        f"s = StoredIndex.open({str(fitted_index.path)!r}); print(s.info()['rows'], s.store.read(['id']).num_rows); "
+        "heavy = [m for m in ('torch', 'transformers', 'kronfluence') if m in sys.modules]; print(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["40 40", "[]"]

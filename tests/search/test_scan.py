@@ -93,7 +93,9 @@ def test_pack_unpack_roundtrip_and_zero_padding(k):
     np.testing.assert_array_equal(unpack_signs(codes, layout), np.where(x >= 0, 1.0, -1.0))
     # Each module equals np.packbits(bitorder="little") of its own coordinates (FAISS's order).
     for c0, kk, b0, nb in zip(layout.coord_offsets, layout.k, layout.byte_offsets, layout.module_bytes):
-        np.testing.assert_array_equal(codes[:, b0 : b0 + nb], np.packbits(x[:, c0 : c0 + kk] >= 0, axis=1, bitorder="little"))
+        np.testing.assert_array_equal(
+            codes[:, b0 : b0 + nb], np.packbits(x[:, c0 : c0 + kk] >= 0, axis=1, bitorder="little")
+        )
     # Padding bits are written as zero.
     for kk, b0, nb in zip(layout.k, layout.byte_offsets, layout.module_bytes):
         if kk % 8:
@@ -153,8 +155,12 @@ def test_scan_scores_nibble_tables(monkeypatch):
     codes, scales = random_store(layout, 90, rng)
     y = rng.standard_normal((2, layout.num_coords)).astype(np.float32)
     assert scan_mod._use_nibbles(layout, 2)
-    assert_close(scan_scores(codes, scales, y, layout), score_reference(codes, scales, y, layout),
-                 score_scale(scales, y, layout), rtol=1e-5)
+    assert_close(
+        scan_scores(codes, scales, y, layout),
+        score_reference(codes, scales, y, layout),
+        score_scale(scales, y, layout),
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("k", [(13, 100, 64, 3, 512, 9, 70), (64, 192, 128)])
@@ -269,7 +275,7 @@ def test_real_like_correlated_codes():
     layout = SignLayout((64, 100, 37, 96))  # K = 297
     n, K = 2000, layout.num_coords
     mix = rng.standard_normal((K, K)) / np.sqrt(K) + 0.3 * np.eye(K)
-    x = (rng.standard_normal((n, 40)) @ rng.standard_normal((40, K)) + rng.standard_normal((n, K)) @ mix)
+    x = rng.standard_normal((n, 40)) @ rng.standard_normal((40, K)) + rng.standard_normal((n, K)) @ mix
     x = (x * np.linspace(0.01, 3.0, K)).astype(np.float32)  # uneven coordinate scales
     codes, scales = pack_signs(x, layout), scales_of(x, layout)
     y = (x[:5] + 0.5 * rng.standard_normal((5, K))).astype(np.float32)  # queries correlated with rows
@@ -301,8 +307,10 @@ def test_top_k_equals_sorted_scan(k, chunk_rows):
     y = rng.standard_normal((2, layout.num_coords)).astype(np.float32)
     scores = scan_scores(codes, scales, y, layout)
     top = scan_top_k(codes, scales, y, layout, 7, chunk_rows=chunk_rows)
-    for largest, idx, val in ((True, top.largest_indices, top.largest_scores),
-                              (False, top.smallest_indices, top.smallest_scores)):
+    for largest, idx, val in (
+        (True, top.largest_indices, top.largest_scores),
+        (False, top.smallest_indices, top.smallest_scores),
+    ):
         expect = top_by_exact(scores, 7, largest)
         np.testing.assert_array_equal(idx, expect)
         np.testing.assert_array_equal(val, np.take_along_axis(scores, expect, axis=1))
@@ -531,8 +539,10 @@ def test_top_k_adversarial(vnni, monkeypatch):
         sub = scores if rows is None else scores[:, rows]
         for yq, sq in ((y, sub), (y[6:7], sub[6:7])):
             top = scan_top_k(codes, scales, yq, layout, kk, rows=rows, chunk_rows=chunk)
-            for idx, val, largest in ((top.largest_indices, top.largest_scores, True),
-                                      (top.smallest_indices, top.smallest_scores, False)):
+            for idx, val, largest in (
+                (top.largest_indices, top.largest_scores, True),
+                (top.smallest_indices, top.smallest_scores, False),
+            ):
                 expect = top_by_exact(sq, kk, largest)
                 got = idx if rows is None else np.searchsorted(rows, idx)
                 np.testing.assert_array_equal(got, expect)

@@ -30,8 +30,12 @@ def _jsonl_lines():
     """Lines written as people write them: odd spacing, key order, escapes, a blank line."""
     lines = []
     for i in range(20):
-        record = {"text": _words(i, 5 + i % 7), "id": f"a{i}", "source": "web" if i % 3 else "books",
-                  "note": "caf\u00e9 \u2028 x"}
+        record = {
+            "text": _words(i, 5 + i % 7),
+            "id": f"a{i}",
+            "source": "web" if i % 3 else "books",
+            "note": "caf\u00e9 \u2028 x",
+        }
         if i % 4 == 0:
             lines.append(json.dumps(record))  # ASCII escapes, ", " separators
         elif i % 4 == 1:
@@ -39,8 +43,17 @@ def _jsonl_lines():
         elif i % 4 == 2:
             lines.append("  " + json.dumps(record, indent=None, sort_keys=True) + "   ")
         else:
-            lines.append(json.dumps({"prompt": _words(i, 3), "completion": " " + _words(i + 1, 4), "id": f"a{i}",
-                                     "source": "chat", "note": "{}"}))
+            lines.append(
+                json.dumps(
+                    {
+                        "prompt": _words(i, 3),
+                        "completion": " " + _words(i + 1, 4),
+                        "id": f"a{i}",
+                        "source": "chat",
+                        "note": "{}",
+                    }
+                )
+            )
         if i == 5:
             lines.append("")
     return lines
@@ -53,19 +66,63 @@ def workspace(tmp_path_factory):
     make_word_tokenizer().save_pretrained(root / "model")
     lines = _jsonl_lines()
     (root / "a.jsonl").write_bytes(("\n".join(lines) + "\n").encode())
-    (root / "b.jsonl.gz").write_bytes(gzip.compress("".join(
-        json.dumps({"id": f"b{i}", "text": _words(i + 30, 6), "source": "news", "note": ""}) + "\n"
-        for i in range(12)).encode()))
-    pq.write_table(pa.table({"id": [f"c{i}" for i in range(14)], "text": [_words(i + 60, 7) for i in range(14)],
-                             "source": ["code"] * 14, "note": ["n"] * 14,
-                             "stars": pa.array(range(14), pa.int16()),
-                             "tags": [[f"x{i}", "y"] for i in range(14)]}), root / "c.parquet", row_group_size=5)
+    (root / "b.jsonl.gz").write_bytes(
+        gzip.compress(
+            "".join(
+                json.dumps({"id": f"b{i}", "text": _words(i + 30, 6), "source": "news", "note": ""}) + "\n"
+                for i in range(12)
+            ).encode()
+        )
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"c{i}" for i in range(14)],
+                "text": [_words(i + 60, 7) for i in range(14)],
+                "source": ["code"] * 14,
+                "note": ["n"] * 14,
+                "stars": pa.array(range(14), pa.int16()),
+                "tags": [[f"x{i}", "y"] for i in range(14)],
+            }
+        ),
+        root / "c.parquet",
+        row_group_size=5,
+    )
     runner = CliRunner()
-    fit = runner.invoke(cli, ["fit", str(root / "model"), "--data", str(root / "a.jsonl"), "--out", str(root / "idx"),
-                              "-k", "16", "--curvature-examples", "20", "--pca-examples", "20", "--max-tokens", "24"])
+    fit = runner.invoke(
+        cli,
+        [
+            "fit",
+            str(root / "model"),
+            "--data",
+            str(root / "a.jsonl"),
+            "--out",
+            str(root / "idx"),
+            "-k",
+            "16",
+            "--curvature-examples",
+            "20",
+            "--pca-examples",
+            "20",
+            "--max-tokens",
+            "24",
+        ],
+    )
     assert fit.exit_code == 0, fit.output
-    ingest = runner.invoke(cli, ["ingest", str(root / "idx"), str(root / "a.jsonl"), str(root / "b.jsonl.gz"),
-                                 str(root / "c.parquet"), "--id-field", "id", "--metadata", "source"])
+    ingest = runner.invoke(
+        cli,
+        [
+            "ingest",
+            str(root / "idx"),
+            str(root / "a.jsonl"),
+            str(root / "b.jsonl.gz"),
+            str(root / "c.parquet"),
+            "--id-field",
+            "id",
+            "--metadata",
+            "source",
+        ],
+    )
     assert ingest.exit_code == 0, ingest.output
     (root / "targets.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TARGETS))
     from eogp_index.client import AttributionIndex
@@ -83,15 +140,19 @@ def _run(*args):
 
 
 def _select(root, out, *args):
-    return json.loads(_run("select", root / "idx", "--queries", root / "targets.jsonl", "--out", root / out,
-                           *args, "--json").stdout)
+    return json.loads(
+        _run("select", root / "idx", "--queries", root / "targets.jsonl", "--out", root / out, *args, "--json").stdout
+    )
 
 
 def _reference(reference, how="mean", keep=None):
     per_query = reference["scores"]
     score = per_query.mean(0) if how == "mean" else per_query.max(0) if how == "max" else per_query.min(0)
-    return dict(zip(reference["ids"], score)) if keep is None else {
-        i: s for i, s in zip(reference["ids"], score) if keep(i)}
+    return (
+        dict(zip(reference["ids"], score))
+        if keep is None
+        else {i: s for i, s in zip(reference["ids"], score) if keep(i)}
+    )
 
 
 def _top(scores: dict, n: int, largest=True):
@@ -104,8 +165,10 @@ def test_selected_jsonl_records_are_input_lines_plus_score(workspace):
     assert summary["selected"] == 9
     out = [line.decode() for line in (root / "subset.jsonl").read_bytes().split(b"\n")[:-1]]  # U+2028 stays
     inputs = {json.loads(line)["id"]: line for line in _jsonl_lines() if line}
-    inputs |= {json.loads(line)["id"]: line for line in gzip.decompress((root / "b.jsonl.gz").read_bytes())
-               .decode().splitlines()}
+    inputs |= {
+        json.loads(line)["id"]: line
+        for line in gzip.decompress((root / "b.jsonl.gz").read_bytes()).decode().splitlines()
+    }
     expected = _reference(reference, keep=lambda i: not i.startswith("c"))
     assert sorted(json.loads(line)["id"] for line in out) == sorted(_top(expected, 9))
     for line in out:
@@ -119,8 +182,11 @@ def test_count_is_right_at_a_percentage_and_gzip_output(workspace):
     root, reference = workspace
     rows = sum(1 for s in reference["source"].values() if s != "books")
     summary = _select(root, "share.jsonl.gz", "--top", "25%", "--where", "source != 'books'")
-    assert summary["selected"] == math.floor(rows * 25 / 100) == len(
-        gzip.decompress((root / "share.jsonl.gz").read_bytes()).splitlines())
+    assert (
+        summary["selected"]
+        == math.floor(rows * 25 / 100)
+        == len(gzip.decompress((root / "share.jsonl.gz").read_bytes()).splitlines())
+    )
     assert _select(root, "all.jsonl", "--top", "100%")["selected"] == len(reference["ids"])
 
 
@@ -155,11 +221,24 @@ def test_a_changed_shard_is_refused(workspace):
     saved = path.read_bytes()
     lines = gzip.decompress(saved).decode().splitlines()
     try:
-        path.write_bytes(gzip.compress("".join(line.replace('"text": "', '"text": "t1 ') + "\n" for line in lines)
-                                       .encode()))
-        result = CliRunner().invoke(cli, ["select", str(root / "idx"), "--queries", str(root / "targets.jsonl"),
-                                          "--top", "3", "--where", "source = 'news'", "--out",
-                                          str(root / "changed.jsonl")])
+        path.write_bytes(
+            gzip.compress("".join(line.replace('"text": "', '"text": "t1 ') + "\n" for line in lines).encode())
+        )
+        result = CliRunner().invoke(
+            cli,
+            [
+                "select",
+                str(root / "idx"),
+                "--queries",
+                str(root / "targets.jsonl"),
+                "--top",
+                "3",
+                "--where",
+                "source = 'news'",
+                "--out",
+                str(root / "changed.jsonl"),
+            ],
+        )
     finally:
         path.write_bytes(saved)
     assert result.exit_code == 1 and "has changed since it was ingested" in result.output
@@ -179,18 +258,38 @@ def test_sigkill_while_writing_leaves_no_output_file(workspace):
         "    line(self, raw); self.handle.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
         "select._Writer.line = line_then_die\n"
         "from eogp_index.cli import main\n"
-        "main(sys.argv[1:])\n")
-    done = subprocess.run([sys.executable, "-c", script, "select", str(root / "idx"), "--queries",
-                           str(root / "targets.jsonl"), "--top", "5", "--out", str(out)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        "main(sys.argv[1:])\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            "select",
+            str(root / "idx"),
+            "--queries",
+            str(root / "targets.jsonl"),
+            "--top",
+            "5",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert done.returncode == -9, done.stderr
     assert os.listdir(out.parent) == []
 
 
 def test_scores_export_every_row_and_query(workspace):
     root, reference = workspace
-    summary = json.loads(_run("scores", root / "idx", "--queries", root / "targets.jsonl", "--out",
-                              root / "scores.parquet", "--json").stdout)
+    summary = json.loads(
+        _run(
+            "scores", root / "idx", "--queries", root / "targets.jsonl", "--out", root / "scores.parquet", "--json"
+        ).stdout
+    )
     table = pq.read_table(root / "scores.parquet")
     n = len(reference["ids"])
     assert summary["rows"] == table.num_rows == n * len(TARGETS)
@@ -202,18 +301,42 @@ def test_scores_export_every_row_and_query(workspace):
     assert {r["id"]: r["source"] for r in table.select(["id", "source"]).to_pylist()} == reference["source"]
 
 
-
 def test_a_moved_shard_without_stored_text_is_refused(workspace):
     root, _ = workspace
     path = root / "b.jsonl.gz"
     path.rename(root / "b.moved")
     try:
-        result = CliRunner().invoke(cli, ["select", str(root / "idx"), "--queries", str(root / "targets.jsonl"),
-                                          "--top", "3", "--where", "source = 'news'", "--out",
-                                          str(root / "moved.jsonl")])
-        ids_only = CliRunner().invoke(cli, ["select", str(root / "idx"), "--queries", str(root / "targets.jsonl"),
-                                            "--top", "3", "--where", "source = 'news'", "--ids-only", "--out",
-                                            str(root / "moved-ids.jsonl")])
+        result = CliRunner().invoke(
+            cli,
+            [
+                "select",
+                str(root / "idx"),
+                "--queries",
+                str(root / "targets.jsonl"),
+                "--top",
+                "3",
+                "--where",
+                "source = 'news'",
+                "--out",
+                str(root / "moved.jsonl"),
+            ],
+        )
+        ids_only = CliRunner().invoke(
+            cli,
+            [
+                "select",
+                str(root / "idx"),
+                "--queries",
+                str(root / "targets.jsonl"),
+                "--top",
+                "3",
+                "--where",
+                "source = 'news'",
+                "--ids-only",
+                "--out",
+                str(root / "moved-ids.jsonl"),
+            ],
+        )
     finally:
         (root / "b.moved").rename(path)
     assert result.exit_code == 1 and "cannot be read" in result.output and "--ids-only" in result.output
@@ -263,8 +386,7 @@ def test_normalize_unit_selects_the_top_cosines_of_a_float64_reference(workspace
     assert _top(mean, 7) != _top(_reference(reference), 7)
 
     # Python, LESS's rule on the harmful side, under a filter, whatever the batches.
-    options = SelectOptions(top="40%", score="max", direction="negative", where="source != 'code'",
-                            normalize="unit")
+    options = SelectOptions(top="40%", score="max", direction="negative", where="source != 'code'", normalize="unit")
     picked = select_documents(index, TARGETS, options)
     kept = {i: s for i, s in low.items() if reference["source"][i] != "code"}
     got = index.stored.rows(picked.rowaddr, ["id"]).column("id").to_pylist()

@@ -20,8 +20,12 @@ def test_stream_equals_hot_scan_both_directions(fitted_index):
 
 def test_filtered_top_k_equals_filter_after_scan(fitted_index):
     ids, scores = fitted_index.scores([QUERY])
-    group = dict(zip(fitted_index.store.read(["id", "group"]).column("id").to_pylist(),
-                     fitted_index.store.read(["id", "group"]).column("group").to_pylist()))
+    group = dict(
+        zip(
+            fitted_index.store.read(["id", "group"]).column("id").to_pylist(),
+            fitted_index.store.read(["id", "group"]).column("group").to_pylist(),
+        )
+    )
     allowed = [(s, i) for i, s in zip(ids, scores[0]) if group[i] == 2]
     expected = [i for s, i in sorted(allowed, key=lambda t: -t[0])[:5]]
     for stream in (False, True):
@@ -42,8 +46,13 @@ def test_scalar_index_is_used_by_filters(fitted_index):
 @pytest.mark.distributed
 def test_two_torchrun_workers_merge_to_the_exact_top_k(fitted_index):
     expected = fitted_index.top_influential(QUERY, k=6, direction="both")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
     # The workers load the model named in the manifest: point it at a saved copy of the tiny model.
     model_dir = fitted_index.path / "model"
     conftest = __import__("tinymodels")
@@ -56,11 +65,31 @@ def test_two_torchrun_workers_merge_to_the_exact_top_k(fitted_index):
     queries = fitted_index.path / "queries.jsonl"
     queries.write_text(json.dumps({"input_ids": QUERY}) + "\n")
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "eogp_index.cli", "query", str(fitted_index.path), "--queries", str(queries), "-k", "6",
-         "--direction", "both", "--json"],
-        capture_output=True, text=True, env=env, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "eogp_index.cli",
+            "query",
+            str(fitted_index.path),
+            "--queries",
+            str(queries),
+            "-k",
+            "6",
+            "--direction",
+            "both",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout[out.stdout.index("["):])[0]
+    result = json.loads(out.stdout[out.stdout.index("[") :])[0]
     got = [r["id"] for r in result["results"]]
     assert got == expected.column("id").to_pylist()

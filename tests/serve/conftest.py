@@ -30,21 +30,40 @@ def index_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     make_tiny_gpt2().save_pretrained(root / "model")
     make_word_tokenizer().save_pretrained(root / "model")
-    records = [{"id": f"doc-{i}", "text": _text(i), "kind": KINDS[i % 3], "n": i}
-               for i in range(40)]
+    records = [{"id": f"doc-{i}", "text": _text(i), "kind": KINDS[i % 3], "n": i} for i in range(40)]
     (root / "shard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     runner = CliRunner()
-    fit = runner.invoke(cli, ["fit", str(root / "model"), "--data", str(root / "shard.jsonl"), "--out",
-                              str(root / "idx"), "-k", "16", "--curvature-examples", "40", "--pca-examples", "40",
-                              "--max-tokens", "24"])
+    fit = runner.invoke(
+        cli,
+        [
+            "fit",
+            str(root / "model"),
+            "--data",
+            str(root / "shard.jsonl"),
+            "--out",
+            str(root / "idx"),
+            "-k",
+            "16",
+            "--curvature-examples",
+            "40",
+            "--pca-examples",
+            "40",
+            "--max-tokens",
+            "24",
+        ],
+    )
     assert fit.exit_code == 0, fit.output
     from eogp_index.data.records import RecordSpec
     from eogp_index.serve.app import open_index
     from ingest.pipeline import run_ingest
 
-    summary = run_ingest(open_index(root / "idx", device="cpu"), [root / "shard.jsonl"],
-                         spec=RecordSpec(id_field="id", metadata_fields=("kind", "n")), store_text=4096,
-                         progress=False)
+    summary = run_ingest(
+        open_index(root / "idx", device="cpu"),
+        [root / "shard.jsonl"],
+        spec=RecordSpec(id_field="id", metadata_fields=("kind", "n")),
+        store_text=4096,
+        progress=False,
+    )
     assert summary.stored == 40, summary
     return root / "idx"
 

@@ -37,8 +37,19 @@ def _error(response, status, field):
 def test_query_answers_the_hits_of_eogp_query_json(client, index_dir):
     from eogp_index.cli import cli
 
-    args = ["query", str(index_dir), "--text", QUERY, "-k", "4", "--where", "kind != 'module'", "--device", "cpu",
-            "--json"]
+    args = [
+        "query",
+        str(index_dir),
+        "--text",
+        QUERY,
+        "-k",
+        "4",
+        "--where",
+        "kind != 'module'",
+        "--device",
+        "cpu",
+        "--json",
+    ]
     printed = CliRunner().invoke(cli, args)
     assert printed.exit_code == 0, printed.output
     expected = json.loads(printed.stdout)[0]
@@ -46,8 +57,9 @@ def test_query_answers_the_hits_of_eogp_query_json(client, index_dir):
     assert answer.status_code == 200, answer.text
     got = answer.json()
     assert got["query"] == expected["query"] == QUERY
-    assert [(r["direction"], r["rank"], r["id"]) for r in got["results"]] == \
-        [(r["direction"], r["rank"], r["id"]) for r in expected["results"]]
+    assert [(r["direction"], r["rank"], r["id"]) for r in got["results"]] == [
+        (r["direction"], r["rank"], r["id"]) for r in expected["results"]
+    ]
     assert [r["score"] for r in got["results"]] == pytest.approx([r["score"] for r in expected["results"]], rel=1e-5)
     for mine, theirs in zip(got["results"], expected["results"]):  # the same columns, text included
         assert {k: v for k, v in mine.items() if k != "score"} == {k: v for k, v in theirs.items() if k != "score"}
@@ -63,13 +75,17 @@ def test_by_module_terms_sum_to_the_score(client):
 
 
 def test_chat_and_token_id_queries(client):
-    chat = client.post("/v1/query", json={"messages": [{"role": "user", "content": "t3 t4"},
-                                                       {"role": "assistant", "content": "t5 t6 t7"}], "k": 2})
+    chat = client.post(
+        "/v1/query",
+        json={"messages": [{"role": "user", "content": "t3 t4"}, {"role": "assistant", "content": "t5 t6 t7"}], "k": 2},
+    )
     # The word tokenizer has no chat template: the message says so and names the field.
     if chat.status_code != 200:
         assert "messages" in _error(chat, 400, "messages")
-    ids = client.post("/v1/query", json={"input_ids": [5, 9, 13, 2, 7], "labels": [-100, -100, 13, 2, 7], "k": 2,
-                                         "direction": "negative"})
+    ids = client.post(
+        "/v1/query",
+        json={"input_ids": [5, 9, 13, 2, 7], "labels": [-100, -100, 13, 2, 7], "k": 2, "direction": "negative"},
+    )
     assert ids.status_code == 200, ids.text
     assert [r["rank"] for r in ids.json()["results"]] == [1, 2]
 
@@ -84,8 +100,8 @@ def test_requests_that_arrive_together_share_one_pass_and_keep_their_own_options
         {"text": "t7 t8 t9 t10", "k": 4, "where": "kind = 'class'"},
         {"text": "t11 t12 t13", "k": 1, "where": "kind = 'class'"},
         {"text": "t11 t12 t13", "k": 6, "where": "n < 20", "direction": "negative"},
-        {"text": "", "k": 3},                                   # fails alone
-        {"text": "t2 t3 t4", "k": 3, "where": "nosuch = 1"},    # fails alone
+        {"text": "", "k": 3},  # fails alone
+        {"text": "t2 t3 t4", "k": 3, "where": "nosuch = 1"},  # fails alone
     ]
     config = ServeConfig(batch_window_ms=10_000, max_batch=len(requests))
     with TestClient(create_app(served_index, config)) as together:
@@ -110,12 +126,15 @@ def test_requests_that_arrive_together_share_one_pass_and_keep_their_own_options
     assert "invalid where filter" in _error(answers[7], 400, "where")
 
 
-@pytest.mark.parametrize("where, problem", [
-    ("kind = 'class' garbage", "at column 16: 'garbage' is left over"),
-    ("n > 3; DROP TABLE examples", "at column 6: ';' starts a second statement"),
-    ("kind IN (SELECT kind FROM examples)", "at column 10: subqueries are not filters"),
-    ("'class' = 'class'", "at column 1: the comparison 'class' = 'class' names no column"),
-])
+@pytest.mark.parametrize(
+    "where, problem",
+    [
+        ("kind = 'class' garbage", "at column 16: 'garbage' is left over"),
+        ("n > 3; DROP TABLE examples", "at column 6: ';' starts a second statement"),
+        ("kind IN (SELECT kind FROM examples)", "at column 10: subqueries are not filters"),
+        ("'class' = 'class'", "at column 1: the comparison 'class' = 'class' names no column"),
+    ],
+)
 def test_a_filter_that_is_not_one_condition_on_columns_is_refused_with_its_position(client, where, problem):
     message = _error(client.post("/v1/query", json={"text": QUERY, "where": where}), 400, "where")
     assert problem in message and "backticks" in message
@@ -129,11 +148,15 @@ def test_user_errors_name_the_field_and_what_to_fix(client):
     assert "max_query_tokens" in _error(client.post("/v1/query", json={"text": " ".join(["t1"] * 65)}), 413, "text")
     assert "integer" in _error(client.post("/v1/query", json={"text": QUERY, "k": "5"}), 422, "k")
     assert "unknown field" in _error(client.post("/v1/query", json={"txt": QUERY}), 422, "txt")
-    assert "exactly one" in _error(client.post("/v1/query", json={"text": QUERY, "input_ids": [1, 2]}), 400,
-                                   "input_ids")
+    assert "exactly one" in _error(
+        client.post("/v1/query", json={"text": QUERY, "input_ids": [1, 2]}), 400, "input_ids"
+    )
     assert "one of text" in _error(client.post("/v1/query", json={"k": 3}), 400, "text")
-    assert "not valid JSON" in _error(client.post("/v1/query", content=b'{"text": "t1 t2",',
-                                                  headers={"content-type": "application/json"}), 422, "body")
+    assert "not valid JSON" in _error(
+        client.post("/v1/query", content=b'{"text": "t1 t2",', headers={"content-type": "application/json"}),
+        422,
+        "body",
+    )
     assert "positive" in _error(client.post("/v1/query", json={"text": QUERY, "direction": "up"}), 422, "direction")
     assert _error(client.get("/v1/examples/no-such-doc"), 404, "id")
     assert _error(client.post("/v1/explain", json={"query": QUERY, "id": "no-such-doc"}), 404, "id")
@@ -144,8 +167,11 @@ def test_request_size_limit(served_index):
     with TestClient(create_app(served_index, ServeConfig(max_request_bytes=200))) as small:
         big = small.post("/v1/query", json={"text": "t1 " * 100})
         assert "max_request_bytes" in _error(big, 413, "body")
-        chunked = small.post("/v1/query", content=iter([b'{"text": "', b"t1 " * 100, b'"}']),
-                             headers={"content-type": "application/json"})
+        chunked = small.post(
+            "/v1/query",
+            content=iter([b'{"text": "', b"t1 " * 100, b'"}']),
+            headers={"content-type": "application/json"},
+        )
         assert "max_request_bytes" in _error(chunked, 413, "body")
 
 
@@ -184,12 +210,15 @@ def test_bearer_token(served_index):
             assert guarded.get("/v1/info", headers={"Authorization": given}).status_code == 200, given
         for given in ("bearer S3CRET", "Basic s3cret", "s3cret", "Bearer"):
             assert guarded.get("/v1/info", headers={"Authorization": given}).status_code == 401, given
-        assert "'Basic'" in _error(guarded.get("/v1/info", headers={"Authorization": "Basic s3cret"}), 401,
-                                   "authorization")
+        assert "'Basic'" in _error(
+            guarded.get("/v1/info", headers={"Authorization": "Basic s3cret"}), 401, "authorization"
+        )
 
 
-@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain",
-                                          "application/json; charset=utf-8", "multipart/form-data"])
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "application/x-www-form-urlencoded", "text/plain", "application/json; charset=utf-8", "multipart/form-data"],
+)
 def test_a_json_body_is_read_whatever_its_content_type_claims(client, content_type):
     body = {"text": QUERY, "k": 2, "where": "kind = 'class'"}
     expected = client.post("/v1/query", json=body).json()["results"]
@@ -247,8 +276,20 @@ def test_select_downloads_what_eogp_select_writes(client, index_dir, tmp_path):
     assert response.status_code == 200, response.text
     assert 'filename="selection.jsonl"' in response.headers["content-disposition"]
     (tmp_path / "targets.jsonl").write_text(json.dumps({"text": QUERY}) + "\n" + json.dumps(body["queries"][1]) + "\n")
-    args = ["select", str(index_dir), "--queries", str(tmp_path / "targets.jsonl"), "--top", "25%", "--where",
-            "kind != 'class'", "--device", "cpu", "--out", str(tmp_path / "cli.jsonl")]
+    args = [
+        "select",
+        str(index_dir),
+        "--queries",
+        str(tmp_path / "targets.jsonl"),
+        "--top",
+        "25%",
+        "--where",
+        "kind != 'class'",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path / "cli.jsonl"),
+    ]
     assert CliRunner().invoke(cli, args).exit_code == 0
     # The same records; scores equal up to the last digits (the server projects its own batch).
     lines = response.content.decode().splitlines()
@@ -271,8 +312,9 @@ def test_select_refusals_name_the_field(client):
     assert "at least one" in _error(client.post("/v1/select", json={"queries": []}), 400, "queries")
     assert "--top" in _error(client.post("/v1/select", json={"queries": [QUERY], "top": "0%"}), 400, "top")
     assert "kynd" in _error(client.post("/v1/select", json={"queries": [QUERY], "where": "kynd = 1"}), 400, "where")
-    assert "lacks" in _error(client.post("/v1/select", json={"queries": [{"prompt": "t1", "chosen": " t2"}]}),
-                             400, "queries")
+    assert "lacks" in _error(
+        client.post("/v1/select", json={"queries": [{"prompt": "t1", "chosen": " t2"}]}), 400, "queries"
+    )
 
 
 def test_select_rebuilds_records_from_stored_text_when_the_shard_is_gone(client, index_dir):
@@ -291,14 +333,27 @@ def test_select_rebuilds_records_from_stored_text_when_the_shard_is_gone(client,
 
 def test_a_behaviour_query_with_a_roll_up_answers_as_the_library(client, served_index):
     queries = ["t1 t2 t3 t4 t5", "t7 t8 t9 t10", {"input_ids": [5, 9, 13, 2, 7], "labels": [-100, -100, 13, 2, 7]}]
-    body = {"queries": queries, "aggregate": "mean", "normalize": "unit", "group_by": "kind", "k": 4,
-            "where": "n < 30", "direction": "both"}
+    body = {
+        "queries": queries,
+        "aggregate": "mean",
+        "normalize": "unit",
+        "group_by": "kind",
+        "k": 4,
+        "where": "n < 30",
+        "direction": "both",
+    }
     answer = client.post("/v1/query", json=body)
     assert answer.status_code == 200, answer.text
     got = answer.json()
     records = [{"text": queries[0]}, {"text": queries[1]}, queries[2]]
-    search = (served_index.search(records, many=True).aggregate("mean").normalize("unit").where("n < 30")
-              .limit(4).direction("both"))
+    search = (
+        served_index.search(records, many=True)
+        .aggregate("mean")
+        .normalize("unit")
+        .where("n < 30")
+        .limit(4)
+        .direction("both")
+    )
     expected = search.to_arrow()
     assert got["query"] == {"queries": queries, "aggregate": "mean"}
     assert [r["id"] for r in got["results"]] == expected.column("id").to_pylist()
@@ -312,12 +367,15 @@ def test_a_behaviour_query_with_a_roll_up_answers_as_the_library(client, served_
 
 def test_behaviour_errors_name_the_field(client):
     assert "aggregate" in _error(client.post("/v1/query", json={"queries": [QUERY, QUERY]}), 400, "aggregate")
-    assert "not both" in _error(client.post("/v1/query", json={"queries": [QUERY], "aggregate": "mean",
-                                                               "text": QUERY}), 400, "text")
-    assert "empty document" in _error(client.post("/v1/query", json={"queries": [QUERY, ""], "aggregate": "sum"}),
-                                      400, "queries[1]")
-    assert "max_queries" in _error(client.post("/v1/query", json={"queries": [QUERY] * 65, "aggregate": "sum"}),
-                                   400, "queries")
+    assert "not both" in _error(
+        client.post("/v1/query", json={"queries": [QUERY], "aggregate": "mean", "text": QUERY}), 400, "text"
+    )
+    assert "empty document" in _error(
+        client.post("/v1/query", json={"queries": [QUERY, ""], "aggregate": "sum"}), 400, "queries[1]"
+    )
+    assert "max_queries" in _error(
+        client.post("/v1/query", json={"queries": [QUERY] * 65, "aggregate": "sum"}), 400, "queries"
+    )
     assert "'kind'" in _error(client.post("/v1/query", json={"text": QUERY, "group_by": "kynd"}), 400, "group_by")
     assert _error(client.post("/v1/query", json={"text": QUERY, "normalize": "l2"}), 422, "normalize")
 
@@ -334,8 +392,9 @@ def test_preference_and_prompt_completion_queries_answer_as_the_library(client, 
     assert got["query"] == query
     expected = served_index.search(query).where("n < 30").limit(4).direction("both").to_arrow()
     assert expected.num_rows > 4
-    assert [(r["direction"], r["id"]) for r in got["results"]] == list(zip(expected.column("direction").to_pylist(),
-                                                                           expected.column("id").to_pylist()))
+    assert [(r["direction"], r["id"]) for r in got["results"]] == list(
+        zip(expected.column("direction").to_pylist(), expected.column("id").to_pylist())
+    )
     assert [r["score"] for r in got["results"]] == pytest.approx(expected.column("score").to_pylist(), rel=1e-5)
 
 
@@ -343,8 +402,13 @@ def test_a_behaviour_holds_preference_and_prompt_completion_queries(client, serv
     queries = [QUERY, PREFERENCE, COMPLETION]
     answer = client.post("/v1/query", json={"queries": queries, "aggregate": "sum", "k": 3, "direction": "positive"})
     assert answer.status_code == 200, answer.text
-    expected = (served_index.search([{"text": QUERY}, PREFERENCE, COMPLETION], many=True).aggregate("sum").limit(3)
-                .direction("positive").to_arrow())
+    expected = (
+        served_index.search([{"text": QUERY}, PREFERENCE, COMPLETION], many=True)
+        .aggregate("sum")
+        .limit(3)
+        .direction("positive")
+        .to_arrow()
+    )
     got = answer.json()["results"]
     assert [r["id"] for r in got] == expected.column("id").to_pylist() and len(got) == 3
     assert [r["score"] for r in got] == pytest.approx(expected.column("score").to_pylist(), rel=1e-5)
@@ -364,8 +428,9 @@ def test_prompt_completion_and_preference_errors_name_the_field(client):
     assert "empty conversation" in refused({"prompt": [], "completion": []}, "prompt")
     assert "max_query_tokens" in refused({"prompt": "t1", "chosen": " t2", "rejected": " t3" * 70}, "rejected", 413)
     assert "a text or a chat" in refused({"prompt": 5, "completion": " t2"}, "prompt", 422)
-    assert "lacks" in refused({"queries": [QUERY, {"prompt": "t1", "chosen": " t2"}], "aggregate": "mean"},
-                              "queries[1]")
+    assert "lacks" in refused(
+        {"queries": [QUERY, {"prompt": "t1", "chosen": " t2"}], "aggregate": "mean"}, "queries[1]"
+    )
     assert "unknown keys" in refused({"queries": [{**COMPLETION, "source": "x"}], "aggregate": "mean"}, "queries[0]")
     assert "not both" in refused({"queries": [QUERY], "aggregate": "mean", **COMPLETION}, "prompt")
 

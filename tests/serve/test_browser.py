@@ -24,9 +24,17 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 INSTALL = "sudo apt-get install -y chromium chromium-driver"
 #: This machine's network is closed: nothing in the background may try to reach it.
-CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--no-first-run", "--window-size=1440,900")
+CHROMIUM_FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--window-size=1440,900",
+)
 WAIT_S = 60  # upper bounds on waiting for the page, never asserted as timings
 
 
@@ -74,8 +82,11 @@ def server(index_dir, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "serve.log"
     with open(log, "wb") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "eogp_index.cli", "serve", str(index_dir), "--port",
-                                    str(port), "--device", "cpu"], stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "eogp_index.cli", "serve", str(index_dir), "--port", str(port), "--device", "cpu"],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -115,8 +126,14 @@ def _search(driver, query: str, where: str = "", k: int = 4):
     k_input.send_keys(str(k))
     before = driver.find_element(By.ID, "status").text
     driver.find_element(By.ID, "search").click()
-    _wait(driver, lambda d: d.find_element(By.ID, "status").text not in ("", "searching…", before)
-          or d.find_element(By.ID, "error").is_displayed(), "the answer")
+    _wait(
+        driver,
+        lambda d: (
+            d.find_element(By.ID, "status").text not in ("", "searching…", before)
+            or d.find_element(By.ID, "error").is_displayed()
+        ),
+        "the answer",
+    )
 
 
 def test_the_page_queries_filters_and_explains(browser, server, tmp_path):
@@ -124,15 +141,18 @@ def test_the_page_queries_filters_and_explains(browser, server, tmp_path):
 
     browser.get(server + "/")
     _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#columns .chip"), "the column list")
-    columns = [chip.get_attribute("title").split(":")[0] for chip in browser.find_elements(By.CSS_SELECTOR, "#columns .chip")]
+    columns = [
+        chip.get_attribute("title").split(":")[0] for chip in browser.find_elements(By.CSS_SELECTOR, "#columns .chip")
+    ]
     assert "kind" in columns and "n" in columns and "40 documents" in browser.find_element(By.ID, "index-info").text
 
     _search(browser, "t1 t2 t3 t4 t5")
     hits = browser.find_elements(By.CSS_SELECTOR, "li.hit")
     assert len(hits) == 8  # k = 4 per direction, both directions
     assert [h.text for h in browser.find_elements(By.CSS_SELECTOR, "h2.side")][0].startswith("Helps")
-    assert all(h.find_elements(By.CSS_SELECTOR, ".bar .fill") and h.find_elements(By.CSS_SELECTOR, ".doc")
-               for h in hits)
+    assert all(
+        h.find_elements(By.CSS_SELECTOR, ".bar .fill") and h.find_elements(By.CSS_SELECTOR, ".doc") for h in hits
+    )
 
     # A filter from the column list: every hit now has kind = 'class'.
     _search(browser, "t1 t2 t3 t4 t5", where="kind = 'class'")
@@ -150,8 +170,14 @@ def test_the_page_queries_filters_and_explains(browser, server, tmp_path):
     assert not browser.find_element(By.ID, "error").is_displayed()
     first = browser.find_elements(By.CSS_SELECTOR, "li.hit")[0]
     first.click()
-    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#detail .tokens .tok")
-          or d.find_elements(By.CSS_SELECTOR, "#detail .error"), "the explanation")
+    _wait(
+        browser,
+        lambda d: (
+            d.find_elements(By.CSS_SELECTOR, "#detail .tokens .tok")
+            or d.find_elements(By.CSS_SELECTOR, "#detail .error")
+        ),
+        "the explanation",
+    )
     detail = browser.find_element(By.ID, "detail")
     assert first.get_attribute("data-id") in detail.text
     assert len(detail.find_elements(By.CSS_SELECTOR, ".module-bar")) == 8
@@ -187,8 +213,14 @@ def _explain_first_hit(driver):
 
     first = driver.find_elements(By.CSS_SELECTOR, "li.hit")[0]
     first.click()
-    _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#detail .tokens .tok")
-          or d.find_elements(By.CSS_SELECTOR, "#detail .error"), "the explanation")
+    _wait(
+        driver,
+        lambda d: (
+            d.find_elements(By.CSS_SELECTOR, "#detail .tokens .tok")
+            or d.find_elements(By.CSS_SELECTOR, "#detail .error")
+        ),
+        "the explanation",
+    )
     return first.get_attribute("data-id")
 
 
@@ -218,8 +250,11 @@ def test_each_search_clears_the_last_answer_and_an_empty_side_says_so(browser, s
     assert browser.find_element(By.ID, "detail").find_elements(By.CSS_SELECTOR, ".placeholder")
 
     # The document that helps the query most, alone under a filter: nothing hurts the query.
-    request = urllib.request.Request(f"{server}/v1/query", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"text": "t1 t2 t3 t4 t5", "k": 1, "direction": "positive"}).encode())
+    request = urllib.request.Request(
+        f"{server}/v1/query",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"text": "t1 t2 t3 t4 t5", "k": 1, "direction": "positive"}).encode(),
+    )
     best = json.loads(urllib.request.urlopen(request, timeout=WAIT_S).read())["results"][0]["id"]
     _search(browser, "t1 t2 t3 t4 t5", where=f"id = '{best}'")
     assert [h.text.split(":")[0] for h in browser.find_elements(By.CSS_SELECTOR, "h2.side")] == ["Helps", "Hurts"]
@@ -280,8 +315,13 @@ def test_a_behaviour_query_rolls_up_by_kind_and_a_click_filters_to_a_group(brows
     k_input.clear()
     k_input.send_keys("3")
     browser.find_element(By.ID, "search").click()
-    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#groups .group-bar")
-          or d.find_element(By.ID, "error").is_displayed(), "the group chart")
+    _wait(
+        browser,
+        lambda d: (
+            d.find_elements(By.CSS_SELECTOR, "#groups .group-bar") or d.find_element(By.ID, "error").is_displayed()
+        ),
+        "the group chart",
+    )
     assert not browser.find_element(By.ID, "error").is_displayed(), browser.find_element(By.ID, "error").text
     bars = browser.find_elements(By.CSS_SELECTOR, "#groups .group-bar")
     assert sorted(b.get_attribute("data-group") for b in bars) == ["class", "function", "module"]
@@ -290,8 +330,14 @@ def test_a_behaviour_query_rolls_up_by_kind_and_a_click_filters_to_a_group(brows
 
     # Clicking a group makes it the filter: its hits only, and the chart gives way to them.
     next(b for b in bars if b.get_attribute("data-group") == "class").click()
-    _wait(browser, lambda d: not d.find_elements(By.CSS_SELECTOR, "#groups .group-bar")
-          and d.find_element(By.ID, "status").text not in ("", "searching…"), "the group's hits")
+    _wait(
+        browser,
+        lambda d: (
+            not d.find_elements(By.CSS_SELECTOR, "#groups .group-bar")
+            and d.find_element(By.ID, "status").text not in ("", "searching…")
+        ),
+        "the group's hits",
+    )
     assert browser.find_element(By.ID, "where").get_attribute("value") == "kind = 'class'"
     metas = [h.find_element(By.CSS_SELECTOR, ".meta").text for h in browser.find_elements(By.CSS_SELECTOR, "li.hit")]
     # Up to k = 3 per side: a side holds only rows of its sign.

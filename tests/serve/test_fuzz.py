@@ -24,10 +24,24 @@ from eogp_index.serve.config import ServeConfig  # noqa: E402
 Case = Tuple[str, str, Any, str]
 SEED = 20240917
 MAX_K, MAX_TOKENS, MAX_BYTES = 50, 32, 4096
-WRONG_VALUES = [None, True, 1.5, -3, "seven", [], [1, "a"], {"a": 1}, "", 10 ** 30]
-BAD_FILTERS = ["kynd = 'a'", "kind = ", "kind = 'unterminated", "1; DROP TABLE examples", "n >> 3", "((n > 1)",
-               "nosuch IS NULL", "kind LIKE", "SELECT * FROM examples", "n = 'x' AND AND", "`kind = 'a'",
-               "kind = klass", "n BETWEEN 1", "embedding = [1,2]", "group = 1"]
+WRONG_VALUES = [None, True, 1.5, -3, "seven", [], [1, "a"], {"a": 1}, "", 10**30]
+BAD_FILTERS = [
+    "kynd = 'a'",
+    "kind = ",
+    "kind = 'unterminated",
+    "1; DROP TABLE examples",
+    "n >> 3",
+    "((n > 1)",
+    "nosuch IS NULL",
+    "kind LIKE",
+    "SELECT * FROM examples",
+    "n = 'x' AND AND",
+    "`kind = 'a'",
+    "kind = klass",
+    "n BETWEEN 1",
+    "embedding = [1,2]",
+    "group = 1",
+]
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -51,11 +65,29 @@ def _wrong_values() -> Dict[str, List[Any]]:
         "by_module": [v for v in WRONG_VALUES if v not in (None, True)] + ["yes", 1, 0],
         "where": [v for v in WRONG_VALUES if v not in (None, "")],
         "text": [v for v in WRONG_VALUES if v is not None] + ["   ", "\n\t"],
-        "messages": ["t1 t2", [{"role": "user"}], [{"content": "t1"}], [{"role": 1, "content": "t1"}],
-                     [{"role": "user", "content": ["t1"]}], ["t1 t2"], {"role": "user", "content": "t1"},
-                     [{"role": "user", "content": "t1", "extra": 1}], 7],
-        "input_ids": ["t1 t2", [1.5, 2], [-1, 2, 3], [1, 2, 10 ** 6], [1, "2", 3], [], [7], {"0": 1},
-                      [1, 2, 70], [True, False, True]],
+        "messages": [
+            "t1 t2",
+            [{"role": "user"}],
+            [{"content": "t1"}],
+            [{"role": 1, "content": "t1"}],
+            [{"role": "user", "content": ["t1"]}],
+            ["t1 t2"],
+            {"role": "user", "content": "t1"},
+            [{"role": "user", "content": "t1", "extra": 1}],
+            7,
+        ],
+        "input_ids": [
+            "t1 t2",
+            [1.5, 2],
+            [-1, 2, 3],
+            [1, 2, 10**6],
+            [1, "2", 3],
+            [],
+            [7],
+            {"0": 1},
+            [1, 2, 70],
+            [True, False, True],
+        ],
     }
 
 
@@ -74,8 +106,11 @@ def _typed_fields(rng: random.Random) -> List[Case]:
     for labels in ([1, 2], [-100, 200, 3, 4], ["a", 1, 2, 3], [-5, 1, 2, 3], "t1"):
         cases.append(("POST", "/v1/query", {"input_ids": [4, 5, 6, 7], "labels": labels}, "labels"))
     cases.append(("POST", "/v1/query", {"text": "t1 t2 t3", "labels": [1, 2, 3]}, "labels"))
-    for value in [v for v in WRONG_VALUES if v != "seven"] + [[{"role": "user"}], {"txt": "t1 t2"},
-                                                             [{"role": "user", "content": 3}]]:
+    for value in [v for v in WRONG_VALUES if v != "seven"] + [
+        [{"role": "user"}],
+        {"txt": "t1 t2"},
+        [{"role": "user", "content": 3}],
+    ]:
         cases.append(("POST", "/v1/explain", {"query": value, "id": "doc-1"}, "query"))
     for value in [None, 3, ["doc-1"], {"id": "doc-1"}, True]:
         cases.append(("POST", "/v1/explain", {"query": "t1 t2 t3", "id": value}, "id"))
@@ -85,8 +120,35 @@ def _typed_fields(rng: random.Random) -> List[Case]:
 def _filters(rng: random.Random) -> List[Case]:
     cases = [("POST", "/v1/query", _query_body(rng, where=where), "where") for where in BAD_FILTERS]
     for _ in range(25):  # random SQL-ish garbage built from the real column names
-        tokens = [rng.choice(["kind", "n", "text", "nosuch", "=", "<", "AND", "OR", "NOT", "(", ")", "'a'", "3",
-                              "LIKE", "IN", ",", "IS", "NULL", "''", "`", "\"", ";"]) for _ in range(rng.randrange(2, 7))]
+        tokens = [
+            rng.choice(
+                [
+                    "kind",
+                    "n",
+                    "text",
+                    "nosuch",
+                    "=",
+                    "<",
+                    "AND",
+                    "OR",
+                    "NOT",
+                    "(",
+                    ")",
+                    "'a'",
+                    "3",
+                    "LIKE",
+                    "IN",
+                    ",",
+                    "IS",
+                    "NULL",
+                    "''",
+                    "`",
+                    '"',
+                    ";",
+                ]
+            )
+            for _ in range(rng.randrange(2, 7))
+        ]
         where = " ".join(tokens)
         cases.append(("POST", "/v1/query", _query_body(rng, where=where), "where?"))
     return cases
@@ -98,18 +160,24 @@ def _sizes(rng: random.Random) -> List[Case]:
         ("POST", "/v1/query", {"input_ids": [3] * (MAX_TOKENS + 1)}, "input_ids"),
         ("POST", "/v1/query", {"text": "t1 " * (MAX_BYTES // 2)}, "body"),
         ("POST", "/v1/explain", {"query": _text(rng, MAX_TOKENS + 5), "id": "doc-1"}, "query"),
-        ("POST", "/v1/query", {"text": "t1 t2", "k": MAX_K + rng.randrange(1, 10 ** 6)}, "k"),
+        ("POST", "/v1/query", {"text": "t1 t2", "k": MAX_K + rng.randrange(1, 10**6)}, "k"),
     ]
 
 
 def _bodies(rng: random.Random) -> List[Case]:
     """Malformed JSON, JSON that is not an object, unknown and missing fields, bad ids in paths."""
     good = json.dumps(_query_body(rng)).encode()
-    cases: List[Case] = [("POST", "/v1/query", good[:cut], "body") for cut in sorted(rng.sample(range(1, len(good) - 1), 12))]
-    cases += [("POST", "/v1/query", raw, "body") for raw in
-              (b"", b"nul", b"{'text': 't1'}", b"\xff\xfe\x00{", b'{"text": "t1 t2",}', b"[", b"{}}")]
-    cases += [("POST", "/v1/query", json.dumps(value).encode(), "body") for value in
-              ([{"text": "t1 t2"}], "t1 t2", 42, None, True)]
+    cases: List[Case] = [
+        ("POST", "/v1/query", good[:cut], "body") for cut in sorted(rng.sample(range(1, len(good) - 1), 12))
+    ]
+    cases += [
+        ("POST", "/v1/query", raw, "body")
+        for raw in (b"", b"nul", b"{'text': 't1'}", b"\xff\xfe\x00{", b'{"text": "t1 t2",}', b"[", b"{}}")
+    ]
+    cases += [
+        ("POST", "/v1/query", json.dumps(value).encode(), "body")
+        for value in ([{"text": "t1 t2"}], "t1 t2", 42, None, True)
+    ]
     cases += [("POST", "/v1/explain", json.dumps(value).encode(), "body") for value in ([], "x", 1)]
     for name in ("txt", "K", "filter", "directions", "query", "top_k", "by_modules", "id"):
         cases.append(("POST", "/v1/query", _query_body(rng, **{name: 1}), name))
@@ -131,8 +199,9 @@ def _mutations(rng: random.Random, n: int = 40) -> List[Case]:
     cases = []
     for _ in range(n):
         field_name = rng.choice(sorted(wrong))
-        cases.append(("POST", "/v1/query", _query_body_with(rng, field_name, rng.choice(wrong[field_name])),
-                      field_name))
+        cases.append(
+            ("POST", "/v1/query", _query_body_with(rng, field_name, rng.choice(wrong[field_name])), field_name)
+        )
     return cases
 
 
@@ -178,7 +247,11 @@ def test_at_least_200_generated_bad_requests_get_4xx_naming_the_field(client, se
         named = str((error or {}).get("field")).split(".")[0].split("[")[0]  # messages[0].role: messages
         if not error or named != field or not error.get("message"):
             problems.append(f"{shown}: expected field {field!r}, got {error}")
-        elif field != "body" and field.split(".")[0].split("[")[0] not in error["message"] and response.status_code != 404:
+        elif (
+            field != "body"
+            and field.split(".")[0].split("[")[0] not in error["message"]
+            and response.status_code != 404
+        ):
             problems.append(f"{shown}: the message does not name {field!r}: {error['message']}")
     assert problems == [], f"{len(problems)} of {len(cases)} cases:\n" + "\n".join(problems[:40])
     # No endpoint changes stored rows.
@@ -189,6 +262,7 @@ def test_at_least_200_generated_bad_requests_get_4xx_naming_the_field(client, se
 def _unicode_cases(rng: random.Random, n: int = 12) -> List[Tuple[str, str, bytes, str, bool]]:
     """(method, path, raw JSON body, the field at fault, whether it holds invalid Unicode) for each
     text field of each endpoint. JSON escapes the surrogates (``"\\ud800"``), as clients send them."""
+
     def chat(content: str, role: str = "user") -> List[Dict[str, str]]:
         return [{"role": role, "content": content}, {"role": "assistant", "content": _text(rng, 3)}]
 

@@ -52,7 +52,11 @@ def _condition(rng: random.Random) -> str:
         return f"{column} BETWEEN {rng.randrange(0, 10)} AND {rng.randrange(10, 40)}"
     if form == 4:
         return f"{_value(rng, bare)} {rng.choice(['=', '<', '>='])} {column}"  # the column on the right
-    return f"{column} LIKE '{rng.choice(['doc-1%', '%s%', 'c_ass', '%'])}'" if bare != "n" else f"n % 2 = {rng.randrange(2)}"
+    return (
+        f"{column} LIKE '{rng.choice(['doc-1%', '%s%', 'c_ass', '%'])}'"
+        if bare != "n"
+        else f"n % 2 = {rng.randrange(2)}"
+    )
 
 
 def good_filter(rng: random.Random) -> str:
@@ -66,8 +70,26 @@ def good_filter(rng: random.Random) -> str:
 
 
 def _left_over(rng: random.Random, base: str) -> Broken:
-    tail = rng.choice(["ANDD n > 3", "garbage", "x", "'a'", "3", "kind", ")", "LIMIT 1", "ORDER BY n", "NOT",
-                       ", n", "AS x", "n_chars > 380", "-- ok\nn > 1", "(", "OR OR n = 1"])
+    tail = rng.choice(
+        [
+            "ANDD n > 3",
+            "garbage",
+            "x",
+            "'a'",
+            "3",
+            "kind",
+            ")",
+            "LIMIT 1",
+            "ORDER BY n",
+            "NOT",
+            ", n",
+            "AS x",
+            "n_chars > 380",
+            "-- ok\nn > 1",
+            "(",
+            "OR OR n = 1",
+        ]
+    )
     broken = f"{base} {tail}"
     if tail == "AS x":
         return broken, f"at column {len(base) + 2}: 'AS x' is left over"
@@ -79,17 +101,32 @@ def _left_over(rng: random.Random, base: str) -> Broken:
 
 
 def _statements(rng: random.Random, base: str) -> Broken:
-    second = rng.choice(["DROP TABLE examples", "SELECT * FROM examples", "DELETE FROM examples", "", base,
-                         "UPDATE examples SET n = 1"])
+    second = rng.choice(
+        ["DROP TABLE examples", "SELECT * FROM examples", "DELETE FROM examples", "", base, "UPDATE examples SET n = 1"]
+    )
     gap = rng.choice(["", " ", "  "])
     return f"{base}{gap}; {second}".rstrip(), f"at column {len(base) + len(gap) + 1}: ';' starts a second statement"
 
 
 def _subquery(rng: random.Random, base: str) -> Broken:
-    select = rng.choice(["SELECT 1", "SELECT n FROM examples", "select max(n) from examples",
-                         "SELECT * FROM examples WHERE n > 3", "SELECT id FROM nosuch"])
-    sub = rng.choice([f"EXISTS ({select})", f"NOT EXISTS ({select})", f"n IN ({select})", f"n = ({select})",
-                      f"kind NOT IN ({select})"])
+    select = rng.choice(
+        [
+            "SELECT 1",
+            "SELECT n FROM examples",
+            "select max(n) from examples",
+            "SELECT * FROM examples WHERE n > 3",
+            "SELECT id FROM nosuch",
+        ]
+    )
+    sub = rng.choice(
+        [
+            f"EXISTS ({select})",
+            f"NOT EXISTS ({select})",
+            f"n IN ({select})",
+            f"n = ({select})",
+            f"kind NOT IN ({select})",
+        ]
+    )
     if rng.random() < 0.5:
         broken = f"{base} {rng.choice(['AND', 'OR'])} {sub}"
     else:
@@ -98,8 +135,9 @@ def _subquery(rng: random.Random, base: str) -> Broken:
 
 
 def _literal_only(rng: random.Random, base: str) -> Broken:
-    left, right = rng.choice([("'a'", "'a'"), ("1", "1"), ("2", "3"), ('"kind"', "'class'"), ('"n"', "3"),
-                              ("'class'", "'module'")])
+    left, right = rng.choice(
+        [("'a'", "'a'"), ("1", "1"), ("2", "3"), ('"kind"', "'class'"), ('"n"', "3"), ("'class'", "'module'")]
+    )
     op = rng.choice(["=", "!=", "<", ">=", "LIKE"]) if left.startswith(("'", '"')) else rng.choice(["=", "<", ">="])
     comparison = f"{left} {op} {right}"
     if rng.random() < 0.5:
@@ -108,7 +146,7 @@ def _literal_only(rng: random.Random, base: str) -> Broken:
         broken = f"{comparison} {rng.choice(['AND', 'OR'])} {base}"
     expected = "names no column"
     if left.startswith('"'):
-        expected = f'{left} in double quotes is a string here, not a column: write `{left.strip(chr(34))}`'
+        expected = f"{left} in double quotes is a string here, not a column: write `{left.strip(chr(34))}`"
     return broken, expected
 
 
@@ -172,9 +210,18 @@ def test_generated_content_types_and_auth_schemes_never_change_the_answer(client
     expected = _post(client, body)
     assert expected.status_code == 200, expected.text
     for _ in range(8):
-        content_type = rng.choice([None, "application/x-www-form-urlencoded", "text/plain", "application/json",
-                                   "application/json; charset=utf-8", "multipart/form-data; boundary=x",
-                                   "application/octet-stream", "TEXT/JSON"])
+        content_type = rng.choice(
+            [
+                None,
+                "application/x-www-form-urlencoded",
+                "text/plain",
+                "application/json",
+                "application/json; charset=utf-8",
+                "multipart/form-data; boundary=x",
+                "application/octet-stream",
+                "TEXT/JSON",
+            ]
+        )
         scheme = "".join(c.upper() if rng.random() < 0.5 else c for c in "bearer")
         answer = _post(client, body, content_type=content_type, scheme=scheme)
         assert answer.status_code == 200, (content_type, scheme, answer.text)

@@ -33,17 +33,24 @@ QUERIES = make_examples(3, seed=32, prefix="q")
 KEYS = ("gradient_eigenvectors", "activation_eigenvectors")
 #: float16 unit roundoff (11 significant bits, round to nearest) and the largest rounding of a
 #: subnormal (|x| < 2^-14, spaced 2^-24); float32's unit roundoff.
-U_F16, SUBNORMAL_ERR, U_F32 = 2.0 ** -11, 2.0 ** -25, 2.0 ** -24
+U_F16, SUBNORMAL_ERR, U_F32 = 2.0**-11, 2.0**-25, 2.0**-24
 
 
 @pytest.fixture(scope="module")
 def bf16_index(tmp_path_factory):
     """A bf16 index with a few documents ingested; m = 40 keeps some rows and columns out."""
-    index = AttributionIndex.create(tmp_path_factory.mktemp("eig") / "idx", make_tiny_llama(), TinyTokenizer(), TRAIN,
-                                    model_name="tiny-llama", dtype="bfloat16",
-                                    projection=ProjectionConfig(k=8, m=40, num_fit_examples=16),
-                                    curvature=CurvatureConfig(num_examples=16, batch_size=8),
-                                    gradients=GradientConfig(batch_size=8), progress=False)
+    index = AttributionIndex.create(
+        tmp_path_factory.mktemp("eig") / "idx",
+        make_tiny_llama(),
+        TinyTokenizer(),
+        TRAIN,
+        model_name="tiny-llama",
+        dtype="bfloat16",
+        projection=ProjectionConfig(k=8, m=40, num_fit_examples=16),
+        curvature=CurvatureConfig(num_examples=16, batch_size=8),
+        gradients=GradientConfig(batch_size=8),
+        progress=False,
+    )
     index.ingest(TRAIN, progress=False)
     return index
 
@@ -126,15 +133,24 @@ def test_an_index_with_float32_eigenvector_columns_opens_and_answers_the_same(bf
     old = shutil.copytree(bf16_index.path, tmp_path / "old")
     _as_format_2(old / PROJECTION_FILE)
     manifest = json.loads((old / MANIFEST_FILE).read_text())
-    manifest["projection"].update(sha256=file_sha256(old / PROJECTION_FILE),
-                                  fingerprint=file_fingerprint(old / PROJECTION_FILE))
+    manifest["projection"].update(
+        sha256=file_sha256(old / PROJECTION_FILE), fingerprint=file_fingerprint(old / PROJECTION_FILE)
+    )
     (old / MANIFEST_FILE).write_text(json.dumps(manifest))
-    reopened = AttributionIndex.open(old, model=make_tiny_llama().to(torch.bfloat16), tokenizer=TinyTokenizer(),
-                                     gradients=GradientConfig(batch_size=8))
+    reopened = AttributionIndex.open(
+        old,
+        model=make_tiny_llama().to(torch.bfloat16),
+        tokenizer=TinyTokenizer(),
+        gradients=GradientConfig(batch_size=8),
+    )
     for module in reopened.projection.modules.values():
         assert module.gradient_eigenvectors.dtype == torch.float32  # held as stored
-    again = AttributionIndex.open(bf16_index.path, model=make_tiny_llama().to(torch.bfloat16),
-                                  tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8))
+    again = AttributionIndex.open(
+        bf16_index.path,
+        model=make_tiny_llama().to(torch.bfloat16),
+        tokenizer=TinyTokenizer(),
+        gradients=GradientConfig(batch_size=8),
+    )
     np.testing.assert_array_equal(reopened.project(TRAIN), again.project(TRAIN))
     assert _answers(reopened) == _answers(again)
     # Its plan counts the columns as the file holds them: float32, exactly twice the new index's.

@@ -21,14 +21,44 @@ ROWS, COMMITS = 90, 6
 
 #: Filters DataFusion plans over the hot columns; each must select what Lance selects.
 FILTERS = [
-    "source = 'web'", "source != 'web'", "source IN ('web', 'books')", "source NOT IN ('web')",
-    "source IS NULL", "source IS NOT NULL", "source = 'o''k'", "source LIKE '%o%'", "lower(source) = 'web'",
-    "title LIKE 'doc 1%'", "title NOT LIKE '%5'", "title ILIKE 'DOC 2%'", "title < 'doc 2'", "title IS NULL",
-    "n > 10", "n <= 3", "n BETWEEN 5 AND 9", "n IS NULL", "n = 7 OR source = 'books'",
-    "(n > 5 AND flag) OR title = 'doc 3'", "score_x > 0.5", "score_x < 0", "score_x >= 0.25 AND score_x < 0.75",
-    "flag", "NOT flag", "flag = false", "flag IS NULL", "`group` = 1", "`group` IN (0, 2) AND NOT (`with space` > 10)",
-    "`with space` >= 20", "id >= 'row-5'", "position % 2 = 0", "num_tokens > 8 AND shard = 'synthetic'",
-    "true", "false", "n > 1 + 2", "lower(source) LIKE 'w%'", "NOT (n = 3) -- a comment",
+    "source = 'web'",
+    "source != 'web'",
+    "source IN ('web', 'books')",
+    "source NOT IN ('web')",
+    "source IS NULL",
+    "source IS NOT NULL",
+    "source = 'o''k'",
+    "source LIKE '%o%'",
+    "lower(source) = 'web'",
+    "title LIKE 'doc 1%'",
+    "title NOT LIKE '%5'",
+    "title ILIKE 'DOC 2%'",
+    "title < 'doc 2'",
+    "title IS NULL",
+    "n > 10",
+    "n <= 3",
+    "n BETWEEN 5 AND 9",
+    "n IS NULL",
+    "n = 7 OR source = 'books'",
+    "(n > 5 AND flag) OR title = 'doc 3'",
+    "score_x > 0.5",
+    "score_x < 0",
+    "score_x >= 0.25 AND score_x < 0.75",
+    "flag",
+    "NOT flag",
+    "flag = false",
+    "flag IS NULL",
+    "`group` = 1",
+    "`group` IN (0, 2) AND NOT (`with space` > 10)",
+    "`with space` >= 20",
+    "id >= 'row-5'",
+    "position % 2 = 0",
+    "num_tokens > 8 AND shard = 'synthetic'",
+    "true",
+    "false",
+    "n > 1 + 2",
+    "lower(source) LIKE 'w%'",
+    "NOT (n = 3) -- a comment",
 ]
 #: Filters only Lance takes (its own extensions): evaluated by Lance, same answers.
 LANCE_ONLY = ["SOURCE = 'web'", "_rowid < 5", "regexp_match(title, 'doc 1.')"]
@@ -50,15 +80,22 @@ def _row_metadata(i: int) -> dict:
 def _write_rows(index, start: int, n: int, seed: int) -> None:
     coords = np.random.default_rng(seed).standard_normal((n, index.layout.num_coords)).astype(np.float32)
     rows = range(start, start + n)
-    info = RowInfo(ids=[f"row-{i}" for i in rows], shards=["synthetic"] * n, positions=list(rows),
-                   num_tokens=[5 + i % 9 for i in rows], num_loss_tokens=[4 + i % 9 for i in rows],
-                   truncated=[False] * n, metadata=[_row_metadata(i) for i in rows])
+    info = RowInfo(
+        ids=[f"row-{i}" for i in rows],
+        shards=["synthetic"] * n,
+        positions=list(rows),
+        num_tokens=[5 + i % 9 for i in rows],
+        num_loss_tokens=[4 + i % 9 for i in rows],
+        truncated=[False] * n,
+        metadata=[_row_metadata(i) for i in rows],
+    )
     index.store.add(build_rows(info, index.codec.encode(coords), schema=index.store.schema))
 
 
 def _open(path):
-    return AttributionIndex.open(path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(),
-                                 gradients=GradientConfig(batch_size=8))
+    return AttributionIndex.open(
+        path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +144,17 @@ def test_lance_extensions_are_evaluated_by_lance(rich, where):
     assert np.array_equal(rich.stored.matching_rows(where), expected)
 
 
-@pytest.mark.parametrize("where", ["source = 'web' AND n > 3", "title LIKE 'doc 1%' OR flag IS NULL",
-                                   "`group` IN (1, 2)", "score_x < 0", "n IS NULL", "source = 'nothing'"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "source = 'web' AND n > 3",
+        "title LIKE 'doc 1%' OR flag IS NULL",
+        "`group` IN (1, 2)",
+        "score_x < 0",
+        "n IS NULL",
+        "source = 'nothing'",
+    ],
+)
 def test_filtered_search_equals_scoring_everything_then_filtering(rich, where):
     ids, scores = rich.scores([QUERY])  # every row, in table order (the order ties are broken in)
     keep = set(rich.store.read(["id"], where).column("id").to_pylist())  # Lance's answer
@@ -122,8 +168,9 @@ def test_filtered_search_equals_scoring_everything_then_filtering(rich, where):
         # The answer's metadata is the table's (from the hot copy).
         expected = rich.store.read(["id", "source", "n"], where).to_pylist()
         by_id = {row["id"]: row for row in expected}
-        assert [{k: r[k] for k in ("id", "source", "n")} for r in table.to_pylist()] == \
-            [by_id[i] for i in table.column("id").to_pylist()]
+        assert [{k: r[k] for k in ("id", "source", "n")} for r in table.to_pylist()] == [
+            by_id[i] for i in table.column("id").to_pylist()
+        ]
     # ... and the streaming route, where Lance evaluates the filter, agrees.
     both = rich.search(QUERY).where(where).limit(7).direction("both")
     assert both.to_arrow().column("id").to_pylist() == both.route("stream").to_arrow().column("id").to_pylist()
@@ -139,12 +186,15 @@ def test_a_repeated_filter_is_answered_from_the_cache_of_its_table_version(rich)
     assert np.array_equal(again, _lance_positions(rich, where))
 
 
-@pytest.mark.parametrize("where, reason", [
-    ("no_such_column = 1", "no_such_column"),
-    ("n >", "n >"),
-    ("title = 'x' AND AND", "AND AND"),
-    ("id = 1", "id = 1"),
-])
+@pytest.mark.parametrize(
+    "where, reason",
+    [
+        ("no_such_column = 1", "no_such_column"),
+        ("n >", "n >"),
+        ("title = 'x' AND AND", "AND AND"),
+        ("id = 1", "id = 1"),
+    ],
+)
 def test_a_bad_filter_is_an_input_error_naming_it_and_the_columns(rich, where, reason):
     with pytest.raises(InputError) as caught:
         rich.search(QUERY).where(where).to_arrow()
@@ -177,13 +227,14 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("where, problem", REFUSED)
-def test_a_filter_with_more_or_other_than_one_condition_on_columns_is_refused_where_it_goes_wrong(
-        rich, where, problem):
+def test_a_filter_with_more_or_other_than_one_condition_on_columns_is_refused_where_it_goes_wrong(rich, where, problem):
     expect = f"invalid where filter {where!r}: {problem}"
-    for run in (lambda: rich.search(QUERY).where(where).to_arrow(),
-                lambda: rich.search(QUERY).where(where).route("stream").to_arrow(),
-                lambda: rich.scores([QUERY], where=where),
-                lambda: rich.stored.matching_rows(where)):
+    for run in (
+        lambda: rich.search(QUERY).where(where).to_arrow(),
+        lambda: rich.search(QUERY).where(where).route("stream").to_arrow(),
+        lambda: rich.scores([QUERY], where=where),
+        lambda: rich.stored.matching_rows(where),
+    ):
         with pytest.raises(InputError) as caught:
             run()
         assert expect in str(caught.value) and "backticks" in str(caught.value), str(caught.value)

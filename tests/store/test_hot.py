@@ -22,10 +22,12 @@ def _table(index):
     columns = index.store.metadata_columns()
     t = index.store.read(["signs", "scales", *columns], with_row_address=True)
     t = t.take(pa.array(np.argsort(t.column("_rowaddr").to_numpy())))
-    return (t.column("_rowaddr").to_numpy(),
-            list_column_to_numpy(t.column("signs"), index.layout.nbytes, np.uint8),
-            list_column_to_numpy(t.column("scales"), index.layout.num_modules, np.float32),
-            t.select(columns))
+    return (
+        t.column("_rowaddr").to_numpy(),
+        list_column_to_numpy(t.column("signs"), index.layout.nbytes, np.uint8),
+        list_column_to_numpy(t.column("scales"), index.layout.num_modules, np.float32),
+        t.select(columns),
+    )
 
 
 def _assert_equal_to_table(index, hot):
@@ -36,8 +38,10 @@ def _assert_equal_to_table(index, hot):
     assert hot.columns.schema == columns.schema  # typed as the table types them
     # The dictionary-coded columns filters read hold the same values.
     for name in hot.dictionaries:
-        assert hot.filterable.column(name).cast(columns.schema.field(name).type).to_pylist() == \
-            columns.column(name).to_pylist()
+        assert (
+            hot.filterable.column(name).cast(columns.schema.field(name).type).to_pylist()
+            == columns.column(name).to_pylist()
+        )
 
 
 def _segments(index):
@@ -111,10 +115,13 @@ def test_in_memory_only_when_no_cache_dir(fitted_index):
 def test_hot_take_returns_rows_in_the_order_asked(fitted_index):
     hot = fitted_index.hot_codes()
     positions = np.array([7, 0, 39, 7, 12])
-    assert hot.take(positions, ["id"]).column("id").to_pylist() == \
-        [hot.columns.column("id")[int(p)].as_py() for p in positions]
-    assert fitted_index.stored.rows(hot.rowaddr[positions], ["id"]).column("id").to_pylist() == \
-        hot.take(positions, ["id"]).column("id").to_pylist()
+    assert hot.take(positions, ["id"]).column("id").to_pylist() == [
+        hot.columns.column("id")[int(p)].as_py() for p in positions
+    ]
+    assert (
+        fitted_index.stored.rows(hot.rowaddr[positions], ["id"]).column("id").to_pylist()
+        == hot.take(positions, ["id"]).column("id").to_pylist()
+    )
 
 
 def test_store_follows_commits_of_another_process_without_asking_lance_each_time(fitted_index):

@@ -32,8 +32,11 @@ WHERE = "`group` = 1 AND name LIKE 'doc%'"
 def _answers(index):
     """What users see: a filtered and an unfiltered search, and the hot copy's ids."""
     both = index.search(QUERY).limit(8).direction("both")
-    return (both.to_arrow().to_pylist(), both.where(WHERE).to_arrow().to_pylist(),
-            sorted(index.hot_codes().columns.column("id").to_pylist()))
+    return (
+        both.to_arrow().to_pylist(),
+        both.where(WHERE).to_arrow().to_pylist(),
+        sorted(index.hot_codes().columns.column("id").to_pylist()),
+    )
 
 
 def _many_fragments(index, commits: int = 8):
@@ -187,17 +190,21 @@ def test_ingest_compacts_past_the_threshold_and_ends_ready_to_query(fitted_index
 
     index = fitted_index
     shard = tmp_path / "more.jsonl"
-    records = [{"id": f"ing-{i}", "input_ids": [1 + (i * 7 + j) % 60 for j in range(6 + i % 5)], "kind": i % 2}
-               for i in range(30)]
+    records = [
+        {"id": f"ing-{i}", "input_ids": [1 + (i * 7 + j) % 60 for j in range(6 + i % 5)], "kind": i % 2}
+        for i in range(30)
+    ]
     # 3 rows per commit; more than 4 small fragments make it compact. The first run sees the
     # shard's first 12 records (as if cut short), the rerun all 30: it stores the rest, once.
     shard.write_text("".join(json.dumps(r) + "\n" for r in records[:12]))
-    first = run_ingest(index, [str(shard)], spec=RecordSpec(id_field="id"), batch_size=3, progress=False,
-                       optimize_threshold=4)
+    first = run_ingest(
+        index, [str(shard)], spec=RecordSpec(id_field="id"), batch_size=3, progress=False, optimize_threshold=4
+    )
     assert first.stored == 12 and first.optimized >= 1
     shard.write_text("".join(json.dumps(r) + "\n" for r in records))
-    second = run_ingest(index, [str(shard)], spec=RecordSpec(id_field="id"), batch_size=3, progress=False,
-                        optimize_threshold=4)
+    second = run_ingest(
+        index, [str(shard)], spec=RecordSpec(id_field="id"), batch_size=3, progress=False, optimize_threshold=4
+    )
     assert (second.stored, second.skipped_existing) == (18, 12) and second.optimized >= 1
     ids = index.store.read(["id"]).column("id").to_pylist()
     assert len(ids) == len(set(ids)) == 70
@@ -231,11 +238,18 @@ def test_distributed_ingest_compacts_on_rank_zero(fitted_index, tmp_path):
     make_tiny_gpt2().save_pretrained(model_dir)
     make_word_tokenizer().save_pretrained(model_dir)
     shard = tmp_path / "d.jsonl"
-    shard.write_text("".join(json.dumps({"id": f"d-{i}", "input_ids": [2 + i % 50, 3, 4, 5 + i % 7]}) + "\n"
-                             for i in range(20)))
-    options = dict(spec=RecordSpec(id_field="id"), batch_size=2, progress=False, optimize_threshold=3,
-                   gradients=GradientConfig(batch_size=2, device="cpu"), model_path=str(model_dir),
-                   shard_root=tmp_path)
+    shard.write_text(
+        "".join(json.dumps({"id": f"d-{i}", "input_ids": [2 + i % 50, 3, 4, 5 + i % 7]}) + "\n" for i in range(20))
+    )
+    options = dict(
+        spec=RecordSpec(id_field="id"),
+        batch_size=2,
+        progress=False,
+        optimize_threshold=3,
+        gradients=GradientConfig(batch_size=2, device="cpu"),
+        model_path=str(model_dir),
+        shard_root=tmp_path,
+    )
     summary = run_distributed_ingest(fitted_index.path, [str(shard)], **options)
     assert summary.stored == 20 and summary.optimized >= 2 and summary.workers == 1
     store = StoredIndex.open(fitted_index.path).store

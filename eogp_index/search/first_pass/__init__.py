@@ -47,16 +47,33 @@ from eogp_index.search.first_pass.faiss_binary import (
     IVFFirstPass,
 )
 
-__all__ = ["FirstPass", "FirstPassConfig", "FaissFirstPass", "FlatFirstPass", "FlatConfig", "IVFFirstPass",
-           "IVFConfig", "HNSWFirstPass", "HNSWConfig", "ClusteredFirstPass", "ClusteredConfig", "kinds",
-           "kind_class", "class_for", "make_config", "build", "load", "open_first_pass", "clear_cache",
-           "candidate_top_k"]
+__all__ = [
+    "FirstPass",
+    "FirstPassConfig",
+    "FaissFirstPass",
+    "FlatFirstPass",
+    "FlatConfig",
+    "IVFFirstPass",
+    "IVFConfig",
+    "HNSWFirstPass",
+    "HNSWConfig",
+    "ClusteredFirstPass",
+    "ClusteredConfig",
+    "kinds",
+    "kind_class",
+    "class_for",
+    "make_config",
+    "build",
+    "load",
+    "open_first_pass",
+    "clear_cache",
+    "candidate_top_k",
+]
 
 load = FirstPass.load
 
 
-def build(index, name: str = "default", config: FirstPassConfig = FlatConfig(), *,
-          progress: bool = True) -> FirstPass:
+def build(index, name: str = "default", config: FirstPassConfig = FlatConfig(), *, progress: bool = True) -> FirstPass:
     """Build (or replace) first pass ``name`` of ``index``, of the kind ``config`` configures.
 
     Args:
@@ -116,8 +133,9 @@ def open_first_pass(index, name: str = "default", *, refresh: bool = True) -> Fi
     return first_pass
 
 
-def candidate_top_k(stored, y: np.ndarray, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None,
-                    name: str = "default") -> Dict[str, SideAnswer]:
+def candidate_top_k(
+    stored, y: np.ndarray, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None, name: str = "default"
+) -> Dict[str, SideAnswer]:
     """One query's candidates per side from first pass ``name``, scored exactly (:meth:`FirstPass.top_k`).
 
     Args:

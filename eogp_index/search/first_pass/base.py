@@ -98,8 +98,10 @@ def class_for(config: FirstPassConfig) -> Type["FirstPass"]:
     for cls in _KINDS.values():
         if type(config) is cls.Config:
             return cls
-    raise ConfigError(f"{type(config).__name__} is not the configuration of a first pass; pass one of "
-                      f"{[cls.Config.__name__ for cls in _KINDS.values()]}")
+    raise ConfigError(
+        f"{type(config).__name__} is not the configuration of a first pass; pass one of "
+        f"{[cls.Config.__name__ for cls in _KINDS.values()]}"
+    )
 
 
 def make_config(kind: str, **params: Any) -> FirstPassConfig:
@@ -112,8 +114,9 @@ def make_config(kind: str, **params: Any) -> FirstPassConfig:
     own = {f.name for f in dataclasses.fields(config_class)}
     other = sorted(set(params) - own)
     if other:
-        raise ConfigError(f"the {kind!r} first pass has no parameter {', '.join(other)}; its parameters are "
-                          f"{sorted(own)}")
+        raise ConfigError(
+            f"the {kind!r} first pass has no parameter {', '.join(other)}; its parameters are {sorted(own)}"
+        )
     return config_class(**params)
 
 
@@ -123,7 +126,8 @@ def require_signs(stored) -> None:
         raise IncompatibleIndexError(
             f"{stored.path}: first passes need stored signs, but this index stores precision "
             f"{stored.manifest.precision!r} coordinates. Use the exact scan (no candidates) or build a "
-            "1-bit index (--precision 1bit)")
+            "1-bit index (--precision 1bit)"
+        )
 
 
 def fragment_keys(dataset) -> List[List[int]]:
@@ -207,16 +211,24 @@ class FirstPass(ABC):
     @classmethod
     def provenance(cls, stored, name: str) -> Dict[str, Any]:
         """The JSON fields every kind records: format, kind, layout, and what the codes came from."""
-        return {"format": cls.FORMAT, "format_version": cls.FORMAT_VERSION, "name": name, "kind": cls.kind,
-                "nbytes": stored.layout.nbytes, "k": list(stored.layout.k), "table": stored.manifest.table,
-                "projection_sha256": stored.manifest.projection["sha256"],
-                "weights_sha256": stored.manifest.model.get("weights_sha256"),
-                "created_by": f"eogp-index {__version__}"}
+        return {
+            "format": cls.FORMAT,
+            "format_version": cls.FORMAT_VERSION,
+            "name": name,
+            "kind": cls.kind,
+            "nbytes": stored.layout.nbytes,
+            "k": list(stored.layout.k),
+            "table": stored.manifest.table,
+            "projection_sha256": stored.manifest.projection["sha256"],
+            "weights_sha256": stored.manifest.model.get("weights_sha256"),
+            "created_by": f"eogp-index {__version__}",
+        }
 
     # -- opening -------------------------------------------------------------------------------
     @classmethod
-    def load(cls, index_dir: Union[str, Path], name: str = "default", *,
-             config: Optional[FirstPassConfig] = None) -> "FirstPass":
+    def load(
+        cls, index_dir: Union[str, Path], name: str = "default", *, config: Optional[FirstPassConfig] = None
+    ) -> "FirstPass":
         """Open first pass ``name`` of ``index_dir``, whichever its kind (its JSON says).
 
         Args:
@@ -231,30 +243,39 @@ class FirstPass(ABC):
         """
         meta_path = FirstPass.paths(index_dir, name)["meta"]
         if not meta_path.exists():
-            raise IndexNotFoundError(f"{meta_path} not found: no first pass named {name!r} in {index_dir}; build "
-                                     f"one with `{BUILD_COMMAND} {index_dir} --name {name}`")
+            raise IndexNotFoundError(
+                f"{meta_path} not found: no first pass named {name!r} in {index_dir}; build "
+                f"one with `{BUILD_COMMAND} {index_dir} --name {name}`"
+            )
         try:
             meta = json.loads(meta_path.read_text())
         except ValueError as exc:
-            raise IncompatibleIndexError(f"{meta_path} is not JSON ({exc}); rebuild it with "
-                                         f"`{BUILD_COMMAND} {index_dir} --name {name}`") from exc
+            raise IncompatibleIndexError(
+                f"{meta_path} is not JSON ({exc}); rebuild it with `{BUILD_COMMAND} {index_dir} --name {name}`"
+            ) from exc
         found = _KINDS.get(meta.get("kind"))
         if found is None:
             raise IncompatibleIndexError(
                 f"{meta_path}: a first pass of kind {meta.get('kind')!r}, which this eogp-index does not know "
-                f"(kinds: {list(_KINDS)}); rebuild it with `{BUILD_COMMAND} {index_dir} --name {name}`")
+                f"(kinds: {list(_KINDS)}); rebuild it with `{BUILD_COMMAND} {index_dir} --name {name}`"
+            )
         if not issubclass(found, cls):
-            raise IncompatibleIndexError(f"{meta_path} is a {found.kind!r} first pass, not a {cls.__name__}; open it "
-                                         "with eogp_index.search.first_pass.load, which opens every kind")
+            raise IncompatibleIndexError(
+                f"{meta_path} is a {found.kind!r} first pass, not a {cls.__name__}; open it "
+                "with eogp_index.search.first_pass.load, which opens every kind"
+            )
         if meta.get("format") != found.FORMAT or meta.get("format_version") != found.FORMAT_VERSION:
             why = found.OLD_FORMATS.get(meta.get("format_version"))
             raise IncompatibleIndexError(
                 f"{meta_path}: format {meta.get('format')!r} version {meta.get('format_version')!r}, but this "
                 f"eogp-index reads {found.FORMAT!r} version {found.FORMAT_VERSION}{f' ({why})' if why else ''}; "
-                f"rebuild it with {found.rebuild_hint(index_dir, name)}")
+                f"rebuild it with {found.rebuild_hint(index_dir, name)}"
+            )
         if config is not None and type(config) is not found.Config:
-            raise ConfigError(f"{meta_path} is a {found.kind!r} first pass: pass a {found.Config.__name__} "
-                              f"(or no config), not a {type(config).__name__}")
+            raise ConfigError(
+                f"{meta_path} is a {found.kind!r} first pass: pass a {found.Config.__name__} "
+                f"(or no config), not a {type(config).__name__}"
+            )
         return found._open(Path(index_dir), name, meta, config or found.Config())
 
     @classmethod
@@ -287,7 +308,8 @@ class FirstPass(ABC):
                 raise IncompatibleIndexError(
                     f"{self.paths(self.index_dir, self.name)['meta']} was built from another index ({what}: {ours!r} "
                     f"here, {theirs!r} in {stored.path}); its rows would not match these. Rebuild it with "
-                    f"{self.rebuild_hint(stored.path, self.name)}")
+                    f"{self.rebuild_hint(stored.path, self.name)}"
+                )
 
     @abstractmethod
     def refresh(self, stored, *, progress: bool = False) -> "FirstPass":
@@ -326,8 +348,9 @@ class FirstPass(ABC):
         self.config = dataclasses.replace(self.config, **changes)
 
     @abstractmethod
-    def top_k(self, stored, y, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None
-              ) -> Dict[str, SideAnswer]:
+    def top_k(
+        self, stored, y, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None
+    ) -> Dict[str, SideAnswer]:
         """One query's candidates per side, scored exactly.
 
         Args:

@@ -88,20 +88,32 @@ class ClusteredConfig(FirstPassConfig):
     scale_cells: int = build_param(64, "Scale cells P (k-means over the per-module log-scales).", min=1)
     train_iters: int = build_param(10, "Sign-list k-means iterations (the scale k-means runs at least 20).", min=1)
     use_gpu: Literal["auto", "never"] = build_param(
-        "auto", "auto: train the k-means on the GPU when FAISS is a GPU build and sees one; never: on the CPU.",
-        choices=("auto", "never"))
-    z: float = search_param(4.0, "Standard deviations in a cell's optimistic estimate (larger = more cells "
-                                 "scanned, higher recall).", min=0.0)
-    first_fraction: float = search_param(0.01, "Share of the rows scanned before the early stop applies (round 1).",
-                                         min=0.0, min_open=True, max=1.0)
+        "auto",
+        "auto: train the k-means on the GPU when FAISS is a GPU build and sees one; never: on the CPU.",
+        choices=("auto", "never"),
+    )
+    z: float = search_param(
+        4.0,
+        "Standard deviations in a cell's optimistic estimate (larger = more cells scanned, higher recall).",
+        min=0.0,
+    )
+    first_fraction: float = search_param(
+        0.01, "Share of the rows scanned before the early stop applies (round 1).", min=0.0, min_open=True, max=1.0
+    )
 
 
 def _kmeans(x: np.ndarray, k: int, *, iters: int, seed: int, use_gpu: str):
     """FAISS k-means centroids ``(k, d)`` float32 of ``x`` ``(n, d)`` (on a GPU when one is lent)."""
     faiss = load_faiss()
     gpu = use_gpu == "auto" and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
-    km = faiss.Kmeans(x.shape[1], int(k), niter=int(iters), seed=int(seed), gpu=bool(gpu),
-                      max_points_per_centroid=max(1, -(-x.shape[0] // int(k))))
+    km = faiss.Kmeans(
+        x.shape[1],
+        int(k),
+        niter=int(iters),
+        seed=int(seed),
+        gpu=bool(gpu),
+        max_points_per_centroid=max(1, -(-x.shape[0] // int(k))),
+    )
     km.train(np.ascontiguousarray(x, np.float32))
     return np.ascontiguousarray(km.centroids, np.float32)
 
@@ -151,8 +163,9 @@ class _Cells:
     def train(cls, codes: np.ndarray, scales: np.ndarray, layout: SignLayout, config: ClusteredConfig) -> "_Cells":
         """Centroids from a sample of rows (signs ``(s, nbytes)``, scales ``(s, U)``)."""
         P = min(int(config.scale_cells), codes.shape[0])
-        scale_centroids = _kmeans(_log_scales(scales), P, iters=max(20, config.train_iters), seed=1,
-                                  use_gpu=config.use_gpu)
+        scale_centroids = _kmeans(
+            _log_scales(scales), P, iters=max(20, config.train_iters), seed=1, use_gpu=config.use_gpu
+        )
         L = min(int(config.lists), codes.shape[0])
         lst = np.zeros(codes.shape[0], np.int64)
         if L > 1:
@@ -170,9 +183,9 @@ class _Cells:
         # would be 4 bytes per bit).
         sums = np.zeros((L, layout.num_coords), np.float64)
         for a in range(0, codes.shape[0], 8192):
-            block = unpack_signs(codes[a:a + 8192], layout)  # (b, K) ±1 float32
+            block = unpack_signs(codes[a : a + 8192], layout)  # (b, K) ±1 float32
             onehot = np.zeros((block.shape[0], L), np.float32)
-            onehot[np.arange(block.shape[0]), lst[a:a + 8192]] = 1.0
+            onehot[np.arange(block.shape[0]), lst[a : a + 8192]] = 1.0
             sums += onehot.T @ block
         mean_signs = sums / np.maximum(np.bincount(lst, minlength=L), 1)[:, None]
         return cls(scale_centroids, sign_centroids, mean_signs.astype(np.float32))
@@ -188,12 +201,31 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
     Config = ClusteredConfig
     FORMAT = "eogp-clustered"
     FORMAT_VERSION = 1
-    FILES = {"meta": ".json", "codes": ".codes.npy", "scales": ".scales.npy", "rowaddr": ".rowaddr.npy",
-             "cells": ".cells.npz", "delta": ".delta.npz"}
+    FILES = {
+        "meta": ".json",
+        "codes": ".codes.npy",
+        "scales": ".scales.npy",
+        "rowaddr": ".rowaddr.npy",
+        "cells": ".cells.npz",
+        "delta": ".delta.npz",
+    }
 
-    def __init__(self, index_dir: Path, name: str, config: ClusteredConfig, meta: Dict[str, Any], cells: _Cells, *,
-                 codes: np.ndarray, scales: np.ndarray, rowaddr: np.ndarray, offsets: np.ndarray,
-                 smean: np.ndarray, s2max: np.ndarray, delta: Optional[Dict[str, np.ndarray]] = None):
+    def __init__(
+        self,
+        index_dir: Path,
+        name: str,
+        config: ClusteredConfig,
+        meta: Dict[str, Any],
+        cells: _Cells,
+        *,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        rowaddr: np.ndarray,
+        offsets: np.ndarray,
+        smean: np.ndarray,
+        s2max: np.ndarray,
+        delta: Optional[Dict[str, np.ndarray]] = None,
+    ):
         super().__init__(index_dir, name, config, meta)
         self.cells = cells
         self.codes, self.scales, self.rowaddr = codes, scales, rowaddr
@@ -216,8 +248,9 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def build(cls, stored, name: str = "default", config: Optional[ClusteredConfig] = None, *,
-              progress: bool = False) -> "ClusteredFirstPass":
+    def build(
+        cls, stored, name: str = "default", config: Optional[ClusteredConfig] = None, *, progress: bool = False
+    ) -> "ClusteredFirstPass":
         """Train the cells on a sample of the stored rows and write the clustered copy of every row
         of the hot copy (:meth:`StoredIndex.hot_codes`)."""
         config = config or cls.Config()
@@ -233,13 +266,37 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
         cells = _Cells.train(np.asarray(hot.codes[sample]), np.asarray(hot.scales[sample]), layout, config)
         meta = {**cls.provenance(stored, name), "params": {"lists": cells.lists, "scale_cells": cells.scale_cells}}
         fragments = fragment_keys(stored.store.dataset())
-        built = cls._write(stored.path, name, config, meta, cells, hot.codes, hot.scales, hot.rowaddr,
-                           version=hot.version, fragments=fragments, progress=progress)
+        built = cls._write(
+            stored.path,
+            name,
+            config,
+            meta,
+            cells,
+            hot.codes,
+            hot.scales,
+            hot.rowaddr,
+            version=hot.version,
+            fragments=fragments,
+            progress=progress,
+        )
         return built
 
     @classmethod
-    def _write(cls, index_dir: Path, name: str, config: ClusteredConfig, meta: Dict[str, Any], cells: _Cells, codes,
-               scales, rowaddr, *, version: int, fragments, progress: bool = False) -> "ClusteredFirstPass":
+    def _write(
+        cls,
+        index_dir: Path,
+        name: str,
+        config: ClusteredConfig,
+        meta: Dict[str, Any],
+        cells: _Cells,
+        codes,
+        scales,
+        rowaddr,
+        *,
+        version: int,
+        fragments,
+        progress: bool = False,
+    ) -> "ClusteredFirstPass":
         """Assign every row to its cell, write the sorted copy and the statistics, commit the JSON."""
         n, U = scales.shape
         cell = np.empty(n, np.int64)
@@ -249,7 +306,7 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
 
             blocks = tqdm(blocks, desc="assign cells", unit="block")
         for a in blocks:
-            cell[a:a + _BLOCK_ROWS] = cells.assign(codes[a:a + _BLOCK_ROWS], scales[a:a + _BLOCK_ROWS])
+            cell[a : a + _BLOCK_ROWS] = cells.assign(codes[a : a + _BLOCK_ROWS], scales[a : a + _BLOCK_ROWS])
         order = np.argsort(cell, kind="stable")  # stable: row-address order within a cell
         counts = np.bincount(cell, minlength=cells.num_cells)
         offsets = np.zeros(cells.num_cells + 1, np.int64)
@@ -260,10 +317,10 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
         out_codes = np.lib.format.open_memmap(tmp["codes"], mode="w+", dtype=np.uint8, shape=(n, codes.shape[1]))
         out_scales = np.empty((n, U), np.float16)
         for a in range(0, n, _BLOCK_ROWS):
-            rows = order[a:a + _BLOCK_ROWS]
-            out_codes[a:a + rows.size] = codes[rows]
+            rows = order[a : a + _BLOCK_ROWS]
+            out_codes[a : a + rows.size] = codes[rows]
             s = np.asarray(scales[rows], np.float32)
-            out_scales[a:a + rows.size] = s  # FP16 scales read back from FP16: exact
+            out_scales[a : a + rows.size] = s  # FP16 scales read back from FP16: exact
         out_codes.flush()
         del out_codes
         # Rows are grouped by cell now: per-cell sums and maxima are reductions over runs.
@@ -280,9 +337,15 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
         with open(tmp["rowaddr"], "wb") as fh:
             np.save(fh, np.ascontiguousarray(np.asarray(rowaddr, np.uint64)[order]))
         with open(tmp["cells"], "wb") as fh:
-            np.savez(fh, offsets=offsets, smean=smean.astype(np.float32), s2max=s2max,
-                     scale_centroids=cells.scale_centroids, sign_centroids=cells.sign_centroids,
-                     mean_signs=cells.mean_signs)
+            np.savez(
+                fh,
+                offsets=offsets,
+                smean=smean.astype(np.float32),
+                s2max=s2max,
+                scale_centroids=cells.scale_centroids,
+                sign_centroids=cells.sign_centroids,
+                mean_signs=cells.mean_signs,
+            )
         meta = dict(meta, rows=int(n), delta_rows=0, table_version=int(version), fragments=fragments)
         tmp["meta"].write_text(json.dumps(meta, indent=2) + "\n")
         if p["delta"].exists():
@@ -291,8 +354,15 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
         return cls.load(index_dir, name, config=config)
 
     @classmethod
-    def from_codes(cls, codes: np.ndarray, scales: np.ndarray, layout: SignLayout, config: ClusteredConfig,
-                   index_dir: Union[str, Path], name: str = "in-memory") -> "ClusteredFirstPass":
+    def from_codes(
+        cls,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        layout: SignLayout,
+        config: ClusteredConfig,
+        index_dir: Union[str, Path],
+        name: str = "in-memory",
+    ) -> "ClusteredFirstPass":
         """A clustered copy of codes held in memory, built as :meth:`build` builds (benchmarks).
 
         Row ``i`` gets row address ``i``; the files go to ``<index_dir>/faiss/``. Not tied to a
@@ -300,14 +370,34 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
         """
         codes = np.ascontiguousarray(codes, np.uint8)
         n = codes.shape[0]
-        sample = np.sort(np.random.default_rng(0).choice(n, size=min(n, max(1 << 16, 256 * int(config.scale_cells))),
-                                                         replace=False))
+        sample = np.sort(
+            np.random.default_rng(0).choice(n, size=min(n, max(1 << 16, 256 * int(config.scale_cells))), replace=False)
+        )
         cells = _Cells.train(codes[sample], np.asarray(scales[sample]), layout, config)
-        meta = {"format": cls.FORMAT, "format_version": cls.FORMAT_VERSION, "name": name, "kind": cls.kind,
-                "params": {"lists": cells.lists, "scale_cells": cells.scale_cells}, "nbytes": layout.nbytes,
-                "k": list(layout.k), "table": None, "projection_sha256": None, "weights_sha256": None}
-        return cls._write(Path(index_dir), name, config, meta, cells, codes, scales, np.arange(n, dtype=np.uint64),
-                          version=-1, fragments=[])
+        meta = {
+            "format": cls.FORMAT,
+            "format_version": cls.FORMAT_VERSION,
+            "name": name,
+            "kind": cls.kind,
+            "params": {"lists": cells.lists, "scale_cells": cells.scale_cells},
+            "nbytes": layout.nbytes,
+            "k": list(layout.k),
+            "table": None,
+            "projection_sha256": None,
+            "weights_sha256": None,
+        }
+        return cls._write(
+            Path(index_dir),
+            name,
+            config,
+            meta,
+            cells,
+            codes,
+            scales,
+            np.arange(n, dtype=np.uint64),
+            version=-1,
+            fragments=[],
+        )
 
     @classmethod
     def _open(cls, index_dir: Path, name: str, meta: Dict[str, Any], config: ClusteredConfig) -> "ClusteredFirstPass":
@@ -324,19 +414,37 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
                 with np.load(p["delta"]) as z:
                     delta = {key: z[key] for key in z.files}
         except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
-            raise IncompatibleIndexError(f"{p['dir']}: the files of {name!r} cannot be read ({exc}); rebuild it with "
-                                         f"{cls.rebuild_hint(index_dir, name)}") from exc
+            raise IncompatibleIndexError(
+                f"{p['dir']}: the files of {name!r} cannot be read ({exc}); rebuild it with "
+                f"{cls.rebuild_hint(index_dir, name)}"
+            ) from exc
         delta_rows = 0 if delta is None else delta["rowaddr"].shape[0]
-        if not (codes.shape[0] == scales.shape[0] == rowaddr.shape[0] == meta["rows"] == arrays["offsets"][-1]) \
-                or codes.shape[1] != meta["nbytes"] or delta_rows != meta.get("delta_rows", 0):
+        if (
+            not (codes.shape[0] == scales.shape[0] == rowaddr.shape[0] == meta["rows"] == arrays["offsets"][-1])
+            or codes.shape[1] != meta["nbytes"]
+            or delta_rows != meta.get("delta_rows", 0)
+        ):
             raise IncompatibleIndexError(
                 f"{p['dir']}: the files of {name!r} disagree with {p['meta'].name} (rows {meta['rows']}, delta "
                 f"{meta.get('delta_rows', 0)}; an interrupted write?); rebuild it with "
-                f"{cls.rebuild_hint(index_dir, name)}")
+                f"{cls.rebuild_hint(index_dir, name)}"
+            )
         cells = _Cells(arrays["scale_centroids"], arrays["sign_centroids"], arrays["mean_signs"])
         config = dataclasses.replace(config, lists=cells.lists, scale_cells=cells.scale_cells)
-        return cls(index_dir, name, config, meta, cells, codes=codes, scales=scales, rowaddr=rowaddr,
-                   offsets=arrays["offsets"], smean=arrays["smean"], s2max=arrays["s2max"], delta=delta)
+        return cls(
+            index_dir,
+            name,
+            config,
+            meta,
+            cells,
+            codes=codes,
+            scales=scales,
+            rowaddr=rowaddr,
+            offsets=arrays["offsets"],
+            smean=arrays["smean"],
+            s2max=arrays["s2max"],
+            delta=delta,
+        )
 
     # -- keeping current ---------------------------------------------------------------------
     def refresh(self, stored, *, progress: bool = False) -> "ClusteredFirstPass":
@@ -361,16 +469,22 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
         new = np.flatnonzero(np.isin(fragment_of, np.asarray(new_ids, np.int64)))
         delta = self.delta
         if new.size:
-            delta = {"codes": np.concatenate([delta["codes"], np.asarray(hot.codes[new])]),
-                     "scales": np.concatenate([delta["scales"], np.asarray(hot.scales[new], np.float16)]),
-                     "rowaddr": np.concatenate([delta["rowaddr"], hot.rowaddr[new].astype(np.uint64)])}
+            delta = {
+                "codes": np.concatenate([delta["codes"], np.asarray(hot.codes[new])]),
+                "scales": np.concatenate([delta["scales"], np.asarray(hot.scales[new], np.float16)]),
+                "rowaddr": np.concatenate([delta["rowaddr"], hot.rowaddr[new].astype(np.uint64)]),
+            }
         if delta["rowaddr"].shape[0] > max(_DELTA_SHARE * self.rowaddr.shape[0], _DELTA_MIN_ROWS):
             return self._rebuild(stored, hot, current, progress=progress)
         p = self.paths(self.index_dir, self.name)
         with open(temporary(p["delta"]), "wb") as fh:
             np.savez(fh, **delta)
-        meta = dict(self.meta, delta_rows=int(delta["rowaddr"].shape[0]), table_version=int(hot.version),
-                    delta_fragments=sorted(list(f) for f in known - recorded) + [f for f in current if f[0] in new_ids])
+        meta = dict(
+            self.meta,
+            delta_rows=int(delta["rowaddr"].shape[0]),
+            table_version=int(hot.version),
+            delta_fragments=sorted(list(f) for f in known - recorded) + [f for f in current if f[0] in new_ids],
+        )
         temporary(p["meta"]).write_text(json.dumps(meta, indent=2) + "\n")
         commit([p["delta"], p["meta"]])
         self.meta, self.delta = meta, delta
@@ -379,8 +493,19 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
 
     def _rebuild(self, stored, hot, fragments, *, progress: bool) -> "ClusteredFirstPass":
         meta = {k: v for k, v in self.meta.items() if k not in ("delta_fragments",)}
-        return self._write(self.index_dir, self.name, self.config, meta, self.cells, hot.codes, hot.scales,
-                           hot.rowaddr, version=hot.version, fragments=fragments, progress=progress)
+        return self._write(
+            self.index_dir,
+            self.name,
+            self.config,
+            meta,
+            self.cells,
+            hot.codes,
+            hot.scales,
+            hot.rowaddr,
+            version=hot.version,
+            fragments=fragments,
+            progress=progress,
+        )
 
     # -- searching ---------------------------------------------------------------------------
     def cell_order(self, y: np.ndarray, layout: SignLayout, side: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -439,8 +564,9 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
             self._masks[key] = entry
         return entry
 
-    def top_k(self, stored, y: np.ndarray, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None
-              ) -> Dict[str, SideAnswer]:
+    def top_k(
+        self, stored, y: np.ndarray, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None
+    ) -> Dict[str, SideAnswer]:
         """One query's best rows per side: ``{side: (rowaddr (r,) uint64, exact scores (r,) float32,
         rows scanned)}`` with ``r <= k + 8``, best first (the ranking picks the top ``k``).
 
@@ -458,8 +584,10 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
         mask, delta_mask, counts = self._mask(stored, where)
         total = int(counts.sum())
         kk = int(k) + _EXTRA
-        first = min(int(C), max(int(np.ceil(float(self.config.first_fraction) * self.rowaddr.shape[0])),
-                                _FIRST_ROWS_PER_K * int(k)))
+        first = min(
+            int(C),
+            max(int(np.ceil(float(self.config.first_fraction) * self.rowaddr.shape[0])), _FIRST_ROWS_PER_K * int(k)),
+        )
         out = {}
         for side in sides:
             largest = side == "positive"
@@ -469,8 +597,11 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
                 if rows is not None and rows.size == 0:
                     return
                 top = scan_top_k(codes, scales, y, layout, kk, rows=rows, largest=largest, smallest=not largest)
-                idx, val = (top.largest_indices, top.largest_scores) if largest else \
-                    (top.smallest_indices, top.smallest_scores)
+                idx, val = (
+                    (top.largest_indices, top.largest_scores)
+                    if largest
+                    else (top.smallest_indices, top.smallest_scores)
+                )
                 found.append((np.asarray(addr, np.uint64)[idx[0]], val[0]))
 
             def rows_of(cells):
@@ -478,8 +609,12 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
                 return rows if mask is None else rows[mask[rows]]
 
             if self.delta["rowaddr"].size:
-                scan(self.delta["codes"], self.delta["scales"], self.delta["rowaddr"],
-                     None if delta_mask is None else np.flatnonzero(delta_mask))
+                scan(
+                    self.delta["codes"],
+                    self.delta["scales"],
+                    self.delta["rowaddr"],
+                    None if delta_mask is None else np.flatnonzero(delta_mask),
+                )
             if total <= C:  # every (matching) row fits the budget: the exact scan
                 scan(self.codes, self.scales, self.rowaddr, None if mask is None else np.flatnonzero(mask))
                 best = _best(found, kk, largest)
@@ -487,9 +622,12 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
                 continue
             order, ucb = self.cell_order(y[0], layout, side)
             cum = np.cumsum(counts[order])
-            j1 = min(order.size, int(np.searchsorted(cum, first)) + 1,
-                     max(1, int(np.searchsorted(cum, int(C), side="right"))))
-            rows = rows_of(order[:j1])[:int(C)]  # (a first cell larger than C: its first C rows)
+            j1 = min(
+                order.size,
+                int(np.searchsorted(cum, first)) + 1,
+                max(1, int(np.searchsorted(cum, int(C), side="right"))),
+            )
+            rows = rows_of(order[:j1])[: int(C)]  # (a first cell larger than C: its first C rows)
             scanned = int(rows.size)
             scan(self.codes, self.scales, self.rowaddr, rows)
             best = _best(found, kk, largest)
@@ -497,7 +635,7 @@ class ClusteredFirstPass(FirstPass, kind="clustered"):
             # (all of them while fewer than k rows were found), in that order, within the budget.
             threshold = (best[1][k - 1] if largest else -best[1][k - 1]) if best[1].size >= k else -np.inf
             rest = order[j1:][ucb[j1:] >= threshold]
-            rest = rest[:int(np.searchsorted(np.cumsum(counts[rest]), int(C) - scanned, side="right"))]
+            rest = rest[: int(np.searchsorted(np.cumsum(counts[rest]), int(C) - scanned, side="right"))]
             rows = rows_of(rest)
             if rows.size:
                 scanned += int(rows.size)
@@ -519,5 +657,8 @@ def _best(found: List[Tuple[np.ndarray, np.ndarray]], kk: int, largest: bool) ->
 
 
 def _empty_delta(nbytes: int, U: int) -> Dict[str, np.ndarray]:
-    return {"codes": np.zeros((0, nbytes), np.uint8), "scales": np.zeros((0, U), np.float16),
-            "rowaddr": np.zeros(0, np.uint64)}
+    return {
+        "codes": np.zeros((0, nbytes), np.uint8),
+        "scales": np.zeros((0, U), np.float16),
+        "rowaddr": np.zeros(0, np.uint64),
+    }

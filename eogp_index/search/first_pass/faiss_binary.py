@@ -78,9 +78,11 @@ _GPU_MAX_K = 2048
 #: The row address of a FAISS position whose row is no longer in the table.
 MISSING_ROW = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 
-_REPLICAS_HELP = ("R, copies of each stored sign bit in the FAISS code, so that a query can weight coordinate j "
-                  "by a level of |y_j| (faiss_codes); 1 = plain sign agreement. FAISS memory and distance cost "
-                  "are R× those of the signs; docs/benchmarks.md measures what R buys.")
+_REPLICAS_HELP = (
+    "R, copies of each stored sign bit in the FAISS code, so that a query can weight coordinate j "
+    "by a level of |y_j| (faiss_codes); 1 = plain sign agreement. FAISS memory and distance cost "
+    "are R× those of the signs; docs/benchmarks.md measures what R buys."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,16 +97,17 @@ class FlatConfig(FaissBinaryConfig):
     """``flat``: exhaustive Hamming search, the C nearest codes exactly."""
 
     use_gpu: Literal["auto", "never"] = search_param(
-        "auto", "auto: search on GpuIndexBinaryFlat when FAISS is a GPU build and sees a GPU; never: on the CPU.",
-        choices=("auto", "never"))
+        "auto",
+        "auto: search on GpuIndexBinaryFlat when FAISS is a GPU build and sees a GPU; never: on the CPU.",
+        choices=("auto", "never"),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class IVFConfig(FaissBinaryConfig):
     """``ivf``: inverted lists of a binary k-means; a query visits ``nprobe`` of them."""
 
-    nlist: Optional[int] = build_param(None, "IVF lists; None = round(4·sqrt(n)) for the n rows at build time.",
-                                       min=1)
+    nlist: Optional[int] = build_param(None, "IVF lists; None = round(4·sqrt(n)) for the n rows at build time.", min=1)
     nprobe: int = search_param(16, "Lists visited per query (more = better recall, slower).", min=1)
     train_points_per_list: int = build_param(64, "k-means sample size per list (FAISS warns below 39).", min=1)
     train_iters: int = build_param(10, "k-means iterations.", min=1)
@@ -130,12 +133,22 @@ class FaissFirstPass(FirstPass):
 
     FORMAT = "eogp-faiss"
     FORMAT_VERSION = 2
-    OLD_FORMATS = {1: "version 1 stored plain signs; version 2 stores each sign bit `replicas` times so that "
-                      "queries can weight coordinates by |y|"}
+    OLD_FORMATS = {
+        1: "version 1 stored plain signs; version 2 stores each sign bit `replicas` times so that "
+        "queries can weight coordinates by |y|"
+    }
     FILES = {"index": ".faissindex", "ids": ".ids.parquet", "meta": ".json"}
 
-    def __init__(self, index_dir: Union[str, Path], name: str, config: FaissBinaryConfig, meta: Dict[str, Any],
-                 faiss_index, keys: np.ndarray, ids: pa.Array):
+    def __init__(
+        self,
+        index_dir: Union[str, Path],
+        name: str,
+        config: FaissBinaryConfig,
+        meta: Dict[str, Any],
+        faiss_index,
+        keys: np.ndarray,
+        ids: pa.Array,
+    ):
         super().__init__(index_dir, name, config, meta)
         self._index = faiss_index
         self._keys = np.ascontiguousarray(keys, dtype=np.int64)
@@ -147,8 +160,9 @@ class FaissFirstPass(FirstPass):
     # -- what each FAISS kind supplies ---------------------------------------------------------
     @classmethod
     @abstractmethod
-    def _new_index(cls, config: FaissBinaryConfig, nbytes: int, n: int,
-                   sample: Callable[[np.ndarray], np.ndarray]) -> Tuple[Any, Dict[str, Any]]:
+    def _new_index(
+        cls, config: FaissBinaryConfig, nbytes: int, n: int, sample: Callable[[np.ndarray], np.ndarray]
+    ) -> Tuple[Any, Dict[str, Any]]:
         """An empty (trained, where the kind trains) FAISS index for ``n`` rows of
         ``replicas·8·nbytes`` bits with ids, and the build parameters to record.
 
@@ -171,8 +185,9 @@ class FaissFirstPass(FirstPass):
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def build(cls, stored, name: str = "default", config: Optional[FaissBinaryConfig] = None, *,
-              progress: bool = False) -> "FaissFirstPass":
+    def build(
+        cls, stored, name: str = "default", config: Optional[FaissBinaryConfig] = None, *, progress: bool = False
+    ) -> "FaissFirstPass":
         faiss = load_faiss()
         config = config or cls.Config()
         cls.paths(stored.path, name)  # a bad name fails now, not after the build
@@ -182,25 +197,48 @@ class FaissFirstPass(FirstPass):
         n = dataset.count_rows() if dataset is not None else 0
         if n == 0:
             raise InputError(f"{stored.path}: no rows stored yet; ingest examples before building a first pass")
+
         def sample(offsets: np.ndarray) -> np.ndarray:
             # Training reads a uniform sample (random access by offset), not the first rows: tables
             # are usually ordered by shard, and the first shard is no sample of the corpus.
             return np.concatenate([signs for _, signs in _stream(dataset, nbytes, offsets=offsets)])
 
         faiss_index, params = cls._new_index(config, nbytes, n, sample)
-        meta = {**cls.provenance(stored, name), "replicas": int(config.replicas), "params": params,
-                "d_bits": int(config.replicas) * nbytes * 8, "key": KEY_SCHEME,
-                "table_version": int(dataset.version), "rows": 0, "faiss_version": getattr(faiss, "__version__", "?")}
-        built = cls(stored.path, name, cls._saved_config(meta, config), meta, faiss_index, np.zeros(0, np.int64),
-                    pa.array([], pa.string()))
-        built._add_rows(_stream(dataset, nbytes), progress=progress, total=-(-n // _rows_per_batch(nbytes)),
-                        where=str(stored.path))
+        meta = {
+            **cls.provenance(stored, name),
+            "replicas": int(config.replicas),
+            "params": params,
+            "d_bits": int(config.replicas) * nbytes * 8,
+            "key": KEY_SCHEME,
+            "table_version": int(dataset.version),
+            "rows": 0,
+            "faiss_version": getattr(faiss, "__version__", "?"),
+        }
+        built = cls(
+            stored.path,
+            name,
+            cls._saved_config(meta, config),
+            meta,
+            faiss_index,
+            np.zeros(0, np.int64),
+            pa.array([], pa.string()),
+        )
+        built._add_rows(
+            _stream(dataset, nbytes), progress=progress, total=-(-n // _rows_per_batch(nbytes)), where=str(stored.path)
+        )
         built.save()
         return built
 
     @classmethod
-    def from_codes(cls, codes: np.ndarray, ids: Sequence[str], config: Optional[FaissBinaryConfig] = None, *,
-                   index_dir: Union[str, Path] = ".", name: str = "in-memory") -> "FaissFirstPass":
+    def from_codes(
+        cls,
+        codes: np.ndarray,
+        ids: Sequence[str],
+        config: Optional[FaissBinaryConfig] = None,
+        *,
+        index_dir: Union[str, Path] = ".",
+        name: str = "in-memory",
+    ) -> "FaissFirstPass":
         """An index over codes held in memory, built exactly as :meth:`build` builds (benchmarks).
 
         Args:
@@ -217,16 +255,40 @@ class FaissFirstPass(FirstPass):
             raise ConfigError(f"from_codes needs (n, nbytes) codes and n ids, n >= 1; got {codes.shape} and {len(ids)}")
         n, nbytes = codes.shape
         faiss_index, params = cls._new_index(config, nbytes, n, lambda offsets: codes[offsets])
-        meta = {"format": cls.FORMAT, "format_version": cls.FORMAT_VERSION, "name": name, "kind": cls.kind,
-                "replicas": int(config.replicas), "params": params, "d_bits": int(config.replicas) * nbytes * 8,
-                "nbytes": nbytes, "k": [], "key": KEY_SCHEME,
-                "table": None, "table_version": -1, "rows": 0, "projection_sha256": None, "weights_sha256": None}
-        built = cls(Path(index_dir), name, cls._saved_config(meta, config), meta, faiss_index, np.zeros(0, np.int64),
-                    pa.array([], pa.string()))
+        meta = {
+            "format": cls.FORMAT,
+            "format_version": cls.FORMAT_VERSION,
+            "name": name,
+            "kind": cls.kind,
+            "replicas": int(config.replicas),
+            "params": params,
+            "d_bits": int(config.replicas) * nbytes * 8,
+            "nbytes": nbytes,
+            "k": [],
+            "key": KEY_SCHEME,
+            "table": None,
+            "table_version": -1,
+            "rows": 0,
+            "projection_sha256": None,
+            "weights_sha256": None,
+        }
+        built = cls(
+            Path(index_dir),
+            name,
+            cls._saved_config(meta, config),
+            meta,
+            faiss_index,
+            np.zeros(0, np.int64),
+            pa.array([], pa.string()),
+        )
         id_array = pa.array(list(ids), pa.string())
         step = _rows_per_batch(nbytes)
-        built._add_rows(((id_array[i:i + step], codes[i:i + step]) for i in range(0, n, step)), progress=False,
-                        total=0, where=name)
+        built._add_rows(
+            ((id_array[i : i + step], codes[i : i + step]) for i in range(0, n, step)),
+            progress=False,
+            total=0,
+            where=name,
+        )
         return built
 
     @classmethod
@@ -245,7 +307,8 @@ class FaissFirstPass(FirstPass):
             raise IncompatibleIndexError(
                 f"{paths['dir']}: {name}.faissindex holds {faiss_index.ntotal} rows of {faiss_index.d} bits, "
                 f"{name}.ids.parquet {len(keys)} rows and {name}.json says {meta['rows']} rows of "
-                f"{meta['d_bits']} bits (an interrupted write?); rebuild it with {cls.rebuild_hint(index_dir, name)}")
+                f"{meta['d_bits']} bits (an interrupted write?); rebuild it with {cls.rebuild_hint(index_dir, name)}"
+            )
         return cls(index_dir, name, cls._saved_config(meta, config), meta, faiss_index, keys, ids)
 
     def save(self) -> None:
@@ -286,8 +349,10 @@ class FaissFirstPass(FirstPass):
         most negative side.
         """
         if layout.nbytes != int(self.meta["nbytes"]) or (self.meta.get("k") and list(layout.k) != self.meta["k"]):
-            raise ConfigError(f"layout k={list(layout.k)} does not match this FAISS index "
-                              f"(k={self.meta.get('k')}, {self.meta['nbytes']} sign bytes per row)")
+            raise ConfigError(
+                f"layout k={list(layout.k)} does not match this FAISS index "
+                f"(k={self.meta.get('k')}, {self.meta['nbytes']} sign bytes per row)"
+            )
         return query_codes(y, layout, self.replicas)
 
     def row_codes(self, signs: np.ndarray) -> np.ndarray:
@@ -319,8 +384,10 @@ class FaissFirstPass(FirstPass):
         before = self.ntotal
         if new.size:
             step = _rows_per_batch(int(self.meta["nbytes"]))
-            batches = ((ids.take(pa.array(new[a:a + step])), np.asarray(hot.codes[new[a:a + step]]))
-                       for a in range(0, new.size, step))
+            batches = (
+                (ids.take(pa.array(new[a : a + step])), np.asarray(hot.codes[new[a : a + step]]))
+                for a in range(0, new.size, step)
+            )
             self._add_rows(batches, progress=progress, total=-(-new.size // step), where=str(stored.path))
         self.meta["table_version"] = int(hot.version)
         self.save()
@@ -398,8 +465,10 @@ class FaissFirstPass(FirstPass):
         codes = np.ascontiguousarray(query_codes, dtype=np.uint8)
         width = self.code_bytes
         if codes.ndim != 2 or codes.shape[1] != width:
-            raise ConfigError(f"query codes must have shape (nq, {width}) uint8 ({self.replicas} replicas of "
-                              f"{self.meta['nbytes']} sign bytes; see query_codes), got {codes.shape}")
+            raise ConfigError(
+                f"query codes must have shape (nq, {width}) uint8 ({self.replicas} replicas of "
+                f"{self.meta['nbytes']} sign bytes; see query_codes), got {codes.shape}"
+            )
         C = int(C)
         if C < 1:
             raise ConfigError(f"C (candidates) must be >= 1, got {C}")
@@ -442,8 +511,9 @@ class FaissFirstPass(FirstPass):
         """
         return self.ids_at(self.search_with_distances(query_codes, C)[1])
 
-    def top_k(self, stored, y: np.ndarray, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None
-              ) -> Dict[str, SideAnswer]:
+    def top_k(
+        self, stored, y: np.ndarray, k: int, C: int, sides: Sequence[str], *, where: Optional[str] = None
+    ) -> Dict[str, SideAnswer]:
         """The ``C`` Hamming-nearest rows per side (the weighted codes of ``y``, of ``-y`` for the
         negative side), those matching ``where``, rescored exactly: every rescored row, for
         every side (with two sides, the union of both sides' candidates; ``r <= 2C``).
@@ -542,8 +612,12 @@ class IVFFirstPass(FaissFirstPass, kind="ivf"):
     @classmethod
     def _saved_config(cls, meta, config):
         params = meta.get("params", {})
-        return replace(config, replicas=int(meta["replicas"]), nlist=params.get("nlist"),
-                       train_iters=params.get("train_iters", config.train_iters))
+        return replace(
+            config,
+            replicas=int(meta["replicas"]),
+            nlist=params.get("nlist"),
+            train_iters=params.get("train_iters", config.train_iters),
+        )
 
     def _prepare_search(self, k: int) -> None:
         self._index.nprobe = min(int(self.config.nprobe), int(self._index.nlist))
@@ -559,14 +633,20 @@ class HNSWFirstPass(FaissFirstPass, kind="hnsw"):
         faiss = load_faiss()
         inner = faiss.IndexBinaryHNSW(int(config.replicas) * nbytes * 8, int(config.hnsw_m))
         inner.hnsw.efConstruction = int(config.ef_construction)
-        return faiss.IndexBinaryIDMap(inner), {"hnsw_m": int(config.hnsw_m),
-                                               "ef_construction": int(config.ef_construction)}
+        return faiss.IndexBinaryIDMap(inner), {
+            "hnsw_m": int(config.hnsw_m),
+            "ef_construction": int(config.ef_construction),
+        }
 
     @classmethod
     def _saved_config(cls, meta, config):
         params = meta.get("params", {})
-        return replace(config, replicas=int(meta["replicas"]), hnsw_m=params.get("hnsw_m", config.hnsw_m),
-                       ef_construction=params.get("ef_construction", config.ef_construction))
+        return replace(
+            config,
+            replicas=int(meta["replicas"]),
+            hnsw_m=params.get("hnsw_m", config.hnsw_m),
+            ef_construction=params.get("ef_construction", config.ef_construction),
+        )
 
     def _prepare_search(self, k: int) -> None:
         # HNSW returns at most efSearch results: the beam must hold k of them.
@@ -591,7 +671,7 @@ def _stream(dataset, nbytes: int, *, offsets: Optional[np.ndarray] = None) -> It
                 yield batch.column("id"), list_column_to_numpy(batch.column("signs"), nbytes, np.uint8)
         return
     for start in range(0, len(offsets), rows):
-        table = dataset.take(offsets[start:start + rows], columns=["id", "signs"])
+        table = dataset.take(offsets[start : start + rows], columns=["id", "signs"])
         yield table.column("id").combine_chunks(), list_column_to_numpy(table.column("signs"), nbytes, np.uint8)
 
 
@@ -603,8 +683,9 @@ def _progress(iterable, enabled: bool, desc: str, total: Optional[int] = None):
     return tqdm(iterable, desc=desc, total=total, unit="batch")
 
 
-def rescore(signs: np.ndarray, scales: np.ndarray, y: np.ndarray, layout: SignLayout, *,
-            rows: Optional[np.ndarray] = None) -> np.ndarray:
+def rescore(
+    signs: np.ndarray, scales: np.ndarray, y: np.ndarray, layout: SignLayout, *, rows: Optional[np.ndarray] = None
+) -> np.ndarray:
     """Exact scores ``Σ_u s_iu⟨y_u, b_iu⟩`` ``(nq, m)`` float32 of rows ``rows`` (all if None).
 
     Args:
@@ -625,14 +706,15 @@ def rescore(signs: np.ndarray, scales: np.ndarray, y: np.ndarray, layout: SignLa
     out = np.empty((y.shape[0], signs.shape[0]), np.float32)
     step = 1 << 14  # bounds the decoded ±1 block to step·K floats
     for start in range(0, signs.shape[0], step):
-        block = unpack_signs(signs[start:start + step], layout)
-        block *= np.repeat(scales[start:start + step].astype(np.float32), layout.k, axis=1)
-        out[:, start:start + step] = y @ block.T
+        block = unpack_signs(signs[start : start + step], layout)
+        block *= np.repeat(scales[start : start + step].astype(np.float32), layout.k, axis=1)
+        out[:, start : start + step] = y @ block.T
     return out
 
 
-def candidate_ids(cand: FaissFirstPass, y: np.ndarray, layout: SignLayout, C: int,
-                  direction: str = "positive") -> List[str]:
+def candidate_ids(
+    cand: FaissFirstPass, y: np.ndarray, layout: SignLayout, C: int, direction: str = "positive"
+) -> List[str]:
     """Ids of the FAISS candidates of one query ``y`` ``(K,)`` or ``(1, K)``, no duplicates.
 
     ``positive`` uses the weighted codes of ``y`` (:meth:`FaissFirstPass.query_codes`),
@@ -640,7 +722,7 @@ def candidate_ids(cand: FaissFirstPass, y: np.ndarray, layout: SignLayout, C: in
     """
     y = np.asarray(y, np.float32).reshape(1, -1)
     out: Dict[str, None] = {}
-    for side in (("positive", "negative") if direction == "both" else (direction,)):
+    for side in ("positive", "negative") if direction == "both" else (direction,):
         codes = cand.query_codes(y if side == "positive" else -y, layout)
         for i in cand.search(codes, C)[0]:
             if i is not None:

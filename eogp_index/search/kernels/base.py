@@ -109,8 +109,9 @@ def twins(body: Callable, **options) -> tuple:
     """
     out = []
     for suffix, parallel in (("", True), ("_serial", False)):
-        fn = pytypes.FunctionType(body.__code__, body.__globals__, body.__name__ + suffix, body.__defaults__,
-                                  body.__closure__)
+        fn = pytypes.FunctionType(
+            body.__code__, body.__globals__, body.__name__ + suffix, body.__defaults__, body.__closure__
+        )
         fn.__qualname__ = body.__qualname__ + suffix
         fn.__module__ = body.__module__
         fn.__doc__ = body.__doc__ if parallel else f"{body.__name__} on the calling thread, for small jobs."

@@ -68,13 +68,22 @@ def _bounded_block(store, flat, level, rows, approx, bound, i0, i1):
                 for u in range(nmod):
                     for j in range(_ROW_GROUP):
                         sgrp[u, j] = srow[i - i0 + j, u]
-                offs = (uint64(rows[i]) * nbu, uint64(rows[i + 1]) * nbu, uint64(rows[i + 2]) * nbu,
-                        uint64(rows[i + 3]) * nbu)
+                offs = (
+                    uint64(rows[i]) * nbu,
+                    uint64(rows[i + 1]) * nbu,
+                    uint64(rows[i + 2]) * nbu,
+                    uint64(rows[i + 3]) * nbu,
+                )
                 j0 = i + _PREFETCH_ROWS
-                ahead = (uint64(rows[min(j0, m - 1)]) * nbu, uint64(rows[min(j0 + 1, m - 1)]) * nbu,
-                         uint64(rows[min(j0 + 2, m - 1)]) * nbu, uint64(rows[min(j0 + 3, m - 1)]) * nbu)
-                a0, a1, a2, a3, e0, e1, e2, e3 = _group_prescan(flat, offs, flat, ahead, q == 0, qarr[q], wstart,
-                                                                boff, c1[q], c0[q], err[q], sgrp)
+                ahead = (
+                    uint64(rows[min(j0, m - 1)]) * nbu,
+                    uint64(rows[min(j0 + 1, m - 1)]) * nbu,
+                    uint64(rows[min(j0 + 2, m - 1)]) * nbu,
+                    uint64(rows[min(j0 + 3, m - 1)]) * nbu,
+                )
+                a0, a1, a2, a3, e0, e1, e2, e3 = _group_prescan(
+                    flat, offs, flat, ahead, q == 0, qarr[q], wstart, boff, c1[q], c0[q], err[q], sgrp
+                )
                 approx[q, i] = a0
                 approx[q, i + 1] = a1
                 approx[q, i + 2] = a2
@@ -91,11 +100,13 @@ def _bounded_block(store, flat, level, rows, approx, bound, i0, i1):
                 ahead1 = (uint64(rows[min(i + _PREFETCH_ROWS, m - 1)]) * nbu,)
                 if tail and r == last:
                     scratch[:nb] = codes[r]  # the module loads may pass the end of the buffer here
-                    a, e = _group_prescan(scratch, (uint64(0),), flat, ahead1, q == 0, qarr[q], wstart, boff,
-                                          c1[q], c0[q], err[q], s1)
+                    a, e = _group_prescan(
+                        scratch, (uint64(0),), flat, ahead1, q == 0, qarr[q], wstart, boff, c1[q], c0[q], err[q], s1
+                    )
                 else:
-                    a, e = _group_prescan(flat, (uint64(r) * nbu,), flat, ahead1, q == 0, qarr[q], wstart, boff,
-                                          c1[q], c0[q], err[q], s1)
+                    a, e = _group_prescan(
+                        flat, (uint64(r) * nbu,), flat, ahead1, q == 0, qarr[q], wstart, boff, c1[q], c0[q], err[q], s1
+                    )
                 approx[q, i] = a
                 bound[q, i] = e
                 i += 1
@@ -132,10 +143,18 @@ def _bounded_segment(store, flat, level, pairs, approx, bound, seg):
     i0 = pairs.indptr[seg]
     i1 = pairs.indptr[seg + 1]
     n = i1 - i0
-    one = Level(level.qarr[q : q + 1], level.wstart, level.boff, level.tail, level.c1[q : q + 1],
-                level.c0[q : q + 1], level.err[q : q + 1])
-    _bounded_block(store, flat, one, pairs.prow[i0:i1], approx[i0:i1].reshape((1, n)),
-                   bound[i0:i1].reshape((1, n)), 0, n)
+    one = Level(
+        level.qarr[q : q + 1],
+        level.wstart,
+        level.boff,
+        level.tail,
+        level.c1[q : q + 1],
+        level.c0[q : q + 1],
+        level.err[q : q + 1],
+    )
+    _bounded_block(
+        store, flat, one, pairs.prow[i0:i1], approx[i0:i1].reshape((1, n)), bound[i0:i1].reshape((1, n)), 0, n
+    )
 
 
 def _bounded_pairs_kernel(store, level, pairs, approx, bound):
@@ -204,11 +223,13 @@ def _batch_block(store, flat, level, rows, approx, bound, i0, i1):
                 ahead1 = (uint64(rows[min(i + _PREFETCH_ROWS, m - 1)]) * nbu,)
                 if tail and r == last:
                     scratch[:nb] = codes[r]  # the module loads may pass the end of the buffer here
-                    _batch_prescan(scratch, (uint64(0),), flat, ahead1, g == 0, qg, wstart, boff, c1, c0, er,
-                                   single, res)
+                    _batch_prescan(
+                        scratch, (uint64(0),), flat, ahead1, g == 0, qg, wstart, boff, c1, c0, er, single, res
+                    )
                 else:
-                    _batch_prescan(flat, (uint64(r) * nbu,), flat, ahead1, g == 0, qg, wstart, boff, c1, c0, er,
-                                   single, res)
+                    _batch_prescan(
+                        flat, (uint64(r) * nbu,), flat, ahead1, g == 0, qg, wstart, boff, c1, c0, er, single, res
+                    )
                 for j in range(nqg):
                     approx[g * _QUERY_SET + j, i] = res[j]
                     bound[g * _QUERY_SET + j, i] = res[_QUERY_SET + j]
@@ -230,5 +251,6 @@ def _bounded_batch_kernel(store, level, rows, approx, bound):
     flat = store.codes.reshape(-1)
     nblocks = (m + _BATCH_PRESCAN_ROWS - 1) // _BATCH_PRESCAN_ROWS
     for blk in prange(nblocks):
-        _batch_block(store, flat, level, rows, approx, bound, blk * _BATCH_PRESCAN_ROWS,
-                     min(m, (blk + 1) * _BATCH_PRESCAN_ROWS))
+        _batch_block(
+            store, flat, level, rows, approx, bound, blk * _BATCH_PRESCAN_ROWS, min(m, (blk + 1) * _BATCH_PRESCAN_ROWS)
+        )

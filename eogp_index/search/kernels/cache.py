@@ -55,10 +55,18 @@ def _install() -> None:
             return None
         return super(cls, cls).from_function(py_func, py_file)
 
-    ours = [type(f"PackageStamp{b.__name__}", (b,), {"_eogp_package_stamp": True,
-                                                      "get_source_stamp": lambda self: _package_stamp(),
-                                                      "from_function": classmethod(from_function)})
-            for b in bases]
+    ours = [
+        type(
+            f"PackageStamp{b.__name__}",
+            (b,),
+            {
+                "_eogp_package_stamp": True,
+                "get_source_stamp": lambda self: _package_stamp(),
+                "from_function": classmethod(from_function),
+            },
+        )
+        for b in bases
+    ]
     registry[:0] = ours  # numba's order: NUMBA_CACHE_DIR first, then __pycache__ next to the file
 
 

@@ -96,9 +96,18 @@ def _ir_vnni_dots(builder, rps, b0, nw, qp, qw0, nqg=1):
 
     def word(t, accs):
         wq = builder.mul(builder.add(qw0, t), llvm_ir.Constant(_IR_I64, nqg))
-        qs = [builder.load(builder.bitcast(builder.gep(qp, [builder.shl(builder.add(wq, llvm_ir.Constant(_IR_I64, j)),
-                                                                          llvm_ir.Constant(_IR_I64, 6))]),
-                                           _IR_V16I32.as_pointer()), align=1) for j in range(nqg)]
+        qs = [
+            builder.load(
+                builder.bitcast(
+                    builder.gep(
+                        qp, [builder.shl(builder.add(wq, llvm_ir.Constant(_IR_I64, j)), llvm_ir.Constant(_IR_I64, 6))]
+                    ),
+                    _IR_V16I32.as_pointer(),
+                ),
+                align=1,
+            )
+            for j in range(nqg)
+        ]
         out = []
         for r, rp in enumerate(rps):
             mask = builder.bitcast(_ir_code_word(builder, rp, b0, t), llvm_ir.VectorType(_IR_I1, 64))
@@ -107,8 +116,9 @@ def _ir_vnni_dots(builder, rps, b0, nw, qp, qw0, nqg=1):
                 out.append(builder.call(dpbusd, [accs[r * nqg + j], bits, q]))
         return out
 
-    return _ir_word_loops(builder, nw, max(1, 4 // (nrows * nqg)), nrows * nqg, llvm_ir.Constant(_IR_V16I32, None),
-                          word, "vnni")
+    return _ir_word_loops(
+        builder, nw, max(1, 4 // (nrows * nqg)), nrows * nqg, llvm_ir.Constant(_IR_V16I32, None), word, "vnni"
+    )
 
 
 def _ir_planes_dots(builder, rps, b0, nw, pp, qw0):
@@ -138,9 +148,13 @@ def _ir_planes_dots(builder, rps, b0, nw, pp, qw0):
 def _ir_word_loops(builder, nw, unroll, nrows, zero, word, name):
     """Run ``word(t, accs)`` for ``t < nw`` (``unroll`` words per step, then one at a time) with
     ``nrows`` accumulators per word slot; returns the per-row sums of the slots."""
+
     def step(t, v):
-        return [x for j in range(unroll)
-                for x in word(builder.add(t, llvm_ir.Constant(_IR_I64, j)), v[j * nrows : (j + 1) * nrows])]
+        return [
+            x
+            for j in range(unroll)
+            for x in word(builder.add(t, llvm_ir.Constant(_IR_I64, j)), v[j * nrows : (j + 1) * nrows])
+        ]
 
     t, acc = _ir_loop(builder, llvm_ir.Constant(_IR_I64, 0), nw, unroll, [zero] * (unroll * nrows), step, name + "u")
     if unroll > 1:
@@ -159,6 +173,7 @@ def _ir_lane_sums(builder, vecs, lanes):
     """The lane sums of ``R`` vectors of ``lanes`` integers (``R`` a power of two up to ``lanes``),
     as one ``<R x int>`` vector: pairs of vectors are folded into one (half of each vector's
     lanes), then the lanes within each row's group."""
+
     def shuffle(x, y, idx):
         return builder.shuffle_vector(x, y, llvm_ir.Constant(llvm_ir.VectorType(_IR_I32, len(idx)), idx))
 
@@ -170,8 +185,9 @@ def _ir_lane_sums(builder, vecs, lanes):
             ng = lanes // gs
             lo = [g * gs + o for g in range(ng) for o in range(half)]
             hi = [g * gs + half + o for g in range(ng) for o in range(half)]
-            nxt.append(builder.add(shuffle(x, y, lo + [lanes + i for i in lo]),
-                                   shuffle(x, y, hi + [lanes + i for i in hi])))
+            nxt.append(
+                builder.add(shuffle(x, y, lo + [lanes + i for i in lo]), shuffle(x, y, hi + [lanes + i for i in hi]))
+            )
         vs, gs = nxt, half
     v = vs[0]
     g0, size = gs, gs
@@ -211,10 +227,12 @@ def _ir_prescan(context, builder, signature, args, nrows, nqg, vnni):
     qp = _ir_data(context, builder, tys[5], qv, _IR_I8 if vnni else _IR_I64)
     wsp = _ir_data(context, builder, tys[6], wsv, _IR_I64)
     bop = _ir_data(context, builder, tys[7], bov, _IR_I64)
-    c1p, c0p, errp, sp = (_ir_data(context, builder, tys[j], v, f64)
-                          for j, v in ((8, c1v), (9, c0v), (10, errv), (11, sv)))
-    nmod = builder.sub(builder.extract_value(context.make_array(tys[6])(context, builder, wsv).shape, 0),
-                       llvm_ir.Constant(_IR_I64, 1))
+    c1p, c0p, errp, sp = (
+        _ir_data(context, builder, tys[j], v, f64) for j, v in ((8, c1v), (9, c0v), (10, errv), (11, sv))
+    )
+    nmod = builder.sub(
+        builder.extract_value(context.make_array(tys[6])(context, builder, wsv).shape, 0), llvm_ir.Constant(_IR_I64, 1)
+    )
     pfn = _ir_fn(builder, "llvm.prefetch.p0", llvm_ir.VoidType(), [_IR_I8.as_pointer(), _IR_I32, _IR_I32, _IR_I32])
     one = llvm_ir.Constant(_IR_I64, 1)
 
@@ -222,8 +240,9 @@ def _ir_prescan(context, builder, signature, args, nrows, nqg, vnni):
         """Load ``n`` doubles at ``ptr`` and lay them out as lanes ``idx``."""
         vn = llvm_ir.VectorType(f64, n)
         v = builder.load(builder.bitcast(ptr, vn.as_pointer()), align=8)
-        return builder.shuffle_vector(v, llvm_ir.Constant(vn, llvm_ir.Undefined),
-                                      llvm_ir.Constant(llvm_ir.VectorType(_IR_I32, npair), idx))
+        return builder.shuffle_vector(
+            v, llvm_ir.Constant(vn, llvm_ir.Undefined), llvm_ir.Constant(llvm_ir.VectorType(_IR_I32, npair), idx)
+        )
 
     row_lanes = [r for r in range(nrows) for _ in range(nqg)]
     query_lanes = [j for _ in range(nrows) for j in range(nqg)]
@@ -235,11 +254,20 @@ def _ir_prescan(context, builder, signature, args, nrows, nqg, vnni):
         w0 = builder.load(builder.gep(wsp, [u]))
         nw = builder.sub(builder.load(builder.gep(wsp, [builder.add(u, one)])), w0)
         with builder.if_then(pf):
+
             def lines(o, _):
                 for ap in aps:
-                    builder.call(pfn, [builder.gep(ap, [builder.add(b0, o)]), llvm_ir.Constant(_IR_I32, 0),
-                                       llvm_ir.Constant(_IR_I32, 3), llvm_ir.Constant(_IR_I32, 1)])
+                    builder.call(
+                        pfn,
+                        [
+                            builder.gep(ap, [builder.add(b0, o)]),
+                            llvm_ir.Constant(_IR_I32, 0),
+                            llvm_ir.Constant(_IR_I32, 3),
+                            llvm_ir.Constant(_IR_I32, 1),
+                        ],
+                    )
                 return []
+
             _ir_loop_lt(builder, builder.sub(b1, b0), 64, lines, "pf")
         if vnni:
             dots = _ir_lane_sums(builder, _ir_vnni_dots(builder, rps, b0, nw, qp, w0, nqg), 16)
@@ -255,9 +283,15 @@ def _ir_prescan(context, builder, signature, args, nrows, nqg, vnni):
         acc_e = builder.fadd(acc_e, builder.fmul(s, ke))
         return [acc_a, acc_e]
 
-    _, (acc_a, acc_e) = _ir_loop(builder, llvm_ir.Constant(_IR_I64, 0), nmod, 1,
-                                 [llvm_ir.Constant(vf, None), llvm_ir.Constant(vf, [_BOUND_TINY] * npair)],
-                                 module, "mod")
+    _, (acc_a, acc_e) = _ir_loop(
+        builder,
+        llvm_ir.Constant(_IR_I64, 0),
+        nmod,
+        1,
+        [llvm_ir.Constant(vf, None), llvm_ir.Constant(vf, [_BOUND_TINY] * npair)],
+        module,
+        "mod",
+    )
     return acc_a, acc_e
 
 
@@ -278,8 +312,9 @@ def _group_prescan(typingctx, buf, offs, pbuf, ahead, prefetch, qrow, wstart, bo
         return None
     nrows = offs.count
     vnni = qrow.dtype == types.int8
-    sig = types.UniTuple(types.float64, 2 * nrows)(buf, offs, pbuf, ahead, types.boolean, qrow, wstart, boff,
-                                                   c1, c0, err, sblk)
+    sig = types.UniTuple(types.float64, 2 * nrows)(
+        buf, offs, pbuf, ahead, types.boolean, qrow, wstart, boff, c1, c0, err, sblk
+    )
 
     def codegen(context, builder, signature, args):
         acc_a, acc_e = _ir_prescan(context, builder, signature, args, nrows, 1, vnni)
@@ -308,8 +343,11 @@ def _batch_prescan(typingctx, buf, offs, pbuf, ahead, prefetch, qgrp, wstart, bo
         vf = acc_a.type
         rp = _ir_data(context, builder, signature.args[12], args[12], llvm_ir.DoubleType())
         builder.store(acc_a, builder.bitcast(rp, vf.as_pointer()), align=8)
-        builder.store(acc_e, builder.bitcast(builder.gep(rp, [llvm_ir.Constant(_IR_I64, nrows * _QUERY_SET)]),
-                                             vf.as_pointer()), align=8)
+        builder.store(
+            acc_e,
+            builder.bitcast(builder.gep(rp, [llvm_ir.Constant(_IR_I64, nrows * _QUERY_SET)]), vf.as_pointer()),
+            align=8,
+        )
         return context.get_dummy_value()
 
     return sig, codegen
