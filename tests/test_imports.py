@@ -168,3 +168,14 @@ def test_imports_run_down_the_pipeline():
         if _layer(target) > _layer(module)
     ]
     assert upward == []
+
+
+def test_tests_mirror_the_package_folders():
+    """tests/<folder>/ holds the tests of eogp_index/<folder>/ (or of ingest/, benchmarks/); every
+    folder of the package has one, and nothing else sits in tests/ but fixtures/."""
+    folders = {p.name for p in (ROOT / "eogp_index").iterdir() if (p / "__init__.py").is_file()}
+    test_folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert sorted(folders - test_folders) == [], "package folders without a tests/ folder"
+    assert sorted(test_folders - folders - {"ingest", "benchmarks", "fixtures"}) == [], (
+        "tests/ folders that mirror nothing"
+    )
