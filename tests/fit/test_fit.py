@@ -198,7 +198,7 @@ KILLED_FIT = textwrap.dedent("""
     # The parent's thread count: reductions (kronfluence's eigendecomposition) must run as the
     # reference fit's did for the resumed projection to be bit-identical.
     torch.set_num_threads(int(sys.argv[3]))
-    sys.path.insert(0, "tests")
+    sys.path[:0] = ["tests", "tests/fit"]
     from test_fit import create
     from eogp_index.fit.cache import FitFolder
 
