@@ -105,7 +105,7 @@ def measure(name: str, folder: Path, args: argparse.Namespace) -> dict:
     shapes = tuple(ModuleShape(n, *curvature[n].shape) for n in names)
     widest = max(mod.d for mod in shapes)
     # One pass at m = d_u keeps the full-width coordinates; every other width is a prefix of them.
-    configs, skipped = plan_methods(shapes, args.budgets, args.methods, num_fit=len(train), m=widest)
+    configs, skipped = plan_methods(shapes, args.budgets, args.methods, m=widest)
     t0 = time.perf_counter()
     shared = SharedPass(model, curvature, configs, damping_ratio=0.1, references=False)
     shared.run(queries, "query", batch_size=8, pad_token_id=pad)
