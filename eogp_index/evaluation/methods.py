@@ -348,7 +348,13 @@ class Auto(EOGP, family="auto", seed_index=8):
         are nested), as :meth:`~eogp_index.evaluation.fidelity.SharedPass.pca_basis` does for the stored ``P``.
         """
         from eogp_index.config import HELD_OUT_FRACTION
-        from eogp_index.fit.code_choice import CodeChoice, compare_codes, held_out_directions, held_out_rows
+        from eogp_index.fit.code_choice import (
+            CodeChoice,
+            compare_codes,
+            held_out_directions,
+            held_out_rows,
+            held_out_target,
+        )
         from eogp_index.fit.projection import module_rotation
 
         seed = cfg.seeds[0]
@@ -364,9 +370,8 @@ class Auto(EOGP, family="auto", seed_index=8):
         basis = shared.held_out_bases[key]
         if basis is None:
             return CodeChoice(self.PLAIN, 0, {}, float("nan"), float("nan"), 0.0)
-        z_held = z[held_out].double()
-        # The target: the held-out documents' first-stage inner products, as the fit takes them.
-        return compare_codes(z_held @ basis[:, :k], z_held @ z_held.T, module_rotation(seed, name, k))
+        y = z[held_out].double() @ basis[:, :k]
+        return compare_codes(y, held_out_target(z, held_out), module_rotation(seed, name, k))
 
     @classmethod
     def code_choices(cls, shared: Any, reference: Any, *, ndcg_k: int = 20) -> List[Dict[str, Any]]:
