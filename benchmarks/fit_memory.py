@@ -5,23 +5,27 @@ GPT-2-shaped models (random init, built from configs, the shipped tokenizer's 2,
 vocabulary) of width 256 or 768 (``--width``), with 2 or 8 layers (``--layers``: 8 and 32
 attributed modules), in float32 and bfloat16 (``--dtype``), are fitted with ``--m`` first-stage
 coordinates per module (65,536) on ``--pca-examples`` PCA fitting examples of the default corpus
-(512), at ``k = 64`` or at the largest ``k`` the plan allows (``--k 0``: ``k_max``). Then
-``--ingest`` documents are ingested into the fitted index (``P`` resident, one batch at a time)
-and ``--queries`` queries run against it.
+(512), at ``k = 64`` or at the largest ``k`` the plan allows (``--k 0``: ``k_max``). Into the
+fitted index, ``--ingest`` documents are ingested (``P`` resident, one batch at a time), the same
+documents are block-ingested into a copy of it (``P`` read in turn, once for one block of all of
+them), and one batch of 8 queries runs (corpus documents of ``--max-tokens`` tokens: the batch the
+plan counts).
 
-Each fit, ingest and query runs in its own subprocess, twice:
+Each run is its own subprocess, made twice:
 
-* once for its peak RSS (``VmHWM``) above the process baseline (everything imported, no model
-  built), and, for the fit, the peak of each phase (the peak is reset between phases through
-  ``/proc/self/clear_refs``);
+* once for its peak RSS (``VmHWM``) and the process baseline (everything imported, no model
+  built), and, for the fit, the peak of each phase and of kronfluence's three steps in its
+  curvature phase (the peak is reset between them through ``/proc/self/clear_refs``);
 * once under ``torch.profiler`` (``profile_memory=True``) for the peak of live tensor bytes,
-  the running total of torch's CPU allocator: what the plan models. It leaves out what is not a
-  tensor (the interpreter, the allocator's and oneDNN's caches, NumPy and Arrow buffers), and the
-  profiler's own records would inflate that run's RSS, hence the separate run.
-  ``--no-tensors`` skips it.
+  the running total of torch's CPU allocator: what a GPU's ``max_memory_allocated`` would show.
+  It leaves out what is not a tensor (the interpreter, the allocator's and oneDNN's caches, NumPy
+  and Arrow buffers), and the profiler's own records would inflate that run's RSS, hence the
+  separate run. ``--no-tensors`` skips it.
 
-``eogp plan``'s estimate, less its process term, is printed beside both, with the ratios, and
-the bfloat16 peaks as ratios of the float32 ones. Nothing is asserted: the figures are printed.
+``eogp plan``'s estimate (before the fit for the fit, of the fitted index for the rest) is set
+beside both: whole, against the peak RSS; less its process term, against the live tensors. The
+bfloat16 peaks are given as ratios of the float32 ones. Nothing is asserted: the figures are
+printed.
 
     python benchmarks/fit_memory.py                      # width 256, 2 layers, k = 64, float32 and bf16
     python benchmarks/fit_memory.py --width 256 768 --layers 2 8
@@ -38,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from common import add_json_argument, peak_rss_bytes, prints_json, write_json
@@ -45,14 +50,21 @@ from common import add_json_argument, peak_rss_bytes, prints_json, write_json
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "examples" / "default" / "model"
 CORPUS = ROOT / "examples" / "default" / "corpus" / "train.jsonl.gz"
-QUERIES = ROOT / "examples" / "default" / "queries.jsonl"
 BATCH = 8
+#: GB of P the block run may keep in memory: far below any P, so that it is read in turn.
+IN_TURN_GB = 1e-6
 #: The plan's memory keys beside the measured phases.
 PHASES = {
     "fit_curvature": "_curvature",
     "fit_first_stage": "_first_stage_pass",
     "fit_pca": "_fit_modules",
     "fit_save": "save_projection",
+}
+#: kronfluence's steps within fit_curvature (``Analyzer`` methods), measured as stretches of their own.
+KRONFLUENCE_STEPS = {
+    "covariance pass": "fit_covariance_matrices",
+    "eigendecomposition": "perform_eigendecomposition",
+    "Λ pass": "fit_lambda_matrices",
 }
 
 
@@ -240,6 +252,10 @@ def child(args: argparse.Namespace) -> None:
 
         for key, attr in PHASES.items():
             measured(projection_file if attr == "save_projection" else fitting, attr, key)
+        from kronfluence.analyzer import Analyzer
+
+        for step, attr in KRONFLUENCE_STEPS.items():  # within fit_curvature
+            measured(Analyzer, attr, f"fit_curvature/{step}")
         mark("sampling the fitting set")
         examples, _ = sample_shards(
             [CORPUS], RecordSpec(max_tokens=args.max_tokens), tokenizer, args.pca_examples, seed=0
@@ -257,15 +273,18 @@ def child(args: argparse.Namespace) -> None:
             progress=False,
             dtype=args.dtype[0],
         )
-    elif args.child == "ingest":
+    elif args.child in ("ingest", "block"):
         examples, _ = sample_shards([CORPUS], RecordSpec(max_tokens=args.max_tokens), tokenizer, args.ingest, seed=1)
+        if args.child == "block":  # P read in turn, once per block of every ingested document
+            gradients = replace(gradients, projection_memory_gb=IN_TURN_GB)
         index = AttributionIndex.open(args.out, model=model, tokenizer=tokenizer, gradients=gradients)
-        index.ingest(examples, progress=False)
+        index.ingest(examples, progress=False, block_documents=args.ingest if args.child == "block" else None)
     else:
+        # One batch of BATCH queries, each a corpus document of --max-tokens tokens: the query
+        # phase the plan counts.
         index = AttributionIndex.open(args.out, model=model, tokenizer=tokenizer, gradients=gradients)
-        queries = [json.loads(line)["text"] for line in QUERIES.read_text().splitlines()[: args.queries]]
-        for query in queries:
-            index.top_influential(query, k=20)
+        examples, _ = sample_shards([CORPUS], RecordSpec(max_tokens=args.max_tokens), tokenizer, BATCH, seed=2)
+        index.search([list(e.input_ids) for e in examples], many=True).limit(20).to_list()
     seconds = time.perf_counter() - start
     mark("end")
     result = {
@@ -291,26 +310,33 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def plan_for(layers: int, k: int, width: int, dtype: str, args: argparse.Namespace) -> dict:
-    """``eogp plan``'s accounting for one run (:mod:`eogp_index.fit.plan`): on the CPU, with the
-    run's batch of ``BATCH`` documents."""
+def plans_for(layers: int, k: int, width: int, dtype: str, out: Path, args: argparse.Namespace) -> dict:
+    """``eogp plan``'s accounting for each run (:mod:`eogp_index.fit.plan`), on the CPU with the
+    run's batch of ``BATCH`` documents: before the fit for the fit (the kept eigenvector columns
+    bounded), and of the fitted index ``out`` (``eogp plan INDEX``: exact) for ingest, block
+    ingest (``P`` in turn, one block of every ingested document) and the query."""
     from transformers import AutoTokenizer
 
     from eogp_index.config import ProjectionConfig
     from eogp_index.fit.plan import make_plan, shape_of_config
+    from eogp_index.store.index_plan import plan_of_index
 
-    config = _gpt2(AutoTokenizer.from_pretrained(MODEL), layers, args.max_tokens, width)
-    projection = ProjectionConfig(k=k, m=args.m, num_fit_examples=args.pca_examples)
-    return make_plan(
-        shape_of_config(config, name="random-gpt2"),
-        projection,
-        curvature_examples=args.curvature_examples,
-        batch_size=BATCH,
-        max_tokens=args.max_tokens,
-        documents=args.ingest,
-        dtype=dtype,
-        device="cpu",
+    shape = shape_of_config(
+        _gpt2(AutoTokenizer.from_pretrained(MODEL), layers, args.max_tokens, width), name="random-gpt2"
     )
+    options = dict(batch_size=BATCH, max_tokens=args.max_tokens, documents=args.ingest, device="cpu")
+    before = make_plan(
+        shape,
+        ProjectionConfig(k=k, m=args.m, num_fit_examples=args.pca_examples),
+        curvature_examples=args.curvature_examples,
+        dtype=dtype,
+        **options,
+    )
+    if not out.exists():  # --no-ingest
+        return {"fit": before}
+    fitted = plan_of_index(out, shape=shape, **options)
+    in_turn = plan_of_index(out, shape=shape, projection_memory=0, block_documents=args.ingest, **options)
+    return {"fit": before, "ingest": fitted, "block": in_turn, "query": fitted}
 
 
 def run_child(
@@ -339,8 +365,6 @@ def run_child(
         str(args.curvature_examples),
         "--ingest",
         str(args.ingest),
-        "--queries",
-        str(args.queries),
         "--out",
         str(out),
     ]
@@ -361,53 +385,77 @@ def run_child(
     return result
 
 
-#: The measured runs and the plan's figure for each: the fit's peak, ingest and query.
-RUNS = {"fit": "fit_peak", "ingest": "ingest", "query": "query"}
+#: The measured runs and the plan's figure for each.
+RUNS = {"fit": "fit_peak", "ingest": "ingest", "block": "ingest_block", "query": "query"}
+
+
+def _stretch(phases: dict, phase: str):
+    """A phase's peak from the stretches of a run: its own and those of the steps marked in it."""
+    inside = [v for label, v in phases.items() if label == phase or label.split("/")[0] in (phase, f"after {phase}")]
+    return max(inside) if inside else None
 
 
 def lines_of(r: dict) -> list:
-    """``(run, RSS above the process baseline, live tensor peak, the plan above its process)`` in
-    bytes/1e9, for the runs and the fit's phases (a phase's tensor peak is its stretch's)."""
+    """A dict per run and fit phase (and kronfluence step): ``rss`` (peak RSS, the whole process),
+    ``process`` (its baseline), ``tensors`` (live tensor peak), ``plan`` (the plan's estimate,
+    its process term included); bytes/1e9."""
     from eogp_index.fit.plan import PROCESS_BYTES
 
-    memory, out = r["plan"]["memory"], []
+    out = []
     for kind, key in RUNS.items():
         if kind not in r:
             continue
-        run = r[kind]
+        run, memory = r[kind], r["plans"][kind]["memory"]
+        # Figures saved by --json are set against the current process term (--report).
+        shift = PROCESS_BYTES - memory["process"]["bytes"]
         tensors = run.get("tensors", {})
         out.append(
-            (
-                kind,
-                run["peak_rss_gb"] - run["process_gb"],
-                tensors.get("peak_gb"),
-                (memory[key]["bytes"] - PROCESS_BYTES) / 1e9,
-            )
+            {
+                "name": kind,
+                "rss": run["peak_rss_gb"],
+                "process": run["process_gb"],
+                "tensors": tensors.get("peak_gb"),
+                "plan": (memory[key]["bytes"] + shift) / 1e9,
+            }
         )
-        if kind == "fit":
-            for phase in PHASES:
-                rss = run["phases_gb"].get(phase)
-                out.append(
-                    (
-                        f"  {phase}",
-                        None if rss is None else rss - run["process_gb"],
-                        tensors.get("stretches_gb", {}).get(phase),
-                        (memory[phase]["bytes"] - PROCESS_BYTES) / 1e9,
-                    )
-                )
+        if kind != "fit":
+            continue
+        weights = r["plans"]["fit"]["model"]["weights_bytes"]
+        phases = {p: memory[p]["bytes"] + shift for p in PHASES}
+        for step in KRONFLUENCE_STEPS:
+            phases[f"fit_curvature/{step}"] = PROCESS_BYTES + weights + memory["fit_curvature"]["steps"][step]
+        for phase, planned in phases.items():
+            rss = _stretch(run["phases_gb"], phase)
+            out.append(
+                {
+                    "name": ("    " if "/" in phase else "  ") + phase.split("/")[-1],
+                    "rss": rss,
+                    "process": run["process_gb"],
+                    "tensors": _stretch(tensors.get("stretches_gb", {}), phase),
+                    "plan": planned / 1e9,
+                }
+            )
     return out
 
 
+def _factor(planned, measured):
+    return max(planned / measured, measured / planned) if planned and measured else None
+
+
 def summary(results: list) -> dict:
-    """Worst plan/measured factors and the bf16/float32 ratios, for the text and ``--json``."""
-    factors = {"rss": [], "tensors": []}
+    """Worst plan/measured factors (whole process against RSS; the plan less its process term
+    against live tensors), the memory besides tensors, and the bf16/float32 ratios."""
+    from eogp_index.fit.plan import PROCESS_BYTES
+
+    totals, terms, besides = [], [], []
     for r in results:
-        for name, rss, tensors, planned in lines_of(r):
-            if name.startswith(" "):
+        for line in lines_of(r):
+            if line["name"].startswith(" "):
                 continue
-            for what, measured in (("rss", rss), ("tensors", tensors)):
-                if measured:
-                    factors[what].append(max(planned / measured, measured / planned))
+            totals.append(_factor(line["plan"], line["rss"]))
+            if line["tensors"]:
+                terms.append(_factor(line["plan"] - PROCESS_BYTES / 1e9, line["tensors"]))
+                besides.append(line["rss"] - line["tensors"])
     ratios = []
     for r in results:
         base = next(
@@ -422,9 +470,8 @@ def summary(results: list) -> dict:
         )
         if base is None:
             continue
-        mine, theirs = lines_of(r), lines_of(base)
-        for (name, rss, tensors, planned), (_, rss0, tensors0, planned0) in zip(mine, theirs):
-            if name.startswith(" "):
+        for mine, theirs in zip(lines_of(r), lines_of(base)):
+            if mine["name"].startswith(" "):
                 continue
             ratios.append(
                 {
@@ -432,15 +479,18 @@ def summary(results: list) -> dict:
                     "layers": r["layers"],
                     "k": r["k"],
                     "dtype": r["dtype"],
-                    "run": name,
-                    "rss": rss / rss0,
-                    "tensors": tensors / tensors0 if tensors and tensors0 else None,
-                    "plan": planned / planned0,
+                    "run": mine["name"],
+                    "rss": mine["rss"] / theirs["rss"],
+                    "rss_above_process": (mine["rss"] - mine["process"]) / (theirs["rss"] - theirs["process"]),
+                    "tensors": mine["tensors"] / theirs["tensors"] if mine["tensors"] and theirs["tensors"] else None,
+                    "plan": (mine["plan"] - PROCESS_BYTES / 1e9) / (theirs["plan"] - PROCESS_BYTES / 1e9),
                 }
             )
     return {
-        "worst_factor_rss": max(factors["rss"], default=None),
-        "worst_factor_tensors": max(factors["tensors"], default=None),
+        "worst_factor_rss": max(filter(None, totals), default=None),
+        "worst_factor_tensors": max(filter(None, terms), default=None),
+        "besides_tensors_gb": [min(besides), max(besides)] if besides else None,
+        "process_bytes": PROCESS_BYTES,
         "dtype_ratios": ratios,
     }
 
@@ -462,7 +512,6 @@ def main() -> None:
     parser.add_argument("--pca-examples", type=int, default=512, help="PCA fitting examples")
     parser.add_argument("--curvature-examples", type=int, default=128)
     parser.add_argument("--ingest", type=int, default=256, help="documents ingested after each fit")
-    parser.add_argument("--queries", type=int, default=8, help="queries run after the ingest")
     parser.add_argument("--no-ingest", action="store_true", help="measure the fits only")
     parser.add_argument(
         "--no-tensors",
@@ -475,7 +524,15 @@ def main() -> None:
         action="store_true",
         help="only print the bytes per logit element the loss holds, against the plan's figure",
     )
-    parser.add_argument("--child", choices=("fit", "ingest", "query"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="print the figures of earlier runs (their --json files) together, against the current plan's "
+        "process term, instead of measuring",
+    )
+    parser.add_argument("--child", choices=("fit", "ingest", "block", "query"), help=argparse.SUPPRESS)
     parser.add_argument("--tensors", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -486,26 +543,43 @@ def main() -> None:
         args.layers, args.k = args.layers[0], args.k[0]
         child(args)
         return
-    k_max = plan_for(args.layers[0], 64, args.width[0], "float32", args)["limits"]["k_max"]
+    if args.report:
+        saved = [json.loads(path.read_text()) for path in args.report]
+        results = [r for figures in saved for r in figures["runs"]]
+        for key, value in saved[0]["settings"].items():
+            setattr(args, key.replace("-", "_"), value)
+        args.width = sorted({r["width"] for r in results})
+        args.dtype = sorted({r["dtype"] for r in results}, reverse=True)
+        report(results, summary(results), args, sorted({r["k"] for r in results}))
+        return
+    k_max = plans_for(args.layers[0], 64, args.width[0], "float32", Path("/nonexistent"), args)["fit"]["limits"][
+        "k_max"
+    ]
     ks = [k or k_max for k in args.k]
     results = []
     work = Path(tempfile.mkdtemp(prefix="fit-memory-"))
     try:
         for width, k, layers, dtype in itertools.product(args.width, ks, args.layers, args.dtype):
-            out = work / f"W{width}-L{layers}-k{k}-{dtype}"
-            runs = ["fit"] if args.no_ingest else ["fit", "ingest", "query"]
+            name = f"W{width}-L{layers}-k{k}-{dtype}"
+            runs = ["fit"] if args.no_ingest else list(RUNS)
             row = {"width": width, "layers": layers, "k": k, "dtype": dtype, "modules": 4 * layers}
-            for kind in runs:
-                row[kind] = run_child(kind, layers, k, width, dtype, out, args)
-            if not args.no_tensors:  # again, profiled: the fit into a second directory, ingest and query into it
+            # Measured for RSS, then again under the profiler for tensors (into a fit of its own).
+            for tensors in (False,) if args.no_tensors else (False, True):
+                out = work / (name + ("-t" if tensors else ""))
+                block = out.with_name(out.name + "-block")  # the fitted index again, for the block run
                 for kind in runs:
-                    row[kind]["tensors"] = run_child(
-                        kind, layers, k, width, dtype, out.with_name(out.name + "-t"), args, tensors=True
-                    )["tensors"]
-            row["plan"] = plan_for(layers, k, width, dtype, args)
+                    result = run_child(kind, layers, k, width, dtype, block if kind == "block" else out, args, tensors)
+                    if kind == "fit" and not args.no_ingest:
+                        shutil.copytree(out, block)
+                    if tensors:
+                        row[kind]["tensors"] = result["tensors"]
+                    else:
+                        row[kind] = result
+                if not tensors:
+                    row["plans"] = plans_for(layers, k, width, dtype, out, args)
             results.append(row)
-            shutil.rmtree(out, ignore_errors=True)
-            shutil.rmtree(out.with_name(out.name + "-t"), ignore_errors=True)
+            for path in work.glob(name + "*"):
+                shutil.rmtree(path, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     totals = summary(results)
@@ -517,7 +591,7 @@ def main() -> None:
             "curvature_examples": args.curvature_examples,
             "max_tokens": args.max_tokens,
             "ingest": args.ingest,
-            "queries": args.queries,
+            "queries": BATCH,
         },
         "runs": results,
         "summary": totals,
@@ -530,19 +604,23 @@ def main() -> None:
 
 def report(results: list, totals: dict, args: argparse.Namespace, ks: list) -> None:
     """The figures as text: a row per run and fit phase, then the worst factors and dtype ratios."""
+    from eogp_index.fit.plan import PROCESS_BYTES
+
     print(
-        f"m = {args.m:,} per module, {args.pca_examples} PCA fitting examples, {args.curvature_examples} curvature examples, "
-        f"max {args.max_tokens} tokens, batch {BATCH}; ingest of {args.ingest} documents and {args.queries} queries "
-        "into the fitted index; each run in its own process"
+        f"m = {args.m:,} per module, {args.pca_examples} PCA fitting examples, {args.curvature_examples} curvature "
+        f"examples, max {args.max_tokens} tokens, batch {BATCH}; into the fitted index: ingest of {args.ingest} "
+        f"documents (P resident), block ingest of them (P in turn, one block) and one batch of {BATCH} queries; "
+        "each run in its own process"
     )
     print(
-        "rss: peak RSS (VmHWM) above the process baseline (imports, no model); tensors: peak of live tensor bytes "
-        "(torch's CPU allocator, a profiled run of its own); plan: eogp plan's estimate less its process term"
+        "rss: peak RSS (VmHWM) of the whole process; base: its baseline (imports, no model); tensors: peak of live "
+        "tensor bytes (torch's CPU allocator, a profiled run of its own); plan: eogp plan's estimate, its process "
+        f"term ({PROCESS_BYTES / 1e9:.2f} GB) included; plan/rss: whole process; terms/tensors: the plan less its "
+        "process term against the tensors; rss-tensors: what the process holds besides tensors"
     )
-    print(f"process baseline: {results[0]['fit']['process_gb']:.2f} GB measured")
     print(
-        f"{'width':>5} {'k':>4} {'layers':>6} {'dtype':<9} {'run':<17} {'rss':>8} {'tensors':>8} {'plan':>8} "
-        f"{'plan/rss':>9} {'plan/tensors':>13}"
+        f"{'width':>5} {'k':>4} {'layers':>6} {'dtype':<9} {'run':<22} {'rss':>6} {'base':>6} {'tensors':>8} "
+        f"{'plan':>6} {'plan/rss':>9} {'terms/tensors':>14} {'rss-tensors':>12}"
     )
 
     def gb(x):
@@ -552,42 +630,33 @@ def report(results: list, totals: dict, args: argparse.Namespace, ks: list) -> N
         return f"{a / b:.2f}" if a is not None and b else "-"
 
     for r in results:
-        for name, rss, tensors, planned in lines_of(r):
+        for line in lines_of(r):
+            terms = line["plan"] - PROCESS_BYTES / 1e9
+            besides = line["rss"] - line["tensors"] if line["rss"] is not None and line["tensors"] else None
             print(
-                f"{r['width']:>5} {r['k']:>4} {r['layers']:>6} {r['dtype']:<9} {name:<17} {gb(rss):>8} "
-                f"{gb(tensors):>8} {gb(planned):>8} {ratio(planned, rss):>9} {ratio(planned, tensors):>13}"
+                f"{r['width']:>5} {r['k']:>4} {r['layers']:>6} {r['dtype']:<9} {line['name']:<22} {gb(line['rss']):>6} "
+                f"{gb(line['process']):>6} {gb(line['tensors']):>8} {gb(line['plan']):>6} "
+                f"{ratio(line['plan'], line['rss']):>9} {ratio(terms, line['tensors']):>14} {gb(besides):>12}"
             )
-        at_peak = r["fit"].get("tensors", {}).get("at_peak_by_op_gb", {})
-        if at_peak:
-            print(
-                f"{'':>12} tensors alive at the fit's peak, by allocating op: "
-                + ", ".join(f"{op} {b:.3f}" for op, b in at_peak.items())
-            )
-        for kind in ("ingest", "query"):
+        for kind in RUNS:
             at_peak = r.get(kind, {}).get("tensors", {}).get("at_peak_by_op_gb", {})
             if at_peak:
                 print(f"{'':>12} at the {kind} peak: " + ", ".join(f"{op} {b:.3f}" for op, b in at_peak.items()))
-    for width, k, dtype in itertools.product(args.width, ks, args.dtype):
-        fits = {
-            r["layers"]: r["fit"]["peak_rss_gb"]
-            for r in results
-            if (r["width"], r["k"], r["dtype"]) == (width, k, dtype)
-        }
-        if len(fits) >= 2:
-            lo, hi = min(fits), max(fits)
-            print(
-                f"width {width}, k = {k}, {dtype}: the fit's peak RSS grows by {fits[hi] - fits[lo]:.2f} GB from "
-                f"{lo} to {hi} layers"
-            )
     print(
-        f"plan vs measured peaks (fit, ingest, query), worst factor: rss {ratio(totals['worst_factor_rss'], 1)}, "
-        f"tensors {ratio(totals['worst_factor_tensors'], 1)} (target within 1.5x)"
+        f"plan vs measured peaks (fit, ingest, block, query), worst factor: whole process against RSS "
+        f"{ratio(totals['worst_factor_rss'], 1)}, terms against tensors {ratio(totals['worst_factor_tensors'], 1)} "
+        "(target within 1.5x)"
     )
+    if totals["besides_tensors_gb"]:
+        lo, hi = totals["besides_tensors_gb"]
+        print(
+            f"held besides tensors (rss - tensors): {lo:.2f}-{hi:.2f} GB; the plan's process term {PROCESS_BYTES / 1e9:.2f} GB"
+        )
     for q in totals["dtype_ratios"]:
         print(
             f"width {q['width']}, {q['layers']} layers, k = {q['k']}: {q['dtype']} / float32 {q['run']}: "
-            f"rss {q['rss']:.2f}, tensors {ratio(q['tensors'], 1)}, plan {q['plan']:.2f}"
-            + (" (target <= 0.6)" if q["run"] == "ingest" else "")
+            f"tensors {ratio(q['tensors'], 1)}, rss above baseline {q['rss_above_process']:.2f}, rss {q['rss']:.2f}, "
+            f"plan terms {q['plan']:.2f}" + (" (target <= 0.6)" if q["run"] in ("ingest", "block") else "")
         )
 
 

@@ -1131,8 +1131,8 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
 @field_option(
     IngestConfig,
     "block_documents",
-    help=f"Documents per ingest block when P does not stay in memory (default: {MAX_BLOCK_DOCUMENTS:,}; "
-    "an ingest sizes its own from the free disk and memory, at most that).",
+    help="Documents per ingest block when P does not stay in memory (default: as an ingest sizes it, from "
+    f"the memory the budget leaves, at most {MAX_BLOCK_DOCUMENTS:,}).",
 )
 @click.option(
     "--all-modules", is_flag=True, help="One line per module (default: modules alike in every block, grouped)."
@@ -1176,8 +1176,8 @@ def plan(
         eogp plan olmo-2-1b/config.json -k 2048 --m 262144 --dtype bfloat16 --max-tokens 512 --memory-budget 80
         eogp plan my-index --memory-budget 24
     """
-    from eogp_index.fit.blocks import format_p_reads, p_reads
-    from eogp_index.fit.plan import format_plan, make_plan, model_shape
+    from eogp_index.fit.blocks import p_reads
+    from eogp_index.fit.plan import format_p_reads, format_plan, make_plan, model_shape
     from eogp_index.store.index_plan import plan_of_index
 
     gradients = GradientConfig(**gradients)
@@ -1192,6 +1192,7 @@ def plan(
         batch_tokens=gradients.batch_tokens,
         document_tokens=document_tokens,
         device=device_kind,
+        block_documents=block_documents,
     )
     if (Path(model) / "manifest.json").is_file():
         result = plan_of_index(Path(model), **options)

@@ -67,8 +67,8 @@ def p_reads(plan: Dict[str, Any], *, block_documents: Optional[int] = None) -> D
     """``P`` read per document in each way of applying it, and the block cache's disk, for a plan
     of :func:`~eogp_index.fit.plan.make_plan` (JSON-able).
 
-    ``block_documents`` defaults to :data:`MAX_BLOCK_DOCUMENTS` (an ingest sizes its own default from
-    the free disk and memory, at most that). Keys: ``p_total_bytes``; ``per_document`` bytes of
+    ``block_documents`` defaults to the plan's block (``memory.ingest_block``: sized from its
+    memory budget as an ingest sizes its own, at most :data:`MAX_BLOCK_DOCUMENTS`). Keys: ``p_total_bytes``; ``per_document`` bytes of
     ``P`` read per ingested document when resident (read once, over the plan's ``--documents``),
     in turn per gradient batch, and in turn per block; ``cache_bytes_per_document`` and
     ``cache_bytes`` (the block's cache on disk); ``block_documents``; ``batch_size``.
@@ -77,7 +77,8 @@ def p_reads(plan: Dict[str, Any], *, block_documents: Optional[int] = None) -> D
     p_total = sum(r["pca_bytes"] for r in rows)
     batch = int(plan["options"]["batch_size"])
     itemsize = FIRST_STAGE_ITEMSIZE
-    block = whole_batches(block_documents or MAX_BLOCK_DOCUMENTS, batch)
+    planned = plan.get("memory", {}).get("ingest_block", {}).get("block_documents")
+    block = whole_batches(block_documents or planned or MAX_BLOCK_DOCUMENTS, batch)
     per_doc_cache = cache_bytes_per_document([r["m"] for r in rows], itemsize) if p_total else 0
     documents = int(plan["store"]["documents"])
     return {
@@ -97,22 +98,3 @@ def p_reads(plan: Dict[str, Any], *, block_documents: Optional[int] = None) -> D
         if p_total
         else 0,
     }
-
-
-def format_p_reads(reads: Dict[str, Any]) -> str:
-    """:func:`p_reads` as the plan's text lines."""
-    from eogp_index.fit.plan import _size as size
-
-    if not reads["p_total_bytes"]:
-        return "P reads       none: this variant has no P"
-    per = reads["per_document"]
-    return "\n".join(
-        [
-            f"P reads       per ingested document, of {size(reads['p_total_bytes'])} of P: resident {size(per['resident'])} "
-            f"(read once for the {reads['documents']:,} documents); in turn per batch of {reads['batch_size']} {size(per['per_batch'])}; "
-            f"in turn per block of {reads['block_documents']:,} {size(per['block'])} (--block-documents)",
-            f"block cache   {size(reads['cache_bytes_per_document'])} per document (first-stage coordinates in FP16), "
-            f"{size(reads['cache_bytes'])} of disk for the block (INDEX/ingest-cache/, removed once it is committed), "
-            f"{size(reads['block_memory_bytes'])} of memory while each P is applied; under torchrun, per worker",
-        ]
-    )

@@ -15,7 +15,8 @@ Given the attributed modules' shapes and the fit options, :func:`make_plan` give
   corrected eigenvalues, float32;
 * the fit's cache (``fit/``, deleted when the fit finishes): the PCA set's first-stage
   coordinates, ``n·Σ_u m_u·2`` bytes, and each module's fitted ``P`` in float32;
-* peak memory of each phase (fit: curvature, first stage, PCA, save; ingest; query), each
+* peak memory of each phase (fit: curvature, first stage, PCA, save; ingest with ``P`` resident,
+  read per batch or per block of documents; query), each
   listing what it counts, from the model's dtype, the batch (documents x tokens) and kronfluence's
   module partitions; with a memory budget, whether it fits and, if not, which option would
   make it fit; and the disk each phase writes;
@@ -43,19 +44,28 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from eogp_index.config import (
     DEFAULT_M_HELP,
     EIGENVECTOR_DTYPES,
+    MAX_BLOCK_DOCUMENTS,
     MODEL_DTYPE_BYTES,
     PCA_DTYPE_BYTES,
     ProjectionConfig,
     bytes_per_module,
 )
 from eogp_index.errors import ConfigError, ModelError
+from eogp_index.fit.blocks import (
+    FIRST_STAGE_ITEMSIZE,
+    block_memory_per_document,
+    cache_bytes_per_document,
+    default_block_documents,
+    whole_batches,
+)
 
 F32, F64 = 4, 8
-#: Resident memory of an eogp process before it builds any model or index data: the Python
-#: interpreter, torch, transformers, kronfluence, LanceDB, numba and their libraries. Measured
-#: (``benchmarks/fit_memory.py``, "process baseline") on x86-64 Linux with CPU torch 2.x; a CUDA
-#: build adds its own libraries and context (about 0.5-1 GB more).
-PROCESS_BYTES = 600_000_000
+#: What an eogp process holds besides tensors while it works: the interpreter, torch,
+#: transformers, kronfluence, LanceDB, numba and their libraries, and their working memory (Arrow
+#: buffers, numba's compiled kernels, oneDNN's caches, the allocator's free lists). Measured as
+#: peak RSS less the peak of live tensor bytes (``benchmarks/fit_memory.py``, "rss-tensors") on
+#: x86-64 Linux with CPU torch 2.x; a CUDA build adds its own libraries and context.
+PROCESS_BYTES = 750_000_000
 #: The largest float32/float64 buffer that fit_pca and apply_pca upcast at once
 #: (``fit.projection._UPCAST_BYTES``).
 UPCAST_BLOCK_BYTES = 64 << 20
@@ -374,48 +384,64 @@ def _phase(peak: int, counts: str, *, bound: bool = False, disk: int = 0, disk_c
     return {"bytes": peak, "counts": counts, "bound": bound, "disk_bytes": disk, "disk_counts": disk_counts}
 
 
+def _factor_split(row: Dict[str, Any]) -> Tuple[int, int, int]:
+    """A module's kronfluence factors by the step that makes them (float32): its covariances
+    (``A`` and ``S``), their eigenvectors and eigenvalues, and Λ."""
+    covariances = F32 * (row["d_in"] ** 2 + row["d_out"] ** 2)
+    return covariances, covariances + F32 * (row["d_in"] + row["d_out"]), F32 * row["d"]
+
+
 def fit_curvature_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
-    """kronfluence's fit on the device, in module partitions chosen to fit the budget."""
-    factor_bytes = [r["factor_bytes"] for r in inp.rows]
+    """kronfluence's fit, in module partitions chosen to fit the budget: its three steps, one
+    after another, and the largest of them.
+
+    * covariance pass: one curvature batch through the model (module inputs captured in float32,
+      labels sampled from the float32 probabilities) and the partition's covariances;
+    * eigendecomposition: one module's covariance and eigenvectors in float64 on the device,
+      while the host holds every module's covariances and the eigenvectors made so far;
+    * Λ pass: the batch again, one module's per-example gradients and their rotation, and the
+      partition's eigenvectors, eigenvalues and Λ.
+
+    On the CPU the device is the host: the eigendecomposition's host memory is the step's peak.
+    """
+    split = [_factor_split(r) for r in inp.rows]
+    factor_bytes = [sum(parts) for parts in split]
     widest = max(r["d"] for r in inp.rows)
     docs = min(batch.documents, inp.curvature_examples)
     tokens = docs * batch.document_tokens
-    # Its Λ pass keeps every module's input in float32 until that module's backward hook, and
-    # one module's per-example gradients of the batch with their rotation into the eigenbasis;
-    # eigendecomposing one module's covariance (float64) needs it and its eigenvectors.
-    work = (
-        inp.activations(tokens, captured_bytes=F32, sampled=True)
-        + 2 * F32 * docs * widest
-        + 2 * F64 * max(max(r["d_in"], r["d_out"]) ** 2 for r in inp.rows)
-    )
-    available = None if inp.budget is None else inp.budget - inp.model - work
+    passes = inp.activations(tokens, captured_bytes=F32, sampled=True)
+    per_example = 2 * F32 * docs * widest
+    eigh = 2 * F64 * max(max(r["d_in"], r["d_out"]) ** 2 for r in inp.rows)
+    available = None if inp.budget is None else inp.budget - inp.model - passes - per_example
     parts = curvature_partitions(factor_bytes, available)
     held = _largest_part(factor_bytes, parts)
-    factors = sum(factor_bytes)
-    # kronfluence reads every module's factors into host memory at once (aggregating the
-    # partitions, eigendecomposing, then a copy for the Λ pass); reading them back for the
-    # projection holds one module's eigenvectors and Λ at a time, and the kept columns of all.
-    build = max(F32 * (r["d_in"] ** 2 + r["d_out"] ** 2 + r["d"]) for r in inp.rows) + inp.eigen
-    host = PROCESS_BYTES + max(2 * factors, build)
+    covariance_pass = passes + _largest_part([c for c, _, _ in split], parts)
+    lambda_pass = passes + per_example + _largest_part([e + lam for _, e, lam in split], parts)
+    host = PROCESS_BYTES + sum(c + e for c, e, _ in split)
     on_cpu = inp.device == "cpu"
-    peak = inp.model + held + work + (host - PROCESS_BYTES if on_cpu else 0)
+    decomposition = (host - PROCESS_BYTES + eigh) if on_cpu else eigh
+    steps = {"covariance pass": covariance_pass, "eigendecomposition": decomposition, "Λ pass": lambda_pass}
+    largest = max(steps, key=steps.get)
     return {
         **_phase(
-            peak,
-            f"process + weights ({inp.dtype}) + kronfluence's factors of its largest module partition "
-            f"({parts} partition{'s' if parts > 1 else ''} of the {len(factor_bytes)} modules, {_size(held)}: "
-            "covariances, eigenvectors, eigenvalues, Λ, float32) + one curvature batch's activations (module inputs "
-            "in float32; logits with the float32 probabilities their labels are sampled from) and one module's per-example gradients and eigendecomposition (float64)"
-            + ("; on the CPU also the host memory below" if on_cpu else ""),
+            inp.model + steps[largest],
+            f"process + weights ({inp.dtype}) + the largest of kronfluence's steps, here the {largest} "
+            f"({parts} module partition{'s' if parts > 1 else ''} of {len(factor_bytes)}, {_size(held)} of "
+            "factors in the largest): the covariance pass holds one curvature batch's activations (module "
+            "inputs in float32; logits with the float32 probabilities their labels are sampled from) and the "
+            "partition's covariances; the eigendecomposition one module's covariance and eigenvectors in "
+            "float64"
+            + (", and every module's covariances and eigenvectors (on the CPU, host memory)" if on_cpu else "")
+            + "; the Λ pass the batch, one module's per-example gradients and the partition's eigenvectors and Λ",
             bound=inp.eigen_is_bound,
-            disk=factors * (2 if parts > 1 else 1),
+            disk=sum(factor_bytes) * (2 if parts > 1 else 1),
             disk_counts="kronfluence's factors (curvature/), twice while partitions are aggregated",
         ),
         "module_partitions": parts,
+        "steps": steps,
         "host_bytes": host,
-        "host_counts": "process + every module's factors twice (kronfluence aggregates, decomposes and copies "
-        "them in host memory) or, if larger, every module's kept eigenvector columns (upper bound "
-        "before the fit) and one module's factors, read back one at a time",
+        "host_counts": "process + every module's covariances and eigenvectors: kronfluence's "
+        "eigendecomposition holds them in host memory, whatever the partitions",
     }
 
 
@@ -488,7 +514,7 @@ def fit_save_phase(inp: _Inputs) -> Dict[str, Any]:
 
 def ingest_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> Dict[str, Any]:
     """Projecting and storing a batch: the first stage's memory, and P resident or one module's
-    P at a time (read in every batch). A block-of-documents mode slots in here as a third case."""
+    P at a time (read in every batch; :func:`ingest_block_phase` reads it once per block)."""
     base = first_stage_phase(inp, batch)["bytes"]
     p_held = inp.pca_total if resident else inp.largest_pca
     per_example = sum(r["bytes_per_example"] for r in inp.rows)
@@ -506,6 +532,36 @@ def ingest_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> Dict[str, Any
             disk_counts=f"the codes of {inp.documents:,} documents (table columns not counted)",
         ),
         "p_resident": resident,
+    }
+
+
+def ingest_block_phase(inp: _Inputs, batch: Batch, block: int) -> Dict[str, Any]:
+    """Block ingest (``P`` read once per block of ``block`` documents): the larger of its two
+    stretches. Per batch, the first stage, with one batch's float16 coordinates in flight to the
+    cache on disk; then, module after module, that module's ``P`` applied to the block's cached
+    coordinates, while every module's final coordinates of the block wait to be encoded."""
+    ms, ks = [r["m"] for r in inp.rows], [r["k"] for r in inp.rows]
+    batches = first_stage_phase(inp, batch)["bytes"] + FIRST_STAGE_ITEMSIZE * batch.documents * sum(ms)
+    apply = (
+        inp.model
+        + inp.eigen
+        + inp.largest_pca
+        + inp.upcast
+        + block * block_memory_per_document(ms, ks, FIRST_STAGE_ITEMSIZE)
+    )
+    return {
+        **_phase(
+            max(batches, apply),
+            f"the larger of: what the first stage holds + one batch's float16 coordinates written to the "
+            f"block cache; and process + weights + kept eigenvector columns + one module's P "
+            f"({_size(inp.largest_pca)}) applied to the block's {block:,} documents (that module's cached "
+            "coordinates, float16, and every module's final coordinates, float32)",
+            bound=inp.eigen_is_bound,
+            disk=block * cache_bytes_per_document(ms, FIRST_STAGE_ITEMSIZE),
+            disk_counts=f"the block cache (INDEX/ingest-cache/, float16 first-stage coordinates of {block:,} "
+            "documents), removed once the block is committed",
+        ),
+        "block_documents": block,
     }
 
 
@@ -578,6 +634,7 @@ def make_plan(
     eigenbasis_bytes: Optional[Dict[str, int]] = None,
     eigenbasis_dtype: Optional[str] = None,
     dims: Optional[Dict[str, Tuple[int, int]]] = None,
+    block_documents: Optional[int] = None,
 ) -> Dict[str, Any]:
     """The storage and memory accounting of an index of ``shape`` under these fit options.
 
@@ -594,6 +651,8 @@ def make_plan(
         eigenbasis_dtype: the dtype they are held in (default ``EIGENVECTOR_DTYPES[dtype]``; a
             fitted index's file says).
         dims: ``(m_u, k_u)`` per module as a fitted index records them (None: from ``projection``).
+        block_documents: documents per ingest block when ``P`` is read in turn (None: as an
+            ingest sizes it, from a quarter of ``memory_budget``, at most ``MAX_BLOCK_DOCUMENTS``).
 
     Returns:
         A JSON-able dict: ``modules`` (per module ``d_out, d_in, d, m, k``, bytes per example,
@@ -667,7 +726,7 @@ def make_plan(
             "bytes": PROCESS_BYTES,
             "bound": False,
             "counts": "the interpreter, torch, transformers, kronfluence, LanceDB and their libraries, "
-            "before any model or index data (measured once on x86-64 Linux with CPU torch: "
+            "and what they hold besides tensors while they work (measured on x86-64 Linux with CPU torch: "
             "benchmarks/fit_memory.py prints it; counted in every figure below)",
         }
     }
@@ -680,6 +739,7 @@ def make_plan(
             "fit_save": fit_save_phase(inp),
             "ingest": phases["ingest"],
             "ingest_in_turn": ingest_phase(inp, batch, resident=False),
+            "ingest_block": ingest_block_phase(inp, batch, _block(inp, batch, block_documents)),
             "query": phases["query"],
         }
     )
@@ -779,7 +839,9 @@ def make_plan(
             f"module's fitted P ({projection.pca_dtype}); deleted when the index is written",
         },
         "memory": memory,
-        "fits": None if memory_budget is None else all(memory[key]["fits"] for key in (*FIT_PHASES, "ingest", "query")),
+        "fits": None
+        if memory_budget is None
+        else all(memory[key]["fits"] for key in (*FIT_PHASES, "ingest" if resident else "ingest_block", "query")),
         "store": {
             "documents": documents,
             "codes_bytes": documents * per_example,
@@ -792,6 +854,20 @@ def make_plan(
     }
 
 
+def _block(inp: _Inputs, batch: Batch, asked: Optional[int]) -> int:
+    """Documents per ingest block, in whole batches: ``asked``, else as an ingest sizes its default
+    (:func:`~eogp_index.fit.blocks.default_block_documents`), the free memory being what the budget
+    leaves beside the loaded index and one module's ``P`` (the disk the block takes is stated, not
+    limited)."""
+    if asked is not None:
+        return whole_batches(asked, batch.documents)
+    if inp.budget is None:
+        return whole_batches(MAX_BLOCK_DOCUMENTS, batch.documents)
+    ms, ks = [r["m"] for r in inp.rows], [r["k"] for r in inp.rows]
+    free = max(0, inp.budget - inp.model - inp.eigen - inp.largest_pca - inp.upcast)
+    return default_block_documents(ms, ks, FIRST_STAGE_ITEMSIZE, batch.documents, free_disk=1 << 62, free_memory=free)
+
+
 def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int) -> str:
     """Which option would make phase ``key`` fit ``budget``, found by re-planning with it."""
 
@@ -800,6 +876,8 @@ def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int) -> s
             return (fit_pca_phase if key == "fit_pca" else fit_save_phase)(alt)["bytes"]
         if key == "ingest_in_turn":
             return ingest_phase(alt, alt_batch, resident=False)["bytes"]
+        if key == "ingest_block":
+            return ingest_block_phase(alt, alt_batch, _block(alt, alt_batch, None))["bytes"]
         if key in ("fit_peak", "process"):
             return max(peak_of(alt, alt_batch, alt_resident, k) for k in FIT_PHASES)
         return peak_of(alt, alt_batch, alt_resident, key)
@@ -909,6 +987,7 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
         "fit_save",
         "ingest",
         "ingest_in_turn",
+        "ingest_block",
         "query",
     ):
         entry = plan["memory"][key]
@@ -922,7 +1001,7 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
         f"{plan['memory']['fit_curvature']['host_counts']}"
     )
     lines.append("disk")
-    for key in ("fit_curvature", "fit_first_stage", "fit_pca", "fit_save", "ingest"):
+    for key in ("fit_curvature", "fit_first_stage", "fit_pca", "fit_save", "ingest", "ingest_block"):
         entry = plan["memory"][key]
         lines.append(f"  {key:<16} {_size(entry['disk_bytes']):>11}  {entry['disk_counts']}")
     if model.get("coverage"):
@@ -935,6 +1014,23 @@ def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
         f"              ({store['note']})",
     ]
     return "\n".join(lines)
+
+
+def format_p_reads(reads: Dict[str, Any]) -> str:
+    """:func:`~eogp_index.fit.blocks.p_reads` as the plan's text lines."""
+    if not reads["p_total_bytes"]:
+        return "P reads       none: this variant has no P"
+    per = reads["per_document"]
+    return "\n".join(
+        [
+            f"P reads       per ingested document, of {_size(reads['p_total_bytes'])} of P: resident {_size(per['resident'])} "
+            f"(read once for the {reads['documents']:,} documents); in turn per batch of {reads['batch_size']} {_size(per['per_batch'])}; "
+            f"in turn per block of {reads['block_documents']:,} {_size(per['block'])} (--block-documents)",
+            f"block cache   {_size(reads['cache_bytes_per_document'])} per document (first-stage coordinates in FP16), "
+            f"{_size(reads['cache_bytes'])} of disk for the block (INDEX/ingest-cache/, removed once it is committed), "
+            f"{_size(reads['block_memory_bytes'])} of memory while each P is applied; under torchrun, per worker",
+        ]
+    )
 
 
 def _pattern_key(row: Dict[str, Any]) -> tuple:

@@ -331,3 +331,49 @@ def test_olmo2_32b_in_bf16_fits_a_192_gb_b200_under_a_stated_assumption():
     assert plan["fits"] and all(plan["memory"][key]["fits"] for key in PHASES), format_plan(plan)
     assert plan["curvature"]["module_partitions"] > 1  # kronfluence's factors do not fit at once
     assert plan["shared"]["pca_bytes"] == 448 * 262144 * 2048 * 2  # the paper's 481 GB of P
+
+
+def test_block_ingest_phase_holds_one_p_and_the_block(olmo2_1b):
+    """With P read in turn, ingest works in blocks: the plan's block phase is the larger of the
+    first stage's pass (with a batch's float16 coordinates on their way to the cache) and applying
+    one module's P to the block; the block is sized from what the budget leaves, and the fit's
+    check and the P reads follow it."""
+    from eogp_index.fit.blocks import FIRST_STAGE_ITEMSIZE, block_memory_per_document, p_reads
+
+    budget = 80 * 10**9
+    plan = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=budget, **PAPER)
+    rows, memory = plan["modules"], plan["memory"]
+    per_document = block_memory_per_document([r["m"] for r in rows], [r["k"] for r in rows], FIRST_STAGE_ITEMSIZE)
+    block = memory["ingest_block"]
+    documents = block["block_documents"]
+    batch = plan["batch"]["documents"]
+    assert documents % batch == 0 and documents > batch
+    # The default block leaves the budget a margin (a quarter of what the loaded index leaves free).
+    assert documents * per_document <= budget / 4
+    assert block["fits"] and plan["fits"]  # P is not resident: the fit's check is the block's
+    assert p_reads(plan)["block_documents"] == documents
+    assert block["disk_bytes"] == documents * 2 * sum(r["m"] for r in rows)
+    # Applying P to a larger block adds that block's coordinates, and nothing else.
+    asked = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=budget, block_documents=documents + 10 * batch, **PAPER)
+    assert asked["memory"]["ingest_block"]["block_documents"] == documents + 10 * batch
+    grown = asked["memory"]["ingest_block"]["bytes"] - block["bytes"]
+    assert grown == 10 * batch * per_document
+    huge = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=budget, block_documents=10**6, **PAPER)
+    assert not huge["memory"]["ingest_block"]["fits"] and not huge["fits"]
+
+
+def test_curvature_phase_is_the_largest_of_kronfluences_steps(olmo2_1b):
+    """kronfluence's covariance pass, eigendecomposition and Λ pass run one after another: the
+    phase is the largest, and on the CPU the eigendecomposition counts every module's covariances
+    and eigenvectors (host memory is the device's) where a GPU counts them as host memory only."""
+    gpu = make_plan(olmo2_1b, PAPER_PROJECTION, device="cuda", **PAPER)
+    cpu = make_plan(olmo2_1b, PAPER_PROJECTION, device="cpu", **PAPER)
+    model = gpu["memory"]["process"]["bytes"] + gpu["model"]["weights_bytes"]
+    for plan in (gpu, cpu):
+        steps = plan["memory"]["fit_curvature"]["steps"]
+        assert plan["memory"]["fit_curvature"]["bytes"] == model + max(steps.values())
+    held = cpu["curvature"]["host_bytes"] - cpu["memory"]["process"]["bytes"]
+    assert cpu["memory"]["fit_curvature"]["steps"]["eigendecomposition"] > held
+    assert gpu["memory"]["fit_curvature"]["steps"]["eigendecomposition"] < held
+    rows = gpu["modules"]
+    assert held == sum(4 * (2 * r["d_in"] ** 2 + 2 * r["d_out"] ** 2 + r["d_in"] + r["d_out"]) for r in rows)
