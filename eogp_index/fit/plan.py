@@ -342,11 +342,11 @@ class _Inputs:
 def logits_bytes(elements: int, itemsize: int, *, sampled: bool = False) -> int:
     """The most the loss holds at once for ``elements`` logits (vocabulary x tokens) of
     ``itemsize`` bytes (``gradients.loss``): the logits and their gradient, in the model's dtype,
-    and float32 chunks of tokens (an upcast chunk and what is computed from it, three at most);
+    and float32 chunks of tokens (an upcast chunk and what is computed from it, two at most);
     with ``sampled`` labels (the fit's curvature passes draw them from the model) the float32
     probabilities and the sampler's float32 draw of the same size, while the logits are held, if
     that is more."""
-    backward = 2 * itemsize * elements + min(3 * LOSS_CHUNK_BYTES, 3 * F32 * elements)
+    backward = 2 * itemsize * elements + min(2 * LOSS_CHUNK_BYTES, 2 * F32 * elements)
     return max(backward, (itemsize + 2 * F32) * elements) if sampled else backward
 
 

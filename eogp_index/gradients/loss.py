@@ -73,7 +73,8 @@ class _TokenCrossEntropy(torch.autograd.Function):
         weight = (grad_loss.float() * counted).unsqueeze(1)
         grad = torch.empty_like(logits)
         for start, stop in _chunks(*logits.shape):
-            part = (logits[start:stop].float() - lse[start:stop, None]).exp_()  # softmax, a new tensor
+            # softmax in one float32 chunk: the upcast copy is made once and worked on in place
+            part = logits[start:stop].to(torch.float32, copy=True).sub_(lse[start:stop, None]).exp_()
             part.scatter_add_(1, safe[start:stop], torch.full_like(part[:, :1], -1.0))
             grad[start:stop] = part.mul_(weight[start:stop])
         return grad, None
