@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
-import pytest
-from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+import gc
+import os
+
+# numpy's and scipy's OpenBLAS start one thread per core; on a busy 2-core machine each small
+# product then waits for a descheduled thread, far slower than one thread. Set before numpy
+# loads OpenBLAS (it reads the variable only then), and inherited by the suite's child processes.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2  # noqa: E402
 
 # The tokenizer and shard writers of the record, reader and ingest tests.
 pytest_plugins = ["shards"]
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection left alive (torch, transformers, every test module's constants):
+    kronfluence calls gc.collect() several times per fit, and each call would otherwise walk
+    those objects again. What the tests create is collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture

@@ -177,7 +177,8 @@ def kronfluence_scores(
             factors_name=FACTORS_NAME,
             query_dataset=_ExampleDataset([(pair(q[0]), pair(q[1])) if preference else pair(q) for q in queries]),
             train_dataset=_ExampleDataset([pair(e) for e in train]),
-            per_device_query_batch_size=2,
+            # One batch of queries: kronfluence recomputes every training gradient per query batch.
+            per_device_query_batch_size=len(queries),
             per_device_train_batch_size=len(train) if per_token else 3,
             dataloader_kwargs=DataLoaderKwargs(collate_fn=collate_any),
             score_args=ScoreArguments(

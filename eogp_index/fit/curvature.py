@@ -25,7 +25,6 @@ from torch.utils.data import Dataset
 
 from eogp_index.config import CurvatureConfig
 from eogp_index.errors import IndexNotFoundError
-from eogp_index.fit.task import LanguageModelingTask
 from eogp_index.gradients.loss import collate
 
 ANALYSIS_NAME = "eogp"
@@ -136,6 +135,8 @@ def fit_curvature(
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments
     from kronfluence.utils.dataset import DataLoaderKwargs
+
+    from eogp_index.fit.task import LanguageModelingTask  # imports kronfluence: only a fit needs it
 
     generator = torch.Generator().manual_seed(config.seed)
     order = torch.randperm(len(examples), generator=generator)[: config.num_examples].sort().values

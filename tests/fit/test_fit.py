@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, make_word_tokenizer
 
+from eogp_index.cli import cli
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.errors import ConfigError
@@ -320,15 +322,14 @@ def test_two_process_fit_splits_the_work_and_equals_a_one_process_fit(tmp_path):
         env=env,
     )
     assert two.returncode == 0, two.stderr[-4000:]
-    one = subprocess.run(
-        [sys.executable, "-m", "eogp_index.cli", *args, "--out", str(tmp_path / "one")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert one.returncode == 0, one.stderr[-4000:]
+    # The one-process fit runs the same CLI in this process (no second start-up), on one thread.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "one")])
+    finally:
+        torch.set_num_threads(threads)
+    assert one.exit_code == 0, one.output[-4000:]
     # The work was split: 6 batches and 8 modules, half each; curvature on rank 0 (CPU).
     for rank in (0, 1):
         assert f"[rank {rank}] rank {rank}: first-stage coordinates of 3 of the 6 batches left" in two.stderr
