@@ -391,7 +391,11 @@ RUNS = {"fit": "fit_peak", "ingest": "ingest", "block": "ingest_block", "query":
 
 def _stretch(phases: dict, phase: str):
     """A phase's peak from the stretches of a run: its own and those of the steps marked in it."""
-    inside = [v for label, v in phases.items() if label == phase or label.split("/")[0] in (phase, f"after {phase}")]
+    inside = [
+        v
+        for label, v in phases.items()
+        if label == phase or label.startswith((f"{phase}/", f"after {phase}/"))  # not "after {phase}" itself
+    ]
     return max(inside) if inside else None
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import math
 import time
@@ -212,6 +213,7 @@ def fit_projection(
         eigenvector_dtype=torch_dtype(EIGENVECTOR_DTYPES[dtype_name(model)]),
     )
     del factors  # build_projection copied the columns it keeps
+    gc.collect()  # kronfluence's fit leaves reference cycles that hold tensors until the collector runs
     if use_pca and projection.variant == "auto" and not held_out.numel():
         if ranks.rank == 0:
             log.info(
@@ -225,6 +227,7 @@ def fit_projection(
             module.rotation = None
     if use_pca:
         _first_stage_pass(model, fitted, names, sets.pca, folder, gradients, pad_id, device, ranks, progress)
+        gc.collect()  # the pass's graphs and hooks, in reference cycles, before the PCA needs the memory
         ranks.barrier()
         _fit_modules(fitted, folder, num_batches, held_out, ranks, progress)
         ranks.barrier()
