@@ -68,10 +68,11 @@ def p_reads(plan: Dict[str, Any], *, block_documents: Optional[int] = None) -> D
     of :func:`~eogp_index.fit.plan.make_plan` (JSON-able).
 
     ``block_documents`` defaults to the plan's block (``memory.ingest_block``: sized from its
-    memory budget as an ingest sizes its own, at most :data:`MAX_BLOCK_DOCUMENTS`). Keys: ``p_total_bytes``; ``per_document`` bytes of
-    ``P`` read per ingested document when resident (read once, over the plan's ``--documents``),
-    in turn per gradient batch, and in turn per block; ``cache_bytes_per_document`` and
-    ``cache_bytes`` (the block's cache on disk); ``block_documents``; ``batch_size``.
+    memory budget as an ingest sizes its own, at most :data:`MAX_BLOCK_DOCUMENTS`). Keys:
+    ``p_total_bytes``; ``per_document`` bytes of ``P`` read per ingested document when resident
+    (read once, over the plan's ``--documents``), in turn per gradient batch, and in turn per
+    block; ``cache_bytes_per_document`` and ``cache_bytes`` (the block's cache on disk);
+    ``block_documents``; ``batch_size``.
     """
     rows = plan["modules"]
     p_total = sum(r["pca_bytes"] for r in rows)

@@ -652,7 +652,8 @@ def make_plan(
             fitted index's file says).
         dims: ``(m_u, k_u)`` per module as a fitted index records them (None: from ``projection``).
         block_documents: documents per ingest block when ``P`` is read in turn (None: as an
-            ingest sizes it, from a quarter of ``memory_budget``, at most ``MAX_BLOCK_DOCUMENTS``).
+            ingest sizes it, from what ``memory_budget`` leaves beside the loaded index, at most
+            ``MAX_BLOCK_DOCUMENTS``).
 
     Returns:
         A JSON-able dict: ``modules`` (per module ``d_out, d_in, d, m, k``, bytes per example,
@@ -751,7 +752,9 @@ def make_plan(
     }
     for key, entry in memory.items():
         entry["fits"] = None if memory_budget is None else entry["bytes"] <= memory_budget
-        entry["fix"] = _fix(inp, key, batch, resident, memory_budget) if entry["fits"] is False else None
+        entry["fix"] = (
+            _fix(inp, key, batch, resident, memory_budget, block_documents) if entry["fits"] is False else None
+        )
     factors = sum(r["factor_bytes"] for r in rows)
     per_example = sum(r["bytes_per_example"] for r in rows)
     attributed = sum(r["d"] for r in rows)
@@ -868,8 +871,9 @@ def _block(inp: _Inputs, batch: Batch, asked: Optional[int]) -> int:
     return default_block_documents(ms, ks, FIRST_STAGE_ITEMSIZE, batch.documents, free_disk=1 << 62, free_memory=free)
 
 
-def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int) -> str:
-    """Which option would make phase ``key`` fit ``budget``, found by re-planning with it."""
+def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int, block_documents: Optional[int]) -> str:
+    """Which option would make phase ``key`` fit ``budget``, found by re-planning with it
+    (``block_documents``: the block asked for, as :func:`make_plan` takes it)."""
 
     def peak(alt: _Inputs, alt_batch: Batch, alt_resident: bool) -> int:
         if key in ("fit_pca", "fit_save"):
@@ -877,7 +881,7 @@ def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int) -> s
         if key == "ingest_in_turn":
             return ingest_phase(alt, alt_batch, resident=False)["bytes"]
         if key == "ingest_block":
-            return ingest_block_phase(alt, alt_batch, _block(alt, alt_batch, None))["bytes"]
+            return ingest_block_phase(alt, alt_batch, _block(alt, alt_batch, block_documents))["bytes"]
         if key in ("fit_peak", "process"):
             return max(peak_of(alt, alt_batch, alt_resident, k) for k in FIT_PHASES)
         return peak_of(alt, alt_batch, alt_resident, key)
@@ -887,6 +891,10 @@ def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int) -> s
             return (fit_pca_phase if name == "fit_pca" else fit_save_phase)(alt)["bytes"]
         return _batch_phases(alt, alt_batch, alt_resident)[name]["bytes"]
 
+    if key == "ingest_block" and block_documents is not None:
+        sized = _block(inp, batch, None)
+        if ingest_block_phase(inp, batch, sized)["bytes"] <= budget:
+            return f"--block-documents {sized} (the block the budget leaves room for)"
     one = Batch(1, batch.document_tokens)
     tries = []
     if batch.documents > 1:

@@ -360,6 +360,8 @@ def test_block_ingest_phase_holds_one_p_and_the_block(olmo2_1b):
     assert grown == 10 * batch * per_document
     huge = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=budget, block_documents=10**6, **PAPER)
     assert not huge["memory"]["ingest_block"]["fits"] and not huge["fits"]
+    # The fix for a block asked too large is the block the budget leaves room for.
+    assert huge["memory"]["ingest_block"]["fix"].startswith(f"--block-documents {documents} ")
 
 
 def test_curvature_phase_is_the_largest_of_kronfluences_steps(olmo2_1b):
