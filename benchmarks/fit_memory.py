@@ -44,6 +44,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 from common import add_json_argument, peak_rss_bytes, prints_json, write_json
 
@@ -310,11 +311,12 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def plans_for(layers: int, k: int, width: int, dtype: str, out: Path, args: argparse.Namespace) -> dict:
+def plans_for(layers: int, k: int, width: int, dtype: str, out: Optional[Path], args: argparse.Namespace) -> dict:
     """``eogp plan``'s accounting for each run (:mod:`eogp_index.fit.plan`), on the CPU with the
     run's batch of ``BATCH`` documents: before the fit for the fit (the kept eigenvector columns
     bounded), and of the fitted index ``out`` (``eogp plan INDEX``: exact) for ingest, block
-    ingest (``P`` in turn, one block of every ingested document) and the query."""
+    ingest (``P`` in turn, one block of every ingested document) and the query; ``out`` None:
+    the fit's only."""
     from transformers import AutoTokenizer
 
     from eogp_index.config import ProjectionConfig
@@ -332,7 +334,7 @@ def plans_for(layers: int, k: int, width: int, dtype: str, out: Path, args: argp
         dtype=dtype,
         **options,
     )
-    if not out.exists():  # --no-ingest
+    if out is None:
         return {"fit": before}
     fitted = plan_of_index(out, shape=shape, **options)
     in_turn = plan_of_index(out, shape=shape, projection_memory=0, block_documents=args.ingest, **options)
@@ -556,9 +558,7 @@ def main() -> None:
         args.dtype = sorted({r["dtype"] for r in results}, reverse=True)
         report(results, summary(results), args, sorted({r["k"] for r in results}))
         return
-    k_max = plans_for(args.layers[0], 64, args.width[0], "float32", Path("/nonexistent"), args)["fit"]["limits"][
-        "k_max"
-    ]
+    k_max = plans_for(args.layers[0], 64, args.width[0], "float32", None, args)["fit"]["limits"]["k_max"]
     ks = [k or k_max for k in args.k]
     results = []
     work = Path(tempfile.mkdtemp(prefix="fit-memory-"))
@@ -580,7 +580,7 @@ def main() -> None:
                     else:
                         row[kind] = result
                 if not tensors:
-                    row["plans"] = plans_for(layers, k, width, dtype, out, args)
+                    row["plans"] = plans_for(layers, k, width, dtype, None if args.no_ingest else out, args)
             results.append(row)
             for path in work.glob(name + "*"):
                 shutil.rmtree(path, ignore_errors=True)
