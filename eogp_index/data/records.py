@@ -56,6 +56,8 @@ from eogp_index.errors import ConfigError, InputError
 
 __all__ = [
     "IGNORE_INDEX",
+    "RECORD_KINDS",
+    "RecordKind",
     "Example",
     "RecordSpec",
     "check_text",
@@ -88,6 +90,47 @@ def location_of(shard: str, position: int) -> str:
     if name.endswith(JSONL_SUFFIXES):
         return f"{shard}:{position + 1}"
     return f"{shard}:row {position}"
+
+
+@dataclass(frozen=True)
+class RecordKind:
+    """One kind of record content, by its canonical field names (a :class:`RecordSpec` may rename them).
+
+    name: the kind (``Example.content_kind`` for documents). fields: the fields that make a record
+    of this kind, all required. optional: fields it may also hold. text_fields: its fields that
+    hold text: a string, or a chat (a list of ``{"role", "content"}`` messages) where its kind
+    allows one. query_only: a kind that is asked, never stored.
+    """
+
+    name: str
+    fields: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    text_fields: tuple[str, ...] = ()
+    chat_fields: tuple[str, ...] = ()
+    query_only: bool = False
+
+
+#: Every kind of record content, for documents and queries alike: the record checker, the query
+#: description and the surfaces' fuzzer are driven by this list. Besides its content, every record
+#: may hold an ``id`` and metadata fields (strings, numbers, booleans or lists of them).
+RECORD_KINDS: tuple[RecordKind, ...] = (
+    RecordKind("text", ("text",), text_fields=("text",)),
+    RecordKind("chat", ("messages",), chat_fields=("messages",)),
+    RecordKind("tokens", ("input_ids",), optional=("labels",)),
+    RecordKind(
+        "completion",
+        ("prompt", "completion"),
+        text_fields=("prompt", "completion"),
+        chat_fields=("prompt", "completion"),
+    ),
+    RecordKind(
+        "preference",
+        ("prompt", "chosen", "rejected"),
+        text_fields=("prompt", "chosen", "rejected"),
+        chat_fields=("prompt", "chosen", "rejected"),
+        query_only=True,
+    ),
+)
 
 
 LongDocuments = Literal["truncate", "windows"]
