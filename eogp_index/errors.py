@@ -18,11 +18,16 @@ class ConfigError(EOGPError, ValueError):
 class InputError(EOGPError, ValueError):
     """Bad user data: a malformed record, a missing or mistyped field, an empty document.
 
-    ``location`` names the shard and line or row (``"data/train.jsonl:17"``) when known.
+    ``location`` names the shard and line or row (``"data/train.jsonl:17"``) when known;
+    ``field`` the record or question field at fault (``"prompt"``, ``"where"``), which the server
+    reports as the request field.
     """
 
-    def __init__(self, message: str, *, location: str | None = None, reason: str | None = None):
+    def __init__(
+        self, message: str, *, location: str | None = None, reason: str | None = None, field: str | None = None
+    ):
         self.location = location
+        self.field = field
         self.reason = reason or message
         super().__init__(f"{location}: {message}" if location else message)
 

@@ -429,6 +429,28 @@ def preference_pair(record: Any) -> tuple[dict[str, Any], dict[str, Any]] | None
     return ({"prompt": prompt, "completion": record["chosen"]}, {"prompt": prompt, "completion": record["rejected"]})
 
 
+def query_record(query: Any, position: int = 0) -> dict[str, Any]:
+    """A query as a record dict: a text ``{"text"}``, a chat ``{"messages"}``, token ids
+    ``{"input_ids"}``, or a record dict as it is (any of :data:`RECORD_KINDS`).
+
+    Raises:
+        InputError: a query of none of these shapes (naming ``query {position}``).
+    """
+    if isinstance(query, str):
+        return {"text": query}
+    if isinstance(query, dict):
+        return dict(query)
+    if isinstance(query, (list, tuple)) and query and isinstance(query[0], dict):
+        return {"messages": list(query)}
+    if isinstance(query, (list, tuple)) and query:
+        return {"input_ids": list(query)}
+    raise InputError(
+        f"query {position}: expected a text, a chat (list of role/content dicts), token ids or a "
+        f"record dict, got {'an empty list' if isinstance(query, (list, tuple)) else _type_name(query)}",
+        field="query",
+    )
+
+
 def record_content(record: dict[str, Any], spec: "RecordSpec") -> dict[str, Any] | None:
     """The content of a record as :func:`tokenize_record` hashes it (:attr:`Example.content`),
     without tokenizing; None when the record has no content field. For checking a record read
