@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
@@ -544,7 +543,7 @@ def query(
                 f"Store documents first: eogp ingest {index_dir} SHARDS...",
                 err=True,
             )
-        queries = _answerable(index, labels, queries, errors)
+        queries, coordinates = _answerable(index, labels, queries, errors)
         tables = []
         if queries:
             search = index.search(queries, many=True).limit(k).where(where).direction(direction).by_module(by_module)
@@ -553,7 +552,7 @@ def query(
                 search = search.candidates(candidates)
             elif stream or sharded:
                 search = search.route("sharded" if sharded else "stream")
-            tables = search.to_list()  # one gradient pass for all the queries
+            tables = search.to_list(coordinates=coordinates)  # measured in one gradient pass
     if torchrun_rank() == 0:
         asked = [{"aggregate": answer["aggregate"], "queries": queries}] if answer["aggregate"] and queries else queries
         if answer["group_by"]:
@@ -673,28 +672,23 @@ def _queries(texts, queries_file, limit: Optional[int]) -> Tuple[List[str], List
     return labels, queries
 
 
-def _answerable(index, labels: List[str], queries: List[Any], errors: List[str]) -> List[Any]:
-    """The queries that tokenize (both completions, for a preference query); each one that does
-    not (or is not a JSON object: None) is added to ``errors`` as ``location: reason``, in order."""
-    from eogp_index.data.records import preference_pair
-    from eogp_index.errors import ConfigError, InputError
-
-    good = []
+def _answerable(index, labels: List[str], queries: List[Any], errors: List[str]) -> Tuple[List[Any], Any]:
+    """The queries that measure, and their coordinates ``(n, K)`` from one gradient pass
+    (:meth:`AttributionIndex.measure`); each query that does not (or is not a JSON object: None) is
+    added to ``errors`` as ``location: reason``, in order."""
+    given = [query for query in queries if query is not None]
+    measured = index.measure(given)
+    good, position = [], 0
     for label, query in zip(labels, queries):
         if query is None:
             errors.append(label)
             continue
-        try:
-            pair = preference_pair(query)
-            index.query_examples(list(pair) if pair is not None else [query])
-        except InputError as exc:
-            errors.append(f"{label}: {exc.reason}")
-            continue
-        except ConfigError as exc:  # e.g. a chat for a tokenizer without a chat template
-            errors.append(f"{label}: {re.sub(r'^query:row [0-9]+: ', '', str(exc))}")
-            continue
-        good.append(query)
-    return good
+        if position in measured.errors:
+            errors.append(f"{label}: {measured.errors[position].reason}")
+        else:
+            good.append(query)
+        position += 1
+    return good, measured.coordinates
 
 
 _target_options = option_group(

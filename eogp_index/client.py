@@ -33,10 +33,12 @@ from eogp_index.config import (
     StorageConfig,
 )
 from eogp_index.data.readers import is_dataset_object
-from eogp_index.data.records import Example, RecordSpec, preference_pair, tokenize_record
+from eogp_index.data.records import Example
+from eogp_index.encode.commits import Commits, index_lock
+from eogp_index.encode.encoder import Encoder
+from eogp_index.encode.measurements import Measured
 from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
 from eogp_index.fit.fitting import fit_projection
-from eogp_index.gradients.capture import GradientCapture, batches, project_examples, run_batches
 from eogp_index.gradients.experts import make_experts_trackable
 from eogp_index.gradients.model import (
     adapter_fingerprint,
@@ -46,27 +48,35 @@ from eogp_index.gradients.model import (
     load_indexed_model,
     model_fingerprint,
     model_sha256,
-    pad_token_id,
     replace_conv1d,
     torch_dtype,
 )
 from eogp_index.search.explain import Explanation, explain_documents
 from eogp_index.search.query import InfluenceQuery, Query, QueryOptions
 from eogp_index.search.searchers import HotSearcher, TorchSearcher, warm_kernels
-from eogp_index.store.block_cache import BlockCache, block_documents
-from eogp_index.store.codecs import concat_modules
+from eogp_index.store.block_cache import BlockCache
 from eogp_index.store.maintenance import (
     DEFAULT_RETENTION,
     DEFAULT_TARGET_ROWS,
     OptimizeReport,
-    after_ingest,
-    maybe_optimize,
     optimize,
 )
 from eogp_index.store.manifest import check_compatible, open_dtype
 from eogp_index.store.stored_ids import StoredIds
 from eogp_index.store.stored_index import StoredIndex, prepare_index_dir
-from eogp_index.store.table import RowInfo, build_rows
+
+
+class _EncoderPart:
+    """An attribute of :class:`AttributionIndex` that is its encoder's (read and set there)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, index, owner=None):
+        return self if index is None else getattr(index.encoder, self.name)
+
+    def __set__(self, index, value) -> None:
+        setattr(index.encoder, self.name, value)
 
 
 class AttributionIndex:
@@ -76,13 +86,17 @@ class AttributionIndex:
     def __init__(
         self, stored: StoredIndex, model: nn.Module, tokenizer, *, gradients: GradientConfig = GradientConfig()
     ):
-        self.stored = stored
-        self.model = model
-        self.tokenizer = tokenizer
-        self.gradients = gradients
-        self.device = gradients.resolved_device()
+        #: The stored index with its model: projection, rows and query measurements (``search/`` takes it).
+        self.encoder = Encoder(stored, model, tokenizer, gradients)
         #: The batch :meth:`open` chose for the memory budget (``eogp plan INDEX``'s), or None.
         self.sizing: Optional[Dict[str, Any]] = None
+
+    # The encoder's parts, as attributes of the index itself (settable: they are the encoder's).
+    stored = _EncoderPart("stored")
+    model = _EncoderPart("model")
+    tokenizer = _EncoderPart("tokenizer")
+    gradients = _EncoderPart("gradients")
+    device = _EncoderPart("device")
 
     # The stored parts, as attributes of the index itself.
     path = property(lambda self: self.stored.path)
@@ -272,88 +286,28 @@ class AttributionIndex:
         index.sizing = sizing
         return index
 
-    # -- gradients --------------------------------------------------------------------------------
+    # -- gradients (the encoder's) ----------------------------------------------------------------
     def project(self, examples: Sequence[Example], *, progress: bool = False) -> np.ndarray:
         """Unquantized projected coordinates ``(n, K)`` float32, modules concatenated in order."""
-        if not examples:
-            return np.zeros((0, self.layout.num_coords), np.float32)
-        names = self.manifest.module_names
-        if self.projection.in_turn:
-            # P does not stay in memory: the first stage of every batch, then each module's P read
-            # once for all of them (the paper's batched queries), not once per batch.
-            groups = self.first_stage_groups(examples, progress=progress)
-            return concat_modules(
-                [
-                    torch.cat(self.projection.modules[name].second_groups(groups.pop(name))).cpu().numpy()
-                    for name in names
-                ]
-            )
-        capture = GradientCapture(
-            self.model, names, self.projection.transform, checkpoint=self.gradients.gradient_checkpointing
-        )
-        out = project_examples(
-            capture,
-            examples,
-            batch_size=self.gradients.batch_size,
-            pad_token_id=pad_token_id(self.tokenizer),
-            device=self.device,
-            progress=progress,
-        )
-        return concat_modules([out[name].numpy() for name in names])
+        return self.encoder.project(examples, progress=progress)
 
     def first_stage_groups(
         self, examples: Sequence[Example], *, progress: bool = False
     ) -> Dict[str, List[torch.Tensor]]:
-        """First-stage coordinates at the projection's cache dtype, one ``(B, m_u)`` group per
-        gradient batch: ``{module: [group, ...]}`` (on the model's device)."""
-        names = self.manifest.module_names
-        capture = GradientCapture(
-            self.model,
-            names,
-            self.projection.cached_first_stage_transform,
-            checkpoint=self.gradients.gradient_checkpointing,
-        )
-        groups: Dict[str, List[torch.Tensor]] = {name: [] for name in names}
-        for _, outputs in run_batches(
-            capture,
-            examples,
-            batch_size=self.gradients.batch_size,
-            pad_token_id=pad_token_id(self.tokenizer),
-            device=self.device,
-            progress=progress,
-        ):
-            for name in names:
-                groups[name].append(outputs[name])
-        return groups
+        """:meth:`Encoder.first_stage_groups <eogp_index.encode.encoder.Encoder.first_stage_groups>`."""
+        return self.encoder.first_stage_groups(examples, progress=progress)
 
     def query_examples(self, queries: Sequence[Query]) -> List[Example]:
         """Tokenize queries (texts, chats, ids or record dicts) as training records are tokenized.
 
         A preference query (two texts) has no single example: :meth:`query_coordinates` takes it.
         """
-        spec = RecordSpec(max_tokens=self.manifest.max_tokens)
-        out = []
-        for i, query in enumerate(queries):
-            if preference_pair(query) is not None:
-                raise InputError(
-                    f"query {i}: a preference query ({{prompt, chosen, rejected}}) measures two "
-                    "completions; it is answered by query, select and scores, not here"
-                )
-            if isinstance(query, str):
-                record: Dict[str, Any] = {"text": query}
-            elif isinstance(query, dict):
-                record = dict(query)
-            elif isinstance(query, (list, tuple)) and query and isinstance(query[0], dict):
-                record = {"messages": list(query)}
-            elif isinstance(query, (list, tuple)):
-                record = {"input_ids": list(query)}
-            else:
-                raise InputError(
-                    f"query {i}: expected a text, a chat (list of role/content dicts), token ids or a "
-                    f"record dict, got {type(query).__name__}"
-                )
-            out.append(tokenize_record(record, shard="query", position=i, spec=spec, tokenizer=self.tokenizer))
-        return out
+        return self.encoder.query_examples(queries)
+
+    def measure(self, queries: Sequence[Query], *, max_query_tokens: Optional[int] = None) -> Measured:
+        """Every query that measures, as coordinates ``(n_answered, K)`` from one gradient pass, and
+        the error of each one that does not (:func:`eogp_index.encode.measurements.measure`)."""
+        return self.encoder.measure(queries, max_query_tokens=max_query_tokens)
 
     def query_coordinates(self, queries: Sequence[Query]) -> np.ndarray:
         """Projected, unquantized query coordinates ``(n_queries, K)`` float32.
@@ -362,22 +316,11 @@ class AttributionIndex:
         ``loss(chosen | prompt) - loss(rejected | prompt)``: its coordinates are the chosen
         completion's minus the rejected one's (scores are linear in them), so a positive score
         means training on the document raises ``log p(chosen | prompt) - log p(rejected | prompt)``.
+
+        Raises:
+            InputError: the first query that does not measure (:meth:`measure` answers the others).
         """
-        parts: List[Query] = []
-        owner: List[int] = []
-        sign: List[float] = []
-        for i, query in enumerate(queries):
-            pair = preference_pair(query)
-            for part, s in zip(pair, (1.0, -1.0)) if pair is not None else [(query, 1.0)]:
-                parts.append(part)
-                owner.append(i)
-                sign.append(s)
-        x = self.project(self.query_examples(parts))
-        if len(parts) == len(queries):
-            return x
-        y = np.zeros((len(queries), x.shape[1]), np.float32)
-        np.add.at(y, np.asarray(owner), x * np.asarray(sign, np.float32)[:, None])
-        return y
+        return self.encoder.query_coordinates(queries)
 
     # -- storing ----------------------------------------------------------------------------------
     def ingest(self, examples: Iterable[Example], config: Optional[IngestConfig] = None, **options: Any) -> int:
@@ -413,35 +356,21 @@ class AttributionIndex:
             "torchrun) use ingest.run_ingest or eogp ingest",
         )
         store_text = config.store_text
-        self.stored.agree_store_text(store_text)
-        if self.manifest.has_content_hashes and store_text is not None:
-            self.stored.sources.save()
-        stored = StoredIds(self.store)
-        cache = self.block_cache(config)
-        rows_per_commit = (
-            cache.documents
-            if cache is not None
-            else config.commit_rows(self.gradients.batch_size, default=self.gradients.batch_size)
-        )
+        commits = Commits(self.encoder, config, default_rows=self.gradients.batch_size)
         bar = _bar(config.progress)
-        added = optimized = 0
         try:
-            for commit in _fresh_commits(examples, stored, rows_per_commit, bar):
-                self.store.add(self.encode_commit(commit, cache=cache, store_text=store_text))  # one commit
-                if cache is not None:
-                    cache.clear()
-                added += len(commit)
-                optimized += maybe_optimize(self.stored, threshold=config.optimize_threshold) is not None
-            if cache is not None:
-                cache.clear()  # a block a killed run left, when this call had nothing left to store
+            with index_lock(self.path):  # beside `eogp ingest` or another process: one writer at a time
+                self.stored.agree_store_text(store_text)
+                if self.manifest.has_content_hashes and store_text is not None:
+                    self.stored.sources.save()
+                stored = StoredIds(self.store)  # read under the lock: what another writer stored is seen
+                commits.run(_fresh_commits(examples, stored, commits.rows_per_commit, bar))
+                commits.finish(settle=False)
         finally:
-            if cache is not None:
-                cache.close()
+            commits.close()
             if bar is not None:
                 bar.close()
-        if added and config.optimize_threshold is not None:
-            after_ingest(self.stored, optimized=optimized > 0, threshold=config.optimize_threshold, settle=False)
-        return added
+        return commits.stored
 
     def add_batch(self, examples: Sequence[Example], *, store_text: Optional[int] = None) -> int:
         """Project, encode and store one batch in one commit."""
@@ -452,12 +381,9 @@ class AttributionIndex:
     def block_cache(
         self, config: IngestConfig = IngestConfig(), *, worker: Optional[int] = None, workers: int = 1
     ) -> Optional[BlockCache]:
-        """The cache of block ingest, or None for per-batch ingest: blocks when ``P`` does not stay
-        in memory (:func:`~eogp_index.store.block_cache.block_documents`, sized by
-        ``config.block_documents``). ``worker``: a torchrun worker's rank (its own cache), one of
-        ``workers``. The caller closes it."""
-        documents = block_documents(self.stored, self.gradients.batch_size, config.block_documents, workers=workers)
-        return None if documents is None else BlockCache(self.path, documents, worker=worker)
+        """:meth:`Encoder.block_cache <eogp_index.encode.encoder.Encoder.block_cache>`: block
+        ingest's cache, or None for per-batch ingest. The caller closes it."""
+        return self.encoder.block_cache(config, worker=worker, workers=workers)
 
     def encode_commit(
         self,
@@ -467,65 +393,21 @@ class AttributionIndex:
         on_chunk: Optional[Callable[[Sequence[Example]], None]] = None,
         store_text: Optional[int] = None,
     ) -> pa.Table:
-        """The Arrow rows of one commit, projected one gradient batch at a time; ``on_chunk(examples)``
-        after each batch.
-
-        With a ``cache`` (block ingest) the examples are one block: each batch's first stage is
-        cached on disk (the batches a killed run cached for this very block are reused), then
-        each module's ``P`` is read once for the whole block. The rows are those of per-batch
-        ingest, bit for bit.
-        """
-        size = self.gradients.batch_size
-        parts = list(batches(examples, size))
-        if cache is None:
-            tables = []
-            for part in parts:
-                tables.append(self.encode_rows(part, store_text=store_text))
-                if on_chunk is not None:
-                    on_chunk(part)
-            return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        done = set(cache.begin(self.stored, size, examples))
-        for i, part in enumerate(parts):
-            if i not in done:
-                cache.write(i, {name: groups[0] for name, groups in self.first_stage_groups(part).items()})
-            if on_chunk is not None:
-                on_chunk(part)
-        cache.wait()
-        coords = []
-        for name in self.manifest.module_names:
-            groups = [z.to(self.device) for z in cache.read(name, len(parts))]
-            coords.append(torch.cat(self.projection.modules[name].second_groups(groups)).cpu().numpy())
-            del groups
-        return self.rows(examples, concat_modules(coords), store_text=store_text)
+        """:meth:`Encoder.encode_commit <eogp_index.encode.encoder.Encoder.encode_commit>`: the
+        Arrow rows of one commit, a gradient batch (or a cached block) at a time."""
+        return self.encoder.encode_commit(examples, cache=cache, on_chunk=on_chunk, store_text=store_text)
 
     def encode_rows(self, examples: Sequence[Example], *, store_text: Optional[int] = None) -> pa.Table:
-        """The Arrow rows of a batch, ready for :meth:`Store.add` (also used by distributed ingest).
-
-        Args:
-            store_text: keep each document's text (at most this many UTF-8 bytes; a longer one is
-                stored as null and read back from its shard when explained); None stores none.
-        """
-        return self.rows(examples, self.project(examples), store_text=store_text)
+        """The Arrow rows of a batch, ready for :meth:`Store.add`; ``store_text``: keep each
+        document's text up to this many UTF-8 bytes (:meth:`Encoder.encode_rows
+        <eogp_index.encode.encoder.Encoder.encode_rows>`)."""
+        return self.encoder.encode_rows(examples, store_text=store_text)
 
     def rows(
         self, examples: Sequence[Example], coordinates: np.ndarray, *, store_text: Optional[int] = None
     ) -> pa.Table:
         """:meth:`encode_rows` from the examples' projected coordinates ``(n, K)`` float32."""
-        encoded = self.codec.encode(coordinates)
-        hashed = self.manifest.has_content_hashes
-        info = RowInfo(
-            ids=[ex.id for ex in examples],
-            shards=[ex.shard for ex in examples],
-            positions=[ex.position for ex in examples],
-            num_tokens=[ex.num_tokens for ex in examples],
-            num_loss_tokens=[ex.num_loss_tokens for ex in examples],
-            truncated=[ex.truncated for ex in examples],
-            metadata=[dict(ex.metadata) for ex in examples],
-            content_sha256=[ex.content_sha256 for ex in examples] if hashed else None,
-            content_kind=[ex.content_kind for ex in examples] if hashed else None,
-            text=None if store_text is None else [_capped(ex.display_text, store_text) for ex in examples],
-        )
-        return build_rows(info, encoded, schema=self.store.schema)
+        return self.encoder.rows(examples, coordinates, store_text=store_text)
 
     # -- queries ----------------------------------------------------------------------------------
     def search(self, query: Union[Query, List[Query]], *, many: bool = False) -> InfluenceQuery:
@@ -533,7 +415,7 @@ class AttributionIndex:
 
         ``many=True`` takes a list of queries and answers each (``.to_list()``).
         """
-        return InfluenceQuery(self, query, many=many)
+        return InfluenceQuery(self.encoder, query, many=many)
 
     def top_influential(
         self,
@@ -569,7 +451,7 @@ class AttributionIndex:
         options = QueryOptions(
             k=k, where=where, direction=direction, route=route, candidates=candidates, by_module=by_module
         )
-        return InfluenceQuery(self, query, options=options).to_arrow()
+        return InfluenceQuery(self.encoder, query, options=options).to_arrow()
 
     def scores(self, queries: Sequence[Query], *, where: Optional[str] = None) -> tuple[List[str], np.ndarray]:
         """Exact scores of every stored row (matching ``where``): ids and ``(n_queries, n_rows)`` float32.
@@ -589,11 +471,11 @@ class AttributionIndex:
     def explain(self, query: Query, example_id: str) -> Explanation:
         """Why ``example_id`` ranks for ``query``: its score by module, its tokens' and the query's
         tokens' contributions (:mod:`eogp_index.search.explain`)."""
-        return explain_documents(self, query, [example_id])[0]
+        return explain_documents(self.encoder, query, [example_id])[0]
 
     def explain_many(self, query: Query, example_ids: Sequence[str]) -> List[Explanation]:
         """:meth:`explain` for several documents (e.g. a query's top 10) in one batched pass."""
-        return explain_documents(self, query, list(example_ids))
+        return explain_documents(self.encoder, query, list(example_ids))
 
     def hot_codes(self):
         """The in-memory copy of the stored codes, refreshed when the table has changed."""
@@ -661,12 +543,6 @@ def _projection_memory(gradients: GradientConfig) -> Optional[int]:
     if gradients.projection_memory_gb is not None:
         return int(gradients.projection_memory_gb * (1 << 30))
     return None if gradients.memory_budget_gb is None else int(gradients.memory_budget_gb * 1e9) // 2
-
-
-def _capped(text: str, max_bytes: int) -> Optional[str]:
-    """``text`` if its UTF-8 fits ``max_bytes``; else None (never a cut document: explanations
-    rebuild the document from it)."""
-    return text if len(text.encode("utf-8")) <= max_bytes else None
 
 
 def _bar(enabled: bool):

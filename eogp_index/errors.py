@@ -32,6 +32,10 @@ class InputError(EOGPError, ValueError):
         super().__init__(f"{location}: {message}" if location else message)
 
 
+class QueryTooLongError(InputError):
+    """A query has more tokens than the caller accepts (``max_query_tokens``); the server answers 413."""
+
+
 class ModelError(EOGPError):
     """The model cannot be attributed as asked (no matching modules, unsupported layer)."""
 

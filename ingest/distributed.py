@@ -58,8 +58,8 @@ from typing import Any, List, Optional, Sequence
 
 from eogp_index.config import GradientConfig, IngestConfig
 from eogp_index.data.readers import expand_shards, location_of, shard_names
+from eogp_index.encode.commits import Commits, index_lock
 from eogp_index.errors import ConfigError, EOGPError, InputError
-from eogp_index.store.maintenance import after_ingest
 from eogp_index.store.manifest import Manifest, open_dtype
 from ingest.pipeline import (
     ExampleReader,
@@ -70,7 +70,6 @@ from ingest.pipeline import (
     check_metadata_fields,
     default_rejects_path,
     effective_spec,
-    index_lock,
     record_sources,
     stable_hash,
 )
@@ -235,8 +234,8 @@ def run_distributed_ingest(
                 raise ConfigError(refused)
             return worker.run()
     finally:
-        if worker is not None and worker.cache is not None:
-            worker.cache.close()
+        if worker is not None:
+            worker.commits.close()
         comm.close()
 
 
@@ -244,25 +243,21 @@ class _Worker:
     def __init__(self, index, comm: _Comm, patterns, config: IngestConfig):
         self.index = index
         self.config = config
-        self.store_text = config.store_text
-        self.optimize_threshold = config.optimize_threshold
-        self.optimized = 0  # compactions run by rank 0
         self.comm = comm
         self.on_error = config.on_error
         self.commit_every = config.commit_every
         self.spec = effective_spec(index, config.spec)
         check_metadata_fields(index, self.spec, new_allowed=False)
-        # P not in memory: each step is a block per worker, cached in the worker's own directory.
-        self.cache = index.block_cache(config, worker=comm.rank if comm.world > 1 else None, workers=comm.world)
-        self.rows_per_step = (
-            self.cache.documents if self.cache is not None else config.commit_rows(index.gradients.batch_size)
-        )
+        # The one commit loop's encoding and its work after commits (rank 0's compactions). P not in
+        # memory: each step is a block per worker, cached in the worker's own directory.
+        self.commits = Commits(index.encoder, config, worker=comm.rank if comm.world > 1 else None, workers=comm.world)
+        self.rows_per_step = self.commits.rows_per_commit
         shards = expand_shards(patterns)
         shard_root = config.shard_root
         shard_names(shards, root=shard_root)  # names must be unique across all workers' shards
         # Every worker checks the text setting against sources.json alike; rank 0 alone writes it.
         record_sources(
-            index, patterns, self.spec, shard_root=shard_root, store_text=self.store_text, write=comm.rank == 0
+            index, patterns, self.spec, shard_root=shard_root, store_text=config.store_text, write=comm.rank == 0
         )
         self.mine = shards[comm.rank :: comm.world]
         self.shard_root = shard_root
@@ -325,7 +320,7 @@ class _Worker:
                 rows = None
                 try:
                     if batch:
-                        rows = self.index.encode_commit(batch, cache=self.cache, store_text=self.store_text)
+                        rows = self.commits.encode(batch)
                 except Exception as exc:
                     local_error = exc
                 if self.schema is None:
@@ -340,13 +335,8 @@ class _Worker:
                     self._commit(local_error)
                 if all_done:
                     break
-            if self.cache is not None and self.comm.rank == 0:
-                self.cache.clear_all()  # every worker is past its last commit: no block is in flight
-            if self.comm.rank == 0 and self.tally.stored and self.optimize_threshold is not None:
-                self.optimized += (
-                    after_ingest(self.index.stored, optimized=self.optimized > 0, threshold=self.optimize_threshold)
-                    is not None
-                )
+            if self.comm.rank == 0:  # every worker is past its last commit: no block is in flight
+                self.commits.finish(stored=self.tally.stored, every_worker=True)
         except _Aborted as failure:
             if local_error is not None and failure.rank == self.comm.rank:
                 raise local_error
@@ -365,7 +355,7 @@ class _Worker:
             table_version=self.version,
             rejects_path=self.rejects.written if self.rejects is not None else None,
             workers=self.comm.world,
-            optimized=self.optimized,
+            optimized=self.commits.optimized,
         )
 
     def _abort(self, failure: _Aborted) -> None:
@@ -518,10 +508,8 @@ class _Worker:
     def _maybe_optimize(self) -> None:
         """Rank 0, after a commit: compact once enough small fragments wait. A failure is only
         reported: the rows are committed, and the next run (or ``eogp optimize``) compacts."""
-        from eogp_index.store.maintenance import maybe_optimize
-
         try:
-            self.optimized += maybe_optimize(self.index.stored, threshold=self.optimize_threshold) is not None
+            self.commits.optimize()
         except Exception as exc:  # noqa: BLE001
             import warnings
 
@@ -559,8 +547,8 @@ class _Worker:
         if result[0] == "error":
             raise _Aborted(0, result[1])
         self.version = result[1]
-        if self.cache is not None and local_error is None:
-            self.cache.clear()  # this worker's block is committed (or it had none in flight)
+        if local_error is None:
+            self.commits.committed(optimize=False)  # this worker's block is committed (or it had none in flight)
         if self.comm.rank == 0 and result[1] and raise_errors:
             self._maybe_optimize()
         failure = _first_error([error for _, error in offers])

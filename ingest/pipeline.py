@@ -32,7 +32,6 @@ several processes or machines run ``eogp ingest`` under ``torchrun`` (:mod:`inge
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -55,9 +54,9 @@ from eogp_index.data.readers import (
     shard_names,
     split_shard_spec,
 )
+from eogp_index.encode.commits import Commits, index_lock
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.gradients.model import hard_context_length
-from eogp_index.store.maintenance import after_ingest, maybe_optimize
 from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
 from ingest.records import Example, RecordSpec, Rejected, iter_examples
@@ -75,7 +74,6 @@ __all__ = [
     "stable_hash",
 ]
 
-LOCK_FILE = "ingest.lock"
 REJECTS_DIR = "rejects"
 
 
@@ -422,39 +420,6 @@ def record_sources(
         sources.save()
 
 
-@contextlib.contextmanager
-def index_lock(index_path: Path):
-    """Hold ``<index>/ingest.lock`` for a run, so that two ingests never write one index at once.
-
-    An advisory ``flock``: the kernel drops it when the process dies, so a killed ingest never
-    leaves a stale lock. Where ``fcntl`` does not exist (Windows) there is no lock.
-    """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    path = Path(index_path) / LOCK_FILE
-    handle = open(path, "a+", encoding="utf-8")
-    try:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            raise ConfigError(
-                f"another ingest (pid {holder}) is writing to {index_path}; wait for it to finish or stop it "
-                "(two ingests of the same shards at once would store examples twice)"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        yield
-    finally:
-        handle.close()  # closing the descriptor releases the lock
-
-
 def _progress_bar(enabled: bool, desc: str):
     if not enabled:
         return None
@@ -540,57 +505,43 @@ def run_ingest(
     started = time.perf_counter()
     spec = effective_spec(index, config.spec)
     check_metadata_fields(index, spec)
-    store_text, shard_root = config.store_text, config.shard_root
-    cache = index.block_cache(config)
-    rows_per_commit = cache.documents if cache is not None else config.commit_rows(index.gradients.batch_size)
+    commits = Commits(index.encoder, config)
     rejects = RejectsFile(config.rejects_path or default_rejects_path(index.path))
     tally = Tally()
-    optimized = 0
     bar = _progress_bar(config.progress, "ingest")
+
+    def batches(reader: ExampleReader) -> Iterator[list[Example]]:
+        while not reader.exhausted:
+            batch, rejected, counts = reader.take(commits.rows_per_commit)
+            for item in rejected:
+                rejects.write(item)
+            rejects.flush()
+            tally.add(counts)  # documents read; the batch's count as stored once committed
+            if bar is not None:
+                bar.update(counts.documents - len(batch))
+            yield batch
+
+    def on_commit(batch: Sequence[Example]) -> None:
+        tally.stored, tally.tokens = commits.stored, commits.tokens
+        _postfix(bar, tally, started)
+
     try:
         with index_lock(index.path):
-            record_sources(index, patterns, spec, shard_root=shard_root, store_text=store_text)
+            record_sources(index, patterns, spec, shard_root=config.shard_root, store_text=config.store_text)
             reader = ExampleReader(
                 index,
                 patterns,
                 spec=spec,
                 on_error=config.on_error,
-                shard_root=shard_root,
+                shard_root=config.shard_root,
                 stored=StoredIds(index.store),
             )
-            while not reader.exhausted:
-                batch, rejected, counts = reader.take(rows_per_commit)
-                for item in rejected:
-                    rejects.write(item)
-                rejects.flush()
-                tally.add(counts)  # documents read; the batch's count as stored once committed
-                if bar is not None:
-                    bar.update(counts.documents - len(batch))
-                if not batch:
-                    continue
-
-                def on_chunk(chunk: Sequence[Example]) -> None:
-                    if bar is not None:
-                        bar.update(len(chunk))
-
-                rows = index.encode_commit(batch, cache=cache, on_chunk=on_chunk, store_text=store_text)
-                index.store.add(rows)  # one commit: the batch is visible entirely or not at all
-                if cache is not None:
-                    cache.clear()
-                tally.stored += len(batch)
-                tally.tokens += sum(ex.num_tokens for ex in batch)
-                _postfix(bar, tally, started)
-                optimized += maybe_optimize(index.stored, threshold=config.optimize_threshold) is not None
-            if cache is not None:
-                cache.clear()  # a block a killed run left, when this run had nothing left to store
-            if tally.stored and config.optimize_threshold is not None:
-                optimized += (
-                    after_ingest(index.stored, optimized=optimized > 0, threshold=config.optimize_threshold) is not None
-                )
+            on_chunk = None if bar is None else (lambda chunk: bar.update(len(chunk)))
+            commits.run(batches(reader), on_chunk=on_chunk, on_commit=on_commit)
+            commits.finish()
     finally:
         rejects.close()
-        if cache is not None:
-            cache.close()
+        commits.close()
         if bar is not None:
             _postfix(bar, tally, started)
             bar.close()
@@ -598,5 +549,5 @@ def run_ingest(
         seconds=time.perf_counter() - started,
         table_version=index.store.version,
         rejects_path=rejects.written,
-        optimized=optimized,
+        optimized=commits.optimized,
     )

@@ -20,6 +20,7 @@ LAYERS = [
     ("eogp_index.gradients",),
     ("eogp_index.fit",),
     ("eogp_index.store",),
+    ("eogp_index.encode",),
     ("eogp_index.search",),
     ("eogp_index.client",),
     (

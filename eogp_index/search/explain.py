@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from eogp_index.data.records import Example
+from eogp_index.encode.encoder import Encoder
 from eogp_index.gradients.capture import GradientCapture, project_examples
 from eogp_index.store.codecs import Encoded, SignLayout, decode
 
@@ -120,12 +121,12 @@ def weight_space(module, coords: torch.Tensor) -> torch.Tensor:
     return q_s @ block.reshape(-1, q_s.shape[1], q_a.shape[1]) @ q_a.T
 
 
-def token_contributions(index, examples: Sequence[Example], coords: np.ndarray) -> List[np.ndarray]:
+def token_contributions(index: Encoder, examples: Sequence[Example], coords: np.ndarray) -> List[np.ndarray]:
     """Per-token contributions ``(n_coords, T_i)`` float64 of each example against each row of
     ``coords`` ``(n_coords, K)`` (projected coordinates, modules concatenated): row ``j``, token
     ``t`` is ``Σ_u g_tᵀ π_uᵀ(coords_ju) a_t``; over ``t`` they sum to ``⟨coords_j, z_i⟩``.
 
-    ``index`` is an :class:`~eogp_index.client.AttributionIndex` (model, tokenizer, projection).
+    ``index`` is the index's :class:`~eogp_index.encode.encoder.Encoder` (model, tokenizer, projection).
     One forward and backward pass per gradient batch; padding positions are dropped.
     """
     from eogp_index.gradients.capture import batches
@@ -160,14 +161,15 @@ def _token_texts(tokenizer, ids: Sequence[int]) -> List[str]:
     return [decode([int(t)]) for t in ids]
 
 
-def explain_documents(index, query, ids: Sequence[str]) -> List[Explanation]:
+def explain_documents(index: Encoder, query, ids: Sequence[str]) -> List[Explanation]:
     """Explanations of the stored documents ``ids`` for one query, in one batched pass.
 
     Costs one forward and backward pass over the documents (and one over the query), plus the
     projection of their tokens; no pass over the store.
 
     Args:
-        index: an :class:`~eogp_index.client.AttributionIndex`. query: a text, chat, ids or record.
+        index: the index's :class:`~eogp_index.encode.encoder.Encoder`. query: a text, chat, ids
+            or record (not a preference query: its two completions have no one token list).
         ids: stored example ids (e.g. the top hits of the query), distinct.
     """
     from eogp_index.store.stored_ids import sql_string

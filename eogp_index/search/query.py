@@ -10,8 +10,8 @@ Example:
 A query goes through three steps, the same for every route:
 
 1. **project** — the index's model turns the query (a text, a chat, token ids or a record) into
-   ``y``, its projected gradient ``(nq, K)`` (:meth:`AttributionIndex.query_coordinates
-   <eogp_index.client.AttributionIndex.query_coordinates>`);
+   ``y``, its projected gradient ``(nq, K)`` (:meth:`Encoder.query_coordinates
+   <eogp_index.encode.encoder.Encoder.query_coordinates>`);
 2. **search** — :meth:`InfluenceQuery.searcher` picks one searcher from the options
    (:mod:`eogp_index.search.searchers`), which returns the exact top ``k`` per side;
 3. **rank** — :func:`~eogp_index.search.ranking.ranked_tables` orders the hits and reads the
@@ -80,7 +80,8 @@ def _cached_group_codes(hot, column: str, where: Optional[str], rows: Optional[n
 
 
 class Projects(Protocol):
-    """What a query needs from the index: its stored parts, a device, and the query projection."""
+    """What a query needs from the index: its stored parts, a device, and the queries' measurement
+    (an :class:`~eogp_index.encode.encoder.Encoder`, :mod:`eogp_index.encode.measurements`)."""
 
     stored: StoredIndex
     device: str
@@ -144,7 +145,7 @@ class InfluenceQuery:
     """A query being built against an index. Each method returns a new builder.
 
     Args:
-        index: the :class:`~eogp_index.client.AttributionIndex` (anything :class:`Projects`).
+        index: the index's :class:`~eogp_index.encode.encoder.Encoder` (anything :class:`Projects`).
         queries: one query, or a list of them (``many=True``): each answered on its own, or all
             as one behaviour with :meth:`aggregate`.
     """

@@ -1,15 +1,14 @@
 """The server's work on the index, run on the model thread (never on the event loop).
 
-:meth:`Engine.run_queries` answers a micro-batch of query requests: each query is tokenized and
-checked on its own (a bad one fails alone), all good ones are projected in one gradient pass,
-and requests that share a filter, direction and ``by_module`` share one scan — asked for the
-largest ``k`` among them, then each cut to its own ``k`` (a top-k list is a prefix of a longer
-one: same order, ties in table order), so every request gets what ``eogp query --json`` prints.
-A behaviour request's queries are projected in the same pass and become its one (mean or
-summed) row; a preference query's chosen and rejected completions are projected in it too and
-become its one row, the chosen one's minus the rejected one's (as
-:meth:`~eogp_index.client.AttributionIndex.query_coordinates` makes it); a ``group_by``
-request also gets its roll-up.
+:meth:`Engine.run_queries` answers a micro-batch of query requests: their queries are measured
+together (:func:`eogp_index.encode.measurements.measure`: each tokenized and checked on its own,
+so a bad one fails alone, all good ones projected in one gradient pass; a preference query's two
+completions become its one row), and requests that share a filter, direction and ``by_module``
+share one scan — asked for the largest ``k`` among them, then each cut to its own ``k`` (a top-k
+list is a prefix of a longer one: same order, ties in table order), so every request gets what
+``eogp query --json`` prints. A behaviour request's queries become its one (mean or summed) row;
+a ``group_by`` request also gets its roll-up. The engine's own part in a measurement is the
+mapping of its errors to request fields and status codes (:meth:`Engine.request_error`).
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eogp_index.data.records import Example, RecordSpec, check_text, preference_pair, tokenize_record
-from eogp_index.errors import ConfigError, EOGPError, InputError
+from eogp_index.data.records import Example, check_text
+from eogp_index.encode.measurements import measure, tokenize_queries
+from eogp_index.errors import ConfigError, EOGPError, InputError, QueryTooLongError
 from eogp_index.search.query import aggregate_coordinates
 from eogp_index.serve.config import ServeConfig
 from eogp_index.store.stored_ids import sql_string
@@ -71,12 +71,14 @@ class QueryJob:
         """Requests with the same key share one scan."""
         return (self.where, self.direction, self.by_module, self.normalize, self.group_by)
 
-    def measurements_of(self, engine: "Engine") -> List[List[Tuple[Example, float]]]:
-        """The job's queries, each as its signed examples (:meth:`Engine.measured`): its one query,
-        or each of its behaviour's (errors name ``queries[i]``)."""
-        if not self.records:
-            return [engine.measured(self.record, self.field)]
-        return [engine.measured(record, f"queries[{i}]") for i, record in enumerate(self.records)]
+    @property
+    def queries(self) -> Tuple[Dict[str, Any], ...]:
+        """The job's query records: its one query, or its behaviour's."""
+        return self.records or (self.record,)
+
+    def field_of(self, i: int) -> str:
+        """The request field an error of query ``i`` of :attr:`queries` is reported under."""
+        return f"queries[{i}]" if self.records else self.field
 
 
 class Answer(NamedTuple):
@@ -136,90 +138,52 @@ class Engine:
         )
 
     # -- queries ----------------------------------------------------------------------------------
-    def tokenize(self, record: Dict[str, Any], field: str) -> Example:
-        """The query's example, as ``eogp query`` tokenizes it; refuses one over ``max_query_tokens``."""
-        limit = self.config.max_query_tokens
-        if "input_ids" in record and len(record["input_ids"]) > limit:
-            raise RequestError(
-                "input_ids",
-                f"input_ids has {len(record['input_ids'])} tokens; the server "
-                f"accepts at most {limit} (max_query_tokens): shorten the query",
-                status=413,
-            )
-        try:
-            example = self.index.query_examples([record])[0]
-            length = example.num_tokens
-            if example.truncated:  # cut to the index's max_tokens: count what was sent
-                length = tokenize_record(
-                    record, shard="query", position=0, spec=RecordSpec(), tokenizer=self.index.tokenizer
-                ).num_tokens
-        except (InputError, ConfigError) as exc:
-            if field == "input_ids" and "'labels'" in str(exc):  # the labels that go with the ids are at fault
-                field = "labels"
-            elif field in ("completion", "chosen", "rejected") and _user_message(exc).startswith("field 'prompt"):
-                field = "prompt"  # the completion's prompt is at fault
-            raise RequestError(field, _user_message(exc, field)) from None
-        if length > limit:
-            raise RequestError(
-                field,
-                f"{field} has {length} tokens; the server accepts at most {limit} "
-                "(max_query_tokens): shorten the query",
-                status=413,
-            )
-        return example
+    def request_error(self, exc: InputError, field: str) -> RequestError:
+        """A measurement's error as the refusal of request ``field``: a single query's own field
+        (``text``, ``labels``, ``prompt``, ``chosen``, ...) is the one the error names; ``query``,
+        ``queries`` and ``queries[i]`` stand for the whole query. 413 for a query over
+        ``max_query_tokens``, else 400."""
+        whole = field in ("query", "queries") or field.startswith("queries[")
+        name = field if whole or not exc.field else exc.field
+        status = 413 if isinstance(exc, QueryTooLongError) else 400
+        return RequestError(name, _user_message(exc, name), status=status)
 
-    def measured(self, record: Dict[str, Any], field: str) -> List[Tuple[Example, float]]:
-        """The examples whose signed sum is the query's projected gradient: its one example (+1),
-        or a preference query's chosen (+1) and rejected (-1) prompt-completion records, whose
-        errors name ``chosen`` or ``rejected`` (in a behaviour, ``queries[i]``)."""
-        try:
-            pair = preference_pair(record)
-        except InputError as exc:
-            raise RequestError(field, _user_message(exc, field)) from None
-        if pair is None:
-            return [(self.tokenize(record, field), 1.0)]
-        out = []
-        for half, name, sign in zip(pair, ("chosen", "rejected"), (1.0, -1.0)):
-            try:
-                out.append((self.tokenize(half, name if field in ("chosen", "rejected") else field), sign))
-            except RequestError as exc:  # the half is a prompt-completion record: say which completion
-                raise RequestError(
-                    exc.field, exc.message.replace("'completion'", f"'{name}'"), status=exc.status
-                ) from None
-        return out
+    def check(self, records: Sequence[Dict[str, Any]], field: str) -> None:
+        """Refuse the first query (or preference completion) that does not tokenize or is over
+        ``max_query_tokens``, as :meth:`run_queries` would; no gradient pass."""
+        errors = tokenize_queries(self.index.encoder, records, max_query_tokens=self.config.max_query_tokens).errors
+        if errors:
+            raise self.request_error(errors[min(errors)], field)
 
     def run_queries(self, jobs: Sequence[QueryJob]) -> List[Any]:
         """One answer per job, in order: an :class:`Answer` (its ranked hits, and its roll-up with
         ``group_by``) or a :class:`RequestError`."""
         started = time.perf_counter()
         out: List[Any] = [None] * len(jobs)
-        measurements: Dict[int, List[List[Tuple[Example, float]]]] = {}
-        for i, job in enumerate(jobs):
-            try:
-                measurements[i] = job.measurements_of(self)
-            except RequestError as exc:
-                out[i] = exc
-        live = sorted(measurements)
+        # One gradient pass for the whole batch: every query of every job (a behaviour's several).
+        owner = [(i, j) for i, job in enumerate(jobs) for j in range(len(job.queries))]
+        measured = measure(
+            self.index.encoder,
+            [query for job in jobs for query in job.queries],
+            max_query_tokens=self.config.max_query_tokens,
+        )
+        for position in sorted(measured.errors, reverse=True):  # a job's first failing query is the one named
+            i, j = owner[position]
+            out[i] = self.request_error(measured.errors[position], jobs[i].field_of(j))
+        live = [i for i in range(len(jobs)) if out[i] is None]
         if not live:
             return out
-        # One gradient pass for the whole batch; a preference query's two completions become its
-        # one row, a behaviour's queries its one row.
-        queries = [query for i in live for query in measurements[i]]
-        parts = [part for query in queries for part in query]
-        coords = self.index.project([example for example, _ in parts])
-        if len(parts) == len(queries):
-            query_rows = coords
-        else:
-            owner = np.repeat(np.arange(len(queries)), [len(query) for query in queries])
-            query_rows = np.zeros((len(queries), coords.shape[1]), np.float32)
-            np.add.at(query_rows, owner, coords * np.asarray([sign for _, sign in parts], np.float32)[:, None])
-        bounds = np.cumsum([0] + [len(measurements[i]) for i in live])
+        row = {position: r for r, position in enumerate(measured.answered)}
+        rows_of: Dict[int, List[int]] = defaultdict(list)
+        for position, (i, _) in enumerate(owner):
+            if position in row:
+                rows_of[i].append(row[position])
         y = np.concatenate(
             [
-                query_rows[a:b]
+                measured.coordinates[rows_of[i]]
                 if jobs[i].aggregate is None
-                else aggregate_coordinates(query_rows[a:b], jobs[i].aggregate)
-                for i, a, b in zip(live, bounds[:-1], bounds[1:])
+                else aggregate_coordinates(measured.coordinates[rows_of[i]], jobs[i].aggregate)
+                for i in live
             ]
         )
         row_of = {i: j for j, i in enumerate(live)}
@@ -289,7 +253,7 @@ class Engine:
 
     def explain(self, record: Dict[str, Any], field: str, example_id: str) -> Dict[str, Any]:
         """Why document ``example_id`` ranks for the query: ``Explanation.to_json()``."""
-        self.tokenize(record, field)
+        self.check([record], field)
         self._require_row(example_id)
         try:
             return self.index.explain(record, example_id).to_json()

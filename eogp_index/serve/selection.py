@@ -70,8 +70,7 @@ def select_file(engine: Engine, body: SelectRequest, folder: Path) -> Path:
 
     records = _records(body.queries)
     try:
-        for record in records:  # the server's limits on each query (and its preference halves)
-            engine.measured(record, "queries")
+        engine.check(records, "queries")  # the server's limits on each query (and its preference halves)
         options = SelectOptions(
             top=body.top,
             score=body.score,

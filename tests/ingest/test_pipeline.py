@@ -343,6 +343,73 @@ def test_killed_ingest_resumes_without_duplicates_or_gaps(index_dir, tmp_path, t
     assert set(ids) == set(expected_ids([shard], RecordSpec(), tokenizer))
 
 
+# -- one writer at a time: the library ingest beside eogp ingest -----------------------------------
+HELD_INGEST = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import GradientConfig
+    from ingest.pipeline import run_ingest
+    from ingest.records import RecordSpec
+
+    index = AttributionIndex.open(sys.argv[1], gradients=GradientConfig(batch_size=2))
+    commit, release = index.store.add, Path(sys.argv[3])
+
+    def held_commit(rows):
+        # After its first commit the run waits (holding the index) until the test lets it go on,
+        # so that the library's ingest surely runs while this one is writing.
+        done = commit(rows)
+        while not release.exists():
+            time.sleep(0.02)
+        return done
+
+    index.store.add = held_commit
+    run_ingest(index, [sys.argv[2]], spec=RecordSpec(), batch_size=2, progress=False)
+""")
+
+
+def test_library_ingest_beside_a_running_ingest_stores_every_id_once(index_dir, tmp_path, tokenizer):
+    import lance
+
+    total = 20
+    shard = write_lines(tmp_path / "shared.jsonl", [{"text": doc(i)} for i in range(total)])
+    examples = [e for e in iter_examples([shard], RecordSpec(), tokenizer) if isinstance(e, Example)]
+    library = open_index(index_dir)
+    script, release = tmp_path / "held_ingest.py", tmp_path / "release"
+    script.write_text(HELD_INGEST)
+    log = open(tmp_path / "held.log", "wb")
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(index_dir), str(shard), str(release)],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    refused = None
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and child.poll() is None:  # until its first commit is in
+            try:
+                if lance.dataset(str(index_dir / "examples.lance")).count_rows() >= 2:
+                    break
+            except Exception:  # no table yet
+                pass
+            time.sleep(0.02)
+        assert child.poll() is None, (tmp_path / "held.log").read_text()[-2000:]
+        try:
+            library.ingest(examples, progress=False)  # the same records, while the other run writes
+        except ConfigError as exc:
+            refused = str(exc)
+    finally:
+        release.touch()
+        child.wait(timeout=180)
+        log.close()
+    assert child.returncode == 0, (tmp_path / "held.log").read_text()[-2000:]
+    ids = stored_ids(index_dir)
+    assert sorted(ids) == sorted(e.id for e in examples)  # every id once
+    assert refused is not None and "another ingest" in refused and str(child.pid) in refused
+    assert library.ingest(examples, progress=False) == 0  # once the other run is done: all stored already
+
+
 # -- block ingest: P read once per block ------------------------------------------------------------
 NO_P_IN_MEMORY = 1e-9  # GiB: no module's P stays in memory, so every P is read when it is applied
 

@@ -1,0 +1,158 @@
+"""The one commit loop of every writer, and the ingest lock it runs under.
+
+Every writer of an index — :meth:`AttributionIndex.ingest <eogp_index.client.AttributionIndex.ingest>`,
+``eogp ingest`` (:func:`ingest.pipeline.run_ingest`) and rank 0 of a torchrun ingest
+(:mod:`ingest.distributed`) — holds :func:`index_lock` while it writes, and goes through
+:class:`Commits`: a batch (or, when ``P`` does not stay in memory, a block with its first stage
+cached on disk, :mod:`eogp_index.store.block_cache`) is encoded and stored as one Lance commit, so
+a reader (or a rerun after a kill) sees whole batches only; after each commit the block's cache is
+dropped and the table compacted past ``optimize_threshold`` small fragments; after the last one the
+index is left ready to query (:func:`~eogp_index.store.maintenance.after_ingest`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+import pyarrow as pa
+
+from eogp_index.config import IngestConfig
+from eogp_index.data.records import Example
+from eogp_index.errors import ConfigError
+from eogp_index.store.maintenance import after_ingest, maybe_optimize
+
+#: The lock file in the index directory; it holds the pid of the ingest writing.
+LOCK_FILE = "ingest.lock"
+
+
+@contextlib.contextmanager
+def index_lock(index_path: Path) -> Iterator[None]:
+    """Hold ``<index>/ingest.lock`` for a run, so that two ingests never write one index at once.
+
+    An advisory ``flock``: the kernel drops it when the process dies, so a killed ingest never
+    leaves a stale lock. Where ``fcntl`` does not exist (Windows) there is no lock.
+
+    Raises:
+        ConfigError: another process holds it (naming its pid).
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    path = Path(index_path) / LOCK_FILE
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise ConfigError(
+                f"another ingest (pid {holder}) is writing to {index_path}; wait for it to finish or stop it "
+                "(two ingests of the same shards at once would store examples twice)"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing the descriptor releases the lock
+
+
+class Commits:
+    """One writer's commits: encoding batches (or blocks), what follows each commit, the end.
+
+    Args:
+        encoder: the opened index's encoder.
+        config: ``block_documents``, ``batch_size``, ``store_text`` and ``optimize_threshold`` apply.
+        worker, workers: a torchrun worker's rank (its own block cache) and their number.
+        default_rows: rows per commit when ``config.batch_size`` is None, outside block ingest
+            (default :data:`~eogp_index.config.DEFAULT_COMMIT_ROWS`).
+
+    Attributes:
+        rows_per_commit: a block's documents in block ingest, else ``config``'s whole gradient batches.
+        stored, tokens: examples committed by :meth:`run` and their tokens. optimized: compactions run.
+    """
+
+    def __init__(
+        self,
+        encoder,
+        config: IngestConfig,
+        *,
+        worker: Optional[int] = None,
+        workers: int = 1,
+        default_rows: Optional[int] = None,
+    ):
+        self.encoder = encoder
+        self.store_text = config.store_text
+        self.threshold = config.optimize_threshold
+        self.cache = encoder.block_cache(config, worker=worker, workers=workers)
+        batch = encoder.gradients.batch_size
+        if self.cache is not None:
+            self.rows_per_commit = self.cache.documents
+        elif default_rows is not None:
+            self.rows_per_commit = config.commit_rows(batch, default=default_rows)
+        else:
+            self.rows_per_commit = config.commit_rows(batch)
+        self.stored = self.tokens = self.optimized = 0
+
+    def encode(
+        self, batch: Sequence[Example], on_chunk: Optional[Callable[[Sequence[Example]], None]] = None
+    ) -> pa.Table:
+        """The Arrow rows of one commit (:meth:`~eogp_index.encode.encoder.Encoder.encode_commit`)."""
+        return self.encoder.encode_commit(batch, cache=self.cache, on_chunk=on_chunk, store_text=self.store_text)
+
+    def committed(self, *, optimize: bool = True) -> None:
+        """After a commit: its block's cached batches are dropped; past the threshold the table
+        is compacted (``optimize``: this process commits)."""
+        if self.cache is not None:
+            self.cache.clear()
+        if optimize:
+            self.optimize()
+
+    def optimize(self) -> None:
+        """Compact the table once more than the threshold of small fragments wait."""
+        self.optimized += maybe_optimize(self.encoder.stored, threshold=self.threshold) is not None
+
+    def run(
+        self,
+        batches: Iterable[Sequence[Example]],
+        *,
+        on_chunk: Optional[Callable[[Sequence[Example]], None]] = None,
+        on_commit: Optional[Callable[[Sequence[Example]], None]] = None,
+    ) -> None:
+        """Store each batch in one commit; ``on_chunk(examples)`` after each gradient batch,
+        ``on_commit(batch)`` after each commit. Empty batches are passed over."""
+        for batch in batches:
+            if not batch:
+                continue
+            self.encoder.store.add(self.encode(batch, on_chunk))  # one commit: all of the batch or none
+            self.stored += len(batch)
+            self.tokens += sum(example.num_tokens for example in batch)
+            self.committed()
+            if on_commit is not None:
+                on_commit(batch)
+
+    def finish(self, *, stored: Optional[int] = None, settle: bool = True, every_worker: bool = False) -> None:
+        """After the last commit: the block a killed run left is dropped (``every_worker``: every
+        worker's, once all are past their last commit), and a run that ``stored`` rows (default:
+        :meth:`run`'s) leaves the index ready to query
+        (:func:`~eogp_index.store.maintenance.after_ingest`, ``settle`` passed on)."""
+        if self.cache is not None:
+            self.cache.clear_all() if every_worker else self.cache.clear()
+        stored = self.stored if stored is None else stored
+        if stored and self.threshold is not None:
+            done = after_ingest(
+                self.encoder.stored, optimized=self.optimized > 0, threshold=self.threshold, settle=settle
+            )
+            self.optimized += done is not None
+
+    def close(self) -> None:
+        """Close the block cache (its files stay for a rerun unless :meth:`finish` dropped them)."""
+        if self.cache is not None:
+            self.cache.close()
