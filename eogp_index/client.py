@@ -17,11 +17,10 @@ import dataclasses
 import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Literal, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Literal, Optional, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
-import torch
 from torch import nn
 
 from eogp_index.config import (
@@ -81,7 +80,10 @@ class _EncoderPart:
 
 class AttributionIndex:
     """An EOGP attribution index with its model loaded: a directory with a manifest, a projection
-    and a LanceDB table (:class:`StoredIndex`), plus the model and tokenizer that project texts."""
+    and a LanceDB table (:class:`StoredIndex`), plus the model and tokenizer that project texts,
+    held by its :class:`~eogp_index.encode.encoder.Encoder` (``index.encoder``, what
+    :mod:`eogp_index.search` is given). The encoder's parts (:data:`ENCODER_PARTS`: ``stored``,
+    ``model``, ``tokenizer``, ``gradients``, ``device``, ``manifest``, ...) are the index's too."""
 
     def __init__(
         self, stored: StoredIndex, model: nn.Module, tokenizer, *, gradients: GradientConfig = GradientConfig()
@@ -90,21 +92,6 @@ class AttributionIndex:
         self.encoder = Encoder(stored, model, tokenizer, gradients)
         #: The batch :meth:`open` chose for the memory budget (``eogp plan INDEX``'s), or None.
         self.sizing: Optional[Dict[str, Any]] = None
-
-    # The encoder's parts, as attributes of the index itself (settable: they are the encoder's).
-    stored = _EncoderPart("stored")
-    model = _EncoderPart("model")
-    tokenizer = _EncoderPart("tokenizer")
-    gradients = _EncoderPart("gradients")
-    device = _EncoderPart("device")
-
-    # The stored parts, as attributes of the index itself.
-    path = property(lambda self: self.stored.path)
-    manifest = property(lambda self: self.stored.manifest)
-    store = property(lambda self: self.stored.store)
-    layout = property(lambda self: self.stored.layout)
-    codec = property(lambda self: self.stored.codec)
-    projection = property(lambda self: self.stored.projection)
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod
@@ -291,12 +278,6 @@ class AttributionIndex:
         """Unquantized projected coordinates ``(n, K)`` float32, modules concatenated in order."""
         return self.encoder.project(examples, progress=progress)
 
-    def first_stage_groups(
-        self, examples: Sequence[Example], *, progress: bool = False
-    ) -> Dict[str, List[torch.Tensor]]:
-        """:meth:`Encoder.first_stage_groups <eogp_index.encode.encoder.Encoder.first_stage_groups>`."""
-        return self.encoder.first_stage_groups(examples, progress=progress)
-
     def query_examples(self, queries: Sequence[Query]) -> List[Example]:
         """Tokenize queries (texts, chats, ids or record dicts) as training records are tokenized.
 
@@ -385,29 +366,11 @@ class AttributionIndex:
         ingest's cache, or None for per-batch ingest. The caller closes it."""
         return self.encoder.block_cache(config, worker=worker, workers=workers)
 
-    def encode_commit(
-        self,
-        examples: Sequence[Example],
-        *,
-        cache: Optional[BlockCache] = None,
-        on_chunk: Optional[Callable[[Sequence[Example]], None]] = None,
-        store_text: Optional[int] = None,
-    ) -> pa.Table:
-        """:meth:`Encoder.encode_commit <eogp_index.encode.encoder.Encoder.encode_commit>`: the
-        Arrow rows of one commit, a gradient batch (or a cached block) at a time."""
-        return self.encoder.encode_commit(examples, cache=cache, on_chunk=on_chunk, store_text=store_text)
-
     def encode_rows(self, examples: Sequence[Example], *, store_text: Optional[int] = None) -> pa.Table:
         """The Arrow rows of a batch, ready for :meth:`Store.add`; ``store_text``: keep each
         document's text up to this many UTF-8 bytes (:meth:`Encoder.encode_rows
         <eogp_index.encode.encoder.Encoder.encode_rows>`)."""
         return self.encoder.encode_rows(examples, store_text=store_text)
-
-    def rows(
-        self, examples: Sequence[Example], coordinates: np.ndarray, *, store_text: Optional[int] = None
-    ) -> pa.Table:
-        """:meth:`encode_rows` from the examples' projected coordinates ``(n, K)`` float32."""
-        return self.encoder.rows(examples, coordinates, store_text=store_text)
 
     # -- queries ----------------------------------------------------------------------------------
     def search(self, query: Union[Query, List[Query]], *, many: bool = False) -> InfluenceQuery:
@@ -499,6 +462,25 @@ class AttributionIndex:
         other means, or to drop old versions sooner.
         """
         return optimize(self.stored, retention=retention, rebuild_hot=rebuild_hot, target_rows=target_rows)
+
+
+#: The encoder's parts, attributes of the index itself too: ``index.model`` is ``index.encoder.model``
+#: (set there as well), ``index.manifest`` the stored index's.
+ENCODER_PARTS = (
+    "stored",
+    "model",
+    "tokenizer",
+    "gradients",
+    "device",
+    "path",
+    "manifest",
+    "store",
+    "layout",
+    "codec",
+    "projection",
+)
+for _part in ENCODER_PARTS:
+    setattr(AttributionIndex, _part, _EncoderPart(_part))
 
 
 def _sized(stored: StoredIndex, model: nn.Module, gradients: GradientConfig) -> tuple[GradientConfig, Dict[str, Any]]:

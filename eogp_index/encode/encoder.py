@@ -68,17 +68,7 @@ class Encoder:
                     for name in names
                 ]
             )
-        capture = GradientCapture(
-            self.model, names, self.projection.transform, checkpoint=self.gradients.gradient_checkpointing
-        )
-        out = project_examples(
-            capture,
-            examples,
-            batch_size=self.gradients.batch_size,
-            pad_token_id=pad_token_id(self.tokenizer),
-            device=self.device,
-            progress=progress,
-        )
+        out = project_examples(self._capture(self.projection.transform), examples, **self._batching(progress))
         return concat_modules([out[name].numpy() for name in names])
 
     def first_stage_groups(
@@ -87,24 +77,27 @@ class Encoder:
         """First-stage coordinates at the projection's cache dtype, one ``(B, m_u)`` group per
         gradient batch: ``{module: [group, ...]}`` (on the model's device)."""
         names = self.manifest.module_names
-        capture = GradientCapture(
-            self.model,
-            names,
-            self.projection.cached_first_stage_transform,
-            checkpoint=self.gradients.gradient_checkpointing,
-        )
+        capture = self._capture(self.projection.cached_first_stage_transform)
         groups: Dict[str, List[torch.Tensor]] = {name: [] for name in names}
-        for _, outputs in run_batches(
-            capture,
-            examples,
-            batch_size=self.gradients.batch_size,
-            pad_token_id=pad_token_id(self.tokenizer),
-            device=self.device,
-            progress=progress,
-        ):
+        for _, outputs in run_batches(capture, examples, **self._batching(progress)):
             for name in names:
                 groups[name].append(outputs[name])
         return groups
+
+    def _capture(self, transform) -> GradientCapture:
+        """The attributed modules' per-example gradients, each handed to ``transform``."""
+        return GradientCapture(
+            self.model, self.manifest.module_names, transform, checkpoint=self.gradients.gradient_checkpointing
+        )
+
+    def _batching(self, progress: bool) -> Dict[str, Any]:
+        """How a gradient pass is batched: the options of :func:`~eogp_index.gradients.capture.run_batches`."""
+        return {
+            "batch_size": self.gradients.batch_size,
+            "pad_token_id": pad_token_id(self.tokenizer),
+            "device": self.device,
+            "progress": progress,
+        }
 
     def block_cache(
         self, config: IngestConfig = IngestConfig(), *, worker: Optional[int] = None, workers: int = 1

@@ -3,7 +3,7 @@ Appendix E does.
 
 When the ``P`` matrices do not stay in memory (``--projection-memory-gb``), per-batch ingest
 reads every module's ``P`` in every gradient batch. Block ingest
-(:meth:`~eogp_index.client.AttributionIndex.encode_commit` with a :class:`BlockCache`) splits the
+(:meth:`~eogp_index.encode.encoder.Encoder.encode_commit` with a :class:`BlockCache`) splits the
 work instead:
 
 1. the first stage of every gradient batch of the block runs on the model, and its coordinates
