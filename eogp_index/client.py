@@ -315,7 +315,8 @@ class AttributionIndex:
         ``P`` does not stay in memory, in blocks with each module's ``P`` read once per block
         (:meth:`block_cache`: resumable after a kill, as ``eogp ingest``); compacts the table past
         the fragment threshold and ends with the hot copy up to date
-        (:mod:`eogp_index.store.maintenance`).
+        (:mod:`eogp_index.store.maintenance`). The commits are :class:`~eogp_index.encode.commits.Commits`'
+        loop, under the index's ingest lock (:func:`~eogp_index.encode.commits.index_lock`).
 
         Args:
             config: the :class:`~eogp_index.config.IngestConfig` (default: its defaults). Its
@@ -323,6 +324,10 @@ class AttributionIndex:
                 ``progress`` apply here; the shard options (``spec``, ``on_error="skip"``,
                 ``rejects_path``, ``shard_root``) and ``commit_every`` are refused.
             options: fields of ``config`` to replace, e.g. ``store_text=4096, progress=False``.
+
+        Raises:
+            ConfigError: another ingest (``eogp ingest``, another process's ``ingest``) is writing
+                to the index: run again once it is done, to store what it did not.
         """
         if is_dataset_object(examples):
             raise ConfigError(
