@@ -33,7 +33,15 @@ from eogp_index.config import (
     StorageConfig,
 )
 from eogp_index.data.readers import is_dataset_object
-from eogp_index.data.records import Example, RecordSpec, preference_pair, tokenize_record
+from eogp_index.data.records import (
+    Example,
+    RecordSpec,
+    check_record,
+    location_of,
+    preference_pair,
+    query_record,
+    tokenize_record,
+)
 from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
 from eogp_index.fit.fitting import fit_projection
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples, run_batches
@@ -334,23 +342,11 @@ class AttributionIndex:
         spec = RecordSpec(max_tokens=self.manifest.max_tokens)
         out = []
         for i, query in enumerate(queries):
-            if preference_pair(query) is not None:
+            record = query_record(query, i)
+            if check_record(record, spec, location_of("query", i), query=True).query_only:
                 raise InputError(
                     f"query {i}: a preference query ({{prompt, chosen, rejected}}) measures two "
                     "completions; it is answered by query, select and scores, not here"
-                )
-            if isinstance(query, str):
-                record: Dict[str, Any] = {"text": query}
-            elif isinstance(query, dict):
-                record = dict(query)
-            elif isinstance(query, (list, tuple)) and query and isinstance(query[0], dict):
-                record = {"messages": list(query)}
-            elif isinstance(query, (list, tuple)):
-                record = {"input_ids": list(query)}
-            else:
-                raise InputError(
-                    f"query {i}: expected a text, a chat (list of role/content dicts), token ids or a "
-                    f"record dict, got {type(query).__name__}"
                 )
             out.append(tokenize_record(record, shard="query", position=i, spec=spec, tokenizer=self.tokenizer))
         return out
