@@ -174,8 +174,9 @@ class Engine:
         errors name ``chosen`` or ``rejected`` (in a behaviour, ``queries[i]``)."""
         try:
             pair = preference_pair(record)
-        except InputError as exc:
-            raise RequestError(field, _user_message(exc, field)) from None
+        except InputError as exc:  # checked whole: the error names prompt, chosen or rejected
+            named = exc.field if exc.field and field in ("chosen", "completion") else field
+            raise RequestError(named, _user_message(exc, named)) from None
         if pair is None:
             return [(self.tokenize(record, field), 1.0)]
         out = []
