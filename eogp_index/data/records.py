@@ -267,7 +267,9 @@ class Example:
     num_loss_tokens: number of ``labels[1:]`` that are not ``-100`` (always >= 1).
     truncated: whether the document was cut to ``RecordSpec.max_tokens``.
     content: what was tokenized, keyed by kind: ``{"text": str}``, ``{"messages": [...]}`` or
-        ``{"input_ids": [...], "labels": [...] | None}`` (None for examples made from ids).
+        ``{"input_ids": [...], "labels": [...] | None}`` (None for examples made from ids). A
+        window keeps its whole document's (its hash is the row's ``content_sha256``).
+    span: a window's own text, what :attr:`display_text` shows and ``--store-text`` stores.
     """
 
     id: str
@@ -280,6 +282,9 @@ class Example:
     num_loss_tokens: int
     truncated: bool
     content: dict[str, Any] | None = None
+    #: A window's own text (:func:`tokenize_windows`): the span of the document its tokens cover;
+    #: None for an example that is its whole document.
+    span: str | None = None
 
     @property
     def content_sha256(self) -> str:
@@ -303,7 +308,10 @@ class Example:
 
     @property
     def display_text(self) -> str:
-        """The document as a person reads it: the text, or the chat / token ids as JSON."""
+        """The document as a person reads it: the text, or the chat / token ids as JSON; for a
+        window, the span of the document it covers."""
+        if self.span is not None:
+            return self.span
         content = self.content or {"input_ids": list(self.input_ids), "labels": list(self.labels)}
         if "text" in content:
             return content["text"]
@@ -374,13 +382,51 @@ def split_windows(example: Example, max_tokens: int | None) -> list[Example]:
 
 def tokenize_windows(record: Any, *, shard: str, position: int, spec: RecordSpec, tokenizer: Any) -> list[Example]:
     """:func:`tokenize_record`, as ``spec.long_documents`` asks: one (maybe truncated) example, or
-    the document's windows (:func:`split_windows`)."""
+    the document's windows (:func:`split_windows`), each of a split document with its own text
+    (:attr:`Example.span`, see :func:`window_spans`)."""
     if spec.long_documents == "truncate":
         return [tokenize_record(record, shard=shard, position=position, spec=spec, tokenizer=tokenizer)]
     whole = tokenize_record(
         record, shard=shard, position=position, spec=replace(spec, max_tokens=None), tokenizer=tokenizer
     )
-    return split_windows(whole, spec.max_tokens)
+    windows = split_windows(whole, spec.max_tokens)
+    if spec.max_tokens is None or whole.num_tokens <= spec.max_tokens:
+        return windows  # the document is its one window: its text is the whole
+    starts = [window.metadata["window"] * (spec.max_tokens - 1) for window in windows]
+    spans = window_spans(
+        whole, [(start, start + window.num_tokens) for start, window in zip(starts, windows)], tokenizer
+    )
+    return [replace(window, span=span) for window, span in zip(windows, spans)]
+
+
+def window_spans(example: Example, bounds: Sequence[tuple[int, int]], tokenizer: Any) -> list[str]:
+    """The text each token range ``[start, end)`` of ``example`` covers.
+
+    A text document with a fast tokenizer: the characters from the first to the last of the
+    range's tokens, by the tokenizer's offsets (special tokens cover none), exactly as written.
+    Otherwise (a chat, a slow tokenizer, offsets that do not line up with the tokens): the
+    range's tokens decoded (a text's without its special tokens); token ids without a
+    tokenizer: the range's ids and labels as JSON.
+    """
+    content = example.content or {}
+    offsets = None
+    if "text" in content and getattr(tokenizer, "is_fast", False):
+        encoded = tokenizer(content["text"], add_special_tokens=True, return_offsets_mapping=True, verbose=False)
+        if list(encoded["input_ids"]) == list(example.input_ids):
+            offsets = encoded["offset_mapping"]
+    out = []
+    for start, end in bounds:
+        if offsets is not None:
+            covered = [(a, b) for a, b in offsets[start:end] if b > a]
+            out.append(content["text"][covered[0][0] : covered[-1][1]] if covered else "")
+        elif getattr(tokenizer, "decode", None) is not None:
+            # (A text's special tokens, BOS, are no part of it; a chat's are its template's.)
+            out.append(tokenizer.decode(list(example.input_ids[start:end]), skip_special_tokens="text" in content))
+        else:
+            out.append(
+                json.dumps({"input_ids": list(example.input_ids[start:end]), "labels": list(example.labels[start:end])})
+            )
+    return out
 
 
 def stable_id(shard: str, position: int, content: bytes | str) -> str:
