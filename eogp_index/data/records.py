@@ -30,8 +30,10 @@ Labels follow the Hugging Face causal-LM convention: the model shifts them by on
 ``labels[t]`` is predicted from ``input_ids[:t]`` and ``labels[0]`` is never used.
 ``Example.num_loss_tokens`` therefore counts ``labels[1:] != -100``.
 
-Text must be Unicode text: every string the record contributes (the text, each message's role,
-content and extra string values, the id, string metadata) is checked once, here, and a string
+Every record and every query is checked by one function, :func:`check_record`, driven by the
+kinds' field lists (:data:`RECORD_KINDS`). Text must be Unicode text: every string the record
+contributes (the text, prompt, completion, chosen and rejected, each message's role, content and
+extra string values in any chat, the id, string metadata) is checked there, and a string
 holding a lone UTF-16 surrogate (U+D800 to U+DFFF, which JSON's ``"\\ud800"`` escapes and
 scraped data produce) is that record's error, naming the field and the character's offset. No
 text is rewritten: a surrogate is not a character, so no replacement could be what the author
