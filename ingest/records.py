@@ -88,6 +88,7 @@ class RunState:
                 f"duplicate id {example.id!r}: already used by the record at "
                 f"{location_of(*first)}; ids must be unique in a run",
                 location=location,
+                field="id",
             )
         metadata = dict(example.metadata)
         promoted = False
@@ -101,6 +102,7 @@ class RunState:
                     f"field {name!r}: metadata list {value!r} mixes item types; the items of a list field "
                     "share one type (str, int, float or bool)",
                     location=location,
+                    field=name,
                 )
             known = self._types.get(name)
             if known is None:
@@ -127,6 +129,7 @@ class RunState:
                 f"{_kind_name(expected_list, expected)} (fixed by its first value, at {where}); every record "
                 f"must use the same type{hint}",
                 location=location,
+                field=name,
             )
         self._types.update(new_types)
         self._ids[example.id] = (example.shard, example.position)
@@ -166,9 +169,11 @@ def iter_examples(
     spec: the :class:`RecordSpec`; tokenizer: see :func:`tokenize_record`.
     on_error: "raise" raises the :class:`InputError` of the first bad record; "skip" yields a
         :class:`Rejected` for each bad record (malformed line, bad field, duplicate id,
-        metadata type clash) and goes on. Problems with a whole shard (missing, unsupported,
-        corrupt compression) and :class:`ConfigError` (e.g. no chat template) raise in both
-        modes.
+        metadata type clash) and goes on. A compressed shard that breaks off (truncated or
+        corrupt) is that shard's error: its records read before the break are kept, the first
+        line not read is the error (rejected, naming the lines lost), and the next shards are
+        read. Problems with a whole shard (missing, unsupported) and :class:`ConfigError`
+        (e.g. no chat template) raise in both modes.
     shard_root: None names shards by file name; a directory names them by their path
         relative to it (see :func:`eogp_index.data.readers.shard_names`). Shard names go into ids.
     Yields :class:`Example` (and :class:`Rejected` in skip mode).

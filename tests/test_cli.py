@@ -456,3 +456,59 @@ def test_query_a_behaviour_normalized_and_grouped(workspace, tmp_path):
     assert per_document.exit_code == 0 and "… 5 more groups" in per_document.output  # 30 rows: 20 + 5 shown
     bad = _run("query", root / "idx", "--text", "t1 t2", "--group-by", "source")
     assert bad.exit_code != 0 and "group by one of" in bad.output and "Traceback" not in bad.output
+
+
+def test_ingest_skip_rejects_each_record_with_a_lone_surrogate_and_a_cut_gzip_by_line_and_keeps_the_rest(
+    workspace, tmp_path
+):
+    import gzip
+    import shutil
+
+    from badtext import bad_records
+
+    root, _, _ = workspace
+    index = shutil.copytree(root / "idx", tmp_path / "idx")
+    cases = bad_records(documents=True)
+    good = [{"text": f"t{i} t{i + 1} t{i + 2} t{i + 3}"} for i in range(1, 40, 4)]
+    lines = []
+    for i, record in enumerate(good):
+        lines.append({**record, "id": f"good-{i}", "kind": "a", "n": i})
+        if i < len(cases):
+            lines.append({**cases[i][1], "id": f"bad-{i}", "kind": "b", "n": 100 + i})
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))  # surrogates as \ud800
+    packed = gzip.compress("".join(json.dumps({**good[0], "id": f"gz-{i}"}) + "\n" for i in range(3000)).encode())
+    (tmp_path / "b-cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])
+    (tmp_path / "c.jsonl").write_text(json.dumps({**good[1], "id": "last"}) + "\n")
+    result = _run(
+        "ingest", index, tmp_path / "a.jsonl", tmp_path / "b-cut.jsonl.gz", tmp_path / "c.jsonl",
+        "--id-field", "id", "--metadata", "kind", "--metadata", "n", "--on-error", "skip", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    summary = json.loads(result.stdout)
+    rejects = [json.loads(line) for line in open(summary["rejects_path"])]
+    surrogates = [r for r in rejects if r["shard"] == "a.jsonl"]
+    assert [r["record_id"] for r in surrogates] == [f"bad-{i}" for i in range(len(cases))]
+    for (case, _, field), reject in zip(cases, surrogates):
+        assert f"field '{field}" in reject["reason"] and "surrogate" in reject["reason"], (case, reject)
+    (cut,) = [r for r in rejects if r["shard"] == "b-cut.jsonl.gz"]
+    assert "or any after it" in cut["reason"] and cut["location"] == f"b-cut.jsonl.gz:{cut['position'] + 1}"
+    assert summary["stored"] == len(good) + cut["position"] + 1  # a.jsonl's good records, the gzip's read lines, c
+    assert summary["rejected"] == len(cases) + 1
+
+
+def test_queries_file_reports_a_lone_surrogate_in_any_field_of_any_kind_by_line(workspace, tmp_path):
+    from badtext import bad_records
+
+    root, _, _ = workspace
+    cases = bad_records()
+    lines = []
+    for _, record, _ in cases:
+        lines += [{"text": "t1 t2 t3 t4"}, record]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = _run("query", root / "idx", "--queries", tmp_path / "q.jsonl", "-k", "2", "--json")
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert len(json.loads(result.stdout)) == len(cases)  # every good query answered
+    reported = [line for line in result.stderr.splitlines() if line.startswith("q.jsonl:")]
+    assert [int(line.split(":")[1]) for line in reported] == list(range(2, 2 * len(cases) + 1, 2))
+    for (case, _, field), line in zip(cases, reported):
+        assert f"field '{field}" in line and "surrogate" in line, (case, line)

@@ -33,9 +33,12 @@ Positions and locations:
   as pyarrow and ``datasets`` index them.
 
 Errors: a malformed JSON line (invalid JSON, invalid UTF-8, a JSON value that is not an
-object) does not stop reading: the reader yields a :class:`ParseError` for that position and
-goes on. Problems with a whole shard (missing, unsupported format, corrupt compression,
-unreadable Parquet, a ``DatasetDict`` without a split) raise :class:`~eogp_index.errors.InputError`.
+object) does not stop reading: the reader yields a :class:`ParseError` for that position, naming
+the column where the line goes wrong, and goes on. A compressed stream that breaks off
+(truncated or corrupt) ends the shard: the records read so far are yielded, then one
+:class:`ParseError` at the first line not read, saying that it and every line after it could
+not be read. Problems with a whole shard (missing, unsupported format, unreadable Parquet, a
+``DatasetDict`` without a split) raise :class:`~eogp_index.errors.InputError`.
 
 Fields whose value is JSON ``null`` / Arrow null are passed through as ``None``; the record
 layer treats them as absent (a Parquet file mixing text and chat rows has nulls in the
@@ -522,12 +525,15 @@ def _iter_jsonl(path: Path, shard: str, compression: str | None) -> Iterator[Raw
                 return
             except Exception as exc:
                 # A truncated or corrupt compressed stream (OSError, EOFError, zlib.error,
-                # zstandard.ZstdError): the rest of the shard is unreadable.
-                raise InputError(
-                    f"cannot read past line {position + 1}: {type(exc).__name__}: {exc} "
-                    f"(is the {compression or 'file'} stream truncated or corrupt?)",
-                    location=shard,
-                ) from exc
+                # zstandard.ZstdError): the rest of the shard is unreadable. That is this shard's
+                # error, at the first line not read: the lines before it were read, and the
+                # other shards of a run are not concerned.
+                reason = (
+                    f"cannot read line {position + 2} or any after it: {type(exc).__name__}: {exc} "
+                    f"(is the {compression or 'file'} stream truncated or corrupt? lines 1 to {position + 1} were read)"
+                )
+                yield RawRecord(shard, position + 1, ParseError(f"{shard}:{position + 2}", reason))
+                return
             position += 1
             if position == 0 and line.startswith(b"\xef\xbb\xbf"):
                 line = line[3:]  # a UTF-8 byte order mark, as some Windows tools write
@@ -537,16 +543,16 @@ def _iter_jsonl(path: Path, shard: str, compression: str | None) -> Iterator[Raw
             try:
                 text = line.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield RawRecord(shard, position, ParseError(location, f"line is not valid UTF-8: {exc}"))
+                column = len(line[: exc.start].decode("utf-8")) + 1  # the characters before the bad byte, +1
+                reason = f"line is not valid UTF-8 at column {column} (byte {exc.start + 1}): {exc.reason}"
+                yield RawRecord(shard, position, ParseError(location, reason))
                 continue
             try:
-                value = json.loads(text)
+                # Without its line break: JSON counts it as a line of its own, and a line cut short
+                # (a missing brace) would be reported at "line 2, column 1".
+                value = json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
-                yield RawRecord(
-                    shard,
-                    position,
-                    ParseError(location, f"malformed JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}"),
-                )
+                yield RawRecord(shard, position, ParseError(location, _json_error(exc)))
                 continue
             if not isinstance(value, dict):
                 yield RawRecord(
@@ -561,6 +567,22 @@ def _iter_jsonl(path: Path, shard: str, compression: str | None) -> Iterator[Raw
                 )
                 continue
             yield RawRecord(shard, position, value)
+
+
+def _json_error(exc: json.JSONDecodeError) -> str:
+    """A malformed JSON line's reason, at the column (1-based, in characters) where it goes wrong."""
+    # The line is parsed without its line break, so colno (pos + 1) is the column in the line.
+    # An unterminated string is reported where the string starts; the line runs out at its end.
+    message, where = exc.msg.removesuffix(" at"), f"at column {exc.colno}"
+    if message.startswith("Unterminated string"):
+        where += f" (the line ends at column {len(exc.doc) + 1} without closing it)"
+    return f"malformed JSON: {message} {where}: {_excerpt(exc.doc, exc.pos)}"
+
+
+def _excerpt(line: str, pos: int, width: int = 20) -> str:
+    """The text of ``line`` around offset ``pos``, quoted, with ``…`` where it is cut."""
+    start, end = max(0, pos - width), min(len(line), pos + width)
+    return f"{'…' if start else ''}{line[start:end]!r}{'…' if end < len(line) else ''}"
 
 
 def _iter_parquet(path: Path, shard: str) -> Iterator[RawRecord]:

@@ -30,8 +30,10 @@ Labels follow the Hugging Face causal-LM convention: the model shifts them by on
 ``labels[t]`` is predicted from ``input_ids[:t]`` and ``labels[0]`` is never used.
 ``Example.num_loss_tokens`` therefore counts ``labels[1:] != -100``.
 
-Text must be Unicode text: every string the record contributes (the text, each message's role,
-content and extra string values, the id, string metadata) is checked once, here, and a string
+Every record and every query is checked by one function, :func:`check_record`, driven by the
+kinds' field lists (:data:`RECORD_KINDS`). Text must be Unicode text: every string the record
+contributes (the text, prompt, completion, chosen and rejected, each message's role, content and
+extra string values in any chat, the id, string metadata) is checked there, and a string
 holding a lone UTF-16 surrogate (U+D800 to U+DFFF, which JSON's ``"\\ud800"`` escapes and
 scraped data produce) is that record's error, naming the field and the character's offset. No
 text is rewritten: a surrogate is not a character, so no replacement could be what the author
@@ -60,8 +62,11 @@ __all__ = [
     "RecordKind",
     "Example",
     "RecordSpec",
+    "check_record",
     "check_text",
     "location_of",
+    "query_record",
+    "record_field",
     "stable_id",
     "tokenize_record",
 ]
@@ -264,7 +269,9 @@ class Example:
     num_loss_tokens: number of ``labels[1:]`` that are not ``-100`` (always >= 1).
     truncated: whether the document was cut to ``RecordSpec.max_tokens``.
     content: what was tokenized, keyed by kind: ``{"text": str}``, ``{"messages": [...]}`` or
-        ``{"input_ids": [...], "labels": [...] | None}`` (None for examples made from ids).
+        ``{"input_ids": [...], "labels": [...] | None}`` (None for examples made from ids). A
+        window keeps its whole document's (its hash is the row's ``content_sha256``).
+    span: a window's own text, what :attr:`display_text` shows and ``--store-text`` stores.
     """
 
     id: str
@@ -277,6 +284,9 @@ class Example:
     num_loss_tokens: int
     truncated: bool
     content: dict[str, Any] | None = None
+    #: A window's own text (:func:`tokenize_windows`): the span of the document its tokens cover;
+    #: None for an example that is its whole document.
+    span: str | None = None
 
     @property
     def content_sha256(self) -> str:
@@ -300,7 +310,10 @@ class Example:
 
     @property
     def display_text(self) -> str:
-        """The document as a person reads it: the text, or the chat / token ids as JSON."""
+        """The document as a person reads it: the text, or the chat / token ids as JSON; for a
+        window, the span of the document it covers."""
+        if self.span is not None:
+            return self.span
         content = self.content or {"input_ids": list(self.input_ids), "labels": list(self.labels)}
         if "text" in content:
             return content["text"]
@@ -371,13 +384,51 @@ def split_windows(example: Example, max_tokens: int | None) -> list[Example]:
 
 def tokenize_windows(record: Any, *, shard: str, position: int, spec: RecordSpec, tokenizer: Any) -> list[Example]:
     """:func:`tokenize_record`, as ``spec.long_documents`` asks: one (maybe truncated) example, or
-    the document's windows (:func:`split_windows`)."""
+    the document's windows (:func:`split_windows`), each of a split document with its own text
+    (:attr:`Example.span`, see :func:`window_spans`)."""
     if spec.long_documents == "truncate":
         return [tokenize_record(record, shard=shard, position=position, spec=spec, tokenizer=tokenizer)]
     whole = tokenize_record(
         record, shard=shard, position=position, spec=replace(spec, max_tokens=None), tokenizer=tokenizer
     )
-    return split_windows(whole, spec.max_tokens)
+    windows = split_windows(whole, spec.max_tokens)
+    if spec.max_tokens is None or whole.num_tokens <= spec.max_tokens:
+        return windows  # the document is its one window: its text is the whole
+    starts = [window.metadata["window"] * (spec.max_tokens - 1) for window in windows]
+    spans = window_spans(
+        whole, [(start, start + window.num_tokens) for start, window in zip(starts, windows)], tokenizer
+    )
+    return [replace(window, span=span) for window, span in zip(windows, spans)]
+
+
+def window_spans(example: Example, bounds: Sequence[tuple[int, int]], tokenizer: Any) -> list[str]:
+    """The text each token range ``[start, end)`` of ``example`` covers.
+
+    A text document with a fast tokenizer: the characters from the first to the last of the
+    range's tokens, by the tokenizer's offsets (special tokens cover none), exactly as written.
+    Otherwise (a chat, a slow tokenizer, offsets that do not line up with the tokens): the
+    range's tokens decoded (a text's without its special tokens); token ids without a
+    tokenizer: the range's ids and labels as JSON.
+    """
+    content = example.content or {}
+    offsets = None
+    if "text" in content and getattr(tokenizer, "is_fast", False):
+        encoded = tokenizer(content["text"], add_special_tokens=True, return_offsets_mapping=True, verbose=False)
+        if list(encoded["input_ids"]) == list(example.input_ids):
+            offsets = encoded["offset_mapping"]
+    out = []
+    for start, end in bounds:
+        if offsets is not None:
+            covered = [(a, b) for a, b in offsets[start:end] if b > a]
+            out.append(content["text"][covered[0][0] : covered[-1][1]] if covered else "")
+        elif getattr(tokenizer, "decode", None) is not None:
+            # (A text's special tokens, BOS, are no part of it; a chat's are its template's.)
+            out.append(tokenizer.decode(list(example.input_ids[start:end]), skip_special_tokens="text" in content))
+        else:
+            out.append(
+                json.dumps({"input_ids": list(example.input_ids[start:end]), "labels": list(example.labels[start:end])})
+            )
+    return out
 
 
 def stable_id(shard: str, position: int, content: bytes | str) -> str:
@@ -408,23 +459,19 @@ def content_sha256(content: dict[str, Any]) -> str:
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 
 
-def preference_pair(record: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def preference_pair(record: Any, location: Optional[str] = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The chosen and rejected prompt-completion records of a preference query, else None.
 
     A preference query ``{"prompt", "chosen", "rejected"}`` measures
     ``loss(chosen | prompt) - loss(rejected | prompt)`` = ``-(log p(chosen | prompt) -
     log p(rejected | prompt))``, completion tokens only: its gradient is the chosen record's
     minus the rejected record's, and a document with a positive score raises the margin.
+    The query is checked whole (:func:`check_record`), so an error names ``chosen`` or
+    ``rejected``, not the completion of a half; ``location`` leads its message.
     """
     if not isinstance(record, dict) or not any(record.get(name) is not None for name in PREFERENCE_FIELDS[1:]):
         return None
-    missing = [name for name in PREFERENCE_FIELDS if record.get(name) is None]
-    extra = sorted(set(record) - set(PREFERENCE_FIELDS) - {"id"})
-    if missing or extra:
-        raise InputError(
-            f"a preference query holds exactly the fields {list(PREFERENCE_FIELDS)}; this one "
-            + (f"lacks {missing}" if missing else f"also has {extra}")
-        )
+    check_record(record, RecordSpec(), location, query=True)
     prompt = record["prompt"]
     return ({"prompt": prompt, "completion": record["chosen"]}, {"prompt": prompt, "completion": record["rejected"]})
 
@@ -497,12 +544,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_text(value: str, field_name: str, location: Optional[str] = None) -> str:
+def check_text(value: str, field_name: str, location: Optional[str] = None, *, field: Optional[str] = None) -> str:
     """``value`` unchanged when it is Unicode text, else :class:`InputError` naming ``field_name``.
 
     Text is a sequence of Unicode scalar values: what UTF-8 can encode. A Python string may also
     hold lone UTF-16 surrogates (``json.loads('"\\ud800"')``); they are refused here, where
     records and queries are read, rather than failing in the tokenizer or the table.
+    ``field``: the record field the error's ``field`` names (default ``field_name``; for a
+    message's content, the chat's field).
     """
     try:
         value.encode("utf-8")
@@ -512,33 +561,179 @@ def check_text(value: str, field_name: str, location: Optional[str] = None) -> s
             "surrogate, which is not Unicode text; fix the source text (a surrogate pair written as two "
             "escapes, e.g. \\ud83d\\ude00, is read as one character and is fine)",
             location=location,
+            field=field or field_name,
         ) from None
     return value
 
 
-def _check_strings(value: Any, field_name: str, location: str) -> None:
+def _check_strings(value: Any, field_name: str, location: Optional[str], field: str) -> None:
     """:func:`check_text` on every string inside a JSON-like value (keys included)."""
     if isinstance(value, str):
-        check_text(value, field_name, location)
+        check_text(value, field_name, location, field=field)
     elif isinstance(value, dict):
         for key, item in value.items():
             if isinstance(key, str):
-                check_text(key, field_name, location)
-            _check_strings(item, f"{field_name}.{key}", location)
+                check_text(key, field_name, location, field=field)
+            _check_strings(item, f"{field_name}.{key}", location, field)
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            _check_strings(item, f"{field_name}[{index}]", location)
+            _check_strings(item, f"{field_name}[{index}]", location, field)
 
 
-def _record_id(record: dict[str, Any], spec: RecordSpec, location: str) -> str | None:
+def record_field(spec: RecordSpec, canonical: str) -> str:
+    """The record key of a canonical field of :data:`RECORD_KINDS` under ``spec`` (``chosen`` and
+    ``rejected``, which a spec does not rename, keep their names)."""
+    return {
+        "text": spec.text_field,
+        "messages": spec.messages_field,
+        "input_ids": spec.input_ids_field,
+        "labels": spec.labels_field,
+        "prompt": spec.prompt_field,
+        "completion": spec.completion_field,
+    }.get(canonical, canonical)
+
+
+def check_record(record: Any, spec: RecordSpec, location: Optional[str] = None, *, query: bool = False) -> RecordKind:
+    """The kind of ``record`` among :data:`RECORD_KINDS`, once every field it holds is checked.
+
+    The one check of records and queries alike, driven by the kinds' field lists: the record is
+    an object holding the fields of exactly one kind (a query-only kind, a preference, only with
+    ``query=True``); each of its text fields is a string or, where the kind allows, a chat (a
+    non-empty list of ``{"role", "content"}`` messages), and the fields the loss is taken on are
+    not empty; every string (text, prompt, completion, chosen, rejected, each message's role,
+    content and extra values and keys, the id, string metadata and metadata list items) is
+    Unicode text (:func:`check_text`); token ids are lists of non-negative ints, and labels go
+    with them; the id and metadata fields are well typed (a query's ``id``, when a string, is
+    checked as text too). Checks against the tokenizer (ids within its vocabulary, a chat
+    template) are :func:`tokenize_record`'s, and checks across records (unique ids, metadata
+    types) ``ingest.records.RunState``'s.
+
+    location: what error messages start with (``"train.jsonl:17"``); None for none.
+    Raises :class:`InputError` naming the field, with ``field`` the record field (for anything
+    inside a chat, the chat's field: ``messages``, ``prompt``, ...).
+    """
+    if not isinstance(record, dict):
+        raise InputError(f"a record must be an object, got {_type_name(record)}", location=location)
+    kind = _record_kind(record, spec, location, query)
+    texts = [name for name in kind.fields if name in kind.text_fields or name in kind.chat_fields]
+    values = [record[record_field(spec, name)] for name in texts]
+    if len(texts) > 1 and not (all(isinstance(v, str) for v in values) or all(isinstance(v, list) for v in values)):
+        count = _COUNTS.get(len(texts), str(len(texts)))
+        got = [_type_name(v) for v in values]
+        raise InputError(
+            f"fields {[record_field(spec, name) for name in texts]}: expected {count} strings or {count} lists of "
+            f"messages, got {', '.join(got[:-1])} and {got[-1]}",
+            location=location,
+            field=record_field(spec, texts[0]),
+        )
+    for canonical, value in zip(texts, values):
+        _check_text_field(value, canonical, kind, record_field(spec, canonical), location)
+    if kind.name == "tokens":
+        _check_token_ids(record, spec, location, None)
+    elif record.get(spec.labels_field) is not None:
+        raise InputError(
+            f"field {spec.labels_field!r} is only allowed with {spec.input_ids_field!r}; labels of "
+            f"{record_field(spec, kind.fields[-1])!r} records are derived from the content",
+            location=location,
+            field=spec.labels_field,
+        )
+    _record_id(record, spec, location)
+    if query and isinstance(record.get("id"), str):
+        check_text(record["id"], "id", location)
+    _metadata(record, spec, location)
+    return kind
+
+
+_COUNTS = {2: "two", 3: "three"}
+#: What an empty string in a field the loss is taken on is called.
+_EMPTY = {"text": "empty document"}
+
+
+def _check_text_field(value: Any, canonical: str, kind: RecordKind, name: str, location: Optional[str]) -> None:
+    """One text field of a record of ``kind``: a string or (where the kind allows) a chat."""
+    if isinstance(value, str) and canonical in kind.text_fields:
+        if not value and canonical != "prompt":  # the prompt is not in the loss: it may be empty
+            raise InputError(
+                f"field {name!r}: {_EMPTY.get(canonical, 'empty completion')}", location=location, field=name
+            )
+        check_text(value, name, location)
+    elif canonical in kind.chat_fields and (isinstance(value, list) or canonical not in kind.text_fields):
+        _check_messages(value, name, location)
+        _check_strings(value, name, location, name)
+    else:
+        raise InputError(
+            f"field {name!r}: expected a string{' or a list of messages' if canonical in kind.chat_fields else ''}, "
+            f"got {_type_name(value)}",
+            location=location,
+            field=name,
+        )
+
+
+def _record_kind(record: dict[str, Any], spec: RecordSpec, location: Optional[str], query: bool) -> RecordKind:
+    """The one kind whose fields ``record`` holds, by the fields that tell the kinds apart."""
+    kinds = [kind for kind in RECORD_KINDS if query or not kind.query_only]
+    # A field of several kinds (the prompt) tells none apart: beside another kind it is an ordinary field.
+    shared = {name for kind in RECORD_KINDS for name in kind.fields if sum(name in k.fields for k in RECORD_KINDS) > 1}
+    matched = []
+    for kind in kinds:
+        own = [record_field(spec, name) for name in kind.fields if name not in shared]
+        if any(record.get(name) is not None for name in own):
+            matched.append((kind, [name for name in own if record.get(name) is not None]))
+    choices = ", ".join(" + ".join(repr(record_field(spec, name)) for name in kind.fields) for kind in kinds)
+    prompt = spec.prompt_field
+    if not matched and record.get(prompt) is not None:
+        others = (
+            "or 'chosen' and 'rejected' (a preference query)"
+            if query
+            else ("(a preference record, with 'chosen' and 'rejected', is a query only)")
+        )
+        raise InputError(
+            f"field {prompt!r} without {spec.completion_field!r}: a prompt-completion record holds both {others}",
+            location=location,
+            field=spec.completion_field,
+        )
+    if not matched:
+        raise InputError(
+            f"missing content: the record has none of the fields {choices} (present keys: {sorted(record)[:20]})",
+            location=location,
+            field=spec.text_field,
+        )
+    if len(matched) > 1:
+        present = [name for _, names in matched for name in names]
+        raise InputError(
+            f"more than one content field: {present}; a record holds exactly one of {choices}",
+            location=location,
+            field=present[1],
+        )
+    kind, present = matched[0]
+    names = [record_field(spec, name) for name in kind.fields]
+    missing = [name for name in names if record.get(name) is None]
+    extra = sorted(set(record) - set(names) - {"id"}) if kind.query_only else []
+    if kind.query_only and (missing or extra):
+        raise InputError(
+            f"a {kind.name} query holds exactly the fields {names}; this one "
+            + (f"lacks {missing}" if missing else f"also has {extra}"),
+            location=location,
+            field=(missing or [names[-1]])[0],
+        )
+    if missing:
+        raise InputError(
+            f"field {present[0]!r} without {missing[0]!r}: a {present[0]} needs its {missing[0]} (a whole document "
+            f"with no {missing[0]} is a {spec.text_field!r} record)",
+            location=location,
+            field=missing[0],
+        )
+    return kind
+
+
+def _record_id(record: dict[str, Any], spec: RecordSpec, location: Optional[str]) -> str | None:
     """The ``id_field`` value as a string, or None when ids are derived from content."""
     if spec.id_field is None:
         return None
     value = record.get(spec.id_field)
     if value is None:
         raise InputError(
-            f"missing id field {spec.id_field!r} (RecordSpec.id_field)",
-            location=location,
+            f"missing id field {spec.id_field!r} (RecordSpec.id_field)", location=location, field=spec.id_field
         )
     if _is_int(value):
         return str(value)
@@ -547,18 +742,19 @@ def _record_id(record: dict[str, Any], spec: RecordSpec, location: str) -> str |
     raise InputError(
         f"field {spec.id_field!r}: an id must be a non-empty string or an int, got {_type_name(value)} {value!r}",
         location=location,
+        field=spec.id_field,
     )
 
 
-def _metadata_scalar(value: Any, where: str, location: str) -> Any:
+def _metadata_scalar(value: Any, where: str, location: Optional[str], name: str) -> Any:
     if isinstance(value, str):
-        return check_text(value, where, location)
+        return check_text(value, where, location, field=name)
     if _is_int(value) and not _INT64_MIN <= value <= _INT64_MAX:
-        raise InputError(f"field {where!r}: int {value} does not fit in int64", location=location)
+        raise InputError(f"field {where!r}: int {value} does not fit in int64", location=location, field=name)
     return value
 
 
-def _metadata(record: dict[str, Any], spec: RecordSpec, location: str) -> dict[str, Any]:
+def _metadata(record: dict[str, Any], spec: RecordSpec, location: Optional[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in spec.metadata_fields:
         value = record.get(name)
@@ -569,33 +765,37 @@ def _metadata(record: dict[str, Any], spec: RecordSpec, location: str) -> dict[s
                         f"field {name!r}: a metadata list holds str, int, float, bool or null items, item "
                         f"{index} is {_type_name(item)}",
                         location=location,
+                        field=name,
                     )
-            value = [_metadata_scalar(item, f"{name}[{index}]", location) for index, item in enumerate(value)]
+            value = [_metadata_scalar(item, f"{name}[{index}]", location, name) for index, item in enumerate(value)]
         elif value is not None:
             if not isinstance(value, _METADATA_SCALARS):
                 raise InputError(
                     f"field {name!r}: metadata values must be str, int, float, bool, null or a list of "
                     f"these, got {_type_name(value)}",
                     location=location,
+                    field=name,
                 )
-            value = _metadata_scalar(value, name, location)
+            value = _metadata_scalar(value, name, location, name)
         out[name] = value  # absent and null alike: a null in the column
     return out
 
 
 def _check_token_list(
-    value: Any, field_name: str, location: str, vocab_size: int | None, *, allow_ignore: bool
+    value: Any, field_name: str, location: Optional[str], vocab_size: int | None, *, allow_ignore: bool
 ) -> list[int]:
     if not isinstance(value, (list, tuple)):
         raise InputError(
             f"field {field_name!r}: expected a list of ints, got {_type_name(value)}",
             location=location,
+            field=field_name,
         )
     for index, token in enumerate(value):
         if not _is_int(token):
             raise InputError(
                 f"field {field_name!r}: expected a list of ints, item {index} is {_type_name(token)} {token!r}",
                 location=location,
+                field=field_name,
             )
         if allow_ignore and token == IGNORE_INDEX:
             continue
@@ -605,24 +805,48 @@ def _check_token_list(
             raise InputError(
                 f"field {field_name!r}: item {index} is {token}, outside the tokenizer's ids {allowed}{extra}",
                 location=location,
+                field=field_name,
             )
     return list(value)
 
 
-def _check_messages(messages: Any, field_name: str, location: str) -> list[dict[str, Any]]:
+def _check_token_ids(
+    record: dict[str, Any], spec: RecordSpec, location: Optional[str], vocab_size: int | None
+) -> tuple[list[int], list[int] | None]:
+    """A tokens record's ids and its labels as given (None: none given), checked."""
+    input_ids = _check_token_list(
+        record[spec.input_ids_field], spec.input_ids_field, location, vocab_size, allow_ignore=False
+    )
+    raw_labels = record.get(spec.labels_field)
+    if raw_labels is None:
+        return input_ids, None
+    labels = _check_token_list(raw_labels, spec.labels_field, location, vocab_size, allow_ignore=True)
+    if len(labels) != len(input_ids):
+        raise InputError(
+            f"field {spec.labels_field!r}: {len(labels)} labels for {len(input_ids)} "
+            f"{spec.input_ids_field!r}; they must have the same length",
+            location=location,
+            field=spec.labels_field,
+        )
+    return input_ids, labels
+
+
+def _check_messages(messages: Any, field_name: str, location: Optional[str]) -> list[dict[str, Any]]:
     if not isinstance(messages, list):
         raise InputError(
             f"field {field_name!r}: expected a list of {{role, content}} messages, got {_type_name(messages)}",
             location=location,
+            field=field_name,
         )
     if not messages:
-        raise InputError(f"field {field_name!r}: empty conversation", location=location)
+        raise InputError(f"field {field_name!r}: empty conversation", location=location, field=field_name)
     for index, message in enumerate(messages):
         where = f"{field_name}[{index}]"
         if not isinstance(message, dict):
             raise InputError(
                 f"field {where!r}: expected an object with 'role' and 'content', got {_type_name(message)}",
                 location=location,
+                field=field_name,
             )
         for key in ("role", "content"):
             value = message.get(key)
@@ -631,11 +855,37 @@ def _check_messages(messages: Any, field_name: str, location: str) -> list[dict[
                     f"field '{where}.{key}': expected a{' non-empty' if key == 'role' else ''} "
                     f"string, got {_type_name(value)} {value!r}",
                     location=location,
+                    field=field_name,
                 )
     return messages
 
 
-def _encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
+#: Text is cut to this many characters per token of ``max_tokens`` (plus the margin below) before
+#: it is tokenized, so that a huge record costs what its first tokens cost. No character count
+#: bounds a token for every tokenizer (a word-level tokenizer maps a word of any length to one
+#: unknown token, a normalizer may drop whole runs of characters), so the cut is checked rather
+#: than trusted: it stands when its tokens run at least the margin past ``max_tokens``, else the
+#: bound grows (x4) up to the whole text. A cut changes only the tokens of the word it splits
+#: (tokenizers split on whitespace and punctuation first, and BPE merges are local), which lie
+#: past ``max_tokens`` then: the tokens kept equal the whole text's first ``max_tokens``.
+#: English runs about 4 characters per BPE token, so 32 leaves a wide berth for the first try.
+_CUT_CHARS_PER_TOKEN = 32
+_CUT_MARGIN_TOKENS = 32
+
+
+def _encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool, max_tokens: int | None = None) -> list[int]:
+    """The token ids of ``text``; with ``max_tokens``, maybe only of a prefix of it, whose ids
+    start with the whole text's first ``max_tokens`` ids and run past them (see ``_CUT_CHARS_PER_TOKEN``)."""
+    bound = None if max_tokens is None else _CUT_CHARS_PER_TOKEN * (max_tokens + _CUT_MARGIN_TOKENS)
+    while bound is not None and bound < len(text):
+        ids = _tokenize(tokenizer, text[:bound], add_special_tokens)
+        if len(ids) >= max_tokens + _CUT_MARGIN_TOKENS:
+            return ids
+        bound *= 4
+    return _tokenize(tokenizer, text, add_special_tokens)
+
+
+def _tokenize(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     # verbose=False: long documents are expected here (they are truncated by max_tokens, not by
     # the tokenizer), so the "longer than model_max_length" warning would only be noise.
     encoded = tokenizer(text, add_special_tokens=add_special_tokens, verbose=False)
@@ -656,6 +906,7 @@ def _render_chat(
         raise InputError(
             f"field {field_name!r}: the chat template failed on this conversation: {type(exc).__name__}: {exc}",
             location=location,
+            field=field_name,
         ) from exc
     if not isinstance(rendered, str):
         raise ConfigError(
@@ -703,6 +954,7 @@ def _chat_tokens(
                 "its loss mask needs the template's rendering of the messages before it, so "
                 "start with a system or user message",
                 location=location,
+                field=field_name,
             )
         start = render(messages[:index], True)
         end = render(messages[: index + 1], False)
@@ -733,26 +985,23 @@ def _check_prefix(
             f"field {field_name!r}: {what} are not a prefix of the longer rendering (they differ from "
             f"token {at}), so the loss mask cannot be placed; {fix}",
             location=location,
+            field=field_name,
         )
 
 
 def _completion_tokens(
     tokenizer: Any, prompt: Any, completion: Any, spec: RecordSpec, location: str
 ) -> tuple[list[int], list[int], dict[str, Any]]:
-    """Token ids, completion-only labels and the hashed content of a prompt-completion record."""
+    """Token ids, completion-only labels and the hashed content of a checked prompt-completion record."""
     fields = (spec.prompt_field, spec.completion_field)
-    if isinstance(prompt, str) and isinstance(completion, str):
-        if not completion:
-            raise InputError(f"field {spec.completion_field!r}: empty completion", location=location)
-        start = _encode_text(tokenizer, prompt, add_special_tokens=True)
-        full = _encode_text(tokenizer, prompt + completion, add_special_tokens=True)
+    if isinstance(prompt, str):
+        start = _encode_text(tokenizer, prompt, add_special_tokens=True, max_tokens=spec.max_tokens)
+        full = _encode_text(tokenizer, prompt + completion, add_special_tokens=True, max_tokens=spec.max_tokens)
         fix = (
             "end the prompt where the tokenizer splits (e.g. with the space or newline before the "
             "completion) so that the prompt tokenizes the same alone and followed by its completion"
         )
-    elif isinstance(prompt, list) and isinstance(completion, list):
-        prompt = _check_messages(prompt, spec.prompt_field, location)
-        completion = _check_messages(completion, spec.completion_field, location)
+    else:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
                 f"{location}: fields {list(fields)} hold messages, but the tokenizer has no chat template; "
@@ -763,15 +1012,22 @@ def _completion_tokens(
             tokenizer, prompt + completion, add_generation_prompt=False, field_name=fields[1], location=location
         )
         fix = "use a template that renders the prompt's turns the same way whatever follows them"
-    else:
-        raise InputError(
-            f"fields {list(fields)}: expected two strings or two lists of messages, got "
-            f"{_type_name(prompt)} and {_type_name(completion)}",
-            location=location,
-        )
-    _check_prefix(start, full, spec.completion_field, location, "the tokens of the prompt alone", fix)
+    # Past max_tokens every position of the prompt is unlabelled anyway (and the ids of a cut text
+    # are exact up to there only, see _encode_text): the prefix is compared as far as it is kept.
+    compared = len(start) if spec.max_tokens is None else min(len(start), spec.max_tokens)
+    _check_prefix(start[:compared], full, spec.completion_field, location, "the tokens of the prompt alone", fix)
     labels = [IGNORE_INDEX] * len(start) + full[len(start) :]
-    return full, labels, {"prompt": prompt, "completion": completion}
+    return full, labels[: len(full)], {"prompt": prompt, "completion": completion}
+
+
+def _token_labels(
+    record: dict[str, Any], spec: RecordSpec, tokenizer: Any, location: str
+) -> tuple[list[int], list[int], dict[str, Any]]:
+    """Token ids, labels and the hashed content of a checked tokens record (ids within the vocabulary)."""
+    vocab_size = len(tokenizer) if tokenizer is not None else None
+    input_ids, labels = _check_token_ids(record, spec, location, vocab_size)
+    hashed = {"input_ids": input_ids, "labels": labels}
+    return input_ids, list(input_ids) if labels is None else labels, hashed
 
 
 def tokenize_record(
@@ -788,103 +1044,37 @@ def tokenize_record(
     :class:`eogp_index.data.readers.RawRecord`). tokenizer: a Hugging Face tokenizer (callable returning
     ``{"input_ids": list[int]}``, ``len()`` = vocabulary size, and ``apply_chat_template`` for
     chats); it may be None only for pre-tokenized records.
-    Checks that do not depend on other records only: id uniqueness and metadata types across
-    a run are :class:`RunState`'s job.
+    Checks that do not depend on other records only (:func:`check_record`, then the tokenizer's):
+    id uniqueness and metadata types across a run are :class:`RunState`'s job. A text longer
+    than ``spec.max_tokens`` is cut by characters before it is tokenized (see ``_encode_text``).
     Raises :class:`InputError` (message starts with the location, names the field) for a bad
     record, :class:`ConfigError` when the tokenizer cannot handle the record at all (no chat
     template, no tokenizer for text).
     """
     location = location_of(shard, position)
-    if not isinstance(record, dict):
-        raise InputError(f"a record must be an object, got {_type_name(record)}", location=location)
-    kinds = (spec.text_field, spec.messages_field, spec.input_ids_field, spec.completion_field)
-    present = [name for name in kinds if record.get(name) is not None]
-    if record.get(spec.prompt_field) is not None and not present:
-        raise InputError(
-            f"field {spec.prompt_field!r} without {spec.completion_field!r}: a prompt-completion record "
-            f"holds both (a preference record, with 'chosen' and 'rejected', is a query only)",
-            location=location,
-        )
-    if not present:
-        raise InputError(
-            f"missing content: the record has none of the fields {spec.text_field!r}, "
-            f"{spec.messages_field!r}, {spec.input_ids_field!r}, {spec.prompt_field!r} + "
-            f"{spec.completion_field!r} (present keys: {sorted(record)[:20]})",
-            location=location,
-        )
-    if len(present) > 1:
-        raise InputError(
-            f"more than one content field: {present}; a record holds exactly one of "
-            f"{spec.text_field!r}, {spec.messages_field!r}, {spec.input_ids_field!r}, "
-            f"{spec.prompt_field!r} + {spec.completion_field!r}",
-            location=location,
-        )
-    (content_field,) = present
-    if content_field != spec.input_ids_field and record.get(spec.labels_field) is not None:
-        raise InputError(
-            f"field {spec.labels_field!r} is only allowed with {spec.input_ids_field!r}; "
-            f"labels of {content_field!r} records are derived from the content",
-            location=location,
-        )
-    record_id = _record_id(record, spec, location)
-    metadata = _metadata(record, spec, location)
-    if tokenizer is None and content_field != spec.input_ids_field:
+    kind = check_record(record, spec, location)
+    content_field = record_field(spec, kind.fields[-1])  # the field the loss is taken on
+    if tokenizer is None and kind.name != "tokens":
         raise ConfigError(f"{location}: field {content_field!r} needs a tokenizer; none was given")
-
     value = record[content_field]
-    kind: str
-    if content_field == spec.text_field:
-        kind = "text"
-        if not isinstance(value, str):
-            raise InputError(
-                f"field {content_field!r}: expected a string, got {_type_name(value)}",
-                location=location,
-            )
-        if not value:
-            raise InputError(f"field {content_field!r}: empty document", location=location)
-        check_text(value, content_field, location)
-        input_ids = _encode_text(tokenizer, value, add_special_tokens=True)
-        labels = list(input_ids)
-        hashed: Any = {"text": value}
-    elif content_field == spec.completion_field:
-        kind = "completion"
-        if record.get(spec.prompt_field) is None:
-            raise InputError(
-                f"field {spec.completion_field!r} without {spec.prompt_field!r}: a completion needs its prompt "
-                f"(a whole document with no prompt is a {spec.text_field!r} record)",
-                location=location,
-            )
+    hashed: dict[str, Any]
+    if kind.name == "text":
+        input_ids = _encode_text(tokenizer, value, add_special_tokens=True, max_tokens=spec.max_tokens)
+        labels, hashed = list(input_ids), {"text": value}
+    elif kind.name == "completion":
         input_ids, labels, hashed = _completion_tokens(tokenizer, record[spec.prompt_field], value, spec, location)
-    elif content_field == spec.messages_field:
-        kind = "chat"
-        messages = _check_messages(value, content_field, location)
-        _check_strings(messages, content_field, location)
-        input_ids, labels = _chat_tokens(tokenizer, messages, content_field, location)
-        hashed = {"messages": messages}
+    elif kind.name == "chat":
+        input_ids, labels = _chat_tokens(tokenizer, value, content_field, location)
+        hashed = {"messages": value}
     else:
-        kind = "tokens"
-        vocab_size = len(tokenizer) if tokenizer is not None else None
-        input_ids = _check_token_list(value, content_field, location, vocab_size, allow_ignore=False)
-        raw_labels = record.get(spec.labels_field)
-        if raw_labels is None:
-            labels = list(input_ids)
-        else:
-            labels = _check_token_list(raw_labels, spec.labels_field, location, vocab_size, allow_ignore=True)
-            if len(labels) != len(input_ids):
-                raise InputError(
-                    f"field {spec.labels_field!r}: {len(labels)} labels for {len(input_ids)} "
-                    f"{spec.input_ids_field!r}; they must have the same length",
-                    location=location,
-                )
-        hashed = {"input_ids": input_ids, "labels": raw_labels}
-
+        input_ids, labels, hashed = _token_labels(record, spec, tokenizer, location)
     if not input_ids:
         raise InputError(
             f"field {content_field!r}: empty document (it tokenizes to no tokens)",
             location=location,
+            field=content_field,
         )
-    original_length = len(input_ids)
-    truncated = spec.max_tokens is not None and original_length > spec.max_tokens
+    truncated = spec.max_tokens is not None and len(input_ids) > spec.max_tokens
     if truncated:
         # Keep the first tokens; labels are cut at the same index so the mask stays aligned.
         input_ids = input_ids[: spec.max_tokens]
@@ -892,10 +1082,10 @@ def tokenize_record(
     num_loss_tokens = sum(1 for label in labels[1:] if label != IGNORE_INDEX)
     if num_loss_tokens == 0:
         if truncated:
-            why = f"after truncation to max_tokens={spec.max_tokens} (of {original_length})"
-        elif kind == "chat":
+            why = f"after truncation to max_tokens={spec.max_tokens}"
+        elif kind.name == "chat":
             why = "the conversation has no assistant turn with tokens"
-        elif kind == "completion":
+        elif kind.name == "completion":
             why = "the completion adds no tokens to the prompt's"
         elif len(input_ids) < 2:
             why = "a single token has nothing before it to be predicted from"
@@ -904,16 +1094,16 @@ def tokenize_record(
         raise InputError(
             f"field {content_field!r}: no loss tokens ({why}); the document cannot be attributed",
             location=location,
+            field=content_field,
         )
-    if record_id is None:
-        record_id = stable_id(shard, position, _canonical_json(hashed))
+    record_id = _record_id(record, spec, location)
     return Example(
-        id=record_id,
+        id=record_id if record_id is not None else stable_id(shard, position, _canonical_json(hashed)),
         shard=shard,
         position=position,
         input_ids=tuple(input_ids),
         labels=tuple(labels),
-        metadata=metadata,
+        metadata=_metadata(record, spec, location),
         num_tokens=len(input_ids),
         num_loss_tokens=num_loss_tokens,
         truncated=truncated,

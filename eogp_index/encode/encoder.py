@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from eogp_index.config import GradientConfig, IngestConfig
-from eogp_index.data.records import Example, RecordSpec, preference_pair, query_record, tokenize_record
+from eogp_index.data.records import Example, RecordSpec, check_record, location_of, query_record, tokenize_record
 from eogp_index.encode.measurements import Measured, measure, measured, tokenize_queries
 from eogp_index.errors import InputError
 from eogp_index.gradients.capture import GradientCapture, batches, project_examples, run_batches
@@ -191,7 +191,7 @@ class Encoder:
         out = []
         for i, query in enumerate(queries):
             record = query_record(query, i)
-            if preference_pair(record) is not None:
+            if check_record(record, self.query_spec, location_of("query", i), query=True).query_only:
                 raise InputError(
                     f"query {i}: a preference query ({{prompt, chosen, rejected}}) measures two "
                     "completions; it is answered by query, select and scores, not here"

@@ -123,7 +123,7 @@ def _signed(encoder, query: Any, position: int, limit: Optional[int]) -> Signed:
     except InputError as exc:
         missing = [name for name in PREFERENCE_FIELDS if record.get(name) is None]
         extra = sorted(set(record) - set(PREFERENCE_FIELDS) - {"id"})
-        raise _named(exc, (missing or extra or ["query"])[0]) from None
+        raise _named(exc, exc.field or (missing or extra or ["query"])[0]) from None
     if pair is None:
         return ((_example(encoder, record, position, limit), 1.0),)
     out = []

@@ -345,13 +345,15 @@ class StoredIndex:
             )
         wanted = ["id", "shard", "position", "content_sha256", "content_kind"]
         names = self.store.schema.names if self.store.schema is not None else []
-        optional = [name for name in ("text", "window") if name in names]
+        optional = [name for name in ("text", "window", "parent_id") if name in names]
         row = self.row(example_id, wanted + optional)
         if row is None:
             raise InputError(f"no stored example has id {example_id!r} in {self.path}")
-        if row.get("text") is not None:
+        recorded = self.sources.data["shards"].get(row["shard"], {}).get("record_spec", {})
+        # A window of a split document stores its own span, not the document: read it from the shard.
+        split = recorded.get("long_documents") == "windows" and row.get("parent_id") not in (None, row["id"])
+        if row.get("text") is not None and not split:
             # Tokenized as at ingest: the shard's recorded max_tokens when it has one, else the index's.
-            recorded = self.sources.data["shards"].get(row["shard"], {}).get("record_spec", {})
             spec = RecordSpec(
                 max_tokens=recorded.get("max_tokens", self.manifest.max_tokens),
                 long_documents=recorded.get("long_documents", "truncate"),

@@ -115,12 +115,63 @@ def test_byte_order_mark_is_ignored(tmp_path):
     assert [r.record for r in iter_raw_records(path)] == [{"text": "hi"}]
 
 
-def test_corrupt_gzip_raises_naming_the_shard(tmp_path, jsonl_writer):
-    data = gzip.compress(b"".join(f'{{"text": "line {i}"}}\n'.encode() for i in range(2000)))
-    path = tmp_path / "cut.jsonl.gz"
+def _cut_gzip(path, lines: int):
+    """A gzip JSON Lines shard of ``lines`` records, cut off halfway through its compressed bytes."""
+    data = gzip.compress(b"".join(f'{{"text": "line {i}"}}\n'.encode() for i in range(lines)))
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(InputError, match=r"^cut\.jsonl\.gz: cannot read past line"):
-        list(iter_raw_records(path))
+    return path
+
+
+def test_truncated_gzip_yields_the_readable_records_then_the_first_line_lost(tmp_path):
+    path = _cut_gzip(tmp_path / "cut.jsonl.gz", 2000)
+    records = list(iter_raw_records(path))
+    *good, lost = records
+    assert len(good) > 100 and [r.record for r in good] == [{"text": f"line {i}"} for i in range(len(good))]
+    assert isinstance(lost.record, ParseError) and lost.position == len(good)
+    assert lost.record.location == f"cut.jsonl.gz:{len(good) + 1}"
+    assert f"cannot read line {len(good) + 1} or any after it" in lost.record.reason
+    assert "truncated or corrupt" in lost.record.reason
+    with pytest.raises(InputError, match=rf"^cut\.jsonl\.gz:{len(good) + 1}: cannot read line"):
+        raise lost.record.to_error()
+
+
+def test_truncated_gzip_is_its_shards_error_and_the_other_shards_are_read(tmp_path, tokenizer, jsonl_writer):
+    cut = _cut_gzip(tmp_path / "a-cut.jsonl.gz", 2000)
+    good = jsonl_writer(tmp_path / "b-good.jsonl", ROWS)
+    out = list(iter_examples([cut, good], RecordSpec(), tokenizer, on_error="skip"))
+    rejected = [o for o in out if not isinstance(o, Example)]
+    assert len(rejected) == 1 and rejected[0].shard == "a-cut.jsonl.gz"
+    assert "or any after it" in rejected[0].reason
+    kept = [o for o in out if isinstance(o, Example)]
+    assert sum(e.shard == "a-cut.jsonl.gz" for e in kept) == rejected[0].position > 100
+    assert [e.content["text"] for e in kept if e.shard == "b-good.jsonl"] == [r["text"] for r in ROWS]
+    with pytest.raises(InputError, match=r"^a-cut\.jsonl\.gz:[0-9]+: cannot read line"):
+        list(iter_examples([cut, good], RecordSpec(), tokenizer))
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ('{"text": "a"', "Expecting ',' delimiter at column 13"),  # cut short: the line's end
+        ('{"text": "a", "n": tru}', "Expecting value at column 20"),
+        ('{"text": "abc', "Unterminated string starting at column 10 (the line ends at column 14"),
+        ('{"a": 1} x', "Extra data at column 10"),
+        ('  {"text": 1,}', "Expecting property name enclosed in double quotes at column 14"),
+    ],
+)
+def test_malformed_json_is_reported_at_its_column(tmp_path, line, expected):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n' + line.encode() + b"\r\n")
+    _, bad = iter_raw_records(path)
+    assert bad.record.location == "m.jsonl:2"
+    assert bad.record.reason.startswith(f"malformed JSON: {expected}"), bad.record.reason
+
+
+def test_invalid_utf8_is_reported_at_its_column(tmp_path):
+    path = tmp_path / "u.jsonl"
+    path.write_bytes('{"text": "héllo \xff"}\n'.encode("utf-8").replace(b"\xc3\xbf", b"\xff"))
+    (bad,) = iter_raw_records(path)
+    assert "not valid UTF-8 at column 17 (byte 18)" in bad.record.reason
 
 
 def test_corrupt_parquet_raises(tmp_path):

@@ -589,3 +589,72 @@ def test_generated_odd_text_in_every_record_field_rejects_exactly_the_invalid_re
             continue
         assert isinstance(item, Rejected), record
         assert f"field '{field_name}': character" in item.reason and "surrogate" in item.reason, item.reason
+
+
+# --- a huge record is cut before it is tokenized ------------------------------------------
+
+
+class _Recording:
+    """A tokenizer that records the length of every string it is given (and is otherwise it)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.lengths = tokenizer, []
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+
+    def __call__(self, text, **kwargs):
+        self.lengths.append(len(text))
+        return self.tokenizer(text, **kwargs)
+
+    def __len__(self):
+        return len(self.tokenizer)
+
+
+@pytest.mark.parametrize("which", ["bpe", "word"])
+@pytest.mark.parametrize(
+    ("record", "bounded"),
+    [
+        ({"text": "the quick brown fox jumps over the lazy dog. " * 40_000}, True),
+        ({"text": "t1 t2 " * 150_000}, True),
+        # Few tokens for many characters (a word tokenizer drops whitespace): the cut grows, to the whole.
+        ({"text": "t1" + " " * 300_000 + " t2 t3" * 40}, False),
+        ({"prompt": "t1 t2 t1 t2", "completion": " t3 t4 t5" * 100_000}, True),
+    ],
+    ids=["prose", "words", "spaces", "completion"],
+)
+def test_a_huge_record_is_cut_before_tokenizing_to_the_tokens_of_its_truncation(tokenizer, which, record, bounded):
+    from tinymodels import make_word_tokenizer
+
+    tok = tokenizer if which == "bpe" else make_word_tokenizer()
+    spec = RecordSpec(max_tokens=24)
+    whole = _tok(record, tok, RecordSpec())  # tokenized whole, then cut to 24 below
+    recording = _Recording(tok)
+    cut = _tok(record, recording, spec)
+    assert cut.input_ids == whole.input_ids[:24] and cut.labels == whole.labels[:24] and cut.truncated
+    assert cut.num_loss_tokens == sum(1 for t in whole.labels[1:24] if t != IGNORE_INDEX)
+    assert cut.content == whole.content and cut.id == whole.id  # the id and hash are of the whole record
+    size = sum(len(v) for v in record.values())
+    if bounded:
+        assert max(recording.lengths) < size // 10, recording.lengths
+
+
+def test_a_lone_surrogate_in_any_text_field_of_any_kind_is_the_records_error_naming_it(tokenizer):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from badtext import bad_records
+
+    from eogp_index.data.records import check_record, preference_pair
+
+    for case, record, field in bad_records():
+        query_only = "chosen" in record
+        if not query_only:
+            with pytest.raises(InputError, match=rf"^s\.jsonl:1: field '{re.escape(field)}.*surrogate") as info:
+                _tok(record, tokenizer)  # the tokenizer has a chat template: chats reach no template
+            assert info.value.field == field, case
+        with pytest.raises(InputError, match=r"surrogate") as info:
+            if query_only:
+                preference_pair(record)
+            else:
+                check_record(record, RecordSpec(), None, query=True)
+        assert info.value.field == field, case

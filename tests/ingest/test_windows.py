@@ -165,3 +165,57 @@ def test_split_windows_counts_each_label_once_and_drops_windows_with_none():
     assert [w.metadata["window"] for w in windows] == [2, 3, 4]  # windows 0 and 1 count nothing
     assert all(w.metadata["parent_id"] == "d" and w.num_tokens <= 5 for w in windows)
     assert split_windows(doc, 20)[0].id == "d" and np.isscalar(split_windows(doc, 20)[0].metadata["window"])
+
+
+def test_each_window_stores_and_explains_its_own_span_of_the_document(index_dir, tmp_path, tokenizer):
+    from eogp_index.cli import cli
+
+    text = "".join(f"part {j}: the quick brown fox jumps over the lazy dog. " for j in range(8))
+    shard = tmp_path / "docs.jsonl"
+    shard.write_text(json.dumps({"id": "long", "text": text}) + "\n")
+    args = ["ingest", str(index_dir), str(shard), "--id-field", "id", "--long-documents", "windows"]
+    result = CliRunner().invoke(cli, [*args, "--store-text", "--batch-size", "2", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+
+    (whole,) = iter_examples([shard], RecordSpec(id_field="id"), tokenizer)  # untruncated
+    rows = sorted(Store(index_dir, "examples").read(["id", "window", "text"]).to_pylist(), key=lambda r: r["window"])
+    assert len(rows) > 3
+    spans = [row["text"] for row in rows]
+    assert len(set(spans)) == len(spans) and spans[0].startswith("part 0:") and not spans[1].startswith("part 0:")
+    offset = 0
+    for row in rows:
+        start = row["window"] * (WINDOW - 1)
+        ids = whole.input_ids[start : start + WINDOW]
+        # The span is exactly the characters the window's tokens cover, in order through the document.
+        assert row["text"] == tokenizer.decode(ids, skip_special_tokens=True)
+        found = text.index(row["text"].lstrip(), offset)
+        assert found >= offset and text[found:].startswith(row["text"].lstrip())
+        offset = found
+    index = AttributionIndex.open(index_dir, gradients=GradientConfig(batch_size=BATCH, device="cpu"))
+    explained = index.explain_many({"text": "the quick brown fox"}, ["long#2"])[0]
+    assert explained.text == rows[2]["text"] and len(explained.train_tokens) == WINDOW
+
+
+def test_window_spans_by_offsets_equal_the_decoded_windows_of_a_slow_tokenizer(tokenizer):
+    from eogp_index.data.records import tokenize_windows
+
+    class Slow:  # the same tokenizer, seen as one without offsets
+        is_fast = False
+
+        def __call__(self, text, **kwargs):
+            return tokenizer(text, **kwargs)
+
+        def __len__(self):
+            return len(tokenizer)
+
+        def decode(self, ids, **kwargs):
+            return tokenizer.decode(ids, **kwargs)
+
+    record = {"text": "".join(f"line {j}: the lazy dog sleeps. " for j in range(6))}
+    spec = RecordSpec(long_documents="windows", max_tokens=WINDOW)
+    fast = tokenize_windows(record, shard="s.jsonl", position=0, spec=spec, tokenizer=tokenizer)
+    slow = tokenize_windows(record, shard="s.jsonl", position=0, spec=spec, tokenizer=Slow())
+    assert len(fast) > 2 and [w.input_ids for w in fast] == [w.input_ids for w in slow]
+    assert [w.display_text for w in fast] == [w.display_text for w in slow]
+    assert len({w.display_text for w in fast}) == len(fast) and fast[0].display_text.startswith("line 0:")
+    assert all(w.content == {"text": record["text"]} for w in fast)  # the hash is the document's
