@@ -707,7 +707,9 @@ _OUT_FILE = click.Path(dir_okay=False, path_type=Path)
 @click.argument("index_dir", type=INDEX_DIR)
 @_target_options
 @_target_question_options
-@option_group(*(field_option(SelectOptions, name) for name in ("top", "score", "direction", "ids_only")), into="options")
+@option_group(
+    *(field_option(SelectOptions, name) for name in ("top", "score", "direction", "ids_only")), into="options"
+)
 @click.option(
     "--out",
     "out",

@@ -160,9 +160,7 @@ class Question:
             raise ConfigError(f"route must be one of {list(ROUTES)}, got {self.route!r}", field="route")
         if self.candidates is not None:
             if not _is_count(self.candidates):
-                raise ConfigError(
-                    f"candidates must be a positive integer, got {self.candidates!r}", field="candidates"
-                )
+                raise ConfigError(f"candidates must be a positive integer, got {self.candidates!r}", field="candidates")
             if self.route == "auto":
                 object.__setattr__(self, "route", "candidates")
             elif self.route != "candidates":

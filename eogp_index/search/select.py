@@ -218,8 +218,9 @@ class _Writer:
         self.handle.write(raw + b"\n")
 
     def records(self, rows: List[Dict[str, Any]]) -> None:
-        if self.kind == "parquet":
-            self.table(pa.Table.from_pylist(rows))
+        if self.kind == "parquet":  # every field of every record a column (records of two kinds differ)
+            names = list(dict.fromkeys(name for row in rows for name in row))
+            self.table(pa.table({name: [row.get(name) for row in rows] for name in names}))
         else:
             for row in rows:
                 self.line(json.dumps(row, ensure_ascii=False, default=str).encode("utf-8"))
@@ -233,8 +234,14 @@ class _Writer:
         if self.parquet is None:
             self.parquet = pq.ParquetWriter(self.handle, table.schema)
         elif table.schema != self.parquet.schema_arrow:
+            schema = self.parquet.schema_arrow
+            for name in schema.names:  # a field these records lack is null in them
+                if name not in table.column_names:
+                    table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
             try:
-                table = table.select(self.parquet.schema_arrow.names).cast(self.parquet.schema_arrow)
+                if set(table.column_names) - set(schema.names):
+                    raise KeyError(sorted(set(table.column_names) - set(schema.names)))
+                table = table.select(schema.names).cast(schema)
             except (KeyError, ValueError, pa.ArrowInvalid) as exc:
                 raise InputError(
                     f"the selected records' columns differ between shards ({table.schema.names} vs "
