@@ -211,6 +211,7 @@ class _Writer:
         self.kind = kind
         self.handle = gzip.GzipFile(fileobj=handle, mode="wb", mtime=0) if kind == "jsonl.gz" else handle
         self.parquet = None
+        self.schema: Optional[pa.Schema] = None
 
     def line(self, raw: bytes) -> None:
         if self.kind == "parquet":  # raw bytes in a Parquet file would be read as no rows at all
@@ -233,8 +234,9 @@ class _Writer:
 
         if self.parquet is None:
             self.parquet = pq.ParquetWriter(self.handle, table.schema)
-        elif table.schema != self.parquet.schema_arrow:
-            schema = self.parquet.schema_arrow
+            self.schema = table.schema
+        elif table.schema != self.schema:
+            schema = self.schema
             for name in schema.names:  # a field these records lack is null in them
                 if name not in table.column_names:
                     table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
@@ -245,7 +247,7 @@ class _Writer:
             except (KeyError, ValueError, pa.ArrowInvalid) as exc:
                 raise InputError(
                     f"the selected records' columns differ between shards ({table.schema.names} vs "
-                    f"{self.parquet.schema_arrow.names}); write .jsonl instead of .parquet"
+                    f"{schema.names}); write .jsonl instead of .parquet"
                 ) from exc
         self.parquet.write_table(table)
 
