@@ -570,7 +570,8 @@ def query(
     "--queries",
     "queries_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSONL file of queries ({text} / {messages} / {input_ids}); the first one is explained.",
+    help="JSONL file of queries ({text} / {messages} / {input_ids} / {prompt, completion}); the first one is "
+    "explained.",
 )
 @click.option("--id", "ids", multiple=True, help="Stored example id to explain (repeatable: one batched pass).")
 @click.option(
