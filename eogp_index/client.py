@@ -622,14 +622,14 @@ class AttributionIndex:
             write_selection(self.stored, selection, Path(out))
         return selection
 
-    def explain(self, query: Query, example_id: str) -> Explanation:
-        """Why ``example_id`` ranks for ``query``: its score by module, its tokens' and the query's
-        tokens' contributions (:mod:`eogp_index.search.explain`)."""
-        return explain_documents(self, query, [example_id])[0]
+    def explain(self, query: Union[Query, Question], example_id: str) -> Explanation:
+        """Why ``example_id`` ranks for ``query`` (or a :class:`Question`'s one query): its score by
+        module, its tokens' and the query's tokens' contributions (:mod:`eogp_index.search.explain`)."""
+        return explain_documents(self, _one_query(query), [example_id])[0]
 
-    def explain_many(self, query: Query, example_ids: Sequence[str]) -> List[Explanation]:
+    def explain_many(self, query: Union[Query, Question], example_ids: Sequence[str]) -> List[Explanation]:
         """:meth:`explain` for several documents (e.g. a query's top 10) in one batched pass."""
-        return explain_documents(self, query, list(example_ids))
+        return explain_documents(self, _one_query(query), list(example_ids))
 
     def hot_codes(self):
         """The in-memory copy of the stored codes, refreshed when the table has changed."""
@@ -653,6 +653,15 @@ class AttributionIndex:
         other means, or to drop old versions sooner.
         """
         return optimize(self.stored, retention=retention, rebuild_hot=rebuild_hot, target_rows=target_rows)
+
+
+def _one_query(query: Union[Query, Question]) -> Query:
+    """The query a :class:`Question` of one query asks (an explanation is of one query); else ``query``."""
+    if not isinstance(query, Question):
+        return query
+    if len(query.queries) != 1:
+        raise ConfigError(f"an explanation is of one query; this question holds {len(query.queries)}", field="queries")
+    return query.queries[0]
 
 
 def _sized(stored: StoredIndex, model: nn.Module, gradients: GradientConfig) -> tuple[GradientConfig, Dict[str, Any]]:

@@ -32,16 +32,18 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, Literal, Optional, Sequence, Tuple
-
-import numpy as np
 
 from eogp_index.config import AGGREGATES, Aggregate, Normalize, check_normalize
 from eogp_index.data.records import check_text, query_record
 from eogp_index.errors import ConfigError, InputError
-from eogp_index.search.ranking import DIRECTIONS, Direction
-from eogp_index.search.rollup import check_group_column
+
+# Light on purpose: `eogp --help` builds its options from this class, without numpy or pyarrow,
+# so the sides are spelled here as search/ranking.py spells them.
+Direction = Literal["positive", "negative", "both"]
+DIRECTIONS = ("positive", "negative", "both")
 
 __all__ = ["Question", "Route", "ROUTES", "check_question", "question_field"]
 
@@ -149,7 +151,7 @@ class Question:
             check_normalize(self.normalize)
         except ConfigError as exc:
             raise ConfigError(str(exc), field="normalize") from None
-        if not isinstance(self.by_module, (bool, np.bool_)):
+        if not isinstance(self.by_module, bool):
             raise ConfigError(f"by_module must be true or false, got {self.by_module!r}", field="by_module")
         if not isinstance(self.first_pass, str) or not self.first_pass:
             raise ConfigError(f"first_pass must name a first pass, got {self.first_pass!r}", field="first_pass")
@@ -196,7 +198,8 @@ class Question:
 
 
 def _is_count(value: Any) -> bool:
-    return not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, np.integer)) and value >= 1
+    # numpy's integers are Integral; bool is too, and is refused (True is not a count).
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1
 
 
 def _blank_is_none(value: Any, name: str, what: str) -> Optional[str]:
@@ -263,6 +266,7 @@ def check_question(question: Question, stored) -> None:
             a subquery, a comparison naming no column), ``group_by`` is no stored column, or a
             query holds text that is not Unicode (``field``: ``where``, ``group_by``, ``queries[i]``).
     """
+    from eogp_index.search.rollup import check_group_column
     from eogp_index.store.filters import check_filter
 
     for i, record in enumerate(question.queries):
