@@ -62,10 +62,10 @@ def main() -> None:
         f"{index.manifest.bytes_per_example} code bytes per row; top {args.top}; 2 threads, best of 3"
     )
     for query in queries:
-        hits = index.top_influential(query, k=args.top).column("id").to_pylist()
+        hits = index.top_influential(query, k=args.top, direction="positive").column("id").to_pylist()
         docs = [index.stored.document(i, index.tokenizer) for i in hits]
         tokens = sum(len(d.input_ids) for d in docs)
-        t_query = best_of(lambda: index.top_influential(query, k=args.top))
+        t_query = best_of(lambda: index.top_influential(query, k=args.top, direction="positive"))
         t_explain = best_of(lambda: index.explain_many(query, hits))
         t_bare = best_of(
             lambda: project_examples(bare, docs, batch_size=len(docs), pad_token_id=pad, device=index.device)

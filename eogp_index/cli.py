@@ -20,7 +20,6 @@ from eogp_index.cliutil import emit as _emit
 from eogp_index.cliutil import fail_cleanly as _fail_cleanly
 from eogp_index.config import (
     MAX_BLOCK_DOCUMENTS,
-    AnswerConfig,
     CurvatureConfig,
     GradientConfig,
     IngestConfig,
@@ -31,6 +30,7 @@ from eogp_index.config import (
 from eogp_index.data.records import RecordSpec
 from eogp_index.errors import EOGPError
 from eogp_index.evaluation.cli import eval_group
+from eogp_index.search.question import Question
 from eogp_index.serve.config import ServeConfig
 from eogp_index.store.sources import DEFAULT_TEXT_BYTES
 
@@ -72,6 +72,20 @@ _dtype_option = field_option(GradientConfig, "dtype")
 _budget_options = (
     field_option(GradientConfig, "memory_budget_gb", "--memory-budget"),
     field_option(GradientConfig, "batch_tokens"),
+)
+#: The options of a question (``query``): one per field of :class:`Question`, with its help and default.
+_question_options = option_group(
+    field_option(Question, "k", "-k", "--k"),
+    *(
+        field_option(Question, name)
+        for name in ("where", "direction", "candidates", "route", "first_pass", "by_module", "aggregate", "normalize")
+    ),
+    field_option(Question, "group_by", metavar="COLUMN"),
+    into="question",
+)
+#: The options of a target set's question (``select``, ``scores``): its filter and normalization.
+_target_question_options = option_group(
+    *(field_option(Question, name) for name in ("where", "normalize")), into="question"
 )
 _model_option = click.option(
     "--model",
@@ -465,27 +479,8 @@ def _sizing_line(sizing) -> str:
 @click.option(
     "--limit-queries", type=click.IntRange(min=1), default=None, help="Use only the first N queries of --queries."
 )
-@click.option(
-    "-k", "k", type=click.IntRange(min=1), default=10, show_default=True, help="How many examples per direction."
-)
-@click.option("--where", default=None, help="SQL filter on stored columns, e.g. \"kind = 'function'\".")
-@click.option("--direction", type=click.Choice(["positive", "negative", "both"]), default="both", show_default=True)
-@click.option(
-    "--candidates",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Score only this many first-pass candidates per direction (needs `eogp build-candidates`).",
-)
-@click.option("--stream", is_flag=True, help="Scan the table in batches instead of an in-memory copy.")
-@click.option(
-    "--by-module", is_flag=True, help="Split each hit's score into its per-module terms (they sum to the score)."
-)
-@option_group(
-    field_option(AnswerConfig, "aggregate"),
-    field_option(AnswerConfig, "normalize"),
-    field_option(AnswerConfig, "group_by", metavar="COLUMN"),
-    into="answer",
-)
+@_question_options
+@click.option("--stream", is_flag=True, help="Shorthand for --route stream.")
 @_model_option
 @field_option(GradientConfig, "device")
 @_dtype_option
@@ -498,13 +493,8 @@ def query(
     texts,
     queries_file,
     limit_queries,
-    k,
-    where,
-    direction,
-    candidates,
+    question,
     stream,
-    by_module,
-    answer,
     model_name,
     device,
     dtype,
@@ -530,8 +520,13 @@ def query(
     labels, queries = _queries(texts, queries_file, limit_queries)
     errors: List[str] = []
     sharded = under_torchrun(distributed)
-    if sharded and (candidates is not None or stream):
-        raise click.UsageError("--candidates and --stream choose single-process routes; drop them under torchrun")
+    if stream:
+        question["route"] = "stream" if question["route"] == "auto" else question["route"]
+    if sharded and (question["candidates"] is not None or question["route"] not in ("auto", "sharded")):
+        raise click.UsageError("--candidates and --route choose single-process routes; drop them under torchrun")
+    if sharded:
+        question["route"] = "sharded"
+    asked = Question(**question)  # checked before the model loads
     with process_group():
         gradients = GradientConfig(
             device=worker_device(device) if sharded else device, dtype=dtype, projection_memory_gb=projection_memory_gb
@@ -543,26 +538,22 @@ def query(
                 f"Store documents first: eogp ingest {index_dir} SHARDS...",
                 err=True,
             )
+        asked.check(index.stored)  # a bad filter or column fails the command, before any query is projected
         queries, coordinates = _answerable(index, labels, queries, errors)
         tables = []
         if queries:
-            search = index.search(queries, many=True).limit(k).where(where).direction(direction).by_module(by_module)
-            search = search.aggregate(answer["aggregate"]).normalize(answer["normalize"]).group_by(answer["group_by"])
-            if candidates is not None:
-                search = search.candidates(candidates)
-            elif stream or sharded:
-                search = search.route("sharded" if sharded else "stream")
-            tables = search.to_list(coordinates=coordinates)  # measured in one gradient pass
+            # measured in one gradient pass for all the queries
+            tables = index.search(asked.replace(queries=tuple(queries))).to_list(coordinates=coordinates)
     if torchrun_rank() == 0:
-        asked = [{"aggregate": answer["aggregate"], "queries": queries}] if answer["aggregate"] and queries else queries
-        if answer["group_by"]:
+        shown = [{"aggregate": asked.aggregate, "queries": queries}] if asked.aggregate and queries else queries
+        if asked.group_by:
             _emit(
-                [{"query": q, "group_by": answer["group_by"], "groups": t.to_pylist()} for q, t in zip(asked, tables)],
+                [{"query": q, "group_by": asked.group_by, "groups": t.to_pylist()} for q, t in zip(shown, tables)],
                 as_json,
                 _print_groups,
             )
         else:
-            _emit([{"query": q, "results": t.to_pylist()} for q, t in zip(asked, tables)], as_json, _print_results)
+            _emit([{"query": q, "results": t.to_pylist()} for q, t in zip(shown, tables)], as_json, _print_results)
         if errors:
             raise click.ClickException(
                 f"{len(errors)} of {len(errors) + len(queries)} queries were not answered:\n" + "\n".join(errors)
@@ -579,7 +570,8 @@ def query(
     "--queries",
     "queries_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSONL file of queries ({text} / {messages} / {input_ids}); the first one is explained.",
+    help="JSONL file of queries ({text} / {messages} / {input_ids} / {prompt, completion}); the first one is "
+    "explained.",
 )
 @click.option("--id", "ids", multiple=True, help="Stored example id to explain (repeatable: one batched pass).")
 @click.option(
@@ -622,8 +614,9 @@ def explain(index_dir, texts, queries_file, ids, top, color, model_name, device,
         model_name=model_name,
         gradients=GradientConfig(device=device, dtype=dtype, projection_memory_gb=projection_memory_gb),
     )
-    if top is not None:
-        ids = tuple(index.top_influential(queries[0], k=top).column("id").to_pylist())
+    if top is not None:  # the query's most positive hits
+        asked = Question(queries=(queries[0],), k=top, direction="positive")
+        ids = tuple(index.top_influential(asked).column("id").to_pylist())
     explanations = index.explain_many(queries[0], list(ids))
     use_color = sys.stdout.isatty() if color is None else color
     _emit(
@@ -709,9 +702,9 @@ _OUT_FILE = click.Path(dir_okay=False, path_type=Path)
 @cli.command()
 @click.argument("index_dir", type=INDEX_DIR)
 @_target_options
+@_target_question_options
 @option_group(
-    *(field_option(SelectOptions, name) for name in ("top", "score", "direction", "where", "ids_only", "normalize")),
-    into="options",
+    *(field_option(SelectOptions, name) for name in ("top", "score", "direction", "ids_only")), into="options"
 )
 @click.option(
     "--out",
@@ -722,7 +715,7 @@ _OUT_FILE = click.Path(dir_okay=False, path_type=Path)
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_fail_cleanly
-def select(index_dir, texts, queries_file, model_name, device, projection_memory_gb, options, out, as_json):
+def select(index_dir, texts, queries_file, model_name, device, projection_memory_gb, question, options, out, as_json):
     """Write the documents most influential for a target set, with their scores.
 
     Every stored row (matching --where) is scored against the target queries
@@ -743,8 +736,10 @@ def select(index_dir, texts, queries_file, model_name, device, projection_memory
     from eogp_index.search.select import output_kind, select_documents, write_selection
 
     output_kind(out)  # a bad name fails before the model loads
+    asked = Question(queries=tuple(_target_set(texts, queries_file)), **question)
+    options = SelectOptions(**options)
     index = _open_for_queries(index_dir, model_name, device, projection_memory_gb)
-    selection = select_documents(index, _target_set(texts, queries_file), SelectOptions(**options))
+    selection = select_documents(index.encoder, asked, options)
     written = write_selection(index.stored, selection, out)
     scores = selection.scores.tolist()
     summary = {
@@ -766,7 +761,7 @@ def select(index_dir, texts, queries_file, model_name, device, projection_memory
 @cli.command()
 @click.argument("index_dir", type=INDEX_DIR)
 @_target_options
-@click.option("--where", default=None, help="SQL filter on stored columns.")
+@_target_question_options
 @click.option(
     "--out",
     "out",
@@ -776,7 +771,7 @@ def select(index_dir, texts, queries_file, model_name, device, projection_memory
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_fail_cleanly
-def scores(index_dir, texts, queries_file, model_name, device, projection_memory_gb, where, out, as_json):
+def scores(index_dir, texts, queries_file, model_name, device, projection_memory_gb, question, out, as_json):
     """Export every document's score for every query to Parquet.
 
     One row per (document, query): id, query (the query's 0-based position),
@@ -791,8 +786,9 @@ def scores(index_dir, texts, queries_file, model_name, device, projection_memory
     from eogp_index.search.select import output_kind, write_scores
 
     output_kind(out)
+    asked = Question(queries=tuple(_target_set(texts, queries_file)), **question)
     index = _open_for_queries(index_dir, model_name, device, projection_memory_gb)
-    written = write_scores(index, _target_set(texts, queries_file), out, where=where)
+    written = write_scores(index.encoder, asked, out)
     _emit({"out": str(out), "rows": written}, as_json, lambda s: click.echo(f"wrote {s['rows']} scores to {s['out']}"))
 
 

@@ -51,8 +51,10 @@ from eogp_index.gradients.model import (
     torch_dtype,
 )
 from eogp_index.search.explain import Explanation, explain_documents
-from eogp_index.search.query import InfluenceQuery, Query, QueryOptions
+from eogp_index.search.query import InfluenceQuery, Query
+from eogp_index.search.question import Question, check_question
 from eogp_index.search.searchers import HotSearcher, TorchSearcher, warm_kernels
+from eogp_index.search.select import Selection, SelectOptions, select_documents, write_selection
 from eogp_index.store.block_cache import BlockCache
 from eogp_index.store.maintenance import (
     DEFAULT_RETENTION,
@@ -378,28 +380,33 @@ class AttributionIndex:
         return self.encoder.encode_rows(examples, store_text=store_text)
 
     # -- queries ----------------------------------------------------------------------------------
-    def search(self, query: Union[Query, List[Query]], *, many: bool = False) -> InfluenceQuery:
+    def search(self, query: Union[Query, List[Query], Question], *, many: bool = False) -> InfluenceQuery:
         """A query builder: ``index.search(q).where(...).limit(k).direction("both").to_arrow()``.
 
-        ``many=True`` takes a list of queries and answers each (``.to_list()``).
+        ``many=True`` takes a list of queries and answers each (``.to_list()``); a
+        :class:`~eogp_index.search.question.Question` is answered as it is.
         """
+        if isinstance(query, Question):
+            return InfluenceQuery(self.encoder, question=query)
         return InfluenceQuery(self.encoder, query, many=many)
 
     def top_influential(
         self,
-        query: Query,
-        k: int = 20,
+        query: Union[Query, Question],
+        k: int = Question.k,
         *,
         where: Optional[str] = None,
-        direction: Literal["positive", "negative", "both"] = "positive",
+        direction: Literal["positive", "negative", "both"] = Question.direction,
         candidates: Optional[int] = None,
         stream: bool = False,
         by_module: bool = False,
         route: Literal["auto", "hot", "stream", "sharded", "candidates"] = "auto",
     ) -> pa.Table:
-        """The ``k`` stored examples that most help (``positive``) or hurt (``negative``) the query.
+        """The ``k`` stored examples that most help (``positive``) or hurt (``negative``) the query,
+        or both sides (``both``, the default); the defaults are :class:`Question`'s.
 
         Args:
+            query: one query, or a :class:`Question` (then the other arguments must be left out).
             where: SQL filter on the stored columns (LanceDB's); only matching rows are scored.
             candidates: score this many first-pass candidates per direction (``eogp build-candidates``)
                 instead of scanning every row.
@@ -412,38 +419,67 @@ class AttributionIndex:
             A ``pyarrow.Table`` with ``rank``, ``id``, ``score``, and the stored metadata columns
             (plus ``direction`` when ``direction="both"``), best first; empty before any ingest.
         """
-        if candidates is not None:
-            route = "candidates"
-        elif stream:
+        if isinstance(query, Question):
+            return InfluenceQuery(self.encoder, question=query).to_arrow()
+        if stream:
             route = "stream"
-        options = QueryOptions(
-            k=k, where=where, direction=direction, route=route, candidates=candidates, by_module=by_module
+        question = Question(
+            queries=(query,),
+            k=k,
+            where=where,
+            direction=direction,
+            route=route,
+            candidates=candidates,
+            by_module=by_module,
         )
-        return InfluenceQuery(self.encoder, query, options=options).to_arrow()
+        return InfluenceQuery(self.encoder, question=question).to_arrow()
 
-    def scores(self, queries: Sequence[Query], *, where: Optional[str] = None) -> tuple[List[str], np.ndarray]:
+    def scores(
+        self, queries: Union[Sequence[Query], Question], *, where: Optional[str] = None
+    ) -> tuple[List[str], np.ndarray]:
         """Exact scores of every stored row (matching ``where``): ids and ``(n_queries, n_rows)`` float32.
 
         Positive = training on the example lowers the query's loss (kronfluence's convention);
         for a preference query ``{"prompt", "chosen", "rejected"}``, raises the margin
         ``log p(chosen | prompt) - log p(rejected | prompt)`` (:meth:`query_coordinates`).
+        A :class:`Question` gives the queries, its ``where`` and its ``normalize``.
         """
-        y = self.query_coordinates(queries)
+        question = queries if isinstance(queries, Question) else Question(queries=tuple(queries), where=where)
+        check_question(question, self.stored)
+        y = self.query_coordinates(list(question.queries))
+        normalize = question.normalize
         searcher = (
-            TorchSearcher(self.stored, self.device) if self.device.startswith("cuda") else HotSearcher(self.stored)
+            TorchSearcher(self.stored, self.device, normalize=normalize)
+            if self.device.startswith("cuda")
+            else HotSearcher(self.stored, normalize=normalize)
         )
-        rowaddr, scores = searcher.scores(y, where)
+        rowaddr, scores = searcher.scores(y, question.where)
         ids = self.stored.rows(rowaddr, ["id"]).column("id").to_pylist() if rowaddr.size else []
         return ids, scores
 
-    def explain(self, query: Query, example_id: str) -> Explanation:
-        """Why ``example_id`` ranks for ``query``: its score by module, its tokens' and the query's
-        tokens' contributions (:mod:`eogp_index.search.explain`)."""
-        return explain_documents(self.encoder, query, [example_id])[0]
+    def select(
+        self,
+        question: Union[Sequence[Query], Question],
+        options: SelectOptions = SelectOptions(),
+        *,
+        out: Union[str, Path, None] = None,
+    ) -> Selection:
+        """The documents most influential for a target set (``eogp select``): the question's
+        queries, ``where`` and ``normalize``, ``options``' share and rule; written to ``out``
+        (.jsonl, .jsonl.gz or .parquet: the records with their scores) when given."""
+        selection = select_documents(self.encoder, question, options)
+        if out is not None:
+            write_selection(self.stored, selection, Path(out))
+        return selection
 
-    def explain_many(self, query: Query, example_ids: Sequence[str]) -> List[Explanation]:
+    def explain(self, query: Union[Query, Question], example_id: str) -> Explanation:
+        """Why ``example_id`` ranks for ``query`` (or a :class:`Question`'s one query): its score by
+        module, its tokens' and the query's tokens' contributions (:mod:`eogp_index.search.explain`)."""
+        return explain_documents(self.encoder, _one_query(query), [example_id])[0]
+
+    def explain_many(self, query: Union[Query, Question], example_ids: Sequence[str]) -> List[Explanation]:
         """:meth:`explain` for several documents (e.g. a query's top 10) in one batched pass."""
-        return explain_documents(self.encoder, query, list(example_ids))
+        return explain_documents(self.encoder, _one_query(query), list(example_ids))
 
     def hot_codes(self):
         """The in-memory copy of the stored codes, refreshed when the table has changed."""
@@ -467,6 +503,15 @@ class AttributionIndex:
         other means, or to drop old versions sooner.
         """
         return optimize(self.stored, retention=retention, rebuild_hot=rebuild_hot, target_rows=target_rows)
+
+
+def _one_query(query: Union[Query, Question]) -> Query:
+    """The query a :class:`Question` of one query asks (an explanation is of one query); else ``query``."""
+    if not isinstance(query, Question):
+        return query
+    if len(query.queries) != 1:
+        raise ConfigError(f"an explanation is of one query; this question holds {len(query.queries)}", field="queries")
+    return query.queries[0]
 
 
 #: The encoder's parts, attributes of the index itself too: ``index.model`` is ``index.encoder.model``

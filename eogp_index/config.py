@@ -528,16 +528,15 @@ _TOP = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%?)\s*$")
 
 @dataclass(frozen=True)
 class SelectOptions:
-    """What to select.
+    """How a selection is made from a target set's scores; the queries, ``where`` and ``normalize``
+    are the :class:`~eogp_index.search.question.Question`'s.
 
     top: ``"N"`` documents, or ``"P%"`` of the rows matching ``where`` (rounded down, as LESS
-        does; at least one when any row matches).
+        does; at least one when any row matches); an int N is taken as ``"N"``.
     score: ``mean`` or ``max`` over the target queries. direction: ``positive`` keeps the
-        documents whose training most lowers the targets' loss, ``negative`` the most harmful.
-    where: SQL filter on the stored columns; only matching rows are candidates.
+        documents whose training most lowers the targets' loss, ``negative`` the most harmful
+        (a selection keeps one side, so ``both`` is not one of them).
     ids_only: write only ``id`` and ``score``, without reading the records back.
-    normalize: ``unit`` scores each stored code divided by its exact norm (cosine to the
-        targets, as LESS selects); ``none`` is the paper's influence.
     """
 
     top: str = field(default="10%", metadata={"help": "How many documents: a count N or a share P% of the rows."})
@@ -547,23 +546,19 @@ class SelectOptions:
     direction: Literal["positive", "negative"] = field(
         default="positive", metadata={"help": "Keep the most helpful (positive) or most harmful (negative)."}
     )
-    where: Optional[str] = field(default=None, metadata={"help": "SQL filter on stored columns."})
     ids_only: bool = field(default=False, metadata={"help": "Write only id and score, not the records."})
-    normalize: Normalize = field(
-        default="none",
-        metadata={
-            "help": "unit: score each document by its code divided by its norm (cosine to the targets); "
-            "none: the paper's influence."
-        },
-    )
 
     def __post_init__(self) -> None:
+        if isinstance(self.top, int) and not isinstance(self.top, bool):
+            object.__setattr__(self, "top", str(self.top))
         self.parse_top()
-        check_normalize(self.normalize)
         if self.score not in ("mean", "max"):
-            raise ConfigError(f"score must be 'mean' or 'max', got {self.score!r}")
+            raise ConfigError(f"score must be 'mean' or 'max', got {self.score!r}", field="score")
         if self.direction not in ("positive", "negative"):
-            raise ConfigError(f"direction must be 'positive' or 'negative', got {self.direction!r}")
+            raise ConfigError(
+                f"direction must be 'positive' or 'negative' (a selection keeps one side), got {self.direction!r}",
+                field="direction",
+            )
 
     def parse_top(self) -> Tuple[float, bool]:
         """``(value, is_percent)`` of :attr:`top`."""
@@ -573,7 +568,8 @@ class SelectOptions:
         if not match or value <= 0 or (percent and value > 100) or (not percent and value != int(value)):
             raise ConfigError(
                 f"--top takes a positive count N (e.g. 1000) or a share P% with 0 < P <= 100 "
-                f"(e.g. 10%), got {self.top!r}"
+                f"(e.g. 10%), got {self.top!r}",
+                field="top",
             )
         return value, percent
 
@@ -583,45 +579,6 @@ class SelectOptions:
         if not percent:
             return min(int(value), rows)
         return min(rows, max(1 if rows else 0, math.floor(rows * value / 100)))
-
-
-@dataclass(frozen=True)
-class AnswerConfig:
-    """What a query measures and how it is answered, beyond its top hits.
-
-    ``aggregate`` makes a set of queries one measurement (a behaviour): the mean (or sum) of
-    their losses. Scores are linear in the projected query gradient, so its scores are exact and
-    cost one scan. ``normalize="unit"`` divides each stored training code by its exact norm
-    (cosine to the query, against high-norm outliers); ``none`` is the paper's influence.
-    ``group_by`` rolls the scores of every matching row up by a stored column.
-    """
-
-    aggregate: Optional[Aggregate] = field(
-        default=None,
-        metadata={"help": "Answer all the queries as one measurement, their mean (or summed) loss: exact, one scan."},
-    )
-    normalize: Normalize = field(
-        default="none",
-        metadata={
-            "help": "unit: divide each training code by its norm (cosine to the query); none: the paper's influence."
-        },
-    )
-    group_by: Optional[str] = field(
-        default=None,
-        metadata={
-            "help": "Roll the scores of every row matching --where up by this stored column (rows, sum, mean, max, "
-            "top-k counts, shares of the positive and negative influence) instead of listing hits."
-        },
-    )
-
-    def __post_init__(self) -> None:
-        if self.aggregate is not None and self.aggregate not in AGGREGATES:
-            raise ConfigError(
-                f"aggregate must be one of {list(AGGREGATES)} (or None: each query on its own), got {self.aggregate!r}"
-            )
-        check_normalize(self.normalize)
-        if self.group_by is not None and (not isinstance(self.group_by, str) or not self.group_by):
-            raise ConfigError(f"group_by must name a stored column, got {self.group_by!r}")
 
 
 def check_normalize(normalize: str) -> None:

@@ -12,7 +12,15 @@ class EOGPError(Exception):
 
 
 class ConfigError(EOGPError, ValueError):
-    """A configuration value is out of range or inconsistent with another."""
+    """A configuration value is out of range or inconsistent with another.
+
+    ``field`` names the option or question field at fault (``"k"``, ``"candidates"``) when known;
+    the server reports it as the request field.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None):
+        self.field = field
+        super().__init__(message)
 
 
 class InputError(EOGPError, ValueError):

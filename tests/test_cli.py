@@ -238,9 +238,19 @@ def test_a_bad_filter_is_one_line_without_lance_source_paths(workspace):
         ("\"kind\" = 'a'", "write `kind`"),
     ],
 )
-def test_a_filter_that_is_not_one_condition_on_columns_is_refused_with_its_position(workspace, where, problem):
+def test_a_filter_that_is_not_one_condition_on_columns_is_refused_with_its_position(
+    workspace, where, problem, tmp_path
+):
+    """query, select and scores refuse it alike, through the question's one check."""
     root, _, _ = workspace
-    _refused(_run("query", root / "idx", "--text", "t1 t2", "--where", where), problem, "backticks")
+    said = set()
+    for command, out in (("query", None), ("select", "subset.jsonl"), ("scores", "scores.parquet")):
+        args = [command, root / "idx", "--text", "t1 t2 t3", "--where", where]
+        result = _run(*args, *(["--out", tmp_path / out] if out else []))
+        _refused(result, problem, "backticks")
+        said.add(result.output.strip().splitlines()[-1])
+    assert len(said) == 1, said
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_explain_by_module_and_stored_text(workspace, tmp_path):

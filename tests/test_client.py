@@ -148,6 +148,7 @@ def test_table_can_live_at_another_uri(tmp_path):
     assert (remote / "examples.lance").is_dir() and not (tmp_path / "idx" / "examples.lance").exists()
     reopened = AttributionIndex.open(tmp_path / "idx", model=make_tiny_gpt2(), tokenizer=TinyTokenizer())
     assert reopened.store.count() == 10
-    assert reopened.top_influential({"input_ids": list(QUERIES[0].input_ids)}, k=3).num_rows == 3
+    hits = reopened.top_influential({"input_ids": list(QUERIES[0].input_ids)}, k=3, direction="positive")
+    assert hits.num_rows == 3
     with pytest.raises(ConfigError, match="already holds a table"):
         _create(tmp_path / "idx2", make_tiny_gpt2(), projection=ProjectionConfig(k=8, m=32), table_uri=str(remote))

@@ -1,4 +1,5 @@
-"""The query builder: what to ask, compiled to one searcher, ranked in one place.
+"""The query builder: a :class:`~eogp_index.search.question.Question` built step by step,
+compiled to one searcher, ranked in one place.
 
 Example:
     >>> (index.search("The Eiffel Tower is in Paris.")            # doctest: +SKIP
@@ -12,7 +13,7 @@ A query goes through three steps, the same for every route:
 1. **project** — the index's model turns the query (a text, a chat, token ids or a record) into
    ``y``, its projected gradient ``(nq, K)`` (:meth:`Encoder.query_coordinates
    <eogp_index.encode.encoder.Encoder.query_coordinates>`);
-2. **search** — :meth:`InfluenceQuery.searcher` picks one searcher from the options
+2. **search** — :meth:`InfluenceQuery.searcher` picks one searcher from the question's route
    (:mod:`eogp_index.search.searchers`), which returns the exact top ``k`` per side;
 3. **rank** — :func:`~eogp_index.search.ranking.ranked_tables` orders the hits and reads the
    rows' metadata.
@@ -20,18 +21,18 @@ A query goes through three steps, the same for every route:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Literal, Optional, Protocol, Sequence, Union
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
 
-from eogp_index.config import Aggregate, AnswerConfig, Normalize
+from eogp_index.config import Aggregate, Normalize
 from eogp_index.errors import ConfigError
 from eogp_index.search.explain import module_dicts, module_terms
 from eogp_index.search.normalize import normalized_codes
+from eogp_index.search.question import ROUTES, Question, Route, check_question
 from eogp_index.search.ranking import Direction, of_their_sign, ranked_tables, sides_of
-from eogp_index.search.rollup import check_group_column, empty_roll_up, group_codes, roll_up
+from eogp_index.search.rollup import empty_roll_up, group_codes, roll_up
 from eogp_index.search.searchers import (
     CandidateSearcher,
     HotSearcher,
@@ -45,8 +46,7 @@ from eogp_index.store.stored_index import StoredIndex
 #: (``{"text": ...}``, ``{"messages": ...}``, ``{"input_ids": ..., "labels": ...}``).
 Query = Union[str, Sequence[Dict[str, str]], Sequence[int], Dict[str, Any]]
 
-Route = Literal["auto", "hot", "stream", "sharded", "candidates"]
-ROUTES = ("auto", "hot", "stream", "sharded", "candidates")
+__all__ = ["InfluenceQuery", "Query", "Question", "Route", "ROUTES", "aggregate_coordinates"]
 
 
 def aggregate_coordinates(y: np.ndarray, how: Aggregate) -> np.ndarray:
@@ -89,87 +89,37 @@ class Projects(Protocol):
     def query_coordinates(self, queries: Sequence[Query]) -> np.ndarray: ...
 
 
-@dataclass(frozen=True)
-class QueryOptions(AnswerConfig):
-    """The options of one query; validated where they are set.
-
-    Attributes:
-        k: rows per side. where: SQL filter on the stored columns (Lance's dialect).
-        direction: ``positive`` (documents whose training lowers the query's loss; for a
-            preference query, raises ``log p(chosen | prompt) - log p(rejected | prompt)``),
-            ``negative`` (the opposite) or ``both``; a side holds only scores of its sign, so it may
-            hold fewer than ``k`` rows, or none. route: ``auto`` (the hot copy, on the index's device), ``hot``,
-            ``stream`` (the table in batches, for stores larger than memory), ``sharded``
-            (torchrun workers share the fragments), ``candidates`` (a first pass).
-        candidates: the first pass's budget per side (``C``), for the ``candidates`` route.
-        faiss_name: which first pass of the index directory (``eogp build-candidates --name``).
-        by_module: add each hit's per-module terms ``s_iu⟨y_u, b_iu⟩`` (they sum to its score).
-        aggregate, normalize, group_by: :class:`~eogp_index.config.AnswerConfig`'s
-            (:mod:`eogp_index.search.normalize`, :mod:`eogp_index.search.rollup`).
-    """
-
-    k: int = 20
-    where: Optional[str] = None
-    direction: Direction = "positive"
-    route: Route = "auto"
-    candidates: Optional[int] = None
-    faiss_name: str = "default"
-    by_module: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.k, bool) or not isinstance(self.k, (int, np.integer)) or self.k < 1:
-            raise ConfigError(f"k must be a positive integer, got {self.k!r}")
-        sides_of(self.direction)
-        if self.route not in ROUTES:
-            raise ConfigError(f"route must be one of {list(ROUTES)}, got {self.route!r}")
-        if self.route == "candidates" and self.candidates is None:
-            raise ConfigError("the candidates route needs a candidate count: .candidates(C) or --candidates C")
-        if self.candidates is not None and self.candidates < self.k:
-            raise ConfigError(f"candidates C={self.candidates} must be at least k={self.k}")
-        if self.where is not None and not isinstance(self.where, str):
-            raise ConfigError(f"where must be an SQL string, got {type(self.where).__name__}")
-        if self.normalize != "none" and self.route == "candidates":
-            raise ConfigError(
-                "normalize='unit' needs an exact scan; first-pass candidates are picked for unnormalized "
-                "scores: drop --candidates or --normalize"
-            )
-        if self.group_by is not None and self.route not in ("auto", "hot"):
-            raise ConfigError(
-                f"group_by scores every matching row of the hot copy; the {self.route} route "
-                "lists top hits only: drop the route (or --stream/--candidates) to group"
-            )
-
-
 class InfluenceQuery:
-    """A query being built against an index. Each method returns a new builder.
+    """A :class:`~eogp_index.search.question.Question` being built against an index. Each method
+    returns a new builder; :meth:`to_query_object` is the question built so far.
 
     Args:
         index: the index's :class:`~eogp_index.encode.encoder.Encoder` (anything :class:`Projects`).
         queries: one query, or a list of them (``many=True``): each answered on its own, or all
             as one behaviour with :meth:`aggregate`.
+        question: the question to start from (its queries are kept unless ``queries`` is given).
     """
 
     def __init__(
         self,
         index: Projects,
-        queries: Union[Query, List[Query]],
+        queries: Union[Query, List[Query], None] = None,
         *,
         many: bool = False,
-        options: QueryOptions = QueryOptions(),
+        question: Optional[Question] = None,
     ):
         self._index = index
-        self._queries: List[Query] = list(queries) if many else [queries]
-        self._many = many
-        self.options = options
+        if question is None or queries is not None:
+            asked = tuple(queries) if many else (queries,)
+            question = Question(queries=asked) if question is None else question.replace(queries=asked)
+        self.question = question
 
     def _with(self, **changes) -> "InfluenceQuery":
-        return InfluenceQuery(
-            self._index,
-            self._queries if self._many else self._queries[0],
-            many=self._many,
-            options=replace(self.options, **changes),
-        )
+        return InfluenceQuery(self._index, question=self.question.replace(**changes))
+
+    def to_query_object(self) -> Question:
+        """The question built so far (what every surface answers)."""
+        return self.question
 
     # -- building ---------------------------------------------------------------------------------
     def limit(self, k: int) -> "InfluenceQuery":
@@ -184,16 +134,20 @@ class InfluenceQuery:
         """``positive``, ``negative`` or ``both``."""
         return self._with(direction=direction)
 
-    def candidates(self, C: int, *, faiss_name: str = "default") -> "InfluenceQuery":
-        """Score ``C`` first-pass candidates per side (``eogp build-candidates``) instead of every row."""
-        return self._with(route="candidates", candidates=C, faiss_name=faiss_name)
+    def candidates(
+        self, C: int, *, first_pass: Optional[str] = None, faiss_name: Optional[str] = None
+    ) -> "InfluenceQuery":
+        """Score ``C`` first-pass candidates per side (``eogp build-candidates``) instead of every row;
+        ``first_pass`` (or its older name ``faiss_name``): which one (``--name``; default ``default``)."""
+        name = first_pass or faiss_name or Question.first_pass
+        return self._with(route="candidates", candidates=C, first_pass=name)
 
     def by_module(self, enabled: bool = True) -> "InfluenceQuery":
         """Split each hit's score into its per-module terms (a ``modules`` column)."""
         return self._with(by_module=enabled)
 
     def route(self, route: Route) -> "InfluenceQuery":
-        """Choose where codes are read from: ``hot``, ``stream``, ``sharded`` (see :class:`QueryOptions`)."""
+        """Choose where codes are read from: ``hot``, ``stream``, ``sharded`` (see :class:`Question`)."""
         return self._with(route=route)
 
     def aggregate(self, how: Optional[Aggregate] = "mean") -> "InfluenceQuery":
@@ -212,10 +166,10 @@ class InfluenceQuery:
 
     # -- running ----------------------------------------------------------------------------------
     def searcher(self):
-        """The searcher the options compile to (one per route)."""
-        stored, opts = self._index.stored, self.options
+        """The searcher the question's route compiles to (one per route)."""
+        stored, opts = self._index.stored, self.question
         if opts.route == "candidates":
-            return CandidateSearcher(stored, opts.candidates, faiss_name=opts.faiss_name)
+            return CandidateSearcher(stored, opts.candidates, faiss_name=opts.first_pass)
         if opts.route == "stream":
             return StreamSearcher(stored, normalize=opts.normalize)
         if opts.route == "sharded":
@@ -230,8 +184,11 @@ class InfluenceQuery:
         Args:
             coordinates: the queries' projected gradients when already computed.
         """
-        y = self._index.query_coordinates(self._queries) if coordinates is None else np.asarray(coordinates, np.float32)
-        return y if self.options.aggregate is None else aggregate_coordinates(y, self.options.aggregate)
+        if coordinates is None:
+            y = self._index.query_coordinates(list(self.question.queries))
+        else:
+            y = np.asarray(coordinates, np.float32)
+        return y if self.question.aggregate is None else aggregate_coordinates(y, self.question.aggregate)
 
     def to_list(self, *, coordinates: Optional[np.ndarray] = None) -> List[pa.Table]:
         """One answer table per query, or one for aggregated queries (see :meth:`to_arrow`); with
@@ -240,10 +197,15 @@ class InfluenceQuery:
         Args:
             coordinates: the queries' projected gradients ``(nq, K)`` float32 when already
                 computed (a server projects the queries of many requests in one pass).
+
+        Raises:
+            InputError: what :func:`~eogp_index.search.question.check_question` refuses (a
+                filter, a ``group_by`` column, a query's text), before any query is projected.
         """
-        opts = self.options
+        opts = self.question
         if opts.group_by is not None:
             return self.roll_ups(coordinates=coordinates)
+        check_question(opts, self._index.stored)
         sides = sides_of(opts.direction)
         y = self.coordinates(coordinates)
         found = of_their_sign(self.searcher().top_k(y, opts.k, sides, opts.where))  # every route
@@ -265,7 +227,7 @@ class InfluenceQuery:
                 codes = stored.codec.from_arrow(
                     stored.store.take_rows(found.rowaddr.tolist(), list(stored.codec.columns))
                 )
-            codes = normalized_codes(codes, stored.layout, self.options.normalize)
+            codes = normalized_codes(codes, stored.layout, self.question.normalize)
             out[side] = module_dicts(module_terms(codes, y, stored.layout), stored.manifest.module_names)
         return out
 
@@ -276,14 +238,12 @@ class InfluenceQuery:
         Args:
             coordinates: the queries' projected gradients ``(nq, K)`` when already computed.
         """
-        opts = self.options
+        opts = self.question
         if opts.group_by is None:
             raise ConfigError("roll_ups needs a column: .group_by(column)")
         stored = self._index.stored
+        check_question(opts, stored)
         hot = stored.hot_codes()
-        check_group_column(
-            opts.group_by, [f.name for f in stored.store.schema or [] if f.name not in stored.codec.columns]
-        )
         y = self.coordinates(coordinates)
         searcher = self.searcher()
         rows = stored.matching_rows(opts.where, hot)
@@ -298,9 +258,10 @@ class InfluenceQuery:
         """The answer to a single query (or to aggregated ones): ``[direction,] rank, id, score`` and
         the stored metadata columns, best first; no rows when nothing is stored (or nothing
         matches ``where``). With :meth:`group_by`: one row per group."""
-        if self._many and self.options.aggregate is None:
+        if len(self.question.queries) != 1 and self.question.aggregate is None:
             raise ConfigError(
-                "this builder holds several queries; use to_list() for one table per query, "
-                "or .aggregate('mean') to answer them as one"
+                f"this builder holds {len(self.question.queries)} queries; use to_list() for one table per "
+                "query, or .aggregate('mean') to answer them as one",
+                field="queries",
             )
         return self.to_list()[0]

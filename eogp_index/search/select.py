@@ -33,7 +33,7 @@ import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -42,10 +42,19 @@ from eogp_index.config import SelectOptions
 from eogp_index.data.records import content_sha256, location_of, record_content
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.search.normalize import normalized_codes
+from eogp_index.search.question import Question, check_question
 from eogp_index.search.searchers import STREAM_BATCH_BYTES, exact_scores
 from eogp_index.store.stored_index import StoredIndex, _record_from_text
 
-__all__ = ["SelectOptions", "Selection", "select_documents", "write_selection", "write_scores", "atomic_output"]
+__all__ = [
+    "Question",
+    "SelectOptions",
+    "Selection",
+    "select_documents",
+    "write_selection",
+    "write_scores",
+    "atomic_output",
+]
 
 
 @dataclass(frozen=True)
@@ -83,21 +92,31 @@ def scored_batches(
 
 
 def select_documents(
-    index, queries: Sequence[Any], options: SelectOptions = SelectOptions(), *, batch_bytes: int = STREAM_BATCH_BYTES
+    index,
+    question: Union[Question, Sequence[Any]],
+    options: SelectOptions = SelectOptions(),
+    *,
+    batch_bytes: int = STREAM_BATCH_BYTES,
 ) -> Selection:
-    """The top documents for a target set of queries (texts, chats, records; see :class:`SelectOptions`)."""
-    if not queries:
-        raise InputError("select needs at least one target query")
+    """The top documents for a target set: the question's queries (texts, chats, records), scored
+    over the rows matching its ``where``, with its ``normalize``; ``options`` say how many and by
+    which rule (:class:`SelectOptions`). A sequence of queries is a question with the defaults.
+
+    Raises:
+        InputError: no queries, or what :func:`~eogp_index.search.question.check_question` refuses.
+    """
+    question = _question(question, "select")
     stored: StoredIndex = index.stored
-    total = stored.count(options.where) if stored.store.table is not None else 0
+    check_question(question, stored)  # before Lance counts or scans: it would drop what it cannot parse
+    total = stored.count(question.where) if stored.store.table is not None else 0
     keep = options.count(total)
-    y = index.query_coordinates(list(queries))
+    y = index.query_coordinates(list(question.queries))
     if options.score == "mean":
         y = y.astype(np.float64).mean(axis=0, keepdims=True).astype(np.float32)
     sign = 1.0 if options.direction == "positive" else -1.0
     best_addr = np.zeros(0, np.uint64)
     best_key = np.zeros(0, np.float32)  # sign * score: larger is better
-    batches = scored_batches(stored, y, where=options.where, batch_bytes=batch_bytes, normalize=options.normalize)
+    batches = scored_batches(stored, y, where=question.where, batch_bytes=batch_bytes, normalize=question.normalize)
     for batch, scores in batches if keep else ():
         key = sign * (scores[0] if options.score == "mean" else (scores.max(0) if sign > 0 else scores.min(0)))
         rowaddr = batch.column("_rowaddr").to_numpy().astype(np.uint64)
@@ -106,6 +125,15 @@ def select_documents(
         )
     order = np.lexsort((best_addr, -best_key))  # best first; ties by row address
     return Selection(best_addr[order], (sign * best_key[order]).astype(np.float32), options)
+
+
+def _question(question: Union[Question, Sequence[Any]], command: str) -> Question:
+    """``question``, or a question of these queries with the defaults; refused without queries."""
+    if not isinstance(question, Question):
+        question = Question(queries=tuple(question))
+    if not question.queries:
+        raise InputError(f"{command} needs at least one target query", field="queries")
+    return question
 
 
 def _best(rowaddr: np.ndarray, key: np.ndarray, keep: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -183,13 +211,17 @@ class _Writer:
         self.kind = kind
         self.handle = gzip.GzipFile(fileobj=handle, mode="wb", mtime=0) if kind == "jsonl.gz" else handle
         self.parquet = None
+        self.schema: Optional[pa.Schema] = None
 
     def line(self, raw: bytes) -> None:
+        if self.kind == "parquet":  # raw bytes in a Parquet file would be read as no rows at all
+            raise ValueError("a Parquet output takes records or tables, not JSON lines")
         self.handle.write(raw + b"\n")
 
     def records(self, rows: List[Dict[str, Any]]) -> None:
-        if self.kind == "parquet":
-            self.table(pa.Table.from_pylist(rows))
+        if self.kind == "parquet":  # every field of every record a column (records of two kinds differ)
+            names = list(dict.fromkeys(name for row in rows for name in row))
+            self.table(pa.table({name: [row.get(name) for row in rows] for name in names}))
         else:
             for row in rows:
                 self.line(json.dumps(row, ensure_ascii=False, default=str).encode("utf-8"))
@@ -202,13 +234,20 @@ class _Writer:
 
         if self.parquet is None:
             self.parquet = pq.ParquetWriter(self.handle, table.schema)
-        elif table.schema != self.parquet.schema_arrow:
+            self.schema = table.schema
+        elif table.schema != self.schema:
+            schema = self.schema
+            for name in schema.names:  # a field these records lack is null in them
+                if name not in table.column_names:
+                    table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
             try:
-                table = table.select(self.parquet.schema_arrow.names).cast(self.parquet.schema_arrow)
+                if set(table.column_names) - set(schema.names):
+                    raise KeyError(sorted(set(table.column_names) - set(schema.names)))
+                table = table.select(schema.names).cast(schema)
             except (KeyError, ValueError, pa.ArrowInvalid) as exc:
                 raise InputError(
                     f"the selected records' columns differ between shards ({table.schema.names} vs "
-                    f"{self.parquet.schema_arrow.names}); write .jsonl instead of .parquet"
+                    f"{schema.names}); write .jsonl instead of .parquet"
                 ) from exc
         self.parquet.write_table(table)
 
@@ -240,8 +279,9 @@ def write_selection(stored: StoredIndex, selection: Selection, out: Path) -> int
 
     Records are written in corpus order (shard by shard, line by line), each read back from its
     shard with its content hash checked against the stored one (as ``explain`` does), or rebuilt
-    from the stored text when the shard cannot be read; a JSON Lines shard's lines are copied
-    byte for byte with ``"score"`` added last. With ``ids_only`` only ``id`` and ``score`` are
+    from the stored text when the shard cannot be read; into a JSON Lines output, a JSON Lines
+    shard's lines are copied byte for byte with ``"score"`` added last (into Parquet they are
+    parsed, each record a row). With ``ids_only`` only ``id`` and ``score`` are
     written, best first.
     """
     kind = output_kind(out)
@@ -308,9 +348,15 @@ def _write_shard(stored: StoredIndex, writer: _Writer, shard: str, picked: List[
         )
         return
     if fmt == "jsonl":
+        records = []
         for row, line in zip(picked, _jsonl_lines(Path(uri), compression, [r["position"] for r in picked], shard)):
-            _checked(json.loads(line), row, spec, uri)
-            writer.line(with_score(line, row["score"]))
+            record = _checked(json.loads(line), row, spec, uri)
+            if writer.kind == "parquet":  # the records become rows; their lines cannot be copied
+                records.append(record | {"score": row["score"]})
+            else:
+                writer.line(with_score(line, row["score"]))
+        if records:
+            writer.records(records)
     elif fmt == "parquet" and writer.kind == "parquet":
         for table, rows in _parquet_rows(Path(uri), picked):
             for row, record in zip(rows, table.to_pylist()):
@@ -400,28 +446,46 @@ def _jsonl_lines(path: Path, compression: Optional[str], positions: Sequence[int
 
 
 def write_scores(
-    index, queries: Sequence[Any], out: Path, *, where: Optional[str] = None, batch_bytes: int = STREAM_BATCH_BYTES
+    index,
+    question: Union[Question, Sequence[Any]],
+    out: Path,
+    *,
+    where: Optional[str] = None,
+    batch_bytes: int = STREAM_BATCH_BYTES,
 ) -> int:
-    """Every matching row's score for every query, to Parquet: ``id``, ``query`` (the query's
-    0-based position), ``score`` and the stored metadata columns; returns the rows written.
+    """Every matching row's score for every query of ``question`` (its ``where`` and
+    ``normalize``; a sequence of queries with ``where``), to Parquet: ``id``, ``query`` (the
+    query's 0-based position), ``score`` and the stored metadata columns; returns the rows written.
 
     Streamed: one record batch of the table at a time becomes ``n_queries`` row groups.
     """
     import pyarrow.parquet as pq
 
     if output_kind(out) != "parquet":
-        raise ConfigError(f"--out {out}: scores are written as Parquet; name the file .parquet")
-    if not queries:
-        raise InputError("scores needs at least one query")
+        raise ConfigError(f"--out {out}: scores are written as Parquet; name the file .parquet", field="out")
+    if not isinstance(question, Question):
+        question = Question(queries=tuple(question), where=where)
+    elif where is not None:
+        raise ConfigError("give where in the question, not beside it", field="where")
+    question = _question(question, "scores")
     stored: StoredIndex = index.stored
-    y = index.query_coordinates(list(queries))
+    check_question(question, stored)
+    y = index.query_coordinates(list(question.queries))
     from eogp_index.store.table import CODE_COLUMNS
 
     metadata = [c for c in stored.store.metadata_columns() if c not in CODE_COLUMNS and c not in ("id", "text")]
     written = 0
     with atomic_output(out) as handle:
         writer = None
-        for batch, scores in scored_batches(stored, y, where=where, columns=["id", *metadata], batch_bytes=batch_bytes):
+        batches = scored_batches(
+            stored,
+            y,
+            where=question.where,
+            columns=["id", *metadata],
+            batch_bytes=batch_bytes,
+            normalize=question.normalize,
+        )
+        for batch, scores in batches:
             rest = batch.select(["id", *metadata])
             for q in range(scores.shape[0]):
                 table = (

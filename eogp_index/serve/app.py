@@ -35,11 +35,13 @@ from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eogp_index.errors import ConfigError, InputError
+from eogp_index.search.question import Question
 from eogp_index.serve.batching import MicroBatcher, QueueFull
 from eogp_index.serve.config import ServeConfig
 from eogp_index.serve.engine import Engine, QueryJob, RequestError
 from eogp_index.serve.middleware import AccessLog, BearerToken, BodyLimit, JsonBody, error_payload
-from eogp_index.serve.schemas import ErrorResponse, ExplainRequest, QueryRequest, QueryResponse
+from eogp_index.serve.schemas import QUESTION_OPTIONS, ErrorResponse, ExplainRequest, QueryRequest, QueryResponse
 from eogp_index.serve.selection import add_select_route
 from eogp_index.version import __version__
 
@@ -269,7 +271,21 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
             )
             raise InternalError(request_id) from None
 
-    # -- errors -----------------------------------------------------------------------------------
+    _add_error_handlers(app, config)
+    _add_query_routes(app, engine, batcher, config, guarded)
+    add_select_route(app, engine, batcher, config, guarded, _ERRORS)
+    _add_index_routes(app, engine, batcher, config, guarded)
+    # Outermost first: the log sees every response, then the size limit, the token, the JSON body.
+    app.add_middleware(JsonBody)
+    app.add_middleware(BearerToken, token=config.token)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(AccessLog)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, config: ServeConfig) -> None:
+    """Every refusal as ``{"error": {"status", "field", "message", "errors"}}``."""
+
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError):
         return _error(exc.status, exc.field, exc.message)
@@ -310,36 +326,42 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
         }.get(exc.status_code, str(exc.detail))
         return _error(exc.status_code, field, detail)
 
-    # -- endpoints --------------------------------------------------------------------------------
+
+def question_of(body: QueryRequest, config: ServeConfig) -> QueryJob:
+    """The :class:`Question` a ``/v1/query`` body asks (each request field is the question field of
+    its name), with the field that holds its query; refusals name the request field."""
+    records = _behaviour_records(body, config)
+    record, field = ({}, "queries") if records else _query_record(body)
+    if not 1 <= body.k <= config.max_k:
+        raise RequestError("k", f"k must be between 1 and {config.max_k} (max_k), got {body.k}")
+    if body.route == "sharded":
+        raise RequestError("route", "the sharded route splits a scan over torchrun workers; use auto, hot or stream")
+    try:
+        question = Question(queries=records or (record,), **{name: getattr(body, name) for name in QUESTION_OPTIONS})
+    except (ConfigError, InputError) as exc:
+        named = exc.field or "body"
+        raise RequestError(field if named.startswith("queries") and field != "queries" else named, str(exc)) from None
+    return QueryJob(question=question, field=field)
+
+
+def _add_query_routes(app: FastAPI, engine: Engine, batcher: MicroBatcher, config: ServeConfig, guarded) -> None:
+    """``POST /v1/query`` and ``POST /v1/explain``."""
+
     @app.post("/v1/query", response_model=QueryResponse, responses=_ERRORS, tags=["query"])
     async def query(body: QueryRequest, request: Request):
         """The stored documents that most influence the query, best first (``eogp query --json``'s rows)."""
         started = time.perf_counter()
-        records = _behaviour_records(body, config)
-        record, field = ({"queries": list(records)}, "queries") if records else _query_record(body)
-        if not 1 <= body.k <= config.max_k:
-            raise RequestError("k", f"k must be between 1 and {config.max_k} (max_k), got {body.k}")
-        where = body.where.strip() if body.where is not None and body.where.strip() else None
-        group_by = body.group_by.strip() if body.group_by is not None and body.group_by.strip() else None
-        job = QueryJob(
-            record=record,
-            field=field,
-            k=body.k,
-            where=where,
-            direction=body.direction,
-            by_module=body.by_module,
-            records=records,
-            aggregate=body.aggregate,
-            normalize=body.normalize,
-            group_by=group_by,
-        )
+        job = question_of(body, config)
         answer = await guarded(request, batcher.submit(job, timeout=config.timeout_s))
         if isinstance(answer, RequestError):
             raise answer
-        if records:
+        if job.field == "queries":
             query_as_sent: Any = {"queries": body.queries, "aggregate": body.aggregate}
         else:
-            query_as_sent = body.text if field == "text" else record[field] if field == "messages" else record
+            record = job.question.queries[0]
+            query_as_sent = (
+                body.text if job.field == "text" else record[job.field] if job.field == "messages" else record
+            )
         extra = {"groups": answer.groups.to_pylist()} if answer.groups is not None else {}
         return JSON(
             {
@@ -353,12 +375,14 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
     @app.post("/v1/explain", responses=_ERRORS, tags=["query"])
     async def explain(body: ExplainRequest, request: Request) -> Dict[str, Any]:
         """Why document ``id`` ranks for ``query``: its score per module and per token."""
-        record = _explain_record(body.query)
+        record = _explain_record(body.query, turns=True)  # the query kinds `eogp explain` takes
         return JSON(
             await guarded(request, batcher.call(engine.explain, record, "query", body.id, timeout=config.timeout_s))
         )
 
-    add_select_route(app, engine, batcher, config, guarded, _ERRORS)
+
+def _add_index_routes(app: FastAPI, engine: Engine, batcher: MicroBatcher, config: ServeConfig, guarded) -> None:
+    """The index's facts and rows, liveness, and the page."""
 
     @app.get("/v1/info", tags=["index"])
     async def info(request: Request) -> Dict[str, Any]:
@@ -380,12 +404,6 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
         return FileResponse(STATIC / "index.html")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    # Outermost first: the log sees every response, then the size limit, the token, the JSON body.
-    app.add_middleware(JsonBody)
-    app.add_middleware(BearerToken, token=config.token)
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
-    app.add_middleware(AccessLog)
-    return app
 
 
 def open_index(

@@ -3,12 +3,12 @@
 :meth:`Engine.run_queries` answers a micro-batch of query requests: their queries are measured
 together (:func:`eogp_index.encode.measurements.measure`: each tokenized and checked on its own,
 so a bad one fails alone, all good ones projected in one gradient pass; a preference query's two
-completions become its one row), and requests that share a filter, direction and ``by_module``
-share one scan — asked for the largest ``k`` among them, then each cut to its own ``k`` (a top-k
-list is a prefix of a longer one: same order, ties in table order), so every request gets what
-``eogp query --json`` prints. A behaviour request's queries become its one (mean or summed) row;
-a ``group_by`` request also gets its roll-up. The engine's own part in a measurement is the
-mapping of its errors to request fields and status codes (:meth:`Engine.request_error`).
+completions become its one row), and requests whose questions differ only in their queries, ``k``
+and ``aggregate`` share one scan — asked for the largest ``k`` among them, then each cut to its own
+``k`` (a top-k list is a prefix of a longer one: same order, ties in table order), so every request
+gets what ``eogp query --json`` prints. A behaviour request's queries become its one (mean or
+summed) row; a ``group_by`` request also gets its roll-up. The engine's own part in a measurement
+is the mapping of its errors to request fields and status codes (:meth:`Engine.request_error`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import pyarrow.compute as pc
 from eogp_index.data.records import Example, check_text
 from eogp_index.encode.measurements import measure, tokenize_queries
 from eogp_index.errors import ConfigError, EOGPError, InputError, QueryTooLongError
-from eogp_index.search.query import aggregate_coordinates
+from eogp_index.search.query import InfluenceQuery, aggregate_coordinates
+from eogp_index.search.question import Question
 from eogp_index.serve.config import ServeConfig
 from eogp_index.store.stored_ids import sql_string
 from eogp_index.store.table import CODE_COLUMNS
@@ -46,39 +47,42 @@ class RequestError(Exception):
 
 @dataclass(frozen=True)
 class QueryJob:
-    """One ``/v1/query`` request, validated for types (``schemas.QueryRequest``).
+    """One ``/v1/query`` request: its :class:`~eogp_index.search.question.Question` and the
+    request field that holds its query.
 
     Attributes:
-        record: the query as a record dict: ``{"text"}``, ``{"messages"}``, ``{"input_ids"[, "labels"]}``,
-            ``{"prompt", "completion"}`` or ``{"prompt", "chosen", "rejected"}``.
-        field: the request field holding the query (named in errors about it).
+        question: the question, its queries as record dicts: one query, or a behaviour's
+            (``aggregate``).
+        field: the request field holding the query (``text``, ``messages``, ``input_ids``,
+            ``completion``, ``chosen``), named in errors about it; ``queries`` for a behaviour,
+            whose errors name ``queries[i]``.
     """
 
-    record: Dict[str, Any]
+    question: Question
     field: str
-    k: int
-    where: Optional[str]
-    direction: str
-    by_module: bool
-    #: A behaviour: these queries' records, answered as one measurement (``aggregate``), instead of ``record``.
-    records: Tuple[Dict[str, Any], ...] = ()
-    aggregate: Optional[str] = None
-    normalize: str = "none"
-    group_by: Optional[str] = None
 
     @property
-    def group(self) -> Tuple[Optional[str], str, bool, str, Optional[str]]:
-        """Requests with the same key share one scan."""
-        return (self.where, self.direction, self.by_module, self.normalize, self.group_by)
+    def k(self) -> int:
+        return self.question.k
+
+    @property
+    def aggregate(self) -> Optional[str]:
+        return self.question.aggregate
+
+    @property
+    def group(self) -> Question:
+        """Requests with the same key share one scan: the question without its queries, ``k``
+        and ``aggregate`` (its measurement is made before the scan)."""
+        return self.question.replace(queries=(), k=1, aggregate=None)
 
     @property
     def queries(self) -> Tuple[Dict[str, Any], ...]:
         """The job's query records: its one query, or its behaviour's."""
-        return self.records or (self.record,)
+        return self.question.queries
 
     def field_of(self, i: int) -> str:
         """The request field an error of query ``i`` of :attr:`queries` is reported under."""
-        return f"queries[{i}]" if self.records else self.field
+        return f"queries[{i}]" if self.field == "queries" else self.field
 
 
 class Answer(NamedTuple):
@@ -188,38 +192,18 @@ class Engine:
         )
         row_of = {i: j for j, i in enumerate(live)}
         projected = time.perf_counter()
-        groups: Dict[tuple, List[int]] = defaultdict(list)
+        groups: Dict[Question, List[int]] = defaultdict(list)
         for i in live:
             groups[jobs[i].group].append(i)
-        for (where, direction, by_module, normalize, group_by), members in groups.items():
-            k = max(jobs[i].k for i in members)
-            search = (
-                self.index.search([jobs[i].record for i in members], many=True)
-                .limit(k)
-                .where(where)
-                .direction(direction)
-                .by_module(by_module)
-                .normalize(normalize)
-            )
+        for key, members in groups.items():
             rows = y[[row_of[i] for i in members]]
             try:
-                tables = search.to_list(coordinates=rows)
-                # (Each request's own k counts its rows among the top ones.)
-                rolled = (
-                    [
-                        search.limit(jobs[i].k).group_by(group_by).to_list(coordinates=rows[j : j + 1])[0]
-                        for j, i in enumerate(members)
-                    ]
-                    if group_by
-                    else [None] * len(members)
-                )
-            except InputError as exc:  # the filter or column: the queries themselves were tokenized already
-                error = RequestError("group_by" if "group_by" in str(exc) else "where", _user_message(exc))
-                for i in members:
-                    out[i] = error
-                continue
-            for i, table, grouped in zip(members, tables, rolled):
-                out[i] = Answer(cut_to_k(table, jobs[i].k), grouped)
+                answers = self._scan(key, [jobs[i] for i in members], rows)
+            except (InputError, ConfigError) as exc:  # the question's filter or column, named by its field
+                error = RequestError(exc.field or "where", _user_message(exc))
+                answers = [error] * len(members)
+            for i, answer in zip(members, answers):
+                out[i] = answer
         log.info(
             "batch",
             extra={
@@ -233,6 +217,22 @@ class Engine:
                 }
             },
         )
+        return out
+
+    def _scan(self, key: Question, jobs: Sequence[QueryJob], rows: np.ndarray) -> List[Answer]:
+        """The answers of ``jobs`` (sharing the scan ``key``) from their measurements ``rows``
+        ``(n, K)``: one scan for the largest ``k`` among them, each cut to its own ``k``; with
+        ``group_by``, each job's roll-up too (its own ``k`` counts its rows among the top ones)."""
+        placeholders = tuple(job.question.queries[0] for job in jobs)  # the rows are measured already
+        hits = key.replace(queries=placeholders, k=max(job.k for job in jobs), group_by=None)
+        tables = InfluenceQuery(self.index.encoder, question=hits).to_list(coordinates=rows)
+        out = []
+        for j, (job, table) in enumerate(zip(jobs, tables)):
+            grouped = None
+            if key.group_by is not None:
+                rolled = key.replace(queries=placeholders[j : j + 1], k=job.k)
+                grouped = InfluenceQuery(self.index.encoder, question=rolled).to_list(coordinates=rows[j : j + 1])[0]
+            out.append(Answer(cut_to_k(table, job.k), grouped))
         return out
 
     # -- explanations and lookups -----------------------------------------------------------------

@@ -1,17 +1,34 @@
 """Request and response bodies of the HTTP API (pydantic models; they make the OpenAPI schema).
 
 Types are strict (``"5"`` is not a k) and unknown fields are refused, so a typo is named in
-the 422 rather than silently ignored. Range checks that depend on the server's limits
-(k, query tokens) are made by the app and the engine, with the same error shape.
+the 422 rather than silently ignored. The question's fields are
+:class:`~eogp_index.search.question.Question`'s, by the same names with the same defaults, and
+are checked by it; range checks that depend on the server's limits (k, query tokens) are made
+by the app and the engine, with the same error shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from eogp_index.search.question import Question, question_field
+
 _STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+def _question(name: str, *, description: Optional[str] = None) -> Any:
+    """A request field for the :class:`~eogp_index.search.question.Question` field ``name``: its
+    default, and its help unless ``description`` words it for the API."""
+    found = question_field(name)
+    return Field(found.default, description=description or found.metadata["help"])
+
+
+#: The Question's fields a request names as they are (all but ``queries``, which a request may
+#: also give as one query under its own field).
+QUESTION_OPTIONS = tuple(f.name for f in dataclasses.fields(Question) if f.name != "queries")
 
 
 class Message(BaseModel):
@@ -49,27 +66,29 @@ class QueryRequest(BaseModel):
     rejected: Optional[Union[str, List[Message]]] = Field(
         None, description="The preference query's rejected completion."
     )
-    k: int = Field(10, description="Hits per direction (at most the server's max_k).")
-    where: Optional[str] = Field(None, description="SQL filter on stored columns, e.g. \"kind = 'function'\".")
-    direction: Literal["positive", "negative", "both"] = Field(
-        "both", description="positive: documents whose training lowers the query's loss; negative: raises it."
-    )
-    by_module: bool = Field(False, description="Add each hit's per-module score terms (`modules`).")
     queries: Optional[List[Union[str, List[Message], Dict[str, Any]]]] = Field(
         None,
         description="A behaviour shown by several queries (texts, chats or records {text | messages | "
         "input_ids | prompt+completion | prompt+chosen+rejected}), answered as one measurement "
         "with `aggregate` instead of a single query.",
     )
-    aggregate: Optional[Literal["mean", "sum"]] = Field(
-        None, description="How `queries` make one measurement: the mean (or sum) of their losses."
+    aggregate: Optional[Literal["mean", "sum"]] = _question(
+        "aggregate", description="How `queries` make one measurement: the mean (or sum) of their losses."
     )
-    normalize: Literal["none", "unit"] = Field(
-        "none", description="unit: each training code divided by its norm (cosine); none: the paper's influence."
+    k: int = _question("k", description="Hits per direction (at most the server's max_k).")
+    where: Optional[str] = _question("where")
+    direction: Literal["positive", "negative", "both"] = _question("direction")
+    normalize: Literal["none", "unit"] = _question("normalize")
+    group_by: Optional[str] = _question(
+        "group_by",
+        description="Also roll the scores of every row matching `where` up by this stored column (`groups`).",
     )
-    group_by: Optional[str] = Field(
-        None, description="Also roll the scores of every row matching `where` up by this stored column (`groups`)."
+    by_module: bool = _question("by_module", description="Add each hit's per-module score terms (`modules`).")
+    route: Literal["auto", "hot", "stream", "sharded", "candidates"] = _question(
+        "route", description="Where codes are read from: auto, hot, stream or candidates (sharded needs torchrun)."
     )
+    candidates: Optional[int] = _question("candidates")
+    first_pass: str = _question("first_pass")
 
 
 class ExplainRequest(BaseModel):
@@ -77,7 +96,8 @@ class ExplainRequest(BaseModel):
 
     model_config = _STRICT
     query: Union[str, List[Message], List[int], Dict[str, Any]] = Field(
-        description="A text, a chat, token ids, or a record {text | messages | input_ids[, labels]}."
+        description="A text, a chat, token ids, or a record {text | messages | input_ids[, labels] | "
+        "prompt+completion}, as `eogp explain` takes it."
     )
     id: str = Field(description="A stored document id (from /v1/query results).")
 

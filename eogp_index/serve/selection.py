@@ -8,6 +8,7 @@ index call, under the server's timeout, and the file is removed once sent.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,7 +21,14 @@ from starlette.background import BackgroundTask
 
 from eogp_index.config import SelectOptions
 from eogp_index.errors import ConfigError, InputError
+from eogp_index.search.question import Question
 from eogp_index.serve.engine import Engine, RequestError, _user_message
+from eogp_index.serve.schemas import Message, _question
+
+
+def _select_field(name: str) -> dataclasses.Field:
+    return {f.name: f for f in dataclasses.fields(SelectOptions)}[name]
+
 
 #: Target queries one request may hold.
 MAX_TARGETS = 1000
@@ -32,26 +40,33 @@ MEDIA_TYPES = {
 
 
 class SelectRequest(BaseModel):
-    """``POST /v1/select``: the target queries and ``eogp select``'s options."""
+    """``POST /v1/select``: the target queries and ``eogp select``'s options: the
+    :class:`~eogp_index.search.question.Question`'s ``queries``, ``where`` and ``normalize``, and
+    :class:`~eogp_index.config.SelectOptions`' fields, by the same names with the same defaults."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    queries: List[Union[str, Dict[str, Any]]] = Field(
-        description="Target queries: texts, or records {text | messages | input_ids | prompt+completion | "
+    queries: List[Union[str, List[Message], Dict[str, Any]]] = Field(
+        description="Target queries: texts, chats, or records {text | messages | input_ids | prompt+completion | "
         "prompt+chosen+rejected}.",
         examples=[["Return the sum of a and b."]],
     )
-    top: str = Field("10%", description="How many documents: a count N or a share P% of the matching rows.")
-    score: Literal["mean", "max"] = Field("mean", description="mean over the queries, or LESS's max.")
-    direction: Literal["positive", "negative"] = Field("positive", description="Most helpful or most harmful.")
-    where: Optional[str] = Field(None, description="SQL filter on stored columns.")
-    ids_only: bool = Field(False, description="Only id and score, best first.")
-    normalize: Literal["none", "unit"] = Field(
-        "none", description="unit: score each document by its code divided by its norm (cosine); none: influence."
+    where: Optional[str] = _question("where")
+    normalize: Literal["none", "unit"] = _question("normalize")
+    top: Union[int, str] = Field(
+        _select_field("top").default,
+        description='How many documents: a count N (5 or "5") or a share P% of the matching rows ("10%").',
     )
+    score: Literal["mean", "max"] = Field(
+        _select_field("score").default, description="mean over the queries, or LESS's max."
+    )
+    direction: Literal["positive", "negative"] = Field(
+        _select_field("direction").default, description="Most helpful or most harmful."
+    )
+    ids_only: bool = Field(_select_field("ids_only").default, description="Only id and score, best first.")
     format: Literal["jsonl", "jsonl.gz", "parquet"] = Field("jsonl", description="The file's format.")
 
 
-def _records(queries: List[Union[str, Dict[str, Any]]]) -> List[Dict[str, Any]]:
+def _records(queries: List[Any]) -> List[Dict[str, Any]]:
     if not queries:
         raise RequestError("queries", "give at least one target query")
     if len(queries) > MAX_TARGETS:
@@ -61,7 +76,14 @@ def _records(queries: List[Union[str, Dict[str, Any]]]) -> List[Dict[str, Any]]:
             "per request: use `eogp select` for more",
             status=413,
         )
-    return [{"text": q} if isinstance(q, str) else dict(q) for q in queries]
+    return [
+        {"text": q}
+        if isinstance(q, str)
+        else {"messages": [m.model_dump() for m in q]}
+        if isinstance(q, list)
+        else dict(q)
+        for q in queries
+    ]
 
 
 def select_file(engine: Engine, body: SelectRequest, folder: Path) -> Path:
@@ -70,23 +92,15 @@ def select_file(engine: Engine, body: SelectRequest, folder: Path) -> Path:
 
     records = _records(body.queries)
     try:
+        question = Question(queries=tuple(records), where=body.where, normalize=body.normalize)
+        options = SelectOptions(top=str(body.top), score=body.score, direction=body.direction, ids_only=body.ids_only)
+        question.check(engine.index.stored)  # the filter before the queries are measured
         engine.check(records, "queries")  # the server's limits on each query (and its preference halves)
-        options = SelectOptions(
-            top=body.top,
-            score=body.score,
-            direction=body.direction,
-            where=body.where.strip() if body.where and body.where.strip() else None,
-            ids_only=body.ids_only,
-            normalize=body.normalize,
-        )
-        selection = select_documents(engine.index, records, options)
+        selection = select_documents(engine.index.encoder, question, options)
         out = folder / f"selection.{body.format}"
         write_selection(engine.index.stored, selection, out)
-    except ConfigError as exc:
-        raise RequestError("top" if "--top" in str(exc) else "queries", _user_message(exc)) from None
-    except InputError as exc:
-        field = "where" if "where filter" in str(exc) else "queries"
-        raise RequestError(field, _user_message(exc)) from None
+    except (ConfigError, InputError) as exc:
+        raise RequestError(exc.field or "queries", _user_message(exc)) from None
     return out
 
 

@@ -392,6 +392,7 @@ class Store:
             f"{[c for c in self.metadata_columns() if c not in CODE_COLUMNS]}; quote names that are SQL "
             "keywords or contain spaces with backticks (`group` = 1), strings with single quotes",
             reason="invalid filter",
+            field="where",
         )
 
     def take_rows(self, rowaddr: Sequence[int], columns: Sequence[str]) -> pa.Table:

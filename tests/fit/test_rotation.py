@@ -242,6 +242,6 @@ def test_default_precision_p_in_fp16_works_end_to_end(tmp_path):
     """The shipped defaults (P stored in FP16) with the rotation: fit, ingest, query."""
     index = _create(tmp_path / "idx", "eogp-rot")
     assert index.manifest.pca_dtype == "fp16" and index.manifest.variant == "eogp-rot"
-    hits = index.top_influential(_queries()[0], k=3)
+    hits = index.top_influential(_queries()[0], k=3, direction="positive")
     ids, scores = index.scores(_queries()[:1])
     assert hits.column("id").to_pylist() == [ids[i] for i in np.lexsort((np.arange(len(ids)), -scores[0]))[:3]]

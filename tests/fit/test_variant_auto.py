@@ -174,7 +174,7 @@ def test_auto_stores_each_modules_p_from_the_forced_fit_it_chose(fits):
     assert fits["eogp"][1].manifest.projection["rotation"] == {"kind": "none"}
     # The stored format is unchanged: the codes and the queries work as for EOGP.
     index.add_batch(EXAMPLES[:20])
-    assert index.search(list(EXAMPLES[0].input_ids)).limit(5).to_arrow().num_rows == 5
+    assert index.search(list(EXAMPLES[0].input_ids)).limit(5).direction("positive").to_arrow().num_rows == 5
 
 
 def test_the_held_out_split_is_recorded_and_printed(fits, capsys):

@@ -202,7 +202,7 @@ def test_a_format_1_index_still_opens_and_queries_but_cannot_explain(tmp_path):
     v1 = AttributionIndex.open(index.path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer())
     assert v1.ingest(TRAIN, progress=False) == len(TRAIN)
     assert "content_sha256" not in v1.store.schema.names and not (v1.path / "sources.json").exists()
-    top = v1.top_influential(QUERY, k=3, by_module=True)
+    top = v1.top_influential(QUERY, k=3, direction="positive", by_module=True)
     assert top.num_rows == 3
     with pytest.raises(IncompatibleIndexError, match="index format 1"):
         v1.explain(QUERY, top.column("id")[0].as_py())

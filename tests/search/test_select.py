@@ -204,6 +204,27 @@ def test_parquet_output_keeps_the_input_columns(workspace):
         assert {k: v for k, v in row.items() if k != "score"} == original[int(row["id"][1:])]
 
 
+def test_a_parquet_selection_of_jsonl_shards_holds_the_selected_rows(workspace):
+    """From JSON Lines shards (records of two kinds, and gzip), a .parquet output is a Parquet file
+    whose rows are the selected records, each with its score (not JSON lines before a footer)."""
+    root, reference = workspace
+    summary = _select(root, "from-jsonl.parquet", "--top", "100%", "--where", "shard != 'c.parquet'")
+    as_lines = _select(root, "from-jsonl.jsonl", "--top", "100%", "--where", "shard != 'c.parquet'")
+    table = pq.read_table(root / "from-jsonl.parquet")
+    jsonl_rows = sum(1 for i in reference["ids"] if not i.startswith("c"))
+    assert summary["selected"] == as_lines["selected"] == table.num_rows == jsonl_rows > 20
+    lines = [json.loads(line) for line in (root / "from-jsonl.jsonl").read_bytes().split(b"\n")[:-1]]  # U+2028 stays
+    by_id = {row["id"]: row for row in table.to_pylist()}
+    assert set(by_id) == {line["id"] for line in lines}
+    for line in lines:  # every field of every record, null where a record of the other kind has none
+        row = by_id[line["id"]]
+        assert {k: v for k, v in row.items() if v is not None and k != "score"} == {
+            k: v for k, v in line.items() if k != "score"
+        }
+        assert row["score"] == pytest.approx(line["score"], rel=1e-6)
+    assert {"prompt", "completion", "text"} <= set(table.column_names)
+
+
 def test_max_rule_negative_direction_ids_only(workspace):
     root, reference = workspace
     _select(root, "worst.jsonl", "--top", "6", "--score", "max", "--direction", "negative", "--ids-only")
@@ -364,6 +385,7 @@ def test_selection_does_not_depend_on_the_batches_and_ties_keep_the_lower_rows(w
 def test_normalize_unit_selects_the_top_cosines_of_a_float64_reference(workspace):
     from eogp_index.client import AttributionIndex
     from eogp_index.config import SelectOptions
+    from eogp_index.search.question import Question
     from eogp_index.search.select import select_documents
     from eogp_index.store.codecs import decode
 
@@ -386,14 +408,15 @@ def test_normalize_unit_selects_the_top_cosines_of_a_float64_reference(workspace
     assert _top(mean, 7) != _top(_reference(reference), 7)
 
     # Python, LESS's rule on the harmful side, under a filter, whatever the batches.
-    options = SelectOptions(top="40%", score="max", direction="negative", where="source != 'code'", normalize="unit")
-    picked = select_documents(index, TARGETS, options)
+    options = SelectOptions(top="40%", score="max", direction="negative")
+    targets = Question(queries=tuple(TARGETS), where="source != 'code'", normalize="unit")
+    picked = select_documents(index, targets, options)
     kept = {i: s for i, s in low.items() if reference["source"][i] != "code"}
     got = index.stored.rows(picked.rowaddr, ["id"]).column("id").to_pylist()
     assert got == _top(kept, math.floor(len(kept) * 40 / 100), largest=False)
     np.testing.assert_allclose(picked.scores, [kept[i] for i in got], rtol=1e-5, atol=1e-7)
-    batched = select_documents(index, TARGETS, options, batch_bytes=1)
+    batched = select_documents(index, targets, options, batch_bytes=1)
     np.testing.assert_array_equal(batched.rowaddr, picked.rowaddr)
     np.testing.assert_array_equal(batched.scores, picked.scores)
     with pytest.raises(ValueError, match="normalize must be one of"):
-        SelectOptions(normalize="l2")
+        Question(queries=tuple(TARGETS), normalize="l2")

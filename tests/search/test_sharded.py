@@ -29,7 +29,7 @@ def test_filtered_top_k_equals_filter_after_scan(fitted_index):
     allowed = [(s, i) for i, s in zip(ids, scores[0]) if group[i] == 2]
     expected = [i for s, i in sorted(allowed, key=lambda t: -t[0])[:5]]
     for stream in (False, True):
-        got = fitted_index.top_influential(QUERY, k=5, where="`group` = 2", stream=stream)
+        got = fitted_index.top_influential(QUERY, k=5, where="`group` = 2", direction="positive", stream=stream)
         assert got.column("id").to_pylist() == expected
 
 

@@ -437,13 +437,105 @@ def test_prompt_completion_and_preference_errors_name_the_field(client):
 
 def test_select_with_normalize_unit_downloads_the_library_selection(client, served_index):
     from eogp_index.config import SelectOptions
+    from eogp_index.search.question import Question
     from eogp_index.search.select import select_documents
 
     body = {"queries": [QUERY, PREFERENCE], "top": "6", "ids_only": True, "normalize": "unit"}
     response = client.post("/v1/select", json=body)
     assert response.status_code == 200, response.text
     rows = [json.loads(line) for line in response.content.decode().splitlines()]
-    picked = select_documents(served_index, [{"text": QUERY}, PREFERENCE], SelectOptions(top="6", normalize="unit"))
+    targets = Question(queries=({"text": QUERY}, PREFERENCE), normalize="unit")
+    picked = select_documents(served_index, targets, SelectOptions(top="6"))
     assert [r["id"] for r in rows] == served_index.stored.rows(picked.rowaddr, ["id"]).column("id").to_pylist()
     assert [r["score"] for r in rows] == pytest.approx(picked.scores.tolist(), rel=1e-5)
     assert _error(client.post("/v1/select", json={**body, "normalize": "l2"}), 422, "normalize")
+
+
+#: Filters Lance alone would drop or answer wrongly: text left over, a second statement, a
+#: comparison of two strings (names take backticks, not double quotes).
+BROKEN_FILTERS = ("kind = 'function' ANDD n_chars > 380", "1=1; DROP TABLE x", "\"kind\" = 'function'")
+
+
+@pytest.mark.parametrize("where", BROKEN_FILTERS)
+def test_query_and_select_refuse_a_broken_filter_as_the_library_does(client, served_index, where):
+    from eogp_index.errors import InputError
+    from eogp_index.search.question import Question, check_question
+
+    with pytest.raises(InputError) as caught:
+        check_question(Question(queries=(QUERY,), where=where), served_index.stored)
+    expected = str(caught.value)
+    assert _error(client.post("/v1/query", json={"text": QUERY, "where": where}), 400, "where") == expected
+    assert _error(client.post("/v1/select", json={"queries": [QUERY], "where": where}), 400, "where") == expected
+
+
+def test_select_takes_top_as_a_count_a_counted_string_or_a_share(client):
+    sizes = {}
+    for top in (5, "5", "10%"):
+        response = client.post("/v1/select", json={"queries": [QUERY], "top": top, "ids_only": True})
+        assert response.status_code == 200, response.text
+        sizes[str(top)] = len(response.content.decode().splitlines())
+    assert sizes["5"] == 5 and sizes["10%"] >= 1
+    assert "--top" in _error(client.post("/v1/select", json={"queries": [QUERY], "top": 0}), 400, "top")
+
+
+def test_a_parquet_selection_of_jsonl_shards_holds_its_rows(client):
+    import io
+
+    import pyarrow.parquet as pq
+
+    response = client.post("/v1/select", json={"queries": [QUERY], "top": "20", "format": "parquet"})
+    assert response.status_code == 200, response.text
+    lines = client.post("/v1/select", json={"queries": [QUERY], "top": "20"}).content.decode().splitlines()
+    table = pq.read_table(io.BytesIO(response.content))
+    assert table.num_rows == len(lines) == 20
+    assert table.column("id").to_pylist() == [json.loads(line)["id"] for line in lines]
+
+
+def test_explain_takes_the_query_kinds_eogp_explain_takes(client, served_index):
+    hit = client.post("/v1/query", json={"text": QUERY, "k": 1, "direction": "positive"}).json()["results"][0]
+    record = {"prompt": "t1 t2", "completion": " t3 t4 t5"}
+    why = client.post("/v1/explain", json={"query": record, "id": hit["id"]})
+    assert why.status_code == 200, why.text
+    assert why.json()["score"] == pytest.approx(served_index.explain(record, hit["id"]).score, rel=1e-4)
+    tokens = client.post("/v1/explain", json={"query": [5, 9, 13, 2], "id": hit["id"]})
+    assert tokens.status_code == 200, tokens.text
+    preference = {"prompt": "t1", "chosen": " t2 t3", "rejected": " t4 t5"}
+    assert "preference" in _error(client.post("/v1/explain", json={"query": preference, "id": hit["id"]}), 400, "query")
+
+
+def test_request_bodies_and_commands_map_onto_the_question_one_to_one():
+    """Same names, same defaults: the server's bodies, the commands' options and the Question."""
+    import dataclasses
+
+    from eogp_index.cli import cli
+    from eogp_index.config import SelectOptions
+    from eogp_index.search.question import Question
+    from eogp_index.serve.schemas import QueryRequest
+    from eogp_index.serve.selection import SelectRequest
+
+    question = {f.name: f.default for f in dataclasses.fields(Question)}
+    options = {f.name: f.default for f in dataclasses.fields(SelectOptions)}
+    body = {name: field.default for name, field in QueryRequest.model_fields.items()}
+    assert {name: body[name] for name in question if name != "queries"} == {
+        name: default for name, default in question.items() if name != "queries"
+    }
+    assert "queries" in body
+    select = {name: field.default for name, field in SelectRequest.model_fields.items()}
+    for name in ("where", "normalize"):
+        assert select[name] == question[name], name
+    assert {name: select[name] for name in options} == options
+    assert set(select) == {"queries", "where", "normalize", "format", *options}
+
+    def params(command):
+        return {p.name: p.default for p in cli.commands[command].params}
+
+    query = params("query")
+    assert {name: query[name] for name in question if name != "queries"} == {
+        name: default for name, default in question.items() if name != "queries"
+    }
+    for command in ("select", "scores"):
+        assert {name: params(command)[name] for name in ("where", "normalize")} == {
+            "where": question["where"],
+            "normalize": question["normalize"],
+        }
+    assert {name: params("select")[name] for name in options} == options

@@ -268,6 +268,7 @@ def test_the_page_downloads_a_selection(browser, server, served_index, tmp_path)
     from selenium.webdriver.common.by import By
 
     from eogp_index.config import SelectOptions
+    from eogp_index.search.question import Question
     from eogp_index.search.select import select_documents
 
     downloads = tmp_path / "downloads"
@@ -285,7 +286,8 @@ def test_the_page_downloads_a_selection(browser, server, served_index, tmp_path)
     _wait(browser, lambda d: saved.exists() and not list(downloads.glob("*.crdownload")), "the downloaded file")
     assert "5 documents" in browser.find_element(By.ID, "status").text
     records = [json.loads(line) for line in saved.read_text().splitlines()]
-    expected = select_documents(served_index, ["t1 t2 t3 t4 t5"], SelectOptions(top="5", where="kind = 'class'"))
+    targets = Question(queries=("t1 t2 t3 t4 t5",), where="kind = 'class'")
+    expected = select_documents(served_index, targets, SelectOptions(top="5"))
     ids = served_index.store.take_rows(expected.rowaddr.tolist(), ["id"]).column("id").to_pylist()
     assert sorted(r["id"] for r in records) == sorted(ids)
     assert all(r["kind"] == "class" and "text" in r and "score" in r for r in records)

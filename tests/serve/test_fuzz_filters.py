@@ -167,11 +167,11 @@ def client(served_index):
         yield test_client
 
 
-def _post(client, body, *, content_type="application/json", scheme="Bearer"):
+def _post(client, body, *, content_type="application/json", scheme="Bearer", path="/v1/query"):
     headers = {"Authorization": f"{scheme} {TOKEN}"}
     if content_type is not None:
         headers["Content-Type"] = content_type
-    return client.post("/v1/query", content=json.dumps(body).encode(), headers=headers)
+    return client.post(path, content=json.dumps(body).encode(), headers=headers)
 
 
 def test_generated_broken_filters_are_refused_where_they_break_by_library_and_server(client, served_index):
@@ -186,12 +186,16 @@ def test_generated_broken_filters_are_refused_where_they_break_by_library_and_se
         except InputError as exc:
             if expected not in str(exc):
                 problems.append(f"library, {where!r}: expected {expected!r} in {exc}")
-        answer = _post(client, {"text": QUERY, "k": 2, "where": where, "direction": "both"})
-        error = answer.json().get("error") or {}
-        if answer.status_code != 400 or error.get("field") != "where" or expected not in error.get("message", ""):
-            problems.append(f"server, {where!r}: {answer.status_code} {answer.text[:300]}")
-        if "Traceback" in answer.text:
-            problems.append(f"server, {where!r}: a traceback")
+        for path, body in (
+            ("/v1/query", {"text": QUERY, "k": 2, "where": where, "direction": "both"}),
+            ("/v1/select", {"queries": [QUERY], "top": 2, "where": where}),  # the same one check
+        ):
+            answer = _post(client, body, path=path)
+            error = answer.json().get("error") or {}
+            if answer.status_code != 400 or error.get("field") != "where" or expected not in error.get("message", ""):
+                problems.append(f"server {path}, {where!r}: {answer.status_code} {answer.text[:300]}")
+            if "Traceback" in answer.text:
+                problems.append(f"server {path}, {where!r}: a traceback")
     assert problems == [], f"{len(problems)} of {len(cases)}:\n" + "\n".join(problems[:20])
 
 

@@ -57,7 +57,10 @@ def bf16_index(tmp_path_factory):
 
 def _answers(index):
     """Each query's top 5 stored documents and their scores."""
-    return [index.top_influential(list(q.input_ids), k=5).select(["id", "score"]).to_pylist() for q in QUERIES]
+    return [
+        index.top_influential(list(q.input_ids), k=5, direction="positive").select(["id", "score"]).to_pylist()
+        for q in QUERIES
+    ]
 
 
 def test_a_bf16_index_stores_and_holds_its_eigenvector_columns_in_16_bits(bf16_index):

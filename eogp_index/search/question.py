@@ -1,0 +1,291 @@
+"""One question to the index: what is asked and how it is answered, described once.
+
+A :class:`Question` carries everything a question can hold: its queries (record dicts of any
+kind in :data:`~eogp_index.data.records.RECORD_KINDS`), how several are answered as one
+behaviour (``aggregate``), and the options of the answer (``k``, ``where``, ``direction``,
+``normalize``, ``group_by``, ``by_module``, ``route``, ``candidates``, ``first_pass``). Every
+surface builds one and answers it: the library's builder
+(:meth:`InfluenceQuery.to_query_object() <eogp_index.search.query.InfluenceQuery.to_query_object>`),
+``AttributionIndex.search`` / ``top_influential`` / ``scores`` / ``select``, the commands
+``eogp query`` / ``explain`` / ``select`` / ``scores`` (their options are generated from the
+fields below) and the server's request bodies (same names, same defaults; a test keeps them so).
+
+It is checked in two steps, by one module:
+
+* :meth:`Question.__post_init__`: what needs no index (types, ranges, options that exclude each
+  other), as a :class:`~eogp_index.errors.ConfigError`;
+* :func:`check_question`: what needs the stored index: the filter (:func:`~eogp_index.store.filters.check_filter`),
+  the ``group_by`` column and the text of every query, as an :class:`~eogp_index.errors.InputError`.
+
+Either error's ``field`` names the question field at fault (``"where"``, ``"k"``,
+``"queries[2]"``), which the server maps to its request field.
+
+The defaults, the same on every surface: ``k=10`` rows per side, ``direction="both"``,
+``normalize="none"``, no filter, no aggregate, no roll-up, route ``auto``.
+
+Example:
+    >>> question = Question(queries=("The Eiffel Tower is in Paris.",), k=5, where="source = 'news'")  # doctest: +SKIP
+    >>> check_question(question, index.stored)  # doctest: +SKIP
+    >>> index.search(question).to_arrow()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Dict, Literal, Optional, Sequence, Tuple
+
+from eogp_index.config import AGGREGATES, Aggregate, Normalize, check_normalize
+from eogp_index.data.records import check_text, query_record
+from eogp_index.errors import ConfigError, InputError
+
+# Light on purpose: `eogp --help` builds its options from this class, without numpy or pyarrow,
+# so the sides are spelled here as search/ranking.py spells them.
+Direction = Literal["positive", "negative", "both"]
+DIRECTIONS = ("positive", "negative", "both")
+
+__all__ = ["Question", "Route", "ROUTES", "check_question", "question_field"]
+
+Route = Literal["auto", "hot", "stream", "sharded", "candidates"]
+ROUTES = ("auto", "hot", "stream", "sharded", "candidates")
+
+
+@dataclass(frozen=True)
+class Question:
+    """A question to the index; validated where it is made (see the module docstring).
+
+    Attributes:
+        queries: ``(nq,)`` record dicts (:func:`~eogp_index.data.records.query_record` makes one
+            from a text, a chat or token ids): ``{"text"}``, ``{"messages"}``,
+            ``{"input_ids"[, "labels"]}``, ``{"prompt", "completion"}`` or
+            ``{"prompt", "chosen", "rejected"}`` (a preference: scores of the margin
+            ``log p(chosen | prompt) - log p(rejected | prompt)``). Each is answered on its own,
+            or all as one measurement with ``aggregate``.
+        aggregate: ``mean`` / ``sum``: the queries are one behaviour, the mean (sum) of their
+            losses, exact in one scan; None: each query on its own.
+        k: rows per side (``direction="both"``: per side), or groups with ``group_by``.
+        where: SQL filter on the stored columns (Lance's dialect); None or blank: every row.
+        direction: ``positive`` (documents whose training lowers the query's loss), ``negative``
+            (raises it) or ``both``; a side holds only scores of its sign, so it may hold fewer
+            than ``k`` rows.
+        normalize: ``unit``: each stored code divided by its exact norm (cosine); ``none``: the
+            paper's influence.
+        group_by: roll the scores of every row matching ``where`` up by this stored column.
+        by_module: add each hit's per-module terms (they sum to its score).
+        route: ``auto`` (the hot copy, on the index's device), ``hot``, ``stream`` (the table in
+            batches), ``sharded`` (torchrun workers share the fragments), ``candidates`` (a first
+            pass); ``candidates`` given with route ``auto`` chooses ``candidates``.
+        candidates: the first pass's budget per side (``C >= k``), for the ``candidates`` route.
+        first_pass: which first pass of the index directory (``eogp build-candidates --name``).
+    """
+
+    queries: Tuple[Dict[str, Any], ...] = field(
+        default=(), metadata={"help": "The queries: texts, chats, token ids or records of any kind."}
+    )
+    aggregate: Optional[Aggregate] = field(
+        default=None,
+        metadata={"help": "Answer all the queries as one measurement, their mean (or summed) loss: exact, one scan."},
+    )
+    k: int = field(default=10, metadata={"help": "How many documents per direction (or groups).", "min": 1})
+    where: Optional[str] = field(
+        default=None, metadata={"help": "SQL filter on stored columns, e.g. \"kind = 'function'\"."}
+    )
+    direction: Direction = field(
+        default="both",
+        metadata={"help": "positive: documents whose training lowers the query's loss; negative: raises it."},
+    )
+    normalize: Normalize = field(
+        default="none",
+        metadata={
+            "help": "unit: divide each training code by its norm (cosine to the query); none: the paper's influence."
+        },
+    )
+    group_by: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Roll the scores of every row matching --where up by this stored column (rows, sum, mean, max, "
+            "top-k counts, shares of the positive and negative influence) instead of listing hits."
+        },
+    )
+    by_module: bool = field(
+        default=False, metadata={"help": "Split each hit's score into its per-module terms (they sum to the score)."}
+    )
+    route: Route = field(
+        default="auto",
+        metadata={
+            "help": "Where codes are read from: auto (the in-memory copy), hot, stream (the table in batches), "
+            "sharded (torchrun workers), candidates (a first pass)."
+        },
+    )
+    candidates: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Score only this many first-pass candidates per direction (needs `eogp build-candidates`).",
+            "min": 1,
+        },
+    )
+    first_pass: str = field(
+        default="default", metadata={"help": "Which first pass to use (`eogp build-candidates --name`)."}
+    )
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalized once, here
+        set_(self, "queries", _records(self.queries))
+        set_(self, "where", _blank_is_none(self.where, "where", "an SQL string"))
+        set_(self, "group_by", _blank_is_none(self.group_by, "group_by", "a stored column's name"))
+        if self.aggregate is not None and self.aggregate not in AGGREGATES:
+            raise ConfigError(
+                f"aggregate must be one of {list(AGGREGATES)} (or None: each query on its own), got {self.aggregate!r}",
+                field="aggregate",
+            )
+        if not _is_count(self.k):
+            raise ConfigError(f"k must be a positive integer, got {self.k!r}", field="k")
+        if self.direction not in DIRECTIONS:
+            raise ConfigError(
+                f"direction must be one of {list(DIRECTIONS)}, got {self.direction!r} "
+                "(positive: documents that help the query; negative: that hurt it)",
+                field="direction",
+            )
+        try:
+            check_normalize(self.normalize)
+        except ConfigError as exc:
+            raise ConfigError(str(exc), field="normalize") from None
+        if not isinstance(self.by_module, bool):
+            raise ConfigError(f"by_module must be true or false, got {self.by_module!r}", field="by_module")
+        if not isinstance(self.first_pass, str) or not self.first_pass:
+            raise ConfigError(f"first_pass must name a first pass, got {self.first_pass!r}", field="first_pass")
+        self._check_route()
+
+    def _check_route(self) -> None:
+        if self.route not in ROUTES:
+            raise ConfigError(f"route must be one of {list(ROUTES)}, got {self.route!r}", field="route")
+        if self.candidates is not None:
+            if not _is_count(self.candidates):
+                raise ConfigError(f"candidates must be a positive integer, got {self.candidates!r}", field="candidates")
+            if self.route == "auto":
+                object.__setattr__(self, "route", "candidates")
+            elif self.route != "candidates":
+                raise ConfigError(
+                    f"candidates picks the candidates route; drop it for the {self.route} route", field="candidates"
+                )
+            if self.candidates < self.k:
+                raise ConfigError(f"candidates C={self.candidates} must be at least k={self.k}", field="candidates")
+        elif self.route == "candidates":
+            raise ConfigError(
+                "the candidates route needs a candidate count: .candidates(C) or --candidates C", field="candidates"
+            )
+        if self.normalize != "none" and self.route == "candidates":
+            raise ConfigError(
+                "normalize='unit' needs an exact scan; first-pass candidates are picked for unnormalized "
+                "scores: drop --candidates or --normalize",
+                field="normalize",
+            )
+        if self.group_by is not None and self.route not in ("auto", "hot"):
+            raise ConfigError(
+                f"group_by scores every matching row of the hot copy; the {self.route} route "
+                "lists top hits only: drop the route (or --stream/--candidates) to group",
+                field="group_by",
+            )
+
+    def replace(self, **changes: Any) -> "Question":
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def check(self, stored) -> None:
+        """:func:`check_question` against ``stored``."""
+        check_question(self, stored)
+
+
+def _is_count(value: Any) -> bool:
+    # numpy's integers are Integral; bool is too, and is refused (True is not a count).
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1
+
+
+def _blank_is_none(value: Any, name: str, what: str) -> Optional[str]:
+    """A string option with surrounding blanks removed; None when blank."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be {what}, got {type(value).__name__}", field=name)
+    return value.strip() or None
+
+
+def _records(queries: Any) -> Tuple[Dict[str, Any], ...]:
+    """Every query as a record dict (:func:`~eogp_index.data.records.query_record`)."""
+    if isinstance(queries, (str, dict)):
+        raise ConfigError(
+            "queries holds a sequence of queries; give (query,) for one, or use index.search(query)",
+            field="queries",
+        )
+    out = []
+    for i, query in enumerate(queries):
+        try:
+            out.append(query_record(query, i))
+        except InputError as exc:
+            raise InputError(exc.reason, field=f"queries[{i}]") from None
+    return tuple(out)
+
+
+def question_field(name: str) -> dataclasses.Field:
+    """The :class:`Question` field ``name`` (its default and ``metadata["help"]``)."""
+    found = {f.name: f for f in dataclasses.fields(Question)}.get(name)
+    if found is None:
+        raise KeyError(f"Question has no field {name!r}")
+    return found
+
+
+def _check_strings(value: Any, name: str, field_name: str) -> None:
+    """:func:`~eogp_index.data.records.check_text` on every string of a query record (keys too)."""
+    try:
+        if isinstance(value, str):
+            check_text(value, name)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str):
+                    check_text(key, name)
+                _check_strings(item, f"{name}.{key}" if name else str(key), field_name)
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                _check_strings(item, f"{name}[{index}]", field_name)
+    except InputError as exc:
+        if exc.field is None:
+            exc.field = field_name
+        raise
+
+
+def check_question(question: Question, stored) -> None:
+    """Refuse what the index says is wrong with ``question``.
+
+    Args:
+        stored: the :class:`~eogp_index.store.stored_index.StoredIndex` asked.
+
+    Raises:
+        InputError: ``where`` is not exactly one SQL expression over the stored columns
+            (:func:`~eogp_index.store.filters.check_filter`: text left over, a second statement,
+            a subquery, a comparison naming no column), ``group_by`` is no stored column, or a
+            query holds text that is not Unicode (``field``: ``where``, ``group_by``, ``queries[i]``).
+    """
+    from eogp_index.search.rollup import check_group_column
+    from eogp_index.store.filters import check_filter
+
+    for i, record in enumerate(question.queries):
+        _check_strings(record, "", f"queries[{i}]")
+    store = stored.store
+    if question.where is not None:
+        try:
+            check_filter(question.where, store.schema, store)
+        except InputError as exc:
+            exc.field = "where"
+            raise
+    if question.group_by is not None:
+        try:
+            check_group_column(question.group_by, _columns(stored))
+        except InputError as exc:
+            exc.field = "group_by"
+            raise
+
+
+def _columns(stored) -> Sequence[str]:
+    """The stored columns a question may name (not the codes)."""
+    return [f.name for f in stored.store.schema or [] if f.name not in stored.codec.columns]
