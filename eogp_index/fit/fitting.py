@@ -85,7 +85,7 @@ class FittedProjection:
 
     Attributes:
         projection: the fitted per-module projections, in module order.
-        weights_sha256: the model's fingerprint, taken before GPT-2's ``Conv1D`` layers are swapped.
+        weights_sha256: the model's SHA-256 as loaded (:func:`~eogp_index.gradients.model.model_sha256`).
         num_parameters: the model's parameter count.
         curvature_examples: examples the EK-FAC factors were fitted on.
         pca_examples: examples in the PCA fitting set (0 without a PCA stage).
@@ -153,7 +153,7 @@ def fit_projection(
     ranks = Ranks.current()
     progress = progress and ranks.rank == 0  # one set of bars per job
     out_dir = Path(out_dir)
-    weights_sha256 = model_sha256(model)  # before the Conv1D swap: the checkpoint's own bytes
+    weights_sha256 = model_sha256(model)
     replace_conv1d(model)
     make_experts_trackable(model, dense=gradients.experts == "dense")
     device = gradients.resolved_device()
