@@ -652,12 +652,12 @@ def _sized(stored: StoredIndex, model: nn.Module, gradients: GradientConfig) -> 
         device="cpu" if device == "cpu" else "cuda",
     )
     sizing = {
-        **plan["batch"],
+        **plan.batch.to_json(),
         "budget": budget,
         "budget_from": budget_from,
-        "p_resident": plan["projection_in_memory"]["resident"],
+        "p_resident": plan.projection_in_memory.resident,
     }
-    return dataclasses.replace(gradients, batch_size=plan["batch"]["documents"]), sizing
+    return dataclasses.replace(gradients, batch_size=plan.batch.documents), sizing
 
 
 def _in_dtype(model: nn.Module, dtype: Optional[str], gradients: GradientConfig) -> GradientConfig:
