@@ -393,6 +393,13 @@ class _SegmentWriter:
         return self.folder.name
 
     def abort(self) -> None:
+        # Closed and unmapped before the files go: an open file keeps its disk space after it is removed.
+        sink = getattr(self, "sink", None)
+        if sink is not None and not sink.closed:
+            try:
+                sink.close()
+            except OSError:
+                pass  # a full disk refuses the last bytes; the file is removed below
         self.arrays.clear()
         self.dictionaries.clear()
         shutil.rmtree(self.tmp, ignore_errors=True)
