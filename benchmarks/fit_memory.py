@@ -316,7 +316,7 @@ def plans_for(layers: int, k: int, width: int, dtype: str, out: Optional[Path], 
     run's batch of ``BATCH`` documents: before the fit for the fit (the kept eigenvector columns
     bounded), and of the fitted index ``out`` (``eogp plan INDEX``: exact) for ingest, block
     ingest (``P`` in turn, one block of every ingested document) and the query; ``out`` None:
-    the fit's only."""
+    the fit's only. As JSON (``eogp plan --json``'s), as the results are saved and read back."""
     from transformers import AutoTokenizer
 
     from eogp_index.config import ProjectionConfig
@@ -335,10 +335,10 @@ def plans_for(layers: int, k: int, width: int, dtype: str, out: Optional[Path], 
         **options,
     )
     if out is None:
-        return {"fit": before}
-    fitted = plan_of_index(out, shape=shape, **options)
+        return {"fit": before.to_json()}
+    fitted = plan_of_index(out, shape=shape, **options).to_json()
     in_turn = plan_of_index(out, shape=shape, projection_memory=0, block_documents=args.ingest, **options)
-    return {"fit": before, "ingest": fitted, "block": in_turn, "query": fitted}
+    return {"fit": before.to_json(), "ingest": fitted, "block": in_turn.to_json(), "query": fitted}
 
 
 def run_child(

@@ -1158,7 +1158,9 @@ def plan(
     the attributed share of the model's parameters by kind, and what is left
     out and why. Before a fit the kept eigenvector columns are an upper bound
     (marked <=); given an INDEX directory instead of MODEL, the plan reads its
-    manifest and projection file and they are exact.
+    manifest and projection file and they are exact, and its documents are as
+    long as the index cuts them (its max_tokens, unless --max-tokens or
+    --document-tokens is given).
 
     \b
     Example:
@@ -1166,7 +1168,6 @@ def plan(
         eogp plan olmo-2-1b/config.json -k 2048 --m 262144 --dtype bfloat16 --max-tokens 512 --memory-budget 80
         eogp plan my-index --memory-budget 24
     """
-    from eogp_index.fit.blocks import p_reads
     from eogp_index.fit.plan import format_p_reads, format_plan, make_plan, model_shape
     from eogp_index.store.index_plan import plan_of_index
 
@@ -1193,11 +1194,11 @@ def plan(
         result = make_plan(
             shape, ProjectionConfig(**projection), precision=StorageConfig(**storage).precision, **options
         )
-    result["p_reads"] = p_reads(result, block_documents=block_documents)
+    reads = result.p_reads(block_documents)
     _emit(
-        result,
+        {**result.to_json(), "p_reads": reads.to_json()},
         as_json,
-        lambda data: click.echo(format_plan(data, all_modules=all_modules) + "\n" + format_p_reads(data["p_reads"])),
+        lambda _: click.echo(format_plan(result, all_modules=all_modules) + "\n" + format_p_reads(reads)),
     )
 
 

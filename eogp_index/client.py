@@ -48,6 +48,7 @@ from eogp_index.gradients.model import (
     model_fingerprint,
     model_sha256,
     replace_conv1d,
+    shared_weights_copy,
     torch_dtype,
 )
 from eogp_index.search.explain import Explanation, explain_documents
@@ -131,8 +132,12 @@ class AttributionIndex:
             mode: ``"create"`` refuses an existing index directory, and resumes an interrupted fit
                 found there (``path/fit`` without a manifest); ``"overwrite"`` replaces either.
             dtype: the model's precision (default ``gradients.dtype``): ``"bfloat16"``,
-                ``"float16"`` or ``"float32"`` casts the model to it in place; ``"auto"`` keeps the
-                dtype it was loaded in. Recorded in the manifest: the index is opened in it.
+                ``"float16"`` or ``"float32"`` casts the index's copy of the model to it (the
+                model given keeps its own weights); ``"auto"`` keeps the dtype it was loaded in.
+                Recorded in the manifest: the index is opened in it.
+
+        ``model`` is left as it is: the fit prepares the index's own module objects over its
+        weights, as :meth:`open` does.
 
         Under ``torch.distributed`` every rank calls this: the work is split
         (:mod:`eogp_index.fit.fitting`), rank 0 writes the index, and every rank returns it.
@@ -155,8 +160,9 @@ class AttributionIndex:
         if distributed:
             dist.barrier()
         path = Path(path)
+        model = shared_weights_copy(model)  # the fit prepares the index's own module objects, not the caller's
         gradients = _in_dtype(model, dtype or gradients.dtype, gradients)
-        weights_fingerprint = model_fingerprint(model)  # before fitting swaps GPT-2's Conv1D, like weights_sha256
+        weights_fingerprint = model_fingerprint(model)
         adapter_entry = _adapter_entry(model, adapter)
         fitted = fit_projection(
             model,
@@ -228,8 +234,12 @@ class AttributionIndex:
 
         The model and projection are checked by the sampled fingerprints in the manifest (an
         index written before them: by full SHA-256s); :func:`~eogp_index.store.verify.verify_index` (``eogp verify``)
-        hashes every byte. The model is frozen: no parameter requires gradients, and queries and
-        ingests leave no ``.grad`` (only output gradients are taken).
+        hashes every byte. A model passed in is left as it is: the index prepares its own module
+        objects over the same weights (:func:`~eogp_index.gradients.model.shared_weights_copy`;
+        ``index.model``), with GPT-2's ``Conv1D`` layers as ``nn.Linear``, frozen (no parameter
+        requires gradients, and queries and ingests leave no ``.grad``: only output gradients are
+        taken), in eval mode and on the device. One model object may open several indexes, and
+        ``index.model`` another one.
 
         Raises:
             IncompatibleIndexError: the model's weights, its dtype or the projection file differ
@@ -257,6 +267,8 @@ class AttributionIndex:
                 f"{stored.path} was built with the model in {model_dtype} (manifest model.dtype) but the model given "
                 f"is {dtype_name(model)}; pass model.to(torch.{model_dtype}), or let open load it"
             )
+        else:  # prepared below on the index's own module objects: the caller's model is left as it is
+            model = shared_weights_copy(model)
         if stored.manifest.model.get("weights_fingerprint"):
             check_compatible(
                 stored.manifest,
@@ -554,12 +566,12 @@ def _sized(stored: StoredIndex, model: nn.Module, gradients: GradientConfig) -> 
         device="cpu" if device == "cpu" else "cuda",
     )
     sizing = {
-        **plan["batch"],
+        **plan.batch.to_json(),
         "budget": budget,
         "budget_from": budget_from,
-        "p_resident": plan["projection_in_memory"]["resident"],
+        "p_resident": plan.projection_in_memory.resident,
     }
-    return dataclasses.replace(gradients, batch_size=plan["batch"]["documents"]), sizing
+    return dataclasses.replace(gradients, batch_size=plan.batch.documents), sizing
 
 
 def _in_dtype(model: nn.Module, dtype: Optional[str], gradients: GradientConfig) -> GradientConfig:

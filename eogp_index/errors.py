@@ -57,3 +57,17 @@ class IncompatibleIndexError(EOGPError):
 
     Scoring against it would return wrong numbers, so eogp-index refuses instead.
     """
+
+
+class NoSpaceError(EOGPError):
+    """A file system has no room for what eogp-index must write there.
+
+    ``path`` is where it would be written, ``needed`` the bytes it takes (an estimate where the
+    message says "about"), ``free`` the bytes free there when it was refused.
+    """
+
+    def __init__(self, message: str, *, path: str, needed: int, free: int):
+        self.path = path
+        self.needed = needed
+        self.free = free
+        super().__init__(message)

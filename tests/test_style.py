@@ -1,8 +1,10 @@
 """One formatter and one linter, configured in pyproject.toml ([tool.ruff]): the suite fails when
-a file is not formatted or a lint rule breaks. Fix with `ruff format . && ruff check --fix .`."""
+a file is not formatted or a lint rule breaks. Fix with `ruff format . && ruff check --fix .`.
+And the house rule no linter checks: no function of the library is longer than 120 lines."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -41,3 +43,33 @@ def test_the_style_check_can_fail(tmp_path):
     )
     assert check.returncode != 0 and "F401" in check.stdout
     assert fmt.returncode != 0 and "bad.py" in fmt.stdout + fmt.stderr
+
+
+#: The longest a function of the library (eogp_index/, ingest/) may be, from its ``def`` line to
+#: its last line, docstring included (its decorators are not counted).
+MAX_FUNCTION_LINES = 120
+
+
+def long_functions(root: Path, max_lines: int = MAX_FUNCTION_LINES) -> list:
+    """``path:line name (n lines)`` of every function under ``root`` longer than ``max_lines``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > max_lines:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_of_the_library_is_longer_than_120_lines():
+    offenders = long_functions(ROOT / "eogp_index") + long_functions(ROOT / "ingest")
+    assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines (split them): " + "; ".join(offenders)
+
+
+def test_the_function_length_check_can_fail(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (package / "long.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}")
+    assert long_functions(package) == [f"pkg/long.py:5 long ({MAX_FUNCTION_LINES + 1} lines)"]

@@ -14,6 +14,7 @@ document); :func:`default_block_documents` sizes it from the free disk and memor
 from __future__ import annotations
 
 import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
@@ -63,39 +64,64 @@ def free_disk_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def p_reads(plan: Dict[str, Any], *, block_documents: Optional[int] = None) -> Dict[str, Any]:
-    """``P`` read per document in each way of applying it, and the block cache's disk, for a plan
-    of :func:`~eogp_index.fit.plan.make_plan` (JSON-able).
+@dataclass(frozen=True)
+class PerDocument:
+    """Bytes of ``P`` read per ingested document: resident (read once for every document), in
+    turn per gradient batch, and in turn per block."""
 
-    ``block_documents`` defaults to the plan's block (``memory.ingest_block``: sized from its
-    memory budget as an ingest sizes its own, at most :data:`MAX_BLOCK_DOCUMENTS`). Keys:
-    ``p_total_bytes``; ``per_document`` bytes of ``P`` read per ingested document when resident
-    (read once, over the plan's ``--documents``), in turn per gradient batch, and in turn per
-    block; ``cache_bytes_per_document`` and ``cache_bytes`` (the block's cache on disk);
-    ``block_documents``; ``batch_size``.
+    resident: float
+    per_batch: float
+    block: float
+
+
+@dataclass(frozen=True)
+class PReads:
+    """``P`` read per document in each way of applying it, against the block cache's disk and
+    memory (:func:`p_reads`); :meth:`to_json` is ``eogp plan --json``'s ``p_reads``."""
+
+    p_total_bytes: int
+    documents: int
+    batch_size: int
+    block_documents: int
+    per_document: PerDocument
+    cache_bytes_per_document: int
+    cache_bytes: int
+    block_memory_bytes: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def p_reads(
+    ms: Sequence[int],
+    ks: Sequence[int],
+    p_total: int,
+    *,
+    batch_size: int,
+    documents: int,
+    block_documents: Optional[int] = None,
+) -> PReads:
+    """``P`` read per document in each way of applying it, and the block cache's disk, for
+    modules of widths ``ms`` and ``ks`` whose ``P`` take ``p_total`` bytes in all (none: no P),
+    ingested ``batch_size`` documents per gradient batch: resident (read once for all
+    ``documents``), in turn per batch, and in turn per block of ``block_documents`` (rounded up
+    to whole batches; default :data:`MAX_BLOCK_DOCUMENTS`), with the block's cache on disk and
+    its memory while each ``P`` is applied. :meth:`Plan.p_reads <eogp_index.fit.plan.Plan.p_reads>`
+    gives a plan's.
     """
-    rows = plan["modules"]
-    p_total = sum(r["pca_bytes"] for r in rows)
-    batch = int(plan["options"]["batch_size"])
-    itemsize = FIRST_STAGE_ITEMSIZE
-    planned = plan.get("memory", {}).get("ingest_block", {}).get("block_documents")
-    block = whole_batches(block_documents or planned or MAX_BLOCK_DOCUMENTS, batch)
-    per_doc_cache = cache_bytes_per_document([r["m"] for r in rows], itemsize) if p_total else 0
-    documents = int(plan["store"]["documents"])
-    return {
-        "p_total_bytes": p_total,
-        "documents": documents,
-        "batch_size": batch,
-        "block_documents": block,
-        "per_document": {
-            "resident": p_total / documents if documents else p_total,
-            "per_batch": p_total / batch,
-            "block": p_total / block,
-        },
-        "cache_bytes_per_document": per_doc_cache,
-        "cache_bytes": per_doc_cache * block,
-        "block_memory_bytes": block
-        * block_memory_per_document([r["m"] for r in rows], [r["k"] for r in rows], itemsize)
-        if p_total
-        else 0,
-    }
+    block = whole_batches(block_documents or MAX_BLOCK_DOCUMENTS, batch_size)
+    per_doc_cache = cache_bytes_per_document(ms, FIRST_STAGE_ITEMSIZE) if p_total else 0
+    return PReads(
+        p_total_bytes=p_total,
+        documents=documents,
+        batch_size=batch_size,
+        block_documents=block,
+        per_document=PerDocument(
+            resident=p_total / documents if documents else p_total,
+            per_batch=p_total / batch_size,
+            block=p_total / block,
+        ),
+        cache_bytes_per_document=per_doc_cache,
+        cache_bytes=per_doc_cache * block,
+        block_memory_bytes=block * block_memory_per_document(ms, ks, FIRST_STAGE_ITEMSIZE) if p_total else 0,
+    )

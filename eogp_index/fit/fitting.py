@@ -85,7 +85,7 @@ class FittedProjection:
 
     Attributes:
         projection: the fitted per-module projections, in module order.
-        weights_sha256: the model's fingerprint, taken before GPT-2's ``Conv1D`` layers are swapped.
+        weights_sha256: the model's SHA-256 as loaded (:func:`~eogp_index.gradients.model.model_sha256`).
         num_parameters: the model's parameter count.
         curvature_examples: examples the EK-FAC factors were fitted on.
         pca_examples: examples in the PCA fitting set (0 without a PCA stage).
@@ -153,7 +153,7 @@ def fit_projection(
     ranks = Ranks.current()
     progress = progress and ranks.rank == 0  # one set of bars per job
     out_dir = Path(out_dir)
-    weights_sha256 = model_sha256(model)  # before the Conv1D swap: the checkpoint's own bytes
+    weights_sha256 = model_sha256(model)
     replace_conv1d(model)
     make_experts_trackable(model, dense=gradients.experts == "dense")
     device = gradients.resolved_device()
@@ -214,30 +214,9 @@ def fit_projection(
     )
     del factors  # build_projection copied the columns it keeps
     gc.collect()  # kronfluence's fit leaves reference cycles that hold tensors until the collector runs
-    if use_pca and projection.variant == "auto" and not held_out.numel():
-        if ranks.rank == 0:
-            log.info(
-                "variant auto: %d held-out documents (held_out_fraction %s of %d) are too few to measure the "
-                "1-bit codes; every module keeps EOGP",
-                held_out.numel(),
-                projection.held_out_fraction,
-                len(sets.pca),
-            )
-        for module in fitted.modules.values():
-            module.rotation = None
     if use_pca:
-        _first_stage_pass(model, fitted, names, sets.pca, folder, gradients, pad_id, device, ranks, progress)
-        gc.collect()  # the pass's graphs and hooks, in reference cycles, before the PCA needs the memory
-        ranks.barrier()
-        _fit_modules(fitted, folder, num_batches, held_out, ranks, progress)
-        ranks.barrier()
-        _read_choices(fitted, folder)
-        if ranks.rank == 0 and fitted.choices:
-            log.info("%s", format_choices(fitted, time.perf_counter() - start))
-        for i, module in enumerate(fitted.modules.values()):
-            # Read when the projection file is written, one module at a time, and dropped after:
-            # never every module's P in memory at once.
-            module.pca_loader = functools.partial(folder.read_module_pca, i)
+        pass_args = (model, fitted, names, sets.pca, folder, gradients, pad_id, device, ranks, progress)
+        _fit_second_stage(pass_args, num_batches=num_batches, held_out=held_out, start=start)
     return FittedProjection(
         projection=fitted,
         weights_sha256=weights_sha256,
@@ -247,6 +226,37 @@ def fit_projection(
         disjoint=sets.disjoint,
         folder=folder,
     )
+
+
+def _fit_second_stage(pass_args: tuple, *, num_batches: int, held_out: torch.Tensor, start: float) -> None:
+    """The PCA stage: the first-stage coordinates of the PCA set (``pass_args`` are
+    :func:`_first_stage_pass`'s), each module's P from them, and, with held-out rows, the
+    measurement of its 1-bit codes (variant ``auto`` keeps EOGP everywhere without them). Each P
+    is left on disk, read when the projection file is written."""
+    _, fitted, _, examples, folder, _, _, _, ranks, progress = pass_args
+    if fitted.config.variant == "auto" and not held_out.numel():
+        if ranks.rank == 0:
+            log.info(
+                "variant auto: %d held-out documents (held_out_fraction %s of %d) are too few to measure the "
+                "1-bit codes; every module keeps EOGP",
+                held_out.numel(),
+                fitted.config.held_out_fraction,
+                len(examples),
+            )
+        for module in fitted.modules.values():
+            module.rotation = None
+    _first_stage_pass(*pass_args)
+    gc.collect()  # the pass's graphs and hooks, in reference cycles, before the PCA needs the memory
+    ranks.barrier()
+    _fit_modules(fitted, folder, num_batches, held_out, ranks, progress)
+    ranks.barrier()
+    _read_choices(fitted, folder)
+    if ranks.rank == 0 and fitted.choices:
+        log.info("%s", format_choices(fitted, time.perf_counter() - start))
+    for i, module in enumerate(fitted.modules.values()):
+        # Read when the projection file is written, one module at a time, and dropped after:
+        # never every module's P in memory at once.
+        module.pca_loader = functools.partial(folder.read_module_pca, i)
 
 
 def _probe_capture(
@@ -278,7 +288,7 @@ def _sized(model, names, sets, out_dir, projection, storage, curvature, gradient
     Returns ``gradients`` and ``curvature`` with those batch sizes, and the partitions. A resumed
     fit keeps the batch its cached coordinates were computed with when the batch is not given.
     """
-    from eogp_index.fit.plan import make_plan, memory_budget, shape_of_model
+    from eogp_index.fit.plan import FIT_PHASES, make_plan, memory_budget, shape_of_model
 
     budget, budget_from = memory_budget(gradients.memory_budget_gb, device)
     examples = [*sets.curvature, *sets.pca]
@@ -293,11 +303,11 @@ def _sized(model, names, sets, out_dir, projection, storage, curvature, gradient
         batch_tokens=gradients.batch_tokens,
         device="cpu" if device == "cpu" else "cuda",
     )
-    documents = plan["batch"]["documents"]
+    documents = plan.batch.documents
     found = (FitFolder.existing_settings(out_dir) or {}).get("gradient_batch_size")
     if found is not None and gradients.batch_tokens is None and found <= gradients.batch_size:
         documents = found  # the interrupted fit's batches, whatever memory is free now
-    partitions = plan["curvature"]["module_partitions"]
+    partitions = plan.curvature.module_partitions
     if ranks.rank == 0:
         log.info(
             "memory budget %.3g GB (%s): batches of %d documents of up to %d tokens, kronfluence in %d module "
@@ -305,13 +315,13 @@ def _sized(model, names, sets, out_dir, projection, storage, curvature, gradient
             budget / 1e9,
             budget_from,
             documents,
-            plan["batch"]["document_tokens"],
+            plan.batch.document_tokens,
             partitions,
         )
-        for key in ("fit_curvature", "fit_first_stage", "fit_pca", "fit_save"):
-            entry = plan["memory"][key]
-            if entry["fits"] is False:
-                log.warning("%s is estimated at %.3g GB, over the budget: %s", key, entry["bytes"] / 1e9, entry["fix"])
+        for key in FIT_PHASES:
+            entry = plan.memory.phase(key)
+            if entry.fits is False:
+                log.warning("%s is estimated at %.3g GB, over the budget: %s", key, entry.bytes / 1e9, entry.fix)
     return (
         dataclasses.replace(gradients, batch_size=documents),
         dataclasses.replace(curvature, batch_size=min(curvature.batch_size, documents)),

@@ -37,9 +37,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from eogp_index.config import (
     DEFAULT_M_HELP,
@@ -53,9 +53,11 @@ from eogp_index.config import (
 from eogp_index.errors import ConfigError, ModelError
 from eogp_index.fit.blocks import (
     FIRST_STAGE_ITEMSIZE,
+    PReads,
     block_memory_per_document,
     cache_bytes_per_document,
     default_block_documents,
+    p_reads,
     whole_batches,
 )
 
@@ -214,9 +216,10 @@ def _eigen_upper(mod: ModuleShape, element_bytes: int) -> int:
     return element_bytes * (mod.d_out**2 + mod.d_in**2)
 
 
-def _eigen_row(nbytes: int, dtype: str, exact: bool) -> Dict[str, Any]:
-    """A module's kept eigenvector columns in the plan: ``nbytes`` held in ``dtype`` (exact or a
-    bound), and the float32 copy its first stage makes of them (none when they are float32)."""
+def _eigen_fields(nbytes: int, dtype: str, exact: bool) -> Dict[str, Any]:
+    """A module's kept eigenvector columns, as :class:`ModuleRow` fields: ``nbytes`` held in
+    ``dtype`` (exact or a bound), and the float32 copy its first stage makes of them (none when
+    they are float32)."""
     upcast = 0 if dtype == "float32" else nbytes * F32 // MODEL_DTYPE_BYTES[dtype]
     return {
         "eigenbasis_bytes": nbytes,
@@ -225,6 +228,59 @@ def _eigen_row(nbytes: int, dtype: str, exact: bool) -> Dict[str, Any]:
         "eigenbasis_dtype": dtype,
         "eigenbasis_upcast_bytes": upcast,
     }
+
+
+def _json(value: Any) -> Any:
+    """A plan part as JSON: a dataclass by its fields, in order (a field's ``json`` metadata is
+    its key), tuples as lists."""
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if is_dataclass(value):
+        return _json_fields(value)
+    if isinstance(value, (tuple, list)):
+        return [_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json(v) for k, v in value.items()}
+    return value
+
+
+def _json_fields(part: Any, last: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """``part``'s fields as JSON in their order (a field's ``json`` metadata is its key), the
+    ``last`` ones moved to the end."""
+    ordered = [f for f in fields(part) if f.name not in last] + [f for f in fields(part) if f.name in last]
+    return {f.metadata.get("json", f.name): _json(getattr(part, f.name)) for f in ordered}
+
+
+class _Part:
+    """A part of the plan: :meth:`to_json` gives its fields in order, as ``eogp plan --json`` prints them."""
+
+    def to_json(self) -> Dict[str, Any]:
+        return _json_fields(self)
+
+
+@dataclass(frozen=True)
+class ModuleRow(_Part):
+    """One attributed module in the plan: its shape ``d_out x d_in`` (``d_in`` counts a bias
+    column; ``d`` their product), ``(m, k)``, and the bytes of each of its parts: per example;
+    its ``P``; its kept eigenvector columns (``eigenbasis_bytes``, exact or a bound, held in
+    ``eigenbasis_dtype``, and their float32 copy while its first stage is computed); its
+    whitening weights, positions and SRHT (``other_bytes``); kronfluence's factors (float32)."""
+
+    name: str
+    d_out: int
+    d_in: int
+    d: int
+    m: int
+    k: int
+    bytes_per_example: int
+    pca_bytes: int
+    eigenbasis_bytes: int
+    eigenbasis_bytes_max: int
+    eigenbasis_exact: bool
+    eigenbasis_dtype: str
+    eigenbasis_upcast_bytes: int
+    other_bytes: int
+    factor_bytes: int
 
 
 def curvature_partitions(factor_bytes: Sequence[int], available: Optional[int]) -> int:
@@ -255,7 +311,7 @@ class _Inputs:
     """What every phase's estimate reads: the model, the modules' rows and the options."""
 
     shape: ModelShape
-    rows: Tuple[Dict[str, Any], ...]
+    rows: Tuple[ModuleRow, ...]
     projection: ProjectionConfig
     dtype: str
     n_pca: int
@@ -290,39 +346,39 @@ class _Inputs:
     def eigen(self) -> int:
         """Kept eigenvector columns (exact on a fitted index, else their bound) and the whitening
         weights, positions and SRHTs, as held while projecting."""
-        return sum(r["eigenbasis_bytes"] + r["other_bytes"] for r in self.rows)
+        return sum(r.eigenbasis_bytes + r.other_bytes for r in self.rows)
 
     @property
     def eigen_dtype(self) -> str:
         """The dtype the kept eigenvector columns are held in: ``EIGENVECTOR_DTYPES`` of the model's
         (a fitted index's file may hold them in float32, as written before they followed it)."""
-        return self.rows[0]["eigenbasis_dtype"]
+        return self.rows[0].eigenbasis_dtype
 
     @property
     def eigen_upcast(self) -> int:
         """The float32 copy of one module's kept eigenvector columns, made while its first stage
         is computed (none when they are held in float32): the largest module's."""
-        return max(r["eigenbasis_upcast_bytes"] for r in self.rows)
+        return max(r.eigenbasis_upcast_bytes for r in self.rows)
 
     @property
     def eigen_is_bound(self) -> bool:
-        return not all(r["eigenbasis_exact"] for r in self.rows)
+        return not all(r.eigenbasis_exact for r in self.rows)
 
     @property
     def pca_total(self) -> int:
-        return sum(r["pca_bytes"] for r in self.rows)
+        return sum(r.pca_bytes for r in self.rows)
 
     @property
     def largest_pca(self) -> int:
-        return max(r["pca_bytes"] for r in self.rows)
+        return max(r.pca_bytes for r in self.rows)
 
     @property
     def upcast(self) -> int:
         """apply_pca upcasts an FP16 P in float32 blocks of at most 64 MiB (none for an fp32 P)."""
-        largest = max(self.rows, key=lambda r: r["m"] * r["k"])
+        largest = max(self.rows, key=lambda r: r.m * r.k)
         if not (self.pca and self.projection.pca_dtype == "fp16"):
             return 0
-        return min(F32 * largest["m"] * largest["k"], UPCAST_BLOCK_BYTES)
+        return min(F32 * largest.m * largest.k, UPCAST_BLOCK_BYTES)
 
     def activations(self, tokens: int, *, captured_bytes: Optional[int] = None, sampled: bool = False) -> int:
         """One batch of ``tokens`` (documents x padded length) through the model: the activations
@@ -332,7 +388,7 @@ class _Inputs:
         backward (in the model's dtype, or ``captured_bytes`` per element)."""
         shape = self.shape
         autograd = 17 * self.w * shape.hidden_size * shape.num_layers * tokens
-        captured = (captured_bytes or self.w) * tokens * sum(r["d_in"] for r in self.rows)
+        captured = (captured_bytes or self.w) * tokens * sum(r.d_in for r in self.rows)
         return autograd + self.logits(tokens, sampled=sampled) + captured
 
     def logits(self, tokens: int, *, sampled: bool = False) -> int:
@@ -355,14 +411,14 @@ def _in_dtype(inp: _Inputs, dtype: str) -> _Inputs:
     columns (the same rows and columns, held in ``EIGENVECTOR_DTYPES`` of it) counted in it."""
     held = EIGENVECTOR_DTYPES[dtype]
     rows = tuple(
-        {
-            **r,
-            **_eigen_row(
-                r["eigenbasis_bytes"] * MODEL_DTYPE_BYTES[held] // MODEL_DTYPE_BYTES[r["eigenbasis_dtype"]],
+        replace(
+            r,
+            **_eigen_fields(
+                r.eigenbasis_bytes * MODEL_DTYPE_BYTES[held] // MODEL_DTYPE_BYTES[r.eigenbasis_dtype],
                 held,
-                r["eigenbasis_exact"],
+                r.eigenbasis_exact,
             ),
-        }
+        )
         for r in inp.rows
     )
     return replace(inp, dtype=dtype, rows=rows)
@@ -380,18 +436,79 @@ class Batch:
         return self.documents * self.document_tokens
 
 
-def _phase(peak: int, counts: str, *, bound: bool = False, disk: int = 0, disk_counts: str = "") -> Dict[str, Any]:
-    return {"bytes": peak, "counts": counts, "bound": bound, "disk_bytes": disk, "disk_counts": disk_counts}
+@dataclass(frozen=True)
+class Estimate(_Part):
+    """A peak of memory that is not a phase of its own (the process; the fit's largest phase):
+    ``bytes``, what they count, whether they are an upper bound (the kept eigenvector columns
+    before a fit), and against a budget whether they fit it and, if not, the ``fix``."""
+
+    bytes: int
+    bound: bool
+    counts: str
+    fits: Optional[bool] = None
+    fix: Optional[str] = None
 
 
-def _factor_split(row: Dict[str, Any]) -> Tuple[int, int, int]:
+@dataclass(frozen=True, kw_only=True)
+class Phase:
+    """A phase's peak memory (an estimate: ``bytes``, what it ``counts``, whether it is an upper
+    ``bound``), the disk it writes (``disk_bytes``, ``disk_counts``), and against a budget
+    whether it ``fits`` and, if not, which option would make it fit (``fix``)."""
+
+    bytes: int
+    counts: str
+    bound: bool = False
+    disk_bytes: int = 0
+    disk_counts: str = ""
+    fits: Optional[bool] = None
+    fix: Optional[str] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        """Its fields in order, a kind's own after the common ones, ``fits`` and ``fix`` last."""
+        return _json_fields(self, last=("fits", "fix"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurvaturePhase(Phase):
+    """kronfluence's fit: the ``module_partitions`` it runs in, each of its ``steps``' peak, and
+    the host memory its eigendecomposition holds (``host_bytes``, what they count)."""
+
+    module_partitions: int
+    steps: Dict[str, int]
+    host_bytes: int
+    host_counts: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngestPhase(Phase):
+    """Projecting and storing a batch, with every module's ``P`` resident or one at a time."""
+
+    p_resident: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockPhase(Phase):
+    """Block ingest: ``P`` read once per block of ``block_documents``."""
+
+    block_documents: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueryPhase(Phase):
+    """A batch of queries: what ingest holds and the hot copy (``hot_bytes``) it scans."""
+
+    hot_bytes: int
+    p_resident: bool
+
+
+def _factor_split(row: ModuleRow) -> Tuple[int, int, int]:
     """A module's kronfluence factors by the step that makes them (float32): its covariances
     (``A`` and ``S``), their eigenvectors and eigenvalues, and Λ."""
-    covariances = F32 * (row["d_in"] ** 2 + row["d_out"] ** 2)
-    return covariances, covariances + F32 * (row["d_in"] + row["d_out"]), F32 * row["d"]
+    covariances = F32 * (row.d_in**2 + row.d_out**2)
+    return covariances, covariances + F32 * (row.d_in + row.d_out), F32 * row.d
 
 
-def fit_curvature_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
+def fit_curvature_phase(inp: _Inputs, batch: Batch) -> CurvaturePhase:
     """kronfluence's fit, in module partitions chosen to fit the budget: its three steps, one
     after another, and the largest of them.
 
@@ -406,12 +523,12 @@ def fit_curvature_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
     """
     split = [_factor_split(r) for r in inp.rows]
     factor_bytes = [sum(parts) for parts in split]
-    widest = max(r["d"] for r in inp.rows)
+    widest = max(r.d for r in inp.rows)
     docs = min(batch.documents, inp.curvature_examples)
     tokens = docs * batch.document_tokens
     passes = inp.activations(tokens, captured_bytes=F32, sampled=True)
     per_example = 2 * F32 * docs * widest
-    eigh = 2 * F64 * max(max(r["d_in"], r["d_out"]) ** 2 for r in inp.rows)
+    eigh = 2 * F64 * max(max(r.d_in, r.d_out) ** 2 for r in inp.rows)
     available = None if inp.budget is None else inp.budget - inp.model - passes - per_example
     parts = curvature_partitions(factor_bytes, available)
     held = _largest_part(factor_bytes, parts)
@@ -422,47 +539,45 @@ def fit_curvature_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
     decomposition = (host - PROCESS_BYTES + eigh) if on_cpu else eigh
     steps = {"covariance pass": covariance_pass, "eigendecomposition": decomposition, "Λ pass": lambda_pass}
     largest = max(steps, key=steps.get)
-    return {
-        **_phase(
-            inp.model + steps[largest],
-            f"process + weights ({inp.dtype}) + the largest of kronfluence's steps, here the {largest} "
-            f"({parts} module partition{'s' if parts > 1 else ''} of {len(factor_bytes)}, {_size(held)} of "
-            "factors in the largest): the covariance pass holds one curvature batch's activations (module "
-            "inputs in float32; logits with the float32 probabilities their labels are sampled from) and the "
-            "partition's covariances; the eigendecomposition one module's covariance and eigenvectors in "
-            "float64"
-            + (", and every module's covariances and eigenvectors (on the CPU, host memory)" if on_cpu else "")
-            + "; the Λ pass the batch, one module's per-example gradients and the partition's eigenvectors and Λ",
-            bound=inp.eigen_is_bound,
-            disk=sum(factor_bytes) * (2 if parts > 1 else 1),
-            disk_counts="kronfluence's factors (curvature/), twice while partitions are aggregated",
-        ),
-        "module_partitions": parts,
-        "steps": steps,
-        "host_bytes": host,
-        "host_counts": "process + every module's covariances and eigenvectors: kronfluence's "
+    return CurvaturePhase(
+        bytes=inp.model + steps[largest],
+        counts=f"process + weights ({inp.dtype}) + the largest of kronfluence's steps, here the {largest} "
+        f"({parts} module partition{'s' if parts > 1 else ''} of {len(factor_bytes)}, {_size(held)} of "
+        "factors in the largest): the covariance pass holds one curvature batch's activations (module "
+        "inputs in float32; logits with the float32 probabilities their labels are sampled from) and the "
+        "partition's covariances; the eigendecomposition one module's covariance and eigenvectors in "
+        "float64"
+        + (", and every module's covariances and eigenvectors (on the CPU, host memory)" if on_cpu else "")
+        + "; the Λ pass the batch, one module's per-example gradients and the partition's eigenvectors and Λ",
+        bound=inp.eigen_is_bound,
+        disk_bytes=sum(factor_bytes) * (2 if parts > 1 else 1),
+        disk_counts="kronfluence's factors (curvature/), twice while partitions are aggregated",
+        module_partitions=parts,
+        steps=steps,
+        host_bytes=host,
+        host_counts="process + every module's covariances and eigenvectors: kronfluence's "
         "eigendecomposition holds them in host memory, whatever the partitions",
-    }
+    )
 
 
-def first_stage_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
+def first_stage_phase(inp: _Inputs, batch: Batch) -> Phase:
     """The model with the kept eigenvector columns and one batch's activations and first-stage
     rows: the fit's PCA pass, and what ingest and queries hold besides P."""
-    widest = max(r["d"] for r in inp.rows)
-    sum_m = sum(r["m"] for r in inp.rows)
+    widest = max(r.d for r in inp.rows)
+    sum_m = sum(r.m for r in inp.rows)
     # Per batch, one module at a time: its kept eigenvector columns upcast to float32, one
     # example's (r, c) eigenbasis block at a time, with the intermediate product of the
     # per-example routes, and the batch's (B, m) rows taken from it (float32, each block at most
     # d_u); every module's rows of the batch (float16).
     work = (
         inp.eigen_upcast
-        + F32 * (2 * widest + batch.documents * max(r["m"] for r in inp.rows))
+        + F32 * (2 * widest + batch.documents * max(r.m for r in inp.rows))
         + 2 * batch.documents * sum_m
     )
     peak = inp.model + inp.eigen + inp.activations(batch.tokens) + work
-    return _phase(
-        peak,
-        f"process + weights ({inp.dtype}) + kept eigenvector columns ({inp.eigen_dtype}"
+    return Phase(
+        bytes=peak,
+        counts=f"process + weights ({inp.dtype}) + kept eigenvector columns ({inp.eigen_dtype}"
         + (", upper bound" if inp.eigen_is_bound else "")
         + (
             f"; one module's upcast to float32 while it is projected, {_size(inp.eigen_upcast)})"
@@ -472,76 +587,74 @@ def first_stage_phase(inp: _Inputs, batch: Batch) -> Dict[str, Any]:
         + f" + one batch's activations ({batch.documents} x {batch.document_tokens} tokens), logits and "
         "their gradient, captured module inputs and first-stage rows",
         bound=inp.eigen_is_bound,
-        disk=2 * inp.n_pca * sum_m if inp.pca else 0,
+        disk_bytes=2 * inp.n_pca * sum_m if inp.pca else 0,
         disk_counts="the PCA set's first-stage coordinates (fit/, float16)",
     )
 
 
-def fit_pca_phase(inp: _Inputs) -> Dict[str, Any]:
+def fit_pca_phase(inp: _Inputs) -> Phase:
     """fit_pca of the largest module from its cache: the FP16 cache, the Gram (n < m) or
     covariance matrix and its eigenvectors (float64), the float64 blocks it upcasts (<= 64 MiB
     each, two at a time), the directions (float32) and P at its stored dtype."""
 
-    def one(r: Dict[str, Any]) -> int:
-        n, m, k = inp.n_pca, r["m"], r["k"]
+    def one(r: ModuleRow) -> int:
+        n, m, k = inp.n_pca, r.m, r.k
         square = min(n, m)
         blocks = 2 * min(F64 * n * m, UPCAST_BLOCK_BYTES)
         return 2 * n * m + 2 * F64 * square * square + blocks + (F32 + inp.p_dtype) * m * k
 
     work = max(one(r) for r in inp.rows) if inp.pca else 0
-    return _phase(
-        inp.model + inp.eigen + work,
-        f"process + weights + kept eigenvector columns + the largest module's PCA: its cached coordinates "
+    return Phase(
+        bytes=inp.model + inp.eigen + work,
+        counts=f"process + weights + kept eigenvector columns + the largest module's PCA: its cached coordinates "
         f"({inp.n_pca} x m_u, float16), Gram or covariance matrix and eigenvectors (float64), float64 "
         "blocks of at most 64 MiB, P",
         bound=inp.eigen_is_bound,
-        disk=inp.pca_total,
+        disk_bytes=inp.pca_total,
         disk_counts=f"each module's fitted P (fit/pca/, {inp.projection.pca_dtype})",
     )
 
 
-def fit_save_phase(inp: _Inputs) -> Dict[str, Any]:
+def fit_save_phase(inp: _Inputs) -> Phase:
     """Writing the projection file, one tensor at a time."""
-    return _phase(
-        inp.model + inp.eigen + inp.largest_pca,
-        "process + weights + kept eigenvector columns + one module's P: the projection file is written "
+    return Phase(
+        bytes=inp.model + inp.eigen + inp.largest_pca,
+        counts="process + weights + kept eigenvector columns + one module's P: the projection file is written "
         "one tensor at a time",
         bound=inp.eigen_is_bound,
-        disk=inp.pca_total + inp.eigen,
+        disk_bytes=inp.pca_total + inp.eigen,
         disk_counts="projection.safetensors",
     )
 
 
-def ingest_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> Dict[str, Any]:
+def ingest_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> IngestPhase:
     """Projecting and storing a batch: the first stage's memory, and P resident or one module's
     P at a time (read in every batch; :func:`ingest_block_phase` reads it once per block)."""
-    base = first_stage_phase(inp, batch)["bytes"]
+    base = first_stage_phase(inp, batch).bytes
     p_held = inp.pca_total if resident else inp.largest_pca
-    per_example = sum(r["bytes_per_example"] for r in inp.rows)
+    per_example = sum(r.bytes_per_example for r in inp.rows)
     what = (
         "every module's P, resident"
         if resident
         else f"one module's P at a time ({_size(inp.largest_pca)}), read in every batch"
     )
-    return {
-        **_phase(
-            base + p_held + inp.upcast,
-            f"what the first stage holds + {what}, and an upcast float32 block of it ({_size(inp.upcast)})",
-            bound=inp.eigen_is_bound,
-            disk=inp.documents * per_example,
-            disk_counts=f"the codes of {inp.documents:,} documents (table columns not counted)",
-        ),
-        "p_resident": resident,
-    }
+    return IngestPhase(
+        bytes=base + p_held + inp.upcast,
+        counts=f"what the first stage holds + {what}, and an upcast float32 block of it ({_size(inp.upcast)})",
+        bound=inp.eigen_is_bound,
+        disk_bytes=inp.documents * per_example,
+        disk_counts=f"the codes of {inp.documents:,} documents (table columns not counted)",
+        p_resident=resident,
+    )
 
 
-def ingest_block_phase(inp: _Inputs, batch: Batch, block: int) -> Dict[str, Any]:
+def ingest_block_phase(inp: _Inputs, batch: Batch, block: int) -> BlockPhase:
     """Block ingest (``P`` read once per block of ``block`` documents): the larger of its two
     stretches. Per batch, the first stage, with one batch's float16 coordinates in flight to the
     cache on disk; then, module after module, that module's ``P`` applied to the block's cached
     coordinates, while every module's final coordinates of the block wait to be encoded."""
-    ms, ks = [r["m"] for r in inp.rows], [r["k"] for r in inp.rows]
-    batches = first_stage_phase(inp, batch)["bytes"] + FIRST_STAGE_ITEMSIZE * batch.documents * sum(ms)
+    ms, ks = [r.m for r in inp.rows], [r.k for r in inp.rows]
+    batches = first_stage_phase(inp, batch).bytes + FIRST_STAGE_ITEMSIZE * batch.documents * sum(ms)
     apply = (
         inp.model
         + inp.eigen
@@ -549,51 +662,67 @@ def ingest_block_phase(inp: _Inputs, batch: Batch, block: int) -> Dict[str, Any]
         + inp.upcast
         + block * block_memory_per_document(ms, ks, FIRST_STAGE_ITEMSIZE)
     )
-    return {
-        **_phase(
-            max(batches, apply),
-            f"the larger of: what the first stage holds + one batch's float16 coordinates written to the "
-            f"block cache; and process + weights + kept eigenvector columns + one module's P "
-            f"({_size(inp.largest_pca)}) applied to the block's {block:,} documents (that module's cached "
-            "coordinates, float16, and every module's final coordinates, float32)",
-            bound=inp.eigen_is_bound,
-            disk=block * cache_bytes_per_document(ms, FIRST_STAGE_ITEMSIZE),
-            disk_counts=f"the block cache (INDEX/ingest-cache/, float16 first-stage coordinates of {block:,} "
-            "documents), removed once the block is committed",
-        ),
-        "block_documents": block,
-    }
-
-
-def query_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> Dict[str, Any]:
-    """A batch of queries: what ingest holds, plus the in-memory copy of the codes it scans."""
-    rows = inp.rows
-    hot = inp.documents * (
-        (sum(math.ceil(r["k"] / 8) for r in rows) + F32 * len(rows))
-        if inp.precision == "1bit"
-        else F32 * sum(r["k"] for r in rows)
+    return BlockPhase(
+        bytes=max(batches, apply),
+        counts=f"the larger of: what the first stage holds + one batch's float16 coordinates written to the "
+        f"block cache; and process + weights + kept eigenvector columns + one module's P "
+        f"({_size(inp.largest_pca)}) applied to the block's {block:,} documents (that module's cached "
+        "coordinates, float16, and every module's final coordinates, float32)",
+        bound=inp.eigen_is_bound,
+        disk_bytes=block * cache_bytes_per_document(ms, FIRST_STAGE_ITEMSIZE),
+        disk_counts=f"the block cache (INDEX/ingest-cache/, float16 first-stage coordinates of {block:,} "
+        "documents), removed once the block is committed",
+        block_documents=block,
     )
+
+
+def _hot_bytes(inp: _Inputs) -> int:
+    """The in-memory copy of the codes queries scan: packed signs and float32 scales per row (1
+    bit), or float32 coordinates."""
+    rows = inp.rows
+    return inp.documents * (
+        (sum(math.ceil(r.k / 8) for r in rows) + F32 * len(rows))
+        if inp.precision == "1bit"
+        else F32 * sum(r.k for r in rows)
+    )
+
+
+def query_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> QueryPhase:
+    """A batch of queries: what ingest holds, plus the in-memory copy of the codes it scans."""
+    hot = _hot_bytes(inp)
     ingest = ingest_phase(inp, batch, resident=resident)
-    return {
-        **_phase(
-            ingest["bytes"] + hot,
-            "what ingest holds, plus the in-memory copy of the codes it scans (packed signs and float32 "
-            f"scales per row, {_size(hot)})",
-            bound=inp.eigen_is_bound,
-        ),
-        "hot_bytes": hot,
-        "p_resident": resident,
-    }
+    return QueryPhase(
+        bytes=ingest.bytes + hot,
+        counts="what ingest holds, plus the in-memory copy of the codes it scans (packed signs and float32 "
+        f"scales per row, {_size(hot)})",
+        bound=inp.eigen_is_bound,
+        hot_bytes=hot,
+        p_resident=resident,
+    )
 
 
-def _batch_phases(inp: _Inputs, batch: Batch, resident: bool) -> Dict[str, Dict[str, Any]]:
+@dataclass(frozen=True)
+class _BatchPhases:
     """The phases whose memory grows with the batch."""
-    return {
-        "fit_curvature": fit_curvature_phase(inp, batch),
-        "fit_first_stage": first_stage_phase(inp, batch),
-        "ingest": ingest_phase(inp, batch, resident=resident),
-        "query": query_phase(inp, batch, resident=resident),
-    }
+
+    fit_curvature: CurvaturePhase
+    fit_first_stage: Phase
+    ingest: IngestPhase
+    query: QueryPhase
+
+    @classmethod
+    def of(cls, inp: _Inputs, batch: Batch, resident: bool) -> "_BatchPhases":
+        return cls(
+            fit_curvature_phase(inp, batch),
+            first_stage_phase(inp, batch),
+            ingest_phase(inp, batch, resident=resident),
+            query_phase(inp, batch, resident=resident),
+        )
+
+    @property
+    def projecting(self) -> Tuple[Phase, ...]:
+        """The phases that project documents with the batch (the curvature's batch is its own)."""
+        return (self.fit_first_stage, self.ingest, self.query)
 
 
 def choose_batch(inp: _Inputs, document_tokens: int, most: int, resident: bool) -> Tuple[Batch, str]:
@@ -604,9 +733,7 @@ def choose_batch(inp: _Inputs, document_tokens: int, most: int, resident: bool) 
         for d in range(1, most + 1)
         if inp.budget is None
         or all(
-            phase["bytes"] <= inp.budget
-            for key, phase in _batch_phases(inp, Batch(d, document_tokens), resident).items()
-            if key != "fit_curvature"
+            phase.bytes <= inp.budget for phase in _BatchPhases.of(inp, Batch(d, document_tokens), resident).projecting
         )
     ]
     if inp.budget is None:
@@ -614,6 +741,186 @@ def choose_batch(inp: _Inputs, document_tokens: int, most: int, resident: bool) 
     if not fits:
         return Batch(1, document_tokens), "one document: even that does not fit the memory budget"
     return Batch(max(fits), document_tokens), ("--batch-size" if max(fits) == most else "the memory budget")
+
+
+@dataclass(frozen=True)
+class Memory(_Part):
+    """Peak memory of every phase (estimates), in the order ``eogp plan`` prints them: the
+    process alone, the fit's four phases, ingest with ``P`` resident, read per batch or per block,
+    the query, and the largest of the fit's phases."""
+
+    process: Estimate
+    fit_curvature: CurvaturePhase
+    fit_first_stage: Phase
+    fit_pca: Phase
+    fit_save: Phase
+    ingest: IngestPhase
+    ingest_in_turn: IngestPhase
+    ingest_block: BlockPhase
+    query: QueryPhase
+    fit_peak: Estimate
+
+    @classmethod
+    def names(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def phase(self, name: str) -> Union[Estimate, Phase]:
+        """The phase called ``name`` (one of :meth:`names`)."""
+        if name not in self.names():
+            raise KeyError(f"no phase {name!r}; the phases are {', '.join(self.names())}")
+        return getattr(self, name)
+
+
+@dataclass(frozen=True)
+class ModelSummary(_Part):
+    """The model planned for: its parameters and their bytes in ``dtype``, how many of them are
+    attributed, in how many ``modules``, and its coverage by kind (:class:`ModelShape`)."""
+
+    name: str
+    num_parameters: int
+    weights_bytes: int
+    dtype: str
+    attributed_parameters: int
+    modules: int
+    coverage: Optional[Dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PlanOptions(_Part):
+    """The options the plan was made with, as ``eogp fit`` takes them; ``tokens`` is the
+    documents' length and ``tokens_from`` where it came from."""
+
+    variant: str
+    k: Optional[int]
+    budget_kb: Optional[float]
+    m: Optional[int]
+    precision: str
+    dtype: str
+    pca_dtype: str
+    pca_examples: int
+    curvature_examples: int
+    batch_size: int
+    tokens: int
+    tokens_from: str
+    memory_budget: Optional[int]
+    device: str
+
+
+@dataclass(frozen=True)
+class PlanBatch(_Part):
+    """The batch chosen: ``documents`` of ``document_tokens`` (``tokens`` in all), why
+    (``chosen_by``, JSON ``from``), and the most documents it could have had."""
+
+    documents: int
+    document_tokens: int
+    tokens: int
+    chosen_by: str = field(metadata={"json": "from"})
+    most_documents: int
+
+
+@dataclass(frozen=True)
+class CurvatureSummary(_Part):
+    """kronfluence's module partitions, and the host memory its eigendecomposition holds."""
+
+    module_partitions: int
+    host_bytes: int
+
+
+@dataclass(frozen=True)
+class Residency(_Part):
+    """Whether every module's ``P`` stays in memory: at most ``limit_bytes`` of it may (None: no limit)."""
+
+    resident: bool
+    limit_bytes: Optional[int]
+
+
+@dataclass(frozen=True)
+class Limits(_Part):
+    """The largest ``k`` the fit can give, and why."""
+
+    k_max: int
+    note: str
+
+
+@dataclass(frozen=True)
+class PerExample(_Part):
+    """The bytes stored per example, against an uncompressed FP16 gradient."""
+
+    bytes: int
+    uncompressed_fp16_bytes: int
+    compression: Optional[float]
+
+
+@dataclass(frozen=True)
+class Shared(_Part):
+    """What every example shares, in ``projection.safetensors`` and ``curvature/``: ``P``, the
+    kept eigenvector columns (``*_max``: their bound before a fit), the other tensors, the file's
+    size, and kronfluence's factors."""
+
+    pca_bytes: int
+    eigenbasis_bytes_max: int
+    eigenbasis_exact: bool
+    eigenbasis_dtype: str
+    other_bytes: int
+    projection_file_bytes_max: int
+    projection_file_note: str
+    curvature_factor_bytes: int
+
+
+@dataclass(frozen=True)
+class FitCache(_Part):
+    """The fit's cache on disk (``fit/``, deleted when the index is written)."""
+
+    coordinate_bytes: int
+    pca_bytes: int
+    note: str
+
+
+@dataclass(frozen=True)
+class StoreSize(_Part):
+    """The store of ``documents`` documents: their codes, the hot copy queries scan, and the
+    index on disk in all (at most)."""
+
+    documents: int
+    codes_bytes: int
+    hot_copy_bytes: int
+    total_bytes_max: int
+    note: str
+
+
+@dataclass(frozen=True)
+class Plan(_Part):
+    """:func:`make_plan`'s storage and memory accounting of an index. Byte counts are exact
+    except where named ``*_max`` (upper bounds) or under :attr:`memory` (estimates);
+    :meth:`to_json` is what ``eogp plan --json`` prints (without ``p_reads``)."""
+
+    model: ModelSummary
+    options: PlanOptions
+    batch: PlanBatch
+    curvature: CurvatureSummary
+    projection_in_memory: Residency
+    modules: Tuple[ModuleRow, ...]
+    limits: Limits
+    per_example: PerExample
+    shared: Shared
+    fit_cache: FitCache
+    memory: Memory
+    #: Whether every phase the runs need fits the budget (None without a budget).
+    fits: Optional[bool]
+    store: StoreSize
+
+    def p_reads(self, block_documents: Optional[int] = None) -> PReads:
+        """``P`` read per ingested document in each way of applying it, and the block cache's
+        disk (:func:`~eogp_index.fit.blocks.p_reads`), for ``block_documents`` per block
+        (default: the plan's block, ``memory.ingest_block``)."""
+        return p_reads(
+            [r.m for r in self.modules],
+            [r.k for r in self.modules],
+            sum(r.pca_bytes for r in self.modules),
+            batch_size=self.options.batch_size,
+            documents=self.store.documents,
+            block_documents=block_documents or self.memory.ingest_block.block_documents,
+        )
 
 
 def make_plan(
@@ -635,7 +942,8 @@ def make_plan(
     eigenbasis_dtype: Optional[str] = None,
     dims: Optional[Dict[str, Tuple[int, int]]] = None,
     block_documents: Optional[int] = None,
-) -> Dict[str, Any]:
+    max_tokens_from: str = "--max-tokens",
+) -> Plan:
     """The storage and memory accounting of an index of ``shape`` under these fit options.
 
     Args:
@@ -654,54 +962,24 @@ def make_plan(
         block_documents: documents per ingest block when ``P`` is read in turn (None: as an
             ingest sizes it, from what ``memory_budget`` leaves beside the loaded index, at most
             ``MAX_BLOCK_DOCUMENTS``).
+        max_tokens_from: where ``max_tokens`` came from, as the plan says it (``tokens_from``).
 
     Returns:
-        A JSON-able dict: ``modules`` (per module ``d_out, d_in, d, m, k``, bytes per example,
-        ``pca_bytes``, ``eigenbasis_bytes`` and whether it is exact), ``per_example``, ``shared``,
-        ``fit_cache``, ``batch`` (its documents and tokens, and why), ``memory`` (each phase's
-        peak with a ``counts`` line, ``bound``, ``fits`` and ``fix``; ``disk_bytes`` it needs),
-        ``fits`` and ``store``. Byte counts are exact except where named ``*_max`` (upper
-        bounds) or under ``memory`` (estimates).
+        The :class:`Plan`: per module (:class:`ModuleRow`), per example, shared, the fit's cache,
+        the batch (its documents and tokens, and why), each phase's peak memory and disk
+        (:class:`Memory`), whether they fit, and the store.
     """
     dtype = shape.dtype if dtype in (None, "auto") else dtype
     if dtype not in MODEL_DTYPE_BYTES:
         raise ConfigError(f"dtype must be one of {sorted(MODEL_DTYPE_BYTES)} or auto (--dtype), got {dtype!r}")
-    num = len(shape.modules)
-    doc_tokens = document_tokens or max_tokens or shape.context
-    pca = projection.second_stage == "pca"
-    p_dtype = PCA_DTYPE_BYTES[projection.pca_dtype]
     held = eigenbasis_dtype or EIGENVECTOR_DTYPES[dtype]
     if held not in MODEL_DTYPE_BYTES:
         raise ConfigError(f"eigenbasis_dtype must be one of {sorted(MODEL_DTYPE_BYTES)}, got {held!r}")
-    rows: List[Dict[str, Any]] = []
-    for mod in shape.modules:
-        m, k = dims[mod.name] if dims else projection.dims(mod.d, num, precision)  # type: ignore[arg-type]
-        exact = eigenbasis_bytes is not None and mod.name in eigenbasis_bytes
-        srht_bytes = (F32 * m + 8 * k) if projection.second_stage == "srht" else 0
-        rows.append(
-            {
-                "name": mod.name,
-                "d_out": mod.d_out,
-                "d_in": mod.d_in,
-                "d": mod.d,
-                "m": m,
-                "k": k,
-                "bytes_per_example": bytes_per_module(k, precision),  # type: ignore[arg-type]
-                "pca_bytes": m * k * p_dtype if pca else 0,
-                **_eigen_row(
-                    eigenbasis_bytes[mod.name] if exact else _eigen_upper(mod, MODEL_DTYPE_BYTES[held]),
-                    held,
-                    exact or m == mod.d,
-                ),
-                # whiten (float32) and local_index (int64) per kept coordinate, and the SRHT's signs/rows
-                "other_bytes": 12 * m + srht_bytes,
-                # kronfluence: A and S covariances and eigenvectors, their eigenvalues, Λ (float32)
-                "factor_bytes": F32 * (2 * mod.d_in**2 + 2 * mod.d_out**2 + mod.d_in + mod.d_out + mod.d),
-            }
-        )
+    doc_tokens = document_tokens or max_tokens or shape.context
+    pca = projection.second_stage == "pca"
     inp = _Inputs(
         shape=shape,
-        rows=tuple(rows),
+        rows=_module_rows(shape, projection, precision, held, eigenbasis_bytes, dims),
         projection=projection,
         dtype=dtype,
         n_pca=projection.num_fit_examples if pca else 0,
@@ -712,9 +990,7 @@ def make_plan(
         device=device,
     )
     limit = (
-        projection_memory
-        if projection_memory is not None
-        else (memory_budget // 2 if memory_budget is not None else None)
+        projection_memory if projection_memory is not None else None if memory_budget is None else memory_budget // 2
     )
     resident = limit is None or inp.pca_total <= limit
     if batch_tokens is not None:
@@ -722,110 +998,159 @@ def make_plan(
         batch_from = "--batch-tokens"
     else:
         batch, batch_from = choose_batch(inp, doc_tokens, batch_size, resident)
-    memory = {
-        "process": {
-            "bytes": PROCESS_BYTES,
-            "bound": False,
-            "counts": "the interpreter, torch, transformers, kronfluence, LanceDB and their libraries, "
+    memory = _judged(_memory(inp, batch, resident, block_documents), inp, batch, resident, block_documents)
+    tokens_from = (
+        "--document-tokens" if document_tokens else max_tokens_from if max_tokens else "the model's context length"
+    )
+    return Plan(
+        model=ModelSummary(
+            name=shape.name,
+            num_parameters=shape.num_parameters,
+            weights_bytes=inp.weights,
+            dtype=dtype,
+            attributed_parameters=sum(r.d for r in inp.rows),
+            modules=len(inp.rows),
+            coverage=shape.coverage,
+        ),
+        options=PlanOptions(
+            variant=projection.variant,
+            k=projection.k,
+            budget_kb=projection.budget_kb,
+            m=projection.m,
+            precision=precision,
+            dtype=dtype,
+            pca_dtype=projection.pca_dtype,
+            pca_examples=inp.n_pca,
+            curvature_examples=curvature_examples,
+            batch_size=batch.documents,
+            tokens=doc_tokens,
+            tokens_from=tokens_from,
+            memory_budget=memory_budget,
+            device=device,
+        ),
+        batch=PlanBatch(batch.documents, doc_tokens, batch.tokens, batch_from, batch_size),
+        curvature=CurvatureSummary(memory.fit_curvature.module_partitions, memory.fit_curvature.host_bytes),
+        projection_in_memory=Residency(resident, limit),
+        modules=inp.rows,
+        memory=memory,
+        fits=None
+        if memory_budget is None
+        else all(memory.phase(key).fits for key in (*FIT_PHASES, "ingest" if resident else "ingest_block", "query")),
+        **_storage(inp),
+    )
+
+
+def _module_rows(
+    shape: ModelShape,
+    projection: ProjectionConfig,
+    precision: str,
+    held: str,
+    eigenbasis_bytes: Optional[Dict[str, int]],
+    dims: Optional[Dict[str, Tuple[int, int]]],
+) -> Tuple[ModuleRow, ...]:
+    """Each attributed module's row: ``(m_u, k_u)`` from ``dims`` or ``projection``, its kept
+    eigenvector columns in ``held`` (from ``eigenbasis_bytes``, exact, else their bound)."""
+    pca = projection.second_stage == "pca"
+    p_dtype = PCA_DTYPE_BYTES[projection.pca_dtype]
+    rows = []
+    for mod in shape.modules:
+        m, k = dims[mod.name] if dims else projection.dims(mod.d, len(shape.modules), precision)  # type: ignore[arg-type]
+        exact = eigenbasis_bytes is not None and mod.name in eigenbasis_bytes
+        srht_bytes = (F32 * m + 8 * k) if projection.second_stage == "srht" else 0
+        eigen = eigenbasis_bytes[mod.name] if exact else _eigen_upper(mod, MODEL_DTYPE_BYTES[held])  # type: ignore[index]
+        rows.append(
+            ModuleRow(
+                name=mod.name,
+                d_out=mod.d_out,
+                d_in=mod.d_in,
+                d=mod.d,
+                m=m,
+                k=k,
+                bytes_per_example=bytes_per_module(k, precision),  # type: ignore[arg-type]
+                pca_bytes=m * k * p_dtype if pca else 0,
+                **_eigen_fields(eigen, held, exact or m == mod.d),
+                # whiten (float32) and local_index (int64) per kept coordinate, and the SRHT's signs/rows
+                other_bytes=12 * m + srht_bytes,
+                # kronfluence: A and S covariances and eigenvectors, their eigenvalues, Λ (float32)
+                factor_bytes=F32 * (2 * mod.d_in**2 + 2 * mod.d_out**2 + mod.d_in + mod.d_out + mod.d),
+            )
+        )
+    return tuple(rows)
+
+
+def _memory(inp: _Inputs, batch: Batch, resident: bool, block_documents: Optional[int]) -> Memory:
+    """Every phase's peak for ``batch``, with ``P`` resident or not (nothing judged yet)."""
+    phases = _BatchPhases.of(inp, batch, resident)
+    fit = {
+        "fit_curvature": phases.fit_curvature,
+        "fit_first_stage": phases.fit_first_stage,
+        "fit_pca": fit_pca_phase(inp),
+        "fit_save": fit_save_phase(inp),
+    }
+    fit_peak = max(FIT_PHASES, key=lambda key: fit[key].bytes)
+    return Memory(
+        process=Estimate(
+            bytes=PROCESS_BYTES,
+            bound=False,
+            counts="the interpreter, torch, transformers, kronfluence, LanceDB and their libraries, "
             "and what they hold besides tensors while they work (measured on x86-64 Linux with CPU torch: "
             "benchmarks/fit_memory.py prints it; counted in every figure below)",
-        }
-    }
-    phases = _batch_phases(inp, batch, resident)
-    memory.update(
-        {
-            "fit_curvature": phases["fit_curvature"],
-            "fit_first_stage": phases["fit_first_stage"],
-            "fit_pca": fit_pca_phase(inp),
-            "fit_save": fit_save_phase(inp),
-            "ingest": phases["ingest"],
-            "ingest_in_turn": ingest_phase(inp, batch, resident=False),
-            "ingest_block": ingest_block_phase(inp, batch, _block(inp, batch, block_documents)),
-            "query": phases["query"],
-        }
+        ),
+        **fit,  # type: ignore[arg-type]
+        ingest=phases.ingest,
+        ingest_in_turn=ingest_phase(inp, batch, resident=False),
+        ingest_block=ingest_block_phase(inp, batch, _block(inp, batch, block_documents)),
+        query=phases.query,
+        fit_peak=Estimate(
+            bytes=fit[fit_peak].bytes,
+            bound=fit[fit_peak].bound,
+            counts=f"the largest of the fit's phases ({fit_peak}; they run one after another)",
+        ),
     )
-    fit_peak = max(FIT_PHASES, key=lambda key: memory[key]["bytes"])
-    memory["fit_peak"] = {
-        "bytes": memory[fit_peak]["bytes"],
-        "bound": memory[fit_peak]["bound"],
-        "counts": f"the largest of the fit's phases ({fit_peak}; they run one after another)",
-    }
-    for key, entry in memory.items():
-        entry["fits"] = None if memory_budget is None else entry["bytes"] <= memory_budget
-        entry["fix"] = (
-            _fix(inp, key, batch, resident, memory_budget, block_documents) if entry["fits"] is False else None
-        )
-    factors = sum(r["factor_bytes"] for r in rows)
-    per_example = sum(r["bytes_per_example"] for r in rows)
-    attributed = sum(r["d"] for r in rows)
-    eigen_max = sum(r["eigenbasis_bytes"] for r in rows)
-    other = sum(r["other_bytes"] for r in rows)
+
+
+def _judged(memory: Memory, inp: _Inputs, batch: Batch, resident: bool, block_documents: Optional[int]) -> Memory:
+    """``memory`` with each phase's ``fits`` against the budget and, where it does not, its ``fix``."""
+    if inp.budget is None:
+        return memory
+    judged = {}
+    for key in Memory.names():
+        entry = memory.phase(key)
+        fits = entry.bytes <= inp.budget
+        fix = None if fits else _fix(inp, key, batch, resident, inp.budget, block_documents)
+        judged[key] = replace(entry, fits=fits, fix=fix)
+    return Memory(**judged)
+
+
+def _storage(inp: _Inputs) -> Dict[str, Any]:
+    """The plan's parts that follow from the rows alone: the limits on ``k``, the bytes per
+    example, the shared files, the fit's cache and the store."""
+    rows, projection = inp.rows, inp.projection
+    factors = sum(r.factor_bytes for r in rows)
+    per_example = sum(r.bytes_per_example for r in rows)
+    attributed = sum(r.d for r in rows)
+    eigen_max = sum(r.eigenbasis_bytes for r in rows)
+    other = sum(r.other_bytes for r in rows)
     projection_file_max = inp.pca_total + eigen_max + other
     # The largest k this fit can give: a PCA of n examples has at most n directions (the rest
     # would be completed with EK-FAC axes, with a warning), and no module outputs more than m_u.
-    widths = min(r["m"] for r in rows) if pca else min(r["d"] for r in rows)
-    k_max = min(inp.n_pca, widths) if pca else widths
-    k_max_note = f"min(PCA examples {inp.n_pca}, smallest m_u {widths:,})" if pca else f"the smallest d_u ({widths:,})"
-    exact = all(r["eigenbasis_exact"] for r in rows)
+    widths = min(r.m for r in rows) if inp.pca else min(r.d for r in rows)
+    k_max = min(inp.n_pca, widths) if inp.pca else widths
+    exact = all(r.eigenbasis_exact for r in rows)
     return {
-        "model": {
-            "name": shape.name,
-            "num_parameters": shape.num_parameters,
-            "weights_bytes": inp.weights,
-            "dtype": dtype,
-            "attributed_parameters": attributed,
-            "modules": num,
-            "coverage": shape.coverage,
-        },
-        "options": {
-            "variant": projection.variant,
-            "k": projection.k,
-            "budget_kb": projection.budget_kb,
-            "m": projection.m,
-            "precision": precision,
-            "dtype": dtype,
-            "pca_dtype": projection.pca_dtype,
-            "pca_examples": inp.n_pca,
-            "curvature_examples": curvature_examples,
-            "batch_size": batch.documents,
-            "tokens": doc_tokens,
-            "tokens_from": (
-                "--document-tokens"
-                if document_tokens
-                else "--max-tokens"
-                if max_tokens
-                else "the model's context length"
-            ),
-            "memory_budget": memory_budget,
-            "device": device,
-        },
-        "batch": {
-            "documents": batch.documents,
-            "document_tokens": doc_tokens,
-            "tokens": batch.tokens,
-            "from": batch_from,
-            "most_documents": batch_size,
-        },
-        "curvature": {
-            "module_partitions": memory["fit_curvature"]["module_partitions"],
-            "host_bytes": memory["fit_curvature"]["host_bytes"],
-        },
-        "projection_in_memory": {"resident": resident, "limit_bytes": limit},
-        "modules": rows,
-        "limits": {"k_max": k_max, "note": k_max_note},
-        "per_example": {
-            "bytes": per_example,
-            "uncompressed_fp16_bytes": 2 * attributed,
-            "compression": (2 * attributed / per_example) if per_example else None,
-        },
-        "shared": {
-            "pca_bytes": inp.pca_total,
-            "eigenbasis_bytes_max": eigen_max,
-            "eigenbasis_exact": exact,
-            "eigenbasis_dtype": inp.eigen_dtype,
-            "other_bytes": other,
-            "projection_file_bytes_max": projection_file_max,
-            "projection_file_note": "plus a safetensors header of a few KB"
+        "limits": Limits(
+            k_max,
+            f"min(PCA examples {inp.n_pca}, smallest m_u {widths:,})" if inp.pca else f"the smallest d_u ({widths:,})",
+        ),
+        "per_example": PerExample(per_example, 2 * attributed, (2 * attributed / per_example) if per_example else None),
+        "shared": Shared(
+            pca_bytes=inp.pca_total,
+            eigenbasis_bytes_max=eigen_max,
+            eigenbasis_exact=exact,
+            eigenbasis_dtype=inp.eigen_dtype,
+            other_bytes=other,
+            projection_file_bytes_max=projection_file_max,
+            projection_file_note="plus a safetensors header of a few KB"
             + (
                 ""
                 if exact
@@ -833,27 +1158,23 @@ def make_plan(
                 "(exact for modules with m_u = d_u; `eogp plan INDEX` gives them "
                 "exactly)"
             ),
-            "curvature_factor_bytes": factors,
-        },
-        "fit_cache": {
-            "coordinate_bytes": 2 * inp.n_pca * sum(r["m"] for r in rows) if pca else 0,
-            "pca_bytes": inp.pca_total,
-            "note": "fit/ during eogp fit: the PCA set's first-stage coordinates (float16) and each "
+            curvature_factor_bytes=factors,
+        ),
+        "fit_cache": FitCache(
+            coordinate_bytes=2 * inp.n_pca * sum(r.m for r in rows) if inp.pca else 0,
+            pca_bytes=inp.pca_total,
+            note="fit/ during eogp fit: the PCA set's first-stage coordinates (float16) and each "
             f"module's fitted P ({projection.pca_dtype}); deleted when the index is written",
-        },
-        "memory": memory,
-        "fits": None
-        if memory_budget is None
-        else all(memory[key]["fits"] for key in (*FIT_PHASES, "ingest" if resident else "ingest_block", "query")),
-        "store": {
-            "documents": documents,
-            "codes_bytes": documents * per_example,
-            "hot_copy_bytes": memory["query"]["hot_bytes"],
-            "total_bytes_max": documents * per_example + projection_file_max + factors,
-            "note": "codes: N x bytes per example (the paper's N_store B_1bit); the table adds ids and "
+        ),
+        "store": StoreSize(
+            documents=inp.documents,
+            codes_bytes=inp.documents * per_example,
+            hot_copy_bytes=_hot_bytes(inp),
+            total_bytes_max=inp.documents * per_example + projection_file_max + factors,
+            note="codes: N x bytes per example (the paper's N_store B_1bit); the table adds ids and "
             "metadata columns (and --store-text), not counted; total = codes + projection file "
             "+ kronfluence factors",
-        },
+        ),
     }
 
 
@@ -866,7 +1187,7 @@ def _block(inp: _Inputs, batch: Batch, asked: Optional[int]) -> int:
         return whole_batches(asked, batch.documents)
     if inp.budget is None:
         return whole_batches(MAX_BLOCK_DOCUMENTS, batch.documents)
-    ms, ks = [r["m"] for r in inp.rows], [r["k"] for r in inp.rows]
+    ms, ks = [r.m for r in inp.rows], [r.k for r in inp.rows]
     free = max(0, inp.budget - inp.model - inp.eigen - inp.largest_pca - inp.upcast)
     return default_block_documents(ms, ks, FIRST_STAGE_ITEMSIZE, batch.documents, free_disk=1 << 62, free_memory=free)
 
@@ -874,26 +1195,15 @@ def _block(inp: _Inputs, batch: Batch, asked: Optional[int]) -> int:
 def _fix(inp: _Inputs, key: str, batch: Batch, resident: bool, budget: int, block_documents: Optional[int]) -> str:
     """Which option would make phase ``key`` fit ``budget``, found by re-planning with it
     (``block_documents``: the block asked for, as :func:`make_plan` takes it)."""
+    # The process alone cannot shrink: what would make it fit is what makes the fit's peak fit.
+    target = "fit_peak" if key == "process" else key
 
     def peak(alt: _Inputs, alt_batch: Batch, alt_resident: bool) -> int:
-        if key in ("fit_pca", "fit_save"):
-            return (fit_pca_phase if key == "fit_pca" else fit_save_phase)(alt)["bytes"]
-        if key == "ingest_in_turn":
-            return ingest_phase(alt, alt_batch, resident=False)["bytes"]
-        if key == "ingest_block":
-            return ingest_block_phase(alt, alt_batch, _block(alt, alt_batch, block_documents))["bytes"]
-        if key in ("fit_peak", "process"):
-            return max(peak_of(alt, alt_batch, alt_resident, k) for k in FIT_PHASES)
-        return peak_of(alt, alt_batch, alt_resident, key)
-
-    def peak_of(alt: _Inputs, alt_batch: Batch, alt_resident: bool, name: str) -> int:
-        if name in ("fit_pca", "fit_save"):
-            return (fit_pca_phase if name == "fit_pca" else fit_save_phase)(alt)["bytes"]
-        return _batch_phases(alt, alt_batch, alt_resident)[name]["bytes"]
+        return _memory(alt, alt_batch, alt_resident, block_documents).phase(target).bytes
 
     if key == "ingest_block" and block_documents is not None:
         sized = _block(inp, batch, None)
-        if ingest_block_phase(inp, batch, sized)["bytes"] <= budget:
+        if ingest_block_phase(inp, batch, sized).bytes <= budget:
             return f"--block-documents {sized} (the block the budget leaves room for)"
     one = Batch(1, batch.document_tokens)
     tries = []
@@ -926,121 +1236,111 @@ def _size(n: Optional[float]) -> str:
     return f"{int(n)} B"
 
 
-def format_plan(plan: Dict[str, Any], *, all_modules: bool = False) -> str:
+def format_plan(plan: Plan, *, all_modules: bool = False) -> str:
     """The plan as text: a per-module table (identical modules grouped unless ``all_modules``),
     then the totals."""
-    opts, model = plan["options"], plan["model"]
-    batch, budget = plan["batch"], opts["memory_budget"]
+    opts, model, batch = plan.options, plan.model, plan.batch
+    budget = opts.memory_budget
     lines = [
-        f"model       {model['name']}: {model['num_parameters']:,} parameters ({_size(model['weights_bytes'])} "
-        f"{model['dtype']}), {model['modules']} attributed modules, {model['attributed_parameters']:,} attributed "
+        f"model       {model.name}: {model.num_parameters:,} parameters ({_size(model.weights_bytes)} "
+        f"{model.dtype}), {model.modules} attributed modules, {model.attributed_parameters:,} attributed "
         "parameters",
-        f"options     variant {opts['variant']}, precision {opts['precision']}, P in {opts['pca_dtype']}, "
-        f"k {opts['k'] if opts['k'] is not None else '(budget ' + str(opts['budget_kb']) + ' KiB)'}, "
-        f"m {opts['m'] if opts['m'] is not None else DEFAULT_M_HELP}, "
-        f"{opts['pca_examples']} PCA examples, documents of {opts['tokens']} tokens ({opts['tokens_from']})",
-        f"batch       {batch['documents']} x {batch['document_tokens']} = {batch['tokens']:,} tokens "
-        f"(from {batch['from']}; at most --batch-size {batch['most_documents']} documents); kronfluence in "
-        f"{plan['curvature']['module_partitions']} module partition(s); P "
-        + ("resident" if plan["projection_in_memory"]["resident"] else "read one module at a time"),
+        f"options     variant {opts.variant}, precision {opts.precision}, P in {opts.pca_dtype}, "
+        f"k {opts.k if opts.k is not None else '(budget ' + str(opts.budget_kb) + ' KiB)'}, "
+        f"m {opts.m if opts.m is not None else DEFAULT_M_HELP}, "
+        f"{opts.pca_examples} PCA examples, documents of {opts.tokens} tokens ({opts.tokens_from})",
+        f"batch       {batch.documents} x {batch.document_tokens} = {batch.tokens:,} tokens "
+        f"(from {batch.chosen_by}; at most --batch-size {batch.most_documents} documents); kronfluence in "
+        f"{plan.curvature.module_partitions} module partition(s); P "
+        + ("resident" if plan.projection_in_memory.resident else "read one module at a time"),
         f"budget      {_size(budget) + ' of device memory' if budget else 'none given: nothing is checked'}"
-        + (
-            "" if plan["fits"] is None else "; every phase fits" if plan["fits"] else "; SOME PHASES DO NOT FIT (below)"
-        ),
+        + ("" if plan.fits is None else "; every phase fits" if plan.fits else "; SOME PHASES DO NOT FIT (below)"),
         "",
         f"{'module':<44} {'d_out':>7} {'d_in':>7} {'d_u':>12} {'m_u':>9} {'k_u':>6} {'B/ex':>6} "
         f"{'P':>10} {'eigenbases':>11}",
     ]
-    groups: Dict[tuple, List[Dict[str, Any]]] = {}
-    for row in plan["modules"]:
-        key = (row["name"],) if all_modules else _pattern_key(row)
+    groups: Dict[tuple, List[ModuleRow]] = {}
+    for row in plan.modules:
+        key = (row.name,) if all_modules else _pattern_key(row)
         groups.setdefault(key, []).append(row)
     for key, rows in groups.items():
         row = rows[0]
-        name = row["name"] if len(rows) == 1 else f"{key[0]} (x{len(rows)})"
-        eigen = ("" if row["eigenbasis_exact"] else "<=") + _size(row["eigenbasis_bytes_max"])
+        name = row.name if len(rows) == 1 else f"{key[0]} (x{len(rows)})"
+        eigen = ("" if row.eigenbasis_exact else "<=") + _size(row.eigenbasis_bytes_max)
         lines.append(
-            f"{name[:44]:<44} {row['d_out']:>7} {row['d_in']:>7} {row['d']:>12,} {row['m']:>9,} "
-            f"{row['k']:>6} {row['bytes_per_example']:>6} {_size(row['pca_bytes']):>10} {eigen:>11}"
+            f"{name[:44]:<44} {row.d_out:>7} {row.d_in:>7} {row.d:>12,} {row.m:>9,} "
+            f"{row.k:>6} {row.bytes_per_example:>6} {_size(row.pca_bytes):>10} {eigen:>11}"
         )
-    per, shared, cache, store = plan["per_example"], plan["shared"], plan["fit_cache"], plan["store"]
-    lines += [
+    return "\n".join(lines + _totals_lines(plan))
+
+
+def _totals_lines(plan: Plan) -> List[str]:
+    """:func:`format_plan`'s lines after the module table: sizes, peak memory, disk, coverage, store."""
+    per, shared, cache, store, limits = plan.per_example, plan.shared, plan.fit_cache, plan.store, plan.limits
+    budget = plan.options.memory_budget
+    bound = "" if shared.eigenbasis_exact else "<= "
+    lines = [
         "",
-        f"largest k     {plan['limits']['k_max']:,}: {plan['limits']['note']}"
+        f"largest k     {limits.k_max:,}: {limits.note}"
         + (
             ""
-            if max(r["k"] for r in plan["modules"]) <= plan["limits"]["k_max"]
+            if max(r.k for r in plan.modules) <= limits.k_max
             else " -- k_u is above it: the PCA leaves directions undetermined (completed with EK-FAC axes)"
         ),
-        f"per example   {per['bytes']:,} bytes ({_size(per['bytes'])}); an uncompressed FP16 gradient is "
-        f"{_size(per['uncompressed_fp16_bytes'])}"
-        + (f", {per['compression']:,.0f}x more" if per["compression"] else ""),
-        f"shared        P {_size(shared['pca_bytes'])}; eigenbases {'' if shared['eigenbasis_exact'] else '<= '}"
-        f"{_size(shared['eigenbasis_bytes_max'])} ({shared['eigenbasis_dtype']}); "
-        f"whitening, positions, SRHT {_size(shared['other_bytes'])}",
-        f"              projection.safetensors {'' if shared['eigenbasis_exact'] else '<= '}"
-        f"{_size(shared['projection_file_bytes_max'])} "
-        f"({shared['projection_file_note']})",
-        f"              kronfluence factors (curvature/) {_size(shared['curvature_factor_bytes'])}",
-        f"fit cache     {_size(cache['coordinate_bytes'])} of first-stage coordinates + {_size(cache['pca_bytes'])} "
+        f"per example   {per.bytes:,} bytes ({_size(per.bytes)}); an uncompressed FP16 gradient is "
+        f"{_size(per.uncompressed_fp16_bytes)}" + (f", {per.compression:,.0f}x more" if per.compression else ""),
+        f"shared        P {_size(shared.pca_bytes)}; eigenbases {bound}{_size(shared.eigenbasis_bytes_max)} "
+        f"({shared.eigenbasis_dtype}); whitening, positions, SRHT {_size(shared.other_bytes)}",
+        f"              projection.safetensors {bound}{_size(shared.projection_file_bytes_max)} "
+        f"({shared.projection_file_note})",
+        f"              kronfluence factors (curvature/) {_size(shared.curvature_factor_bytes)}",
+        f"fit cache     {_size(cache.coordinate_bytes)} of first-stage coordinates + {_size(cache.pca_bytes)} "
         "of fitted P (fit/, deleted when the index is written)",
         "peak memory   (estimates; <= marks an upper bound before the fit)"
         + (f" against the budget of {_size(budget)}" if budget else ""),
     ]
-    for key in (
-        "fit_peak",
-        "fit_curvature",
-        "fit_first_stage",
-        "fit_pca",
-        "fit_save",
-        "ingest",
-        "ingest_in_turn",
-        "ingest_block",
-        "query",
-    ):
-        entry = plan["memory"][key]
-        verdict = "" if entry["fits"] is None else "  fits" if entry["fits"] else "  DOES NOT FIT"
-        amount = ("<=" if entry["bound"] else "") + _size(entry["bytes"])
-        lines.append(f"  {key:<16} {amount:>11}{verdict}  {entry['counts']}")
-        if entry["fix"]:
-            lines.append(f"  {'':<16} {'':>11}  to fit: {entry['fix']}")
-    lines.append(
-        f"  {'host memory':<16} {_size(plan['curvature']['host_bytes']):>11}  "
-        f"{plan['memory']['fit_curvature']['host_counts']}"
-    )
+    for key in ("fit_peak", *FIT_PHASES, "ingest", "ingest_in_turn", "ingest_block", "query"):
+        entry = plan.memory.phase(key)
+        verdict = "" if entry.fits is None else "  fits" if entry.fits else "  DOES NOT FIT"
+        amount = ("<=" if entry.bound else "") + _size(entry.bytes)
+        lines.append(f"  {key:<16} {amount:>11}{verdict}  {entry.counts}")
+        if entry.fix:
+            lines.append(f"  {'':<16} {'':>11}  to fit: {entry.fix}")
+    curvature = plan.memory.fit_curvature
+    lines.append(f"  {'host memory':<16} {_size(curvature.host_bytes):>11}  {curvature.host_counts}")
     lines.append("disk")
-    for key in ("fit_curvature", "fit_first_stage", "fit_pca", "fit_save", "ingest", "ingest_block"):
-        entry = plan["memory"][key]
-        lines.append(f"  {key:<16} {_size(entry['disk_bytes']):>11}  {entry['disk_counts']}")
-    if model.get("coverage"):
+    for key in (*FIT_PHASES, "ingest", "ingest_block"):
+        phase = plan.memory.phase(key)
+        lines.append(f"  {key:<16} {_size(phase.disk_bytes):>11}  {phase.disk_counts}")  # type: ignore[union-attr]
+    if plan.model.coverage:
         from eogp_index.gradients.coverage import format_coverage
 
-        lines += format_coverage(model["coverage"])
-    lines += [
-        f"store         {store['documents']:,} documents: codes {_size(store['codes_bytes'])}, in-memory copy for "
-        f"queries {_size(store['hot_copy_bytes'])}, total <= {_size(store['total_bytes_max'])}",
-        f"              ({store['note']})",
+        lines += format_coverage(plan.model.coverage)
+    return lines + [
+        f"store         {store.documents:,} documents: codes {_size(store.codes_bytes)}, in-memory copy for "
+        f"queries {_size(store.hot_copy_bytes)}, total <= {_size(store.total_bytes_max)}",
+        f"              ({store.note})",
     ]
-    return "\n".join(lines)
 
 
-def format_p_reads(reads: Dict[str, Any]) -> str:
-    """:func:`~eogp_index.fit.blocks.p_reads` as the plan's text lines."""
-    if not reads["p_total_bytes"]:
+def format_p_reads(reads: PReads) -> str:
+    """:meth:`Plan.p_reads` as the plan's text lines."""
+    if not reads.p_total_bytes:
         return "P reads       none: this variant has no P"
-    per = reads["per_document"]
+    per = reads.per_document
     return "\n".join(
         [
-            f"P reads       per ingested document, of {_size(reads['p_total_bytes'])} of P: resident {_size(per['resident'])} "
-            f"(read once for the {reads['documents']:,} documents); in turn per batch of {reads['batch_size']} {_size(per['per_batch'])}; "
-            f"in turn per block of {reads['block_documents']:,} {_size(per['block'])} (--block-documents)",
-            f"block cache   {_size(reads['cache_bytes_per_document'])} per document (first-stage coordinates in FP16), "
-            f"{_size(reads['cache_bytes'])} of disk for the block (INDEX/ingest-cache/, removed once it is committed), "
-            f"{_size(reads['block_memory_bytes'])} of memory while each P is applied; under torchrun, per worker",
+            f"P reads       per ingested document, of {_size(reads.p_total_bytes)} of P: resident "
+            f"{_size(per.resident)} (read once for the {reads.documents:,} documents); in turn per batch of "
+            f"{reads.batch_size} {_size(per.per_batch)}; in turn per block of {reads.block_documents:,} "
+            f"{_size(per.block)} (--block-documents)",
+            f"block cache   {_size(reads.cache_bytes_per_document)} per document (first-stage coordinates in FP16), "
+            f"{_size(reads.cache_bytes)} of disk for the block (INDEX/ingest-cache/, removed once it is committed), "
+            f"{_size(reads.block_memory_bytes)} of memory while each P is applied; under torchrun, per worker",
         ]
     )
 
 
-def _pattern_key(row: Dict[str, Any]) -> tuple:
+def _pattern_key(row: ModuleRow) -> tuple:
     """Group modules that differ only in their block number (``h.0.attn`` / ``h.1.attn``)."""
-    return (re.sub(r"\.\d+\.", ".*.", row["name"]), row["d_out"], row["d_in"], row["m"], row["k"])
+    return (re.sub(r"\.\d+\.", ".*.", row.name), row.d_out, row.d_in, row.m, row.k)

@@ -29,16 +29,15 @@ from eogp_index.errors import ModelError
 
 
 class _Expert(nn.Module):
+    """One expert as two ``nn.Linear`` layers whose weights are views of the fused tensors' rows
+    (no weight is copied: a model an index copies keeps its fused experts at no extra memory)."""
+
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn: nn.Module):
         super().__init__()
-        self.gate_up_proj = nn.Linear(
-            gate_up.shape[1], gate_up.shape[0], bias=False, device=gate_up.device, dtype=gate_up.dtype
-        )
-        self.down_proj = nn.Linear(down.shape[1], down.shape[0], bias=False, device=down.device, dtype=down.dtype)
-        if gate_up.device.type != "meta":
-            with torch.no_grad():
-                self.gate_up_proj.weight.copy_(gate_up)
-                self.down_proj.weight.copy_(down)
+        self.gate_up_proj = nn.Linear(gate_up.shape[1], gate_up.shape[0], bias=False, device="meta")
+        self.down_proj = nn.Linear(down.shape[1], down.shape[0], bias=False, device="meta")
+        self.gate_up_proj.weight = nn.Parameter(gate_up.detach(), requires_grad=gate_up.requires_grad)
+        self.down_proj.weight = nn.Parameter(down.detach(), requires_grad=down.requires_grad)
         self.act_fn = act_fn
 
 

@@ -3,7 +3,10 @@
 The paper attributes the attention and MLP linear layers (biases included) and excludes
 embeddings, the LM head and normalisation layers. kronfluence tracks ``nn.Linear`` only, so
 GPT-2's ``Conv1D`` layers (a linear layer with a transposed weight) are swapped for
-``nn.Linear`` layers holding the same numbers: the model's outputs do not change.
+``nn.Linear`` layers over the same storage: the model's outputs do not change. An index swaps
+them on its own copy of a model it is given (:func:`shared_weights_copy`: new module objects,
+the same weights), so the caller's model stays as it was, and the fingerprints read the weights
+as loaded (:func:`state_as_loaded`) whether they were swapped or not.
 
 A LoRA adapter (a ``peft`` adapter directory) is loaded onto its base, unmerged: its
 ``lora_A``/``lora_B`` matrices are ``nn.Linear`` layers of their own, and they are what is
@@ -12,11 +15,14 @@ attributed unless modules are named.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+import functools
 import hashlib
 import json
 import os
 import re
+import types
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -58,11 +64,20 @@ _DEFAULT_LEAF_NAMES = (
 _MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+#: Set on each ``nn.Linear`` that :func:`replace_conv1d` made from a ``Conv1D``: its weight is the
+#: ``Conv1D``'s, transposed, and the fingerprints read it back in the ``Conv1D``'s layout.
+FROM_CONV1D = "eogp_from_conv1d"
+
+
 def replace_conv1d(model: nn.Module) -> int:
-    """Swap every transformers ``Conv1D`` for an equivalent ``nn.Linear`` in place.
+    """Swap every transformers ``Conv1D`` in ``model`` for an equivalent ``nn.Linear``, in place.
 
     ``Conv1D`` computes ``x @ W + b`` with ``W`` of shape ``(in, out)``; ``nn.Linear`` holds
-    ``W.T``. Returns the number of layers swapped.
+    ``W.T``: the new layer's weight is that transposed view of the same storage (no weight is
+    copied) and its bias the same tensor. Each new layer is marked :data:`FROM_CONV1D`, so that
+    :func:`model_fingerprint` and :func:`model_sha256` hash the model as loaded, swapped or not.
+    To leave a caller's model as it is, swap on :func:`shared_weights_copy` of it. Returns the
+    number of layers swapped.
     """
     try:
         from transformers.pytorch_utils import Conv1D
@@ -73,15 +88,68 @@ def replace_conv1d(model: nn.Module) -> int:
         for child_name, child in list(parent.named_children()):
             if isinstance(child, Conv1D):
                 in_features, out_features = child.weight.shape
-                linear = nn.Linear(in_features, out_features, bias=child.bias is not None)
-                linear.to(device=child.weight.device, dtype=child.weight.dtype)
-                with torch.no_grad():
-                    linear.weight.copy_(child.weight.t())
-                    if child.bias is not None:
-                        linear.bias.copy_(child.bias)
+                linear = nn.Linear(in_features, out_features, bias=child.bias is not None, device="meta")
+                linear.weight = nn.Parameter(child.weight.detach().t(), requires_grad=child.weight.requires_grad)
+                if child.bias is not None:
+                    linear.bias = nn.Parameter(child.bias.detach(), requires_grad=child.bias.requires_grad)
+                linear.train(child.training)
+                setattr(linear, FROM_CONV1D, True)
                 setattr(parent, child_name, linear)
                 swapped += 1
     return swapped
+
+
+def shared_weights_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s module tree over the same weights: what an index prepares for
+    attribution (swaps layers in, freezes, moves, hooks) without changing the model it was given.
+
+    Every module object is new, with its own dicts of parameters, buffers, children and hooks,
+    so swapping a child, registering a hook, ``eval()`` or ``.to(device)`` on the copy leaves
+    ``model`` alone. Each parameter is a new ``nn.Parameter`` over the same storage (its
+    ``requires_grad`` may then differ; nothing is copied), buffers are the same tensors, and
+    other attributes (the config, a hook's state) are shared. A module or parameter found at
+    two places (tied embeddings) is one object in the copy too. Methods and ``functools.partial``
+    objects bound to a module as attributes (accelerate's forward hooks) are bound to its copy.
+    """
+    modules: Dict[int, nn.Module] = {}
+    parameters: Dict[int, nn.Parameter] = {}
+
+    def parameter(p: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
+        if p is None:
+            return None
+        if id(p) not in parameters:
+            parameters[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+        return parameters[id(p)]
+
+    def module_copy(module: nn.Module) -> nn.Module:
+        if id(module) in modules:
+            return modules[id(module)]
+        new = copy.copy(module)
+        modules[id(module)] = new
+        state = new.__dict__
+        for key, value in list(state.items()):
+            if isinstance(value, (dict, set, list)):  # the hook dicts, and any other container
+                state[key] = copy.copy(value)
+            else:
+                state[key] = _rebound(value, module, new)
+        state["_parameters"] = type(module._parameters)((name, parameter(p)) for name, p in module._parameters.items())
+        state["_modules"] = type(module._modules)(
+            (name, None if child is None else module_copy(child)) for name, child in module._modules.items()
+        )
+        return new
+
+    return module_copy(model)
+
+
+def _rebound(value: Any, old: nn.Module, new: nn.Module) -> Any:
+    """``value`` bound to ``new`` where it is a method or ``functools.partial`` bound to ``old``."""
+    if isinstance(value, types.MethodType) and value.__self__ is old:
+        return types.MethodType(value.__func__, new)
+    if isinstance(value, functools.partial) and value.args and value.args[0] is old:
+        rebound = functools.partial(value.func, new, *value.args[1:], **value.keywords)
+        rebound.__dict__.update(value.__dict__)
+        return rebound
+    return value
 
 
 #: What peft names a LoRA adapter's own parameters and layers (``….q_proj.lora_A.default``).
@@ -408,14 +476,25 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
+def state_as_loaded(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every weight :func:`replace_conv1d` transposed read back in its
+    ``Conv1D`` layout (a view): the state as loaded, whether the layers were swapped or not."""
+    state = model.state_dict()
+    for name, module in model.named_modules(remove_duplicate=False):
+        key = f"{name}.weight" if name else "weight"
+        if getattr(module, FROM_CONV1D, False) and key in state:
+            state[key] = state[key].t()
+    return state
+
+
 def model_sha256(model: nn.Module) -> str:
     """SHA-256 over the state dict as loaded: sorted names, dtypes, shapes and bytes.
 
-    Computed before eogp-index swaps GPT-2's ``Conv1D`` layers, so the same checkpoint always
-    hashes the same.
+    Read through :func:`state_as_loaded`, so the same checkpoint always hashes the same, GPT-2's
+    ``Conv1D`` layers swapped or not.
     """
     digest = hashlib.sha256()
-    state = model.state_dict()
+    state = state_as_loaded(model)
     for name in sorted(state):
         tensor = state[name].detach().to("cpu").contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
@@ -449,12 +528,12 @@ def model_fingerprint(model: nn.Module, only: Optional[Callable[[str], bool]] = 
     (16 KiB per matrix; about 10 MB for a 32B model, read on its device). It catches another
     checkpoint, architecture, dtype or any retraining, fine-tune or re-quantization that moves
     the sampled bytes — all of them, in practice — but not an edit confined to unsampled entries
-    of a large matrix; ``eogp verify`` (:func:`model_sha256`) hashes every byte. Taken, like the
-    full hash, before GPT-2's ``Conv1D`` layers are swapped. ``only`` keeps the tensors whose
-    names it accepts (:func:`adapter_fingerprint`).
+    of a large matrix; ``eogp verify`` (:func:`model_sha256`) hashes every byte. Read, like the
+    full hash, through :func:`state_as_loaded` (the same whether GPT-2's ``Conv1D`` layers are
+    swapped or not). ``only`` keeps the tensors whose names it accepts (:func:`adapter_fingerprint`).
     """
     digest = hashlib.sha256()
-    state = model.state_dict()
+    state = state_as_loaded(model)
     for name in sorted(state):
         if only is not None and not only(name):
             continue

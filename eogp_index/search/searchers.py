@@ -6,7 +6,8 @@ keeping each side to rows of its sign, and metadata are :mod:`eogp_index.search.
 (applied to every route's answer by the query builder). The routes:
 
 ========================  ================================================================
-:class:`HotSearcher`      the in-memory hot copy, CPU kernels (the default)
+:class:`HotSearcher`      the in-memory hot copy, CPU kernels (the default; streams, and says
+                          so, when the disk has no room to write the copy)
 :class:`TorchSearcher`    the hot copy on a CUDA device, scored with torch
 :class:`StreamSearcher`   the table streamed in record batches (larger than memory)
 :class:`ShardedSearcher`  each torchrun worker streams its share of the fragments; merged
@@ -21,12 +22,14 @@ the scaled-sign kernels, coordinates to a matrix product. The exact searchers ta
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from eogp_index.config import check_normalize
+from eogp_index.errors import NoSpaceError
 from eogp_index.search.normalize import hot_normalized, normalized_codes
 from eogp_index.search.ranking import Hits, Side
 from eogp_index.store.codecs import Encoded, SignLayout
@@ -38,6 +41,8 @@ STREAM_BATCH_BYTES = 64 << 20
 
 #: ``{side: Hits}`` for each query row of ``y``.
 Found = List[Dict[Side, Hits]]
+
+log = logging.getLogger("eogp_index.search")
 
 
 def exact_scores(
@@ -123,7 +128,11 @@ class HotSearcher:
         return rowaddr, exact_scores(encoded, y, self.stored.layout, rows=rows, device=self.device)
 
     def top_k(self, y: np.ndarray, k: int, sides: Sequence[Side], where: Optional[str] = None) -> Found:
-        hot = self.stored.hot_codes()
+        try:
+            hot = self.stored.hot_codes()
+        except NoSpaceError as exc:  # no room to write the hot copy: the same answer, from the table
+            log.warning("this query streams the table instead of its hot copy: %s", exc)
+            return StreamSearcher(self.stored, normalize=self.normalize).top_k(y, k, sides, where)
         rows = self._rows(hot, where)
         if hot.num_rows == 0 or (rows is not None and rows.size == 0):
             return [{side: Hits.empty() for side in sides} for _ in range(y.shape[0])]

@@ -26,10 +26,18 @@ the fragments still cached in a segment are reused, the others (new ones, or one
 compaction or deletions) are read from Lance into a new segment; more than
 :data:`MAX_SEGMENTS` segments are merged into one. :func:`load_hot` with ``consolidate=True``
 (what ``eogp optimize`` does) leaves a single segment, which opens without copying anything.
+
+Before a segment is written, the free disk under ``<index>/hot`` is checked against the bytes it
+takes (the arrays exactly, the Arrow columns estimated from the table's data files), and every
+array file is allocated on disk before it is mapped: a write into a mapped hole of a full file
+system would kill the process (SIGBUS). Without the room, :class:`~eogp_index.errors.NoSpaceError`
+names the index, the bytes needed and the bytes free; nothing half-written is left, and the
+table is untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -41,7 +49,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import pyarrow as pa
 
-from eogp_index.errors import EOGPError
+from eogp_index.errors import EOGPError, NoSpaceError
 from eogp_index.store.codecs import Codec, Encoded
 from eogp_index.store.table import CODE_COLUMNS, Store
 
@@ -61,6 +69,8 @@ DICTIONARY_MAX_BYTES = 1 << 20
 #: Version of the on-disk layout above; another version is rebuilt.
 HOT_FORMAT = 1
 STATE_FILE = "state.json"
+#: Room counted for each segment's small files (``segment.json``, the ``.npy`` headers) and the state.
+SMALL_FILES_BYTES = 64 << 10
 SEGMENT_FILE = "segment.json"
 COLUMNS_FILE = "columns.arrow"
 
@@ -185,6 +195,85 @@ def _column_names(schema: pa.Schema) -> List[str]:
     return [name for name in schema.names if name not in CODE_COLUMNS]
 
 
+# -- disk space -------------------------------------------------------------------------------------
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` says a file system is full (or a quota reached): ``OSError`` ENOSPC or
+    EDQUOT, as Python and pyarrow raise it."""
+    return isinstance(exc, OSError) and (
+        exc.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(exc)
+    )
+
+
+def no_space_error(cache_dir: Path, needed: int) -> NoSpaceError:
+    """The error for a hot copy of ``needed`` bytes that ``cache_dir``'s file system has no room for."""
+    free = _free_bytes(cache_dir)
+    index = cache_dir.parent
+    return NoSpaceError(
+        f"no room on disk for the hot copy of the index {index}: it takes about {needed:,} bytes in "
+        f"{cache_dir}, and that file system has {free:,} bytes free. The stored rows are intact, and "
+        f"queries stream them from the table meanwhile (slower). Free at least {max(0, needed - free):,} "
+        f"bytes there, then run `eogp optimize {index}` to write the copy",
+        path=str(cache_dir),
+        needed=needed,
+        free=free,
+    )
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def segment_bytes(codec: Codec, schema: pa.Schema, rows: int, column_bytes: int) -> int:
+    """Disk a segment of ``rows`` rows takes: row addresses and codes exactly, dictionary codes of
+    every string column at most, ``column_bytes`` of Arrow columns, and its small files."""
+    names = _column_names(schema)
+    strings = sum(
+        pa.types.is_string(schema.field(n).type) or pa.types.is_large_string(schema.field(n).type) for n in names
+    )
+    codes = sum(width * np.dtype(dtype).itemsize for width, dtype in codec.widths().values())
+    return rows * (8 + codes + 4 * strings) + column_bytes + SMALL_FILES_BYTES
+
+
+def _lance_column_bytes(fragments: Sequence[Any], rows: int, codec: Codec) -> int:
+    """An estimate of the Arrow columns of ``fragments``' ``rows`` rows: their data files' bytes
+    less the codes in them."""
+    files = sum(d.file_size_bytes or 0 for f in fragments for d in f.metadata.data_files())
+    codes = sum(width * np.dtype(dtype).itemsize for width, dtype in codec.widths().values())
+    return max(0, files - rows * codes)
+
+
+def _reserved_memmap(path: Path, dtype, shape: Tuple[int, ...]) -> np.memmap:
+    """``np.lib.format.open_memmap(path, "w+", ...)`` with the file's disk blocks allocated first.
+
+    The file numpy creates is a hole: its blocks are allocated only as the mapping is written,
+    and on a full file system that write kills the process with SIGBUS. Allocated here, a full
+    disk is an ``OSError`` (ENOSPC) instead.
+    """
+    array = np.lib.format.open_memmap(path, "w+", dtype, shape)
+    size = path.stat().st_size
+    if size:
+        with open(path, "r+b") as f:
+            allocate = getattr(os, "posix_fallocate", None)
+            try:
+                if allocate is None:
+                    raise OSError(errno.EOPNOTSUPP, "no posix_fallocate")
+                allocate(f.fileno(), 0, size)
+            except OSError as exc:
+                if is_no_space(exc):
+                    raise
+                # No allocation call here: writing the zeros allocates the blocks as well.
+                f.seek(array.offset)
+                chunk = bytes(1 << 20)
+                for at in range(array.offset, size, len(chunk)):
+                    f.write(chunk[: min(len(chunk), size - at)])
+                f.flush()
+    return array
+
+
 # -- segments ---------------------------------------------------------------------------------------
 class _Dictionary:
     """The running dictionary of one string column while a segment is written: its distinct
@@ -192,7 +281,7 @@ class _Dictionary:
 
     def __init__(self, path: Path, rows: int):
         self.path = path
-        self.codes = np.lib.format.open_memmap(path, "w+", np.int32, (rows,))
+        self.codes = _reserved_memmap(path, np.int32, (rows,))
         self.values: Dict[str, int] = {}
         self.bytes = 0
         self.nulls = False
@@ -223,28 +312,45 @@ class _Dictionary:
 
 
 class _SegmentWriter:
-    """Writes one segment from record batches; nothing is visible under its name until :meth:`close`."""
+    """Writes one segment from record batches; nothing is visible under its name until :meth:`close`.
 
-    def __init__(self, folder: Path, codec: Codec, schema: pa.Schema, rows: int):
+    ``column_bytes``: the Arrow columns' bytes, estimated; with the arrays' own, what the free
+    disk is checked against before anything is written (:class:`~eogp_index.errors.NoSpaceError`).
+    """
+
+    def __init__(self, folder: Path, codec: Codec, schema: pa.Schema, rows: int, column_bytes: int):
         self.folder = folder
+        self.array_bytes = segment_bytes(codec, schema, rows, 0)
+        self.needed = self.array_bytes + column_bytes
+        # The Arrow columns' bytes in the batches seen so far: a full disk is reported with the
+        # columns' size extrapolated from them, when that is more than the estimate.
+        self.column_bytes_seen = self.rows_seen = 0
+        if self.needed > _free_bytes(folder.parent):
+            raise no_space_error(folder.parent, self.needed)
         self.tmp = folder.with_name(f".tmp-{folder.name}")
         self.tmp.mkdir(parents=True)
         self.rows = rows
         self.at = 0
-        self.arrays = {"rowaddr": np.lib.format.open_memmap(self.tmp / "rowaddr.npy", "w+", np.uint64, (rows,))}
-        for name, (width, dtype) in codec.widths().items():
-            self.arrays[name] = np.lib.format.open_memmap(self.tmp / f"{name}.npy", "w+", dtype, (rows, width))
         self.names = _column_names(schema)
         self.schema = pa.schema([schema.field(n) for n in self.names])
-        self.sink = pa.OSFile(str(self.tmp / COLUMNS_FILE), "wb")
-        self.writer = pa.ipc.new_file(self.sink, self.schema)
-        # String columns get dictionary codes for filters, until they show too many values.
-        self.dictionaries: Dict[str, _Dictionary] = {
-            name: _Dictionary(self.tmp / f"dict-{i}.npy", rows)
-            for i, name in enumerate(self.names)
-            if pa.types.is_string(self.schema.field(name).type)
-            or pa.types.is_large_string(self.schema.field(name).type)
-        }
+        self.arrays: Dict[str, np.memmap] = {}
+        self.dictionaries: Dict[str, _Dictionary] = {}
+        try:
+            self.arrays["rowaddr"] = _reserved_memmap(self.tmp / "rowaddr.npy", np.uint64, (rows,))
+            for name, (width, dtype) in codec.widths().items():
+                self.arrays[name] = _reserved_memmap(self.tmp / f"{name}.npy", dtype, (rows, width))
+            self.sink = pa.OSFile(str(self.tmp / COLUMNS_FILE), "wb")
+            self.writer = pa.ipc.new_file(self.sink, self.schema)
+            # String columns get dictionary codes for filters, until they show too many values.
+            for i, name in enumerate(self.names):
+                field_type = self.schema.field(name).type
+                if pa.types.is_string(field_type) or pa.types.is_large_string(field_type):
+                    self.dictionaries[name] = _Dictionary(self.tmp / f"dict-{i}.npy", rows)
+        except BaseException as exc:
+            self.abort()
+            if is_no_space(exc):
+                raise no_space_error(folder.parent, self.needed) from exc
+            raise
 
     def write(self, rowaddr: np.ndarray, encoded: Encoded, columns: pa.Table) -> None:
         n = rowaddr.shape[0]
@@ -252,6 +358,8 @@ class _SegmentWriter:
         for name, values in encoded.columns().items():
             self.arrays[name][self.at : self.at + n] = values
         columns = columns.select(self.names).cast(self.schema)
+        self.column_bytes_seen += columns.nbytes
+        self.rows_seen += n
         for batch in columns.to_batches(max_chunksize=ARROW_CHUNK_ROWS):
             self.writer.write_batch(batch)
         for name in list(self.dictionaries):
@@ -285,7 +393,24 @@ class _SegmentWriter:
         return self.folder.name
 
     def abort(self) -> None:
+        # Closed and unmapped before the files go: an open file keeps its disk space after it is removed.
+        sink = getattr(self, "sink", None)
+        if sink is not None and not sink.closed:
+            try:
+                sink.close()
+            except OSError:
+                pass  # a full disk refuses the last bytes; the file is removed below
+        self.arrays.clear()
+        self.dictionaries.clear()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def failed(self, exc: BaseException, cache_dir: Path) -> BaseException:
+        """Remove what was written; the error to raise for ``exc`` (a full disk said as such)."""
+        self.abort()
+        if not is_no_space(exc):
+            return exc
+        seen = self.array_bytes + self.column_bytes_seen * self.rows // max(1, self.rows_seen)
+        return no_space_error(cache_dir, max(self.needed, seen))
 
 
 def _new_segment_name(version: int) -> str:
@@ -424,17 +549,21 @@ def _write_state(
     """Record the copy of ``version``; ``stamp`` (:meth:`Store.stamp`) lets the next process trust
     that the table is still at ``version`` without opening it."""
     tmp = cache_dir / f".{STATE_FILE}.{uuid.uuid4().hex[:8]}"
-    tmp.write_text(
-        json.dumps(
-            {
-                "format": HOT_FORMAT,
-                "table_version": version,
-                "rows": rows,
-                "stamp": list(stamp) if stamp is not None else None,
-                "pieces": [list(p) for p in pieces],
-            }
+    try:
+        tmp.write_text(
+            json.dumps(
+                {
+                    "format": HOT_FORMAT,
+                    "table_version": version,
+                    "rows": rows,
+                    "stamp": list(stamp) if stamp is not None else None,
+                    "pieces": [list(p) for p in pieces],
+                }
+            )
         )
-    )
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: the state in place stays the one recorded
+        raise
     os.replace(tmp, cache_dir / STATE_FILE)
 
 
@@ -521,7 +650,12 @@ def load_hot(store: Store, codec: Codec, cache_dir: Optional[Path], *, consolida
         pieces, used = [(name, 0, segments[name].rows)], {name}
     rows = sum(stop - start for _, start, stop in pieces)
     stamp = store.stamp()
-    _write_state(cache_dir, version, pieces, rows, stamp if store.version == version else None)
+    try:
+        _write_state(cache_dir, version, pieces, rows, stamp if store.version == version else None)
+    except OSError as exc:
+        if is_no_space(exc):
+            raise no_space_error(cache_dir, SMALL_FILES_BYTES) from exc
+        raise
     _remove_unused(cache_dir, used)
     if not pieces:
         return _empty(codec, dataset.schema, version)
@@ -532,7 +666,8 @@ def _read_segment(
     dataset, fragments: Sequence[Any], keys: Sequence[FragmentKey], rows: int, codec: Codec, cache_dir: Path
 ) -> str:
     """Read ``fragments`` from Lance into a new segment; its name."""
-    writer = _SegmentWriter(cache_dir / _new_segment_name(dataset.version), codec, dataset.schema, rows)
+    column_bytes = _lance_column_bytes(fragments, rows, codec)
+    writer = _SegmentWriter(cache_dir / _new_segment_name(dataset.version), codec, dataset.schema, rows, column_bytes)
     try:
         _read_fragments(dataset, fragments, codec, writer.write)
         # Each fragment's rows are contiguous: count them from the row addresses written.
@@ -543,9 +678,11 @@ def _read_segment(
             stop = int(np.searchsorted(fragment_of, np.uint64(fid), side="right"))
             spans.append([fid, physical, deleted, start, stop])
         return writer.close(spans)
-    except BaseException:
-        writer.abort()
-        raise
+    except BaseException as exc:
+        error = writer.failed(exc, cache_dir)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 def _merge_segments(
@@ -564,7 +701,8 @@ def _merge_segments(
     fragments ``0..j-1``.
     """
     rows = sum(stop - start for _, start, stop in pieces)
-    writer = _SegmentWriter(cache_dir / _new_segment_name(version), codec, schema, rows)
+    column_bytes = sum(segments[name].columns.slice(a, b - a).nbytes for name, a, b in pieces)
+    writer = _SegmentWriter(cache_dir / _new_segment_name(version), codec, schema, rows, column_bytes)
     try:
         for name, start, stop in pieces:
             seg = segments[name]
@@ -583,6 +721,8 @@ def _merge_segments(
             spans.append([*key, at, at + length])
             at += length
         return writer.close(spans)
-    except BaseException:
-        writer.abort()
-        raise
+    except BaseException as exc:
+        error = writer.failed(exc, cache_dir)
+        if error is exc:
+            raise
+        raise error from exc

@@ -1,14 +1,14 @@
 """``eogp plan INDEX``: :func:`~eogp_index.fit.plan.make_plan` for a fitted index, with the figures
-the fit fixed read from its files instead of bounded."""
+the fit fixed read from its files instead of bounded, and its documents as long as it cuts them."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from eogp_index.config import ProjectionConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError
-from eogp_index.fit.plan import ModelShape, make_plan, model_shape
+from eogp_index.fit.plan import ModelShape, Plan, make_plan, model_shape
 from eogp_index.store.files import safetensors_header, tensor_bytes
 from eogp_index.store.manifest import Manifest
 
@@ -23,15 +23,18 @@ def plan_of_index(
     dtype: Optional[str] = None,
     curvature_examples: Optional[int] = None,
     shape: Optional[ModelShape] = None,
+    max_tokens: Optional[int] = None,
     **options: Any,
-) -> Dict[str, Any]:
+) -> Plan:
     """:func:`~eogp_index.fit.plan.make_plan` for a fitted index: its model, modules, ``(m_u, k_u)``,
     options and dtype from its manifest, and the kept eigenvector columns, exact, from its
     projection file's header: their bytes and the dtype they are stored and held in.
 
-    The curvature examples are the index's, whatever ``curvature_examples`` says. ``shape``: the
-    loaded model's (:func:`~eogp_index.fit.plan.shape_of_model`) instead of the manifest's model
-    name's; ``options``: :func:`~eogp_index.fit.plan.make_plan`'s.
+    The curvature examples are the index's, whatever ``curvature_examples`` says. The documents
+    are as long as the index cuts them (its manifest's ``max_tokens``) unless ``max_tokens`` or
+    ``document_tokens`` says otherwise. ``shape``: the loaded model's
+    (:func:`~eogp_index.fit.plan.shape_of_model`) instead of the manifest's model name's;
+    ``options``: :func:`~eogp_index.fit.plan.make_plan`'s.
 
     Raises:
         ConfigError: ``dtype`` names another dtype than the one the index was built in.
@@ -77,5 +80,7 @@ def plan_of_index(
         eigenbasis_dtype=stored.pop(),
         dims={m.name: (m.m, m.k) for m in modules},
         curvature_examples=manifest.curvature["num_examples"],
+        max_tokens=max_tokens or manifest.max_tokens,
+        max_tokens_from="--max-tokens" if max_tokens else "the index's max_tokens",
         **options,
     )

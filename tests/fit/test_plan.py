@@ -145,6 +145,46 @@ def test_plan_text_and_a_config_file(workspace, tmp_path):
     assert bad.exit_code != 0 and "Traceback" not in bad.output
 
 
+def test_plan_of_an_index_plans_documents_as_long_as_the_index_cuts_them(workspace):
+    """`eogp plan INDEX` plans with the index's max_tokens (24 here), not the model's context (32);
+    --max-tokens given wins."""
+    from eogp_index.store.manifest import Manifest
+
+    index = workspace / "full"
+    assert Manifest.load(index).max_tokens == 24
+    result = CliRunner().invoke(cli, ["plan", str(index), "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["options"]["tokens"] == plan["batch"]["document_tokens"] == 24
+    assert plan["options"]["tokens_from"] == "the index's max_tokens"
+    text = CliRunner().invoke(cli, ["plan", str(index)]).output
+    assert "documents of 24 tokens (the index's max_tokens)" in text
+    given = json.loads(CliRunner().invoke(cli, ["plan", str(index), "--max-tokens", "16", "--json"]).stdout)
+    assert given["options"]["tokens"] == 16 and given["options"]["tokens_from"] == "--max-tokens"
+
+
+def test_the_plan_is_typed_and_its_json_is_what_plan_json_prints(workspace):
+    """make_plan returns frozen dataclasses read by attribute; to_json() is `eogp plan --json`."""
+    import dataclasses
+
+    from eogp_index.fit.plan import Phase, Plan
+
+    plan = make_plan(model_shape(str(workspace / "model")), ProjectionConfig(k=16), max_tokens=24, documents=1000)
+    assert isinstance(plan, Plan) and isinstance(plan.memory.ingest, Phase)
+    assert plan.batch.document_tokens == 24 and plan.modules[0].name == "transformer.h.0.attn.c_attn"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.batch.documents = 3  # type: ignore[misc]
+    printed = json.loads(
+        CliRunner()
+        .invoke(
+            cli, ["plan", str(workspace / "model"), "-k", "16", "--max-tokens", "24", "--documents", "1000", "--json"]
+        )
+        .stdout
+    )
+    assert {**json.loads(json.dumps(plan.to_json())), "p_reads": plan.p_reads().to_json()} == printed
+    assert printed["batch"]["from"] == plan.batch.chosen_by and list(printed["memory"]) == list(plan.memory.names())
+
+
 def test_verify_hashes_model_and_projection_in_full(workspace, tmp_path):
     ok = CliRunner().invoke(cli, ["verify", str(workspace / "full"), "--json"])
     assert ok.exit_code == 0, ok.output
@@ -266,17 +306,17 @@ def olmo2_1b():
 
 def test_olmo2_1b_in_bf16_fits_an_80_gb_h100(olmo2_1b):
     plan = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=80 * 10**9, **PAPER)
-    assert plan["model"]["dtype"] == "bfloat16"  # auto: the checkpoint's
-    assert plan["model"]["weights_bytes"] == 2 * olmo2_1b.num_parameters
-    assert plan["fits"] and all(plan["memory"][key]["fits"] for key in PHASES), format_plan(plan)
-    assert plan["batch"]["document_tokens"] == 512 and plan["batch"]["documents"] >= 1
-    assert not plan["projection_in_memory"]["resident"]  # 120 GB of P: read one module at a time
+    assert plan.model.dtype == "bfloat16"  # auto: the checkpoint's
+    assert plan.model.weights_bytes == 2 * olmo2_1b.num_parameters
+    assert plan.fits and all(plan.memory.phase(key).fits for key in PHASES), format_plan(plan)
+    assert plan.batch.document_tokens == 512 and plan.batch.documents >= 1
+    assert not plan.projection_in_memory.resident  # 120 GB of P: read one module at a time
     # Before a fit the kept eigenvector columns are a bound, and the plan says so.
-    assert plan["memory"]["ingest"]["bound"] and "<=" in format_plan(plan)
+    assert plan.memory.ingest.bound and "<=" in format_plan(plan)
     # In float32 the weights and every activation double.
     wide = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=80 * 10**9, dtype="float32", **PAPER)
-    assert wide["model"]["weights_bytes"] == 2 * plan["model"]["weights_bytes"]
-    assert wide["memory"]["fit_first_stage"]["bytes"] > plan["memory"]["fit_first_stage"]["bytes"]
+    assert wide.model.weights_bytes == 2 * plan.model.weights_bytes
+    assert wide.memory.fit_first_stage.bytes > plan.memory.fit_first_stage.bytes
 
 
 def test_a_phase_that_does_not_fit_is_named_with_the_option_that_fits_it(olmo2_1b):
@@ -284,27 +324,27 @@ def test_a_phase_that_does_not_fit_is_named_with_the_option_that_fits_it(olmo2_1
     plan = make_plan(
         olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10**9, dtype="float32", batch_tokens=8 * 4096, documents=10_000
     )
-    assert plan["fits"] is False
-    entry = plan["memory"]["fit_first_stage"]
-    assert entry["fits"] is False and "--batch-tokens 4096" in entry["fix"]
+    assert plan.fits is False
+    entry = plan.memory.fit_first_stage
+    assert entry.fits is False and "--batch-tokens 4096" in entry.fix
     assert "DOES NOT FIT" in format_plan(plan) and "to fit: --batch-tokens 4096" in format_plan(plan)
     # Re-planned with that option, the phase fits.
     fixed = make_plan(
         olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10**9, dtype="float32", batch_tokens=4096, documents=10_000
     )
-    assert fixed["memory"]["fit_first_stage"]["fits"]
+    assert fixed.memory.fit_first_stage.fits
     # Without --batch-tokens the plan picks the largest batch that fits.
     chosen = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=48 * 10**9, dtype="float32", documents=10_000)
-    assert chosen["batch"]["from"] == "the memory budget" and chosen["memory"]["fit_first_stage"]["fits"]
+    assert chosen.batch.chosen_by == "the memory budget" and chosen.memory.fit_first_stage.fits
     bigger = make_plan(
         olmo2_1b,
         PAPER_PROJECTION,
         memory_budget=48 * 10**9,
         dtype="float32",
         documents=10_000,
-        batch_tokens=(chosen["batch"]["documents"] + 1) * 4096,
+        batch_tokens=(chosen.batch.documents + 1) * 4096,
     )
-    assert not all(bigger["memory"][key]["fits"] for key in ("fit_first_stage", "ingest", "query"))
+    assert not all(bigger.memory.phase(key).fits for key in ("fit_first_stage", "ingest", "query"))
 
 
 def test_olmo2_32b_in_bf16_fits_a_192_gb_b200_under_a_stated_assumption():
@@ -316,21 +356,21 @@ def test_olmo2_32b_in_bf16_fits_a_192_gb_b200_under_a_stated_assumption():
     100,000 documents in the store (the hot copy the queries scan is in the budget)."""
     shape = _olmo2(5120, 27648, 64, 40, 8)
     bounded = make_plan(shape, PAPER_PROJECTION, memory_budget=192 * 10**9, max_tokens=512, documents=100_000)
-    assert bounded["memory"]["ingest"]["bound"] and not bounded["shared"]["eigenbasis_exact"]
+    assert bounded.memory.ingest.bound and not bounded.shared.eigenbasis_exact
     every = sum(m.d_out**2 + m.d_in**2 for m in shape.modules)
-    assert bounded["shared"]["eigenbasis_dtype"] == "float16" and bounded["shared"]["eigenbasis_bytes_max"] == 2 * every
-    assert not bounded["fits"]  # by the bound alone it does not fit: the assumption below is needed
+    assert bounded.shared.eigenbasis_dtype == "float16" and bounded.shared.eigenbasis_bytes_max == 2 * every
+    assert not bounded.fits  # by the bound alone it does not fit: the assumption below is needed
     wide = make_plan(
         shape, PAPER_PROJECTION, memory_budget=192 * 10**9, max_tokens=512, documents=100_000, dtype="float32"
     )
-    assert wide["shared"]["eigenbasis_bytes_max"] == 4 * every
+    assert wide.shared.eigenbasis_bytes_max == 4 * every
     assumed = {m.name: 2 * (m.d_out * (m.d_out // 4) + m.d_in * (m.d_in // 4)) for m in shape.modules}
     plan = make_plan(
         shape, PAPER_PROJECTION, memory_budget=192 * 10**9, max_tokens=512, documents=100_000, eigenbasis_bytes=assumed
     )
-    assert plan["fits"] and all(plan["memory"][key]["fits"] for key in PHASES), format_plan(plan)
-    assert plan["curvature"]["module_partitions"] > 1  # kronfluence's factors do not fit at once
-    assert plan["shared"]["pca_bytes"] == 448 * 262144 * 2048 * 2  # the paper's 481 GB of P
+    assert plan.fits and all(plan.memory.phase(key).fits for key in PHASES), format_plan(plan)
+    assert plan.curvature.module_partitions > 1  # kronfluence's factors do not fit at once
+    assert plan.shared.pca_bytes == 448 * 262144 * 2048 * 2  # the paper's 481 GB of P
 
 
 def test_block_ingest_phase_holds_one_p_and_the_block(olmo2_1b):
@@ -338,30 +378,30 @@ def test_block_ingest_phase_holds_one_p_and_the_block(olmo2_1b):
     first stage's pass (with a batch's float16 coordinates on their way to the cache) and applying
     one module's P to the block; the block is sized from what the budget leaves, and the fit's
     check and the P reads follow it."""
-    from eogp_index.fit.blocks import FIRST_STAGE_ITEMSIZE, block_memory_per_document, p_reads
+    from eogp_index.fit.blocks import FIRST_STAGE_ITEMSIZE, block_memory_per_document
 
     budget = 80 * 10**9
     plan = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=budget, **PAPER)
-    rows, memory = plan["modules"], plan["memory"]
-    per_document = block_memory_per_document([r["m"] for r in rows], [r["k"] for r in rows], FIRST_STAGE_ITEMSIZE)
-    block = memory["ingest_block"]
-    documents = block["block_documents"]
-    batch = plan["batch"]["documents"]
+    rows, memory = plan.modules, plan.memory
+    per_document = block_memory_per_document([r.m for r in rows], [r.k for r in rows], FIRST_STAGE_ITEMSIZE)
+    block = memory.ingest_block
+    documents = block.block_documents
+    batch = plan.batch.documents
     assert documents % batch == 0 and documents > batch
     # The default block leaves the budget a margin (a quarter of what the loaded index leaves free).
     assert documents * per_document <= budget / 4
-    assert block["fits"] and plan["fits"]  # P is not resident: the fit's check is the block's
-    assert p_reads(plan)["block_documents"] == documents
-    assert block["disk_bytes"] == documents * 2 * sum(r["m"] for r in rows)
+    assert block.fits and plan.fits  # P is not resident: the fit's check is the block's
+    assert plan.p_reads().block_documents == documents
+    assert block.disk_bytes == documents * 2 * sum(r.m for r in rows)
     # Applying P to a larger block adds that block's coordinates, and nothing else.
     asked = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=budget, block_documents=documents + 10 * batch, **PAPER)
-    assert asked["memory"]["ingest_block"]["block_documents"] == documents + 10 * batch
-    grown = asked["memory"]["ingest_block"]["bytes"] - block["bytes"]
+    assert asked.memory.ingest_block.block_documents == documents + 10 * batch
+    grown = asked.memory.ingest_block.bytes - block.bytes
     assert grown == 10 * batch * per_document
     huge = make_plan(olmo2_1b, PAPER_PROJECTION, memory_budget=budget, block_documents=10**6, **PAPER)
-    assert not huge["memory"]["ingest_block"]["fits"] and not huge["fits"]
+    assert not huge.memory.ingest_block.fits and not huge.fits
     # The fix for a block asked too large is the block the budget leaves room for.
-    assert huge["memory"]["ingest_block"]["fix"].startswith(f"--block-documents {documents} ")
+    assert huge.memory.ingest_block.fix.startswith(f"--block-documents {documents} ")
 
 
 def test_curvature_phase_is_the_largest_of_kronfluences_steps(olmo2_1b):
@@ -370,12 +410,12 @@ def test_curvature_phase_is_the_largest_of_kronfluences_steps(olmo2_1b):
     and eigenvectors (host memory is the device's) where a GPU counts them as host memory only."""
     gpu = make_plan(olmo2_1b, PAPER_PROJECTION, device="cuda", **PAPER)
     cpu = make_plan(olmo2_1b, PAPER_PROJECTION, device="cpu", **PAPER)
-    model = gpu["memory"]["process"]["bytes"] + gpu["model"]["weights_bytes"]
+    model = gpu.memory.process.bytes + gpu.model.weights_bytes
     for plan in (gpu, cpu):
-        steps = plan["memory"]["fit_curvature"]["steps"]
-        assert plan["memory"]["fit_curvature"]["bytes"] == model + max(steps.values())
-    held = cpu["curvature"]["host_bytes"] - cpu["memory"]["process"]["bytes"]
-    assert cpu["memory"]["fit_curvature"]["steps"]["eigendecomposition"] > held
-    assert gpu["memory"]["fit_curvature"]["steps"]["eigendecomposition"] < held
-    rows = gpu["modules"]
-    assert held == sum(4 * (2 * r["d_in"] ** 2 + 2 * r["d_out"] ** 2 + r["d_in"] + r["d_out"]) for r in rows)
+        steps = plan.memory.fit_curvature.steps
+        assert plan.memory.fit_curvature.bytes == model + max(steps.values())
+    held = cpu.curvature.host_bytes - cpu.memory.process.bytes
+    assert cpu.memory.fit_curvature.steps["eigendecomposition"] > held
+    assert gpu.memory.fit_curvature.steps["eigendecomposition"] < held
+    rows = gpu.modules
+    assert held == sum(4 * (2 * r.d_in**2 + 2 * r.d_out**2 + r.d_in + r.d_out) for r in rows)

@@ -44,3 +44,40 @@ def test_explicit_patterns_and_clear_error():
     ]
     with pytest.raises(ModelError, match="no nn.Linear module matches"):
         find_attributed_modules(model, ["model.layers.9.nothing"])
+
+
+def test_conv1d_swap_shares_the_weights_and_keeps_the_fingerprints():
+    from eogp_index.gradients.model import model_fingerprint, model_sha256
+
+    model = make_tiny_gpt2()
+    before = (model_fingerprint(model), model_sha256(model))
+    storage = model.transformer.h[1].mlp.c_proj.weight.data_ptr()
+    replace_conv1d(model)
+    assert model.transformer.h[1].mlp.c_proj.weight.data_ptr() == storage  # a transposed view, not a copy
+    assert (model_fingerprint(model), model_sha256(model)) == before
+
+
+def test_shared_weights_copy_is_new_modules_over_the_same_storage():
+    from transformers.pytorch_utils import Conv1D
+
+    from eogp_index.gradients.model import freeze, shared_weights_copy
+
+    model = make_tiny_gpt2().train()
+    ids = torch.randint(1, 64, (2, 9))
+    expected = model.eval()(input_ids=ids).logits
+    model.train()
+    copy = shared_weights_copy(model)
+    assert replace_conv1d(copy) == 8
+    freeze(copy).eval()
+    handle = copy.transformer.h[0].register_forward_hook(lambda *args: None)
+    # The original: its Conv1D layers, mode, requires_grad and hooks as they were.
+    assert isinstance(model.transformer.h[0].attn.c_attn, Conv1D) and model.training
+    assert all(p.requires_grad for p in model.parameters())
+    assert not model.transformer.h[0]._forward_hooks
+    # The copy: the same storage, tied weights still tied, the same function.
+    pairs = zip(model.state_dict().values(), copy.state_dict().values())
+    assert all(a.data_ptr() == b.data_ptr() for a, b in pairs)
+    assert copy.lm_head.weight is copy.transformer.wte.weight
+    assert copy.lm_head.weight is not model.lm_head.weight
+    torch.testing.assert_close(copy(input_ids=ids).logits, expected, rtol=0, atol=1e-6)
+    handle.remove()

@@ -159,12 +159,12 @@ def test_an_index_with_float32_eigenvector_columns_opens_and_answers_the_same(bf
     # Its plan counts the columns as the file holds them: float32, exactly twice the new index's.
     shape = shape_of_model(again.model, again.manifest.module_names, name="tiny-llama")
     plan, new = plan_of_index(old, shape=shape), plan_of_index(bf16_index.path, shape=shape)
-    assert plan["shared"]["eigenbasis_dtype"] == "float32" and plan["shared"]["eigenbasis_exact"]
-    assert new["shared"]["eigenbasis_dtype"] == "float16"
-    assert plan["shared"]["eigenbasis_bytes_max"] == 2 * new["shared"]["eigenbasis_bytes_max"]
+    assert plan.shared.eigenbasis_dtype == "float32" and plan.shared.eigenbasis_exact
+    assert new.shared.eigenbasis_dtype == "float16"
+    assert plan.shared.eigenbasis_bytes_max == 2 * new.shared.eigenbasis_bytes_max
     # Held in float32, the first stage needs no float32 copy of them; held in float16 it makes one.
-    assert all(r["eigenbasis_upcast_bytes"] == 0 for r in plan["modules"])
-    assert all(r["eigenbasis_upcast_bytes"] == 2 * r["eigenbasis_bytes"] for r in new["modules"])
+    assert all(r.eigenbasis_upcast_bytes == 0 for r in plan.modules)
+    assert all(r.eigenbasis_upcast_bytes == 2 * r.eigenbasis_bytes for r in new.modules)
 
 
 def test_a_file_whose_columns_disagree_with_its_eigenvector_dtype_is_refused(bf16_index, tmp_path):

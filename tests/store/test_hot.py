@@ -2,12 +2,17 @@
 from disk as recorded, and robust to a damaged cache."""
 
 import json
+import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from tinymodels import make_examples
 
 from eogp_index.store import hot as hot_mod
@@ -165,3 +170,125 @@ def test_a_copied_index_does_not_trust_the_recorded_stamp(fitted_index, tmp_path
     state = json.loads((copy / "hot" / "state.json").read_text())
     assert state["stamp"] is not None and not stored.store.adopt(state["table_version"], state["stamp"])
     _assert_equal_to_table(stored, stored.hot_codes())
+
+
+# -- a full disk ------------------------------------------------------------------------------------
+SMALL_FS_BYTES = 4 << 20
+
+
+def _words(i: int, n: int) -> str:
+    return " ".join(f"t{(i * 7 + j) % 63 + 1}" for j in range(n))
+
+
+def _mount_tmpfs(path) -> str:
+    """Mount a small tmpfs at ``path``; '' when mounted, else why not."""
+    path.mkdir()
+    if os.environ.get("EOGP_TEST_UNSHARE") == "1":  # exercise the route taken where mount is refused
+        return "EOGP_TEST_UNSHARE=1"
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_FS_BYTES}", "tmpfs", str(path)], capture_output=True, text=True
+    )
+    return "" if done.returncode == 0 else (done.stderr.strip() or f"mount exited {done.returncode}")
+
+
+def _on_small_filesystem(small, args):
+    """Run tests/store/full_disk.py with ``args`` on a real tmpfs of SMALL_FS_BYTES at ``small``:
+    mounted here when this process may, else in a user and mount namespace of its own (unshare).
+    Only when neither works is the test skipped, and under CI=true it fails instead."""
+    script = [sys.executable, str(Path(__file__).with_name("full_disk.py")), *map(str, args)]
+    why = _mount_tmpfs(small)
+    if not why:
+        try:
+            return subprocess.run(script, capture_output=True, text=True)
+        finally:
+            subprocess.run(["umount", str(small)], check=True)
+    mount = f"mount -t tmpfs -o size={SMALL_FS_BYTES} tmpfs {shlex.quote(str(small))}"
+    unshare = ["unshare", "--map-root-user", "--mount", "sh", "-c"]
+    if shutil.which("unshare"):
+        probe = subprocess.run([*unshare, mount], capture_output=True, text=True)
+        if probe.returncode == 0:
+            return subprocess.run([*unshare, f"{mount} && exec {shlex.join(script)}"], capture_output=True, text=True)
+        why += f"; in a namespace of its own: {probe.stderr.strip()}"
+    else:
+        why += "; no unshare to mount in a namespace of its own"
+    reason = f"no small file system to fill: mount -t tmpfs failed ({why})"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_ingest_saying_why_and_queries_stream_the_table(tmp_path):
+    """On a real file system with room for the rows but not for their hot copy: ingest commits
+    the rows, then stops with NoSpaceError naming the index and the bytes (no SIGBUS, no
+    traceback); a query answers from the table, as the hot copy would, and says so."""
+    from click.testing import CliRunner
+    from tinymodels import make_tiny_gpt2, make_word_tokenizer
+
+    from eogp_index.cli import cli
+
+    make_tiny_gpt2().save_pretrained(tmp_path / "model")
+    make_word_tokenizer().save_pretrained(tmp_path / "model")
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("".join(json.dumps({"id": f"d{i}", "text": _words(i, 3000)}) + "\n" for i in range(30)))
+    second.write_text("".join(json.dumps({"id": f"n{i}", "text": _words(i + 5, 20)}) + "\n" for i in range(5)))
+    runner = CliRunner()
+
+    def eogp(*args):
+        result = runner.invoke(cli, [str(a) for a in args])
+        assert result.exit_code == 0, result.output
+        return result
+
+    index = tmp_path / "idx"
+    eogp(
+        "fit",
+        tmp_path / "model",
+        "--data",
+        first,
+        "--out",
+        index,
+        "-k",
+        "16",
+        "--curvature-examples",
+        "20",
+        "--pca-examples",
+        "20",
+        "--max-tokens",
+        "24",
+    )
+    eogp("ingest", index, first, "--store-text", "--id-field", "id")
+    hot_bytes = sum(f.stat().st_size for f in (index / "hot").rglob("*") if f.is_file())
+    reference = tmp_path / "reference"
+    shutil.copytree(index, reference)
+    eogp("ingest", reference, second, "--store-text", "--id-field", "id")
+    query = _words(3, 12)
+    expected = json.loads(eogp("query", reference, "--text", query, "-k", "5", "--json").stdout)
+
+    small = tmp_path / "small"
+    done = _on_small_filesystem(small, [index, small, second, hot_bytes // 2, query])
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["free_before"] < hot_bytes
+
+    ingest = report["ingest"]
+    assert ingest["rc"] == 1, ingest  # not -7 (SIGBUS)
+    assert "Traceback" not in ingest["stderr"], ingest["stderr"]
+    message = ingest["stderr"]
+    assert f"no room on disk for the hot copy of the index {small / 'idx'}" in message
+    needed, free = (
+        int(re.search(pattern, message).group(1).replace(",", ""))
+        for pattern in (r"it takes about ([\d,]+) bytes", r"that file system has ([\d,]+) bytes free")
+    )
+    assert needed > free and needed >= hot_bytes  # the copy of 35 rows is larger than that of 30
+    assert f"eogp optimize {small / 'idx'}" in message
+    assert report["rows"] == 35  # every row committed before the hot copy was tried, and kept
+
+    answer = report["query"]
+    assert answer["rc"] == 0 and "Traceback" not in answer["stderr"], answer
+    assert "this query streams the table instead of its hot copy" in answer["stderr"]
+    got = json.loads(answer["stdout"])
+    assert [r["id"] for r in got[0]["results"]] == [r["id"] for r in expected[0]["results"]]
+    np.testing.assert_allclose(
+        [r["score"] for r in got[0]["results"]], [r["score"] for r in expected[0]["results"]], rtol=1e-6
+    )
+    assert report["mapped"] == "no space"  # a map over what is not free: ENOSPC, not SIGBUS
