@@ -30,6 +30,7 @@ the same ids, or all refuse, naming the same field.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import shutil
@@ -40,6 +41,7 @@ from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Tuple
 
 import pytest
 from click.testing import CliRunner
+from oddtext import is_text
 from tinymodels import make_tiny_gpt2, make_word_tokenizer
 
 from eogp_index.data.records import RECORD_KINDS, RecordKind
@@ -174,15 +176,8 @@ def query_inputs(rng: random.Random) -> List[Input]:
                     )
         inputs += _content_edges(kind, valid_record(kind, (_forms(kind) or ["tokens"])[0], rng), rng)
     text = BASE_QUERY["text"]
-    inputs.append(
-        Input(
-            "NUL and U+FFFE in text",
-            "query",
-            {"text": text[:2] + "\x00" + text[2:] + "\ufffe"},
-            refused=False,
-            kind="text",
-        )
-    )
+    odd = text[:2] + "\x00" + text[2:] + "\ufffe"  # unusual code points, but text: kept as they are
+    inputs.append(Input("NUL and U+FFFE in text", "query", {"text": odd}, refused=not is_text(odd), kind="text"))
     return inputs
 
 
@@ -359,11 +354,16 @@ def _library_outcome(call) -> Outcome:
         return Outcome(broken=f"{type(exc).__name__}: {exc}")
 
 
-def _http_outcome(response, answer) -> Outcome:
+def _http_outcome(env: "Env", response, answer) -> Outcome:
     if response.status_code >= 500 or "Traceback" in response.text:
-        return Outcome(broken=f"HTTP {response.status_code}: {response.text[:200]}")
+        request_id = re.search(r"request_id (\d+)", response.text)
+        cause = env.server_errors.get(request_id.group(1) if request_id else "", response.text[:200])
+        return Outcome(broken=f"HTTP {response.status_code}: {cause}", message=response.text[:200])
     if response.status_code != 200:
-        error = response.json().get("error") or {}
+        try:
+            error = response.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            return Outcome(broken=f"HTTP {response.status_code} without an error body: {response.text[:200]}")
         return Outcome(
             error=str(response.status_code), field=_root_field(error.get("field")), message=error.get("message", "")
         )
@@ -372,7 +372,7 @@ def _http_outcome(response, answer) -> Outcome:
 
 def _cli_outcome(result, answer) -> Outcome:
     if (result.exception is not None and not isinstance(result.exception, SystemExit)) or "Traceback" in result.output:
-        return Outcome(broken=f"{type(result.exception).__name__}: {result.exception} {result.output[-200:]!r}")
+        return Outcome(broken=f"{type(result.exception).__name__}: {result.exception}", message=result.output[-300:])
     if result.exit_code != 0:
         return Outcome(error=f"exit {result.exit_code}", message=result.stderr.strip()[-300:])
     return Outcome(answer=tuple(answer(result)))
@@ -390,6 +390,7 @@ class Env:
     index_dir: Path
     library: Any
     client: Any
+    server_errors: Dict[str, str] = field(default_factory=dict)
     calls: Dict[str, int] = field(default_factory=dict)
     seconds: Dict[str, float] = field(default_factory=dict)
 
@@ -451,7 +452,26 @@ def env(tmp_path_factory):
     index = build_index(root)
     config = ServeConfig(max_k=2**64)  # the server's own limits are test_fuzz.py's; here the surfaces' checks
     with TestClient(create_app(index, config), raise_server_exceptions=False) as client:
-        yield Env(root, root / "idx", index, client)
+        env = Env(root, root / "idx", index, client)
+        handler = ServerErrors(env.server_errors)
+        logging.getLogger("eogp.serve").addHandler(handler)
+        try:
+            yield env
+        finally:
+            logging.getLogger("eogp.serve").removeHandler(handler)
+
+
+class ServerErrors(logging.Handler):
+    """The exception behind each of the server's 500s, by request id (the answer names only the id)."""
+
+    def __init__(self, found: Dict[str, str]):
+        super().__init__(logging.ERROR)
+        self.found = found
+
+    def emit(self, record: logging.LogRecord) -> None:
+        request_id = str(getattr(record, "fields", {}).get("request_id"))
+        if record.exc_info and record.exc_info[1] is not None:
+            self.found[request_id] = f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
 
 
 # -- surfaces ---------------------------------------------------------------------------------------
@@ -672,7 +692,7 @@ class HttpQuery(Surface):
             "where": item.option("where"),
         }
         response = _post(self.env.client, "/v1/query", body)
-        return [_http_outcome(response, lambda r: [row["id"] for row in r.json()["results"]])]
+        return [_http_outcome(self.env, response, lambda r: [row["id"] for row in r.json()["results"]])]
 
 
 class HttpSelect(Surface):
@@ -683,7 +703,7 @@ class HttpSelect(Surface):
         (item,) = items
         body = {"queries": [item.record], "top": item.option("top"), "where": item.option("where"), "ids_only": True}
         response = _post(self.env.client, "/v1/select", body)
-        return [_http_outcome(response, lambda r: [json.loads(line)["id"] for line in r.text.splitlines()])]
+        return [_http_outcome(self.env, response, lambda r: [json.loads(line)["id"] for line in r.text.splitlines()])]
 
 
 class HttpExplain(Surface):
@@ -693,7 +713,7 @@ class HttpExplain(Surface):
     def call(self, items):
         (item,) = items
         response = _post(self.env.client, "/v1/explain", {"query": item.record, "id": item.option("id")})
-        return [_http_outcome(response, lambda r: [(r.json()["id"], f"{r.json()['score']:.4g}")])]
+        return [_http_outcome(self.env, response, lambda r: [(r.json()["id"], f"{r.json()['score']:.4g}")])]
 
 
 class HttpExample(Surface):
@@ -706,7 +726,7 @@ class HttpExample(Surface):
         (item,) = items
         path = "/v1/examples/" + quote(str(item.option("id")), safe="", errors="surrogatepass")
         response = self.env.client.get(path)
-        return [_http_outcome(response, lambda r: [r.json()["id"]])]
+        return [_http_outcome(self.env, response, lambda r: [r.json()["id"]])]
 
 
 def _post(client, path: str, body: Dict[str, Any]):
@@ -802,34 +822,59 @@ def run_everything(env: Env, inputs: List[Input]) -> Dict[int, Dict[str, Outcome
     return table
 
 
-def problems_of(item: Input, outcomes: Dict[str, Outcome]) -> List[str]:
+#: One problem: what went wrong (the same words for the same cause), where (a surface or a
+#: family), the input's label and the outcome in full.
+Problem = Tuple[str, str, str, str]
+
+
+def problems_of(item: Input, outcomes: Dict[str, Outcome]) -> List[Problem]:
     """What is wrong with one input's outcomes: a broken surface, a fate the generator knows not
     met, a family whose surfaces disagree."""
-    found = [f"{name}: {o.shown()}" for name, o in outcomes.items() if o.broken]
+    found = [(f"BROKEN {_cause(o.broken)}", name, item.label, o.broken) for name, o in outcomes.items() if o.broken]
     for name, o in outcomes.items():
         if o.broken or item.refused is None:
             continue
         if item.refused and not o.refused:
-            found.append(f"{name}: {o.shown()}, expected a refusal naming {item.field!r}")
+            found.append((f"answered, expected a refusal naming {item.field!r}", name, item.label, o.shown()))
         elif not item.refused and o.refused:
-            found.append(f"{name}: {o.shown()}, expected an answer")
+            found.append((f"refused ({o.error}), expected an answer", name, item.label, o.shown()))
         elif item.refused and item.field and o.field and o.field != item.field:
-            found.append(f"{name}: refused naming {o.field!r}, expected {item.field!r}: {o.message[:120]!r}")
+            found.append((f"refused naming {o.field!r}, expected {item.field!r}", name, item.label, o.shown()))
     families: Dict[str, Dict[str, Outcome]] = {}
     for name, o in outcomes.items():
         if not o.broken:
             families.setdefault(Surface.registry[name].family, {})[name] = o
     for family, members in families.items():
-        answered = {name: o for name, o in members.items() if not o.refused}
+        answered = sorted(name for name, o in members.items() if not o.refused)
+        shown = "; ".join(f"{name} {o.shown()}" for name, o in members.items())
         if answered and len(answered) < len(members):
-            shown = "; ".join(f"{name} {o.shown()}" for name, o in members.items())
-            found.append(f"{family}: answered on {sorted(answered)} only: {shown}")
-        elif len({o.answer for o in answered.values()}) > 1:
-            found.append(f"{family}: different answers: " + "; ".join(f"{n} {o.shown()}" for n, o in answered.items()))
+            found.append((f"answered on {', '.join(answered)} only", family, item.label, shown))
+        elif len({members[name].answer for name in answered}) > 1:
+            found.append(("different answers", family, item.label, shown))
         named = {name: o.field for name, o in members.items() if o.refused and o.field}
         if len(set(named.values())) > 1:
-            found.append(f"{family}: refusals name different fields: {named}")
+            found.append((f"refusals name different fields {sorted(set(named.values()))}", family, item.label, shown))
     return found
+
+
+def _cause(broken: str) -> str:
+    """A broken outcome's words without what varies between inputs (request ids)."""
+    return re.sub(r"request_id \d+", "request_id N", broken)[:160]
+
+
+def report(problems: List[Problem], inputs: int) -> str:
+    """The problems grouped by cause, then by surface: each input once per line, one example in full."""
+    causes: Dict[str, Dict[str, List[str]]] = {}
+    examples: Dict[str, str] = {}
+    for what, where, label, shown in problems:
+        causes.setdefault(what, {}).setdefault(where, []).append(label)
+        examples.setdefault(what, f"{label} on {where}: {shown[:400]}")
+    lines = [f"{len({p[2] for p in problems})} of {inputs} inputs misbehave, {len(causes)} causes:"]
+    for what, places in sorted(causes.items(), key=lambda kv: -sum(map(len, kv[1].values()))):
+        lines.append(f"- {what}")
+        lines += [f"    {where} ({len(labels)}): {' | '.join(labels)}" for where, labels in places.items()]
+        lines.append(f"    e.g. {examples[what]}")
+    return "\n".join(lines)
 
 
 def test_the_generated_inputs_cover_every_kind_field_and_surface():
@@ -851,10 +896,6 @@ def test_the_generated_inputs_cover_every_kind_field_and_surface():
 def test_every_surface_answers_or_refuses_cleanly_and_alike(env):
     inputs = generated_inputs()
     table = run_everything(env, inputs)
-    problems = []
-    for i, item in enumerate(inputs):
-        found = problems_of(item, table[i])
-        problems += [f"[{item.label}] {line}" for line in found]
+    problems = [problem for i, item in enumerate(inputs) for problem in problems_of(item, table[i])]
     timing = ", ".join(f"{name} {env.calls[name]} inputs {env.seconds[name]:.1f}s" for name in env.calls)
-    failing = len({p.split("]")[0] for p in problems})
-    assert not problems, f"{failing} of {len(inputs)} inputs misbehave ({timing}):\n" + "\n".join(problems)
+    assert not problems, report(problems, len(inputs)) + f"\n(surfaces: {timing})"
