@@ -449,28 +449,29 @@ def env(tmp_path_factory):
     config = ServeConfig(max_k=2**64)  # the server's own limits are test_fuzz.py's; here the surfaces' checks
     with TestClient(create_app(index, config), raise_server_exceptions=False) as client:
         env = Env(root, root / "idx", index, client)
-        log = logging.getLogger("eogp.serve")
-        handler, propagate = ServerErrors(env.server_errors), log.propagate
-        log.addHandler(handler)
-        log.propagate = False  # a 500's traceback is in the report, by its exception; not repeated
+        log, errors = logging.getLogger("eogp.serve"), ServerErrors(env.server_errors)
+        log.addFilter(errors)
         try:
             yield env
         finally:
-            log.removeHandler(handler)
-            log.propagate = propagate
+            log.removeFilter(errors)
 
 
-class ServerErrors(logging.Handler):
-    """The exception behind each of the server's 500s, by request id (the answer names only the id)."""
+class ServerErrors(logging.Filter):
+    """The exception behind each of the server's 500s, by request id (the answer names only the
+    id). It keeps the server's error records out of the test's log: the report names each one."""
 
     def __init__(self, found: Dict[str, str]):
-        super().__init__(logging.ERROR)
+        super().__init__()
         self.found = found
 
-    def emit(self, record: logging.LogRecord) -> None:
-        request_id = str(getattr(record, "fields", {}).get("request_id"))
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
         if record.exc_info and record.exc_info[1] is not None:
+            request_id = str(getattr(record, "fields", {}).get("request_id"))
             self.found[request_id] = f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        return False
 
 
 # -- surfaces ---------------------------------------------------------------------------------------
