@@ -593,6 +593,15 @@ def record_field(spec: RecordSpec, canonical: str) -> str:
     }.get(canonical, canonical)
 
 
+def _odd_one(names: Sequence[str], values: Sequence[Any]) -> str:
+    """Of fields that must all be strings or all chats, the one at fault: the first that is
+    neither, else the first whose type differs from the first field's."""
+    for name, value in zip(names, values):
+        if not isinstance(value, (str, list)):
+            return name
+    return next((n for n, v in zip(names, values) if type(v) is not type(values[0])), names[0])
+
+
 def check_record(record: Any, spec: RecordSpec, location: Optional[str] = None, *, query: bool = False) -> RecordKind:
     """The kind of ``record`` among :data:`RECORD_KINDS`, once every field it holds is checked.
 
@@ -624,7 +633,7 @@ def check_record(record: Any, spec: RecordSpec, location: Optional[str] = None, 
             f"fields {[record_field(spec, name) for name in texts]}: expected {count} strings or {count} lists of "
             f"messages, got {', '.join(got[:-1])} and {got[-1]}",
             location=location,
-            field=record_field(spec, texts[0]),
+            field=record_field(spec, _odd_one(texts, values)),
         )
     for canonical, value in zip(texts, values):
         _check_text_field(value, canonical, kind, record_field(spec, canonical), location)

@@ -30,8 +30,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from eogp_index.data.records import Example
+from eogp_index.data.records import Example, check_text
 from eogp_index.encode.encoder import Encoder
+from eogp_index.errors import InputError
 from eogp_index.gradients.capture import GradientCapture, project_examples
 from eogp_index.store.codecs import Encoded, SignLayout, decode
 
@@ -174,6 +175,13 @@ def explain_documents(index: Encoder, query, ids: Sequence[str]) -> List[Explana
     """
     from eogp_index.store.stored_ids import sql_string
 
+    for example_id in ids:  # an id names a row through a filter: refuse what is not an id first
+        if not isinstance(example_id, str):
+            raise InputError(
+                f"a document id is a string (take ids from query results), got {type(example_id).__name__}",
+                field="id",
+            )
+        check_text(example_id, "id")
     if not ids:
         return []
     stored = index.stored

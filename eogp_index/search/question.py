@@ -140,7 +140,7 @@ class Question:
                 field="aggregate",
             )
         if not _is_count(self.k):
-            raise ConfigError(f"k must be a positive integer, got {self.k!r}", field="k")
+            raise ConfigError(f"k must be an integer from 1 to 2**63-1, got {self.k!r}", field="k")
         if self.direction not in DIRECTIONS:
             raise ConfigError(
                 f"direction must be one of {list(DIRECTIONS)}, got {self.direction!r} "
@@ -197,9 +197,13 @@ class Question:
         check_question(self, stored)
 
 
+#: The largest count a question takes: row positions and ranks are int64 in Arrow and numpy.
+MAX_COUNT = 2**63 - 1
+
+
 def _is_count(value: Any) -> bool:
     # numpy's integers are Integral; bool is too, and is refused (True is not a count).
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and 1 <= value <= MAX_COUNT
 
 
 def _blank_is_none(value: Any, name: str, what: str) -> Optional[str]:
