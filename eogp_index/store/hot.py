@@ -208,11 +208,12 @@ def no_space_error(cache_dir: Path, needed: int) -> NoSpaceError:
     """The error for a hot copy of ``needed`` bytes that ``cache_dir``'s file system has no room for."""
     free = _free_bytes(cache_dir)
     index = cache_dir.parent
+    more = f" (at least {needed - free:,} bytes more)" if needed > free else ""
     return NoSpaceError(
         f"no room on disk for the hot copy of the index {index}: it takes about {needed:,} bytes in "
         f"{cache_dir}, and that file system has {free:,} bytes free. The stored rows are intact, and "
-        f"queries stream them from the table meanwhile (slower). Free at least {max(0, needed - free):,} "
-        f"bytes there, then run `eogp optimize {index}` to write the copy",
+        f"searches stream them from the table meanwhile (slower). Free space there{more}, then run "
+        f"`eogp optimize {index}` to write the copy",
         path=str(cache_dir),
         needed=needed,
         free=free,
