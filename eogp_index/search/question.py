@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Literal, Optional, Sequence, Tuple
 
 from eogp_index.config import AGGREGATES, Aggregate, Normalize, check_normalize
-from eogp_index.data.records import check_text, query_record
+from eogp_index.data.records import RecordSpec, check_record, query_record
 from eogp_index.errors import ConfigError, InputError
 
 # Light on purpose: `eogp --help` builds its options from this class, without numpy or pyarrow,
@@ -239,23 +239,8 @@ def question_field(name: str) -> dataclasses.Field:
     return found
 
 
-def _check_strings(value: Any, name: str, field_name: str) -> None:
-    """:func:`~eogp_index.data.records.check_text` on every string of a query record (keys too)."""
-    try:
-        if isinstance(value, str):
-            check_text(value, name)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if isinstance(key, str):
-                    check_text(key, name)
-                _check_strings(item, f"{name}.{key}" if name else str(key), field_name)
-        elif isinstance(value, (list, tuple)):
-            for index, item in enumerate(value):
-                _check_strings(item, f"{name}[{index}]", field_name)
-    except InputError as exc:
-        if exc.field is None:
-            exc.field = field_name
-        raise
+#: Queries hold their content under the canonical field names.
+_QUERY_SPEC = RecordSpec()
 
 
 def check_question(question: Question, stored) -> None:
@@ -273,8 +258,12 @@ def check_question(question: Question, stored) -> None:
     from eogp_index.search.rollup import check_group_column
     from eogp_index.store.filters import check_filter
 
-    for i, record in enumerate(question.queries):
-        _check_strings(record, "", f"queries[{i}]")
+    for i, record in enumerate(question.queries):  # the one record checker, as documents are checked
+        try:
+            check_record(record, _QUERY_SPEC, query=True)
+        except InputError as exc:
+            exc.field = f"queries[{i}]"
+            raise
     store = stored.store
     if question.where is not None:
         try:
