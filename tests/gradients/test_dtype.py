@@ -23,11 +23,11 @@ __import__("transformers").utils.logging.disable_progress_bar()
 
 SHIPPED = ROOT / "examples" / "default" / "model"
 TRAIN = make_examples(32, seed=21)
-#: The fidelity indexes are fitted (curvature and PCA) on these, and index TRAIN: documents outside
-#: the PCA's fitting set, as an index's documents mostly are. With TRAIN its own fitting set, k (128
-#: per module at 256 B) above the set's rank (32) left each document's coordinates on the other 96
-#: directions at rounding noise, so 3/4 of its sign bits were the signs of that noise: the scores
-#: then moved with the CPU's kernels and thread count (float32 included) by as much as the tolerance.
+#: The fidelity indexes are fitted (curvature and PCA) on these and index TRAIN: documents outside
+#: the PCA's fitting set, as an index's documents mostly are. An index of its own fitting set, with
+#: k (128 per module at 256 B) above the set's rank (32), holds each document's coordinates on the
+#: other 96 directions at rounding noise: 3/4 of its sign bits are the signs of that noise, and its
+#: scores move with the CPU's kernels and thread count (float32 included) as much as the tolerance.
 FIT = make_examples(32, seed=23, prefix="f")
 #: Enough queries that the metrics' spread between two fits stays well under the 0.02 tolerance.
 QUERIES = make_examples(24, seed=22, prefix="q")
@@ -204,8 +204,11 @@ def float32_runs(tmp_path_factory):
     return get
 
 
-#: The most the half-precision index's mean NDCG@20 and Spearman (paired, per query) may fall below
-#: the float32 index's, unless three standard errors of the paired difference are wider.
+#: The most the half-precision index's mean NDCG@20 and mean Spearman may fall below the float32
+#: index's, paired by query. Fixed, not widened by the paired standard error: at this size a loss as
+#: gross as a and g rounded to powers of two has a standard error wide enough to pass 3 of them. The
+#: measured shortfalls, their standard errors and their spread under other kernels are in
+#: docs/precision-and-memory.md ("Fidelity on every CPU").
 FIDELITY_TOLERANCE = 0.02
 
 
@@ -227,14 +230,14 @@ def paired_shortfall(ours, base, reference):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["shipped", "llama"])
 def test_half_precision_index_keeps_float32_fidelity(float32_runs, tmp_path, kind, dtype, width):
-    """Built and queried in bf16/fp16, scored against kronfluence's float32 EK-FAC: per query, the
-    mean NDCG@20 and Spearman at most max(0.02, 3 paired standard errors) below the float32 index."""
+    """Built and queried in bf16/fp16, scored against kronfluence's float32 EK-FAC: the mean NDCG@20
+    and mean Spearman, paired by query, at most 0.02 below the float32 index's."""
     base, reference = float32_runs(kind, width)
     index, ours = _scores(tmp_path / "idx", kind, width, dtype)
     assert index.manifest.model_dtype == dtype and index.model.dtype == getattr(torch, dtype)
     assert np.isfinite(ours).all()
     for name, (shortfall, se) in paired_shortfall(ours, base, reference).items():
-        assert shortfall <= max(FIDELITY_TOLERANCE, 3 * se), (name, shortfall, se)
+        assert shortfall <= FIDELITY_TOLERANCE, (name, shortfall, se)
 
 
 def test_the_fidelity_measurement_does_not_move_with_the_kernels(float32_runs, tmp_path):
