@@ -23,7 +23,6 @@ float32 index and its standard error.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -123,9 +122,7 @@ def main() -> None:
                             ),
                         }
                     )
-    if prints_json(args):
-        print(json.dumps(rows, indent=2))
-    else:
+    if not prints_json(args):
         print("| fitted on | kernels | dtype | NDCG@20 | paired diff (SE) | Spearman | paired diff (SE) |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
@@ -134,7 +131,7 @@ def main() -> None:
                 f"| {r['fit']} | {r['kernels']} | {r['dtype']} | {n['mean']:.3f} | {n['diff']:+.4f} ({n['se']:.4f}) "
                 f"| {s['mean']:.3f} | {s['diff']:+.4f} ({s['se']:.4f}) |"
             )
-    write_json(args, rows)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":
