@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 from datetime import timedelta
@@ -95,6 +96,14 @@ class AttributionIndex:
         self.encoder = Encoder(stored, model, tokenizer, gradients)
         #: The batch :meth:`open` chose for the memory budget (``eogp plan INDEX``'s), or None.
         self.sizing: Optional[Dict[str, Any]] = None
+
+    def __copy__(self) -> "AttributionIndex":
+        # The encoder's parts are set on the encoder: a copy whose parts are replaced must not
+        # change the original's, so it gets an encoder of its own (over the same parts).
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.encoder = copy.copy(self.encoder)
+        return other
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod

@@ -140,7 +140,7 @@ class Question:
                 field="aggregate",
             )
         if not _is_count(self.k):
-            raise ConfigError(f"k must be an integer from 1 to 2**63-1, got {self.k!r}", field="k")
+            raise ConfigError(f"k must be a positive integer (at most 2**63-1), got {self.k!r}", field="k")
         if self.direction not in DIRECTIONS:
             raise ConfigError(
                 f"direction must be one of {list(DIRECTIONS)}, got {self.direction!r} "

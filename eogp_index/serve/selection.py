@@ -94,8 +94,8 @@ def select_file(engine: Engine, body: SelectRequest, folder: Path) -> Path:
     try:
         question = Question(queries=tuple(records), where=body.where, normalize=body.normalize)
         options = SelectOptions(top=str(body.top), score=body.score, direction=body.direction, ids_only=body.ids_only)
-        question.check(engine.index.stored)  # the filter before the queries are measured
-        engine.check(records, "queries")  # the server's limits on each query (and its preference halves)
+        engine.check(records, "queries")  # each query tokenizes, within the server's limits (no gradient pass)
+        question.check(engine.index.stored)  # and the filter, before the queries are measured
         selection = select_documents(engine.index.encoder, question, options)
         out = folder / f"selection.{body.format}"
         write_selection(engine.index.stored, selection, out)
