@@ -23,19 +23,30 @@ _LAZY = {
     "IngestConfig": "eogp_index.config",
     "ProjectionConfig": "eogp_index.config",
     "StorageConfig": "eogp_index.config",
+    "SelectOptions": "eogp_index.config",
+    "Question": "eogp_index.search.question",
     "EOGPError": "eogp_index.errors",
     "ConfigError": "eogp_index.errors",
     "InputError": "eogp_index.errors",
     "ModelError": "eogp_index.errors",
     "IndexNotFoundError": "eogp_index.errors",
     "IncompatibleIndexError": "eogp_index.errors",
+    "NoSpaceError": "eogp_index.errors",
+    "QueryTooLongError": "eogp_index.errors",
 }
 
 __all__ = list(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from eogp_index.client import AttributionIndex
-    from eogp_index.config import CurvatureConfig, GradientConfig, IngestConfig, ProjectionConfig, StorageConfig
+    from eogp_index.config import (
+        CurvatureConfig,
+        GradientConfig,
+        IngestConfig,
+        ProjectionConfig,
+        SelectOptions,
+        StorageConfig,
+    )
     from eogp_index.errors import (
         ConfigError,
         EOGPError,
@@ -43,7 +54,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         IndexNotFoundError,
         InputError,
         ModelError,
+        NoSpaceError,
+        QueryTooLongError,
     )
+    from eogp_index.search.question import Question
     from eogp_index.store.stored_index import StoredIndex
 
 
