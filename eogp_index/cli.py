@@ -967,14 +967,26 @@ class FirstPassKind(click.ParamType):
     "default 1; 4 raises recall at a given --candidates.",
 )
 @click.option("--extend", "extend_only", is_flag=True, help="Only add rows ingested since the last build.")
+@click.option(
+    "--recall-candidates",
+    type=click.IntRange(20),
+    default=100,
+    show_default=True,
+    help="The budget C the recall of the exact top-20 is measured at after the build (5 x 20 by default).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_fail_cleanly
-def build_candidates(index_dir, kind, name, replicas, extend_only, as_json):
+def build_candidates(index_dir, kind, name, replicas, extend_only, recall_candidates, as_json):
     """Build (or extend) a first pass over the stored signs for `query --candidates`.
 
     A first pass picks candidates per query side; only those are scored
     exactly. The FAISS flat kind searches on the GPU when a GPU FAISS build
     and a GPU are present. `eogp build-faiss` is the same command.
+
+    After the build it measures its recall: the share of the exact top-20
+    (both sides) found among --recall-candidates candidates, with a sample of stored rows'
+    own codes as queries; it records it with the first pass, prints it, and
+    warns when it is below 0.95.
 
     \b
     Example:
@@ -982,6 +994,7 @@ def build_candidates(index_dir, kind, name, replicas, extend_only, as_json):
         eogp query my-index --text "Parse a CSV file." --candidates 2000
     """
     from eogp_index.search import first_pass
+    from eogp_index.search.first_pass.recall import RECALL_TARGET
     from eogp_index.store.stored_index import StoredIndex
 
     index = StoredIndex.open(index_dir)  # the stored signs are all it needs: no model
@@ -995,14 +1008,25 @@ def build_candidates(index_dir, kind, name, replicas, extend_only, as_json):
         built = first_pass.build(index, name, first_pass.make_config(kind, **options), progress=not as_json)
         added = built.ntotal
     params = built.build_params
+    recall = built.record_recall(index, C=recall_candidates)
     _emit(
-        {"name": name, "kind": built.kind, "rows": built.ntotal, "added": added, **params},
+        {"name": name, "kind": built.kind, "rows": built.ntotal, "added": added, **params, "recall": recall.to_json()},
         as_json,
         lambda d: click.echo(
             f"first pass {d['name']!r} ({d['kind']}): {d['rows']} rows ({d['added']} added); "
             + ", ".join(f"{key} {value}" for key, value in params.items())
+            + f"\nrecall of the exact top-{recall.k} at {recall.candidates} candidates: {recall.recall:.3f} "
+            f"(positive {recall.positive:.3f}, negative {recall.negative:.3f}; {recall.queries} {recall.queries_from} "
+            "as queries)"
         ),
     )
+    if recall.below_target:
+        click.echo(
+            f"warning: first pass {name!r} ({built.kind}) finds {recall.recall:.3f} of the exact top-{recall.k} at "
+            f"{recall.candidates} candidates, below {RECALL_TARGET}: query it with more --candidates, or build "
+            "another kind (docs/querying.md#first-passes)",
+            err=True,
+        )
 
 
 cli.add_command(

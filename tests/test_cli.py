@@ -143,6 +143,31 @@ def test_build_candidates_builds_every_kind_and_refuses_options_of_another(works
     assert unknown.exit_code != 0 and "not a first-pass kind" in unknown.output
 
 
+def test_build_candidates_reports_its_recall_and_warns_when_low(workspace):
+    """The recall of the exact top-20 among C candidates, measured on stored rows' own codes after
+    the build: printed, in --json, recorded in the first pass's JSON; a warning below 0.95."""
+    root, _, _ = workspace
+    full = _run("build-candidates", root / "idx", "--kind", "flat", "--name", "recall-full", "--json")
+    assert full.exit_code == 0, full.output
+    recall = json.loads(full.stdout)["recall"]
+    # 5 x 20 candidates hold every one of the 30 rows: the exact answer.
+    assert recall["recall"] == 1.0 and recall["candidates"] == 100 and recall["k"] == 20
+    assert recall["queries_from"] == "stored rows" and recall["queries"] == 30 and recall["target"] == 0.95
+    meta = json.loads((root / "idx" / "faiss" / "recall-full.json").read_text())
+    assert meta["recall"] == recall
+    assert "warning" not in full.stderr
+    human = _run("build-candidates", root / "idx", "--kind", "flat", "--name", "recall-full")
+    assert "recall of the exact top-20 at 100 candidates: 1.000" in human.stdout
+    # A budget of 20 rows scanned, of 30: the clustered pass misses part of the exact top-20.
+    low = _run(
+        "build-candidates", root / "idx", "--kind", "clustered", "--name", "recall-low", "--recall-candidates", "20"
+    )
+    assert low.exit_code == 0, low.output
+    measured = json.loads((root / "idx" / "faiss" / "recall-low.json").read_text())["recall"]
+    assert measured["candidates"] == 20 and measured["recall"] < 0.95
+    assert f"finds {measured['recall']:.3f} of the exact top-20 at 20 candidates, below 0.95" in low.stderr
+
+
 def test_user_errors_exit_nonzero_with_a_message(workspace, tmp_path):
     root, _, _ = workspace
     bad = _run("query", root / "idx", "--text", "t1 t2", "--where", "nosuchcolumn = 1")

@@ -19,10 +19,13 @@ import json
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError
 from eogp_index.version import __version__
+
+if TYPE_CHECKING:  # recall.py scans the hot copy; imported where a recall is measured
+    from eogp_index.search.first_pass.recall import Recall
 
 #: The folder of ``<index>`` that holds every first pass's files.
 FIRST_PASS_DIR = "faiss"
@@ -330,6 +333,18 @@ class FirstPass(ABC):
     @abstractmethod
     def build_params(self) -> Dict[str, Any]:
         """The build parameters the files were made with, for reports (``eogp build-candidates``)."""
+
+    def record_recall(self, stored, *, C: Optional[int] = None) -> "Recall":
+        """Measure this first pass's recall (:func:`~eogp_index.search.first_pass.recall.measure_on_stored_rows`)
+        at budget ``C`` (default ``5 k``) and record it in its JSON under ``recall``."""
+        from eogp_index.search.first_pass.recall import measure_on_stored_rows
+
+        recall = measure_on_stored_rows(self, stored, C=C)
+        self.meta = {**self.meta, "recall": recall.to_json()}
+        path = self.paths(self.index_dir, self.name)["meta"]
+        temporary(path).write_text(json.dumps(self.meta, indent=2) + "\n")
+        commit([path])
+        return recall
 
     # -- searching -----------------------------------------------------------------------------
     def set_search(self, **params: Any) -> None:

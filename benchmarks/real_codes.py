@@ -1,0 +1,302 @@
+#!/usr/bin/env python
+"""First passes on real gradient codes: a corpus of real documents through the shipped model.
+
+``build`` makes the corpus and the index, outside the repository and the test suite, in a cache
+folder (``--cache``, default ``$EOGP_BENCH_CACHE`` or ``~/.cache/eogp-bench``):
+
+* **Corpus.** Docstrings of the installed Python packages (every ``.py`` file under the
+  site-packages of the running interpreter, then its standard library; read with ``ast``, no
+  import): each module's, class's and function's own docstring, cleaned with ``inspect.cleandoc`` and cut
+  at blank lines into documents of ``--min-chars`` to about ``--max-chars`` characters, deduplicated by text and sorted by (file,
+  qualname). A seeded hash of each text puts ``--held-out`` (5%) of the documents in
+  ``queries.jsonl`` (never ingested) and the rest in shards of ``--shard-docs`` documents
+  (``corpus/shard-NNNN.jsonl.gz``), the first ``--docs`` documents in all.
+* **Index.** ``eogp fit`` of ``examples/default/model`` as ``make demo`` fits it (on the shipped
+  fine-tuning set, ``-k 256``, 128 tokens), then ``eogp ingest`` of the shards in order, one
+  command per shard. Every step is skipped when its output is there and ingest skips stored
+  rows, so the same command resumes a killed build and grows a smaller one to ``--docs``.
+
+``measure`` projects the held-out documents (``--queries`` of them) with the index's model and,
+for each first-pass kind (``eogp build-candidates --kind``, each built once with its default
+configuration and cached in the index), each budget ``C`` (``--budgets``, multiples of
+``k = 20``) and each side, reports the share of the exact one-bit top-20 (the exact scan of
+every row) found in the candidate answer, and the time per query side by side with the exact
+scan's (each query's best of ``--repeat``)::
+
+    python benchmarks/real_codes.py build                    # 100k documents; resumes
+    python benchmarks/real_codes.py build --docs 20000       # fewer
+    python benchmarks/real_codes.py measure                  # the table
+    python benchmarks/real_codes.py measure --json out.json  # and the figures as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
+
+import common
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "examples" / "default" / "model"
+FIT_DATA = REPO / "examples" / "default" / "corpus" / "train.jsonl.gz"
+SEED = "eogp-real-codes-1"
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("EOGP_BENCH_CACHE", Path.home() / ".cache" / "eogp-bench")) / "real-codes"
+
+
+# -- corpus ------------------------------------------------------------------------------------
+
+
+def chunks(text: str, min_chars: int, max_chars: int) -> List[str]:
+    """A docstring cut at blank lines into documents of ``min_chars`` characters or more,
+    consecutive paragraphs joined until one more would pass ``max_chars`` (most of a document
+    then fits the 128 tokens the model was fine-tuned on)."""
+    out, current = [], ""
+    for paragraph in (p.strip() for p in text.split("\n\n")):
+        if not paragraph:
+            continue
+        if current and len(current) >= min_chars and len(current) + len(paragraph) + 2 > max_chars:
+            out.append(current)
+            current = ""
+        current = f"{current}\n\n{paragraph}" if current else paragraph
+    if len(current) >= min_chars:
+        out.append(current)
+    return out
+
+
+def _docstrings(path: Path, root: Path, min_chars: int, max_chars: int) -> Iterator[Tuple[str, str, str]]:
+    """(qualname, kind, text) of a source file's module, class and function docstrings."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError, OSError, RecursionError):
+        return
+    module = ".".join(path.relative_to(root).with_suffix("").parts)
+    stack: List[Tuple[ast.AST, str, str]] = [(tree, module, "module")]
+    while stack:
+        node, name, kind = stack.pop()
+        doc = ast.get_docstring(node, clean=False)
+        if isinstance(doc, str):
+            for part, text in enumerate(chunks(inspect.cleandoc(doc).strip(), min_chars, max_chars)):
+                yield (f"{name}#{part}" if part else name), kind, text
+        for child in getattr(node, "body", []):
+            if isinstance(child, ast.ClassDef):
+                stack.append((child, f"{name}.{child.name}", "class"))
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                stack.append((child, f"{name}.{child.name}", "function"))
+
+
+def collect(min_chars: int, max_chars: int) -> List[Dict[str, Any]]:
+    """Every docstring document of site-packages, then the standard library, deduplicated by text."""
+    roots = [Path(sysconfig.get_paths()["purelib"]), Path(sysconfig.get_paths()["stdlib"])]
+    seen, docs = set(), []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            if root.name != "site-packages" and "site-packages" in path.parts:
+                continue
+            for qualname, kind, text in _docstrings(path, root, min_chars, max_chars):
+                if text in seen:
+                    continue
+                seen.add(text)
+                docs.append({"text": text, "qualname": qualname, "kind": kind, "n_chars": len(text)})
+    for doc in docs:
+        doc["id"] = hashlib.sha1(doc["text"].encode()).hexdigest()[:16]
+    return docs
+
+
+def held_out(doc_id: str, share: float) -> bool:
+    digest = hashlib.sha256(f"{SEED}:{doc_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+def write_corpus(cache: Path, args) -> List[Path]:
+    """The shards (the first ``--docs`` documents, less the held-out ones) and queries.jsonl."""
+    corpus = cache / "corpus"
+    done = corpus / "corpus.json"
+    if done.exists() and json.loads(done.read_text()).get("settings") == _settings(args):
+        return sorted(corpus.glob("shard-*.jsonl.gz"))
+    corpus.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    docs = collect(args.min_chars, args.max_chars)[: args.docs]
+    train = [d for d in docs if not held_out(d["id"], args.held_out)]
+    queries = [d for d in docs if held_out(d["id"], args.held_out)]
+    for old in corpus.glob("shard-*.jsonl.gz"):
+        old.unlink()
+    shards = []
+    for i in range(0, len(train), args.shard_docs):
+        path = corpus / f"shard-{i // args.shard_docs:04d}.jsonl.gz"
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            for doc in train[i : i + args.shard_docs]:
+                f.write(json.dumps(doc) + "\n")
+        shards.append(path)
+    with open(corpus / "queries.jsonl", "w", encoding="utf-8") as f:
+        for doc in queries:
+            f.write(json.dumps(doc) + "\n")
+    summary = {"settings": _settings(args), "documents": len(docs), "ingested": len(train), "held_out": len(queries)}
+    done.write_text(json.dumps(summary, indent=1))
+    print(f"corpus: {summary} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return shards
+
+
+def _settings(args) -> Dict[str, Any]:
+    return {
+        "docs": args.docs,
+        "min_chars": args.min_chars,
+        "max_chars": args.max_chars,
+        "held_out": args.held_out,
+        "shard_docs": args.shard_docs,
+    }
+
+
+def _eogp(*argv: str) -> None:
+    command = [sys.executable, "-m", "eogp_index.cli", *argv]
+    print("$", " ".join(command[2:]), flush=True)
+    subprocess.run(command, check=True)
+
+
+def build(args) -> None:
+    cache = Path(args.cache)
+    shards = write_corpus(cache, args)
+    index = cache / "index"
+    if not (index / "manifest.json").exists():
+        _eogp(
+            "fit", str(MODEL), "--data", str(FIT_DATA), "--out", str(index), "-k", "256",
+            "--curvature-examples", "256", "--pca-examples", "512", "--max-tokens", "128", "--overwrite",
+        )  # fmt: skip
+    for shard in shards:
+        t0 = time.perf_counter()
+        _eogp("ingest", str(index), str(shard), "--id-field", "id", "--metadata", "kind", "--metadata", "qualname")
+        print(f"{shard.name}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def _queries(cache: Path, n: int) -> List[str]:
+    with open(cache / "corpus" / "queries.jsonl", encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line, _ in zip(f, range(n))]
+
+
+def measure(args) -> Dict[str, Any]:
+    import numpy as np
+
+    from eogp_index import AttributionIndex
+    from eogp_index.search import first_pass
+
+    cache = Path(args.cache)
+    index = AttributionIndex.open(str(cache / "index"), device="cpu")
+    stored = index.stored
+    rows = stored.info()["rows"]
+    texts = _queries(cache, args.queries)
+    y = index.query_coordinates(texts).astype(np.float32)
+    k = args.k
+    sides = ("positive", "negative")
+    exact, exact_time = [], []
+    for q in range(len(y)):
+        best = common.best_of(lambda: _exact(index, y[q : q + 1], k), args.repeat)
+        exact.append(best.value)
+        exact_time.append(best.seconds)
+    lines = []
+    for kind in args.kinds:
+        name = f"bench-{kind}"
+        t0 = time.perf_counter()
+        try:
+            built = first_pass.load(stored.path, name)
+            if built.ntotal != rows:
+                raise FileNotFoundError
+        except Exception:
+            built = first_pass.build(stored, name, first_pass.make_config(kind), progress=False)
+        build_s = time.perf_counter() - t0
+        first_pass.clear_cache()
+        for mult in args.budgets:
+            C = mult * k
+            found, times = {s: [] for s in sides}, []
+            for q in range(len(y)):
+                best = common.best_of(
+                    lambda: first_pass.candidate_top_k(stored, y[q : q + 1], k, C, sides, name=name), args.repeat
+                )
+                times.append(best.seconds)
+                for side in sides:
+                    rowaddr, scores, _ = best.value[side]
+                    order = np.argsort(-scores if side == "positive" else scores)[:k]
+                    top = set(np.asarray(rowaddr)[order].tolist())
+                    found[side].append(len(top & exact[q][side]) / max(1, len(exact[q][side])))
+            lines.append(
+                {
+                    "kind": kind,
+                    "C": C,
+                    "C_over_k": mult,
+                    "recall_positive": float(np.mean(found["positive"])),
+                    "recall_negative": float(np.mean(found["negative"])),
+                    "recall": float(np.mean(found["positive"] + found["negative"])),
+                    "ms_per_query": 1e3 * float(np.median(times)),
+                    "exact_ms_per_query": 1e3 * float(np.median(exact_time)),
+                    "speedup": float(np.median(exact_time) / np.median(times)),
+                    "build_s": build_s,
+                }
+            )
+            print(render_line(lines[-1]), flush=True)
+    return {"rows": rows, "queries": len(y), "k": k, "load": os.getloadavg()[0], "lines": lines}
+
+
+def _exact(index, y, k) -> Dict[str, set]:
+    """The exact one-bit top-k row addresses of each side (the hot scan of every row)."""
+    from eogp_index.search.first_pass.base import exact_sides
+
+    return exact_sides(index.stored, y, k)
+
+
+def render_line(line: Dict[str, Any]) -> str:
+    return (
+        f"{line['kind']:>9}  C={line['C']:>5} ({line['C_over_k']:>3}×k)  recall@20 {line['recall']:.3f} "
+        f"(+ {line['recall_positive']:.3f}, − {line['recall_negative']:.3f})  "
+        f"{line['ms_per_query']:.2f} ms/query, exact scan {line['exact_ms_per_query']:.2f} ms: {line['speedup']:.1f}×"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="make the corpus and the index (resumable)")
+    b.add_argument("--docs", type=int, default=105_000, help="documents in all, held-out ones included")
+    b.add_argument("--min-chars", type=int, default=200)
+    b.add_argument("--max-chars", type=int, default=600, help="longer docstrings are cut at blank lines")
+    b.add_argument("--held-out", type=float, default=0.05, help="share of the documents kept out as queries")
+    b.add_argument("--shard-docs", type=int, default=5000)
+    m = sub.add_parser("measure", help="recall and time of every first-pass kind")
+    m.add_argument("--queries", type=int, default=64)
+    m.add_argument("-k", type=int, default=20)
+    m.add_argument("--budgets", type=lambda s: [int(v) for v in s.split(",")], default=[5, 10, 25, 50])
+    m.add_argument("--kinds", type=lambda s: s.split(","), default=["flat", "ivf", "hnsw", "clustered"])
+    m.add_argument("--repeat", type=int, default=3)
+    common.add_json_argument(m)
+    for p in (b, m):
+        p.add_argument("--cache", default=str(default_cache()), help="where the corpus and the index are kept")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        build(args)
+        return 0
+    figures = measure(args)
+    common.write_json(args.json, figures)
+    if not common.prints_json(args):
+        print(f"{figures['rows']} rows, {figures['queries']} held-out queries, k = {figures['k']}, "
+              f"load {figures['load']:.1f}")  # fmt: skip
+        for line in figures["lines"]:
+            print(render_line(line))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
