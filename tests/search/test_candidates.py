@@ -33,6 +33,7 @@ from eogp_index.search.first_pass import open_first_pass as open_candidates
 from eogp_index.search.first_pass.faiss_binary import candidate_ids
 from eogp_index.search.first_pass.faiss_codes import check_unique as _check_unique
 from eogp_index.search.first_pass.faiss_codes import id_keys, query_codes, query_levels, replicate_codes
+from eogp_index.search.first_pass.recall import SAMPLE_QUERIES, measure_on_stored_rows
 from eogp_index.store.codecs import SignLayout, pack_signs, unpack_signs
 from eogp_index.store.table import list_column_to_numpy
 
@@ -662,3 +663,23 @@ def test_clustered_cell_path_is_exact_after_compaction(index, tmp_path):
         r, got = recall_at(other, 5, 16, direction, "cl")
         exact = set(_exact(other, 5, direction).column("id").to_pylist())
         assert r == len(exact & set(got.column("id").to_pylist())) / 5
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw", "plain"])
+def test_recall_with_every_row_a_candidate_is_one(index, kind):
+    """Recall is measured against the exact scan of every row: with every row within the budget
+    each kind finds the whole exact top-20 of both sides, stored rows' own codes as queries."""
+    recall = measure_on_stored_rows(load(index.path, kind), index.stored, C=2 * index.store.count())
+    assert recall.recall == recall.positive == recall.negative == 1.0
+    assert recall.queries == SAMPLE_QUERIES and recall.queries_from == "stored rows" and not recall.below_target
+
+
+def test_coarse_first_pass_records_a_low_recall(index, tmp_path):
+    """IVF over 16 lists visiting one: few candidates reach the exact top-20, and the recall says so,
+    recorded in the first pass's JSON."""
+    other = _copy(index, tmp_path)
+    built = build(other, "coarse", make_config("ivf", nlist=16, nprobe=1, train_points_per_list=1), progress=False)
+    recall = built.record_recall(other.stored)
+    assert recall.candidates == 5 * recall.k == 100 and recall.below_target and recall.recall < 0.95
+    assert json.loads((other.path / "faiss" / "coarse.json").read_text())["recall"] == recall.to_json()
+    assert load(other.path, "coarse").meta["recall"]["recall"] == recall.recall
