@@ -2,28 +2,29 @@
 """First passes on real gradient codes: a corpus of real documents through the shipped model.
 
 ``build`` makes the corpus and the index, outside the repository and the test suite, in a cache
-folder (``--cache``, default ``$EOGP_BENCH_CACHE`` or ``~/.cache/eogp-bench``):
+folder (``--cache``, default ``real-codes/`` under ``$EOGP_BENCH_CACHE`` or ``~/.cache/eogp-bench``):
 
 * **Corpus.** Docstrings of the installed Python packages (every ``.py`` file under the
   site-packages of the running interpreter, then its standard library; read with ``ast``, no
-  import): each module's, class's and function's own docstring, cleaned with ``inspect.cleandoc`` and cut
-  at blank lines into documents of ``--min-chars`` to about ``--max-chars`` characters, deduplicated by text and sorted by (file,
-  qualname). A seeded hash of each text puts ``--held-out`` (5%) of the documents in
+  import): each module's, class's and function's own docstring, cleaned with ``inspect.cleandoc``
+  and cut at blank lines into documents of ``--min-chars`` to about ``--max-chars`` characters,
+  deduplicated by text. A seeded hash of each text puts ``--held-out`` (5%) of the documents in
   ``queries.jsonl`` (never ingested) and the rest in shards of ``--shard-docs`` documents
-  (``corpus/shard-NNNN.jsonl.gz``), the first ``--docs`` documents in all.
+  (``corpus/shard-NNNN.jsonl.gz``), the first ``--docs`` documents in all, in a seeded random
+  order (a smaller ``--docs`` is a uniform sample, and its shards a prefix of a larger one's).
 * **Index.** ``eogp fit`` of ``examples/default/model`` as ``make demo`` fits it (on the shipped
   fine-tuning set, ``-k 256``, 128 tokens), then ``eogp ingest`` of the shards in order, one
   command per shard. Every step is skipped when its output is there and ingest skips stored
   rows, so the same command resumes a killed build and grows a smaller one to ``--docs``.
 
 ``measure`` projects the held-out documents (``--queries`` of them) with the index's model and,
-for each first-pass kind (``eogp build-candidates --kind``, each built once with its default
-configuration and cached in the index), each budget ``C`` (``--budgets``, multiples of
+for each first-pass kind (``eogp build-candidates --kind``, built with its default configuration
+as ``bench-<kind>`` in the index), each budget ``C`` (``--budgets``, multiples of
 ``k = 20``) and each side, reports the share of the exact one-bit top-20 (the exact scan of
 every row) found in the candidate answer, and the time per query side by side with the exact
 scan's (each query's best of ``--repeat``)::
 
-    python benchmarks/real_codes.py build                    # 100k documents; resumes
+    python benchmarks/real_codes.py build                    # 100k documents ingested; resumes
     python benchmarks/real_codes.py build --docs 20000       # fewer
     python benchmarks/real_codes.py measure                  # the table
     python benchmarks/real_codes.py measure --json out.json  # and the figures as JSON
@@ -116,20 +117,35 @@ def collect(min_chars: int, max_chars: int) -> List[Dict[str, Any]]:
     return docs
 
 
+def _draw(doc_id: str, what: str) -> float:
+    """A seeded uniform draw in [0, 1) for a document."""
+    digest = hashlib.sha256(f"{SEED}:{what}:{doc_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
 def held_out(doc_id: str, share: float) -> bool:
-    digest = hashlib.sha256(f"{SEED}:{doc_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < share
+    return _draw(doc_id, "held-out") < share
 
 
 def write_corpus(cache: Path, args) -> List[Path]:
     """The shards (the first ``--docs`` documents, less the held-out ones) and queries.jsonl."""
     corpus = cache / "corpus"
     done = corpus / "corpus.json"
-    if done.exists() and json.loads(done.read_text()).get("settings") == _settings(args):
-        return sorted(corpus.glob("shard-*.jsonl.gz"))
+    if done.exists():
+        found = json.loads(done.read_text()).get("settings", {})
+        if found == _settings(args):
+            return sorted(corpus.glob("shard-*.jsonl.gz"))
+        other = {key: (found.get(key), value) for key, value in _settings(args).items() if key != "docs"}
+        if any(a != b for a, b in other.values()) and (cache / "index").exists():
+            raise SystemExit(
+                f"{cache} holds an index of another corpus ({other}: cached, asked); "
+                "give another --cache, or the cached corpus's settings"
+            )
     corpus.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    docs = collect(args.min_chars, args.max_chars)[: args.docs]
+    # In a seeded random order: the first documents (a smaller --docs, or the shards a partial
+    # build ingested) are a uniform sample of them all, not the first packages alphabetically.
+    docs = sorted(collect(args.min_chars, args.max_chars), key=lambda d: _draw(d["id"], "order"))[: args.docs]
     train = [d for d in docs if not held_out(d["id"], args.held_out)]
     queries = [d for d in docs if held_out(d["id"], args.held_out)]
     for old in corpus.glob("shard-*.jsonl.gz"):
@@ -254,9 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="make the corpus and the index (resumable)")
-    b.add_argument("--docs", type=int, default=105_000, help="documents in all, held-out ones included")
-    b.add_argument("--min-chars", type=int, default=200)
-    b.add_argument("--max-chars", type=int, default=600, help="longer docstrings are cut at blank lines")
+    b.add_argument("--docs", type=int, default=106_000, help="documents in all, held-out ones included")
+    b.add_argument("--min-chars", type=int, default=120)
+    b.add_argument("--max-chars", type=int, default=400, help="longer docstrings are cut at blank lines")
     b.add_argument("--held-out", type=float, default=0.05, help="share of the documents kept out as queries")
     b.add_argument("--shard-docs", type=int, default=5000)
     m = sub.add_parser("measure", help="recall and time of every first-pass kind")
