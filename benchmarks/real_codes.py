@@ -231,10 +231,12 @@ def measure(args) -> Dict[str, Any]:
 
     exact_ms = per_query(lambda yq: scan_top_k(hot.codes, hot.scales, yq, stored.layout, k))
     lines = []
-    for kind in args.kinds:
-        name = f"bench-{kind}"
+    for spec in args.kinds:
+        kind, _, param = spec.partition(":")  # e.g. flat:replicas=4
+        options = {param.split("=")[0]: int(param.split("=")[1])} if param else {}
+        name = f"bench-{kind}" + (f"-{param.replace('=', '')}" if param else "")
         t0 = time.perf_counter()
-        built = first_pass.build(stored, name, first_pass.make_config(kind), progress=False)
+        built = first_pass.build(stored, name, first_pass.make_config(kind, **options), progress=False)
         build_s = time.perf_counter() - t0
         for mult in args.budgets:
             C = mult * k
@@ -242,7 +244,7 @@ def measure(args) -> Dict[str, Any]:
             ms = per_query(lambda yq: built.top_k(stored, yq, k, C, sides))
             lines.append(
                 {
-                    "kind": kind,
+                    "kind": spec,
                     "C": C,
                     "C_over_k": mult,
                     "recall": recall.recall,
@@ -260,7 +262,7 @@ def measure(args) -> Dict[str, Any]:
 
 def render_line(line: Dict[str, Any]) -> str:
     return (
-        f"{line['kind']:>9}  C={line['C']:>5} ({line['C_over_k']:>3}×k)  recall@20 {line['recall']:.3f} "
+        f"{line['kind']:>16}  C={line['C']:>5} ({line['C_over_k']:>3}×k)  recall@20 {line['recall']:.3f} "
         f"(+ {line['recall_positive']:.3f}, − {line['recall_negative']:.3f})  "
         f"{line['ms_per_query']:.2f} ms/query, exact scan {line['exact_ms_per_query']:.2f} ms: {line['speedup']:.1f}×"
     )
@@ -279,7 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("--queries", type=int, default=64)
     m.add_argument("-k", type=int, default=20)
     m.add_argument("--budgets", type=lambda s: [int(v) for v in s.split(",")], default=[5, 10, 25, 50])
-    m.add_argument("--kinds", type=lambda s: s.split(","), default=["flat", "ivf", "hnsw", "clustered"])
+    m.add_argument(
+        "--kinds",
+        type=lambda s: s.split(","),
+        default=["flat", "ivf", "hnsw", "clustered", "flat:replicas=4"],
+        help="first-pass kinds at their defaults, or with one build parameter (kind:name=value)",
+    )
     m.add_argument("--repeat", type=int, default=3)
     common.add_json_argument(m)
     for p in (b, m):
