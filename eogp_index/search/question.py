@@ -300,4 +300,5 @@ def check_question(question: Question, stored) -> None:
 
 def _columns(stored) -> Sequence[str]:
     """The stored columns a question may name (not the codes)."""
-    return [f.name for f in stored.store.schema or [] if f.name not in stored.codec.columns]
+    codes = (*stored.codec.columns, *(() if stored.tier is None else stored.tier.columns))
+    return [f.name for f in stored.store.schema or [] if f.name not in codes]

@@ -12,6 +12,7 @@ from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+from eogp_index.errors import InputError
 from eogp_index.search.first_pass import FlatConfig, build
 from eogp_index.store.codecs import TierCodec, list_column_to_numpy
 from eogp_index.store.stored_index import StoredIndex
@@ -145,6 +146,8 @@ def test_rescoring_keeps_where_aggregate_by_module_and_group_by(tiered):
     assert both.column("id").to_pylist() == alone.column("id").to_pylist()
     groups = tiered.search(QUERY).group_by("group").to_arrow()
     assert groups.num_rows == len({ex.metadata["group"] for ex in make_examples(ROWS, seed=11)})
+    with pytest.raises(InputError, match="tier"):  # the tier's columns are codes, not stored columns
+        tiered.search(QUERY).group_by("tier").to_arrow()
 
 
 def test_rescore_zero_answers_with_the_one_bit_scan(tiered):
