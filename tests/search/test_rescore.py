@@ -50,6 +50,10 @@ def tiered(tiered_template, tmp_path):
     )
 
 
+def _ids_of(table):
+    return table.column("id").to_pylist()
+
+
 def _tier_of_every_row(index):
     """ids and the tier's coordinates ``(n, K)`` of every stored row, read from the table."""
     table = index.stored.store.read(["id", "tier", "tier_scales"])
@@ -130,6 +134,8 @@ def test_rescoring_every_row_gives_the_tiers_exact_ranking_on_every_route(tiered
     else:
         answer = question.route(route).to_arrow()
     assert answer.column("id").to_pylist() == _tier_ranking(tiered, k)
+    # ... which here is not the one-bit ranking (so the rescoring is what made it).
+    assert answer.column("id").to_pylist() != _ids_of(tiered.search(QUERY).limit(k).rescore(0).to_arrow())
 
 
 def test_rescoring_keeps_where_aggregate_by_module_and_group_by(tiered):
