@@ -78,7 +78,17 @@ _question_options = option_group(
     field_option(Question, "k", "-k", "--k"),
     *(
         field_option(Question, name)
-        for name in ("where", "direction", "candidates", "route", "first_pass", "by_module", "aggregate", "normalize")
+        for name in (
+            "where",
+            "direction",
+            "candidates",
+            "route",
+            "first_pass",
+            "rescore",
+            "by_module",
+            "aggregate",
+            "normalize",
+        )
     ),
     field_option(Question, "group_by", metavar="COLUMN"),
     into="question",
@@ -143,7 +153,7 @@ def cli() -> None:
 @click.option("--split", default=None, help="The split to read of a dataset in --data / --fit-data (train, …).")
 @click.option("--config", "dataset_config", default=None, help="The config of a dataset with several.")
 @_projection_options
-@option_group(field_option(StorageConfig, "precision"), into="storage")
+@option_group(field_option(StorageConfig, "precision"), field_option(StorageConfig, "rescore"), into="storage")
 @option_group(
     field_option(CurvatureConfig, "num_examples", "--curvature-examples"),
     field_option(CurvatureConfig, "damping_ratio"),
@@ -1294,7 +1304,14 @@ def _print_info(data: dict) -> None:
             click.echo(
                 f"            {name:<28} {stored:<8} {cells}  ({c['held_out']} held out; measured best: {c['code']})"
             )
-    click.echo(f"bytes/row   {data['bytes_per_example']}")
+    tier = data.get("tier")
+    if tier is None:
+        click.echo(f"bytes/row   {data['bytes_per_example']}  (no rescoring tier)")
+    else:
+        click.echo(
+            f"bytes/row   {data['bytes_per_example']} (scanned) + {tier['bytes_per_example']} (rescoring tier, "
+            f"{tier['code']}, read for the rescored rows only) = {data['bytes_per_example'] + tier['bytes_per_example']}"
+        )
     click.echo(f"rows        {data['rows']}  (table version {data['table_version']})")
 
 

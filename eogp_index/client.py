@@ -207,6 +207,7 @@ class AttributionIndex:
                 adapter=adapter_entry,
                 experts=gradients.experts,
                 model_dtype=gradients.dtype,
+                tier=storage.tier,
             )
         if distributed:
             dist.barrier()  # every rank is done with the fit's files

@@ -20,6 +20,10 @@ SecondStage = Literal["pca", "srht", "none"]
 Precision = Literal["1bit", "fp16", "fp32"]
 PRECISIONS = ("1bit", "fp16", "fp32")
 PcaDtype = Literal["fp16", "fp32"]
+#: The rescoring tier's code (schemas/store.md): the same coordinates as the one-bit code, stored
+#: again at higher precision beside it and read only for the rows near the top of a scan.
+Rescore = Literal["int8", "int4", "fp16", "none"]
+RESCORE_CODES = ("int8", "int4", "fp16", "none")
 #: How a mixture of experts' fused expert tensors are treated (eogp_index.gradients.experts).
 Experts = Literal["fused", "dense"]
 EXPERTS = ("fused", "dense")
@@ -213,6 +217,18 @@ def bytes_per_module(k: int, precision: Precision) -> int:
     return k * _COORD_BYTES[precision]
 
 
+def tier_bytes_per_module(k: int, code: str) -> int:
+    """Per-example bytes of one module's rescoring tier: ``k`` (int8) or ``⌈k/2⌉`` (int4) plus an
+    FP16 scale, or ``2k`` (fp16)."""
+    if code == "int8":
+        return k + _SCALE_BYTES
+    if code == "int4":
+        return math.ceil(k / 2) + _SCALE_BYTES
+    if code == "fp16":
+        return 2 * k
+    raise ConfigError(f"a rescoring tier's code is int8, int4 or fp16, got {code!r}")
+
+
 def k_for_bytes(module_bytes: int, precision: Precision) -> int:
     """The largest ``k`` with ``bytes_per_module(k, precision) <= module_bytes`` (may be < 1)."""
     _check_precision(precision)
@@ -247,9 +263,29 @@ class StorageConfig:
         metadata={"help": "1bit: packed signs + FP16 scale (EOGP); fp16/fp32: unquantized, for comparisons."},
     )
 
+    rescore: Rescore = field(
+        default="int8",
+        metadata={
+            "help": "The rescoring tier stored beside the 1-bit code (1bit precision only): int8/int4 of the same "
+            "coordinates with a scale per module, or fp16; queries rescore their one-bit top rows with it. "
+            "none: no tier."
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"StorageConfig.precision must be '1bit', 'fp16' or 'fp32', got {self.precision!r}")
+        if self.rescore not in RESCORE_CODES:
+            raise ConfigError(
+                f"StorageConfig.rescore must be one of {list(RESCORE_CODES)}, got {self.rescore!r} "
+                "(none: no rescoring tier)"
+            )
+
+    @property
+    def tier(self) -> Optional[str]:
+        """The tier's code the index gets, or None: a tier only rescores a one-bit scan, so an
+        fp16/fp32 index (its codes are the coordinates already) has none."""
+        return self.rescore if self.precision == "1bit" and self.rescore != "none" else None
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ def tiny_tokenizer():
 
 @pytest.fixture(scope="session")
 def fitted_index_template(tmp_path_factory):
-    """A real index (tiny GPT-2, EOGP k=16, 1 bit) with 40 examples, built once per session."""
+    """A real index (tiny GPT-2, EOGP k=16, 1 bit, no rescoring tier: the one-bit scan's answers)
+    with 40 examples, built once per session."""
     from eogp_index.client import AttributionIndex
-    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 
     path = tmp_path_factory.mktemp("template") / "index"
     index = AttributionIndex.create(
@@ -45,6 +46,7 @@ def fitted_index_template(tmp_path_factory):
         model_name="tiny",
         projection=ProjectionConfig(variant="eogp", k=16, m=64),
         curvature=CurvatureConfig(num_examples=40, batch_size=8),
+        storage=StorageConfig(rescore="none"),
         gradients=GradientConfig(batch_size=8),
         progress=False,
     )

@@ -84,6 +84,38 @@ def test_fit_and_ingest_report_json(workspace):
     assert summary["stored"] == 30 and summary["rejected"] == 0
     info = json.loads(_run("info", root / "idx", "--json").stdout)
     assert info["rows"] == 30 and info["bytes_per_example"] == 8 * (2 + 2)
+    # The default rescoring tier: int8 of the same 16 coordinates, an FP16 scale per module.
+    assert info["format_version"] == 3 and info["tier"] == {"code": "int8", "bytes_per_example": 8 * (16 + 2)}
+    human = _run("info", root / "idx").output
+    assert "bytes/row   32 (scanned) + 144 (rescoring tier, int8" in human
+
+
+def test_fit_rescore_none_writes_a_format_2_index_without_a_tier(workspace, tmp_path):
+    root, _, _ = workspace
+    args = ["--data", root / "shard.jsonl", "-k", "16", "--curvature-examples", "30", "--pca-examples", "30"]
+    fit = _run("fit", root / "model", *args, "--max-tokens", "24", "--out", tmp_path / "idx", "--rescore", "none")
+    assert fit.exit_code == 0, fit.output
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    assert manifest["format_version"] == 2 and "tier" not in manifest
+    ingest = _run("ingest", tmp_path / "idx", root / "shard.jsonl", "--id-field", "id", "--json")
+    assert ingest.exit_code == 0, ingest.output
+    import lance
+
+    assert "tier" not in lance.dataset(str(tmp_path / "idx" / "examples.lance")).schema.names
+    rows = json.loads(_run("query", tmp_path / "idx", "--text", "t1 t2 t3", "-k", "3", "--json").stdout)[0]["results"]
+    assert rows and all("score_1bit" not in r for r in rows)
+    assert "(no rescoring tier)" in _run("info", tmp_path / "idx").output
+    bad = _run("fit", root / "model", *args, "--out", tmp_path / "other", "--rescore", "int2")
+    assert bad.exit_code != 0 and "--rescore" in bad.output
+
+
+def test_query_rescores_by_default_and_rescore_0_turns_it_off(workspace):
+    root, _, _ = workspace
+    query = ("query", root / "idx", "--text", "t1 t2 t3 t4", "-k", "3", "--json")
+    rescored = json.loads(_run(*query).stdout)[0]["results"]
+    assert rescored and all(set(r) >= {"score", "score_1bit"} for r in rescored)
+    one_bit = json.loads(_run(*query, "--rescore", "0").stdout)[0]["results"]
+    assert one_bit and all("score_1bit" not in r for r in one_bit)
 
 
 def test_query_with_filter_and_json(workspace):

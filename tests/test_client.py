@@ -46,7 +46,13 @@ def test_full_width_index_equals_kronfluence_ekfac(tmp_path, make_model):
 @pytest.fixture(scope="module")
 def eogp_index(tmp_path_factory):
     path = tmp_path_factory.mktemp("eogp") / "idx"
-    index = _create(path, make_tiny_gpt2(), projection=ProjectionConfig(variant="eogp", k=12, m=40))
+    # No rescoring tier: these tests check the one-bit scan's answers (tests/search/test_rescore.py the tier's).
+    index = _create(
+        path,
+        make_tiny_gpt2(),
+        projection=ProjectionConfig(variant="eogp", k=12, m=40),
+        storage=StorageConfig(rescore="none"),
+    )
     index.ingest(TRAIN, progress=False)
     return index
 

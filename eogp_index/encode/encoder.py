@@ -10,6 +10,7 @@ need from an opened index, and nothing of the facade: the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -160,8 +161,11 @@ class Encoder:
     def rows(
         self, examples: Sequence[Example], coordinates: np.ndarray, *, store_text: Optional[int] = None
     ) -> pa.Table:
-        """:meth:`encode_rows` from the examples' projected coordinates ``(n, K)`` float32."""
+        """:meth:`encode_rows` from the examples' projected coordinates ``(n, K)`` float32, with
+        the rescoring tier's columns when the index has one (every writer comes here)."""
         encoded = self.codec.encode(coordinates)
+        if self.stored.tier is not None:
+            encoded = dataclasses.replace(encoded, **self.stored.tier.encode(coordinates))
         hashed = self.manifest.has_content_hashes
         info = RowInfo(
             ids=[ex.id for ex in examples],

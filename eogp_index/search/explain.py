@@ -1,7 +1,8 @@
 """Why a document ranks: its score split by module, and by token.
 
 A stored row's score is a sum over modules, ``score(i) = Σ_u s_iu⟨y_u, b_iu⟩`` (1 bit) or
-``Σ_u ⟨y_u, x_iu⟩`` (stored coordinates). :func:`module_terms` gives each term, computed on its
+``Σ_u ⟨y_u, x_iu⟩`` (stored coordinates, or an index's rescoring tier, whose scores its queries
+rank by). :func:`module_terms` gives each term, computed on its
 own from the row's stored code, so the terms of a hit sum to its ranked score up to float32
 rounding.
 
@@ -50,7 +51,8 @@ class Explanation:
     """Why document ``id`` ranks for a query.
 
     Attributes:
-        score: the score as ranked (from the stored 1-bit code). score_projected: the
+        score: the score as ranked (from the stored 1-bit code; from the rescoring tier on an
+            index with one, as its queries rank by default). score_projected: the
             unquantized projected score ``⟨y, z⟩`` the training tokens sum to.
         train_tokens: the document's tokens, each with ``⟨y, z_t⟩``.
         query_tokens: the query's tokens, each with its share of ``score`` (they sum to it up to the
@@ -189,10 +191,15 @@ def explain_documents(index: Encoder, query, ids: Sequence[str]) -> List[Explana
     documents = [stored.document(i, index.tokenizer) for i in ids]  # checked against their hashes
     y = index.project([query_example])  # (1, K)
     where = f"id IN ({', '.join(sql_string(i) for i in ids)})"
-    table = stored.store.read(["id", *stored.codec.columns], where)
+    tier = stored.tier  # an index with a rescoring tier ranks by the tier's score: explain that one
+    table = stored.store.read(["id", *(stored.codec.columns if tier is None else tier.columns)], where)
     position = {doc_id: row for row, doc_id in enumerate(table.column("id").to_pylist())}
-    codes = stored.codec.from_arrow(table).take(np.array([position[i] for i in ids], np.int64))
-    stored_coords = decode(codes, stored.layout)  # (r, K): s_u·b_u, or x
+    order = np.array([position[i] for i in ids], np.int64)
+    if tier is None:
+        codes = stored.codec.from_arrow(table).take(order)
+    else:
+        codes = Encoded(coords=tier.decode(tier.from_arrow(table.take(order))))
+    stored_coords = decode(codes, stored.layout)  # (r, K): s_u·b_u, or x (the tier's x̂)
     terms = module_terms(codes, y[0], stored.layout)  # (r, U)
     train = token_contributions(index, documents, y)  # [(1, T_i)]
     (queried,) = token_contributions(index, [query_example], stored_coords)  # (r, T_q)

@@ -31,7 +31,8 @@ from eogp_index.errors import ConfigError
 from eogp_index.search.explain import module_dicts, module_terms
 from eogp_index.search.normalize import normalized_codes
 from eogp_index.search.question import ROUTES, Question, Route, check_question
-from eogp_index.search.ranking import Direction, of_their_sign, ranked_tables, sides_of
+from eogp_index.search.ranking import Direction, Hits, of_their_sign, ranked_tables, sides_of
+from eogp_index.search.rescore import rescored, rescored_count, tier_coordinates
 from eogp_index.search.rollup import empty_roll_up, group_codes, roll_up
 from eogp_index.search.searchers import (
     CandidateSearcher,
@@ -40,6 +41,7 @@ from eogp_index.search.searchers import (
     StreamSearcher,
     TorchSearcher,
 )
+from eogp_index.store.codecs import Encoded
 from eogp_index.store.stored_index import StoredIndex
 
 #: A query: a text, a chat (list of ``{"role", "content"}``), token ids, or a record dict
@@ -142,6 +144,11 @@ class InfluenceQuery:
         name = first_pass or faiss_name or Question.first_pass
         return self._with(route="candidates", candidates=C, first_pass=name)
 
+    def rescore(self, factor: Optional[int]) -> "InfluenceQuery":
+        """On an index with a rescoring tier: rescore the one-bit top ``factor · k`` rows per side
+        from the tier (0 or None: the one-bit ranking)."""
+        return self._with(rescore=factor)
+
     def by_module(self, enabled: bool = True) -> "InfluenceQuery":
         """Split each hit's score into its per-module terms (a ``modules`` column)."""
         return self._with(by_module=enabled)
@@ -208,12 +215,30 @@ class InfluenceQuery:
         check_question(opts, self._index.stored)
         sides = sides_of(opts.direction)
         y = self.coordinates(coordinates)
-        found = of_their_sign(self.searcher().top_k(y, opts.k, sides, opts.where))  # every route
+        found = self._top(y, sides)
         modules = [self._module_terms(hits, y[q]) for q, hits in enumerate(found)] if opts.by_module else None
         return ranked_tables(self._index.stored, found, with_direction=opts.direction == "both", modules=modules)
 
+    @property
+    def _rescoring(self) -> bool:
+        """Whether the top hits are rescored from the index's tier: it has one and the question's
+        ``rescore`` factor is on."""
+        return self._index.stored.tier is not None and bool(self.question.rescore)
+
+    def _top(self, y: np.ndarray, sides) -> List[Dict[str, Hits]]:
+        """Each query's hits per side, of their sign: the route's exact one-bit top ``k`` (every
+        route comes here), or, rescoring, its top ``rescore · k`` rescored from the tier and cut
+        to ``k`` (:mod:`eogp_index.search.rescore`)."""
+        opts = self.question
+        if not self._rescoring:
+            return of_their_sign(self.searcher().top_k(y, opts.k, sides, opts.where))
+        count = rescored_count(opts.rescore, opts.k, opts.candidates)
+        found = self.searcher().top_k(y, count, sides, opts.where)
+        return rescored(self._index.stored, found, y, opts.k, opts.normalize)
+
     def _module_terms(self, hits, y: np.ndarray):
-        """``{side: [{module: term}, ...]}`` of the hits of one query, from their stored codes."""
+        """``{side: [{module: term}, ...]}`` of the hits of one query, from their stored codes
+        (the tier's, for rescored hits: the terms sum to the score shown)."""
         stored = self._index.stored
         out = {}
         for side, found in hits.items():
@@ -221,6 +246,12 @@ class InfluenceQuery:
                 out[side] = []
                 continue
             hot = stored.loaded_hot()
+            if found.scores_1bit is not None:
+                tier = tier_coordinates(stored, found.rowaddr, self.question.normalize)
+                out[side] = module_dicts(
+                    module_terms(Encoded(coords=tier), y, stored.layout), stored.manifest.module_names
+                )
+                continue
             if hot is not None:
                 codes = hot.encoded.take(hot.positions(found.rowaddr))
             else:

@@ -3,7 +3,8 @@
 A :class:`Question` carries everything a question can hold: its queries (record dicts of any
 kind in :data:`~eogp_index.data.records.RECORD_KINDS`), how several are answered as one
 behaviour (``aggregate``), and the options of the answer (``k``, ``where``, ``direction``,
-``normalize``, ``group_by``, ``by_module``, ``route``, ``candidates``, ``first_pass``). Every
+``normalize``, ``group_by``, ``by_module``, ``route``, ``candidates``, ``first_pass``,
+``rescore``). Every
 surface builds one and answers it: the library's builder
 (:meth:`InfluenceQuery.to_query_object() <eogp_index.search.query.InfluenceQuery.to_query_object>`),
 ``AttributionIndex.search`` / ``top_influential`` / ``scores`` / ``select``, the commands
@@ -21,7 +22,8 @@ Either error's ``field`` names the question field at fault (``"where"``, ``"k"``
 ``"queries[2]"``), which the server maps to its request field.
 
 The defaults, the same on every surface: ``k=10`` rows per side, ``direction="both"``,
-``normalize="none"``, no filter, no aggregate, no roll-up, route ``auto``.
+``normalize="none"``, no filter, no aggregate, no roll-up, route ``auto``, ``rescore=5`` (used
+only by an index with a rescoring tier).
 
 Example:
     >>> question = Question(queries=("The Eiffel Tower is in Paris.",), k=5, where="source = 'news'")  # doctest: +SKIP
@@ -78,6 +80,10 @@ class Question:
             pass); ``candidates`` given with route ``auto`` chooses ``candidates``.
         candidates: the first pass's budget per side (``C >= k``), for the ``candidates`` route.
         first_pass: which first pass of the index directory (``eogp build-candidates --name``).
+        rescore: on an index with a rescoring tier (format 3), the one-bit top ``rescore · k`` rows
+            of each side (at most ``candidates``) are scored again from the tier and the best
+            ``k`` kept (:mod:`eogp_index.search.rescore`); 0 or None: the one-bit ranking. An
+            index without a tier ignores it.
     """
 
     queries: Tuple[Dict[str, Any], ...] = field(
@@ -128,6 +134,14 @@ class Question:
     first_pass: str = field(
         default="default", metadata={"help": "Which first pass to use (`eogp build-candidates --name`)."}
     )
+    rescore: Optional[int] = field(
+        default=5,
+        metadata={
+            "help": "On an index with a rescoring tier: rescore the one-bit top F x k rows per direction from the "
+            "tier and keep the best k (hits show score and score_1bit); 0: the one-bit ranking.",
+            "min": 0,
+        },
+    )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalized once, here
@@ -153,6 +167,11 @@ class Question:
             raise ConfigError(str(exc), field="normalize") from None
         if not isinstance(self.by_module, bool):
             raise ConfigError(f"by_module must be true or false, got {self.by_module!r}", field="by_module")
+        if self.rescore is not None and not (self.rescore == 0 or _is_count(self.rescore)):
+            raise ConfigError(
+                f"rescore must be a non-negative integer (0 or None: no rescoring), got {self.rescore!r}",
+                field="rescore",
+            )
         if not isinstance(self.first_pass, str) or not self.first_pass:
             raise ConfigError(f"first_pass must name a first pass, got {self.first_pass!r}", field="first_pass")
         self._check_route()
@@ -281,4 +300,5 @@ def check_question(question: Question, stored) -> None:
 
 def _columns(stored) -> Sequence[str]:
     """The stored columns a question may name (not the codes)."""
-    return [f.name for f in stored.store.schema or [] if f.name not in stored.codec.columns]
+    codes = (*stored.codec.columns, *(() if stored.tier is None else stored.tier.columns))
+    return [f.name for f in stored.store.schema or [] if f.name not in codes]

@@ -45,10 +45,13 @@ class Hits:
 
     Attributes:
         rowaddr: ``(r,)`` uint64 Lance row addresses. scores: ``(r,)`` float32 exact scores.
+        scores_1bit: ``(r,)`` float32, the one-bit scan's scores of rescored hits (whose
+            ``scores`` are the rescoring tier's: :mod:`eogp_index.search.rescore`); None otherwise.
     """
 
     rowaddr: np.ndarray
     scores: np.ndarray
+    scores_1bit: Optional[np.ndarray] = None
 
     @staticmethod
     def empty() -> "Hits":
@@ -69,7 +72,10 @@ class Hits:
         Exact on a side's top ``k``: its rows of the other sign can only stand after all of its
         own, so what remains is the top of the rows of that sign."""
         keep = self.scores > 0 if side == "positive" else self.scores < 0
-        return self if keep.all() else Hits(self.rowaddr[keep], self.scores[keep])
+        if keep.all():
+            return self
+        one_bit = None if self.scores_1bit is None else self.scores_1bit[keep]
+        return Hits(self.rowaddr[keep], self.scores[keep], one_bit)
 
     @staticmethod
     def merge(parts: Sequence["Hits"], k: int, side: Side) -> "Hits":
@@ -91,7 +97,8 @@ def ranked_tables(
     with_direction: bool,
     modules: Optional[Sequence[Dict[Side, List[dict]]]] = None,
 ) -> List[pa.Table]:
-    """Each query's answer: ``[direction,] rank, id, score[, modules]`` leading, then the stored
+    """Each query's answer: ``[direction,] rank, id, score[, score_1bit][, modules]`` leading (``score_1bit``:
+    rescored hits' one-bit scores, :mod:`eogp_index.search.rescore`), then the stored
     metadata columns. The hits' rows are read once for all the queries: from the hot copy when it
     is loaded (an Arrow take, microseconds), else in one Lance take (milliseconds whatever its
     size: one per query would dominate a batch).
@@ -118,6 +125,8 @@ def ranked_tables(
             if modules is not None:
                 terms = modules[q][side]
                 part = part.add_column(0, "modules", pa.array(terms) if terms else pa.nulls(0))
+            if hits.scores_1bit is not None:
+                part = part.add_column(0, "score_1bit", numpy_to_arrow(np.asarray(hits.scores_1bit, np.float32)))
             part = part.add_column(0, "score", numpy_to_arrow(np.asarray(hits.scores, np.float32)))
             part = part.add_column(0, "rank", numpy_to_arrow(np.arange(1, len(hits.scores) + 1, dtype=np.int32)))
             if with_direction:
@@ -125,6 +134,6 @@ def ranked_tables(
             parts.append(part)
         # An empty side's modules column has no type yet: it takes the other side's.
         result = pa.concat_tables(parts, promote_options="default")
-        front = [c for c in ("direction", "rank", "id", "score", "modules") if c in result.column_names]
+        front = [c for c in ("direction", "rank", "id", "score", "score_1bit", "modules") if c in result.column_names]
         answers.append(result.select(front + [c for c in result.column_names if c not in front]))
     return answers

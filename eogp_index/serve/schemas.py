@@ -89,6 +89,7 @@ class QueryRequest(BaseModel):
     )
     candidates: Optional[int] = _question("candidates")
     first_pass: str = _question("first_pass")
+    rescore: Optional[int] = _question("rescore")
 
 
 class ExplainRequest(BaseModel):

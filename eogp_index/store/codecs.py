@@ -26,7 +26,7 @@ from typing import ClassVar, Dict, Optional, Sequence, Tuple
 import numpy as np
 import pyarrow as pa
 
-from eogp_index.config import Precision, bytes_per_module
+from eogp_index.config import Precision, bytes_per_module, tier_bytes_per_module
 from eogp_index.errors import ConfigError, InputError
 
 
@@ -124,12 +124,16 @@ class Encoded:
     """A batch of stored representations, named as their table columns.
 
     ``signs`` ``(n, nbytes)`` uint8 and ``scales`` ``(n, U)`` float16 (float32 once read back for
-    scanning) in 1-bit mode; ``coords`` ``(n, K)`` float16/float32 otherwise.
+    scanning) in 1-bit mode; ``coords`` ``(n, K)`` float16/float32 otherwise. With a rescoring
+    tier (:class:`TierCodec`), written beside them: ``tier`` ``(n, w)`` (int8, packed int4 as
+    uint8, or float16) and, for int8/int4, ``tier_scales`` ``(n, U)`` float16.
     """
 
     signs: Optional[np.ndarray] = None
     scales: Optional[np.ndarray] = None
     coords: Optional[np.ndarray] = None
+    tier: Optional[np.ndarray] = None
+    tier_scales: Optional[np.ndarray] = None
 
     def columns(self) -> Dict[str, np.ndarray]:
         """``{column name: (n, w) array}`` of the columns this batch has, in schema order."""
@@ -216,6 +220,104 @@ class FloatCodec(Codec):
 
     def widths(self) -> Dict[str, Tuple[int, type]]:
         return {"coords": (self.layout.num_coords, np.float32)}
+
+
+#: The largest code of each integer tier: symmetric, so that zero is exact and ``-q`` is a code.
+TIER_LEVELS = {"int8": 127, "int4": 7}
+
+
+class TierCodec:
+    """The rescoring tier: the same ``(n, K)`` coordinates as the one-bit code, at ``code``'s
+    precision (schemas/store.md).
+
+    int8/int4: per module ``u`` the scale ``s_u = max|x_u| / q`` (``q`` = 127 or 7) rounded to
+    FP16, and the codes ``round(x / s_u)`` clipped to ``[-q, q]``; the tier decodes to
+    ``codes · s_u``. int4 packs two codes a byte, each as ``code + 8`` (coordinate ``j`` of module
+    ``u`` in byte ``offset_u + j // 2``, the low nibble for even ``j``; every module starts at a
+    fresh byte). fp16: the coordinates rounded to float16, no scale.
+    """
+
+    def __init__(self, code: str, layout: SignLayout):
+        if code not in ("int8", "int4", "fp16"):
+            raise ConfigError(f"a rescoring tier's code is int8, int4 or fp16, got {code!r}")
+        self.code = code
+        self.layout = layout
+
+    @property
+    def columns(self) -> Tuple[str, ...]:
+        return ("tier",) if self.code == "fp16" else ("tier", "tier_scales")
+
+    @functools.cached_property
+    def module_widths(self) -> Tuple[int, ...]:
+        """Elements of the ``tier`` column per module."""
+        return tuple(math.ceil(k / 2) if self.code == "int4" else k for k in self.layout.k)
+
+    @property
+    def width(self) -> int:
+        return int(sum(self.module_widths))
+
+    @property
+    def bytes_per_example(self) -> int:
+        return sum(tier_bytes_per_module(k, self.code) for k in self.layout.k)
+
+    def encode(self, x: np.ndarray) -> Dict[str, np.ndarray]:
+        """``(n, K)`` float32 coordinates → ``{column: (n, w) array}``."""
+        x = np.asarray(x, np.float32)
+        _check_width(x, self.layout.num_coords, "coordinates")
+        _check_finite(x)
+        if self.code == "fp16":
+            return {"tier": x.astype(np.float16)}
+        q = TIER_LEVELS[self.code]
+        parts, scales = [], []
+        for off, k in zip(self.layout.coord_offsets, self.layout.k):
+            block = x[:, off : off + k]
+            scale = (np.abs(block).max(axis=1) / q).astype(np.float16) if k else np.zeros(len(x), np.float16)
+            wide = scale.astype(np.float32)[:, None]
+            # A zero (or underflowed) scale means a zero block: its codes are 0.
+            codes = np.clip(np.rint(np.divide(block, wide, out=np.zeros_like(block), where=wide > 0)), -q, q)
+            codes = codes.astype(np.int8)
+            if self.code == "int4":
+                nibbles = (codes + 8).astype(np.uint8)
+                if k % 2:
+                    nibbles = np.concatenate([nibbles, np.full((len(x), 1), 8, np.uint8)], axis=1)
+                codes = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+            parts.append(codes)
+            scales.append(scale)
+        return {"tier": np.ascontiguousarray(np.concatenate(parts, axis=1)), "tier_scales": np.stack(scales, axis=1)}
+
+    def decode(self, columns: Dict[str, np.ndarray]) -> np.ndarray:
+        """``{column: (n, w) array}`` (as stored, or read back by :meth:`from_arrow`) → the tier's
+        coordinates ``(n, K)`` float32."""
+        codes = np.asarray(columns["tier"])
+        if self.code == "fp16":
+            return codes.astype(np.float32)
+        scales = np.asarray(columns["tier_scales"]).astype(np.float32)
+        out = np.empty((codes.shape[0], self.layout.num_coords), np.float32)
+        start = 0
+        for u, (off, k, w) in enumerate(zip(self.layout.coord_offsets, self.layout.k, self.module_widths)):
+            block = codes[:, start : start + w]
+            start += w
+            if self.code == "int4":
+                packed = block.astype(np.uint8)
+                block = np.empty((len(packed), 2 * w), np.int8)
+                block[:, 0::2] = (packed & 0x0F).astype(np.int8) - 8
+                block[:, 1::2] = (packed >> 4).astype(np.int8) - 8
+                block = block[:, :k]
+            out[:, off : off + k] = block.astype(np.float32) * scales[:, u : u + 1]
+        return out
+
+    def from_arrow(self, table) -> Dict[str, np.ndarray]:
+        """The tier's columns of an Arrow table → ``{column: (n, w) array}`` as stored."""
+        dtype = {"int8": np.int8, "int4": np.uint8, "fp16": np.float16}[self.code]
+        out = {"tier": list_column_to_numpy(table.column("tier"), self.width, dtype)}
+        if self.code != "fp16":
+            out["tier_scales"] = list_column_to_numpy(table.column("tier_scales"), self.layout.num_modules, np.float16)
+        return out
+
+
+def tier_for(code: Optional[str], layout: SignLayout) -> Optional[TierCodec]:
+    """The tier codec of a manifest's ``tier.code`` (None, or ``none``: the index has no tier)."""
+    return None if code in (None, "none") else TierCodec(code, layout)
 
 
 def codec_for(precision: Precision, layout: SignLayout) -> Codec:

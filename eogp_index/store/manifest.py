@@ -24,8 +24,12 @@ FORMAT = "eogp-index"
 #: The optional ``model.dtype`` (the model's precision) needs no bump either: absent means
 #: float32, what every index without it was built in, and a reader that ignores it loads the
 #: model in float32, whose weights fingerprint then refuses a bf16/fp16 index.
+#: 3: the optional rescoring tier (``tier``: its code and bytes; the table's ``tier`` and
+#: ``tier_scales`` columns). An index without a tier is still written as version 2, byte for byte
+#: as before; a reader of version 2 refuses a tiered index rather than ingest rows without it.
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+TIER_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_FILE = "manifest.json"
 PROJECTION_FILE = "projection.safetensors"
 TABLE_NAME = "examples"
@@ -58,6 +62,14 @@ class Manifest:
     created_by: str = ""
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
+    #: format 3: the rescoring tier, ``{"code": "int8" | "int4" | "fp16", "bytes_per_example"}``;
+    #: None: the index has none
+    tier: Optional[Dict[str, Any]] = None
+
+    @property
+    def tier_code(self) -> Optional[str]:
+        """The rescoring tier's code, or None when the index has no tier."""
+        return None if self.tier is None else self.tier["code"]
 
     @property
     def k(self) -> tuple[int, ...]:
@@ -102,6 +114,8 @@ class Manifest:
     def to_json(self) -> Dict[str, Any]:
         data = asdict(self)
         data["modules"] = [asdict(m) for m in self.modules]
+        if data["tier"] is None:  # no tier: the version-2 manifest, as before
+            del data["tier"]
         return data
 
     def save(self, index_dir: Path) -> None:
@@ -138,12 +152,21 @@ def validate(data: Dict[str, Any], *, source: Path) -> None:
     """Validate a manifest dict against the JSON Schema shipped in ``schemas/``."""
     import jsonschema
 
-    schema = json.loads(resources.files("eogp_index.schemas").joinpath("manifest.schema.json").read_text())
+    schema = json.loads(_schema_text())
     try:
         jsonschema.validate(data, schema)
     except jsonschema.ValidationError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
         raise IncompatibleIndexError(f"{source}: manifest field {where}: {exc.message}") from exc
+
+
+def _schema_text() -> str:
+    """The manifest's JSON Schema: the source tree's ``schemas/`` when the package runs from one
+    (its spec is the one its code writes), else the installed copy."""
+    local = Path(__file__).resolve().parents[2] / "schemas" / "manifest.schema.json"
+    if local.is_file():
+        return local.read_text()
+    return resources.files("eogp_index.schemas").joinpath("manifest.schema.json").read_text()
 
 
 def check_compatible(

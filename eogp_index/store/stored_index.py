@@ -20,11 +20,13 @@ from typing import Any, Dict, List, Optional, Union
 
 from eogp_index.data.records import Example, RecordSpec, location_of, record_of, tokenize_windows
 from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
-from eogp_index.store.codecs import Codec, SignLayout, codec_for
+from eogp_index.store.codecs import Codec, SignLayout, TierCodec, codec_for, tier_for
 from eogp_index.store.manifest import (
+    FORMAT_VERSION,
     MANIFEST_FILE,
     PROJECTION_FILE,
     TABLE_NAME,
+    TIER_FORMAT_VERSION,
     Manifest,
     ModuleEntry,
     check_compatible,
@@ -117,6 +119,8 @@ class StoredIndex:
         self.manifest = manifest
         self.layout = SignLayout(manifest.k)
         self.codec: Codec = codec_for(manifest.precision, self.layout)
+        #: the rescoring tier's codec (format 3), or None: the index has no tier
+        self.tier: Optional[TierCodec] = tier_for(manifest.tier_code, self.layout)
         self.store = Store(manifest.store_uri(self.path), manifest.table)
         self._hot = None
 
@@ -142,6 +146,7 @@ class StoredIndex:
         adapter: Optional[Dict[str, str]] = None,
         experts: str = "fused",
         model_dtype: str = "float32",
+        tier: Optional[str] = None,
     ) -> "StoredIndex":
         """Write a fitted projection and its manifest into ``path`` (prepared by :func:`prepare_index_dir`).
 
@@ -159,6 +164,8 @@ class StoredIndex:
             experts: ``"dense"`` when fused experts were rebuilt as linear layers
                 (:mod:`eogp_index.gradients.experts`), recorded so that opening rebuilds them.
             model_dtype: the dtype the model ran in (``"bfloat16"``), which every later open uses.
+            tier: the rescoring tier's code (``StorageConfig.tier``: ``"int8"``, ``"int4"``,
+                ``"fp16"``) or None for none; an index with a tier is format 3, one without it 2.
         """
         from eogp_index.fit.code_choice import fidelity_record
         from eogp_index.store.files import file_fingerprint
@@ -213,6 +220,10 @@ class StoredIndex:
             table=TABLE_NAME,
             table_uri=table_uri,
             created_by=f"eogp-index {__version__}",
+            format_version=FORMAT_VERSION if tier is None else TIER_FORMAT_VERSION,
+            tier=None
+            if tier is None
+            else {"code": tier, "bytes_per_example": TierCodec(tier, layout).bytes_per_example},
         )
         manifest.save(path)
         # Not the fitted projection itself: the rows must be projected with P as stored (FP16 by

@@ -9,6 +9,7 @@ id                 string                                      unique example id
 signs              fixed_size_list<uint8>[Σ⌈k_u/8⌉]             packed signs (1-bit precision)
 scales             fixed_size_list<float16>[U]                 per-module scales (1-bit)
 coords             fixed_size_list<float16|float32>[Σk_u]      coordinates (fp16/fp32 precision)
+tier, tier_scales  fixed_size_list<int8|uint8|float16>, <f16>  the rescoring tier (format 3)
 shard              string                                      source shard name
 position           int64                                       line/row in the shard
 num_tokens         int32                                       tokens after truncation
@@ -49,8 +50,12 @@ RESERVED_COLUMNS = (
     "content_sha256",
     "content_kind",
     "text",
+    "tier",
+    "tier_scales",
 )
-CODE_COLUMNS = ("signs", "scales", "coords")
+#: The code columns: never metadata, never in the hot copy's columns (the hot copy holds the
+#: one-bit codes; the rescoring tier is read from the table by row address).
+CODE_COLUMNS = ("signs", "scales", "coords", "tier", "tier_scales")
 #: ", /home/.../rust/lance/src/dataset/scanner.rs:839:33": where in Lance's Rust source an error arose
 _LANCE_SOURCE = re.compile(r",?\s*\S+\.rs:\d+:\d+")
 
