@@ -19,7 +19,7 @@ import torch
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
 from eogp_index.client import AttributionIndex
-from eogp_index.config import ROTATIONS, VARIANTS, CurvatureConfig, GradientConfig, ProjectionConfig
+from eogp_index.config import ROTATIONS, VARIANTS, CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import ConfigError
 from eogp_index.fit.projection import (
     HADAMARD_ROUNDS,
@@ -111,6 +111,7 @@ def _create(path, variant, pca_dtype="fp16"):
         projection=ProjectionConfig(variant=variant, k=K, m=M, num_fit_examples=48, pca_dtype=pca_dtype),
         curvature=CurvatureConfig(num_examples=48, batch_size=8),
         gradients=GradientConfig(batch_size=8),
+        storage=StorageConfig(rescore="none"),  # these tests check the one-bit scan itself
         progress=False,
     )
     index.ingest(TRAIN, progress=False)

@@ -71,6 +71,8 @@ def _through_the_cli(index, model_args, shard, text):
         "16",
         "--max-tokens",
         "24",
+        "--rescore",
+        "none",  # the hits are compared with the one-bit scan's
         "--json",
     )
     assert fit.exit_code == 0, fit.output

@@ -17,7 +17,7 @@ import pytest
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
 from eogp_index.client import AttributionIndex
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError, InputError
 from eogp_index.search.first_pass import (
     ClusteredConfig,
@@ -69,6 +69,7 @@ def _create(path):
         projection=ProjectionConfig(variant="eogp", k=16, m=64),
         curvature=CurvatureConfig(num_examples=24, batch_size=4),
         gradients=GradientConfig(batch_size=8),
+        storage=StorageConfig(rescore="none"),  # these tests check the one-bit scan itself
         progress=False,
     )
     index.ingest(TRAIN, progress=False)
