@@ -16,7 +16,6 @@ server take it; the server only maps the errors to request fields and status cod
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -155,7 +154,7 @@ def _example(encoder, record: Dict[str, Any], position: int, limit: Optional[int
                 record, shard="query", position=position, spec=RecordSpec(), tokenizer=encoder.tokenizer
             ).num_tokens
     except InputError as exc:
-        raise _named(exc, exc.field or _field_named(exc.reason, record) or content) from None
+        raise _named(exc, exc.field or content) from None
     except ConfigError as exc:  # e.g. a chat for a tokenizer without a chat template: this query's error
         message = str(exc)
         message = message[len(location) + 2 :] if message.startswith(f"{location}: ") else message
@@ -171,14 +170,6 @@ def _too_long(name: str, length: int, limit: int, location: str) -> QueryTooLong
         location=location,
         field=name,
     )
-
-
-def _field_named(reason: str, record: Dict[str, Any]) -> Optional[str]:
-    """The record field a tokenizing error's message names (``field 'prompt': ...``), if any."""
-    found = re.match(r"fields? \[?'(\w+)'", reason)
-    if found and found.group(1) in record:
-        return found.group(1)
-    return "labels" if "'labels'" in reason and "labels" in record else None
 
 
 def _named(exc: InputError, name: str, *, replace: Optional[Tuple[str, str]] = None) -> InputError:
