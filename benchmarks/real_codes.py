@@ -4,14 +4,17 @@
 ``build`` makes the corpus and the index, outside the repository and the test suite, in a cache
 folder (``--cache``, default ``real-codes/`` under ``$EOGP_BENCH_CACHE`` or ``~/.cache/eogp-bench``):
 
-* **Corpus.** Docstrings of the installed Python packages (every ``.py`` file under the
-  site-packages of the running interpreter, then its standard library; read with ``ast``, no
-  import): each module's, class's and function's own docstring, cleaned with ``inspect.cleandoc``
-  and cut at blank lines into documents of ``--min-chars`` to about ``--max-chars`` characters,
-  deduplicated by text. A seeded hash of each text puts ``--held-out`` (5%) of the documents in
+* **Corpus.** Two local text sources, deduplicated by text. First the docstrings of the
+  installed Python packages (every ``.py`` file under the site-packages of the running
+  interpreter, then its standard library; read with ``ast``, no import): each module's, class's
+  and function's own docstring, cleaned with ``inspect.cleandoc``. Then the English manual pages
+  under ``/usr/share/man/man[1-8]`` (the roff source with its requests and font escapes
+  stripped, no ``man`` run). Each text is cut at blank lines into documents of ``--min-chars``
+  to about ``--max-chars`` characters. A seeded hash of each text puts ``--held-out`` (5%) of the documents in
   ``queries.jsonl`` (never ingested) and the rest in shards of ``--shard-docs`` documents
   (``corpus/shard-NNNN.jsonl.gz``), the first ``--docs`` documents in all, in a seeded random
-  order (a smaller ``--docs`` is a uniform sample, and its shards a prefix of a larger one's).
+  order within each source (a smaller ``--docs`` is a uniform sample of the docstrings, and its
+  shards a prefix of a larger one's).
 * **Index.** ``eogp fit`` of ``examples/default/model`` as ``make demo`` fits it (on the shipped
   fine-tuning set, ``-k 256``, 128 tokens), then ``eogp ingest`` of the shards in order, one
   command per shard. Every step is skipped when its output is there and ingest skips stored
@@ -39,6 +42,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -99,22 +103,68 @@ def _docstrings(path: Path, root: Path, min_chars: int, max_chars: int) -> Itera
                 stack.append((child, f"{name}.{child.name}", "function"))
 
 
+#: roff requests whose arguments are running text (the others are layout and are dropped).
+TEXT_REQUESTS = {"B", "I", "BR", "RB", "BI", "IB", "IR", "RI", "SM", "SB", "TP", "IP", "SS", "Nm", "Nd"}
+#: roff requests that end a paragraph.
+BREAKS = {"PP", "LP", "P", "SH", "SS", "TP", "IP", "Sh", "Pp", "sp", "br", "HP"}
+ESCAPES = re.compile(r"\\(f[BIRP]|f\(..|s[-+]?\d|\(..|\*\(..|\*.|[&|^%:])")
+
+
+def roff_text(source: str) -> str:
+    """The running text of a manual page's roff source: paragraphs separated by blank lines."""
+    lines = []
+    for line in source.splitlines():
+        if line.startswith((".", "'")):
+            request, _, rest = line[1:].strip().partition(" ")
+            if request in BREAKS:
+                lines.append("")
+            if request in TEXT_REQUESTS and rest:
+                lines.append(rest.replace('"', ""))
+            continue
+        lines.append(line)
+    text = ESCAPES.sub("", "\n".join(lines)).replace("\\-", "-").replace("\\e", "\\")
+    return re.sub(r"\n{3,}", "\n\n", text)
+
+
+def _manpages(min_chars: int, max_chars: int) -> Iterator[Tuple[str, str, str]]:
+    """(page#part, "manpage", text) of every English manual page's paragraphs."""
+    for path in sorted(Path("/usr/share/man").glob("man[1-8]/*")):
+        try:
+            raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        except (OSError, EOFError, gzip.BadGzipFile):
+            continue
+        text = roff_text(raw.decode("utf-8", "replace"))
+        paragraphs = "\n\n".join(" ".join(p.split()) for p in text.split("\n\n") if p.strip())
+        for part, chunk in enumerate(chunks(paragraphs, min_chars, max_chars)):
+            yield f"{path.name.split('.')[0]}#{part}", "manpage", chunk
+
+
 def collect(min_chars: int, max_chars: int) -> List[Dict[str, Any]]:
-    """Every docstring document of site-packages, then the standard library, deduplicated by text."""
+    """Every docstring document of site-packages and the standard library, then every manual page
+    document, each source in a seeded random order, deduplicated by text."""
     roots = [Path(sysconfig.get_paths()["purelib"]), Path(sysconfig.get_paths()["stdlib"])]
-    seen, docs = set(), []
-    for root in roots:
-        for path in sorted(root.rglob("*.py")):
-            if root.name != "site-packages" and "site-packages" in path.parts:
-                continue
-            for qualname, kind, text in _docstrings(path, root, min_chars, max_chars):
-                if text in seen:
-                    continue
+    seen, sources = set(), []
+
+    def keep(found: Iterator[Tuple[str, str, str]]) -> List[Dict[str, Any]]:
+        docs = []
+        for qualname, kind, text in found:
+            if text not in seen:
                 seen.add(text)
-                docs.append({"text": text, "qualname": qualname, "kind": kind, "n_chars": len(text)})
-    for doc in docs:
-        doc["id"] = hashlib.sha1(doc["text"].encode()).hexdigest()[:16]
-    return docs
+                doc_id = hashlib.sha1(text.encode()).hexdigest()[:16]
+                docs.append({"text": text, "qualname": qualname, "kind": kind, "n_chars": len(text), "id": doc_id})
+        # In a seeded random order: the first documents (a smaller --docs, or the shards a partial
+        # build ingested) are a uniform sample of the source, not its first packages alphabetically.
+        return sorted(docs, key=lambda d: _draw(d["id"], "order"))
+
+    def docstrings() -> Iterator[Tuple[str, str, str]]:
+        for root in roots:
+            for path in sorted(root.rglob("*.py")):
+                if root.name != "site-packages" and "site-packages" in path.parts:
+                    continue
+                yield from _docstrings(path, root, min_chars, max_chars)
+
+    sources = keep(docstrings()) + keep(_manpages(min_chars, max_chars))
+    return sources
 
 
 def _draw(doc_id: str, what: str) -> float:
@@ -143,9 +193,7 @@ def write_corpus(cache: Path, args) -> List[Path]:
             )
     corpus.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    # In a seeded random order: the first documents (a smaller --docs, or the shards a partial
-    # build ingested) are a uniform sample of them all, not the first packages alphabetically.
-    docs = sorted(collect(args.min_chars, args.max_chars), key=lambda d: _draw(d["id"], "order"))[: args.docs]
+    docs = collect(args.min_chars, args.max_chars)[: args.docs]
     train = [d for d in docs if not held_out(d["id"], args.held_out)]
     queries = [d for d in docs if held_out(d["id"], args.held_out)]
     for old in corpus.glob("shard-*.jsonl.gz"):
@@ -173,6 +221,7 @@ def _settings(args) -> Dict[str, Any]:
         "max_chars": args.max_chars,
         "held_out": args.held_out,
         "shard_docs": args.shard_docs,
+        "sources": "docstrings+manpages",
     }
 
 
