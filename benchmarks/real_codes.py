@@ -242,7 +242,10 @@ def build(args) -> None:
         )  # fmt: skip
     for shard in shards:
         t0 = time.perf_counter()
-        _eogp("ingest", str(index), str(shard), "--id-field", "id", "--metadata", "kind", "--metadata", "qualname")
+        _eogp(
+            "ingest", str(index), str(shard), "--id-field", "id", "--metadata", "kind", "--metadata", "qualname",
+            "--batch-size", str(args.batch_size),
+        )  # fmt: skip
         print(f"{shard.name}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -326,6 +329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--max-chars", type=int, default=400, help="longer docstrings are cut at blank lines")
     b.add_argument("--held-out", type=float, default=0.05, help="share of the documents kept out as queries")
     b.add_argument("--shard-docs", type=int, default=5000)
+    b.add_argument(
+        "--batch-size", type=int, default=64, help="ingest's gradient batch (a small model's cost is per batch)"
+    )
     m = sub.add_parser("measure", help="recall and time of every first-pass kind")
     m.add_argument("--queries", type=int, default=64)
     m.add_argument("-k", type=int, default=20)
