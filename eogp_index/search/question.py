@@ -145,9 +145,9 @@ class Question:
         metadata={
             "help": "On an index with a rescoring tier: rescore the one-bit top F x k rows per direction from the "
             "tier and keep the best k (hits show score and score_1bit); 0: the one-bit ranking. Default: the "
-            f"factor the index's fit measured (eogp info shows it; {UNMEASURED_RESCORE} when it records none).",
+            f"factor the index's fit measured, which eogp info shows ({UNMEASURED_RESCORE} on an index without one).",
             "min": 0,
-            "show_default": "measured at fit time",
+            "show_default": False,
         },
     )
 

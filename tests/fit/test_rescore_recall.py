@@ -19,7 +19,7 @@ from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.fit import recall as recall_module
-from eogp_index.fit.code_choice import _off_diagonal, held_out_rows, measure_module, tier_scores
+from eogp_index.fit.code_choice import held_out_rows, measure_module, tier_scores
 from eogp_index.fit.projection import module_rotation
 from eogp_index.fit.recall import (
     RecallCurve,
