@@ -20,6 +20,7 @@ from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.fit import recall as recall_module
 from eogp_index.fit.code_choice import held_out_rows, measure_module, tier_scores
+from eogp_index.fit.fitting import fit_projection, format_choices
 from eogp_index.fit.projection import module_rotation
 from eogp_index.fit.recall import (
     RecallCurve,
@@ -184,8 +185,6 @@ QUERY = list(EXAMPLES[0].input_ids)
 def fitted(tmp_path_factory):
     """A fit, the per-module scores it left in fit/pca/, and the index written from it (the index's
     creation resumes the fit from its folder) with 40 rows."""
-    from eogp_index.fit.fitting import fit_projection
-
     path = tmp_path_factory.mktemp("recall") / "index"
     fit = fit_projection(make_tiny_gpt2(), TinyTokenizer(), EXAMPLES, path, **SETTINGS)
     scores = [fit.folder.read_scores(i) for i in range(len(fit.projection.modules))]
@@ -210,6 +209,8 @@ def test_the_fit_sums_the_stored_codes_scores_over_modules(fitted):
         assert choice.code == choice.recall.code  # auto follows the recall
         assert (module.rotation is not None) == (choice.code == "eogp-rot")
     assert recall.codes["eogp-rot"] == sum(c.code == "eogp-rot" for c in fit.projection.choices.values())
+    printed = format_choices(fit.projection, 1.0, recall)  # the fit's own summary
+    assert f"default factor {recall.factor}" in printed and printed.count("recall of the tier's top-1") == 8
 
 
 def test_the_manifest_records_the_measurement_and_info_prints_it(fitted):
