@@ -52,9 +52,10 @@ __all__ = ["Question", "Route", "ROUTES", "UNMEASURED_RESCORE", "check_question"
 Route = Literal["auto", "hot", "stream", "sharded", "candidates"]
 ROUTES = ("auto", "hot", "stream", "sharded", "candidates")
 #: The rescoring factor of a question without one on an index whose fit measured none (its
-#: manifest has no ``projection.fidelity.recall``: fitted without held-out documents, or before
-#: the measurement existed): the one-bit top 5 x k held nearly all of the higher-precision top
-#: rows on the cases docs/variants.md shows.
+#: manifest has no ``projection.fidelity.recall``: too few held-out documents, or an index
+#: written without the record): a middle factor of the measured ones (``fit.recall.FACTORS``),
+#: rescoring few rows (``5 · k`` tier reads per side) while keeping most of the tier's top rows
+#: on the measured cases (docs/variants.md).
 UNMEASURED_RESCORE = 5
 
 
