@@ -1304,6 +1304,12 @@ def _print_info(data: dict) -> None:
             click.echo(
                 f"            {name:<28} {stored:<8} {cells}  ({c['held_out']} held out; measured best: {c['code']})"
             )
+            if c.get("recall"):
+                click.echo(f"            {'':<28} {_recall_cell(c['recall'])}")
+        if fidelity.get("recall"):
+            from eogp_index.fit.recall import format_recall
+
+            click.echo(f"rescoring   {format_recall(fidelity['recall'])}")
     tier = data.get("tier")
     if tier is None:
         click.echo(f"bytes/row   {data['bytes_per_example']}  (no rescoring tier)")
@@ -1343,6 +1349,16 @@ def _print_groups(results: list, head: int = 20, tail: int = 5) -> None:
                 f"{g['max']:>+11.4e} {g['top_positive']:>5} {g['top_negative']:>5} "
                 f"{g['share_positive']:>7.1%} {g['share_negative']:>7.1%}"
             )
+
+
+def _recall_cell(entry: dict) -> str:
+    """A module's recall of its tier's top rows by each 1-bit code (the mean over the factors)."""
+    means = []
+    for code in ("eogp", "eogp-rot"):
+        values = [v for v in entry[code]["recall"] if v is not None]
+        means.append(f"{code} {sum(values) / len(values):.3f}" if values else f"{code} n/a")
+    t = entry["eogp"]["t"]
+    return f"recall of the tier's top-{t} (mean over F): " + ", ".join(means)
 
 
 def _fidelity_cell(entry: Optional[dict], ndcg_at: int) -> str:

@@ -10,6 +10,11 @@ exists is complete: the renamed file is its own completion marker)::
                                   (B, m_u) float16 tensor per module, named by the module
     fit/pca/module-0003.json      module 3's held-out measurement of the two 1-bit codes (with a
                                   held-out split), written before its P
+    fit/pca/module-0003.scores.safetensors
+                                  with a rescoring tier: module 3's tier scores and stored code's
+                                  one-bit scores of the held-out documents, (h, h - 1) float64
+                                  each, summed over modules for the index's recall; written
+                                  before the measurement record
     fit/pca/module-0003.npy       module 3's fitted P, (m_u, k_u), at the projection's P dtype
 
 A rerun that finds ``fitting_set.json`` checks that its settings and examples are the same
@@ -213,6 +218,23 @@ class FitFolder:
     def read_choice(self, index: int) -> Optional[Dict[str, Any]]:
         path = self.choice_path(index)
         return json.loads(path.read_text()) if path.exists() else None
+
+    def scores_path(self, index: int) -> Path:
+        return self.dir / "pca" / f"module-{index:04d}.scores.safetensors"
+
+    def write_scores(self, index: int, scores: Dict[str, torch.Tensor]) -> None:
+        """A module's held-out scores for the index's recall (``{"tier", "one_bit"}``, ``(h, h - 1)``
+        float64), written before its measurement record."""
+        from safetensors.torch import save_file
+
+        tensors = {name: value.detach().cpu().to(torch.float64).contiguous() for name, value in scores.items()}
+        atomic_write(self.scores_path(index), lambda tmp: save_file(tensors, str(tmp)))
+
+    def read_scores(self, index: int) -> Optional[Dict[str, torch.Tensor]]:
+        from safetensors.torch import load_file
+
+        path = self.scores_path(index)
+        return load_file(str(path)) if path.exists() else None
 
     def read_module_pca(self, index: int) -> torch.Tensor:
         """A fitted P, memory-mapped (copy-on-write): its pages are read as the projection file is

@@ -13,22 +13,28 @@ document is a pseudo-query (projected in full precision, as a query is) ranking 
 documents by each code's 1-bit scores, and that ranking is compared with the one ``G`` gives. The
 code whose ranking agrees better wins, a tie within one standard error keeping EOGP. The same
 comparison for the FP16 coordinates at the same ``k`` says how much the signs cost.
+
+With a rescoring tier the one-bit code's job is another: to find the rows the tier ranks first,
+which the query then orders by the tier's scores. :func:`measure_module` then also measures each
+code's recall of the module's own tier scores (:mod:`eogp_index.fit.recall`), and that recall
+decides the module's code under variant auto (a tie within one standard error keeping EOGP); the
+fit sums the stored codes' scores over modules for the index's recall curve and default factor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
 from time import perf_counter as time_counter
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from eogp_index.fit.projection import HadamardRotation, _top_eigen, fit_pca
+from eogp_index.fit.recall import CODES, IndexRecall, ModuleRecall, compare_recall, mean_se, tier_documents
 
-#: The candidate codes, EOGP first: a tie keeps it (the paper's method).
-CODES = ("eogp", "eogp-rot")
 #: Fewer held-out documents than this are too few to rank against each other: nothing is
 #: measured and variant auto keeps EOGP.
 MIN_HELD_OUT = 8
@@ -110,13 +116,6 @@ def ranking_fidelity(
     return ranking_agreement(scores, _off_diagonal(target.to(torch.float64)), ndcg_at)
 
 
-def _mean_se(values: torch.Tensor) -> tuple[float, float]:
-    finite = values[torch.isfinite(values)]
-    if finite.numel() < 2:
-        return float("nan"), float("nan")
-    return float(finite.mean()), float(finite.std() / math.sqrt(finite.numel()))
-
-
 @dataclass(frozen=True)
 class CodeChoice:
     """Which 1-bit code a module stores, and the held-out measurement behind it.
@@ -128,8 +127,10 @@ class CodeChoice:
             ``{"ndcg@20", "ndcg@20_se", "spearman", "spearman_se"}``: query means and their
             standard errors, each against the first-stage inner products.
         diff, diff_se: EOGP-rot minus EOGP in the mean of the two metrics, paired per pseudo-query,
-            and its standard error. EOGP-rot is chosen when ``diff > diff_se``.
+            and its standard error. Without a tier, EOGP-rot is chosen when ``diff > diff_se``.
         seconds: the measurement's time (its PCA fit included).
+        recall: with a rescoring tier, each code's recall of the module's tier scores; it
+            decides ``code`` (:attr:`ModuleRecall.code`). None without a tier.
     """
 
     code: str
@@ -138,6 +139,7 @@ class CodeChoice:
     diff: float
     diff_se: float
     seconds: float
+    recall: Optional[ModuleRecall] = None
 
     def to_json(self) -> Dict[str, object]:
         """JSON-able, an undefined value (nan) as None."""
@@ -146,7 +148,7 @@ class CodeChoice:
             return x if math.isfinite(x) else None
 
         fidelity = {code: {metric: plain(v) for metric, v in values.items()} for code, values in self.fidelity.items()}
-        return {
+        record = {
             "code": self.code,
             "held_out": self.held_out,
             **fidelity,
@@ -154,6 +156,9 @@ class CodeChoice:
             "diff_se": plain(self.diff_se),
             "seconds": self.seconds,
         }
+        if self.recall is not None:
+            record["recall"] = self.recall.to_json()
+        return record
 
     @classmethod
     def from_json(cls, data: Dict[str, object]) -> "CodeChoice":
@@ -169,6 +174,7 @@ class CodeChoice:
             diff=number(data["diff"]),
             diff_se=number(data["diff_se"]),
             seconds=float(data.get("seconds", 0.0)),
+            recall=ModuleRecall.from_json(data["recall"]) if data.get("recall") else None,
         )
 
 
@@ -227,9 +233,9 @@ def compare_codes(
     for code, values in {**per_code, FP16: fp16}.items():
         fidelity[code] = {}
         for metric, per_query in values.items():
-            fidelity[code][metric], fidelity[code][f"{metric}_se"] = _mean_se(per_query)
+            fidelity[code][metric], fidelity[code][f"{metric}_se"] = mean_se(per_query)
     combined = {code: torch.stack(list(values.values())).mean(dim=0) for code, values in per_code.items()}
-    diff, diff_se = _mean_se(combined["eogp-rot"] - combined["eogp"])
+    diff, diff_se = mean_se(combined["eogp-rot"] - combined["eogp"])
     code = "eogp-rot" if diff > diff_se else "eogp"  # nan (constant rankings) keeps EOGP
     return CodeChoice(code, int(y.shape[0]), fidelity, diff, diff_se, seconds + time_counter() - start)
 
@@ -252,30 +258,94 @@ def choose_code(
     *,
     gram: Optional[torch.Tensor] = None,
 ) -> CodeChoice:
+    """Measure both codes of one module on its held-out documents and pick one (no tier:
+    :func:`measure_module` without its scores)."""
+    return measure_module(z, k, rotation, held_out, ndcg_at, gram=gram)[0]
+
+
+def measure_module(
+    z: torch.Tensor,
+    k: int,
+    rotation: HadamardRotation,
+    held_out: torch.Tensor,
+    ndcg_at: int = FIDELITY_NDCG_AT,
+    *,
+    gram: Optional[torch.Tensor] = None,
+    tier: Optional[str] = None,
+    tier_k: Optional[int] = None,
+) -> Tuple[CodeChoice, Optional[Dict[str, torch.Tensor]]]:
     """Measure both codes of one module on its held-out documents and pick one.
 
     Args:
         z: ``(n, m)`` first-stage coordinates of the module's whole PCA fitting set (any float dtype).
-        rotation: the module's rotation (what ``eogp-rot`` folds into ``P``).
+        rotation: the module's rotation of ``R^k`` (what ``eogp-rot`` folds into ``P``).
         held_out: ``(h,)`` rows of ``z`` held out (:func:`held_out_rows`); ``P`` is fitted on the others.
         gram: ``z``'s Gram matrix, when the caller has it (see :func:`held_out_coordinates`); the
             target is then its held-out block.
+        tier: the rescoring tier's code (``int8``, ``int4``, ``fp16``) or None: without one the
+            code is chosen by fidelity to the first-stage inner products, with one by recall
+            of the tier's top rows (:func:`tier_scores`).
+        tier_k: the tier's coordinates (default ``k``; at least ``k``: the one-bit code keeps
+            their first ``k``).
+
+    Returns:
+        The choice, and with a tier the scores behind its recall (:func:`tier_scores`), else None.
     """
     if held_out.numel() < MIN_HELD_OUT:
-        return CodeChoice("eogp", 0, {}, float("nan"), float("nan"), 0.0)
+        return CodeChoice("eogp", 0, {}, float("nan"), float("nan"), 0.0), None
     start = time_counter()
-    y = held_out_coordinates(z, k, held_out, gram)  # (h, k), as ingest would project them
+    width = k if tier is None else max(k, int(tier_k or k))
+    wide = held_out_coordinates(z, width, held_out, gram)  # (h, width), as ingest would project them
     target = held_out_target(z, held_out, gram)  # (h, h): what the index's scores approximate
-    return compare_codes(y, target, rotation, ndcg_at, seconds=time_counter() - start)
+    choice = compare_codes(wide[:, :k], target, rotation, ndcg_at, seconds=time_counter() - start)
+    if tier is None:
+        return choice, None
+    start = time_counter()
+    scores = tier_scores(wide, k, rotation, tier)
+    recall = compare_recall(scores["tier"], {code: scores[code] for code in CODES})
+    seconds = choice.seconds + time_counter() - start
+    return dataclasses.replace(choice, code=recall.code, recall=recall, seconds=seconds), scores
 
 
-def fidelity_record(choices: Dict[str, CodeChoice]) -> Optional[Dict[str, object]]:
+def tier_scores(y: torch.Tensor, k: int, rotation: HadamardRotation, tier: str) -> Dict[str, torch.Tensor]:
+    """Each held-out document's scores of the others, by the tier and by each one-bit code.
+
+    Each pseudo-query uses its unquantized coordinates (as a query does): the tier scores
+    ``⟨y_q, tier_i⟩`` over all the tier's coordinates; ``eogp`` scores ``s_i ⟨y_q, b_i⟩`` over
+    the first ``k`` (:func:`one_bit_documents`), ``eogp-rot`` the same of their rotation. Every
+    code is measured against one tier, that of the unrotated coordinates: inner products do not
+    change under the rotation, and one target keeps the comparison paired.
+
+    Args:
+        y: ``(h, k_tier)`` the held-out documents' coordinates, ``k_tier >= k``.
+
+    Returns:
+        ``{"tier", "eogp", "eogp-rot"}``: ``(h, h - 1)`` float64, without each document's own column.
+    """
+    y = y.to(torch.float64)
+    first = y[:, :k]
+    rotated = rotation.apply(first)
+    return {
+        "tier": _off_diagonal(y @ tier_documents(y, tier).T),
+        "eogp": _off_diagonal(first @ one_bit_documents(first).T),
+        "eogp-rot": _off_diagonal(rotated @ one_bit_documents(rotated).T),
+    }
+
+
+def fidelity_record(
+    choices: Dict[str, CodeChoice], recall: Optional[IndexRecall] = None
+) -> Optional[Dict[str, object]]:
     """What the manifest records of the held-out measurement (``projection.fidelity``), or None
-    when nothing was measured: ``{"ndcg_at", "seconds", "modules": {name: CodeChoice.to_json()}}``."""
+    when nothing was measured: ``{"ndcg_at", "seconds", "modules": {name: CodeChoice.to_json()}}``,
+    and with a rescoring tier ``"recall"``: the index's recall curve and default factor
+    (:meth:`IndexRecall.to_json`)."""
     if not choices:
         return None
-    return {
+    record: Dict[str, object] = {
         "ndcg_at": FIDELITY_NDCG_AT,
         "seconds": sum(c.seconds for c in choices.values()),
         "modules": {name: choice.to_json() for name, choice in choices.items()},
     }
+    if recall is not None:
+        record["recall"] = recall.to_json()
+    return record

@@ -51,7 +51,7 @@ from eogp_index.config import EIGENVECTOR_DTYPES, CurvatureConfig, GradientConfi
 from eogp_index.data.records import Example
 from eogp_index.errors import InputError
 from eogp_index.fit.cache import FitFolder
-from eogp_index.fit.code_choice import CODES, FP16, CodeChoice, choose_code, held_out_rows
+from eogp_index.fit.code_choice import CODES, FP16, CodeChoice, held_out_rows, measure_module
 from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
 from eogp_index.fit.projection import (
     PCA_TORCH_DTYPES,
@@ -61,6 +61,7 @@ from eogp_index.fit.projection import (
     module_rotation,
     second_stage_directions,
 )
+from eogp_index.fit.recall import IndexRecall, format_recall, index_recall
 from eogp_index.fit.sampling import split_fit_sets
 from eogp_index.gradients.capture import GradientCapture, batches, check_counted
 from eogp_index.gradients.coverage import report_coverage
@@ -91,6 +92,8 @@ class FittedProjection:
         pca_examples: examples in the PCA fitting set (0 without a PCA stage).
         disjoint: whether the curvature and PCA sets share no example.
         folder: the fit's stages on disk; :meth:`FitFolder.finish` once the index is written.
+        recall: with a rescoring tier and held-out documents, the index's recall of the tier's
+            top rows by its one-bit codes, and the default rescoring factor it gives.
     """
 
     projection: Projection
@@ -100,6 +103,7 @@ class FittedProjection:
     pca_examples: int
     disjoint: bool = True
     folder: Optional[FitFolder] = None
+    recall: Optional[IndexRecall] = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,7 @@ def fit_projection(
         "curvature": curvature.__dict__,
         "projection": projection.__dict__,
         "precision": storage.precision,
+        "rescore": storage.tier,  # the recall measured, and so auto's choice, is against this tier
         "max_tokens": gradients.max_tokens,
         "gradient_batch_size": gradients.batch_size,
     }
@@ -214,9 +219,12 @@ def fit_projection(
     )
     del factors  # build_projection copied the columns it keeps
     gc.collect()  # kronfluence's fit leaves reference cycles that hold tensors until the collector runs
+    recall = None
     if use_pca:
         pass_args = (model, fitted, names, sets.pca, folder, gradients, pad_id, device, ranks, progress)
-        _fit_second_stage(pass_args, num_batches=num_batches, held_out=held_out, start=start)
+        recall = _fit_second_stage(
+            pass_args, num_batches=num_batches, held_out=held_out, start=start, tier=storage.tier
+        )
     return FittedProjection(
         projection=fitted,
         weights_sha256=weights_sha256,
@@ -225,14 +233,18 @@ def fit_projection(
         pca_examples=len(sets.pca),
         disjoint=sets.disjoint,
         folder=folder,
+        recall=recall,
     )
 
 
-def _fit_second_stage(pass_args: tuple, *, num_batches: int, held_out: torch.Tensor, start: float) -> None:
+def _fit_second_stage(
+    pass_args: tuple, *, num_batches: int, held_out: torch.Tensor, start: float, tier: Optional[str] = None
+) -> Optional[IndexRecall]:
     """The PCA stage: the first-stage coordinates of the PCA set (``pass_args`` are
     :func:`_first_stage_pass`'s), each module's P from them, and, with held-out rows, the
-    measurement of its 1-bit codes (variant ``auto`` keeps EOGP everywhere without them). Each P
-    is left on disk, read when the projection file is written."""
+    measurement of its 1-bit codes (variant ``auto`` keeps EOGP everywhere without them) and,
+    with a rescoring tier ``tier``, the index's recall of it (returned). Each P is left on disk,
+    read when the projection file is written."""
     _, fitted, _, examples, folder, _, _, _, ranks, progress = pass_args
     if fitted.config.variant == "auto" and not held_out.numel():
         if ranks.rank == 0:
@@ -248,15 +260,25 @@ def _fit_second_stage(pass_args: tuple, *, num_batches: int, held_out: torch.Ten
     _first_stage_pass(*pass_args)
     gc.collect()  # the pass's graphs and hooks, in reference cycles, before the PCA needs the memory
     ranks.barrier()
-    _fit_modules(fitted, folder, num_batches, held_out, ranks, progress)
+    _fit_modules(fitted, folder, num_batches, held_out, ranks, progress, tier)
     ranks.barrier()
     _read_choices(fitted, folder)
+    recall = _index_recall(fitted, folder, tier) if held_out.numel() else None
     if ranks.rank == 0 and fitted.choices:
-        log.info("%s", format_choices(fitted, time.perf_counter() - start))
+        log.info("%s", format_choices(fitted, time.perf_counter() - start, recall))
+        if recall is not None and not recall.reached:
+            log.warning(
+                "no rescoring factor measured reaches recall %s of the %s tier's top rows; queries default to "
+                "the largest measured, %s (give --rescore to choose another)",
+                recall.target,
+                recall.tier,
+                recall.factor,
+            )
     for i, module in enumerate(fitted.modules.values()):
         # Read when the projection file is written, one module at a time, and dropped after:
         # never every module's P in memory at once.
         module.pca_loader = functools.partial(folder.read_module_pca, i)
+    return recall
 
 
 def _probe_capture(
@@ -404,14 +426,22 @@ def _first_stage_pass(
 
 
 def _fit_modules(
-    fitted: Projection, folder: FitFolder, num_batches: int, held_out: torch.Tensor, ranks: Ranks, progress: bool
+    fitted: Projection,
+    folder: FitFolder,
+    num_batches: int,
+    held_out: torch.Tensor,
+    ranks: Ranks,
+    progress: bool,
+    tier: Optional[str] = None,
 ) -> None:
     """Each module's P from its cached coordinates, one module in memory at a time, round-robin over ranks.
 
     With held-out rows, each module's two 1-bit codes are measured on them first
     (:func:`~eogp_index.fit.code_choice.choose_code`; written to ``fit/pca/module-NNNN.json``
     before the module's P, so a resumed fit reads it back); variant ``auto`` keeps the rotation
-    of the modules where EOGP-rot wins. The stored P is then fitted on the whole set.
+    of the modules where EOGP-rot wins. With a tier, the module's tier scores and its stored
+    code's one-bit scores of the held-out documents are written first, for the index's recall.
+    The stored P is then fitted on the whole set.
     """
     from tqdm.auto import tqdm
 
@@ -436,9 +466,12 @@ def _fit_modules(
         gram = gram_matrix(z) if z.shape[0] < z.shape[1] else None  # (n, n), shared by both fits
         if held_out.numel():
             rotation = module.rotation or module_rotation(fitted.config.seed, name, module.k)
-            choice = choose_code(z, module.k, rotation, held_out, gram=gram)
-            folder.write_choice(i, choice.to_json())
+            choice, scores = measure_module(z, module.k, rotation, held_out, gram=gram, tier=tier, tier_k=module.k)
             _apply_choice(fitted, name, choice)
+            if scores is not None:
+                stored = "eogp-rot" if module.rotation is not None else "eogp"
+                folder.write_scores(i, {"tier": scores["tier"], "one_bit": scores[stored]})
+            folder.write_choice(i, choice.to_json())
         folder.write_module(i, second_stage_directions(z, module, gram=gram).to(dtype))  # rotated where chosen
         del z, gram
 
@@ -458,10 +491,30 @@ def _read_choices(fitted: Projection, folder: FitFolder) -> None:
             _apply_choice(fitted, name, CodeChoice.from_json(record))
 
 
-def format_choices(fitted: Projection, total_seconds: float) -> str:
+def _index_recall(fitted: Projection, folder: FitFolder, tier: Optional[str]) -> Optional[IndexRecall]:
+    """The index's recall curve: every module's tier scores and stored code's one-bit scores of the
+    held-out documents (``fit/pca/``), each summed over modules as the index sums them. None
+    without a tier, or when a module has none (nothing measured)."""
+    if tier is None:
+        return None
+    total_tier = total_one_bit = None
+    for i in range(len(fitted.modules)):
+        scores = folder.read_scores(i)
+        if scores is None:
+            return None
+        total_tier = scores["tier"] if total_tier is None else total_tier + scores["tier"]
+        total_one_bit = scores["one_bit"] if total_one_bit is None else total_one_bit + scores["one_bit"]
+    rotated = sum(module.rotation is not None for module in fitted.modules.values())
+    codes = {"eogp": len(fitted.modules) - rotated, "eogp-rot": rotated}
+    return index_recall(tier, total_tier, total_one_bit, codes)
+
+
+def format_choices(fitted: Projection, total_seconds: float, recall: Optional[IndexRecall] = None) -> str:
     """The fit's printout of the held-out measurement: per module, each code's NDCG@20 and
     Spearman against the first-stage inner products (± standard error), the FP16 coordinates' at
-    the same ``k`` beside them, the paired difference and the code stored."""
+    the same ``k`` beside them, the paired difference and the code stored; with a rescoring tier,
+    each code's recall of the module's tier scores (mean over the factors) and the index's
+    recall curve and default factor (``recall``)."""
     choices = fitted.choices
     held = max(c.held_out for c in choices.values())
     lines = [
@@ -481,9 +534,24 @@ def format_choices(fitted: Projection, total_seconds: float) -> str:
         stored = c.code if fitted.config.variant == "auto" else f"{fitted.config.variant} (forced)"
         diff = f"{c.diff:+.3f}±{c.diff_se:.3f}" if math.isfinite(c.diff) else "n/a"
         lines.append(f"  {name:<28} {cells[0]:>26} {cells[1]:>30} {diff:>16}  {stored:<18} {cells[2]}")
+        if c.recall is not None:
+            lines.append(f"  {'':<28} {_recall_cells(c.recall)}")
+    if recall is not None:
+        lines.append("  " + format_recall(recall.to_json()))
     extra = sum(c.seconds for c in choices.values())
     lines.append(
         f"  measurement time {extra:.2f} s of the fit's {total_seconds:.2f} s "
         f"({100 * extra / max(total_seconds, 1e-9):.1f}%)"
     )
     return "\n".join(lines)
+
+
+def _recall_cells(recall) -> str:
+    """A module's recall of its tier's top rows, per code, as the mean over the factors."""
+    cells = []
+    for code, curve in recall.curves.items():
+        mean = sum(curve.recall) / len(curve.recall) if curve.recall else float("nan")
+        cells.append(f"{code} {mean:.3f}")
+    diff = f"{recall.diff:+.3f}±{recall.diff_se:.3f}" if math.isfinite(recall.diff) else "n/a"
+    t = next(iter(recall.curves.values())).t
+    return f"recall of the tier's top-{t} (mean over F): {', '.join(cells)}; rot - eogp {diff}; code {recall.code}"

@@ -30,7 +30,7 @@ from eogp_index.config import Aggregate, Normalize
 from eogp_index.errors import ConfigError
 from eogp_index.search.explain import module_dicts, module_terms
 from eogp_index.search.normalize import normalized_codes
-from eogp_index.search.question import ROUTES, Question, Route, check_question
+from eogp_index.search.question import ROUTES, UNMEASURED_RESCORE, Question, Route, check_question
 from eogp_index.search.ranking import Direction, Hits, of_their_sign, ranked_tables, sides_of
 from eogp_index.search.rescore import rescored, rescored_count, tier_coordinates
 from eogp_index.search.rollup import empty_roll_up, group_codes, roll_up
@@ -48,7 +48,7 @@ from eogp_index.store.stored_index import StoredIndex
 #: (``{"text": ...}``, ``{"messages": ...}``, ``{"input_ids": ..., "labels": ...}``).
 Query = Union[str, Sequence[Dict[str, str]], Sequence[int], Dict[str, Any]]
 
-__all__ = ["InfluenceQuery", "Query", "Question", "Route", "ROUTES", "aggregate_coordinates"]
+__all__ = ["InfluenceQuery", "Query", "Question", "Route", "ROUTES", "aggregate_coordinates", "rescore_factor"]
 
 
 def aggregate_coordinates(y: np.ndarray, how: Aggregate) -> np.ndarray:
@@ -61,6 +61,19 @@ def aggregate_coordinates(y: np.ndarray, how: Aggregate) -> np.ndarray:
         raise ConfigError("aggregate needs at least one query")
     total = np.asarray(y, np.float64).sum(axis=0, keepdims=True)
     return (total / y.shape[0] if how == "mean" else total).astype(np.float32)
+
+
+def rescore_factor(question: Question, stored: StoredIndex) -> int:
+    """The rescoring factor ``question`` asks of ``stored``: its own ``rescore``, or, when it gives
+    none, the factor the index's fit measured (``Manifest.rescore_factor``), else
+    :data:`~eogp_index.search.question.UNMEASURED_RESCORE`; 0 (no rescoring) when the index has
+    no tier. Every surface's question is resolved here."""
+    if stored.tier is None:
+        return 0
+    if question.rescore is not None:
+        return int(question.rescore)
+    measured = stored.manifest.rescore_factor
+    return UNMEASURED_RESCORE if measured is None else int(measured)
 
 
 #: Group codes kept per hot copy (that is, per table version; 4 bytes a row each): a page
@@ -146,7 +159,7 @@ class InfluenceQuery:
 
     def rescore(self, factor: Optional[int]) -> "InfluenceQuery":
         """On an index with a rescoring tier: rescore the one-bit top ``factor · k`` rows per side
-        from the tier (0 or None: the one-bit ranking)."""
+        from the tier (0: the one-bit ranking; None: the factor the index's fit measured)."""
         return self._with(rescore=factor)
 
     def by_module(self, enabled: bool = True) -> "InfluenceQuery":
@@ -220,19 +233,19 @@ class InfluenceQuery:
         return ranked_tables(self._index.stored, found, with_direction=opts.direction == "both", modules=modules)
 
     @property
-    def _rescoring(self) -> bool:
-        """Whether the top hits are rescored from the index's tier: it has one and the question's
-        ``rescore`` factor is on."""
-        return self._index.stored.tier is not None and bool(self.question.rescore)
+    def _rescore(self) -> int:
+        """The rescoring factor of this question on this index (:func:`rescore_factor`; 0: none)."""
+        return rescore_factor(self.question, self._index.stored)
 
     def _top(self, y: np.ndarray, sides) -> List[Dict[str, Hits]]:
         """Each query's hits per side, of their sign: the route's exact one-bit top ``k`` (every
-        route comes here), or, rescoring, its top ``rescore · k`` rescored from the tier and cut
-        to ``k`` (:mod:`eogp_index.search.rescore`)."""
+        route comes here), or, rescoring, its top ``F · k`` (``F``: :func:`rescore_factor`)
+        rescored from the tier and cut to ``k`` (:mod:`eogp_index.search.rescore`)."""
         opts = self.question
-        if not self._rescoring:
+        factor = self._rescore
+        if not factor:
             return of_their_sign(self.searcher().top_k(y, opts.k, sides, opts.where))
-        count = rescored_count(opts.rescore, opts.k, opts.candidates)
+        count = rescored_count(factor, opts.k, opts.candidates)
         found = self.searcher().top_k(y, count, sides, opts.where)
         return rescored(self._index.stored, found, y, opts.k, opts.normalize)
 

@@ -22,8 +22,8 @@ Either error's ``field`` names the question field at fault (``"where"``, ``"k"``
 ``"queries[2]"``), which the server maps to its request field.
 
 The defaults, the same on every surface: ``k=10`` rows per side, ``direction="both"``,
-``normalize="none"``, no filter, no aggregate, no roll-up, route ``auto``, ``rescore=5`` (used
-only by an index with a rescoring tier).
+``normalize="none"``, no filter, no aggregate, no roll-up, route ``auto``, ``rescore=None`` (on
+an index with a rescoring tier: the factor its fit measured, :func:`~eogp_index.search.query.rescore_factor`).
 
 Example:
     >>> question = Question(queries=("The Eiffel Tower is in Paris.",), k=5, where="source = 'news'")  # doctest: +SKIP
@@ -47,10 +47,16 @@ from eogp_index.errors import ConfigError, InputError
 Direction = Literal["positive", "negative", "both"]
 DIRECTIONS = ("positive", "negative", "both")
 
-__all__ = ["Question", "Route", "ROUTES", "check_question", "question_field"]
+__all__ = ["Question", "Route", "ROUTES", "UNMEASURED_RESCORE", "check_question", "question_field"]
 
 Route = Literal["auto", "hot", "stream", "sharded", "candidates"]
 ROUTES = ("auto", "hot", "stream", "sharded", "candidates")
+#: The rescoring factor of a question without one on an index whose fit measured none (its
+#: manifest has no ``projection.fidelity.recall``: too few held-out documents, or an index
+#: written without the record): a middle factor of the measured ones (``fit.recall.FACTORS``),
+#: rescoring few rows (``5 · k`` tier reads per side) while keeping most of the tier's top rows
+#: on the measured cases (docs/variants.md).
+UNMEASURED_RESCORE = 5
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,9 @@ class Question:
         first_pass: which first pass of the index directory (``eogp build-candidates --name``).
         rescore: on an index with a rescoring tier (format 3), the one-bit top ``rescore · k`` rows
             of each side (at most ``candidates``) are scored again from the tier and the best
-            ``k`` kept (:mod:`eogp_index.search.rescore`); 0 or None: the one-bit ranking. An
-            index without a tier ignores it.
+            ``k`` kept (:mod:`eogp_index.search.rescore`); None: the factor the index's fit
+            measured (``eogp info`` shows it; :data:`UNMEASURED_RESCORE` when it records none);
+            0: the one-bit ranking. An index without a tier ignores it.
     """
 
     queries: Tuple[Dict[str, Any], ...] = field(
@@ -135,11 +142,13 @@ class Question:
         default="default", metadata={"help": "Which first pass to use (`eogp build-candidates --name`)."}
     )
     rescore: Optional[int] = field(
-        default=5,
+        default=None,
         metadata={
             "help": "On an index with a rescoring tier: rescore the one-bit top F x k rows per direction from the "
-            "tier and keep the best k (hits show score and score_1bit); 0: the one-bit ranking.",
+            "tier and keep the best k (hits show score and score_1bit); 0: the one-bit ranking. Default: the "
+            f"factor the index's fit measured, which eogp info shows ({UNMEASURED_RESCORE} on an index without one).",
             "min": 0,
+            "show_default": False,
         },
     )
 
@@ -169,7 +178,8 @@ class Question:
             raise ConfigError(f"by_module must be true or false, got {self.by_module!r}", field="by_module")
         if self.rescore is not None and not (self.rescore == 0 or _is_count(self.rescore)):
             raise ConfigError(
-                f"rescore must be a non-negative integer (0 or None: no rescoring), got {self.rescore!r}",
+                f"rescore must be a non-negative integer (0: no rescoring; None: the index's measured "
+                f"factor), got {self.rescore!r}",
                 field="rescore",
             )
         if not isinstance(self.first_pass, str) or not self.first_pass:

@@ -72,6 +72,14 @@ class Manifest:
         return None if self.tier is None else self.tier["code"]
 
     @property
+    def rescore_factor(self) -> Optional[int]:
+        """The default rescoring factor the fit measured (``projection.fidelity.recall.factor``: the
+        smallest whose held-out recall of the tier's top rows reached the target), or None when
+        the index records none (no tier, no held-out documents, or written before the record)."""
+        recall = (self.projection.get("fidelity") or {}).get("recall") or {}
+        return recall.get("factor")
+
+    @property
     def k(self) -> tuple[int, ...]:
         return tuple(m.k for m in self.modules)
 

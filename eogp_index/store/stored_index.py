@@ -202,7 +202,7 @@ class StoredIndex:
             "rotation": projection.rotation_record(),
             "fingerprint": file_fingerprint(path / PROJECTION_FILE),
         }
-        fidelity = fidelity_record(projection.choices)
+        fidelity = fidelity_record(projection.choices, fitted.recall)
         if fidelity is not None:
             projection_entry["fidelity"] = fidelity
         manifest = Manifest(
