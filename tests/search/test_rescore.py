@@ -263,30 +263,33 @@ def test_rescoring_reorders_the_one_bit_top_rows(tiered):
     )
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the torch route needs a CUDA device")
-def test_the_torch_route_gives_the_hot_routes_rescored_answer(tiered_template, tmp_path):
-    shutil.copytree(tiered_template, tmp_path / "index")
-    on_gpu = AttributionIndex.open(
-        tmp_path / "index",
-        model=make_tiny_gpt2(),
-        tokenizer=TinyTokenizer(),
-        gradients=GradientConfig(batch_size=8, device="cuda"),
-    )
-    on_cpu = AttributionIndex.open(
-        tmp_path / "index", model=make_tiny_gpt2(), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
-    )
-    y = on_cpu.query_coordinates([QUERY])
-    question = on_cpu.search(QUERY).limit(3).direction("both").to_query_object()
-    from eogp_index.search.query import InfluenceQuery
+@pytest.mark.parametrize("normalize", ["none", "unit"])
+def test_the_torch_kernels_give_the_hot_routes_rescored_answer(tiered, normalize):
+    """The torch route's searcher (its kernels on the CPU here; on a CUDA device too when there is
+    one), its one-bit top N rescored from the tier: the hot route's answer."""
+    import torch
+
+    from eogp_index.search.rescore import rescored
     from eogp_index.search.searchers import TorchSearcher
 
-    gpu = InfluenceQuery(on_gpu.encoder, question=question)
-    assert isinstance(gpu.searcher(), TorchSearcher)
-    got = _hits(gpu.to_list(coordinates=y)[0])
-    expected = _hits(InfluenceQuery(on_cpu.encoder, question=question).to_list(coordinates=y)[0])
-    assert [(d, i) for d, i, _, _ in got] == [(d, i) for d, i, _, _ in expected]
-    np.testing.assert_allclose([h[2] for h in got], [h[2] for h in expected], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose([h[3] for h in got], [h[3] for h in expected], rtol=1e-4, atol=1e-5)
+    k, sides = 3, ("positive", "negative")
+    factor = 5
+    hot = tiered.search(QUERY).limit(k).direction("both").normalize(normalize).rescore(factor).route("hot")
+    expected = _hits(hot.to_arrow())
+    y = tiered.query_coordinates([QUERY])
+    count = factor * k
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        found = TorchSearcher(tiered.stored, device, normalize=normalize).top_k(y, count, sides)
+        (best,) = rescored(tiered.stored, found, y, k, normalize)
+        got = [(side, i, s, b) for side in sides for i, s, b in _side_rows(tiered, best[side])]
+        assert [(d, i) for d, i, _, _ in got] == [(d, i) for d, i, _, _ in expected], device
+        np.testing.assert_allclose([h[2] for h in got], [h[2] for h in expected], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose([h[3] for h in got], [h[3] for h in expected], rtol=1e-4, atol=1e-5)
+
+
+def _side_rows(index, hits):
+    ids = index.stored.rows(hits.rowaddr, ["id"]).column("id").to_pylist() if hits.rowaddr.size else []
+    return zip(ids, hits.scores.tolist(), hits.scores_1bit.tolist())
 
 
 def test_group_by_counts_the_rescored_hits_as_the_top_rows(tiered):
