@@ -578,3 +578,27 @@ def test_select_with_precision_rescore_downloads_the_tier_selection(client, serv
     one_bit = select_documents(served_index, Question(queries=({"text": QUERY},)), SelectOptions(top="5"))
     assert picked.scores.tolist() != pytest.approx(one_bit.scores.tolist(), rel=1e-4)
     assert "rescore" in _error(client.post("/v1/select", json={**body, "precision": "2bit"}), 422, "precision")
+
+
+def test_batched_requests_of_different_k_get_their_own_rescored_answers(served_index):
+    """A rescored top k is the best k of the one-bit top rescore·k: a request batched with a larger
+    k gets what it gets alone, not a cut of the larger request's rescored list."""
+    from eogp_index.search.question import Question
+    from eogp_index.serve.engine import Engine, QueryJob, cut_to_k
+
+    engine = Engine(served_index, ServeConfig())
+    texts = [f"t{i} t{i + 1} t{i + 2} t{i + 5}" for i in range(1, 60, 4)]
+
+    def job(text, k):
+        return QueryJob(Question(queries=({"text": text},), k=k, direction="both", rescore=1), "text")
+
+    together = engine.run_queries([job(text, k) for text in texts for k in (1, 8)])
+    alone = [engine.run_queries([job(text, 1)])[0] for text in texts]
+    cut = [cut_to_k(engine.run_queries([job(text, 8)])[0].results, 1) for text in texts]
+    for j, text in enumerate(texts):  # (the batch's one gradient pass rounds each query's y a little apart)
+        got, want = together[2 * j].results.to_pylist(), alone[j].results.to_pylist()
+        assert [(r["direction"], r["id"]) for r in got] == [(r["direction"], r["id"]) for r in want], text
+        assert [r["score"] for r in got] == pytest.approx([r["score"] for r in want], rel=1e-4)
+        assert together[2 * j + 1].results.num_rows > alone[j].results.num_rows
+    # A cut of the larger rescored list differs somewhere (what sharing one scan would have answered).
+    assert any(c.column("id").to_pylist() != a.results.column("id").to_pylist() for c, a in zip(cut, alone))
