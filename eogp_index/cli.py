@@ -1366,11 +1366,14 @@ def _print_results(results: list) -> None:
         click.echo(f"\nquery: {_query_line(item['query'])}")
         for row in item["results"]:
             # The user's own metadata says what a document is; bookkeeping columns come after.
-            user = [k for k in row if k not in RESERVED_COLUMNS and k not in ("rank", "score", "direction", "modules")]
+            answer = ("rank", "score", "score_1bit", "direction", "modules")
+            user = [k for k in row if k not in RESERVED_COLUMNS and k not in answer]
             shown = user[:4] + [k for k in ("shard", "position") if k in row][: max(0, 2 - len(user[:4]))]
             preview = ", ".join(f"{k}={row[k]}" for k in shown)
             side = f"{row['direction'][:3]} " if "direction" in row else ""
-            click.echo(f"  {side}#{row['rank']:<3} {row['score']:+.4e}  {row['id']}  {preview}")
+            # A rescored hit: the tier's score, as ranked, then the one-bit scan's.
+            one_bit = f" (1-bit {row['score_1bit']:+.4e})" if row.get("score_1bit") is not None else ""
+            click.echo(f"  {side}#{row['rank']:<3} {row['score']:+.4e}{one_bit}  {row['id']}  {preview}")
             if row.get("text"):
                 click.echo(f"        {' '.join(row['text'].split())[:96]}")
             if row.get("modules"):
