@@ -714,7 +714,8 @@ _OUT_FILE = click.Path(dir_okay=False, path_type=Path)
 @_target_options
 @_target_question_options
 @option_group(
-    *(field_option(SelectOptions, name) for name in ("top", "score", "direction", "ids_only")), into="options"
+    *(field_option(SelectOptions, name) for name in ("top", "score", "direction", "ids_only", "precision")),
+    into="options",
 )
 @click.option(
     "--out",
@@ -736,11 +737,14 @@ def select(index_dir, texts, queries_file, model_name, device, projection_memory
     shard's lines are copied byte for byte, "score" added last. --ids-only
     writes id and score only, best first. --normalize unit scores each
     document's code divided by its norm (cosine to the targets, as LESS
-    selects), as `eogp query --normalize unit` does. The table is streamed.
+    selects), as `eogp query --normalize unit` does. --precision rescore
+    scores every row exactly from the index's rescoring tier instead of the
+    one-bit code. The table is streamed.
 
     \b
     Example:
         eogp select my-index --queries target.jsonl --top 10% --out subset.jsonl.gz
+        eogp select my-index --queries target.jsonl --top 1000 --precision rescore --out subset.jsonl
         eogp select my-index --queries target.jsonl --top 1000 --score max --normalize unit --out subset.parquet
     """
     from eogp_index.search.select import output_kind, select_documents, write_selection
@@ -772,6 +776,7 @@ def select(index_dir, texts, queries_file, model_name, device, projection_memory
 @click.argument("index_dir", type=INDEX_DIR)
 @_target_options
 @_target_question_options
+@field_option(SelectOptions, "precision")
 @click.option(
     "--out",
     "out",
@@ -781,16 +786,18 @@ def select(index_dir, texts, queries_file, model_name, device, projection_memory
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_fail_cleanly
-def scores(index_dir, texts, queries_file, model_name, device, projection_memory_gb, question, out, as_json):
+def scores(index_dir, texts, queries_file, model_name, device, projection_memory_gb, question, precision, out, as_json):
     """Export every document's score for every query to Parquet.
 
     One row per (document, query): id, query (the query's 0-based position),
     score and the stored metadata columns, streamed from the table; ready for
-    DuckDB or pandas.
+    DuckDB or pandas. --precision rescore scores every row exactly from the
+    index's rescoring tier instead of the one-bit code.
 
     \b
     Example:
         eogp scores my-index --queries probes.jsonl --out scores.parquet
+        eogp scores my-index --queries probes.jsonl --precision rescore --out exact.parquet
         duckdb -c "SELECT source, avg(score) FROM 'scores.parquet' GROUP BY source"
     """
     from eogp_index.search.select import output_kind, write_scores
@@ -798,7 +805,7 @@ def scores(index_dir, texts, queries_file, model_name, device, projection_memory
     output_kind(out)
     asked = Question(queries=tuple(_target_set(texts, queries_file)), **question)
     index = _open_for_queries(index_dir, model_name, device, projection_memory_gb)
-    written = write_scores(index.encoder, asked, out)
+    written = write_scores(index.encoder, asked, out, precision=precision)
     _emit({"out": str(out), "rows": written}, as_json, lambda s: click.echo(f"wrote {s['rows']} scores to {s['out']}"))
 
 
@@ -1375,11 +1382,14 @@ def _print_results(results: list) -> None:
         click.echo(f"\nquery: {_query_line(item['query'])}")
         for row in item["results"]:
             # The user's own metadata says what a document is; bookkeeping columns come after.
-            user = [k for k in row if k not in RESERVED_COLUMNS and k not in ("rank", "score", "direction", "modules")]
+            answer = ("rank", "score", "score_1bit", "direction", "modules")
+            user = [k for k in row if k not in RESERVED_COLUMNS and k not in answer]
             shown = user[:4] + [k for k in ("shard", "position") if k in row][: max(0, 2 - len(user[:4]))]
             preview = ", ".join(f"{k}={row[k]}" for k in shown)
             side = f"{row['direction'][:3]} " if "direction" in row else ""
-            click.echo(f"  {side}#{row['rank']:<3} {row['score']:+.4e}  {row['id']}  {preview}")
+            # A rescored hit: the tier's score, as ranked, then the one-bit scan's.
+            one_bit = f" (1-bit {row['score_1bit']:+.4e})" if row.get("score_1bit") is not None else ""
+            click.echo(f"  {side}#{row['rank']:<3} {row['score']:+.4e}{one_bit}  {row['id']}  {preview}")
             if row.get("text"):
                 click.echo(f"        {' '.join(row['text'].split())[:96]}")
             if row.get("modules"):

@@ -30,7 +30,9 @@ from eogp_index.config import (
     IngestConfig,
     ModelDtype,
     ProjectionConfig,
+    ScorePrecision,
     StorageConfig,
+    check_score_precision,
 )
 from eogp_index.data.readers import is_dataset_object
 from eogp_index.data.records import Example
@@ -56,7 +58,15 @@ from eogp_index.search.explain import Explanation, explain_documents
 from eogp_index.search.query import InfluenceQuery, Query
 from eogp_index.search.question import Question, check_question
 from eogp_index.search.searchers import HotSearcher, TorchSearcher, warm_kernels
-from eogp_index.search.select import Selection, SelectOptions, select_documents, write_selection
+from eogp_index.search.select import (
+    Selection,
+    SelectOptions,
+    require_tier,
+    scored_batches,
+    select_documents,
+    target_coordinates,
+    write_selection,
+)
 from eogp_index.store.block_cache import BlockCache
 from eogp_index.store.maintenance import (
     DEFAULT_RETENTION,
@@ -457,7 +467,11 @@ class AttributionIndex:
         return InfluenceQuery(self.encoder, question=question).to_arrow()
 
     def scores(
-        self, queries: Union[Sequence[Query], Question], *, where: Optional[str] = None
+        self,
+        queries: Union[Sequence[Query], Question],
+        *,
+        where: Optional[str] = None,
+        precision: ScorePrecision = SelectOptions.precision,
     ) -> tuple[List[str], np.ndarray]:
         """Exact scores of every stored row (matching ``where``): ids and ``(n_queries, n_rows)`` float32.
 
@@ -465,9 +479,15 @@ class AttributionIndex:
         for a preference query ``{"prompt", "chosen", "rejected"}``, raises the margin
         ``log p(chosen | prompt) - log p(rejected | prompt)`` (:meth:`query_coordinates`).
         A :class:`Question` gives the queries, its ``where`` and its ``normalize``.
+        ``precision``: ``1bit`` scores the code the queries scan (from the hot copy);
+        ``rescore`` every row from the rescoring tier, streamed from the table in table order
+        (:attr:`SelectOptions.precision <eogp_index.config.SelectOptions>`).
         """
         question = queries if isinstance(queries, Question) else Question(queries=tuple(queries), where=where)
         check_question(question, self.stored)
+        check_score_precision(precision)
+        if precision == "rescore":
+            return self._tier_scores(question)
         y = self.query_coordinates(list(question.queries))
         normalize = question.normalize
         searcher = (
@@ -478,6 +498,20 @@ class AttributionIndex:
         rowaddr, scores = searcher.scores(y, question.where)
         ids = self.stored.rows(rowaddr, ["id"]).column("id").to_pylist() if rowaddr.size else []
         return ids, scores
+
+    def _tier_scores(self, question: Question) -> tuple[List[str], np.ndarray]:
+        """:meth:`scores` from the rescoring tier: the table streamed batch by batch."""
+        require_tier(self.stored)  # before the queries are measured
+        y = target_coordinates(self.encoder, question.queries, "rescore")
+        ids: List[str] = []
+        parts = [np.zeros((y.shape[0], 0), np.float32)]
+        batches = scored_batches(
+            self.stored, y, where=question.where, columns=["id"], normalize=question.normalize, precision="rescore"
+        )
+        for batch, scores in batches:
+            ids.extend(batch.column("id").to_pylist())
+            parts.append(scores)
+        return ids, np.concatenate(parts, axis=1)
 
     def select(
         self,

@@ -557,6 +557,9 @@ Aggregate = Literal["mean", "sum"]
 AGGREGATES = ("mean", "sum")
 Normalize = Literal["none", "unit"]
 NORMALIZATIONS = ("none", "unit")
+#: Which stored code scores every row of ``eogp scores`` and ``eogp select``.
+ScorePrecision = Literal["1bit", "rescore"]
+SCORE_PRECISIONS = ("1bit", "rescore")
 
 
 _TOP = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%?)\s*$")
@@ -573,6 +576,9 @@ class SelectOptions:
         documents whose training most lowers the targets' loss, ``negative`` the most harmful
         (a selection keeps one side, so ``both`` is not one of them).
     ids_only: write only ``id`` and ``score``, without reading the records back.
+    precision: ``1bit`` scores every row from the code the queries scan (the one-bit code, or
+        the stored coordinates); ``rescore`` scores every row exactly, in float32, from the
+        index's rescoring tier (``eogp fit --rescore``), streamed batch by batch from the table.
     """
 
     top: str = field(default="10%", metadata={"help": "How many documents: a count N or a share P% of the rows."})
@@ -583,6 +589,13 @@ class SelectOptions:
         default="positive", metadata={"help": "Keep the most helpful (positive) or most harmful (negative)."}
     )
     ids_only: bool = field(default=False, metadata={"help": "Write only id and score, not the records."})
+    precision: ScorePrecision = field(
+        default="1bit",
+        metadata={
+            "help": "Score every row from the scanned code (1bit), or exactly from the index's rescoring tier "
+            "(rescore: needs an index fitted with --rescore int8, int4 or fp16)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.top, int) and not isinstance(self.top, bool):
@@ -595,6 +608,7 @@ class SelectOptions:
                 f"direction must be 'positive' or 'negative' (a selection keeps one side), got {self.direction!r}",
                 field="direction",
             )
+        check_score_precision(self.precision)
 
     def parse_top(self) -> Tuple[float, bool]:
         """``(value, is_percent)`` of :attr:`top`."""
@@ -615,6 +629,16 @@ class SelectOptions:
         if not percent:
             return min(int(value), rows)
         return min(rows, max(1 if rows else 0, math.floor(rows * value / 100)))
+
+
+def check_score_precision(precision: str) -> None:
+    """Refuse a scoring precision other than ``1bit`` or ``rescore``."""
+    if precision not in SCORE_PRECISIONS:
+        raise ConfigError(
+            f"precision must be one of {list(SCORE_PRECISIONS)}, got {precision!r} (1bit: the scanned code; "
+            "rescore: the index's rescoring tier)",
+            field="precision",
+        )
 
 
 def check_normalize(normalize: str) -> None:

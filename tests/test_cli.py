@@ -116,6 +116,9 @@ def test_query_rescores_by_default_and_rescore_0_turns_it_off(workspace):
     assert rescored and all(set(r) >= {"score", "score_1bit"} for r in rescored)
     one_bit = json.loads(_run(*query, "--rescore", "0").stdout)[0]["results"]
     assert one_bit and all("score_1bit" not in r for r in one_bit)
+    human = _run(*query[:-1]).output  # each hit shows the rescored score, then the one-bit one
+    assert human.count("(1-bit ") == len(rescored) and "score_1bit" not in human
+    assert "(1-bit " not in _run(*query[:-1], "--rescore", "0").output
 
 
 def test_query_with_filter_and_json(workspace):

@@ -44,8 +44,10 @@ from click.testing import CliRunner
 from oddtext import is_text
 from tinymodels import make_tiny_gpt2, make_word_tokenizer
 
+from eogp_index.config import SelectOptions
 from eogp_index.data.records import RECORD_KINDS, RecordKind
 from eogp_index.errors import EOGPError
+from eogp_index.search.question import question_field
 
 __import__("transformers").logging.set_verbosity_error()
 __import__("transformers").utils.logging.disable_progress_bar()
@@ -68,6 +70,8 @@ OPTIONS: Dict[str, Tuple[Tuple[type, ...], Any]] = {
     "where": ((str, type(None)), None),
     "top": ((int, str), "5"),
     "id": ((str,), "doc-1"),
+    "rescore": ((int, type(None)), question_field("rescore").default),
+    "precision": ((str,), SelectOptions.precision),
 }
 BASE_QUERY = {"text": "t1 t2 t3 t4 t5"}
 
@@ -236,7 +240,7 @@ def option_inputs() -> List[Input]:
     an id that is no document's, or holds a surrogate."""
     inputs = []
     for name, (types, value) in OPTIONS.items():
-        if name in ("direction", "where"):
+        if name in ("direction", "where", "rescore", "precision"):
             continue
         other = int(value) if isinstance(value, str) and value.isdigit() else str(value) if value else 7
         other = 7 if name == "id" else other
@@ -246,6 +250,25 @@ def option_inputs() -> List[Input]:
             refused = not isinstance(edge, types) or edge in ("nosuch", -1) or SURROGATE in str(edge)
             refused = refused or (None if edge != other else False)
             inputs.append(Input(f"{name} = {edge!r}", "query", BASE_QUERY, ((name, edge),), refused, name, kind="text"))
+    return inputs
+
+
+def rescore_inputs() -> List[Input]:
+    """The rescoring factor at its edges (the index has a rescoring tier): none, one, the
+    default, more than the rows (every row rescored) answer; negative, beyond int64 and the
+    other JSON types are refused. The scoring precision of select and scores: both names
+    answer, another name or type is refused."""
+    default = OPTIONS["rescore"][1]
+    values = [(0, False), (1, False), (10**6, False), (-1, True), ("5", True), (1.5, True), (2**63, True), (True, True)]
+    inputs = [
+        Input(f"rescore = {value!r}", "query", BASE_QUERY, (("rescore", value),), refused, "rescore", kind="text")
+        for value, refused in values
+    ]
+    label = f"rescore = {default!r} (the default)"
+    inputs.append(Input(label, "query", BASE_QUERY, (("rescore", default),), False, kind="text"))
+    for value, refused in (("1bit", False), ("rescore", False), ("2bit", True), (1, True), (None, True)):
+        label = f"precision = {value!r}"
+        inputs.append(Input(label, "query", BASE_QUERY, (("precision", value),), refused, "precision", kind="text"))
     return inputs
 
 
@@ -304,7 +327,7 @@ def record_inputs() -> List[Input]:
 
 
 def generated_inputs() -> List[Input]:
-    return query_inputs(random.Random(SEED)) + filter_inputs() + option_inputs() + record_inputs()
+    return query_inputs(random.Random(SEED)) + filter_inputs() + option_inputs() + rescore_inputs() + record_inputs()
 
 
 # -- outcomes ---------------------------------------------------------------------------------------
@@ -556,16 +579,22 @@ def _where(item: Input) -> List[str]:
     return ["--where", where] if where is not None else []
 
 
+def _option(item: Input, name: str) -> List[str]:
+    """``--name value``, or nothing for an option left at None (a flag cannot say None)."""
+    value = item.option(name)
+    return [f"--{name}", value] if value is not None else []
+
+
 class CliQuery(Surface):
     name, family, batched, typed = "eogp query --queries", "search", True, False
-    reads = frozenset({"record", "k", "where", "direction"})
+    reads = frozenset({"record", "k", "where", "direction", "rescore"})
 
     def call(self, items):
         queries = _jsonl(self.env.file("queries.jsonl"), [item.record for item in items])
         first = items[0]
         result = self.env.cli(
             "query", self.env.index_dir, "--queries", queries, "-k", first.option("k"),
-            "--direction", first.option("direction"), *_where(first), "--json",
+            "--direction", first.option("direction"), *_where(first), *_option(first, "rescore"), "--json",
         )  # fmt: skip
         whole = _cli_outcome(result, lambda r: [])
         if whole.broken or not result.stdout.strip():
@@ -582,7 +611,7 @@ class CliQuery(Surface):
 
 class CliSelect(Surface):
     name, family, typed = "eogp select", "select", False
-    reads = frozenset({"record", "top", "where"})
+    reads = frozenset({"record", "top", "where", "precision"})
 
     def call(self, items):
         (item,) = items
@@ -590,14 +619,14 @@ class CliSelect(Surface):
         out.unlink(missing_ok=True)
         result = self.env.cli(
             "select", self.env.index_dir, "--queries", _jsonl(self.env.file("targets.jsonl"), [item.record]),
-            "--top", item.option("top"), *_where(item), "--ids-only", "--out", out,
+            "--top", item.option("top"), *_where(item), *_option(item, "precision"), "--ids-only", "--out", out,
         )  # fmt: skip
         return [_cli_outcome(result, lambda r: [json.loads(line)["id"] for line in out.read_text().splitlines()])]
 
 
 class CliScores(Surface):
     name, family, batched, typed = "eogp scores", "scores", True, False
-    reads = frozenset({"record", "where"})
+    reads = frozenset({"record", "where", "precision"})
 
     def call(self, items):
         import pyarrow.parquet as pq
@@ -605,7 +634,8 @@ class CliScores(Surface):
         out = self.env.file("scores.parquet")
         out.unlink(missing_ok=True)
         queries = _jsonl(self.env.file("probes.jsonl"), [item.record for item in items])
-        result = self.env.cli("scores", self.env.index_dir, "--queries", queries, *_where(items[0]), "--out", out)
+        asked = [*_where(items[0]), *_option(items[0], "precision")]
+        result = self.env.cli("scores", self.env.index_dir, "--queries", queries, *asked, "--out", out)
         whole = _cli_outcome(result, lambda r: [])
         if whole.answer is None:
             return None if len(items) > 1 else [whole]
@@ -681,7 +711,7 @@ def _ingested(path: Path, items: List[Input], rejects: Path) -> List[Outcome]:
 
 class HttpQuery(Surface):
     name, family = "/v1/query", "search"
-    reads = frozenset({"record", "k", "where", "direction"})
+    reads = frozenset({"record", "k", "where", "direction", "rescore"})
 
     def call(self, items):
         (item,) = items
@@ -690,6 +720,7 @@ class HttpQuery(Surface):
             "k": item.option("k"),
             "direction": item.option("direction"),
             "where": item.option("where"),
+            "rescore": item.option("rescore"),
         }
         response = _post(self.env.client, "/v1/query", body)
         return [_http_outcome(self.env, response, lambda r: [row["id"] for row in r.json()["results"]])]
@@ -697,11 +728,12 @@ class HttpQuery(Surface):
 
 class HttpSelect(Surface):
     name, family = "/v1/select", "select"
-    reads = frozenset({"record", "top", "where"})
+    reads = frozenset({"record", "top", "where", "precision"})
 
     def call(self, items):
         (item,) = items
         body = {"queries": [item.record], "top": item.option("top"), "where": item.option("where"), "ids_only": True}
+        body["precision"] = item.option("precision")
         response = _post(self.env.client, "/v1/select", body)
         return [_http_outcome(self.env, response, lambda r: [json.loads(line)["id"] for line in r.text.splitlines()])]
 
@@ -735,13 +767,13 @@ def _post(client, path: str, body: Dict[str, Any]):
 
 class LibrarySearch(Surface):
     name, family = "AttributionIndex.search", "search"
-    reads = frozenset({"record", "k", "where", "direction"})
+    reads = frozenset({"record", "k", "where", "direction", "rescore"})
 
     def call(self, items):
         (item,) = items
 
         def ids():
-            question = self.env.library.search(item.record).where(item.option("where"))
+            question = self.env.library.search(item.record).where(item.option("where")).rescore(item.option("rescore"))
             question = question.limit(item.option("k")).direction(item.option("direction"))
             return question.to_arrow().column("id").to_pylist()
 
@@ -750,16 +782,35 @@ class LibrarySearch(Surface):
 
 class LibraryScores(Surface):
     name, family = "AttributionIndex.scores", "scores"
-    reads = frozenset({"record", "where"})
+    reads = frozenset({"record", "where", "precision"})
 
     def call(self, items):
         (item,) = items
 
         def top():
-            ids, scores = self.env.library.scores([item.record], where=item.option("where"))
+            asked = {"where": item.option("where"), "precision": item.option("precision")}
+            ids, scores = self.env.library.scores([item.record], **asked)
             return _top_ids(ids, scores[0].tolist(), 5)
 
         return [_library_outcome(top)]
+
+
+class LibrarySelect(Surface):
+    name, family = "AttributionIndex.select", "select"
+    reads = frozenset({"record", "top", "where", "precision"})
+
+    def call(self, items):
+        from eogp_index.search.question import Question
+
+        (item,) = items
+
+        def ids():
+            question = Question(queries=(item.record,), where=item.option("where"))
+            options = SelectOptions(top=item.option("top"), precision=item.option("precision"))
+            picked = self.env.library.select(question, options)
+            return self.env.library.stored.rows(picked.rowaddr, ["id"]).column("id").to_pylist()
+
+        return [_library_outcome(ids)]
 
 
 class LibraryExplain(Surface):
@@ -889,11 +940,13 @@ def test_the_generated_inputs_cover_every_kind_field_and_surface():
         Surface.registry
     )
     assert {"/v1/query", "/v1/select", "/v1/explain", "/v1/examples/{id}", "run_ingest"} <= set(Surface.registry)
+    assert "rescore = 2**63" not in labels and f"rescore = {2**63}" in labels and "precision = 'rescore'" in labels
     for item in inputs:  # every input reaches a surface of each family it is meant for
         assert any(surface.takes(item) for surface in Surface.registry.values()), item.label
 
 
 def test_every_surface_answers_or_refuses_cleanly_and_alike(env):
+    assert env.library.stored.tier is not None  # rescore and --precision rescore have a tier to read
     inputs = generated_inputs()
     table = run_everything(env, inputs)
     problems = [problem for i, item in enumerate(inputs) for problem in problems_of(item, table[i])]

@@ -52,7 +52,8 @@ class Explanation:
 
     Attributes:
         score: the score as ranked (from the stored 1-bit code; from the rescoring tier on an
-            index with one, as its queries rank by default). score_projected: the
+            index with one, as its queries rank by default). score_1bit: on an index with a
+            rescoring tier, the one-bit scan's score of the row (None without a tier). score_projected: the
             unquantized projected score ``⟨y, z⟩`` the training tokens sum to.
         train_tokens: the document's tokens, each with ``⟨y, z_t⟩``.
         query_tokens: the query's tokens, each with its share of ``score`` (they sum to it up to the
@@ -69,11 +70,13 @@ class Explanation:
     modules: Dict[str, float]
     text: Optional[str] = None
     metadata: Dict[str, Any] = field(default_factory=dict)
+    score_1bit: Optional[float] = None
 
     def to_json(self) -> Dict[str, Any]:
         data = {
             "id": self.id,
             "score": self.score,
+            **({} if self.score_1bit is None else {"score_1bit": self.score_1bit}),
             "score_projected": self.score_projected,
             "train_tokens": [{"token": t.token, "contribution": t.contribution} for t in self.train_tokens],
             "query_tokens": [{"token": t.token, "contribution": t.contribution} for t in self.query_tokens],
@@ -192,15 +195,18 @@ def explain_documents(index: Encoder, query, ids: Sequence[str]) -> List[Explana
     y = index.project([query_example])  # (1, K)
     where = f"id IN ({', '.join(sql_string(i) for i in ids)})"
     tier = stored.tier  # an index with a rescoring tier ranks by the tier's score: explain that one
-    table = stored.store.read(["id", *(stored.codec.columns if tier is None else tier.columns)], where)
+    columns = [*stored.codec.columns, *(() if tier is None else tier.columns)]
+    table = stored.store.read(["id", *columns], where)
     position = {doc_id: row for row, doc_id in enumerate(table.column("id").to_pylist())}
-    order = np.array([position[i] for i in ids], np.int64)
+    table = table.take(np.array([position[i] for i in ids], np.int64))
+    one_bit = stored.codec.from_arrow(table)
     if tier is None:
-        codes = stored.codec.from_arrow(table).take(order)
+        codes, layout, scores_1bit = one_bit, stored.layout, None
     else:
-        codes = Encoded(coords=tier.decode(tier.from_arrow(table.take(order))))
-    stored_coords = decode(codes, stored.layout)  # (r, K): s_u·b_u, or x (the tier's x̂)
-    terms = module_terms(codes, y[0], stored.layout)  # (r, U)
+        codes, layout = Encoded(coords=tier.decode(tier.from_arrow(table))), tier.layout
+        scores_1bit = module_terms(one_bit, y[0], stored.layout).sum(axis=1)  # as the scan scores it
+    stored_coords = decode(codes, layout)  # (r, K): s_u·b_u, or x (the tier's x̂)
+    terms = module_terms(codes, y[0], layout)  # (r, U)
     train = token_contributions(index, documents, y)  # [(1, T_i)]
     (queried,) = token_contributions(index, [query_example], stored_coords)  # (r, T_q)
     names = stored.manifest.module_names
@@ -219,6 +225,7 @@ def explain_documents(index: Encoder, query, ids: Sequence[str]) -> List[Explana
                 query_tokens=[TokenContribution(t, float(c)) for t, c in zip(query_texts, queried[j])],
                 modules=module_dicts(terms[j : j + 1], names)[0],
                 text=doc.display_text,
+                score_1bit=None if scores_1bit is None else float(scores_1bit[j]),
             )
         )
     return out

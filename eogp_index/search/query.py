@@ -33,7 +33,7 @@ from eogp_index.search.normalize import normalized_codes
 from eogp_index.search.question import ROUTES, UNMEASURED_RESCORE, Question, Route, check_question
 from eogp_index.search.ranking import Direction, Hits, of_their_sign, ranked_tables, sides_of
 from eogp_index.search.rescore import rescored, rescored_count, tier_coordinates
-from eogp_index.search.rollup import empty_roll_up, group_codes, roll_up
+from eogp_index.search.rollup import empty_roll_up, group_codes, roll_up, top_positions
 from eogp_index.search.searchers import (
     CandidateSearcher,
     HotSearcher,
@@ -237,6 +237,10 @@ class InfluenceQuery:
         """The rescoring factor of this question on this index (:func:`rescore_factor`; 0: none)."""
         return rescore_factor(self.question, self._index.stored)
 
+    def _rescored_count(self, candidates: Optional[int]) -> int:
+        """The one-bit rows kept per side for rescoring (:func:`~eogp_index.search.rescore.rescored_count`)."""
+        return rescored_count(self._rescore, self.question.k, candidates)
+
     def _top(self, y: np.ndarray, sides) -> List[Dict[str, Hits]]:
         """Each query's hits per side, of their sign: the route's exact one-bit top ``k`` (every
         route comes here), or, rescoring, its top ``F · k`` (``F``: :func:`rescore_factor`)
@@ -245,8 +249,7 @@ class InfluenceQuery:
         factor = self._rescore
         if not factor:
             return of_their_sign(self.searcher().top_k(y, opts.k, sides, opts.where))
-        count = rescored_count(factor, opts.k, opts.candidates)
-        found = self.searcher().top_k(y, count, sides, opts.where)
+        found = self.searcher().top_k(y, self._rescored_count(opts.candidates), sides, opts.where)
         return rescored(self._index.stored, found, y, opts.k, opts.normalize)
 
     def _module_terms(self, hits, y: np.ndarray):
@@ -294,9 +297,33 @@ class InfluenceQuery:
         if hot.num_rows == 0 or (rows is not None and rows.size == 0):
             type_ = stored.store.schema.field(opts.group_by).type
             return [empty_roll_up(opts.group_by, type_) for _ in range(y.shape[0])]
-        _, scores = searcher.scores(y, opts.where)
+        rowaddr, scores = searcher.scores(y, opts.where)
         codes = _cached_group_codes(hot, opts.group_by, opts.where, rows)
-        return [roll_up(codes, row, opts.k, opts.group_by, descending=opts.direction != "negative") for row in scores]
+        tops = self._rescored_tops(rowaddr, scores, y) if self._rescore else [None] * len(scores)
+        descending = opts.direction != "negative"
+        return [
+            roll_up(codes, row, opts.k, opts.group_by, descending=descending, tops=top)
+            for row, top in zip(scores, tops)
+        ]
+
+    def _rescored_tops(self, rowaddr: np.ndarray, scores: np.ndarray, y: np.ndarray):
+        """Per query, the positions in ``rowaddr`` ``(r,)`` of its rescored positive and negative
+        hits (the ranked answer's), from every row's one-bit scores ``(nq, r)``: their top
+        ``rescore · k`` per side rescored from the tier."""
+        count = self._rescored_count(None)
+        found = []
+        for row in scores:
+            largest, smallest = top_positions(row, count)
+            found.append(
+                {"positive": Hits(rowaddr[largest], row[largest]), "negative": Hits(rowaddr[smallest], row[smallest])}
+            )
+        best = rescored(self._index.stored, found, y, self.question.k, self.question.normalize)
+        order = np.argsort(rowaddr, kind="stable")
+
+        def at(hits: Hits) -> np.ndarray:
+            return order[np.searchsorted(rowaddr[order], hits.rowaddr)]
+
+        return [(at(b["positive"]), at(b["negative"])) for b in best]
 
     def to_arrow(self) -> pa.Table:
         """The answer to a single query (or to aggregated ones): ``[direction,] rank, id, score`` and

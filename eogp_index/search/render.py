@@ -47,7 +47,10 @@ def shade_terminal(tokens: Sequence[TokenContribution], *, color: bool = True) -
 def explanation_terminal(explanation: Explanation, *, color: bool = True, width: int = 40) -> str:
     """A terminal rendering: scores, per-module bars, then the document's and the query's tokens."""
     e = explanation
-    lines = [f"{e.id}: score {e.score:+.4e} (1-bit, as ranked), {e.score_projected:+.4e} unquantized"]
+    ranked = (
+        "1-bit, as ranked" if e.score_1bit is None else f"rescored from the tier, as ranked; 1-bit {e.score_1bit:+.4e}"
+    )
+    lines = [f"{e.id}: score {e.score:+.4e} ({ranked}), {e.score_projected:+.4e} unquantized"]
     peak = max((abs(v) for v in e.modules.values()), default=0.0) or 1.0
     name_width = max((len(n) for n in e.modules), default=0)
     for name, value in e.modules.items():

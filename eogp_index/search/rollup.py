@@ -15,14 +15,16 @@ Arrow's dictionary encoding of it) and summed per group in one pass. Each group 
 ``share_negative``  its part of the total negative influence, ``Σ min(score, 0)`` (0 to 1)
 ==================  ================================================================
 
-The top-k rows are the ranked answer's (best score first, ties by table order). Groups are
+The top-k rows are the ranked answer's (best score first, ties by table order): on an index with
+a rescoring tier, the rescored hits (the one-bit top ``rescore · k`` rescored from the tier, of
+their sign), while the sums stay the one-bit scores of every row. Groups are
 sorted by ``sum``, most positive first (most negative first for ``direction="negative"``),
 ties by their value. A column of window rows' ``parent_id`` rolls windows up to documents.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -123,7 +125,15 @@ def group_codes(values) -> Tuple[pa.Array, np.ndarray]:
     return keys, index
 
 
-def roll_up(values, scores: np.ndarray, k: int, column: str, *, descending: bool = True) -> pa.Table:
+def roll_up(
+    values,
+    scores: np.ndarray,
+    k: int,
+    column: str,
+    *,
+    descending: bool = True,
+    tops: Optional[Tuple[np.ndarray, np.ndarray]] = None,
+) -> pa.Table:
     """The roll-up of one query's scores by a column's values (see the module docstring).
 
     Args:
@@ -132,6 +142,8 @@ def roll_up(values, scores: np.ndarray, k: int, column: str, *, descending: bool
         scores: ``(n,)`` their scores, in the same order. k: rows per side counted as top hits.
         column: the name of the group column in the result.
         descending: sort the groups by ``sum``, largest first (else smallest first).
+        tops: positions ``(≤k,)`` int64 of the ranked answer's positive and negative hits, when
+            they are not the top ``k`` of ``scores`` (rescored hits: the tier's ranking).
 
     Returns:
         ``<column>`` then :data:`ROLLUP_COLUMNS`, one row per group.
@@ -139,7 +151,7 @@ def roll_up(values, scores: np.ndarray, k: int, column: str, *, descending: bool
     scores = np.ascontiguousarray(scores, np.float32)
     keys, index = values if isinstance(values, tuple) else group_codes(values)
     size = len(keys)
-    top_positive, top_negative = top_positions(scores, k)
+    top_positive, top_negative = top_positions(scores, k) if tops is None else tops
     rows, total, positive, negative, best = _kernel("sums", _group_sums)(index, scores, size)
     total_pos, total_neg = float(positive.sum()), float(negative.sum())
     used = np.flatnonzero(rows)  # a dictionary may hold values no matching row has

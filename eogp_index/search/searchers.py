@@ -46,7 +46,13 @@ log = logging.getLogger("eogp_index.search")
 
 
 def exact_scores(
-    encoded: Encoded, y: np.ndarray, layout: SignLayout, *, rows: Optional[np.ndarray] = None, device: str = "cpu"
+    encoded: Encoded,
+    y: np.ndarray,
+    layout: SignLayout,
+    *,
+    rows: Optional[np.ndarray] = None,
+    device: str = "cpu",
+    torch_kernels: Optional[bool] = None,
 ) -> np.ndarray:
     """Exact scores ``(nq, r)`` float32 of the rows ``rows`` (all if None) of a block of codes.
 
@@ -56,10 +62,12 @@ def exact_scores(
         encoded: the block, in scanning dtypes (``codec.from_arrow`` / the hot copy).
         y: ``(nq, K)`` float32 projected queries. rows: ``(r,)`` int64 positions in the block.
         device: ``"cpu"`` (numba kernels, numpy) or a CUDA device (torch).
+        torch_kernels: score with torch on ``device`` (None: on a CUDA device only).
     """
     y = np.asarray(y, np.float32)
+    use_torch = device.startswith("cuda") if torch_kernels is None else torch_kernels
     if encoded.signs is not None:
-        if device.startswith("cuda"):
+        if use_torch:
             from eogp_index.search.scan import scan_scores_torch
 
             block = encoded if rows is None else encoded.take(rows)
@@ -68,7 +76,7 @@ def exact_scores(
 
         return scan_scores(encoded.signs, encoded.scales, y, layout, rows=rows)
     coords = encoded.coords if rows is None else encoded.coords[rows]
-    if device.startswith("cuda"):
+    if use_torch:
         import torch
 
         return (torch.as_tensor(y, device=device) @ torch.as_tensor(coords, device=device).T).cpu().numpy()
@@ -106,6 +114,8 @@ class HotSearcher:
     """
 
     device = "cpu"
+    #: score with torch on ``device`` (every matching row, then ranked) rather than numba's top-k scan
+    torch_kernels = False
 
     def __init__(self, stored: StoredIndex, *, normalize: str = "none"):
         check_normalize(normalize)
@@ -125,7 +135,10 @@ class HotSearcher:
         if rowaddr.size == 0:
             return rowaddr, np.zeros((y.shape[0], 0), np.float32)
         encoded = hot_normalized(hot, self.stored.layout, self.normalize)
-        return rowaddr, exact_scores(encoded, y, self.stored.layout, rows=rows, device=self.device)
+        scores = exact_scores(
+            encoded, y, self.stored.layout, rows=rows, device=self.device, torch_kernels=self.torch_kernels
+        )
+        return rowaddr, scores
 
     def top_k(self, y: np.ndarray, k: int, sides: Sequence[Side], where: Optional[str] = None) -> Found:
         try:
@@ -136,7 +149,7 @@ class HotSearcher:
         rows = self._rows(hot, where)
         if hot.num_rows == 0 or (rows is not None and rows.size == 0):
             return [{side: Hits.empty() for side in sides} for _ in range(y.shape[0])]
-        if hot.codes is None or self.device != "cpu":
+        if hot.codes is None or self.torch_kernels:
             rowaddr, scores = self.scores(y, where)
             return _best_of_scores(rowaddr, scores, k, sides)
         from eogp_index.search.scan import scan_top_k
@@ -162,7 +175,10 @@ class HotSearcher:
 
 
 class TorchSearcher(HotSearcher):
-    """The hot copy scored on a CUDA device with torch (every matching row, then ranked)."""
+    """The hot copy scored on a CUDA device with torch (every matching row, then ranked); on
+    ``"cpu"`` the same torch kernels run there (what tests without a GPU check)."""
+
+    torch_kernels = True
 
     def __init__(self, stored: StoredIndex, device: str, *, normalize: str = "none"):
         super().__init__(stored, normalize=normalize)

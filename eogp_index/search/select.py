@@ -38,7 +38,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import pyarrow as pa
 
-from eogp_index.config import SelectOptions
+from eogp_index.config import SelectOptions, check_score_precision
 from eogp_index.data.records import content_sha256, location_of, record_content
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.search.normalize import normalized_codes
@@ -74,21 +74,64 @@ def scored_batches(
     columns: Sequence[str] = (),
     batch_bytes: int = STREAM_BATCH_BYTES,
     normalize: str = "none",
+    precision: str = "1bit",
 ) -> Iterator[Tuple[pa.RecordBatch, np.ndarray]]:
     """The matching rows in record batches, each with its exact scores ``(nq, b)`` float32
     (with ``normalize="unit"``, of each row's code divided by its norm).
 
-    Only the codec's columns, ``_rowaddr`` and ``columns`` are read.
+    ``precision="1bit"`` scores the code the queries scan; ``"rescore"`` the rescoring tier
+    (:func:`tier_scores`; ``y`` then holds the queries' coordinates at the tier's width). Only
+    the scored code's columns, ``_rowaddr`` and ``columns`` are read, one batch at a time.
+
+    Raises:
+        ConfigError: ``precision="rescore"`` on an index without a tier (:func:`require_tier`).
     """
+    check_score_precision(precision)
+    tier = require_tier(stored) if precision == "rescore" else None
     store, codec = stored.store, stored.codec
     if store.table is None:
         return
-    wanted = list(dict.fromkeys([*codec.columns, *columns]))
+    code_columns = codec.columns if tier is None else tier.columns
+    wanted = list(dict.fromkeys([*code_columns, *columns]))
     scanner = store.dataset().scanner(columns=wanted, filter=where, with_row_address=True, batch_size_bytes=batch_bytes)
     for batch in store.batches(scanner, where):
-        if batch.num_rows:
+        if not batch.num_rows:
+            continue
+        if tier is not None:
+            yield batch, tier_scores(tier, batch, y, normalize)
+        else:
             codes = normalized_codes(codec.from_arrow(batch), stored.layout, normalize)
             yield batch, exact_scores(codes, y, stored.layout)
+
+
+def require_tier(stored: StoredIndex):
+    """The index's rescoring tier (:class:`~eogp_index.store.codecs.TierCodec`); refused, saying
+    how to get one, when it has none."""
+    if stored.tier is None:
+        raise ConfigError(
+            f"precision 'rescore' scores every row from the index's rescoring tier, and {stored.path} has none "
+            f"(it stores {stored.manifest.precision} codes only); refit with `eogp fit --rescore int8` and ingest "
+            "again, or score with --precision 1bit",
+            field="precision",
+        )
+    return stored.tier
+
+
+def tier_scores(tier, batch, y: np.ndarray, normalize: str = "none") -> np.ndarray:
+    """Exact scores ``(nq, b)`` float32 of a record batch's tier codes against ``y`` ``(nq, K)``:
+    the tier decoded to float32 (divided by each row's float64 norm with ``normalize="unit"``,
+    as :func:`~eogp_index.search.rescore.tier_coordinates` does) and multiplied in float32."""
+    x = tier.decode(tier.from_arrow(batch))  # (b, K) float32
+    y = np.asarray(y, np.float32)
+    if y.shape[1] != x.shape[1]:
+        raise ConfigError(
+            f"the queries have {y.shape[1]} coordinates and the rescoring tier {x.shape[1]}; score the tier "
+            "with the queries' coordinates at the tier's width"
+        )
+    if normalize == "unit":
+        norms = np.sqrt(np.einsum("ij,ij->i", x.astype(np.float64), x.astype(np.float64)))
+        x = (x / np.where(norms > 0, norms, 1.0)[:, None]).astype(np.float32)
+    return (y @ x.T).astype(np.float32)
 
 
 def select_documents(
@@ -108,15 +151,24 @@ def select_documents(
     question = _question(question, "select")
     stored: StoredIndex = index.stored
     check_question(question, stored)  # before Lance counts or scans: it would drop what it cannot parse
+    if options.precision == "rescore":
+        require_tier(stored)  # before the queries are measured
     total = stored.count(question.where) if stored.store.table is not None else 0
     keep = options.count(total)
-    y = index.query_coordinates(list(question.queries))
+    y = target_coordinates(index, question.queries, options.precision)
     if options.score == "mean":
         y = y.astype(np.float64).mean(axis=0, keepdims=True).astype(np.float32)
     sign = 1.0 if options.direction == "positive" else -1.0
     best_addr = np.zeros(0, np.uint64)
     best_key = np.zeros(0, np.float32)  # sign * score: larger is better
-    batches = scored_batches(stored, y, where=question.where, batch_bytes=batch_bytes, normalize=question.normalize)
+    batches = scored_batches(
+        stored,
+        y,
+        where=question.where,
+        batch_bytes=batch_bytes,
+        normalize=question.normalize,
+        precision=options.precision,
+    )
     for batch, scores in batches if keep else ():
         key = sign * (scores[0] if options.score == "mean" else (scores.max(0) if sign > 0 else scores.min(0)))
         rowaddr = batch.column("_rowaddr").to_numpy().astype(np.uint64)
@@ -125,6 +177,12 @@ def select_documents(
         )
     order = np.lexsort((best_addr, -best_key))  # best first; ties by row address
     return Selection(best_addr[order], (sign * best_key[order]).astype(np.float32), options)
+
+
+def target_coordinates(index, queries: Sequence[Any], precision: str) -> np.ndarray:
+    """The target queries' coordinates ``(nq, K)`` float32 for scoring at ``precision``: the
+    encoder's projection (the one-bit code and the tier share their coordinates)."""
+    return index.query_coordinates(list(queries))
 
 
 def _question(question: Union[Question, Sequence[Any]], command: str) -> Question:
@@ -452,10 +510,13 @@ def write_scores(
     *,
     where: Optional[str] = None,
     batch_bytes: int = STREAM_BATCH_BYTES,
+    precision: str = SelectOptions.precision,
 ) -> int:
     """Every matching row's score for every query of ``question`` (its ``where`` and
     ``normalize``; a sequence of queries with ``where``), to Parquet: ``id``, ``query`` (the
     query's 0-based position), ``score`` and the stored metadata columns; returns the rows written.
+    ``precision``: :attr:`SelectOptions.precision <eogp_index.config.SelectOptions>` (``rescore``:
+    every row from the rescoring tier).
 
     Streamed: one record batch of the table at a time becomes ``n_queries`` row groups.
     """
@@ -470,7 +531,10 @@ def write_scores(
     question = _question(question, "scores")
     stored: StoredIndex = index.stored
     check_question(question, stored)
-    y = index.query_coordinates(list(question.queries))
+    check_score_precision(precision)
+    if precision == "rescore":
+        require_tier(stored)  # before the queries are measured
+    y = target_coordinates(index, question.queries, precision)
     from eogp_index.store.table import CODE_COLUMNS
 
     metadata = [c for c in stored.store.metadata_columns() if c not in CODE_COLUMNS and c not in ("id", "text")]
@@ -484,6 +548,7 @@ def write_scores(
             columns=["id", *metadata],
             batch_bytes=batch_bytes,
             normalize=question.normalize,
+            precision=precision,
         )
         for batch, scores in batches:
             rest = batch.select(["id", *metadata])

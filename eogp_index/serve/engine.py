@@ -5,8 +5,9 @@ together (:func:`eogp_index.encode.measurements.measure`: each tokenized and che
 so a bad one fails alone, all good ones projected in one gradient pass; a preference query's two
 completions become its one row), and requests whose questions differ only in their queries, ``k``
 and ``aggregate`` share one scan — asked for the largest ``k`` among them, then each cut to its own
-``k`` (a top-k list is a prefix of a longer one: same order, ties in table order), so every request
-gets what ``eogp query --json`` prints. A behaviour request's queries become its one (mean or
+``k`` (a top-k list is a prefix of a longer one: same order, ties in table order; on an index with
+a rescoring tier, only requests of the same ``k`` share one), so every request gets what
+``eogp query --json`` prints. A behaviour request's queries become its one (mean or
 summed) row; a ``group_by`` request also gets its roll-up. The engine's own part in a measurement
 is the mapping of its errors to request fields and status codes (:meth:`Engine.request_error`).
 """
@@ -222,7 +223,19 @@ class Engine:
     def _scan(self, key: Question, jobs: Sequence[QueryJob], rows: np.ndarray) -> List[Answer]:
         """The answers of ``jobs`` (sharing the scan ``key``) from their measurements ``rows``
         ``(n, K)``: one scan for the largest ``k`` among them, each cut to its own ``k``; with
-        ``group_by``, each job's roll-up too (its own ``k`` counts its rows among the top ones)."""
+        ``group_by``, each job's roll-up too (its own ``k`` counts its rows among the top ones).
+
+        On an index with a rescoring tier the jobs share a scan only with jobs of their own ``k``:
+        a rescored top ``k`` is the best ``k`` of the one-bit top ``rescore · k``, which a
+        larger ``k`` widens, so it is not a prefix of a rescored longer list."""
+        if self.index.stored.tier is not None and len({job.k for job in jobs}) > 1:
+            answers: Dict[int, Answer] = {}
+            by_k: Dict[int, List[int]] = defaultdict(list)
+            for i, job in enumerate(jobs):
+                by_k[job.k].append(i)
+            for members in by_k.values():
+                answers.update(zip(members, self._scan(key, [jobs[i] for i in members], rows[members])))
+            return [answers[i] for i in range(len(jobs))]
         placeholders = tuple(job.question.queries[0] for job in jobs)  # the rows are measured already
         hits = key.replace(queries=placeholders, k=max(job.k for job in jobs), group_by=None)
         tables = InfluenceQuery(self.index.encoder, question=hits).to_list(coordinates=rows)

@@ -63,6 +63,9 @@ class SelectRequest(BaseModel):
         _select_field("direction").default, description="Most helpful or most harmful."
     )
     ids_only: bool = Field(_select_field("ids_only").default, description="Only id and score, best first.")
+    precision: Literal["1bit", "rescore"] = Field(
+        _select_field("precision").default, description=_select_field("precision").metadata["help"]
+    )
     format: Literal["jsonl", "jsonl.gz", "parquet"] = Field("jsonl", description="The file's format.")
 
 
@@ -93,7 +96,9 @@ def select_file(engine: Engine, body: SelectRequest, folder: Path) -> Path:
     records = _records(body.queries)
     try:
         question = Question(queries=tuple(records), where=body.where, normalize=body.normalize)
-        options = SelectOptions(top=str(body.top), score=body.score, direction=body.direction, ids_only=body.ids_only)
+        options = SelectOptions(
+            **{f.name: getattr(body, f.name) for f in dataclasses.fields(SelectOptions)} | {"top": str(body.top)}
+        )
         engine.check(records, "queries")  # each query tokenizes, within the server's limits (no gradient pass)
         question.check(engine.index.stored)  # and the filter, before the queries are measured
         selection = select_documents(engine.index.encoder, question, options)

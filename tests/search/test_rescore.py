@@ -12,7 +12,7 @@ from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
-from eogp_index.errors import InputError
+from eogp_index.errors import ConfigError, InputError
 from eogp_index.search.first_pass import FlatConfig, build
 from eogp_index.store.codecs import TierCodec, list_column_to_numpy
 from eogp_index.store.stored_index import StoredIndex
@@ -214,3 +214,135 @@ def test_fp16_and_none_storage_have_no_tier():
     assert StorageConfig(rescore="none").tier is None
     assert StorageConfig(precision="fp16").tier is None
     assert StorageConfig().tier == "int8"
+
+
+def _hits(table):
+    """(direction, id, score, score_1bit) of each hit."""
+    return [(r.get("direction"), r["id"], r["score"], r.get("score_1bit")) for r in table.to_pylist()]
+
+
+def _same_hits(got, expected):
+    assert [(d, i) for d, i, _, _ in got] == [(d, i) for d, i, _, _ in expected]
+    for (_, _, score, one_bit), (_, _, want, want_1bit) in zip(got, expected):
+        assert score == pytest.approx(want, rel=1e-6, abs=1e-7)
+        assert one_bit == pytest.approx(want_1bit, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("route", ["stream", "sharded", "candidates"])
+@pytest.mark.parametrize("how", ["plain", "unit", "aggregate"])
+def test_every_route_gives_the_hot_routes_rescored_answer(tiered, route, how):
+    """The default factor (N = 5 k < the rows): each route's one-bit top N, rescored, is the hot
+    route's, ids, scores and one-bit scores; each side keeps its sign."""
+    question = tiered.search(QUERY).limit(3).direction("both")
+    if how == "unit":
+        question = question.normalize("unit")
+    elif how == "aggregate":
+        question = tiered.search([QUERY, QUERY[::-1]], many=True).aggregate("mean").limit(3).direction("both")
+    hot = question.route("hot").to_arrow()
+    assert "score_1bit" in hot.column_names and 0 < hot.num_rows
+    if route == "candidates":
+        build(tiered.stored, "default", FlatConfig(), progress=False)
+        if how == "unit":  # first passes pick candidates for unnormalized scores
+            with pytest.raises(ConfigError, match="normalize='unit' needs an exact scan"):
+                question.candidates(ROWS)
+            return
+        answer = question.candidates(ROWS).to_arrow()  # every row a candidate: the exact one-bit top N
+    else:
+        answer = question.route(route).to_arrow()
+    _same_hits(_hits(answer), _hits(hot))
+    for direction, _, score, _ in _hits(answer):
+        assert (score > 0) if direction == "positive" else (score < 0)
+
+
+def test_rescoring_reorders_the_one_bit_top_rows(tiered):
+    """Some hit's rescored order differs from its one-bit order (else the route tests see nothing)."""
+    answer = tiered.search(QUERY).limit(5).direction("positive").to_arrow()
+    one_bit = answer.column("score_1bit").to_pylist()
+    assert one_bit != sorted(one_bit, reverse=True) or _ids_of(answer) != _ids_of(
+        tiered.search(QUERY).limit(5).direction("positive").rescore(0).to_arrow()
+    )
+
+
+@pytest.mark.parametrize("normalize", ["none", "unit"])
+def test_the_torch_kernels_give_the_hot_routes_rescored_answer(tiered, normalize):
+    """The torch route's searcher (its kernels on the CPU here; on a CUDA device too when there is
+    one), its one-bit top N rescored from the tier: the hot route's answer."""
+    import torch
+
+    from eogp_index.search.rescore import rescored
+    from eogp_index.search.searchers import TorchSearcher
+
+    k, sides = 3, ("positive", "negative")
+    factor = 5
+    hot = tiered.search(QUERY).limit(k).direction("both").normalize(normalize).rescore(factor).route("hot")
+    expected = _hits(hot.to_arrow())
+    y = tiered.query_coordinates([QUERY])
+    count = factor * k
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        found = TorchSearcher(tiered.stored, device, normalize=normalize).top_k(y, count, sides)
+        (best,) = rescored(tiered.stored, found, y, k, normalize)
+        got = [(side, i, s, b) for side in sides for i, s, b in _side_rows(tiered, best[side])]
+        assert [(d, i) for d, i, _, _ in got] == [(d, i) for d, i, _, _ in expected], device
+        np.testing.assert_allclose([h[2] for h in got], [h[2] for h in expected], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose([h[3] for h in got], [h[3] for h in expected], rtol=1e-4, atol=1e-5)
+
+
+def _side_rows(index, hits):
+    ids = index.stored.rows(hits.rowaddr, ["id"]).column("id").to_pylist() if hits.rowaddr.size else []
+    return zip(ids, hits.scores.tolist(), hits.scores_1bit.tolist())
+
+
+def test_group_by_counts_the_rescored_hits_as_the_top_rows(tiered):
+    """A roll-up's top_positive / top_negative count the ranked answer's hits (the rescored ones),
+    its sums every row's one-bit score."""
+    k = 4
+    groups = tiered.search(QUERY).group_by("group").limit(k).to_arrow().to_pylist()
+    ranked = tiered.search(QUERY).limit(k).direction("both").to_arrow().to_pylist()
+    group_of = {ex.id: ex.metadata["group"] for ex in make_examples(ROWS, seed=11)}
+    for side in ("positive", "negative"):
+        counted = {g["group"]: g[f"top_{side}"] for g in groups if g[f"top_{side}"]}
+        hits = [group_of[r["id"]] for r in ranked if r["direction"] == side]
+        assert counted == {g: hits.count(g) for g in set(hits)}
+    _, one_bit = _one_bit_of_every_row(tiered)
+    y = tiered.query_coordinates([QUERY])[0].astype(np.float64)
+    ids, _ = _one_bit_of_every_row(tiered)
+    total = {}
+    for i, score in zip(ids, one_bit.astype(np.float64) @ y):
+        total[group_of[i]] = total.get(group_of[i], 0.0) + score
+    assert {g["group"]: g["sum"] for g in groups} == pytest.approx(total, rel=1e-5, abs=1e-6)
+    # Without rescoring the counts are the one-bit top k.
+    off = tiered.search(QUERY).group_by("group").limit(k).rescore(0).to_arrow().to_pylist()
+    plain = tiered.search(QUERY).limit(k).direction("both").rescore(0).to_arrow().to_pylist()
+    hits = [group_of[r["id"]] for r in plain if r["direction"] == "positive"]
+    assert {g["group"]: g["top_positive"] for g in off if g["top_positive"]} == {g: hits.count(g) for g in set(hits)}
+
+
+@pytest.mark.distributed
+def test_two_torchrun_workers_give_the_hot_routes_rescored_answer(tiered):
+    import os
+    import subprocess
+    import sys
+
+    expected = _hits(tiered.search(QUERY).limit(4).direction("both").to_arrow())
+    model_dir = tiered.path / "model"  # the workers load the model the manifest names
+    make_tiny_gpt2().save_pretrained(model_dir)
+    __import__("tinymodels").make_word_tokenizer().save_pretrained(model_dir)
+    manifest_path = tiered.path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["model"]["name"] = str(model_dir)
+    manifest_path.write_text(json.dumps(manifest))
+    queries = tiered.path / "queries.jsonl"
+    queries.write_text(json.dumps({"input_ids": QUERY}) + "\n")
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "eogp_index.cli", "query", str(tiered.path), "--queries", str(queries),
+         "-k", "4", "--direction", "both", "--json"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])),
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout[out.stdout.index("[") :])[0]["results"]
+    _same_hits([(r["direction"], r["id"], r["score"], r["score_1bit"]) for r in result], expected)

@@ -420,3 +420,97 @@ def test_normalize_unit_selects_the_top_cosines_of_a_float64_reference(workspace
     np.testing.assert_array_equal(batched.scores, picked.scores)
     with pytest.raises(ValueError, match="normalize must be one of"):
         Question(queries=tuple(TARGETS), normalize="l2")
+
+
+def _tier_reference(index, targets, normalize="none"):
+    """ids and every row's score ``(queries, rows)`` from the rescoring tier, in float64: the
+    stored int8 codes times their scales, against the queries' unquantized coordinates."""
+    from eogp_index.store.codecs import list_column_to_numpy
+
+    tier = index.stored.tier
+    table = index.store.read(["id", "tier", "tier_scales"])
+    codes = list_column_to_numpy(table.column("tier"), tier.width, np.int8).astype(np.float64)
+    scales = list_column_to_numpy(table.column("tier_scales"), len(tier.layout.k), np.float16).astype(np.float64)
+    x = codes * np.repeat(scales, tier.layout.k, axis=1)
+    if normalize == "unit":
+        norms = np.linalg.norm(x, axis=1)
+        x = x / np.where(norms > 0, norms, 1.0)[:, None]
+    y = index.query_coordinates(targets).astype(np.float64)
+    return table.column("id").to_pylist(), y @ x.T
+
+
+def test_precision_rescore_scores_every_row_from_the_tier_on_every_surface(workspace):
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import SelectOptions
+    from eogp_index.search.question import Question
+    from eogp_index.search.select import select_documents
+
+    root, reference = workspace
+    index = AttributionIndex.open(root / "idx")
+    assert index.stored.tier is not None and index.stored.tier.code == "int8"
+    ids, exact = _tier_reference(index, TARGETS)
+    scale = np.abs(exact).max()
+
+    # Python: every row, from the tier, within 1e-5 of the float64 reference.
+    got_ids, got = index.scores(TARGETS, precision="rescore")
+    assert got.dtype == np.float32 and sorted(got_ids) == sorted(ids)
+    order = [got_ids.index(i) for i in ids]
+    np.testing.assert_allclose(got[:, order], exact, rtol=1e-5, atol=1e-5 * scale)
+    # ... which are not the one-bit scores (the test would see a precision that changed nothing).
+    assert np.abs(reference["scores"] - exact[:, [ids.index(i) for i in reference["ids"]]]).max() > 1e-3 * scale
+
+    # CLI scores: the same, in Parquet.
+    _run(
+        "scores", root / "idx", "--queries", root / "targets.jsonl", "--precision", "rescore",
+        "--out", root / "tier.parquet",
+    )  # fmt: skip
+    table = pq.read_table(root / "tier.parquet")
+    by_key = {(r["id"], r["query"]): r["score"] for r in table.select(["id", "query", "score"]).to_pylist()}
+    np.testing.assert_allclose(
+        [[by_key[(i, q)] for i in ids] for q in range(len(TARGETS))], exact, rtol=1e-5, atol=1e-5 * scale
+    )
+
+    # CLI select: the tier's best 6 by the mean, best first.
+    mean = dict(zip(ids, exact.mean(0)))
+    summary = _select(root, "tier.jsonl", "--top", "6", "--precision", "rescore", "--ids-only")
+    rows = [json.loads(line) for line in (root / "tier.jsonl").read_text().splitlines()]
+    assert summary["selected"] == 6 and [r["id"] for r in rows] == _top(mean, 6)
+    np.testing.assert_allclose([r["score"] for r in rows], [mean[r["id"]] for r in rows], rtol=1e-5, atol=1e-5 * scale)
+
+    # Python select, LESS's rule, unit norms, a filter, one row a batch: streamed, the same answer.
+    _, cosine = _tier_reference(index, TARGETS, normalize="unit")
+    low = {i: s for i, s in zip(ids, cosine.min(0)) if reference["source"][i] != "code"}
+    options = SelectOptions(top="5", score="max", direction="negative", precision="rescore")
+    question = Question(queries=tuple(TARGETS), where="source != 'code'", normalize="unit")
+    picked = select_documents(index, question, options, batch_bytes=1)
+    assert index.stored.rows(picked.rowaddr, ["id"]).column("id").to_pylist() == _top(low, 5, largest=False)
+    np.testing.assert_allclose(picked.scores, sorted(low.values())[:5], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(select_documents(index, question, options).rowaddr, picked.rowaddr)
+
+    with pytest.raises(ValueError, match="precision must be one of"):
+        SelectOptions(precision="int8")
+    bad = CliRunner().invoke(cli, ["select", str(root / "idx"), "--text", "t1 t2", "--precision", "2bit",
+                                   "--out", str(root / "never.jsonl")])  # fmt: skip
+    assert bad.exit_code != 0 and "2bit" in bad.output and not (root / "never.jsonl").exists()
+
+
+def test_precision_rescore_on_an_index_without_a_tier_is_refused_saying_how_to_get_one(fitted_index, tmp_path):
+    from eogp_index.config import SelectOptions
+    from eogp_index.errors import ConfigError
+
+    query = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert fitted_index.stored.tier is None
+    for call in (
+        lambda: fitted_index.scores([query], precision="rescore"),
+        lambda: fitted_index.select([query], SelectOptions(top="3", precision="rescore")),
+        lambda: __import__("eogp_index.search.select").search.select.write_scores(
+            fitted_index.encoder, [query], tmp_path / "s.parquet", precision="rescore"
+        ),
+    ):
+        with pytest.raises(ConfigError, match=r"has none .*--rescore int8") as refused:
+            call()
+        assert refused.value.field == "precision"
+    assert not (tmp_path / "s.parquet").exists()
+    # The one-bit precision still answers there.
+    ids, scores = fitted_index.scores([query])
+    assert scores.shape == (1, 40) and len(ids) == 40

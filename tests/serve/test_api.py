@@ -539,3 +539,66 @@ def test_request_bodies_and_commands_map_onto_the_question_one_to_one():
             "normalize": question["normalize"],
         }
     assert {name: params("select")[name] for name in options} == options
+
+
+def test_rescored_hits_carry_both_scores_and_explain_shows_the_ranked_one(client, served_index):
+    """The served index has a rescoring tier: each hit's score is the tier's, score_1bit the scan's;
+    explain's module terms sum to the rescored score, and it shows the one-bit score beside it."""
+    assert served_index.stored.tier is not None
+    body = {"text": QUERY, "k": 3, "direction": "both", "by_module": True}
+    rows = client.post("/v1/query", json=body).json()["results"]
+    assert rows and all("score_1bit" in r for r in rows)
+    for row in rows:
+        assert (row["score"] > 0) == (row["direction"] == "positive")  # the sides keep their signs
+        assert sum(row["modules"].values()) == pytest.approx(row["score"], rel=1e-4, abs=1e-5)
+        why = client.post("/v1/explain", json={"query": QUERY, "id": row["id"]}).json()
+        assert why["score"] == pytest.approx(row["score"], rel=1e-4, abs=1e-5)
+        assert sum(why["modules"].values()) == pytest.approx(why["score"], rel=1e-4, abs=1e-5)
+        assert why["score_1bit"] == pytest.approx(row["score_1bit"], rel=1e-4, abs=1e-5)
+    off = client.post("/v1/query", json={**body, "rescore": 0}).json()["results"]
+    assert off and not any("score_1bit" in r for r in off)
+    for row in off:  # the one-bit ranking's scores are the scan's
+        assert sum(row["modules"].values()) == pytest.approx(row["score"], rel=1e-4, abs=1e-5)
+
+
+def test_select_with_precision_rescore_downloads_the_tier_selection(client, served_index):
+    from eogp_index.config import SelectOptions
+    from eogp_index.search.question import Question
+    from eogp_index.search.select import select_documents
+
+    body = {"queries": [QUERY], "top": "5", "ids_only": True, "precision": "rescore"}
+    response = client.post("/v1/select", json=body)
+    assert response.status_code == 200, response.text
+    rows = [json.loads(line) for line in response.content.decode().splitlines()]
+    picked = select_documents(
+        served_index, Question(queries=({"text": QUERY},)), SelectOptions(top="5", precision="rescore")
+    )
+    assert [r["id"] for r in rows] == served_index.stored.rows(picked.rowaddr, ["id"]).column("id").to_pylist()
+    assert [r["score"] for r in rows] == pytest.approx(picked.scores.tolist(), rel=1e-5)
+    one_bit = select_documents(served_index, Question(queries=({"text": QUERY},)), SelectOptions(top="5"))
+    assert picked.scores.tolist() != pytest.approx(one_bit.scores.tolist(), rel=1e-4)
+    assert "rescore" in _error(client.post("/v1/select", json={**body, "precision": "2bit"}), 422, "precision")
+
+
+def test_batched_requests_of_different_k_get_their_own_rescored_answers(served_index):
+    """A rescored top k is the best k of the one-bit top rescore·k: a request batched with a larger
+    k gets what it gets alone, not a cut of the larger request's rescored list."""
+    from eogp_index.search.question import Question
+    from eogp_index.serve.engine import Engine, QueryJob, cut_to_k
+
+    engine = Engine(served_index, ServeConfig())
+    texts = [f"t{i} t{i + 1} t{i + 2} t{i + 5}" for i in range(1, 60, 4)]
+
+    def job(text, k):
+        return QueryJob(Question(queries=({"text": text},), k=k, direction="both", rescore=1), "text")
+
+    together = engine.run_queries([job(text, k) for text in texts for k in (1, 8)])
+    alone = [engine.run_queries([job(text, 1)])[0] for text in texts]
+    cut = [cut_to_k(engine.run_queries([job(text, 8)])[0].results, 1) for text in texts]
+    for j, text in enumerate(texts):  # (the batch's one gradient pass rounds each query's y a little apart)
+        got, want = together[2 * j].results.to_pylist(), alone[j].results.to_pylist()
+        assert [(r["direction"], r["id"]) for r in got] == [(r["direction"], r["id"]) for r in want], text
+        assert [r["score"] for r in got] == pytest.approx([r["score"] for r in want], rel=1e-4)
+        assert together[2 * j + 1].results.num_rows > alone[j].results.num_rows
+    # A cut of the larger rescored list differs somewhere (what sharing one scan would have answered).
+    assert any(c.column("id").to_pylist() != a.results.column("id").to_pylist() for c, a in zip(cut, alone))

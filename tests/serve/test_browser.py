@@ -153,6 +153,8 @@ def test_the_page_queries_filters_and_explains(browser, server, tmp_path):
     assert all(
         h.find_elements(By.CSS_SELECTOR, ".bar .fill") and h.find_elements(By.CSS_SELECTOR, ".doc") for h in hits
     )
+    # The index has a rescoring tier: each hit shows its rescored score and its one-bit score.
+    assert all(h.find_element(By.CSS_SELECTOR, ".score-1bit").text.startswith("1-bit ") for h in hits)
 
     # A filter from the column list: every hit now has kind = 'class'.
     _search(browser, "t1 t2 t3 t4 t5", where="kind = 'class'")
@@ -184,6 +186,7 @@ def test_the_page_queries_filters_and_explains(browser, server, tmp_path):
     assert not detail.find_elements(By.CSS_SELECTOR, ".error"), detail.text
     query_tokens = detail.find_elements(By.CSS_SELECTOR, ".tokens")[1].find_elements(By.CSS_SELECTOR, ".tok")
     assert [t.text for t in query_tokens] == "t1 t2 t3 t4 t5".split()
+    assert "rescored score" in detail.text and "1-bit score" in detail.text  # both scores, the ranked one first
 
     shot = tmp_path / "serve.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000

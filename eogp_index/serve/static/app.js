@@ -3,7 +3,7 @@
 "use strict";
 
 const BOOKKEEPING = new Set(["id", "shard", "position", "num_tokens", "num_loss_tokens", "truncated",
-  "content_sha256", "content_kind", "text", "rank", "score", "direction", "modules"]);
+  "content_sha256", "content_kind", "text", "rank", "score", "score_1bit", "direction", "modules"]);
 const state = { mode: "text", info: null, lastQuery: null, selected: null };
 const $ = (id) => document.getElementById(id);
 // Scores as people read them: 4 significant digits, exponents only for very large or small values.
@@ -216,7 +216,10 @@ function hitItem(row, top) {
   const item = el("li", { class: "hit", tabindex: "0", "data-id": row.id },
     el("div", { class: "head" }, el("span", { class: "rank", text: `#${row.rank}` }),
        el("span", { class: "id", text: row.id }),
-       el("span", { class: `score ${sign}`, text: fmt(row.score) })),
+       el("span", { class: `score ${sign}`, text: fmt(row.score) }),
+       // A rescored hit (an index with a rescoring tier): its one-bit scan's score beside the tier's.
+       row.score_1bit != null ? el("span", { class: "score-1bit muted", title: "the one-bit scan's score",
+                                             text: `1-bit ${fmt(row.score_1bit)}` }) : null),
     bar, meta,
     row.text != null ? el("div", { class: "doc", text: row.text }) : null);
   const select = () => selectHit(row, item);
@@ -261,7 +264,8 @@ async function selectHit(row, item) {
   detail.replaceChildren(
     el("h2", { text: row.id }),
     el("p", { class: "muted", text: `${row.direction ? row.direction + " · " : ""}rank ${row.rank} · score ` +
-                                    fmt(row.score) }),
+                                    fmt(row.score) +
+                                    (row.score_1bit != null ? ` (rescored) · 1-bit score ${fmt(row.score_1bit)}` : "") }),
     el("h3", { text: "Score by module" }),
     row.modules ? moduleBars(row.modules) : el("p", { class: "muted", text: "(no per-module terms)" }),
     el("h3", { text: "Score by token" }),
@@ -279,8 +283,10 @@ async function selectHit(row, item) {
          el("span", { class: "swatch neg" }), " lowers it"),
       el("h4", { text: "Document" }), tokenLine(why.train_tokens || []),
       el("h4", { text: "Query" }), tokenLine(why.query_tokens || []),
-      el("p", { class: "muted", text: `1-bit score ${fmt(Number(why.score))} (as ranked); ` +
-                                      `unquantized projection ${fmt(Number(why.score_projected))}` }));
+      el("p", { class: "muted", text: (why.score_1bit != null
+        ? `rescored score ${fmt(Number(why.score))} (the tier's, as ranked); 1-bit score ${fmt(Number(why.score_1bit))}; `
+        : `1-bit score ${fmt(Number(why.score))} (as ranked); `) +
+        `unquantized projection ${fmt(Number(why.score_projected))}` }));
   } catch (err) {
     if (state.selected !== row.id) return;
     tokens.replaceChildren(el("div", { class: "error", text: `${err.field ? err.field + ": " : ""}${err.message}` }));
