@@ -34,6 +34,14 @@ BUILD_COMMAND = "eogp build-candidates"
 
 #: ``kind`` → its class, filled by :meth:`FirstPass.__init_subclass__`.
 _KINDS: Dict[str, Type["FirstPass"]] = {}
+#: The kind :func:`~eogp_index.search.first_pass.build` and ``eogp build-candidates`` build by default.
+DEFAULT_KIND = "flat"
+#: Kinds this eogp-index no longer builds or opens, with why (for the message that asks for a rebuild).
+RETIRED_KINDS: Dict[str, str] = {
+    kind: "on real gradient codes it does not find 95% of the exact top 20 among 5 × 20 candidates "
+    "(docs/benchmarks.md)"
+    for kind in ("ivf", "hnsw", "clustered")
+}
 
 #: What :meth:`FirstPass.top_k` returns per side: row addresses ``(r,)`` uint64, their exact
 #: scores ``(r,)`` float32, and how many rows were scored exactly to find them.
@@ -89,6 +97,10 @@ def kind_class(kind: str) -> Type["FirstPass"]:
     try:
         return _KINDS[kind]
     except KeyError:
+        if kind in RETIRED_KINDS:
+            raise ConfigError(
+                f"the {kind!r} first pass is retired: {RETIRED_KINDS[kind]}. Use --kind {DEFAULT_KIND}"
+            ) from None
         raise ConfigError(f"unknown first-pass kind {kind!r}; the kinds are {list(_KINDS)}") from None
 
 
@@ -257,6 +269,12 @@ class FirstPass(ABC):
                 f"{meta_path} is not JSON ({exc}); rebuild it with `{BUILD_COMMAND} {index_dir} --name {name}`"
             ) from exc
         found = _KINDS.get(meta.get("kind"))
+        if meta.get("kind") in RETIRED_KINDS:
+            raise IncompatibleIndexError(
+                f"{meta_path}: a first pass of kind {meta['kind']!r}, which is retired "
+                f"({RETIRED_KINDS[meta['kind']]}); rebuild it with "
+                f"`{BUILD_COMMAND} {index_dir} --kind {DEFAULT_KIND} --name {name}`"
+            )
         if found is None:
             raise IncompatibleIndexError(
                 f"{meta_path}: a first pass of kind {meta.get('kind')!r}, which this eogp-index does not know "
