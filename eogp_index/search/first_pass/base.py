@@ -38,8 +38,7 @@ _KINDS: Dict[str, Type["FirstPass"]] = {}
 DEFAULT_KIND = "flat"
 #: Kinds this eogp-index no longer builds or opens, with why (for the message that asks for a rebuild).
 RETIRED_KINDS: Dict[str, str] = {
-    kind: "on real gradient codes it does not find 95% of the exact top 20 among 5 × 20 candidates "
-    "(docs/benchmarks.md)"
+    kind: "on real gradient codes it does not find 95% of the exact top 20 among 5 × 20 candidates (docs/benchmarks.md)"
     for kind in ("ivf", "hnsw", "clustered")
 }
 

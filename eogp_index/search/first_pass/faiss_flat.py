@@ -66,6 +66,8 @@ BATCH_BYTES = 64 << 20
 #: The row address of a FAISS position whose row is no longer in the table.
 MISSING_ROW = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 KEY_SCHEME = "blake2b-64le-of-utf8-id, top bit cleared"
+#: Queries per OpenMP thread of a FAISS search (fewer queries run on one thread).
+_QUERIES_PER_THREAD = 16
 _KEY_MASK = np.int64(0x7FFF_FFFF_FFFF_FFFF)
 
 
@@ -383,9 +385,17 @@ class FlatFirstPass(FirstPass, kind="flat"):
         k = min(C, self.ntotal)
         if k == 0 or nq == 0:
             return estimates, positions
+        faiss = load_faiss()
         with self._lock:  # search parameters live on the shared FAISS object
-            load_faiss().downcast_index(self._index.index).qb = int(self.config.query_bits)
-            D, labels = self._index.search(y, k)
+            faiss.downcast_index(self._index.index).qb = int(self.config.query_bits)
+            # FAISS splits the queries across OpenMP threads: for a query's two sides, waking
+            # threads costs more than the scan itself, and on a busy machine far more.
+            threads = faiss.omp_get_max_threads()
+            faiss.omp_set_num_threads(max(1, min(threads, nq // _QUERIES_PER_THREAD)))
+            try:
+                D, labels = self._index.search(y, k)
+            finally:
+                faiss.omp_set_num_threads(threads)
         P = self._positions(labels)
         estimates[:, :k], positions[:, :k] = np.where(P >= 0, D, np.nan), P
         return estimates, positions
