@@ -1028,8 +1028,8 @@ def build_candidates(index_dir, kind, name, extend_only, recall_candidates, as_j
     if recall.below_target:
         click.echo(
             f"warning: first pass {name!r} ({built.kind}) finds {recall.recall:.3f} of the exact top-{recall.k} at "
-            f"{recall.candidates} candidates, below {RECALL_TARGET}: query it with more --candidates, or build "
-            "another kind (docs/querying.md#first-passes)",
+            f"{recall.candidates} candidates, below {RECALL_TARGET}: query it with more --candidates "
+            "(docs/querying.md#first-passes)",
             err=True,
         )
 
