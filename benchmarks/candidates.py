@@ -366,6 +366,7 @@ def flat_lines(codes, scales, y, layout, largest, smallest, args, builds, exact_
             "speedup": round(exact_seconds / seconds, 2),
             "params": {**cand.build_params, "query_bits": bits},
         }
+        row["meets_target"] = row["recall_at_20"] >= TARGET_RECALL and row["speedup"] >= TARGET_SPEEDUP
         results.append(row)
         if args.verbose:
             print(render_row(row) + " (provisional speed-up)", file=sys.stderr, flush=True)
