@@ -7,7 +7,7 @@ its own frozen configuration class ``Config`` (a :class:`FirstPassConfig`). Ever
 a kind up here (:func:`kind_class`, :func:`class_for`); nothing compares kind names.
 
 Every kind keeps its files in ``<index>/faiss/<name>.*`` (the folder's name is part of the
-on-disk format, older than the clustered kind) and writes ``<name>.json`` last: it commits a
+on-disk format, older than the kinds) and writes ``<name>.json`` last: it commits a
 build. The JSON's ``kind`` says which class opens the files, its ``format`` and
 ``format_version`` which layout they have (schemas/index.md).
 """
@@ -19,7 +19,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Type, Union
 
 from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError
 from eogp_index.version import __version__
@@ -142,11 +142,6 @@ def require_signs(stored) -> None:
             f"{stored.manifest.precision!r} coordinates. Use the exact scan (no candidates) or build a "
             "1-bit index (--precision 1bit)"
         )
-
-
-def fragment_keys(dataset) -> List[List[int]]:
-    """``[[fragment id, physical rows, deleted rows], ...]`` of a dataset version (metadata only)."""
-    return sorted([int(f.fragment_id), int(f.physical_rows), int(f.num_deletions)] for f in dataset.get_fragments())
 
 
 def load_faiss():
