@@ -1,21 +1,18 @@
 #!/usr/bin/env python
-"""FAISS candidates + exact rescoring against the exact scan: recall@20 and speed-up.
+"""The flat first pass (FAISS RaBitQ candidates + exact rescoring) against the exact scan: recall@20 and speed-up.
 
-For each FAISS kind (flat, IVF, HNSW), each number of replicas ``R`` and each number of
-candidates ``C``, one line:
+For each ``--query-bits`` and each number of candidates ``C``, one line:
 
 * **recall@20**: the share of the exact top-20 (most positive scores, exact scan over every row)
-  that the candidate path returns (FAISS ``C`` Hamming-nearest rows to the query's weighted code
-  ``FaissFirstPass.query_codes(y)``, rescored exactly, top-20), averaged over the queries; also
-  for the most negative side (the codes of ``-y`` against the exact bottom-20), for information;
+  that the candidate path returns (FAISS's ``C`` largest RaBitQ estimates of ``⟨y, x_i⟩``,
+  ``x_i`` the decoded one-bit code, rescored exactly, top-20), averaged over the queries; also
+  for the most negative side (``-y`` against the exact bottom-20), for information;
 * **speed-up**: time of the exact full scan of one query (``scan.scan_top_k``, the packed-bit
-  kernel, or unpack + matmul in numpy chunks if that module is missing) over time of the
-  candidate path for one query (weighted query code + FAISS search + key→row mapping + exact
-  rescoring of the ``C`` rows + top-20), both averaged over the queries, one query at a time,
-  each query's time the best of ``--repeat`` (3) runs; the exact scan is timed before and after
-  the FAISS lines and each query's best counts (on a shared machine, load only ever adds time;
-  the header prints the load average). The line also splits the candidate time into FAISS
-  (weighted query code + search + mapping) and rescoring.
+  kernel) over time of the candidate path for one query (FAISS search + exact rescoring of the
+  ``C`` rows + top-20), both averaged over the queries, one query at a time, each query's time
+  the best of ``--repeat`` (3) runs; the exact scan is timed before and after the FAISS lines
+  and each query's best counts (on a shared machine, load only ever adds time; the header
+  prints the load average). The line also splits the candidate time into FAISS and rescoring.
 
 Target: recall@20 >= 0.95 at >= 5x speed-up, on a store of at least 1M rows whose codes
 come from a real model's gradients.
@@ -54,20 +51,18 @@ copies per code, the more the exact top-20 is one code's copies ordered by the s
 no sign index can see (the header reports how many distinct codes the exact top-20 holds).
 
 If ``examples/default/model`` is missing, a randomly initialized GPT-2 of the default shape
-(``tinylm.default_config``) on random token documents stands in (the header says which).
-Half of the default run goes to building the two HNSW graphs (docs/benchmarks.md gives its time)::
+(``tinylm.default_config``) on random token documents stands in (the header says which)::
 
     python benchmarks/candidates.py                 # table
     python benchmarks/candidates.py --json out.json # the table, and the figures as JSON
-    python benchmarks/candidates.py --rows 200000 --kinds ivf --verbose   # quicker
-    python benchmarks/candidates.py --store windows --kinds ivf,flat      # copies of the real windows
-    python benchmarks/candidates.py --store docs --kinds ivf,flat         # the earlier store
+    python benchmarks/candidates.py --rows 200000 --verbose   # quicker
+    python benchmarks/candidates.py --store windows           # copies of the real windows
+    python benchmarks/candidates.py --store docs              # the earlier store
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import random
 import sys
@@ -79,15 +74,14 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 import torch
-from common import add_json_argument, best_of, prints_json, write_json
+from common import add_json_argument, prints_json, write_json
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
 from eogp_index.data.records import Example
 from eogp_index.gradients.model import load_model
-from eogp_index.search.first_pass import FaissFirstPass, kind_class
-from eogp_index.search.first_pass.faiss_binary import rescore
-from eogp_index.search.first_pass.faiss_codes import query_levels
+from eogp_index.search.first_pass import FlatConfig, FlatFirstPass
+from eogp_index.search.scan import scan_scores, scan_top_k
 from eogp_index.store.codecs import SignLayout, encode, pack_signs, unpack_signs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,8 +97,6 @@ DEFAULT_CORPORA = {
     "docs": [DEFAULT_ROOT / "corpus" / "pretrain.jsonl.gz"],
 }
 DEFAULT_QUERIES = DEFAULT_ROOT / "queries.jsonl"
-#: Replicas whose weighted proxy the header reports (besides plain sign agreement, R = 1).
-PROXY_REPLICAS = (2, 3, 4, 6, 8)
 #: Rows the proxy correlations are measured on (all real codes of the copies schemes at the defaults).
 PROXY_ROWS = 20000
 
@@ -283,21 +275,17 @@ def replicate(
 
 
 def proxy_correlations(signs, scales, y, layout) -> Dict[str, float]:
-    """On the real codes: Pearson correlation of the exact score with what Hamming ranks by.
+    """On the real codes: Pearson correlation of the exact score with what a first pass could rank by.
 
-    ``sign_agreement`` = ``Σ_j sign(y_j)·β_j`` (plain Hamming, ``R = 1``); ``weighted_R<R>`` =
-    ``Σ_j v_j β_j`` with ``v = σ·query_levels(y, R)`` (what a FAISS index with ``R`` replicas
-    ranks by, exactly); ``weighted_agreement`` = ``Σ_j y_j β_j`` (unquantized ``|y|``, the limit
-    ``R → ∞``; still no scales); ``weighted_agreement_x_row_norm`` = that times the row's norm
-    ``sqrt(Σ_u k_u s_iu²)`` (what a first pass that saw the scales could rank by; no Hamming
-    index does). Averaged over the queries.
+    ``sign_agreement`` = ``Σ_j sign(y_j)·β_j`` (Hamming distance on the signs);
+    ``weighted_agreement`` = ``Σ_j y_j β_j`` (``|y|``-weighted, still no scales);
+    ``weighted_agreement_x_row_norm`` = that times the row's norm ``sqrt(Σ_u k_u s_iu²)``. The flat
+    first pass estimates the exact score itself. Averaged over the queries.
     """
     b = unpack_signs(signs, layout)
-    score = rescore(signs, scales, y, layout).astype(np.float64)
+    score = scan_scores(signs, scales, y, layout).astype(np.float64)
     sigma = np.where(y >= 0, 1.0, -1.0)
     proxies = {"sign_agreement": sigma @ b.T}
-    for R in PROXY_REPLICAS:
-        proxies[f"weighted_R{R}"] = (sigma * query_levels(y, R)) @ b.T
     proxies["weighted_agreement"] = y @ b.T
     norms = np.sqrt(scales.astype(np.float64) ** 2 @ np.asarray(layout.k, np.float64))
     proxies["weighted_agreement_x_row_norm"] = proxies["weighted_agreement"] * norms[None, :]
@@ -312,18 +300,11 @@ def exact_top(codes, scales, y, layout, k):
     nq = y.shape[0]
     largest = np.empty((nq, k), np.int64)
     smallest = np.empty((nq, k), np.int64)
-    scan_top_k = _scan_top_k()
-    if scan_top_k is not None:
-        scan_top_k(codes[:4096], scales[:4096], y[:1], layout, k)  # compile / warm up
-        for q in range(nq):
-            largest[q] = scan_top_k(codes, scales, y[q : q + 1], layout, k, smallest=False).largest_indices[0]
-            smallest[q] = scan_top_k(codes, scales, y[q : q + 1], layout, k, largest=False).smallest_indices[0]
-        return largest, smallest, "eogp_index.search.scan.scan_top_k"
+    scan_top_k(codes[:4096], scales[:4096], y[:1], layout, k)  # compile / warm up
     for q in range(nq):
-        s = rescore(codes, scales, y[q : q + 1], layout)[0]
-        largest[q] = np.argsort(-s, kind="stable")[:k]
-        smallest[q] = np.argsort(s, kind="stable")[:k]
-    return largest, smallest, "numpy unpack + matmul (eogp_index.search.scan missing)"
+        largest[q] = scan_top_k(codes, scales, y[q : q + 1], layout, k, smallest=False).largest_indices[0]
+        smallest[q] = scan_top_k(codes, scales, y[q : q + 1], layout, k, largest=False).smallest_indices[0]
+    return largest, smallest, "eogp_index.search.scan.scan_top_k"
 
 
 def exact_times(codes, scales, y, layout, k, repeat: int) -> np.ndarray:
@@ -331,95 +312,65 @@ def exact_times(codes, scales, y, layout, k, repeat: int) -> np.ndarray:
 
     Best of several, because the machine is shared: other processes only ever add time.
     """
-    scan_top_k = _scan_top_k()
     out = np.full(y.shape[0], np.inf)
     for _ in range(repeat):
         for q in range(y.shape[0]):
             t0 = time.perf_counter()
-            if scan_top_k is not None:
-                scan_top_k(codes, scales, y[q : q + 1], layout, k, smallest=False)
-            else:
-                np.argsort(-rescore(codes, scales, y[q : q + 1], layout)[0], kind="stable")[:k]
+            scan_top_k(codes, scales, y[q : q + 1], layout, k, smallest=False)
             out[q] = min(out[q], time.perf_counter() - t0)
     return out
 
 
-def _scan_top_k():
-    try:
-        from eogp_index.search.scan import scan_top_k
-    except ImportError:
-        return None
-    return scan_top_k
-
-
-def candidate_top(cand: FaissFirstPass, codes, scales, yq: np.ndarray, layout, C: int, k: int, negative: bool):
+def candidate_top(cand: FlatFirstPass, codes, scales, yq: np.ndarray, layout, C: int, k: int, negative: bool):
     """One query through the candidate path: ``(top-k rows, seconds, FAISS seconds)``.
 
-    FAISS seconds = weighted query code + search + key→row mapping; the rest is rescoring + top-k.
+    FAISS seconds = search + key→row mapping; the rest is rescoring + top-k.
     """
     t0 = time.perf_counter()
-    code = cand.query_codes(-yq if negative else yq, layout)
-    _, pos = cand.search_with_distances(code, C)
-    rows = pos[0][pos[0] >= 0]
+    _, pos = cand.search_with_distances(-yq if negative else yq, C)
+    rows = np.sort(pos[0][pos[0] >= 0])
     t1 = time.perf_counter()
-    s = rescore(codes, scales, yq, layout, rows=rows)[0]
+    s = scan_scores(codes, scales, yq, layout, rows=rows)[0]
     order = np.argsort(s if negative else -s, kind="stable")[:k]
     top = rows[order]
     return top, time.perf_counter() - t0, t1 - t0
 
 
-def clustered_lines(codes, scales, y, layout, largest, smallest, args, builds) -> List[Dict[str, Any]]:
-    """The ``clustered`` kind (:mod:`eogp_index.search.first_pass.clustered`) on the same codes: a budget of
-    ``--clustered-share`` of the rows per side, one line per ``--clustered-z``; its own exact
-    kernel rescoring is part of the time, as in :func:`candidate_top`."""
-    from eogp_index.search.first_pass import ClusteredConfig, ClusteredFirstPass
-
-    n = codes.shape[0]
-    C = max(TOP, int(args.clustered_share * n))
-    stored = SimpleNamespace(layout=layout)  # what top_k needs without a filter
-    out = []
-    with tempfile.TemporaryDirectory(prefix="eogp-bench-clustered-") as tmp:
-        t0 = time.perf_counter()
-        cand = ClusteredFirstPass.from_codes(codes, scales, layout, ClusteredConfig(), tmp)
-        builds["clustered"] = round(time.perf_counter() - t0, 1)
-        cand.top_k(stored, y[:1], TOP, C, ["positive", "negative"])  # warm-up
-        for z in args.clustered_z:
-            cand.set_search(z=z)
-            recall, recall_neg, times, scanned = [], [], [], []
-            for q in range(y.shape[0]):
-                best = best_of(lambda: cand.top_k(stored, y[q : q + 1], TOP, C, ["positive"])["positive"], args.repeat)
-                found = best.value
-                times.append(best.seconds)
-                scanned.append(found[2] / n)
-                recall.append(len(np.intersect1d(found[0][:TOP].astype(np.int64), largest[q])) / TOP)
-                neg = cand.top_k(stored, y[q : q + 1], TOP, C, ["negative"])["negative"]
-                recall_neg.append(len(np.intersect1d(neg[0][:TOP].astype(np.int64), smallest[q])) / TOP)
-            seconds = float(np.mean(times))
-            row = {
-                "kind": "clustered",
-                "replicas": 1,
-                "C": C,
-                "recall_at_20": round(float(np.mean(recall)), 4),
-                "min_recall_at_20": round(float(np.min(recall)), 4),
-                "recall_at_20_negative": round(float(np.mean(recall_neg)), 4),
-                "ms_per_query": round(1000 * seconds, 2),
-                "faiss_ms_per_query": 0.0,
-                "speedup": None,
-                "params": {
-                    "scale_cells": cand.config.scale_cells,
-                    "z": z,
-                    "rows_scanned": round(float(np.mean(scanned)), 4),
-                },
-            }
-            out.append(row)
-            if args.verbose:
-                print(
-                    f"clustered z={z}: recall {row['recall_at_20']} / {row['recall_at_20_negative']}, "
-                    f"{row['ms_per_query']} ms",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    return out
+def flat_lines(codes, scales, y, layout, largest, smallest, args, builds, exact_seconds) -> List[Dict[str, Any]]:
+    """The flat first pass over the store's codes: one line per ``--query-bits`` and ``C``."""
+    t0 = time.perf_counter()
+    cand = FlatFirstPass.from_codes(codes, scales, layout, [f"row-{i}" for i in range(codes.shape[0])], FlatConfig())
+    builds["flat"] = round(time.perf_counter() - t0, 1)
+    candidate_top(cand, codes, scales, y[:1], layout, 10, TOP, False)  # warm-up
+    results = []
+    for bits, C in [(b, c) for b in args.query_bits for c in args.C if c <= codes.shape[0]]:
+        cand.set_search(query_bits=bits)
+        recall, recall_neg, times, faiss_times = [], [], [], []
+        for q in range(y.shape[0]):
+            runs = [candidate_top(cand, codes, scales, y[q : q + 1], layout, C, TOP, False) for _ in range(args.repeat)]
+            top, seconds, faiss_seconds = min(runs, key=lambda r: r[1])
+            times.append(seconds)
+            faiss_times.append(faiss_seconds)
+            recall.append(len(np.intersect1d(top, largest[q])) / TOP)
+            top_neg, _, _ = candidate_top(cand, codes, scales, y[q : q + 1], layout, C, TOP, True)
+            recall_neg.append(len(np.intersect1d(top_neg, smallest[q])) / TOP)
+        seconds = float(np.mean(times))
+        row = {
+            "kind": "flat",
+            "C": C,
+            "recall_at_20": round(float(np.mean(recall)), 4),
+            "min_recall_at_20": round(float(np.min(recall)), 4),
+            "recall_at_20_negative": round(float(np.mean(recall_neg)), 4),
+            "ms_per_query": round(1000 * seconds, 2),
+            "faiss_ms_per_query": round(1000 * float(np.mean(faiss_times)), 2),
+            "speedup": round(exact_seconds / seconds, 2),
+            "params": {**cand.build_params, "query_bits": bits},
+        }
+        row["meets_target"] = row["recall_at_20"] >= TARGET_RECALL and row["speedup"] >= TARGET_SPEEDUP
+        results.append(row)
+        if args.verbose:
+            print(render_row(row) + " (provisional speed-up)", file=sys.stderr, flush=True)
+    return results
 
 
 def run(args) -> Dict[str, Any]:
@@ -467,69 +418,8 @@ def run(args) -> Dict[str, Any]:
                 "max": int(np.max(distinct)),
             }
         }
-    ids = [f"row-{i}" for i in range(args.rows)]
-    results: List[Dict[str, Any]] = []
     builds: Dict[str, float] = {}
-    for kind in args.kinds.split(","):
-        if kind == "clustered":
-            results.extend(clustered_lines(codes, big_scales, y, layout, largest, smallest, args, builds))
-            continue
-        for replicas in args.replicas:
-            options = dict(
-                replicas=replicas,
-                nlist=args.nlist,
-                nprobe=args.nprobe[0],
-                hnsw_m=args.hnsw_m,
-                ef_search=args.ef_search,
-                ef_construction=args.ef_construction,
-                train_points_per_list=args.train_points_per_list,
-                use_gpu="auto",
-            )
-            first_pass = kind_class(kind)
-            own = {f.name for f in dataclasses.fields(first_pass.Config)}
-            config = first_pass.Config(**{key: value for key, value in options.items() if key in own})
-            t0 = time.perf_counter()
-            cand = first_pass.from_codes(codes, ids, config)
-            builds[f"{kind} R={replicas}"] = round(time.perf_counter() - t0, 1)
-            candidate_top(cand, codes, big_scales, y[:1], layout, 10, TOP, False)  # warm-up
-            for nprobe, C in [(p, c) for p in (args.nprobe if kind == "ivf" else [None]) for c in args.C]:
-                if C > args.rows:
-                    continue
-                if nprobe is not None:
-                    cand.set_search(nprobe=nprobe)
-                recall, recall_neg, times, faiss_times = [], [], [], []
-                for q in range(y.shape[0]):
-                    best = min(
-                        (
-                            candidate_top(cand, codes, big_scales, y[q : q + 1], layout, C, TOP, False)
-                            for _ in range(args.repeat)
-                        ),
-                        key=lambda r: r[1],
-                    )
-                    top, seconds, faiss_seconds = best
-                    times.append(seconds)
-                    faiss_times.append(faiss_seconds)
-                    recall.append(len(np.intersect1d(top, largest[q])) / TOP)
-                    top_neg, _, _ = candidate_top(cand, codes, big_scales, y[q : q + 1], layout, C, TOP, True)
-                    recall_neg.append(len(np.intersect1d(top_neg, smallest[q])) / TOP)
-                seconds = float(np.mean(times))
-                row = {
-                    "kind": kind,
-                    "replicas": replicas,
-                    "C": C,
-                    "recall_at_20": round(float(np.mean(recall)), 4),
-                    "min_recall_at_20": round(float(np.min(recall)), 4),
-                    "recall_at_20_negative": round(float(np.mean(recall_neg)), 4),
-                    "ms_per_query": round(1000 * seconds, 2),
-                    "faiss_ms_per_query": round(1000 * float(np.mean(faiss_times)), 2),
-                    "speedup": round(exact_seconds / seconds, 2),
-                    "params": {**cand.meta["params"], **({"nprobe": nprobe} if nprobe else {})},
-                }
-                row["meets_target"] = row["recall_at_20"] >= TARGET_RECALL and row["speedup"] >= TARGET_SPEEDUP
-                results.append(row)
-                if args.verbose:
-                    print(render_row(row) + " (provisional speed-up)", file=sys.stderr, flush=True)
-            del cand
+    results = flat_lines(codes, big_scales, y, layout, largest, smallest, args, builds, exact_seconds)
     # The exact scan once more, best per query of both rounds: a burst of load from other processes
     # during the first round would otherwise inflate every speed-up.
     load.append(round(os.getloadavg()[0], 2))
@@ -570,10 +460,9 @@ def run(args) -> Dict[str, Any]:
 
 
 def render_row(r: Dict[str, Any]) -> str:
-    shown = ("nlist", "nprobe", "hnsw_m", "ef_construction", "scale_cells", "z", "rows_scanned")
-    params = ",".join(f"{k}={v}" for k, v in r["params"].items() if k in shown)
+    params = ",".join(f"{k}={v}" for k, v in r["params"].items())
     return (
-        f"{r['kind']:<5} R={r['replicas']:<2} {params:<24} C={r['C']:<6} recall@20 {r['recall_at_20']:.3f} "
+        f"{r['kind']:<5} {params:<32} C={r['C']:<6} recall@20 {r['recall_at_20']:.3f} "
         f"(min {r['min_recall_at_20']:.2f}, negative {r['recall_at_20_negative']:.3f})  "
         f"{r['ms_per_query']:7.2f} ms (FAISS {r['faiss_ms_per_query']:6.2f})  speed-up {r['speedup']:6.2f}x  "
         f"{'ok' if r['meets_target'] else 'MISSED'}"
@@ -608,11 +497,9 @@ def render(result: Dict[str, Any]) -> str:
         f"{result['timing_repeats']} per query (exact: of two rounds of that, before and after the FAISS lines); "
         f"load average {result['load_average_1min'][0]} before, {result['load_average_1min'][1]} after",
         f"FAISS build seconds: {result['build_seconds']}",
-        "on the real codes, corr(score, proxy): sign agreement (plain Hamming, R=1) "
-        f"{p['sign_agreement']}; weighted Hamming "
-        + ", ".join(f"R={R} {p[f'weighted_R{R}']}" for R in PROXY_REPLICAS)
-        + f"; unquantized |y|-weighted agreement {p['weighted_agreement']} (none sees the per-row scales; "
-        f"times the row norm, which Hamming cannot see: {p['weighted_agreement_x_row_norm']})",
+        "on the real codes, corr(score, proxy): sign agreement (Hamming on the signs) "
+        f"{p['sign_agreement']}; |y|-weighted agreement {p['weighted_agreement']} (neither sees the "
+        f"per-row scales; times the row norm: {p['weighted_agreement_x_row_norm']})",
         f"target: recall@20 >= {result['targets']['recall_at_20']} at speed-up >= {result['targets']['speedup']}x",
         "",
     ]
@@ -659,39 +546,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the replicated store")
     parser.add_argument("--flip", type=float, default=0.05, help="per-bit flip probability of each copy")
     parser.add_argument("--scale-jitter", type=float, default=0.1, help="sigma of the log-normal scale jitter")
-    parser.add_argument("--C", type=int, nargs="+", default=[500, 1000, 2000, 5000], help="candidates")
+    parser.add_argument("--C", type=int, nargs="+", default=[100, 200, 500], help="candidates")
     parser.add_argument(
-        "--kinds",
-        default="ivf,hnsw,flat,clustered",
-        help="FAISS kinds (flat, ivf, hnsw) and the clustered copy (clustered)",
+        "--query-bits", type=int, nargs="+", default=[8], help="the flat first pass's query bits (one line each)"
     )
-    parser.add_argument(
-        "--clustered-share",
-        type=float,
-        default=0.1,
-        help="clustered: the budget of rows scanned per side, as a share of the rows",
-    )
-    parser.add_argument(
-        "--clustered-z", type=float, nargs="+", default=[3.0, 4.0, 5.0], help="clustered: z values, one line each"
-    )
-    parser.add_argument(
-        "--replicas",
-        type=int,
-        nargs="+",
-        default=[1, 4],
-        help="replicas per sign bit in FAISS (one build each; 1 = plain Hamming; default: 1 and 4)",
-    )
-    parser.add_argument(
-        "--nlist",
-        type=int,
-        default=1024,
-        help="IVF lists (library default 4*sqrt(n) = 4000 at 1M rows takes long to train here)",
-    )
-    parser.add_argument("--train-points-per-list", type=int, default=40, help="IVF k-means sample per list")
-    parser.add_argument("--nprobe", type=int, nargs="+", default=[64, 256], help="IVF lists probed (one line each)")
-    parser.add_argument("--hnsw-m", type=int, default=16)
-    parser.add_argument("--ef-search", type=int, default=128)
-    parser.add_argument("--ef-construction", type=int, default=20, help="HNSW build beam (library default 40)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeat", type=int, default=3, help="timings per query; the best counts (shared machines)")
     parser.add_argument(

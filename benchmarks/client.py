@@ -2,7 +2,7 @@
 """Queries over millions of rows as users make them: open, first query, filters, batches, candidates.
 
 For each store size of ``--rows`` (default ``1e6``; ``--rows 1e6,1e7`` adds 10M rows: 2.7 GB of
-codes plus the table on disk; ``--first-pass-only`` measures just the clustered first pass on
+codes plus the table on disk; ``--first-pass-only`` measures just the flat first pass on
 the drawn codes) one run:
 
 1. **A store of modelled codes.** Real codes come from the demo index (``--demo``, made by
@@ -30,7 +30,7 @@ the drawn codes) one run:
    it; warm queries;
    filters selecting 0.1%, 1% and 25% of the rows, each fresh (a filter string the process has
    not seen) and repeated, without and then with scalar indexes (BTREE on ``bucket``, BITMAP on
-   ``topic``); a batch of 64 queries; the ``clustered`` candidates (build time, recall@20
+   ``topic``); a batch of 64 queries; the ``flat`` candidates (build time, recall@20
    against the exact scan of the same rows and speed-up, in both directions); the process's
    peak RSS. Every figure is given end to end and as *search* (everything after the query's
    projected gradient exists: filter, scan, top-k, the rows' metadata), each also as a ratio
@@ -544,7 +544,7 @@ def duplicates(index, Y) -> Dict[str, Any]:
 
 
 def first_pass_line(
-    z: float,
+    z: int,
     side: str,
     exact_s: Sequence[float],
     cand_s: Sequence[float],
@@ -555,7 +555,7 @@ def first_pass_line(
     candidates' seconds, recall@20 and the share of rows scanned."""
     speedup = float(np.mean(exact_s)) / float(np.mean(cand_s))
     return {
-        "z": z,
+        "query_bits": z,
         "side": side,
         "recall_at_20": round(float(np.mean(recall)), 4),
         "min_recall": round(float(np.min(recall)), 2),
@@ -568,24 +568,20 @@ def first_pass_line(
 
 
 def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
-    """Build the clustered candidates; recall@20 and speed-up against the exact scan, both sides,
-    for each ``z`` of ``--z`` (the exact answers and times are measured once per query and side)."""
-    from eogp_index.search.first_pass import ClusteredConfig, build, open_first_pass
+    """Build the flat candidates; recall@20 and speed-up against the exact scan, both sides,
+    for each ``--query-bits`` (the exact answers and times are measured once per query and side)."""
+    from eogp_index.search.first_pass import FlatConfig, build, open_first_pass
 
     t = time.perf_counter()
-    build(index.stored, "bench", ClusteredConfig(), progress=False)
+    build(index.stored, "bench", FlatConfig(), progress=False)
     build_s = time.perf_counter() - t
     C = max(TOP, int(args.candidate_share * n))
     cand = open_first_pass(index.stored, "bench")
     out: Dict[str, Any] = {
         "build_s": round(build_s, 1),
         "C": C,
-        "kind": "clustered",
-        "params": {
-            "scale_cells": cand.config.scale_cells,
-            "lists": cand.config.lists,
-            "first_fraction": cand.config.first_fraction,
-        },
+        "kind": "flat",
+        "params": cand.build_params,
         "lines": [],
     }
     Y = index.query_coordinates(texts[:nq])
@@ -602,8 +598,8 @@ def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
         for side in ("positive", "negative")
         for q in range(nq)
     }
-    for z in args.z:
-        cand.set_search(z=z)
+    for z in args.query_bits:
+        cand.set_search(query_bits=z)
         for side in ("positive", "negative"):
             cand_t, recall, scanned = [], [], []
             for q in range(nq):
@@ -618,65 +614,63 @@ def candidates(index, texts, nq, n, args) -> Dict[str, Any]:
 
 
 def first_pass_only(codes, scales, layout, Y: np.ndarray, work: Path, args) -> Dict[str, Any]:
-    """``--first-pass-only``: the clustered first pass straight over the drawn codes (no table).
+    """``--first-pass-only``: the flat first pass straight over the drawn codes (no table).
 
-    The same :class:`~eogp_index.search.first_pass.ClusteredFirstPass` as ``build-candidates --kind
-    clustered`` builds, made with :meth:`~ClusteredFirstPass.from_codes` from the memory-mapped codes
-    (row ``i`` has address ``i``), against the exact kernel the hot searcher runs
-    (:func:`~eogp_index.search.scan.scan_top_k`) over the same rows; per query and side, the best
-    of ``--repeat`` times each. Neither side fetches the rows' metadata (the full run's lines
-    do, on both sides alike), so the speed-up here is the kernels' alone.
+    The same :class:`~eogp_index.search.first_pass.FlatFirstPass` as ``build-candidates``
+    builds, made with :meth:`~FlatFirstPass.from_codes` from the memory-mapped codes (row ``i``
+    has position ``i``): FAISS's ``C`` best estimates, rescored by the exact kernel
+    (:func:`~eogp_index.search.scan.scan_scores`), against the exact kernel the hot searcher
+    runs (:func:`~eogp_index.search.scan.scan_top_k`) over the same rows; per query and side, the
+    best of ``--repeat`` times each. Neither side fetches the rows' metadata (the full run's
+    lines do, on both sides alike), so the speed-up here is the kernels' alone.
     """
-    from eogp_index.search.first_pass import ClusteredConfig, ClusteredFirstPass
-    from eogp_index.search.scan import scan_top_k
+    from eogp_index.search.first_pass import FlatConfig, FlatFirstPass
+    from eogp_index.search.scan import scan_scores, scan_top_k
 
     n = codes.shape[0]
     C = max(TOP, int(args.candidate_share * n))
     t = time.perf_counter()
-    cand = ClusteredFirstPass.from_codes(
-        codes, scales, layout, ClusteredConfig(), work / f"first-pass-{n}", name="bench"
-    )
+    cand = FlatFirstPass.from_codes(codes, scales, layout, [str(i) for i in range(n)], FlatConfig(), name="bench")
     out: Dict[str, Any] = {
         "rows": n,
         "build_s": round(time.perf_counter() - t, 1),
         "C": C,
-        "params": {
-            "scale_cells": cand.config.scale_cells,
-            "lists": cand.config.lists,
-            "first_fraction": cand.config.first_fraction,
-        },
+        "params": cand.build_params,
         "lines": [],
     }
 
-    class CodesOnly:  # all ClusteredFirstPass.top_k reads of a store when no filter is given
-        pass
-
-    stored = CodesOnly()
-    stored.layout = layout
+    def top(y: np.ndarray, side: str):
+        _, positions = cand.search_with_distances(y if side == "positive" else -y, C)
+        rows = np.sort(positions[0][positions[0] >= 0])
+        scores = scan_scores(codes, scales, y, layout, rows=rows)[0]
+        return rows[np.argsort(-scores if side == "positive" else scores, kind="stable")[:TOP]], rows.size
 
     nq = min(args.queries, Y.shape[0])
     exact = {}
     for side in ("positive", "negative"):
         largest = side == "positive"
         for q in range(nq):
-            seconds, _, top = best_of(
+            seconds, _, found = best_of(
                 lambda: scan_top_k(codes, scales, Y[q : q + 1], layout, TOP, largest=largest, smallest=not largest),
                 args.repeat,
             )
-            exact[(side, q)] = (seconds, set((top.largest_indices if largest else top.smallest_indices)[0].tolist()))
+            exact[(side, q)] = (
+                seconds,
+                set((found.largest_indices if largest else found.smallest_indices)[0].tolist()),
+            )
         print(f"  exact {side} done", file=sys.stderr, flush=True)
-    for z in args.z:
-        cand.set_search(z=z)
+    for z in args.query_bits:
+        cand.set_search(query_bits=z)
         for side in ("positive", "negative"):
             times, recall, scanned = [], [], []
             for q in range(nq):
-                seconds, _, found = best_of(lambda: cand.top_k(stored, Y[q : q + 1], TOP, C, [side])[side], args.repeat)
+                seconds, _, (rows, scored) = best_of(lambda: top(Y[q : q + 1], side), args.repeat)
                 times.append(seconds)
-                recall.append(len(exact[(side, q)][1] & set(found[0][:TOP].astype(np.int64).tolist())) / TOP)
-                scanned.append(found[2] / n)
+                recall.append(len(exact[(side, q)][1] & set(rows.tolist())) / TOP)
+                scanned.append(scored / n)
             exact_s = [exact[(side, q)][0] for q in range(nq)]
             out["lines"].append(first_pass_line(z, side, exact_s, times, recall, scanned))
-            print(f"  z={z} {side}: {out['lines'][-1]}", file=sys.stderr, flush=True)
+            print(f"  query_bits={z} {side}: {out['lines'][-1]}", file=sys.stderr, flush=True)
     shutil.rmtree(work / f"first-pass-{n}", ignore_errors=True)
     return out
 
@@ -736,7 +730,7 @@ def render(result: Dict[str, Any]) -> str:
             lines.append(f"candidates ({c['kind']}, {c['params']}), built in {c['build_s']}s, C = {c['C']:,} rows:")
             for x in c["lines"]:
                 lines.append(
-                    f"  z={x['z']:<4} {x['side']:8s} recall@20 {x['recall_at_20']:.3f} "
+                    f"  query_bits={x['query_bits']:<2} {x['side']:8s} recall@20 {x['recall_at_20']:.3f} "
                     f"(min {x['min_recall']:.2f}), "
                     f"{x['rows_scanned_share']:.1%} of rows scanned, {x['candidates_search_ms']} ms "
                     f"({x['candidates_search_ms'] / r['warm_search_ms']:.3f}x the warm search) vs exact "
@@ -756,7 +750,7 @@ def render_first_pass(runs: List[Dict[str, Any]]) -> str:
         )
         for x in c["lines"]:
             lines.append(
-                f"  z={x['z']:<4} {x['side']:8s} recall@20 {x['recall_at_20']:.3f} "
+                f"  query_bits={x['query_bits']:<2} {x['side']:8s} recall@20 {x['recall_at_20']:.3f} "
                 f"(min {x['min_recall']:.2f}), "
                 f"{x['rows_scanned_share']:.1%} of rows scanned, {x['candidates_search_ms']} ms vs exact "
                 f"{x['exact_search_ms']} ms: speed-up {x['speedup']}x  "
@@ -793,17 +787,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="C, the candidates' budget of rows per side, as a share of the rows",
     )
     parser.add_argument(
-        "--z",
-        type=float,
+        "--query-bits",
+        type=int,
         nargs="+",
-        default=[3.0, 4.0, 5.0],
-        help="the clustered candidates' z values to measure (the index default is 4)",
+        default=[8],
+        help="the flat first pass's query bits to measure (the default is 8)",
     )
     parser.add_argument("--no-candidates", action="store_true")
     parser.add_argument(
         "--first-pass-only",
         action="store_true",
-        help="only the clustered first pass against the exact kernel, straight over the drawn codes "
+        help="only the flat first pass against the exact kernel, straight over the drawn codes "
         "(no table, no AttributionIndex; first_pass_only)",
     )
     parser.add_argument(
@@ -881,8 +875,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             str(args.candidate_share),
             "--torch-threads",
             str(args.torch_threads),
-            "--z",
-            *[str(z) for z in args.z],
+            "--query-bits",
+            *[str(z) for z in args.query_bits],
         ] + (["--no-candidates"] if args.no_candidates else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -20,12 +20,14 @@ folder (``--cache``, default ``real-codes/`` under ``$EOGP_BENCH_CACHE`` or ``~/
   command per shard. Every step is skipped when its output is there and ingest skips stored
   rows, so the same command resumes a killed build and grows a smaller one to ``--docs``.
 
-``measure`` projects the held-out documents (``--queries`` of them) with the index's model and,
+``measure`` projects the held-out documents (``--queries`` of them) with the index's model (from
+``--model``, the shipped one by default: a cached index may name a checkout that is gone) and,
 for each first-pass kind (``eogp build-candidates --kind``, built with its default configuration
-as ``bench-<kind>`` in the index), each budget ``C`` (``--budgets``, multiples of
-``k = 20``) and each side, reports the share of the exact one-bit top-20 (the exact scan of
-every row) found in the candidate answer, and the time per query side by side with the exact
-scan's (each query's best of ``--repeat``)::
+or the one parameter given, as ``bench-<kind>`` in the index), each budget ``C``
+(``--budgets``, multiples of ``k = 20``) and each side, reports the share of the exact one-bit
+top-20 (the exact scan of every row) found in the candidate answer, and the time of one query
+(both sides) side by side with the exact scan's (the median over the queries of each query's
+best of ``--repeat``)::
 
     python benchmarks/real_codes.py build                    # 100k documents ingested; resumes
     python benchmarks/real_codes.py build --docs 20000       # fewer
@@ -266,7 +268,7 @@ def measure(args) -> Dict[str, Any]:
     from eogp_index.search.scan import scan_top_k
 
     cache = Path(args.cache)
-    index = AttributionIndex.open(str(cache / "index"))
+    index = AttributionIndex.open(str(cache / "index"), model_name=args.model)
     stored = index.stored
     hot = stored.hot_codes()
     texts = _queries(cache, args.queries)
@@ -284,8 +286,8 @@ def measure(args) -> Dict[str, Any]:
     exact_ms = per_query(lambda yq: scan_top_k(hot.codes, hot.scales, yq, stored.layout, k))
     lines = []
     for spec in args.kinds:
-        kind, _, param = spec.partition(":")  # e.g. flat:replicas=4
-        options = {param.split("=")[0]: int(param.split("=")[1])} if param else {}
+        kind, _, param = spec.partition(":")
+        options = {param.split("=")[0]: int(param.split("=")[1])} if param else {}  # e.g. flat:query_bits=4
         name = f"bench-{kind}" + (f"-{param.replace('=', '')}" if param else "")
         t0 = time.perf_counter()
         built = first_pass.build(stored, name, first_pass.make_config(kind, **options), progress=False)
@@ -335,13 +337,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     m = sub.add_parser("measure", help="recall and time of every first-pass kind")
     m.add_argument("--queries", type=int, default=64)
     m.add_argument("-k", type=int, default=20)
-    m.add_argument("--budgets", type=lambda s: [int(v) for v in s.split(",")], default=[5, 10, 25, 50])
+    m.add_argument("--budgets", type=lambda s: [int(v) for v in s.split(",")], default=[5, 10, 25])
     m.add_argument(
         "--kinds",
         type=lambda s: s.split(","),
-        default=["flat", "ivf", "hnsw", "clustered", "flat:replicas=4"],
-        help="first-pass kinds at their defaults, or with one build parameter (kind:name=value)",
+        default=["flat", "flat:query_bits=4"],
+        help="first-pass kinds at their defaults, or with one integer parameter (kind:name=value)",
     )
+    m.add_argument("--model", default=str(MODEL), help="the index's model (its weights must hash as the manifest's)")
     m.add_argument("--repeat", type=int, default=3)
     common.add_json_argument(m)
     for p in (b, m):

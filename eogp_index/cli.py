@@ -958,6 +958,11 @@ class FirstPassKind(click.ParamType):
         return "[" + "|".join(self.kinds()) + "]"
 
     def convert(self, value, param, ctx) -> str:
+        from eogp_index.search.first_pass import RETIRED_KINDS
+
+        if value in RETIRED_KINDS:
+            why = RETIRED_KINDS[value]
+            self.fail(f"the {value!r} first pass is retired: {why}; choose from {', '.join(self.kinds())}", param, ctx)
         if value not in self.kinds():
             self.fail(f"{value!r} is not a first-pass kind; choose from {', '.join(self.kinds())}", param, ctx)
         return value
@@ -970,19 +975,10 @@ class FirstPassKind(click.ParamType):
     type=FirstPassKind(),
     default="flat",
     show_default=True,
-    help="Which first pass: clustered groups the codes by scale profile and scans the promising "
-    "cells exactly (--candidates is then its budget of rows); flat, ivf and hnsw are FAISS "
-    "binary indexes over the signs (exact Hamming, inverted lists, a graph).",
+    help="Which first pass: flat has FAISS scan a RaBitQ code of every row (the decoded one-bit code, "
+    "scales included) by inner product and rescores the best --candidates exactly.",
 )
 @click.option("--name", default="default", show_default=True, help="Name of the first pass in the index directory.")
-@click.option(
-    "--replicas",
-    type=click.IntRange(1, 16),
-    default=None,
-    help="FAISS kinds: copies of each sign bit, so that queries weight coordinates by |y| "
-    "(1 = plain Hamming; FAISS memory and search time grow with it). Build only; "
-    "default 1; 4 raises recall at a given --candidates.",
-)
 @click.option("--extend", "extend_only", is_flag=True, help="Only add rows ingested since the last build.")
 @click.option(
     "--recall-candidates",
@@ -993,12 +989,12 @@ class FirstPassKind(click.ParamType):
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_fail_cleanly
-def build_candidates(index_dir, kind, name, replicas, extend_only, recall_candidates, as_json):
+def build_candidates(index_dir, kind, name, extend_only, recall_candidates, as_json):
     """Build (or extend) a first pass over the stored signs for `query --candidates`.
 
     A first pass picks candidates per query side; only those are scored
-    exactly. The FAISS flat kind searches on the GPU when a GPU FAISS build
-    and a GPU are present. `eogp build-faiss` is the same command.
+    exactly. The kinds ivf, hnsw and clustered are retired: rebuild their
+    files with --kind flat. `eogp build-faiss` is the same command.
 
     After the build it measures its recall: the share of the exact top-20
     (both sides) found among --recall-candidates candidates, with a sample of stored rows'
@@ -1007,8 +1003,8 @@ def build_candidates(index_dir, kind, name, replicas, extend_only, recall_candid
 
     \b
     Example:
-        eogp build-candidates my-index --kind clustered
-        eogp query my-index --text "Parse a CSV file." --candidates 2000
+        eogp build-candidates my-index
+        eogp query my-index --text "Parse a CSV file." --candidates 100
     """
     from eogp_index.search import first_pass
     from eogp_index.search.first_pass.recall import RECALL_TARGET
@@ -1021,8 +1017,7 @@ def build_candidates(index_dir, kind, name, replicas, extend_only, recall_candid
         built = built.refresh(index, progress=not as_json)
         added = built.ntotal - before
     else:
-        options = {} if replicas is None else {"replicas": replicas}
-        built = first_pass.build(index, name, first_pass.make_config(kind, **options), progress=not as_json)
+        built = first_pass.build(index, name, first_pass.make_config(kind), progress=not as_json)
         added = built.ntotal
     params = built.build_params
     recall = built.record_recall(index, C=recall_candidates)
@@ -1040,8 +1035,8 @@ def build_candidates(index_dir, kind, name, replicas, extend_only, recall_candid
     if recall.below_target:
         click.echo(
             f"warning: first pass {name!r} ({built.kind}) finds {recall.recall:.3f} of the exact top-{recall.k} at "
-            f"{recall.candidates} candidates, below {RECALL_TARGET}: query it with more --candidates, or build "
-            "another kind (docs/querying.md#first-passes)",
+            f"{recall.candidates} candidates, below {RECALL_TARGET}: query it with more --candidates "
+            "(docs/querying.md#first-passes)",
             err=True,
         )
 
@@ -1053,7 +1048,7 @@ cli.add_command(
         params=build_candidates.params,
         hidden=True,
         help="The former name of `eogp build-candidates`, kept as an alias: the same options and result.\n\n"
-        "\b\nExample:\n    eogp build-faiss my-index --kind hnsw",
+        "\b\nExample:\n    eogp build-faiss my-index --kind flat",
     )
 )
 

@@ -202,7 +202,7 @@ def test_faiss_candidates_over_rotated_codes_equal_the_exact_scan(indexes, tmp_p
     copy = AttributionIndex.open(
         path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8)
     )
-    build(copy, "flat", FlatConfig(replicas=4), progress=False)
+    build(copy, "flat", FlatConfig(), progress=False)
     n = copy.store.count()
     for direction in ("positive", "negative", "both"):
         exact = copy.top_influential(_queries()[0], k=5, direction=direction)

@@ -3,12 +3,12 @@
 One interface (:class:`~eogp_index.search.first_pass.base.FirstPass`), one class per kind, each
 with its own frozen configuration, registered once under its name:
 
-==============  ===========================  ====================================================
-``flat``        :class:`FlatFirstPass`       FAISS exhaustive Hamming on replicated signs
-``ivf``         :class:`IVFFirstPass`        FAISS inverted lists of a binary k-means
-``hnsw``        :class:`HNSWFirstPass`       FAISS graph
-``clustered``   :class:`ClusteredFirstPass`  the codes grouped by scale profile, cells scanned exactly
-==============  ===========================  ====================================================
+==========  =======================  ===============================================================
+``flat``    :class:`FlatFirstPass`   FAISS RaBitQ fast scan of the decoded codes, by inner product
+==========  =======================  ===============================================================
+
+The kinds ``ivf``, ``hnsw`` and ``clustered`` are retired (``base.RETIRED_KINDS``): their files
+are refused with the command that rebuilds them as ``flat``.
 
 Built with ``eogp build-candidates --kind`` (or :func:`build`), used by ``query.candidates(C)``
 (:func:`candidate_top_k`). Every answer carries exact scores; what a first pass can miss is
@@ -27,6 +27,8 @@ import numpy as np
 
 from eogp_index.errors import ConfigError
 from eogp_index.search.first_pass.base import (
+    DEFAULT_KIND,
+    RETIRED_KINDS,
     FirstPass,
     FirstPassConfig,
     SideAnswer,
@@ -36,29 +38,15 @@ from eogp_index.search.first_pass.base import (
     make_config,
     require_signs,
 )
-from eogp_index.search.first_pass.clustered import ClusteredConfig, ClusteredFirstPass
-from eogp_index.search.first_pass.faiss_binary import (
-    FaissFirstPass,
-    FlatConfig,
-    FlatFirstPass,
-    HNSWConfig,
-    HNSWFirstPass,
-    IVFConfig,
-    IVFFirstPass,
-)
+from eogp_index.search.first_pass.faiss_flat import FlatConfig, FlatFirstPass
 
 __all__ = [
     "FirstPass",
     "FirstPassConfig",
-    "FaissFirstPass",
     "FlatFirstPass",
     "FlatConfig",
-    "IVFFirstPass",
-    "IVFConfig",
-    "HNSWFirstPass",
-    "HNSWConfig",
-    "ClusteredFirstPass",
-    "ClusteredConfig",
+    "DEFAULT_KIND",
+    "RETIRED_KINDS",
     "kinds",
     "kind_class",
     "class_for",
@@ -80,7 +68,7 @@ def build(index, name: str = "default", config: FirstPassConfig = FlatConfig(), 
         index: a :class:`~eogp_index.store.stored_index.StoredIndex` (or an opened index) with
             ``precision="1bit"``.
         name: saved as ``<index>/faiss/<name>.*``.
-        config: a kind's configuration (:class:`FlatConfig`, :class:`ClusteredConfig`, ...).
+        config: a kind's configuration (:class:`FlatConfig`).
 
     Raises:
         IncompatibleIndexError: the index stores coordinates, not signs.

@@ -7,7 +7,7 @@ its own frozen configuration class ``Config`` (a :class:`FirstPassConfig`). Ever
 a kind up here (:func:`kind_class`, :func:`class_for`); nothing compares kind names.
 
 Every kind keeps its files in ``<index>/faiss/<name>.*`` (the folder's name is part of the
-on-disk format, older than the clustered kind) and writes ``<name>.json`` last: it commits a
+on-disk format, older than the kinds) and writes ``<name>.json`` last: it commits a
 build. The JSON's ``kind`` says which class opens the files, its ``format`` and
 ``format_version`` which layout they have (schemas/index.md).
 """
@@ -19,7 +19,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Type, Union
 
 from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError
 from eogp_index.version import __version__
@@ -34,6 +34,13 @@ BUILD_COMMAND = "eogp build-candidates"
 
 #: ``kind`` → its class, filled by :meth:`FirstPass.__init_subclass__`.
 _KINDS: Dict[str, Type["FirstPass"]] = {}
+#: The kind :func:`~eogp_index.search.first_pass.build` and ``eogp build-candidates`` build by default.
+DEFAULT_KIND = "flat"
+#: Kinds this eogp-index no longer builds or opens, with why (for the message that asks for a rebuild).
+RETIRED_KINDS: Dict[str, str] = {
+    kind: "on real gradient codes it does not find 95% of the exact top 20 among 5 × 20 candidates (docs/benchmarks.md)"
+    for kind in ("ivf", "hnsw", "clustered")
+}
 
 #: What :meth:`FirstPass.top_k` returns per side: row addresses ``(r,)`` uint64, their exact
 #: scores ``(r,)`` float32, and how many rows were scored exactly to find them.
@@ -89,6 +96,10 @@ def kind_class(kind: str) -> Type["FirstPass"]:
     try:
         return _KINDS[kind]
     except KeyError:
+        if kind in RETIRED_KINDS:
+            raise ConfigError(
+                f"the {kind!r} first pass is retired: {RETIRED_KINDS[kind]}. Use --kind {DEFAULT_KIND}"
+            ) from None
         raise ConfigError(f"unknown first-pass kind {kind!r}; the kinds are {list(_KINDS)}") from None
 
 
@@ -131,11 +142,6 @@ def require_signs(stored) -> None:
             f"{stored.manifest.precision!r} coordinates. Use the exact scan (no candidates) or build a "
             "1-bit index (--precision 1bit)"
         )
-
-
-def fragment_keys(dataset) -> List[List[int]]:
-    """``[[fragment id, physical rows, deleted rows], ...]`` of a dataset version (metadata only)."""
-    return sorted([int(f.fragment_id), int(f.physical_rows), int(f.num_deletions)] for f in dataset.get_fragments())
 
 
 def load_faiss():
@@ -257,6 +263,12 @@ class FirstPass(ABC):
                 f"{meta_path} is not JSON ({exc}); rebuild it with `{BUILD_COMMAND} {index_dir} --name {name}`"
             ) from exc
         found = _KINDS.get(meta.get("kind"))
+        if meta.get("kind") in RETIRED_KINDS:
+            raise IncompatibleIndexError(
+                f"{meta_path}: a first pass of kind {meta['kind']!r}, which is retired "
+                f"({RETIRED_KINDS[meta['kind']]}); rebuild it with "
+                f"`{BUILD_COMMAND} {index_dir} --kind {DEFAULT_KIND} --name {name}`"
+            )
         if found is None:
             raise IncompatibleIndexError(
                 f"{meta_path}: a first pass of kind {meta.get('kind')!r}, which this eogp-index does not know "

@@ -1,8 +1,8 @@
 """The recall a first pass reaches: the share of the exact one-bit top-``k`` its answer holds.
 
 The exact answer is the exact scan of every stored row (:func:`~eogp_index.search.scan.scan_top_k`
-over the hot copy); the first pass's answer is its :meth:`FirstPass.top_k` with budget ``C``,
-each side's best ``k`` rows of that side's sign, as the ranking keeps them. Both sides count:
+over the hot copy); the first pass's answer is its :meth:`FirstPass.top_k` with budget ``C``
+for that side alone, its best ``k`` rows of that side's sign, as the ranking keeps them. Both sides count:
 recall is the share of the exact top-``k`` of both sides found, over the queries.
 
 ``eogp build-candidates`` measures it after a build on a sample of stored rows' own codes
@@ -106,8 +106,10 @@ def measure_recall(
     wanted = {side: 0 for side in sides}
     for q in range(y.shape[0]):
         own = None if leave_out is None else int(leave_out[q])
-        answer = first_pass.top_k(stored, y[q : q + 1], k + extra, max(C, k + extra), list(sides))
         for side in sides:
+            # One side at a time, as a query of one direction asks: the rows scored for the other
+            # side do not count for this one.
+            answer = first_pass.top_k(stored, y[q : q + 1], k + extra, max(C, k + extra), [side])
             index, score = (
                 (exact.largest_indices[q], exact.largest_scores[q])
                 if side == "positive"
