@@ -69,6 +69,8 @@ DICTIONARY_MAX_BYTES = 1 << 20
 #: Version of the on-disk layout above; another version is rebuilt.
 HOT_FORMAT = 1
 STATE_FILE = "state.json"
+#: Segments being written: ``TMP_PREFIX<segment>.<pid of the writer>``.
+TMP_PREFIX = ".tmp-"
 #: Room counted for each segment's small files (``segment.json``, the ``.npy`` headers) and the state.
 SMALL_FILES_BYTES = 64 << 10
 SEGMENT_FILE = "segment.json"
@@ -328,7 +330,8 @@ class _SegmentWriter:
         self.column_bytes_seen = self.rows_seen = 0
         if self.needed > _free_bytes(folder.parent):
             raise no_space_error(folder.parent, self.needed)
-        self.tmp = folder.with_name(f".tmp-{folder.name}")
+        # The writer's pid in the name: another process tidying the folder leaves it alone.
+        self.tmp = folder.with_name(f"{TMP_PREFIX}{folder.name}.{os.getpid()}")
         self.tmp.mkdir(parents=True)
         self.rows = rows
         self.at = 0
@@ -568,11 +571,28 @@ def _write_state(
     os.replace(tmp, cache_dir / STATE_FILE)
 
 
+def _writing(entry: Path) -> bool:
+    """Whether ``entry`` is a segment another live process is still writing (``TMP_PREFIX…<pid>``)."""
+    if not entry.name.startswith(TMP_PREFIX):
+        return False
+    pid = entry.name.rpartition(".")[2]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _remove_unused(cache_dir: Path, keep: set) -> None:
-    """Remove segments (and leftovers of an older layout) not in ``keep``. A process still mapping
-    one keeps reading it: the files live on until it unmaps them."""
+    """Remove segments (and leftovers of an older layout) not in ``keep``, except those another
+    live process is writing. A process still mapping one keeps reading it: the files live on until
+    it unmaps them."""
     for entry in cache_dir.iterdir():
-        if entry.name in keep or entry.name == STATE_FILE:
+        if entry.name in keep or entry.name == STATE_FILE or _writing(entry):
             continue
         if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)

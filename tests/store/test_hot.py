@@ -292,3 +292,29 @@ def test_a_full_disk_stops_ingest_saying_why_and_queries_stream_the_table(tmp_pa
         [r["score"] for r in got[0]["results"]], [r["score"] for r in expected[0]["results"]], rtol=1e-6
     )
     assert report["mapped"] == "no space"  # a map over what is not free: ENOSPC, not SIGBUS
+
+
+def test_tidying_the_hot_folder_leaves_a_segment_another_live_process_is_writing(tmp_path):
+    """Two processes on one index (an ingest and a reader) both tidy the hot folder: neither may
+    remove the segment the other is half-way through writing, and a dead writer's leftovers go."""
+    import subprocess
+    import sys
+
+    from eogp_index.store.hot import TMP_PREFIX, _remove_unused
+
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        live = tmp_path / f"{TMP_PREFIX}seg-7-abc.{writer.pid}"
+        dead = tmp_path / f"{TMP_PREFIX}seg-8-def.{gone.pid}"
+        unused, kept = tmp_path / "seg-1-old", tmp_path / "seg-2-new"
+        for folder in (live, dead, unused, kept):
+            folder.mkdir()
+            (folder / "rowaddr.npy").write_bytes(b"x")
+        _remove_unused(tmp_path, {kept.name})
+        assert live.exists() and kept.exists()
+        assert not dead.exists() and not unused.exists()
+    finally:
+        writer.kill()
+        writer.wait()
