@@ -136,7 +136,7 @@ def token_contributions(index: Encoder, examples: Sequence[Example], coords: np.
     from eogp_index.gradients.model import pad_token_id
 
     names = index.manifest.module_names
-    layout = index.layout
+    layout = index.stored.coordinates  # what the second stages output (a wider tier's, with --rescore-k)
     coords_t = torch.as_tensor(np.asarray(coords, np.float32))
     pulled = {
         name: weight_space(index.projection.modules[name], coords_t[:, off : off + k]).to(index.device)
@@ -199,8 +199,9 @@ def explain_documents(index: Encoder, query, ids: Sequence[str]) -> List[Explana
         codes = stored.codec.from_arrow(table).take(order)
     else:
         codes = Encoded(coords=tier.decode(tier.from_arrow(table.take(order))))
-    stored_coords = decode(codes, stored.layout)  # (r, K): s_u·b_u, or x (the tier's x̂)
-    terms = module_terms(codes, y[0], stored.layout)  # (r, U)
+    # (r, T): the tier's x̂ over all its coordinates; without a tier s_u·b_u, or x (T = K)
+    stored_coords = decode(codes, stored.layout)
+    terms = module_terms(codes, y[0], stored.coordinates)  # (r, U)
     train = token_contributions(index, documents, y)  # [(1, T_i)]
     (queried,) = token_contributions(index, [query_example], stored_coords)  # (r, T_q)
     names = stored.manifest.module_names

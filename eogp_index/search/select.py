@@ -88,7 +88,7 @@ def scored_batches(
     for batch in store.batches(scanner, where):
         if batch.num_rows:
             codes = normalized_codes(codec.from_arrow(batch), stored.layout, normalize)
-            yield batch, exact_scores(codes, y, stored.layout)
+            yield batch, exact_scores(codes, stored.one_bit(y), stored.layout)
 
 
 def select_documents(
