@@ -1108,15 +1108,7 @@ def make_plan(
         "--document-tokens" if document_tokens else max_tokens_from if max_tokens else "the model's context length"
     )
     return Plan(
-        model=ModelSummary(
-            name=shape.name,
-            num_parameters=shape.num_parameters,
-            weights_bytes=inp.weights,
-            dtype=dtype,
-            attributed_parameters=sum(r.d for r in inp.rows),
-            modules=len(inp.rows),
-            coverage=shape.coverage,
-        ),
+        model=_model_summary(inp),
         options=PlanOptions(
             variant=projection.variant,
             k=projection.k,
@@ -1142,15 +1134,33 @@ def make_plan(
         if memory_budget is None
         else all(memory.phase(key).fits for key in (*FIT_PHASES, "ingest" if resident else "ingest_block", "query")),
         **_storage(inp),
-        tiers=tier_size(
-            documents,
-            sum(r.bytes_per_example for r in inp.rows),
-            storage.tier,
-            sum(r.tier_k for r in inp.rows),
-            sum(r.tier_bytes_per_example for r in inp.rows),
-            hits=query_hits,
-            rescore=query_rescore,
-        ),
+        tiers=_tiers(inp, storage.tier, query_hits, query_rescore),
+    )
+
+
+def _tiers(inp: _Inputs, code: Optional[str], hits: Optional[int], rescore: Optional[int]) -> TierSize:
+    """The plan's :class:`TierSize`: the rows' one-bit and tier bytes, for its documents."""
+    return tier_size(
+        inp.documents,
+        sum(r.bytes_per_example for r in inp.rows),
+        code,
+        sum(r.tier_k for r in inp.rows),
+        sum(r.tier_bytes_per_example for r in inp.rows),
+        hits=hits,
+        rescore=rescore,
+    )
+
+
+def _model_summary(inp: _Inputs) -> ModelSummary:
+    shape = inp.shape
+    return ModelSummary(
+        name=shape.name,
+        num_parameters=shape.num_parameters,
+        weights_bytes=inp.weights,
+        dtype=inp.dtype,
+        attributed_parameters=sum(r.d for r in inp.rows),
+        modules=len(inp.rows),
+        coverage=shape.coverage,
     )
 
 

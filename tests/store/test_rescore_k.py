@@ -335,3 +335,25 @@ def test_plan_reports_both_tiers_and_what_a_query_reads(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["tiers"]["tier_bytes_per_row"] == (WIDE + 2) * modules
+
+
+def test_eogp_r_draws_the_first_k_rows_as_an_srht_of_k_rows():
+    from eogp_index.fit.projection import make_srht, srht_apply
+
+    alone = make_srht(48, K, torch.Generator().manual_seed(3))
+    signs, rows = make_srht(48, K, torch.Generator().manual_seed(3), width=WIDE)
+    assert torch.equal(signs, alone[0]) and torch.equal(rows[:K], alone[1]) and len(set(rows.tolist())) == WIDE
+    z = torch.randn(5, 48, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(srht_apply(z, signs, rows, k=K)[:, :K], srht_apply(z, *alone), rtol=0, atol=1e-6)
+
+
+def test_the_widths_of_each_variant_with_a_wider_tier():
+    storage = StorageConfig(rescore_k=WIDE)
+    # PCA variants: the default m is at least the tier's width; an explicit m caps it
+    assert ProjectionConfig(k=K).dims(100_000, 4, "1bit", WIDE) == (16384, K)
+    m, k = ProjectionConfig(k=K, m=24).dims(100_000, 4, "1bit", WIDE)
+    assert (m, k, storage.tier_k(k, m)) == (24, K, 24)
+    # ekfac-topk keeps the top rescore_k axes, its one-bit code the top k
+    assert ProjectionConfig(variant="ekfac-topk", k=K).dims(100_000, 4, "1bit", WIDE) == (WIDE, K)
+    # a module smaller than rescore_k keeps all its coordinates in the tier
+    assert ProjectionConfig(variant="ekfac-topk", k=K).dims(20, 4, "1bit", WIDE) == (20, K)
