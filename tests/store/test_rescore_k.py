@@ -43,7 +43,7 @@ def _create(path, variant="eogp", rescore_k=None, rescore="int8", examples=None)
         progress=False,
     )
     for start in range(0, ROWS, 20):
-        index.add_batch(examples[start : start + 20])
+        index.add_batch(examples[start : start + 20], store_text=4096)
     return path
 
 
@@ -357,3 +357,13 @@ def test_the_widths_of_each_variant_with_a_wider_tier():
     assert ProjectionConfig(variant="ekfac-topk", k=K).dims(100_000, 4, "1bit", WIDE) == (WIDE, K)
     # a module smaller than rescore_k keeps all its coordinates in the tier
     assert ProjectionConfig(variant="ekfac-topk", k=K).dims(20, 4, "1bit", WIDE) == (20, K)
+
+
+def test_explain_splits_the_tier_score_over_all_its_coordinates(indexes, tmp_path):
+    index = _open(_copy(indexes, "eogp", tmp_path))
+    hit = index.search(QUERIES[0]).limit(1).direction("positive").to_arrow().to_pylist()[0]
+    explanation = index.explain(QUERIES[0], hit["id"])
+    assert math.isclose(explanation.score, hit["score"], rel_tol=1e-4)
+    example = next(ex for ex in make_examples(ROWS, seed=11) if ex.id == hit["id"])
+    projected = float(index.query_coordinates([QUERIES[0]])[0].astype(np.float64) @ index.encoder.project([example])[0])
+    assert math.isclose(explanation.score_projected, projected, rel_tol=1e-3)
