@@ -1328,7 +1328,7 @@ def _print_info(data: dict) -> None:
     from eogp_index.fit.plan import TierSize, format_tier_size
 
     click.echo(f"rows        {data['rows']}  (table version {data['table_version']})")
-    for line in format_tier_size(TierSize(**data["bytes"])):
+    for line in format_tier_size(TierSize(**data["bytes"]), label_width=12):
         click.echo(line)
 
 

@@ -961,22 +961,32 @@ def tier_size(
     )
 
 
-def format_tier_size(tiers: TierSize) -> List[str]:
-    """:class:`TierSize` as text lines (``eogp plan``, ``eogp info``)."""
+def format_tier_size(tiers: TierSize, *, label_width: int = 14) -> List[str]:
+    """:class:`TierSize` as text lines (``eogp plan``; ``eogp info`` with its narrower labels)."""
+    documents = tiers.one_bit_bytes // max(1, tiers.one_bit_bytes_per_row)
+
+    def line(label: str, text: str) -> str:
+        return f"{label:<{label_width}}{text}"
+
     if tiers.code is None:
         return [
-            f"bytes/row     {tiers.one_bit_bytes_per_row:,} (no rescoring tier); "
-            f"{_size(tiers.one_bit_bytes)} for {tiers.one_bit_bytes // max(1, tiers.one_bit_bytes_per_row):,} rows",
-            f"query reads   {_size(tiers.query_bytes)}: the codes of every row",
+            line("bytes/row", f"{tiers.one_bit_bytes_per_row:,}  (no rescoring tier)"),
+            line("on disk", f"{documents:,} rows: {_size(tiers.one_bit_bytes)}"),
+            line("query reads", f"{_size(tiers.query_bytes)}: the codes of every row"),
         ]
-    documents = tiers.one_bit_bytes // max(1, tiers.one_bit_bytes_per_row)
     return [
-        f"bytes/row     one-bit {tiers.one_bit_bytes_per_row:,} (scanned) + tier {tiers.tier_bytes_per_row:,} "
-        f"({tiers.code}, {tiers.tier_k:,} coordinates; read for rescored rows only)",
-        f"on disk       {documents:,} rows: one-bit {_size(tiers.one_bit_bytes)}, tier {_size(tiers.tier_bytes)}",
-        f"query reads   {_size(tiers.query_bytes)}: the one-bit code of every row + {tiers.sides} sides x "
-        f"{tiers.rescored_rows:,} rescored rows (rescore {tiers.rescore} x k {tiers.hits}) x "
-        f"{tiers.tier_bytes_per_row:,} B of tier",
+        line(
+            "bytes/row",
+            f"{tiers.one_bit_bytes_per_row:,} (scanned) + {tiers.tier_bytes_per_row:,} (rescoring tier, {tiers.code}, "
+            f"{tiers.tier_k:,} coordinates, read for the rescored rows only)",
+        ),
+        line("on disk", f"{documents:,} rows: one-bit {_size(tiers.one_bit_bytes)}, tier {_size(tiers.tier_bytes)}"),
+        line(
+            "query reads",
+            f"{_size(tiers.query_bytes)}: the one-bit code of every row + {tiers.sides} sides x "
+            f"{tiers.rescored_rows:,} rescored rows (rescore {tiers.rescore} x k {tiers.hits}) x "
+            f"{tiers.tier_bytes_per_row:,} B of tier",
+        ),
     ]
 
 

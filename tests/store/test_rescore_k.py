@@ -276,7 +276,7 @@ def test_info_reports_both_tiers_and_what_a_query_reads(indexes, tmp_path):
     printed = json.loads(result.stdout)["bytes"]
     assert printed["rescored_rows"] == min(printed["rescore"] * printed["hits"], ROWS)
     text = CliRunner().invoke(cli, ["info", str(path)]).output
-    assert f"one-bit {one_bit:,} (scanned) + tier {tier:,} (int8, {WIDE * modules:,} coordinates" in text
+    assert f"bytes/row   {one_bit:,} (scanned) + {tier:,} (rescoring tier, int8, {WIDE * modules:,} coordinates" in text
     assert "query reads" in text
 
 
