@@ -367,3 +367,29 @@ def test_explain_splits_the_tier_score_over_all_its_coordinates(indexes, tmp_pat
     example = next(ex for ex in make_examples(ROWS, seed=11) if ex.id == hit["id"])
     projected = float(index.query_coordinates([QUERIES[0]])[0].astype(np.float64) @ index.encoder.project([example])[0])
     assert math.isclose(explanation.score_projected, projected, rel_tol=1e-3)
+
+
+def test_block_ingest_writes_the_wide_tier_of_per_batch_ingest(indexes, tmp_path):
+    from eogp_index.config import IngestConfig
+
+    import dataclasses
+
+    examples = [dataclasses.replace(ex, id=f"new-{i}") for i, ex in enumerate(make_examples(12, seed=29))]
+    resident = _open(_copy(indexes, "eogp", tmp_path / "resident"))
+    blocked = AttributionIndex.open(
+        _copy(indexes, "eogp", tmp_path / "blocked"),
+        model=make_tiny_gpt2(),
+        tokenizer=TinyTokenizer(),
+        gradients=GradientConfig(batch_size=4, projection_memory_gb=1e-9),  # below one module's P
+    )
+    assert blocked.projection.in_turn
+    resident.add_batch(examples[:4]), resident.add_batch(examples[4:8]), resident.add_batch(examples[8:])
+    assert blocked.ingest(examples, IngestConfig(block_documents=8, batch_size=4, progress=False)) == 12
+    wanted = [ex.id for ex in examples]
+
+    def rows(index):
+        table = index.stored.store.read(["id", "signs", "scales", "tier", "tier_scales"], f"id IN {tuple(wanted)}")
+        by_id = {row["id"]: row for row in table.to_pylist()}
+        return [by_id[i] for i in wanted]
+
+    assert rows(blocked) == rows(resident)
