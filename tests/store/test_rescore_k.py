@@ -370,9 +370,9 @@ def test_explain_splits_the_tier_score_over_all_its_coordinates(indexes, tmp_pat
 
 
 def test_block_ingest_writes_the_wide_tier_of_per_batch_ingest(indexes, tmp_path):
-    from eogp_index.config import IngestConfig
-
     import dataclasses
+
+    from eogp_index.config import IngestConfig
 
     examples = [dataclasses.replace(ex, id=f"new-{i}") for i, ex in enumerate(make_examples(12, seed=29))]
     resident = _open(_copy(indexes, "eogp", tmp_path / "resident"))
