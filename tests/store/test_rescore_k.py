@@ -24,7 +24,7 @@ from eogp_index.store.codecs import prefix_columns, unpack_signs
 from eogp_index.store.stored_index import StoredIndex
 
 QUERIES = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8, 2, 8, 1, 8]]
-ROWS = 40
+ROWS = 24
 K, WIDE = 16, 32
 
 
