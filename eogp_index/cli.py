@@ -153,7 +153,12 @@ def cli() -> None:
 @click.option("--split", default=None, help="The split to read of a dataset in --data / --fit-data (train, …).")
 @click.option("--config", "dataset_config", default=None, help="The config of a dataset with several.")
 @_projection_options
-@option_group(field_option(StorageConfig, "precision"), field_option(StorageConfig, "rescore"), into="storage")
+@option_group(
+    field_option(StorageConfig, "precision"),
+    field_option(StorageConfig, "rescore"),
+    field_option(StorageConfig, "rescore_k"),
+    into="storage",
+)
 @option_group(
     field_option(CurvatureConfig, "num_examples", "--curvature-examples"),
     field_option(CurvatureConfig, "damping_ratio"),
@@ -237,6 +242,9 @@ def fit(
         gradients["device"] = worker_device(gradients["device"])
     gradients = GradientConfig(**gradients)
     projection = ProjectionConfig(**projection, seed=seed)
+    storage = StorageConfig(**storage)
+    if projection.k is not None:  # said before the model loads (a budget's k is checked once modules are known)
+        storage.check_rescore_k(projection.k)
     curvature = CurvatureConfig(**curvature, batch_size=gradients.batch_size, seed=seed)
     spec = RecordSpec(**record, max_tokens=gradients.max_tokens)
     handler = logging.StreamHandler(sys.stderr)  # resume and per-rank messages
@@ -267,7 +275,7 @@ def fit(
                 modules=list(modules) or None,
                 curvature=curvature,
                 projection=projection,
-                storage=StorageConfig(**storage),
+                storage=storage,
                 gradients=gradients,
                 table_uri=table_uri,
                 mode="overwrite" if overwrite else "create",
@@ -834,7 +842,7 @@ def _open_for_queries(index_dir, model_name, device, projection_memory_gb):
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @_fail_cleanly
 def info(index_dir, as_json):
-    """Show an index's manifest, row count and bytes per example.
+    """Show an index's manifest, row count, both tiers' bytes per row and on disk, and the bytes a query reads.
 
     \b
     Example:
@@ -842,7 +850,7 @@ def info(index_dir, as_json):
     """
     from eogp_index.store.stored_index import StoredIndex
 
-    _emit(StoredIndex.open(index_dir).info(), as_json, _print_info)
+    _emit(StoredIndex.open(index_dir).info(hits=Question.k, rescore=Question.rescore), as_json, _print_info)
 
 
 @cli.command("index-column")
@@ -1125,7 +1133,12 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
 @cli.command()
 @click.argument("model")
 @_projection_options
-@option_group(field_option(StorageConfig, "precision"), into="storage")
+@option_group(
+    field_option(StorageConfig, "precision"),
+    field_option(StorageConfig, "rescore"),
+    field_option(StorageConfig, "rescore_k"),
+    into="storage",
+)
 @field_option(CurvatureConfig, "num_examples", "--curvature-examples")
 @option_group(
     *(field_option(GradientConfig, name) for name in ("max_tokens", "batch_size", "dtype", "experts")),
@@ -1220,6 +1233,8 @@ def plan(
         document_tokens=document_tokens,
         device=device_kind,
         block_documents=block_documents,
+        query_hits=Question.k,
+        query_rescore=Question.rescore,
     )
     if (Path(model) / "manifest.json").is_file():
         result = plan_of_index(Path(model), **options)
@@ -1227,8 +1242,14 @@ def plan(
         if projection["k"] is None and projection["budget_kb"] is None:
             projection["k"] = 256
         shape = model_shape(model, list(modules) or None, experts=gradients.experts)
+        storage = StorageConfig(**storage)
         result = make_plan(
-            shape, ProjectionConfig(**projection), precision=StorageConfig(**storage).precision, **options
+            shape,
+            ProjectionConfig(**projection),
+            precision=storage.precision,
+            rescore=storage.rescore,
+            rescore_k=storage.rescore_k,
+            **options,
         )
     reads = result.p_reads(block_documents)
     _emit(
@@ -1312,15 +1333,11 @@ def _print_info(data: dict) -> None:
             from eogp_index.fit.recall import format_recall
 
             click.echo(f"rescoring   {format_recall(fidelity['recall'])}")
-    tier = data.get("tier")
-    if tier is None:
-        click.echo(f"bytes/row   {data['bytes_per_example']}  (no rescoring tier)")
-    else:
-        click.echo(
-            f"bytes/row   {data['bytes_per_example']} (scanned) + {tier['bytes_per_example']} (rescoring tier, "
-            f"{tier['code']}, read for the rescored rows only) = {data['bytes_per_example'] + tier['bytes_per_example']}"
-        )
+    from eogp_index.fit.plan import TierSize, format_tier_size
+
     click.echo(f"rows        {data['rows']}  (table version {data['table_version']})")
+    for line in format_tier_size(TierSize(**data["bytes"]), label_width=12):
+        click.echo(line)
 
 
 def _query_line(q: Any) -> str:

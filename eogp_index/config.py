@@ -190,17 +190,21 @@ class ProjectionConfig:
         """The rotation folded into ``P`` (:data:`ROTATIONS`): ``"hadamard"`` for ``eogp-rot``."""
         return ROTATIONS[self.variant]  # type: ignore[return-value]
 
-    def dims(self, d: int, num_modules: int, precision: Precision) -> Tuple[int, int]:
+    def dims(self, d: int, num_modules: int, precision: Precision, rescore_k: Optional[int] = None) -> Tuple[int, int]:
         """``(m_u, k_u)`` for a module of ``d`` parameters among ``num_modules``.
 
         A budget is split evenly; a module too small for its share keeps ``k_u = d``
-        (the rest of its share is not moved to other modules).
+        (the rest of its share is not moved to other modules). ``rescore_k``: the rescoring
+        tier's coordinates per module (``StorageConfig.rescore_k``), which the first stage must
+        give too: the default ``m_u`` is at least it, and ``ekfac-topk`` keeps that many axes
+        (its one-bit code the first ``k_u``).
         """
         k = self.k if self.k is not None else k_for_budget(self.budget_kb, num_modules, precision)
         k = min(k, d)
+        wide = k if rescore_k is None else max(k, min(rescore_k, d))
         if self.second_stage == "none":
-            return k, k  # the ablation keeps the top-k EK-FAC axes themselves
-        return first_stage_width(d, k, self.m), k
+            return wide, k  # the ablation keeps the top EK-FAC axes themselves
+        return first_stage_width(d, wide if self.m is None else k, self.m), k
 
 
 #: Per-module storage of ``k`` coordinates, by precision: the one place these formulas live.
@@ -272,6 +276,17 @@ class StorageConfig:
         },
     )
 
+    rescore_k: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "The rescoring tier's coordinates per module (default: the one-bit code's k). Larger: the PCA "
+            "is fitted to this many directions, the one-bit code keeps the first k of them (rotated for "
+            "eogp-rot) and the tier all of them; at least k, capped at m_u like k. A query reads the "
+            "tier only for its rescored rows.",
+            "min": 1,
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"StorageConfig.precision must be '1bit', 'fp16' or 'fp32', got {self.precision!r}")
@@ -279,6 +294,38 @@ class StorageConfig:
             raise ConfigError(
                 f"StorageConfig.rescore must be one of {list(RESCORE_CODES)}, got {self.rescore!r} "
                 "(none: no rescoring tier)"
+            )
+        if self.rescore_k is None:
+            return
+        if isinstance(self.rescore_k, bool) or not isinstance(self.rescore_k, int) or self.rescore_k < 1:
+            raise ConfigError(
+                f"StorageConfig.rescore_k (--rescore-k) must be a positive integer, got {self.rescore_k!r}"
+            )
+        if self.tier is None:
+            why = "--rescore none" if self.rescore == "none" else f"--precision {self.precision}"
+            raise ConfigError(
+                f"--rescore-k sets the rescoring tier's coordinates, but {why} stores no tier; drop --rescore-k, "
+                "or fit with --precision 1bit and --rescore int8|int4|fp16"
+            )
+
+    def tier_k(self, k: int, m: int) -> int:
+        """The tier's coordinates of a module whose one-bit code keeps ``k`` of its ``m`` first-stage
+        coordinates: ``rescore_k`` capped at ``m`` (``k`` without it).
+
+        Raises:
+            ConfigError: a ``rescore_k`` below ``k`` (the tier holds the one-bit code's coordinates
+                and more).
+        """
+        self.check_rescore_k(k)
+        return k if self.rescore_k is None else min(self.rescore_k, m)
+
+    def check_rescore_k(self, k: int) -> None:
+        """Refuse a ``rescore_k`` below the one-bit code's ``k`` (the tier holds the one-bit
+        code's coordinates and more)."""
+        if self.rescore_k is not None and self.rescore_k < k:
+            raise ConfigError(
+                f"--rescore-k {self.rescore_k} is below the one-bit code's k={k}: the tier holds the one-bit "
+                f"code's coordinates and more. Give --rescore-k {k} or more, or lower -k / --budget-kb"
             )
 
     @property

@@ -55,9 +55,12 @@ class Encoder:
 
     # -- gradients --------------------------------------------------------------------------------
     def project(self, examples: Sequence[Example], *, progress: bool = False) -> np.ndarray:
-        """Unquantized projected coordinates ``(n, K)`` float32, modules concatenated in order."""
+        """Unquantized projected coordinates ``(n, T)`` float32, modules concatenated in order:
+        the index's coordinates (``stored.coordinates``), ``T = K`` unless its rescoring tier is
+        wider (``--rescore-k``), whose first ``k_u`` per module the one-bit code keeps
+        (``stored.one_bit``)."""
         if not examples:
-            return np.zeros((0, self.layout.num_coords), np.float32)
+            return np.zeros((0, self.stored.coordinates.num_coords), np.float32)
         names = self.manifest.module_names
         if self.projection.in_turn:
             # P does not stay in memory: the first stage of every batch, then each module's P read
@@ -161,9 +164,10 @@ class Encoder:
     def rows(
         self, examples: Sequence[Example], coordinates: np.ndarray, *, store_text: Optional[int] = None
     ) -> pa.Table:
-        """:meth:`encode_rows` from the examples' projected coordinates ``(n, K)`` float32, with
-        the rescoring tier's columns when the index has one (every writer comes here)."""
-        encoded = self.codec.encode(coordinates)
+        """:meth:`encode_rows` from the examples' projected coordinates ``(n, T)`` float32
+        (:meth:`project`), with the rescoring tier's columns when the index has one (every writer
+        comes here): the one-bit code of the first ``k_u`` of each module's, the tier of all."""
+        encoded = self.codec.encode(self.stored.one_bit(coordinates))
         if self.stored.tier is not None:
             encoded = dataclasses.replace(encoded, **self.stored.tier.encode(coordinates))
         hashed = self.manifest.has_content_hashes
@@ -211,9 +215,10 @@ class Encoder:
         return measure(self, queries, max_query_tokens=max_query_tokens)
 
     def query_coordinates(self, queries: Sequence[Any]) -> np.ndarray:
-        """Projected, unquantized query coordinates ``(n_queries, K)`` float32
-        (:mod:`eogp_index.encode.measurements`); the first bad query raises its
-        :class:`InputError` before any gradient pass."""
+        """Projected, unquantized query coordinates ``(n_queries, T)`` float32, the index's
+        coordinates (:meth:`project`; the scans take the one-bit code's first ``k_u`` per module
+        themselves, the rescoring all of them) (:mod:`eogp_index.encode.measurements`); the first
+        bad query raises its :class:`InputError` before any gradient pass."""
         tokenized = tokenize_queries(self, queries)
         if tokenized.errors:
             raise tokenized.errors[min(tokenized.errors)]

@@ -187,6 +187,8 @@ def fit_projection(
         "projection": projection.__dict__,
         "precision": storage.precision,
         "rescore": storage.tier,  # the recall measured, and so auto's choice, is against this tier
+        # only when set: a cache fitted without it still matches
+        **({} if storage.rescore_k is None else {"rescore_k": storage.rescore_k}),
         "max_tokens": gradients.max_tokens,
         "gradient_batch_size": gradients.batch_size,
     }
@@ -318,6 +320,8 @@ def _sized(model, names, sets, out_dir, projection, storage, curvature, gradient
         shape_of_model(model, names, name="the model"),
         projection,
         precision=storage.precision,
+        rescore=storage.rescore,
+        rescore_k=storage.rescore_k,
         curvature_examples=len(sets.curvature),
         batch_size=gradients.batch_size,
         document_tokens=max(len(ex.input_ids) for ex in examples),

@@ -21,7 +21,11 @@ Given the attributed modules' shapes and the fit options, :func:`make_plan` give
   module partitions; with a memory budget, whether it fits and, if not, which option would
   make it fit; and the disk each phase writes;
 * the store for ``N`` documents: ``N`` times the per-example payload, and the in-memory copy
-  queries scan.
+  queries scan;
+* the rescoring tier (:class:`TierSize`): its bytes per row (``Σ_u (t_u + 2)`` for int8 of
+  ``t_u`` coordinates per module, ``StorageConfig.rescore_k``), both tiers' totals on disk, and
+  the bytes a query reads: the one-bit code of every row, and the tier of the ``N = F · k`` rows
+  it rescores per side.
 
 Every phase is a function of the plan's inputs and the batch (``*_phase``), so that a phase
 or a term (a block of documents, the P bytes read per document) is added in one place.
@@ -48,7 +52,9 @@ from eogp_index.config import (
     MODEL_DTYPE_BYTES,
     PCA_DTYPE_BYTES,
     ProjectionConfig,
+    StorageConfig,
     bytes_per_module,
+    tier_bytes_per_module,
 )
 from eogp_index.errors import ConfigError, ModelError
 from eogp_index.fit.blocks import (
@@ -75,6 +81,13 @@ UPCAST_BLOCK_BYTES = 64 << 20
 LOSS_CHUNK_BYTES = 32 << 20
 #: The fit's phases, run one after another; its peak is the largest.
 FIT_PHASES = ("fit_curvature", "fit_first_stage", "fit_pca", "fit_save")
+#: The hits per side and the rescoring factor a query's bytes are counted for when the caller
+#: gives none: ``Question``'s defaults (the CLI passes them from ``Question`` itself; this layer
+#: sits below the search package).
+QUERY_HITS = 10
+QUERY_RESCORE = 5
+#: The sides a query reads (direction ``both``, the default).
+QUERY_SIDES = 2
 
 
 @dataclass(frozen=True)
@@ -264,7 +277,9 @@ class ModuleRow(_Part):
     column; ``d`` their product), ``(m, k)``, and the bytes of each of its parts: per example;
     its ``P``; its kept eigenvector columns (``eigenbasis_bytes``, exact or a bound, held in
     ``eigenbasis_dtype``, and their float32 copy while its first stage is computed); its
-    whitening weights, positions and SRHT (``other_bytes``); kronfluence's factors (float32)."""
+    whitening weights, positions and SRHT (``other_bytes``); kronfluence's factors (float32).
+    ``tier_k``: the rescoring tier's coordinates (``P`` has that many columns; ``k`` without a
+    wider tier), ``tier_bytes_per_example``: its bytes per row (0 without a tier)."""
 
     name: str
     d_out: int
@@ -273,6 +288,8 @@ class ModuleRow(_Part):
     m: int
     k: int
     bytes_per_example: int
+    tier_k: int
+    tier_bytes_per_example: int
     pca_bytes: int
     eigenbasis_bytes: int
     eigenbasis_bytes_max: int
@@ -375,10 +392,10 @@ class _Inputs:
     @property
     def upcast(self) -> int:
         """apply_pca upcasts an FP16 P in float32 blocks of at most 64 MiB (none for an fp32 P)."""
-        largest = max(self.rows, key=lambda r: r.m * r.k)
+        largest = max(self.rows, key=lambda r: r.m * r.tier_k)
         if not (self.pca and self.projection.pca_dtype == "fp16"):
             return 0
-        return min(F32 * largest.m * largest.k, UPCAST_BLOCK_BYTES)
+        return min(F32 * largest.m * largest.tier_k, UPCAST_BLOCK_BYTES)
 
     def activations(self, tokens: int, *, captured_bytes: Optional[int] = None, sampled: bool = False) -> int:
         """One batch of ``tokens`` (documents x padded length) through the model: the activations
@@ -598,7 +615,7 @@ def fit_pca_phase(inp: _Inputs) -> Phase:
     each, two at a time), the directions (float32) and P at its stored dtype."""
 
     def one(r: ModuleRow) -> int:
-        n, m, k = inp.n_pca, r.m, r.k
+        n, m, k = inp.n_pca, r.m, r.tier_k
         square = min(n, m)
         blocks = 2 * min(F64 * n * m, UPCAST_BLOCK_BYTES)
         return 2 * n * m + 2 * F64 * square * square + blocks + (F32 + inp.p_dtype) * m * k
@@ -632,7 +649,7 @@ def ingest_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> IngestPhase:
     P at a time (read in every batch; :func:`ingest_block_phase` reads it once per block)."""
     base = first_stage_phase(inp, batch).bytes
     p_held = inp.pca_total if resident else inp.largest_pca
-    per_example = sum(r.bytes_per_example for r in inp.rows)
+    per_example = sum(r.bytes_per_example + r.tier_bytes_per_example for r in inp.rows)
     what = (
         "every module's P, resident"
         if resident
@@ -643,7 +660,7 @@ def ingest_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> IngestPhase:
         counts=f"what the first stage holds + {what}, and an upcast float32 block of it ({_size(inp.upcast)})",
         bound=inp.eigen_is_bound,
         disk_bytes=inp.documents * per_example,
-        disk_counts=f"the codes of {inp.documents:,} documents (table columns not counted)",
+        disk_counts=f"the codes of {inp.documents:,} documents, and their rescoring tier (table columns not counted)",
         p_resident=resident,
     )
 
@@ -653,7 +670,7 @@ def ingest_block_phase(inp: _Inputs, batch: Batch, block: int) -> BlockPhase:
     stretches. Per batch, the first stage, with one batch's float16 coordinates in flight to the
     cache on disk; then, module after module, that module's ``P`` applied to the block's cached
     coordinates, while every module's final coordinates of the block wait to be encoded."""
-    ms, ks = [r.m for r in inp.rows], [r.k for r in inp.rows]
+    ms, ks = [r.m for r in inp.rows], [r.tier_k for r in inp.rows]
     batches = first_stage_phase(inp, batch).bytes + FIRST_STAGE_ITEMSIZE * batch.documents * sum(ms)
     apply = (
         inp.model
@@ -889,6 +906,91 @@ class StoreSize(_Part):
 
 
 @dataclass(frozen=True)
+class TierSize(_Part):
+    """Both tiers of the store of ``documents`` rows and what a query reads of them.
+
+    ``code``: the rescoring tier's (None: no tier, and every tier figure is 0); ``tier_k``: its
+    coordinates in all (``Σ_u t_u``; the one-bit code keeps ``Σ_u k_u`` of them). A query with
+    ``hits`` per side and rescoring factor ``rescore`` reads the one-bit code of every row and
+    the tier of ``rescored_rows = rescore · hits`` rows on each of ``sides`` sides:
+    ``query_bytes = documents · one_bit_bytes_per_row + sides · rescored_rows · tier_bytes_per_row``.
+    """
+
+    code: Optional[str]
+    tier_k: int
+    one_bit_bytes_per_row: int
+    tier_bytes_per_row: int
+    one_bit_bytes: int
+    tier_bytes: int
+    hits: int
+    rescore: int
+    sides: int
+    rescored_rows: int
+    query_bytes: int
+
+
+def tier_size(
+    documents: int,
+    one_bit_bytes_per_row: int,
+    code: Optional[str],
+    tier_k: int,
+    tier_bytes_per_row: int,
+    *,
+    hits: Optional[int] = None,
+    rescore: Optional[int] = None,
+    sides: int = QUERY_SIDES,
+) -> TierSize:
+    """:class:`TierSize` of ``documents`` rows (``eogp plan`` and ``eogp info``); ``hits`` and
+    ``rescore`` default to :data:`QUERY_HITS` and :data:`QUERY_RESCORE`."""
+    hits = QUERY_HITS if hits is None else int(hits)
+    rescore = (QUERY_RESCORE if rescore is None else int(rescore)) if code is not None else 0
+    rows = min(rescore * hits, documents)
+    tier_row = tier_bytes_per_row if code is not None else 0
+    return TierSize(
+        code=code,
+        tier_k=tier_k if code is not None else 0,
+        one_bit_bytes_per_row=one_bit_bytes_per_row,
+        tier_bytes_per_row=tier_row,
+        one_bit_bytes=documents * one_bit_bytes_per_row,
+        tier_bytes=documents * tier_row,
+        hits=hits,
+        rescore=rescore,
+        sides=sides,
+        rescored_rows=rows,
+        query_bytes=documents * one_bit_bytes_per_row + sides * rows * tier_row,
+    )
+
+
+def format_tier_size(tiers: TierSize, *, label_width: int = 14) -> List[str]:
+    """:class:`TierSize` as text lines (``eogp plan``; ``eogp info`` with its narrower labels)."""
+    documents = tiers.one_bit_bytes // max(1, tiers.one_bit_bytes_per_row)
+
+    def line(label: str, text: str) -> str:
+        return f"{label:<{label_width}}{text}"
+
+    if tiers.code is None:
+        return [
+            line("bytes/row", f"{tiers.one_bit_bytes_per_row:,}  (no rescoring tier)"),
+            line("on disk", f"{documents:,} rows: {_size(tiers.one_bit_bytes)}"),
+            line("query reads", f"{_size(tiers.query_bytes)}: the codes of every row"),
+        ]
+    return [
+        line(
+            "bytes/row",
+            f"{tiers.one_bit_bytes_per_row:,} (scanned) + {tiers.tier_bytes_per_row:,} (rescoring tier, {tiers.code}, "
+            f"{tiers.tier_k:,} coordinates, read for the rescored rows only)",
+        ),
+        line("on disk", f"{documents:,} rows: one-bit {_size(tiers.one_bit_bytes)}, tier {_size(tiers.tier_bytes)}"),
+        line(
+            "query reads",
+            f"{_size(tiers.query_bytes)}: the one-bit code of every row + {tiers.sides} sides x "
+            f"{tiers.rescored_rows:,} rescored rows (rescore {tiers.rescore} x k {tiers.hits}) x "
+            f"{tiers.tier_bytes_per_row:,} B of tier",
+        ),
+    ]
+
+
+@dataclass(frozen=True)
 class Plan(_Part):
     """:func:`make_plan`'s storage and memory accounting of an index. Byte counts are exact
     except where named ``*_max`` (upper bounds) or under :attr:`memory` (estimates);
@@ -908,6 +1010,7 @@ class Plan(_Part):
     #: Whether every phase the runs need fits the budget (None without a budget).
     fits: Optional[bool]
     store: StoreSize
+    tiers: TierSize
 
     def p_reads(self, block_documents: Optional[int] = None) -> PReads:
         """``P`` read per ingested document in each way of applying it, and the block cache's
@@ -915,7 +1018,7 @@ class Plan(_Part):
         (default: the plan's block, ``memory.ingest_block``)."""
         return p_reads(
             [r.m for r in self.modules],
-            [r.k for r in self.modules],
+            [r.tier_k for r in self.modules],
             sum(r.pca_bytes for r in self.modules),
             batch_size=self.options.batch_size,
             documents=self.store.documents,
@@ -943,6 +1046,11 @@ def make_plan(
     dims: Optional[Dict[str, Tuple[int, int]]] = None,
     block_documents: Optional[int] = None,
     max_tokens_from: str = "--max-tokens",
+    rescore: str = "int8",
+    rescore_k: Optional[int] = None,
+    tier_k: Optional[Dict[str, int]] = None,
+    query_hits: Optional[int] = None,
+    query_rescore: Optional[int] = None,
 ) -> Plan:
     """The storage and memory accounting of an index of ``shape`` under these fit options.
 
@@ -963,6 +1071,12 @@ def make_plan(
             ingest sizes it, from what ``memory_budget`` leaves beside the loaded index, at most
             ``MAX_BLOCK_DOCUMENTS``).
         max_tokens_from: where ``max_tokens`` came from, as the plan says it (``tokens_from``).
+        rescore, rescore_k: the rescoring tier's code (``none``: no tier) and coordinates per
+            module (``StorageConfig``; refused as ``eogp fit`` refuses them).
+        tier_k: the tier's coordinates per module as a fitted index records them (None: from
+            ``rescore_k``).
+        query_hits, query_rescore: the query whose bytes :class:`TierSize` counts (hits per
+            side, rescoring factor; default :data:`QUERY_HITS`, :data:`QUERY_RESCORE`).
 
     Returns:
         The :class:`Plan`: per module (:class:`ModuleRow`), per example, shared, the fit's cache,
@@ -977,9 +1091,10 @@ def make_plan(
         raise ConfigError(f"eigenbasis_dtype must be one of {sorted(MODEL_DTYPE_BYTES)}, got {held!r}")
     doc_tokens = document_tokens or max_tokens or shape.context
     pca = projection.second_stage == "pca"
+    storage = StorageConfig(precision=precision, rescore=rescore, rescore_k=rescore_k)  # type: ignore[arg-type]
     inp = _Inputs(
         shape=shape,
-        rows=_module_rows(shape, projection, precision, held, eigenbasis_bytes, dims),
+        rows=_module_rows(shape, projection, storage, held, eigenbasis_bytes, dims, tier_k),
         projection=projection,
         dtype=dtype,
         n_pca=projection.num_fit_examples if pca else 0,
@@ -1003,15 +1118,7 @@ def make_plan(
         "--document-tokens" if document_tokens else max_tokens_from if max_tokens else "the model's context length"
     )
     return Plan(
-        model=ModelSummary(
-            name=shape.name,
-            num_parameters=shape.num_parameters,
-            weights_bytes=inp.weights,
-            dtype=dtype,
-            attributed_parameters=sum(r.d for r in inp.rows),
-            modules=len(inp.rows),
-            coverage=shape.coverage,
-        ),
+        model=_model_summary(inp),
         options=PlanOptions(
             variant=projection.variant,
             k=projection.k,
@@ -1037,26 +1144,60 @@ def make_plan(
         if memory_budget is None
         else all(memory.phase(key).fits for key in (*FIT_PHASES, "ingest" if resident else "ingest_block", "query")),
         **_storage(inp),
+        tiers=_tiers(inp, storage.tier, query_hits, query_rescore),
+    )
+
+
+def _tiers(inp: _Inputs, code: Optional[str], hits: Optional[int], rescore: Optional[int]) -> TierSize:
+    """The plan's :class:`TierSize`: the rows' one-bit and tier bytes, for its documents."""
+    return tier_size(
+        inp.documents,
+        sum(r.bytes_per_example for r in inp.rows),
+        code,
+        sum(r.tier_k for r in inp.rows),
+        sum(r.tier_bytes_per_example for r in inp.rows),
+        hits=hits,
+        rescore=rescore,
+    )
+
+
+def _model_summary(inp: _Inputs) -> ModelSummary:
+    shape = inp.shape
+    return ModelSummary(
+        name=shape.name,
+        num_parameters=shape.num_parameters,
+        weights_bytes=inp.weights,
+        dtype=inp.dtype,
+        attributed_parameters=sum(r.d for r in inp.rows),
+        modules=len(inp.rows),
+        coverage=shape.coverage,
     )
 
 
 def _module_rows(
     shape: ModelShape,
     projection: ProjectionConfig,
-    precision: str,
+    storage: StorageConfig,
     held: str,
     eigenbasis_bytes: Optional[Dict[str, int]],
     dims: Optional[Dict[str, Tuple[int, int]]],
+    tier_k: Optional[Dict[str, int]] = None,
 ) -> Tuple[ModuleRow, ...]:
-    """Each attributed module's row: ``(m_u, k_u)`` from ``dims`` or ``projection``, its kept
-    eigenvector columns in ``held`` (from ``eigenbasis_bytes``, exact, else their bound)."""
+    """Each attributed module's row: ``(m_u, k_u)`` from ``dims`` or ``projection``, the tier's
+    ``t_u`` from ``tier_k`` or ``storage``, its kept eigenvector columns in ``held`` (from
+    ``eigenbasis_bytes``, exact, else their bound)."""
     pca = projection.second_stage == "pca"
     p_dtype = PCA_DTYPE_BYTES[projection.pca_dtype]
+    precision, tier = storage.precision, storage.tier
     rows = []
     for mod in shape.modules:
-        m, k = dims[mod.name] if dims else projection.dims(mod.d, len(shape.modules), precision)  # type: ignore[arg-type]
+        if dims:
+            m, k = dims[mod.name]
+        else:
+            m, k = projection.dims(mod.d, len(shape.modules), precision, storage.rescore_k)  # type: ignore[arg-type]
+        t = tier_k[mod.name] if tier_k else storage.tier_k(k, m)
         exact = eigenbasis_bytes is not None and mod.name in eigenbasis_bytes
-        srht_bytes = (F32 * m + 8 * k) if projection.second_stage == "srht" else 0
+        srht_bytes = (F32 * m + 8 * t) if projection.second_stage == "srht" else 0
         eigen = eigenbasis_bytes[mod.name] if exact else _eigen_upper(mod, MODEL_DTYPE_BYTES[held])  # type: ignore[index]
         rows.append(
             ModuleRow(
@@ -1067,7 +1208,9 @@ def _module_rows(
                 m=m,
                 k=k,
                 bytes_per_example=bytes_per_module(k, precision),  # type: ignore[arg-type]
-                pca_bytes=m * k * p_dtype if pca else 0,
+                tier_k=t,
+                tier_bytes_per_example=0 if tier is None else tier_bytes_per_module(t, tier),
+                pca_bytes=m * t * p_dtype if pca else 0,
                 **_eigen_fields(eigen, held, exact or m == mod.d),
                 # whiten (float32) and local_index (int64) per kept coordinate, and the SRHT's signs/rows
                 other_bytes=12 * m + srht_bytes,
@@ -1170,10 +1313,12 @@ def _storage(inp: _Inputs) -> Dict[str, Any]:
             documents=inp.documents,
             codes_bytes=inp.documents * per_example,
             hot_copy_bytes=_hot_bytes(inp),
-            total_bytes_max=inp.documents * per_example + projection_file_max + factors,
+            total_bytes_max=inp.documents * (per_example + sum(r.tier_bytes_per_example for r in rows))
+            + projection_file_max
+            + factors,
             note="codes: N x bytes per example (the paper's N_store B_1bit); the table adds ids and "
-            "metadata columns (and --store-text), not counted; total = codes + projection file "
-            "+ kronfluence factors",
+            "metadata columns (and --store-text), not counted; total = codes + rescoring tier + projection "
+            "file + kronfluence factors",
         ),
     }
 
@@ -1257,7 +1402,7 @@ def format_plan(plan: Plan, *, all_modules: bool = False) -> str:
         + ("" if plan.fits is None else "; every phase fits" if plan.fits else "; SOME PHASES DO NOT FIT (below)"),
         "",
         f"{'module':<44} {'d_out':>7} {'d_in':>7} {'d_u':>12} {'m_u':>9} {'k_u':>6} {'B/ex':>6} "
-        f"{'P':>10} {'eigenbases':>11}",
+        f"{'t_u':>6} {'tier B':>6} {'P':>10} {'eigenbases':>11}",
     ]
     groups: Dict[tuple, List[ModuleRow]] = {}
     for row in plan.modules:
@@ -1269,7 +1414,8 @@ def format_plan(plan: Plan, *, all_modules: bool = False) -> str:
         eigen = ("" if row.eigenbasis_exact else "<=") + _size(row.eigenbasis_bytes_max)
         lines.append(
             f"{name[:44]:<44} {row.d_out:>7} {row.d_in:>7} {row.d:>12,} {row.m:>9,} "
-            f"{row.k:>6} {row.bytes_per_example:>6} {_size(row.pca_bytes):>10} {eigen:>11}"
+            f"{row.k:>6} {row.bytes_per_example:>6} {row.tier_k:>6} {row.tier_bytes_per_example:>6} "
+            f"{_size(row.pca_bytes):>10} {eigen:>11}"
         )
     return "\n".join(lines + _totals_lines(plan))
 
@@ -1320,6 +1466,7 @@ def _totals_lines(plan: Plan) -> List[str]:
         f"store         {store.documents:,} documents: codes {_size(store.codes_bytes)}, in-memory copy for "
         f"queries {_size(store.hot_copy_bytes)}, total <= {_size(store.total_bytes_max)}",
         f"              ({store.note})",
+        *format_tier_size(plan.tiers),
     ]
 
 
@@ -1343,4 +1490,4 @@ def format_p_reads(reads: PReads) -> str:
 
 def _pattern_key(row: ModuleRow) -> tuple:
     """Group modules that differ only in their block number (``h.0.attn`` / ``h.1.attn``)."""
-    return (re.sub(r"\.\d+\.", ".*.", row.name), row.d_out, row.d_in, row.m, row.k)
+    return (re.sub(r"\.\d+\.", ".*.", row.name), row.d_out, row.d_in, row.m, row.k, row.tier_k)

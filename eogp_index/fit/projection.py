@@ -63,8 +63,12 @@ class ModuleProjection:
         local_index: ``(m,)`` int64 positions of the kept coordinates in the ``(r, c)`` block,
             ordered by decreasing corrected eigenvalue.
         whiten: ``(m,)`` float32, ``(Λ_m + λ_u)^{-1/2}``.
-        second_stage: ``"pca"`` (``pca`` is ``(m, k)``, float32 or float16), ``"srht"``
-            (``srht_signs`` ``(m,)``, ``srht_rows`` ``(k,)``) or ``"none"``.
+        second_stage: ``"pca"`` (``pca`` is ``(m, width)``, float32 or float16), ``"srht"``
+            (``srht_signs`` ``(m,)``, ``srht_rows`` ``(width,)``) or ``"none"`` (``width = m``).
+        k: the one-bit code's coordinates: the first ``k`` of the module's ``width``.
+        tier_k: the rescoring tier's coordinates (``StorageConfig.rescore_k``) when more than
+            ``k``: the second stage then outputs ``tier_k`` coordinates, whose first ``k`` are what
+            it outputs without it (PCA directions are nested). None: ``k``.
         damping: ``λ_u``.
         pca_loader: for a projection loaded from disk, reads ``pca`` when it is used (then
             ``pca`` is read through it).
@@ -86,10 +90,16 @@ class ModuleProjection:
     srht_rows: Optional[torch.Tensor] = None
     pca_loader: Optional[Callable[[], torch.Tensor]] = field(default=None, repr=False, compare=False)
     rotation: Optional["HadamardRotation"] = field(default=None, repr=False, compare=False)
+    tier_k: Optional[int] = None
 
     @property
     def m(self) -> int:
         return int(self.local_index.numel())
+
+    @property
+    def width(self) -> int:
+        """Coordinates the module's second stage outputs: ``tier_k``, else ``k``."""
+        return self.k if self.tier_k is None else int(self.tier_k)
 
     @property
     def has_pca(self) -> bool:
@@ -146,16 +156,17 @@ class ModuleProjection:
         return kept * self.whiten.to(a.device)
 
     def second(self, z: torch.Tensor) -> torch.Tensor:
-        """``(B, m)`` first-stage coordinates → ``(B, k)`` final coordinates."""
+        """``(B, m)`` first-stage coordinates → ``(B, width)`` final coordinates."""
         return self.second_groups([z])[0]
 
     def second_groups(self, groups: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """:meth:`second` of several row groups (``(B_i, m)`` → ``(B_i, k)`` each), with ``P``
+        """:meth:`second` of several row groups (``(B_i, m)`` → ``(B_i, width)`` each), with ``P``
         read once for all of them: each group gives exactly what :meth:`second` gives it alone."""
         if self.second_stage == "pca":
             return apply_pca_groups(groups, self.pca)
         if self.second_stage == "srht":
-            return [srht_apply(z, self.srht_signs.to(z.device), self.srht_rows.to(z.device)) for z in groups]
+            signs, rows = self.srht_signs, self.srht_rows
+            return [srht_apply(z, signs.to(z.device), rows.to(z.device), k=self.k) for z in groups]
         return list(groups)
 
     def project(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -469,22 +480,32 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*batch, p)
 
 
-def srht_apply(z: torch.Tensor, signs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``S z`` with ``S = sqrt(p/k) R H_p D J`` and ``H_p`` orthonormal (Appendix B.2)."""
+def srht_apply(z: torch.Tensor, signs: torch.Tensor, rows: torch.Tensor, *, k: Optional[int] = None) -> torch.Tensor:
+    """``S z`` with ``S = sqrt(p/k) R H_p D J`` and ``H_p`` orthonormal (Appendix B.2).
+
+    ``k``: the one-bit code's rows, whose scale every row gets (default: all of ``rows``), so
+    that a tier's extra rows leave the first ``k`` coordinates exactly as they are without them.
+    """
     m = z.shape[-1]
     p = 1 << max(0, math.ceil(math.log2(m)))
     padded = torch.nn.functional.pad(z * signs, (0, p - m))
     # sqrt(p/k) · (1/sqrt(p)) · H_unnormalised = H_unnormalised / sqrt(k)
-    return fwht(padded)[..., rows] / math.sqrt(rows.numel())
+    return fwht(padded)[..., rows] / math.sqrt(rows.numel() if k is None else k)
 
 
-def make_srht(m: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random signs ``(m,)`` and ``k`` sorted distinct rows of the padded width."""
+def make_srht(
+    m: int, k: int, generator: torch.Generator, *, width: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random signs ``(m,)`` and ``width`` (default ``k``) distinct rows of the padded width: the
+    first ``k`` sorted, then the tier's other ``width - k`` sorted. The draws do not depend on
+    ``width``, so the first ``k`` rows are those of an SRHT of ``k`` rows alone."""
+    width = k if width is None else width
     p = 1 << max(0, math.ceil(math.log2(m)))
-    if k > p:
-        raise ConfigError(f"SRHT cannot output k={k} coordinates from a padded width of {p}; lower k")
+    if width > p:
+        raise ConfigError(f"SRHT cannot output {width} coordinates from a padded width of {p}; lower k or --rescore-k")
     signs = torch.randint(0, 2, (m,), generator=generator).float() * 2 - 1
-    rows = torch.randperm(p, generator=generator)[:k].sort().values
+    perm = torch.randperm(p, generator=generator)
+    rows = torch.cat([perm[:k].sort().values, perm[k:width].sort().values])
     return signs, rows
 
 
@@ -565,22 +586,28 @@ def rotation_seed(seed: int, name: str) -> int:
 
 
 def rotate_directions(pca: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
-    """``P R`` in float64, ``(m, k)`` → ``(m, k)`` float32, a block of rows at a time (bounded memory)."""
-    out = torch.empty(pca.shape, dtype=torch.float32, device=pca.device)
-    rows = max(1, _UPCAST_BYTES // (8 * max(1, pca.shape[1])))
+    """``[P[:, :k] R, P[:, k:]]`` in float64, ``(m, w)`` → ``(m, w)`` float32 with ``k`` the
+    rotation's (``w > k``: a rescoring tier's further directions, left as they are), a block of
+    rows at a time (bounded memory)."""
+    out = pca.to(torch.float32, copy=True)
+    k = rotation.k
+    rows = max(1, _UPCAST_BYTES // (8 * max(1, k)))
     for i in range(0, pca.shape[0], rows):
-        out[i : i + rows] = rotation.apply(pca[i : i + rows].double()).float()
+        out[i : i + rows, :k] = rotation.apply(pca[i : i + rows, :k].double()).float()
     return out
 
 
 def second_stage_directions(
     z: torch.Tensor, module: "ModuleProjection", *, gram: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """A module's stored ``P``, ``(m, k)`` float32, from its fitting set's first-stage coordinates
-    ``z`` ``(n, m)``: the top-``k`` principal directions (:func:`fit_pca`; ``gram``: ``z``'s Gram
-    matrix if already computed), rotated by the module's :class:`HadamardRotation` when it has one
-    (variant ``eogp-rot``, and ``auto`` where it chose the rotation)."""
-    directions = fit_pca(z, module.k, gram=gram)
+    """A module's stored ``P``, ``(m, width)`` float32, from its fitting set's first-stage
+    coordinates ``z`` ``(n, m)``: the top-``width`` principal directions (:func:`fit_pca`;
+    ``gram``: ``z``'s Gram matrix if already computed), the first ``k`` rotated by the module's
+    :class:`HadamardRotation` when it has one (variant ``eogp-rot``, and ``auto`` where it chose
+    the rotation). With a wider rescoring tier the one-bit code's ``k`` directions are the
+    prefix of the tier's (PCA directions are nested), and the tier's scores, dot products over
+    all ``width``, are unchanged by the rotation."""
+    directions = fit_pca(z, module.width, gram=gram)
     if module.rotation is not None:
         directions = rotate_directions(directions, module.rotation)
     return directions
@@ -627,6 +654,12 @@ class Projection:
     @property
     def m(self) -> tuple[int, ...]:
         return tuple(p.m for p in self.modules.values())
+
+    @property
+    def tier_k(self) -> tuple[int, ...]:
+        """The rescoring tier's coordinates per module (:attr:`ModuleProjection.width`): what the
+        second stages output, of which the one-bit code keeps the first :attr:`k`."""
+        return tuple(p.width for p in self.modules.values())
 
     @property
     def in_turn(self) -> bool:
@@ -677,7 +710,9 @@ class Projection:
         if self._lazy is not None:
             return self._lazy.total_bytes
         return sum(
-            p.m * p.k * PCA_DTYPE_BYTES[self.config.pca_dtype] for p in self.modules.values() if p.second_stage == "pca"
+            p.m * p.width * PCA_DTYPE_BYTES[self.config.pca_dtype]
+            for p in self.modules.values()
+            if p.second_stage == "pca"
         )
 
     def transform(self, name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -701,7 +736,8 @@ def build_projection(
     damping_ratio: float = 0.1,
     eigenvector_dtype: torch.dtype = torch.float32,
 ) -> Projection:
-    """Choose ``(m_u, k_u)`` per module, build the first stages and draw the SRHTs and rotations.
+    """Choose ``(m_u, k_u)`` per module (and the tier's ``tier_k``, ``storage.rescore_k``), build
+    the first stages and draw the SRHTs and rotations (rotations of the one-bit code's ``k_u``).
 
     The kept eigenvector columns are held in ``eigenvector_dtype`` (for the model's dtype,
     :data:`~eogp_index.config.EIGENVECTOR_DTYPES`). For EOGP the PCA matrices are fitted afterwards
@@ -711,12 +747,14 @@ def build_projection(
     modules = {}
     generator = torch.Generator().manual_seed(config.seed)
     for name, curv in curvature.items():
-        m, k = config.dims(curv.num_params, len(curvature), storage.precision)
+        m, k = config.dims(curv.num_params, len(curvature), storage.precision, storage.rescore_k)
         proj = first_stage_from_curvature(curv, m, damping_ratio, dtype=eigenvector_dtype)
         proj.k = k
+        width = storage.tier_k(k, m)
+        proj.tier_k = width if width != k else None
         proj.second_stage = config.second_stage
         if config.second_stage == "srht":
-            proj.srht_signs, proj.srht_rows = make_srht(m, k, generator)
+            proj.srht_signs, proj.srht_rows = make_srht(m, k, generator, width=width)
         if config.rotation == "hadamard":  # eogp-rot, and auto's candidate (dropped where EOGP wins)
             proj.rotation = module_rotation(config.seed, name, k)
         modules[name] = proj

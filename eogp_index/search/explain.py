@@ -139,7 +139,7 @@ def token_contributions(index: Encoder, examples: Sequence[Example], coords: np.
     from eogp_index.gradients.model import pad_token_id
 
     names = index.manifest.module_names
-    layout = index.layout
+    layout = index.stored.coordinates  # what the second stages output (a wider tier's, with --rescore-k)
     coords_t = torch.as_tensor(np.asarray(coords, np.float32))
     pulled = {
         name: weight_space(index.projection.modules[name], coords_t[:, off : off + k]).to(index.device)
@@ -204,8 +204,10 @@ def explain_documents(index: Encoder, query, ids: Sequence[str]) -> List[Explana
         codes, layout, scores_1bit = one_bit, stored.layout, None
     else:
         codes, layout = Encoded(coords=tier.decode(tier.from_arrow(table))), tier.layout
-        scores_1bit = module_terms(one_bit, y[0], stored.layout).sum(axis=1)  # as the scan scores it
-    stored_coords = decode(codes, layout)  # (r, K): s_u·b_u, or x (the tier's x̂)
+        # as the scan scores it: the one-bit code's first k_u of each module's T_u coordinates
+        scores_1bit = module_terms(one_bit, stored.one_bit(y)[0], stored.layout).sum(axis=1)
+    # (r, T): the tier's x̂ over all its coordinates; without a tier s_u·b_u, or x (T = K)
+    stored_coords = decode(codes, layout)
     terms = module_terms(codes, y[0], layout)  # (r, U)
     train = token_contributions(index, documents, y)  # [(1, T_i)]
     (queried,) = token_contributions(index, [query_example], stored_coords)  # (r, T_q)

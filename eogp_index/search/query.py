@@ -265,7 +265,7 @@ class InfluenceQuery:
             if found.scores_1bit is not None:
                 tier = tier_coordinates(stored, found.rowaddr, self.question.normalize)
                 out[side] = module_dicts(
-                    module_terms(Encoded(coords=tier), y, stored.layout), stored.manifest.module_names
+                    module_terms(Encoded(coords=tier), y, stored.coordinates), stored.manifest.module_names
                 )
                 continue
             if hot is not None:
@@ -275,7 +275,9 @@ class InfluenceQuery:
                     stored.store.take_rows(found.rowaddr.tolist(), list(stored.codec.columns))
                 )
             codes = normalized_codes(codes, stored.layout, self.question.normalize)
-            out[side] = module_dicts(module_terms(codes, y, stored.layout), stored.manifest.module_names)
+            out[side] = module_dicts(
+                module_terms(codes, stored.one_bit(y[None])[0], stored.layout), stored.manifest.module_names
+            )
         return out
 
     def roll_ups(self, *, coordinates: Optional[np.ndarray] = None) -> List[pa.Table]:

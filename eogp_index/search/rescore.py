@@ -1,7 +1,9 @@
 """Rescoring: the one-bit top rows of each side scored again from the index's rescoring tier.
 
 An index with a tier (format 3, schemas/store.md) stores the one-bit code's coordinates a second
-time at higher precision (int8, int4 or fp16), in table columns the hot copy never loads. A
+time at higher precision (int8, int4 or fp16), in table columns the hot copy never loads (with
+``--rescore-k``, more coordinates per module than the one-bit code keeps: the query's
+coordinates are the tier's, and the scans take the first ``k_u`` of each module's). A
 question with ``rescore = F`` (:class:`~eogp_index.search.question.Question`) has every route
 return its exact one-bit top ``N = F · k`` rows per side (``C`` at most, on the candidates
 route); :func:`rescored` reads those rows' tier codes by row address in one Lance take for all
@@ -16,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from eogp_index.errors import ConfigError
 from eogp_index.search.ranking import Hits, Side
 from eogp_index.store.stored_index import StoredIndex
 
@@ -27,7 +30,8 @@ def rescored_count(rescore: int, k: int, candidates: Optional[int]) -> int:
 
 
 def tier_coordinates(stored: StoredIndex, rowaddr: np.ndarray, normalize: str = "none") -> np.ndarray:
-    """The tier's coordinates ``(r, K)`` float32 of the rows at Lance row addresses ``rowaddr``
+    """The tier's coordinates ``(r, T)`` float32 (``T = Σ_u t_u``, ``stored.coordinates``:
+    ``K`` unless the tier is wider than the one-bit code) of the rows at Lance row addresses ``rowaddr``
     ``(r,)`` (in that order), read from the table; ``normalize="unit"``: each divided by its norm.
     """
     tier = stored.tier
@@ -47,14 +51,25 @@ def rescored(
     Args:
         stored: an index with a tier (``stored.tier``).
         found: per query, ``{side: Hits}``: the one-bit top rows of each side.
-        y: ``(nq, K)`` float32, the queries' unquantized coordinates, in ``found``'s order.
+        y: ``(nq, T)`` float32, the queries' unquantized coordinates (all of the tier's,
+            ``stored.coordinates``), in ``found``'s order.
         k: hits kept per side.
+
+    Raises:
+        ConfigError: ``y`` of another width than the tier's (the one-bit code's prefix of a
+            wider tier's coordinates cannot score it).
 
     Returns:
         Per query, ``{side: Hits}`` whose ``scores`` are the tier's (float32) and ``scores_1bit``
         the one-bit scan's; best first, equal scores by ascending row address.
     """
     y = np.asarray(y, np.float32)
+    width = stored.coordinates.num_coords
+    if y.ndim != 2 or y.shape[1] != width:
+        raise ConfigError(
+            f"rescoring needs the queries' coordinates of the whole tier, (nq, {width}), got {y.shape}: pass "
+            "the encoder's query coordinates, not the one-bit code's part of them"
+        )
     parts = [hits.rowaddr for by_side in found for hits in by_side.values()]
     wanted = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.uint64)
     if wanted.size == 0:

@@ -17,7 +17,9 @@ keeping each side to rows of its sign, and metadata are :mod:`eogp_index.search.
 :func:`exact_scores` is the only place that looks at what a codec stored: packed signs go to
 the scaled-sign kernels, coordinates to a matrix product. The exact searchers take
 ``normalize``: with ``"unit"`` they score the codes divided by their norms
-(:mod:`eogp_index.search.normalize`) with the same kernels.
+(:mod:`eogp_index.search.normalize`) with the same kernels. Every searcher takes the queries'
+coordinates as the encoder gives them, ``(nq, T)`` (an index with a rescoring tier wider than its
+one-bit code) or ``(nq, K)``, and scans with the one-bit code's part (``StoredIndex.one_bit``).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class HotSearcher:
 
     def scores(self, y: np.ndarray, where: Optional[str] = None) -> tuple[np.ndarray, np.ndarray]:
         """Every matching row's exact score: rowaddr ``(r,)`` uint64 and ``(nq, r)`` float32."""
+        y = self.stored.one_bit(y)
         hot = self.stored.hot_codes()
         rows = self._rows(hot, where)
         rowaddr = hot.rowaddr if rows is None else hot.rowaddr[rows]
@@ -141,6 +144,7 @@ class HotSearcher:
         return rowaddr, scores
 
     def top_k(self, y: np.ndarray, k: int, sides: Sequence[Side], where: Optional[str] = None) -> Found:
+        y = self.stored.one_bit(y)
         try:
             hot = self.stored.hot_codes()
         except NoSpaceError as exc:  # no room to write the hot copy: the same answer, from the table
@@ -212,6 +216,7 @@ class StreamSearcher:
         *,
         fragment_ids: Optional[Sequence[int]] = None,
     ) -> Found:
+        y = self.stored.one_bit(y)
         best: Found = [{side: Hits.empty() for side in sides} for _ in range(y.shape[0])]
         store, codec = self.stored.store, self.stored.codec
         if where is not None:  # Lance alone would drop what it cannot parse (store/filters.py)
@@ -291,6 +296,7 @@ class CandidateSearcher:
     def top_k(self, y: np.ndarray, k: int, sides: Sequence[Side], where: Optional[str] = None) -> Found:
         from eogp_index.search.first_pass import candidate_top_k
 
+        y = self.stored.one_bit(y)
         found: Found = []
         for q in range(y.shape[0]):
             scored = candidate_top_k(

@@ -101,7 +101,7 @@ def scored_batches(
             yield batch, tier_scores(tier, batch, y, normalize)
         else:
             codes = normalized_codes(codec.from_arrow(batch), stored.layout, normalize)
-            yield batch, exact_scores(codes, y, stored.layout)
+            yield batch, exact_scores(codes, stored.one_bit(y), stored.layout)
 
 
 def require_tier(stored: StoredIndex):

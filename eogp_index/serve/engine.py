@@ -125,7 +125,7 @@ class Engine:
         stored = self.index.stored
         if stored.store.count():
             stored.hot_codes()
-            zeros = np.zeros((1, stored.layout.num_coords), np.float32)
+            zeros = np.zeros((1, stored.coordinates.num_coords), np.float32)
             self.index.search(["warm-up"], many=True).limit(1).direction("both").to_list(coordinates=zeros)
         try:  # the first backward pass allocates and initialises; do it now rather than in a request
             self.index.project([Example.from_ids(id="warm-up", input_ids=[1, 2, 3, 1], shard="warm-up")])

@@ -65,7 +65,7 @@ def block_documents(stored: StoredIndex, batch_size: int, asked: Optional[int], 
         itemsize = projection.cache_dtype.itemsize
         documents = default_block_documents(
             projection.m,
-            projection.k,
+            projection.tier_k,  # the coordinates each document's block holds: a wider tier's
             itemsize,
             batch_size,
             free_disk=free_disk_bytes(Path(stored.path) / CACHE_DIR) // workers,

@@ -226,9 +226,30 @@ class FloatCodec(Codec):
 TIER_LEVELS = {"int8": 127, "int4": 7}
 
 
+def prefix_columns(x: np.ndarray, layout: SignLayout, prefix: SignLayout) -> np.ndarray:
+    """The first ``prefix.k[u]`` of each module's ``layout.k[u]`` columns of ``x``.
+
+    Args:
+        x: ``(n, layout.num_coords)`` or already ``(n, prefix.num_coords)`` (returned as it is).
+        layout: the wider layout (a rescoring tier's, ``StorageConfig.rescore_k``); prefix: the
+            one-bit code's, ``prefix.k[u] <= layout.k[u]``.
+
+    Returns:
+        ``(n, prefix.num_coords)``, ``x`` itself when the layouts are equal.
+    """
+    x = np.asarray(x)
+    if layout.k == prefix.k or (x.ndim == 2 and x.shape[1] == prefix.num_coords):
+        return x
+    _check_width(x, layout.num_coords, "coordinates")
+    return np.ascontiguousarray(
+        np.concatenate([x[:, off : off + k] for off, k in zip(layout.coord_offsets, prefix.k)], axis=1)
+    )
+
+
 class TierCodec:
-    """The rescoring tier: the same ``(n, K)`` coordinates as the one-bit code, at ``code``'s
-    precision (schemas/store.md).
+    """The rescoring tier: the ``(n, T)`` coordinates of ``layout`` (the one-bit code's, or
+    more per module with ``--rescore-k``: the one-bit code then keeps the first ``k_u`` of each
+    module's ``t_u``) at ``code``'s precision (schemas/store.md).
 
     int8/int4: per module ``u`` the scale ``s_u = max|x_u| / q`` (``q`` = 127 or 7) rounded to
     FP16, and the codes ``round(x / s_u)`` clipped to ``[-q, q]``; the tier decodes to

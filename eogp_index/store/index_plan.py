@@ -79,6 +79,8 @@ def plan_of_index(
         eigenbasis_bytes=eigen,
         eigenbasis_dtype=stored.pop(),
         dims={m.name: (m.m, m.k) for m in modules},
+        rescore=manifest.tier_code or "none",
+        tier_k=dict(zip(manifest.module_names, manifest.tier_k)),
         curvature_examples=manifest.curvature["num_examples"],
         max_tokens=max_tokens or manifest.max_tokens,
         max_tokens_from="--max-tokens" if max_tokens else "the index's max_tokens",

@@ -27,6 +27,10 @@ FORMAT = "eogp-index"
 #: 3: the optional rescoring tier (``tier``: its code and bytes; the table's ``tier`` and
 #: ``tier_scales`` columns). An index without a tier is still written as version 2, byte for byte
 #: as before; a reader of version 2 refuses a tiered index rather than ingest rows without it.
+#: The optional ``tier.k`` (a tier wider than the one-bit code, ``--rescore-k``) needs no bump:
+#: absent means the one-bit ``k``, what every format-3 index without it stores, and a reader
+#: that does not know it refuses the manifest (the schema allows no other field) rather than
+#: read tier rows of the wrong width.
 FORMAT_VERSION = 2
 TIER_FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -62,7 +66,8 @@ class Manifest:
     created_by: str = ""
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
-    #: format 3: the rescoring tier, ``{"code": "int8" | "int4" | "fp16", "bytes_per_example"}``;
+    #: format 3: the rescoring tier, ``{"code": "int8" | "int4" | "fp16", "bytes_per_example"}``
+    #: and, for a tier wider than the one-bit code, ``"k"``: its coordinates per module;
     #: None: the index has none
     tier: Optional[Dict[str, Any]] = None
 
@@ -78,6 +83,15 @@ class Manifest:
         the index records none (no tier, no held-out documents, or written before the record)."""
         recall = (self.projection.get("fidelity") or {}).get("recall") or {}
         return recall.get("factor")
+
+    @property
+    def tier_k(self) -> tuple[int, ...]:
+        """The rescoring tier's coordinates per module (``tier.k``; absent: the one-bit :attr:`k`,
+        as in every index without a tier or with one of the same coordinates). The one-bit code
+        keeps the first ``k_u`` of module ``u``'s ``tier_k[u]``."""
+        if self.tier is None or self.tier.get("k") is None:
+            return self.k
+        return tuple(int(v) for v in self.tier["k"])
 
     @property
     def k(self) -> tuple[int, ...]:

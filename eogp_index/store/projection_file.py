@@ -60,7 +60,7 @@ def save_projection(projection: Projection, path: Path) -> str:
             )
         if p.has_pca:
             # read at write time (a loaded or fitted P is read from disk then, and dropped after)
-            entries.append(TensorEntry(f"{name}/pca", pca_dtype, (p.m, p.k), functools.partial(getattr, p, "pca")))
+            entries.append(TensorEntry(f"{name}/pca", pca_dtype, (p.m, p.width), functools.partial(getattr, p, "pca")))
         if p.srht_signs is not None:
             for key in ("srht_signs", "srht_rows"):
                 tensor = getattr(p, key)
@@ -75,6 +75,9 @@ def save_projection(projection: Projection, path: Path) -> str:
                 "k": p.k,
                 "damping": p.damping,
                 "second_stage": p.second_stage,
+                # a rescoring tier wider than k (StorageConfig.rescore_k): P and the SRHT's rows
+                # have tier_k columns, the first k of them the one-bit code's
+                **({} if p.tier_k is None else {"tier_k": p.tier_k}),
             }
         )
     metadata = {
@@ -161,6 +164,7 @@ def load_projection(path: Path, *, memory_limit: Optional[int] = None) -> Projec
             damping=float(meta["damping"]),
             second_stage=meta["second_stage"],
             k=int(meta["k"]),
+            tier_k=None if meta.get("tier_k") is None else int(meta["tier_k"]),
             pca_loader=functools.partial(lazy.get, f"{name}/pca") if f"{name}/pca" in keys else None,
             **optional,
         )

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from eogp_index.data.records import Example, RecordSpec, location_of, record_of, tokenize_windows
 from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
-from eogp_index.store.codecs import Codec, SignLayout, TierCodec, codec_for, tier_for
+from eogp_index.store.codecs import Codec, SignLayout, TierCodec, codec_for, prefix_columns, tier_for
 from eogp_index.store.manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -118,11 +118,28 @@ class StoredIndex:
         self.path = Path(path)
         self.manifest = manifest
         self.layout = SignLayout(manifest.k)
+        #: the index's coordinates per module: what the projection outputs and queries are
+        #: projected to, the rescoring tier's (``manifest.tier_k``); the one-bit code keeps the
+        #: first ``layout.k[u]`` of each module's (:meth:`one_bit`)
+        self.coordinates = SignLayout(manifest.tier_k)
+        if any(t < k for t, k in zip(self.coordinates.k, self.layout.k)) or len(self.coordinates.k) != len(
+            self.layout.k
+        ):
+            raise IncompatibleIndexError(
+                f"{self.path / MANIFEST_FILE}: tier.k {list(self.coordinates.k)} must give every module at least "
+                f"its k {list(self.layout.k)}; the manifest is damaged. Rebuild the index with `eogp fit --overwrite`."
+            )
         self.codec: Codec = codec_for(manifest.precision, self.layout)
         #: the rescoring tier's codec (format 3), or None: the index has no tier
-        self.tier: Optional[TierCodec] = tier_for(manifest.tier_code, self.layout)
+        self.tier: Optional[TierCodec] = tier_for(manifest.tier_code, self.coordinates)
         self.store = Store(manifest.store_uri(self.path), manifest.table)
         self._hot = None
+
+    def one_bit(self, y):
+        """The one-bit code's coordinates ``(n, K)`` of the index's coordinates ``y``
+        ``(n, T)`` (:attr:`coordinates`): the first ``k_u`` of each module's. ``y`` already
+        ``(n, K)``, or an index whose tier has the one-bit code's coordinates: ``y`` itself."""
+        return prefix_columns(y, self.coordinates, self.layout)
 
     @classmethod
     def open(cls, path: Union[str, Path]) -> "StoredIndex":
@@ -176,6 +193,7 @@ class StoredIndex:
         projection = fitted.projection
         proj_hash = save_projection(projection, path / PROJECTION_FILE)
         layout = SignLayout(projection.k)
+        coordinates = SignLayout(projection.tier_k)
         model_entry = {
             "name": str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name,
             "weights_sha256": fitted.weights_sha256,
@@ -221,9 +239,7 @@ class StoredIndex:
             table_uri=table_uri,
             created_by=f"eogp-index {__version__}",
             format_version=FORMAT_VERSION if tier is None else TIER_FORMAT_VERSION,
-            tier=None
-            if tier is None
-            else {"code": tier, "bytes_per_example": TierCodec(tier, layout).bytes_per_example},
+            tier=None if tier is None else _tier_entry(tier, layout, coordinates),
         )
         manifest.save(path)
         # Not the fitted projection itself: the rows must be projected with P as stored (FP16 by
@@ -261,6 +277,12 @@ class StoredIndex:
             raise IncompatibleIndexError(
                 f"{path} does not match the modules of {self.path / MANIFEST_FILE}; "
                 "the index was refitted partway. Rebuild it with `eogp fit --overwrite`."
+            )
+        if projection.tier_k != self.coordinates.k:
+            raise IncompatibleIndexError(
+                f"{path} projects {list(projection.tier_k)} coordinates per module but {self.path / MANIFEST_FILE} "
+                f"records a rescoring tier of {list(self.coordinates.k)} (tier.k; absent: the modules' k): the "
+                "projection file and the manifest come from different fits. Rebuild it with `eogp fit --overwrite`."
             )
         return projection
 
@@ -390,13 +412,38 @@ class StoredIndex:
             )
         return dataclasses.replace(example, id=example_id)
 
-    def info(self) -> Dict[str, Any]:
-        """The manifest plus live facts: row count, table version, path."""
+    def info(self, *, hits: Optional[int] = None, rescore: Optional[int] = None) -> Dict[str, Any]:
+        """The manifest plus live facts: row count, table version, path, and ``bytes``: both
+        tiers' bytes per row and on disk and what a query of ``hits`` per side rescoring
+        ``rescore · hits`` rows reads (:func:`~eogp_index.fit.plan.tier_size`; defaults:
+        the question's)."""
+        from eogp_index.fit.plan import tier_size
+
         data = self.manifest.to_json()
         data["rows"] = self.store.count()
         data["table_version"] = self.store.version
         data["path"] = str(self.path)
+        tier = self.manifest.tier
+        data["bytes"] = tier_size(
+            data["rows"],
+            self.manifest.bytes_per_example,
+            self.manifest.tier_code,
+            self.coordinates.num_coords,
+            0 if tier is None else tier["bytes_per_example"],
+            hits=hits,
+            rescore=rescore,
+        ).to_json()
         return data
 
     def count(self, where: Optional[str] = None) -> int:
         return self.store.count(where)
+
+
+def _tier_entry(code: str, layout: SignLayout, coordinates: SignLayout) -> Dict[str, Any]:
+    """``manifest.tier`` of a tier of ``code`` over ``coordinates`` (per module); its ``k`` only
+    when wider than the one-bit code's ``layout``, so that a tier of the same coordinates writes
+    the manifest as before."""
+    entry: Dict[str, Any] = {"code": code, "bytes_per_example": TierCodec(code, coordinates).bytes_per_example}
+    if coordinates.k != layout.k:
+        entry["k"] = list(coordinates.k)
+    return entry

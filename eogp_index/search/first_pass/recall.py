@@ -99,7 +99,7 @@ def measure_recall(
     """
     C = BUDGET_FACTOR * k if C is None else C
     hot = stored.hot_codes()
-    y = np.ascontiguousarray(y, np.float32)
+    y = np.ascontiguousarray(stored.one_bit(y), np.float32)  # the encoder's (n, T): the one-bit part
     extra = 0 if leave_out is None else 1  # one more, in case the left-out row is among them
     exact = scan_top_k(hot.codes, hot.scales, y, stored.layout, k + extra)
     found = {side: 0 for side in sides}
