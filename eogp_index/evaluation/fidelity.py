@@ -575,6 +575,10 @@ class SharedPass:
         self.configs = kept
         return scores, unquantized, references
 
+    def kept_tier_scores(self) -> Dict[str, np.ndarray]:
+        """``{"<config id>|<code>@<multiple>": (nq, n)}`` of the configs :meth:`finish` kept."""
+        return {f"{c.id}|{key}": v for c in self.configs for key, v in self.tier_scores.get(c.id, {}).items()}
+
     def streamed_scores(self, key: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """A streamed config's scores and, for 1 bit, its FP16 scores at the same ``k``."""
         return self._streamed[key], self._streamed.get(key + "|fp16")
@@ -975,16 +979,8 @@ def compute_scores(
     say(f"kronfluence pairwise EK-FAC scores {reference.shape} in {timings['kronfluence_scores_s']:.1f}s")
 
     t0 = time.perf_counter()
-    shared = SharedPass(
-        model,
-        curvature,
-        configs,
-        damping_ratio=damping_ratio,
-        kfac_eigenvalues=kfac_values,
-        tier_codes=tier_codes,
-        tier_k=tier_k,
-        tier_k_max=tier_k_max,
-    )
+    tiers = dict(tier_codes=tier_codes, tier_k=tier_k, tier_k_max=tier_k_max)
+    shared = SharedPass(model, curvature, configs, damping_ratio=damping_ratio, kfac_eigenvalues=kfac_values, **tiers)
     kwargs = dict(batch_size=batch_size, pad_token_id=pad_token_id, progress=progress)
     shared.run(queries, "query", **kwargs)
     shared.run(train, "train", **kwargs)
@@ -1011,11 +1007,7 @@ def compute_scores(
         unquantized=unquantized,
         timings=timings,
         choices=registry.Auto.code_choices(shared, reference),
-        tiers={
-            f"{cfg.id}|{key}": value
-            for cfg in shared.configs
-            for key, value in shared.tier_scores.get(cfg.id, {}).items()
-        },
+        tiers=shared.kept_tier_scores(),
     )
 
 
