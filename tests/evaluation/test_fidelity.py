@@ -432,4 +432,6 @@ def test_auto_stores_per_module_the_code_the_held_out_measurement_chose(tmp_path
     for row in details["auto_vs_best"]:
         v = row["spearman"]
         assert v["diff"] == pytest.approx(v["auto"] - max(v["eogp"], v["eogp-rot"]))
-    assert {r["method"] for r in records} == {"EOGP", "EOGP-rot", "EOGP auto (per module)"}
+    # Besides the rows of the rescoring tier (tests/evaluation/test_rescoring.py).
+    plain = {r["method"] for r in records if " tier " not in r["method"] and "rescored" not in r["method"]}
+    assert plain == {"EOGP", "EOGP-rot", "EOGP auto (per module)"}
