@@ -45,7 +45,20 @@ _data_options = option_group(
         help="Directory for results.json, results.md, the PNGs and the caches.",
     ),
     option_group(
-        *(field_option(FidelityConfig, name) for name in ("budgets", "methods", "m", "batch_size", "seed")),
+        *(
+            field_option(FidelityConfig, name)
+            for name in (
+                "budgets",
+                "methods",
+                "m",
+                "batch_size",
+                "seed",
+                "rescore_factors",
+                "rescore",
+                "tier_k",
+                "tier_k_max",
+            )
+        ),
         into="fidelity",
     ),
     click.option("--json", "as_json", is_flag=True, help="Print all numbers as JSON."),
@@ -119,8 +132,11 @@ def fidelity(data, out, fidelity, as_json, quiet):
     """Agreement with uncompressed EK-FAC: NDCG@20 and Spearman per method and budget.
 
     Also the median Pearson correlation between 1-bit and FP16 scores at the same k
-    (Table 2 of the paper). Writes results.json, results.md, ndcg_at_20.png, spearman.png,
-    pearson_1bit_fp16.png and details.json under --out.
+    (Table 2 of the paper), and for the 1-bit PCA methods the rescoring tier: each tier code
+    (int8, int4, FP16) alone, the 1-bit top F x 20 rows of each side rescored by it for each
+    --rescore-factors, the recall of the tier's top 20, and tiers of --tier-k times the 1-bit k.
+    Writes results.json, results.md, ndcg_at_20.png, spearman.png, pearson_1bit_fp16.png,
+    rescoring.png, tier_k.png and details.json under --out.
 
     \b
     Example:

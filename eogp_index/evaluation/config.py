@@ -26,6 +26,7 @@ __all__ = [
     "K_FROM_PRECISION",
     "METHODS",
     "PCA_FAMILIES",
+    "TIER_CODES",
     "DataConfig",
     "FidelityConfig",
     "FinetuneRecipe",
@@ -33,6 +34,9 @@ __all__ = [
     "PretrainRecipe",
     "default_root",
 ]
+
+#: The rescoring tier's codes the fidelity evaluation compares (eogp_index.store.codecs.TierCodec).
+TIER_CODES: Tuple[str, ...] = ("int8", "int4", "fp16")
 
 #: Per-example budgets in bytes (summed over modules): 64 B .. 4 KB.
 DEFAULT_BUDGETS: Tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -169,6 +173,10 @@ class FidelityConfig:
     EOGP-R, capped at ``d_u`` (None: the index's default, :func:`eogp_index.config.first_stage_width`).
     damping_ratio: ``λ_u = 0.1 tr(Λ_u)/d_u`` for EK-FAC and the post-projection curvatures.
     gaussian_seeds: draws averaged for the Gaussian control. ndcg_k: NDCG cut-off.
+    tier_codes, rescore_factors, rescore, tier_k, tier_k_max: the rescoring tier of the 1-bit
+    PCA methods (:mod:`eogp_index.evaluation.rescoring`): its codes, the factors ``F`` (the
+    1-bit top ``F · ndcg_k`` rows of each side rescored), the factor of the main table, the
+    tier's ``k`` as multiples of the 1-bit ``k``, and the largest tier ``k`` per module.
     """
 
     budgets: Tuple[int, ...] = field(
@@ -192,12 +200,51 @@ class FidelityConfig:
     batch_size: int = field(default=8, metadata={"help": "Documents per gradient batch.", "min": 1})
     ndcg_k: int = field(default=20, metadata={"min": 1})
     modules: Optional[Tuple[str, ...]] = None
+    tier_codes: Tuple[str, ...] = TIER_CODES
+    rescore_factors: Tuple[int, ...] = field(
+        default=(1, 2, 3, 5, 10, 20),
+        metadata={
+            "help": "Rescoring factors F, comma-separated: the 1-bit top F x 20 rows of each side are "
+            "rescored by the tier (1-bit PCA methods).",
+            "min": 1,
+        },
+    )
+    rescore: int = field(
+        default=5,
+        metadata={"help": "The rescoring factor the report's main table and the tier's k curve use.", "min": 1},
+    )
+    tier_k: Tuple[int, ...] = field(
+        default=(1, 2, 4),
+        metadata={
+            "help": "The tier's k as multiples of the 1-bit k, comma-separated (the PCA fitted to the "
+            "larger k, the 1-bit code the signs of its first k).",
+            "min": 1,
+        },
+    )
+    tier_k_max: int = field(
+        default=4096,
+        metadata={
+            "help": "Largest tier k per module; a larger multiple is skipped (completing a PCA "
+            "costs m x k^2 per module).",
+            "min": 1,
+        },
+    )
 
     def __post_init__(self) -> None:
         check_methods(self.methods, "FidelityConfig.methods (--methods)")
         if not self.methods or not self.budgets:
             raise ConfigError("FidelityConfig: give at least one method and one budget")
         _check_ranges(self)
+        unknown = [code for code in self.tier_codes if code not in TIER_CODES]
+        if unknown:
+            raise ConfigError(
+                f"FidelityConfig.tier_codes: unknown tier code(s) {unknown}; choose from {', '.join(TIER_CODES)}"
+            )
+        if not self.rescore_factors or not self.tier_k or 1 not in self.tier_k:
+            raise ConfigError(
+                "FidelityConfig: give at least one rescoring factor (--rescore-factors) and tier multiples "
+                f"(--tier-k) that include 1 (the tier of the 1-bit code's own k), got {self.tier_k!r}"
+            )
         if not self.damping_ratio > 0:
             raise ConfigError(f"FidelityConfig.damping_ratio must be positive, got {self.damping_ratio}")
 

@@ -55,6 +55,7 @@ from eogp_index.evaluation.config import (  # noqa: F401  (re-exported: the budg
     K_FROM_PRECISION,
     METHODS,
     PCA_FAMILIES,
+    TIER_CODES,
 )
 from eogp_index.fit.code_choice import CodeChoice
 from eogp_index.fit.curvature import ModuleCurvature, factors_dir
@@ -62,7 +63,7 @@ from eogp_index.fit.plan import ModuleShape
 from eogp_index.fit.projection import first_stage_from_curvature, fit_pca
 from eogp_index.gradients.capture import GradientCapture
 from eogp_index.gradients.loss import IGNORE_INDEX, collate
-from eogp_index.store.codecs import SignLayout, decode, encode
+from eogp_index.store.codecs import SignLayout, TierCodec, decode, encode
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -324,8 +325,15 @@ class SharedPass:
         damping_ratio: float = 0.1,
         kfac_eigenvalues: Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]] = None,
         references: bool = True,
+        tier_codes: Sequence[str] = TIER_CODES,
+        tier_k: Sequence[int] = (1, 2, 4),
+        tier_k_max: int = 4096,
     ):
         self.model = model
+        self.tier_codes, self.tier_multiples, self.tier_k_max = tuple(tier_codes), tuple(tier_k), int(tier_k_max)
+        #: Per 1-bit PCA config id, ``{"<code>@<multiple>": (nq, n)}``: the scores of its rescoring
+        #: tiers (:meth:`tier_widths`).
+        self.tier_scores: Dict[str, Dict[str, np.ndarray]] = {}
         self.names = list(curvature)
         self.curvature = curvature
         self.configs = list(configs)
@@ -345,6 +353,7 @@ class SharedPass:
                 lam = lam[order]
                 kfac_whiten = (lam + damping_ratio * lam.mean()).rsqrt()
                 self.kfac_ratio[n] = (kfac_whiten / self.first[n].whiten.double()).float()
+        self.notes: List[str] = []
         # Widest first-stage prefix the PCA methods need, per module.
         self.pca_width = {n: 0 for n in self.names}
         for cfg in self.configs:
@@ -365,7 +374,6 @@ class SharedPass:
         self.module_scores: Dict[str, Dict[str, Dict[str, np.ndarray]]] = {}
         self.query: Dict[str, np.ndarray] = {}
         self.skipped: List[Dict[str, Any]] = []
-        self.notes: List[str] = []
         self.stream_scores: Dict[str, List[np.ndarray]] = {}
         self._streamed: Dict[str, np.ndarray] = {}
 
@@ -567,6 +575,10 @@ class SharedPass:
         self.configs = kept
         return scores, unquantized, references
 
+    def kept_tier_scores(self) -> Dict[str, np.ndarray]:
+        """``{"<config id>|<code>@<multiple>": (nq, n)}`` of the configs :meth:`finish` kept."""
+        return {f"{c.id}|{key}": v for c in self.configs for key, v in self.tier_scores.get(c.id, {}).items()}
+
     def streamed_scores(self, key: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """A streamed config's scores and, for 1 bit, its FP16 scores at the same ``k``."""
         return self._streamed[key], self._streamed.get(key + "|fp16")
@@ -591,7 +603,7 @@ class SharedPass:
             # Configs come budget by budget with the same m: a basis of another m is not asked for again.
             self._bases = {other: basis for other, basis in self._bases.items() if other[0] != name}
             u = self.names.index(name)
-            k_max = max(c.k[u] for c in self.configs if c.spec.uses_pca and c.m[u] == m)
+            k_max = max(self.pca_k(c, u) for c in self.configs if c.spec.uses_pca and c.m[u] == m)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 self._bases[key] = fit_pca(self.fit_coordinates(name)[:, :m], max(k, k_max))
@@ -605,10 +617,32 @@ class SharedPass:
         y = (query_first.double() @ basis.double()).numpy()
         return y @ stored_coordinates(x, "1bit", (basis.shape[1],)).astype(np.float64).T
 
+    def tier_widths(self, cfg: MethodConfig) -> Dict[int, Tuple[int, ...]]:
+        """``{multiple: k_tier per module}`` of the rescoring tiers of a 1-bit PCA config (empty
+        for any other): ``k_tier = multiple · k``, kept when every module's is at most its ``m``
+        and ``tier_k_max`` (multiple 1 always)."""
+        if not (cfg.spec.uses_pca and cfg.precision == "1bit" and self.tier_codes):
+            return {}
+        out = {}
+        for multiple in self.tier_multiples:
+            ks = tuple(multiple * k for k in cfg.k)
+            if multiple == 1 or all(kt <= min(m, self.tier_k_max) for kt, m in zip(ks, cfg.m)):
+                out[multiple] = ks
+        return out
+
+    def pca_k(self, cfg: MethodConfig, u: int) -> int:
+        """The PCA directions config ``cfg`` needs of module ``u``: its ``k``, or its widest tier's."""
+        return max([cfg.k[u]] + [ks[u] for ks in self.tier_widths(cfg).values()])
+
     def score_pca(self, cfg: MethodConfig) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """Scores of a PCA family's config: each module's ``P`` is its family's
-        :meth:`~eogp_index.evaluation.methods.MethodFamily.directions` of the shared PCA basis."""
-        xs, ys = [], []
+        :meth:`~eogp_index.evaluation.methods.MethodFamily.directions` of the shared PCA basis.
+
+        A 1-bit config also scores its rescoring tiers (:meth:`tier_widths`, kept in
+        :attr:`tier_scores`): each module's tier holds the 1-bit code's ``k`` coordinates (rotated
+        as its ``P`` rotates them), then the next ``k_tier - k`` PCA coordinates.
+        """
+        xs, ys, extra = [], [], []
         for u, n in enumerate(self.names):
             m, k = cfg.m[u], cfg.k[u]
             train_first = torch.cat(self.train_parts["pca"][n], dim=0)[:, :m]
@@ -616,10 +650,46 @@ class SharedPass:
             basis = cfg.spec.directions(self, cfg, n, self.pca_basis(n, m, k), query_first, train_first)  # (m, k)
             xs.append((train_first.double() @ basis.double()).float().numpy())
             ys.append((query_first.double() @ basis.double()).numpy())
+            wider = self.pca_k(cfg, u)
+            if wider > k:  # PCA directions are nested: the tier's further ones follow the first k
+                more = self.pca_basis(n, m, wider)[:, k:].double()
+                extra.append(((train_first.double() @ more).float().numpy(), (query_first.double() @ more).numpy()))
+            else:
+                extra.append(None)
+        if self.tier_widths(cfg):
+            self._score_tiers(cfg, xs, ys, extra)
         x, y = np.concatenate(xs, axis=1), np.concatenate(ys, axis=1)
         stored = stored_coordinates(x, cfg.precision, cfg.k).astype(np.float64)
         unq = stored_coordinates(x, "fp16", cfg.k).astype(np.float64) if cfg.precision == "1bit" else None
         return y @ stored.T, (y @ unq.T if unq is not None else None)
+
+    def _score_tiers(
+        self,
+        cfg: MethodConfig,
+        xs: List[np.ndarray],
+        ys: List[np.ndarray],
+        extra: List[Optional[Tuple[np.ndarray, np.ndarray]]],
+    ) -> None:
+        """The scores ``(nq, n)`` of each tier code and multiple of a 1-bit config, stored as
+        :class:`~eogp_index.store.codecs.TierCodec` stores them (a scale per module for int8/int4)
+        and scored in float64 against the queries' unquantized coordinates."""
+        widths = self.tier_widths(cfg)
+        left_out = [multiple for multiple in self.tier_multiples if multiple not in widths]
+        if left_out:
+            self.notes.append(
+                f"{cfg.id}: tier k multiple(s) {left_out} left out: above m_u or --tier-k-max ({self.tier_k_max})"
+            )
+        for multiple, ks in widths.items():
+            parts_x, parts_y = [], []
+            for x, y, more, kt in zip(xs, ys, extra, ks):
+                grow = kt - x.shape[1]
+                parts_x.append(np.concatenate([x, more[0][:, :grow]], axis=1) if grow else x)
+                parts_y.append(np.concatenate([y, more[1][:, :grow]], axis=1) if grow else y)
+            x_t, y_t = np.concatenate(parts_x, axis=1), np.concatenate(parts_y, axis=1)
+            for code in self.tier_codes:
+                codec = TierCodec(code, SignLayout(ks))
+                stored = codec.decode(codec.encode(x_t)).astype(np.float64)
+                self.tier_scores.setdefault(cfg.id, {})[f"{code}@{multiple}"] = y_t @ stored.T
 
     def score_projected_curvature(self, cfg: MethodConfig, key: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """Scores ``q^T H^{-1} t`` with ``H`` fitted on the projected training coordinates (LoGra, GraSS)."""
@@ -722,7 +792,9 @@ class ScoreSet:
 
     ``reference`` is kronfluence's EK-FAC; ``references`` holds ``"ekfac"`` (index-side full
     width), ``"kfac"`` and ``"tracin"``; ``scores[config.id]`` is ``(n_seeds, nq, n)``;
-    ``unquantized[config.id]`` the FP16 scores at the same ``k`` of a 1-bit config.
+    ``unquantized[config.id]`` the FP16 scores at the same ``k`` of a 1-bit config;
+    ``tiers["<config.id>|<code>@<multiple>"]`` ``(nq, n)`` the scores of a 1-bit PCA config's
+    rescoring tier ``code`` at ``k_tier = multiple · k`` (:meth:`SharedPass.tier_widths`).
     """
 
     train_ids: Tuple[str, ...]
@@ -738,6 +810,19 @@ class ScoreSet:
     key: str = ""
     notes: List[str] = field(default_factory=list)
     choices: List[Dict[str, Any]] = field(default_factory=list)
+    tiers: Dict[str, np.ndarray] = field(default_factory=dict)
+
+    def tier_keys(self, cfg: MethodConfig) -> List[Tuple[str, int]]:
+        """``[(code, multiple)]`` of the tiers scored for ``cfg``, in :data:`TIER_CODES` order, then
+        multiples ascending."""
+        prefix = cfg.id + "|"
+        keys = [key[len(prefix) :].split("@") for key in self.tiers if key.startswith(prefix)]
+        rank = {code: i for i, code in enumerate(TIER_CODES)}
+        return sorted(((code, int(multiple)) for code, multiple in keys), key=lambda item: (rank[item[0]], item[1]))
+
+    def tier(self, cfg: MethodConfig, code: str, multiple: int) -> np.ndarray:
+        """The ``(nq, n)`` scores of ``cfg``'s tier ``code`` at ``multiple`` times its ``k``."""
+        return self.tiers[f"{cfg.id}|{code}@{multiple}"]
 
     def config(self, method: str, budget: int) -> Optional[MethodConfig]:
         for cfg in self.configs:
@@ -758,6 +843,7 @@ class ScoreSet:
         arrays.update({f"ref/{k}": v for k, v in self.references.items()})
         arrays.update({f"scores/{k}": v for k, v in self.scores.items()})
         arrays.update({f"unquantized/{k}": v for k, v in self.unquantized.items()})
+        arrays.update({f"tier/{k}": v for k, v in self.tiers.items()})
         meta = {
             "train_ids": list(self.train_ids),
             "query_ids": list(self.query_ids),
@@ -806,6 +892,7 @@ class ScoreSet:
                 key=meta["key"],
                 notes=meta.get("notes", []),
                 choices=meta.get("choices", []),
+                tiers=get("tier/"),
             )
 
 
@@ -828,6 +915,9 @@ def compute_scores(
     pad_token_id: int = 0,
     progress: bool = False,
     log: Optional[Callable[[str], None]] = None,
+    tier_codes: Sequence[str] = TIER_CODES,
+    tier_k: Sequence[int] = (1, 2, 4),
+    tier_k_max: int = 4096,
 ) -> ScoreSet:
     """Fit EK-FAC once on ``train`` and score every method, budget and reference.
 
@@ -838,6 +928,8 @@ def compute_scores(
         work_dir: kronfluence's factors and scores go under ``work_dir/curvature``.
         pca_docs: fit EOGP's PCA on these documents instead of ``train``.
         m: first-stage width of EOGP and EOGP-R (None: the index's default, see :func:`plan_methods`).
+        tier_codes, tier_k, tier_k_max: the rescoring tiers of the 1-bit PCA configs
+            (:meth:`SharedPass.tier_widths`; no codes: none).
     """
     from eogp_index.config import CurvatureConfig
     from eogp_index.fit.curvature import fit_curvature
@@ -887,7 +979,8 @@ def compute_scores(
     say(f"kronfluence pairwise EK-FAC scores {reference.shape} in {timings['kronfluence_scores_s']:.1f}s")
 
     t0 = time.perf_counter()
-    shared = SharedPass(model, curvature, configs, damping_ratio=damping_ratio, kfac_eigenvalues=kfac_values)
+    tiers = dict(tier_codes=tier_codes, tier_k=tier_k, tier_k_max=tier_k_max)
+    shared = SharedPass(model, curvature, configs, damping_ratio=damping_ratio, kfac_eigenvalues=kfac_values, **tiers)
     kwargs = dict(batch_size=batch_size, pad_token_id=pad_token_id, progress=progress)
     shared.run(queries, "query", **kwargs)
     shared.run(train, "train", **kwargs)
@@ -914,21 +1007,33 @@ def compute_scores(
         unquantized=unquantized,
         timings=timings,
         choices=registry.Auto.code_choices(shared, reference),
+        tiers=shared.kept_tier_scores(),
     )
 
 
 # --------------------------------------------------------------------------- fidelity metrics
 
 
-def fidelity_records(scoreset: ScoreSet, *, ndcg_k: int = 20) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+def fidelity_records(
+    scoreset: ScoreSet,
+    *,
+    ndcg_k: int = 20,
+    rescore_factors: Sequence[int] = (1, 2, 3, 5, 10, 20),
+    rescore: int = 5,
+) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """Appendix D.2 metrics of every config against kronfluence's EK-FAC, and Table 2.
 
     Returns ``(records, details)``. Records (for :func:`report.write_report`): per config,
     ``ndcg@20`` and ``spearman`` (query means, averaged over seeds) at the nominal budget,
     and for 1-bit configs ``pearson_1bit_fp16`` (median query-wise Pearson between 1-bit and
-    FP16 scores at the same ``k``). ``details`` holds the per-seed values, the references'
-    fidelity (reference lines) and the index-vs-kronfluence check.
+    FP16 scores at the same ``k``); for 1-bit PCA configs with tiers, each tier alone and the
+    one-bit top ``rescore · ndcg_k`` rescored by it (:func:`rescoring.rescoring_records`).
+    ``details`` holds the per-seed values, the references' fidelity (reference lines), the
+    index-vs-kronfluence check and ``rescoring`` (:func:`rescoring.rescoring_details` at each of
+    ``rescore_factors``).
     """
+    from eogp_index.evaluation import rescoring
+
     ref = scoreset.reference
     ndcg_name = f"ndcg@{ndcg_k}"
     records: List[Dict[str, Any]] = []
@@ -964,6 +1069,11 @@ def fidelity_records(scoreset: ScoreSet, *, ndcg_k: int = 20) -> Tuple[List[Dict
     }
     for family in registry.families():
         details.update(family.fidelity_details(scoreset, ndcg_k))
+    if scoreset.tiers:
+        factors = sorted(set(rescore_factors) | {rescore})
+        details["rescoring"] = rescoring.rescoring_details(scoreset, ndcg_k=ndcg_k, factors=factors)
+        details["rescore"] = rescore
+        records += rescoring.rescoring_records(details["rescoring"], ndcg_k=ndcg_k, factor=rescore)
     return records, details
 
 

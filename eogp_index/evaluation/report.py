@@ -33,6 +33,7 @@ __all__ = [
     "markdown_table",
     "metric_label",
     "plot_metric_vs_bytes",
+    "plot_panels",
     "write_report",
 ]
 
@@ -148,6 +149,9 @@ def _exact_bytes(n: float) -> str:
 
 def metric_label(metric: str) -> str:
     """Axis and column label of a metric name (the name itself when unknown)."""
+    recall = re.fullmatch(r"recall@(\d+)", metric)
+    if recall:
+        return f"Recall of the tier's top 20 in the 1-bit top {recall.group(1)}"
     return _METRIC_LABELS.get(metric, metric)
 
 
@@ -248,6 +252,62 @@ def plot_metric_vs_bytes(
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False, fontsize=8)
     else:
         ax.legend(loc="best", fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", bbox_inches="tight")
+    return path
+
+
+def plot_panels(
+    panels: Mapping[str, Sequence[Mapping]],
+    path: str | Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    x_bytes: bool = False,
+) -> Path:
+    """Side-by-side panels of curves against a log2 x axis; write a PNG.
+
+    panels: ``{title: [curve, ...]}``; a curve is ``{"label", "x": [...], "y": [...]}`` with
+    optional ``"low"``/``"high"`` (interval bars), ``"dashed": True`` (a level to reach, such as a
+    full scan), ``"colour"`` and ``"linestyle"``. x_bytes: label the x ticks as bytes
+    (:func:`format_bytes`), at powers of two.
+    Returns the PNG path.
+    """
+    if not panels or not any(panels.values()):
+        raise InputError("plot_panels needs at least one curve")
+    path = Path(path)
+    fig = Figure(figsize=(5.2 * len(panels), 4.2), dpi=150)
+    FigureCanvasAgg(fig)
+    colors = rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    axes = [fig.add_subplot(1, len(panels), i + 1) for i in range(len(panels))]
+    for ax, (title, curves) in zip(axes, panels.items()):
+        ticks = set()
+        for i, curve in enumerate(curves):
+            color = curve.get("colour", colors[i % len(colors)])
+            style = (
+                dict(linestyle="--", linewidth=1.0)
+                if curve.get("dashed")
+                else dict(marker=_MARKERS[i % len(_MARKERS)], linestyle=curve.get("linestyle", "-"))
+            )
+            ax.plot(curve["x"], curve["y"], color=color, label=curve["label"], markersize=4.5, **style)
+            ticks.update(curve["x"])
+            if curve.get("low") is not None:
+                mids = [(lo + hi) / 2 for lo, hi in zip(curve["low"], curve["high"])]
+                half = [(hi - lo) / 2 for lo, hi in zip(curve["low"], curve["high"])]
+                ax.errorbar(curve["x"], mids, yerr=half, fmt="none", ecolor=color, elinewidth=0.8, capsize=2)
+        ax.set_xscale("log", base=2)
+        ticks = sorted(ticks)
+        if x_bytes:
+            ax.xaxis.set_major_locator(LogLocator(base=2, numticks=10))
+        elif len(ticks) <= 8:
+            ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: format_bytes(x) if x_bytes else f"{x:g}"))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="major", linestyle=":", linewidth=0.7, alpha=0.8)
+        ax.legend(loc="best", fontsize=6)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", bbox_inches="tight")
     return path

@@ -155,8 +155,9 @@ def _scores(data: DataConfig, cfg: FidelityConfig, out: Path, log) -> Tuple[Scor
                 "train": train.fingerprint(),
                 "queries": queries.fingerprint(),
                 "pca": pca_docs.fingerprint() if pca_docs is not None else None,
-                "config": asdict(cfg),
-                "version": 2,
+                # The rescoring factors only read the cached scores.
+                "config": {k: v for k, v in asdict(cfg).items() if k not in ("rescore_factors", "rescore")},
+                "version": 3,
             },
             sort_keys=True,
             default=str,
@@ -191,6 +192,9 @@ def _scores(data: DataConfig, cfg: FidelityConfig, out: Path, log) -> Tuple[Scor
         pca_docs=pca_docs,
         pad_token_id=_pad_id(tokenizer),
         log=log,
+        tier_codes=cfg.tier_codes,
+        tier_k=cfg.tier_k,
+        tier_k_max=cfg.tier_k_max,
     )
     scoreset.key = key
     scoreset.save(cache)
@@ -278,7 +282,9 @@ def _run(
     lines: Dict[str, Dict[str, float]] = {}
     if fidelity:
         t0 = time.perf_counter()
-        fid_records, fid_details = fidelity_records(scoreset, ndcg_k=cfg.ndcg_k)
+        fid_records, fid_details = fidelity_records(
+            scoreset, ndcg_k=cfg.ndcg_k, rescore_factors=cfg.rescore_factors, rescore=cfg.rescore
+        )
         records += fid_records
         details["fidelity"] = fid_details
         lines.update(fid_details["reference_lines"])
@@ -291,6 +297,10 @@ def _run(
     present = {r["metric"] for r in records}
     lines = {m: v for m, v in lines.items() if m in present and v}
     paths = report.write_report(records, out, reference_lines=lines, colours=registry.colours())
+    if (details.get("fidelity") or {}).get("rescoring"):
+        from eogp_index.evaluation.rescoring import rescoring_plots
+
+        paths.update(rescoring_plots(details["fidelity"]["rescoring"], out, ndcg_k=cfg.ndcg_k, factor=cfg.rescore))
     if lds_cfg is not None and lds_cfg.counterfactual and "counterfactual" in details["lds"]:
         paths["counterfactual"] = _plot_counterfactual(details["lds"]["counterfactual"], out / "counterfactual.png")
     details.setdefault("timings_s", {})["total"] = time.perf_counter() - t_start
@@ -471,6 +481,12 @@ def details_markdown(details: Dict[str, Any]) -> str:
                 )
             lines.append("")
     lines += _auto_markdown(details.get("fidelity") or {})
+    fidelity = details.get("fidelity") or {}
+    if fidelity.get("rescoring"):
+        from eogp_index.evaluation.rescoring import rescoring_markdown
+
+        ndcg_k = setup["fidelity_config"]["ndcg_k"]
+        lines += rescoring_markdown(fidelity["rescoring"], ndcg_k=ndcg_k, factor=fidelity["rescore"])
     lds = details.get("lds")
     if lds:
         lines += [

@@ -354,9 +354,19 @@ def test_cli_eval_fidelity_writes_json_markdown_and_pngs(tiny_model_dir, tmp_pat
     md = (out / "results.md").read_text()
     assert "| EOGP |" in md and "## Dimensions per module" in md
     assert "## 1-bit codes against FP16 at the same k" in md  # EOGP-rot's share of the 1-bit gap, per budget
-    for name in ("ndcg_at_20.png", "spearman.png", "pearson_1bit_fp16.png"):
+    # The rescoring tier of the 1-bit PCA methods: each tier alone, rescored, the recall, the tier's k.
+    assert {"EOGP + int8 tier (full scan)", "EOGP-rot, top 5×20 rescored by int4"} <= methods_seen
+    assert "recall@100" in metrics_seen
+    for section in ("## Rescoring from the tier", "### Recall:", "### The tier's k"):
+        assert section in md, section
+    assert "| EOGP | 16 B | " in md.split("## Rescoring from the tier")[1]
+    for name in ("ndcg_at_20.png", "spearman.png", "pearson_1bit_fp16.png", "rescoring.png", "tier_k.png"):
         assert _is_png(out / name), name
     details = json.loads((out / "details.json").read_text())
+    rescoring = details["fidelity"]["rescoring"]
+    assert {(e["method"], e["budget"]) for e in rescoring} == {
+        (m, b) for m in ("eogp", "eogp-rot") for b in (16, 20, 64)
+    }
     assert details["setup"]["num_train"] == 30 and details["setup"]["num_queries"] == 5
     assert details["setup"]["index_vs_kronfluence_rel_err"] < 1e-3
     gap = details["fidelity"]["one_bit_gap"]
@@ -422,4 +432,6 @@ def test_auto_stores_per_module_the_code_the_held_out_measurement_chose(tmp_path
     for row in details["auto_vs_best"]:
         v = row["spearman"]
         assert v["diff"] == pytest.approx(v["auto"] - max(v["eogp"], v["eogp-rot"]))
-    assert {r["method"] for r in records} == {"EOGP", "EOGP-rot", "EOGP auto (per module)"}
+    # Besides the rows of the rescoring tier (tests/evaluation/test_rescoring.py).
+    plain = {r["method"] for r in records if " tier " not in r["method"] and "rescored" not in r["method"]}
+    assert plain == {"EOGP", "EOGP-rot", "EOGP auto (per module)"}
