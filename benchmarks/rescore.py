@@ -55,9 +55,9 @@ import numpy as np
 from common import add_json_argument, best_of, prints_json, write_json
 
 from eogp_index.store.codecs import Encoded
-from eogp_index.store.maintenance import after_ingest, maybe_optimize
+from eogp_index.store.maintenance import after_ingest, maybe_optimize, optimize
 from eogp_index.store.stored_index import StoredIndex
-from eogp_index.store.table import RowInfo, build_rows
+from eogp_index.store.table import FULL_ZIP, RANDOM_ACCESS, RowInfo, build_rows
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "examples" / "default"
@@ -173,12 +173,27 @@ def append_synthetic(index: Path, rows: int, batch: int, progress: bool) -> None
     (index.parent / "synthetic").touch()
 
 
+def full_zip_tier(index: Path) -> None:
+    """Step 3, for a cache written before the tier's columns were laid out full-zip
+    (``store.table.RANDOM_ACCESS``): ask for the layout and rewrite every fragment (a compaction
+    with the hot copy rebuilt, ``eogp optimize``)."""
+    stored = StoredIndex.open(index)
+    want = {k.encode(): v.encode() for k, v in FULL_ZIP.items()}
+    names = [n for n in RANDOM_ACCESS if n in stored.store.schema.names]
+    if all((stored.store.schema.field(n).metadata or {}).items() >= want.items() for n in names):
+        return
+    stored.store.dataset().update_field_metadata({n: dict(FULL_ZIP) for n in names})
+    stored.store.refresh(force=True)
+    optimize(stored)  # every fragment is smaller than its target rows: all are rewritten
+
+
 def build(args) -> Path:
     root = cache_root(args.rows)
     index = root / "index"
     root.mkdir(parents=True, exist_ok=True)
     fit_and_ingest(index)
     append_synthetic(index, args.rows, args.batch, not prints_json(args))
+    full_zip_tier(index)
     return index
 
 
