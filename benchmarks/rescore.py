@@ -2,7 +2,7 @@
 """Rescoring at 1M rows: the rescored query against the one-bit query, side by side, and the tier
 bytes each query reads.
 
-Targets (issue #32): a query that rescores its one-bit top ``N = F · k`` rows per side from the
+Targets: a query that rescores its one-bit top ``N = F · k`` rows per side from the
 int8 tier takes at most 1.2 x the time of the one-bit query (``rescore=0``) on the same index,
 in the same run; it reads at most ``N`` x the tier's bytes per row per side from the tier.
 
@@ -14,7 +14,7 @@ The index (built once, cached outside the repository under ``$EOGP_BENCH_CACHE/r
    corpus (512 real documents, projected by the model, with their text);
 2. synthetic rows appended up to ``--rows`` (1,000,000) without the model (it would take hours),
    through the store layer's own writer (``store.table.build_rows`` and ``Store.add``, one Lance
-   commit per ``--batch`` rows, compacted as ingest compacts): each row's coordinates are
+   commit per ``--batch`` rows, compacted and ended as ingest does): each row's coordinates are
    Gaussian, per module scaled like a real row (its module scales ``‖x_u‖₁/k_u`` drawn from the
    ingested rows, times ``exp(0.25 · N(0,1))``) with the real rows' spread over coordinates (PCA
    coordinates differ in variance); the one-bit code (signs, scales ``‖x_u‖₁/k_u``) and the int8
@@ -28,12 +28,16 @@ only dilutes the ratio): for a batch of ``--batch-queries`` queries and for sing
 the default route (the hot copy in memory) and the stream route (codes read from the table),
 ``direction="both"``, ``k=10``: the one-bit query and the rescored query at factors
 ``--factors`` (5, the default, 10, 20). Queries: real texts (``examples/default/queries.jsonl``,
-held out of the corpus), projected by the model. Each rescored line gives its ratio to the
-one-bit line of the same route and batch, the rows the tier take read per query (counted at
+held out of the corpus) projected by the model (``texts``), and coordinates drawn as the
+synthetic rows are (``drawn``: their top rows lie all over the table). Each rescored line gives
+its ratio to the one-bit line of the same route and batch, the rescoring step timed alone
+(:func:`eogp_index.search.rescore.rescored` on the route's one-bit top ``N``: steadier than the
+ratio on a loaded machine), the share of the rows taken that are real rows, the rows the tier take read per query (counted at
 ``Store.take_rows``), their bytes (rows x the tier's bytes per row) against the bound
 ``N x bytes per row x sides``, and the bytes the process read from files during those takes
-(``rchar`` of ``/proc/self/io``; Lance reads whole pages, so this can exceed the rows' bytes).
-The header prints the load average beside the figures: the machine may be shared::
+(``rchar`` of ``/proc/self/io``; Lance may read more than the rows' bytes). Every line prints
+the load average beside its figures: the machine may be shared. A cache written before the
+tier's columns were laid out full-zip (``store.table.RANDOM_ACCESS``) is refused::
 
     python benchmarks/rescore.py                    # build (once) and time
     python benchmarks/rescore.py --json out.json    # also the figures as JSON
