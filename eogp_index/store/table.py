@@ -56,6 +56,13 @@ RESERVED_COLUMNS = (
 #: The code columns: never metadata, never in the hot copy's columns (the hot copy holds the
 #: one-bit codes; the rescoring tier is read from the table by row address).
 CODE_COLUMNS = ("signs", "scales", "coords", "tier", "tier_scales")
+#: The rescoring tier's columns are read a few rows at a time by row address. Lance's full-zip
+#: layout reads each row's own bytes; its mini-block layout, which it picks for narrow columns
+#: (``tier_scales``, a small int4 tier), reads a whole chunk of kilobytes for each row taken. The
+#: field metadata is read when the table is created (by any writer: the first rows' schema) and
+#: kept by every later append and compaction; rows of an older table without it append as before.
+RANDOM_ACCESS = ("tier", "tier_scales")
+FULL_ZIP = {"lance-encoding:structural-encoding": "fullzip"}
 #: ", /home/.../rust/lance/src/dataset/scanner.rs:839:33": where in Lance's Rust source an error arose
 _LANCE_SOURCE = re.compile(r",?\s*\S+\.rs:\d+:\d+")
 
@@ -114,7 +121,7 @@ def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] =
         if target is None and _untyped(column.type):
             continue  # only nulls (or empty lists) so far: the column is made when a value says its type
         columns[name] = column
-    table = pa.table(columns)
+    table = _for_random_access(pa.table(columns))
     if schema is not None:
         missing = [f.name for f in schema if f.name not in table.column_names]
         for name in missing:  # a metadata column absent from this batch: null, typed as the table's
@@ -122,6 +129,16 @@ def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] =
         new = [name for name in table.column_names if name not in schema.names]  # added by Store.add
         table = table.select(schema.names + new)
     return table
+
+
+def _for_random_access(table: pa.Table) -> pa.Table:
+    """``table`` with the full-zip layout asked for its :data:`RANDOM_ACCESS` columns."""
+    if not any(name in RANDOM_ACCESS for name in table.column_names):
+        return table
+    fields = [
+        f.with_metadata({**(f.metadata or {}), **FULL_ZIP}) if f.name in RANDOM_ACCESS else f for f in table.schema
+    ]
+    return pa.Table.from_arrays(table.columns, schema=pa.schema(fields, metadata=table.schema.metadata))
 
 
 def _untyped(kind: pa.DataType) -> bool:

@@ -1,0 +1,387 @@
+#!/usr/bin/env python
+"""Rescoring at 1M rows: the rescored query against the one-bit query, side by side, and the tier
+bytes each query reads.
+
+Targets: a query that rescores its one-bit top ``N = F · k`` rows per side from the
+int8 tier takes at most 1.2 x the time of the one-bit query (``rescore=0``) on the same index,
+in the same run; it reads at most ``N`` x the tier's bytes per row per side from the tier.
+
+The index (built once, cached outside the repository under ``$EOGP_BENCH_CACHE/rescore-1m`` or
+``~/.cache/eogp-bench/rescore-1m``; a killed build resumes where it stopped):
+
+1. ``eogp fit`` of the shipped model ``examples/default/model`` as ``make demo`` fits it
+   (k = 256 per module, the default ``--rescore int8`` tier), and ``eogp ingest`` of the demo
+   corpus (512 real documents, projected by the model, with their text);
+2. synthetic rows appended up to ``--rows`` (1,000,000) without the model (it would take hours),
+   through the store layer's own writer (``store.table.build_rows`` and ``Store.add``, one Lance
+   commit per ``--batch`` rows, compacted and ended as ingest does): each row's coordinates are
+   Gaussian, per module scaled like a real row (its module scales ``‖x_u‖₁/k_u`` drawn from the
+   ingested rows, times ``exp(0.25 · N(0,1))``) with the real rows' spread over coordinates (PCA
+   coordinates differ in variance); the one-bit code (signs, scales ``‖x_u‖₁/k_u``) and the int8
+   tier are encoded from them by the index's own codecs, as ingest encodes projected gradients;
+   ids, shards, positions, content hashes and metadata are unique per row. The table then holds
+   what ingest would have written for such coordinates.
+
+What is timed (``--repeat`` best-of, each line the search alone: the queries' coordinates are
+projected once beforehand, since the gradient pass is the same with and without rescoring and
+only dilutes the ratio): for a batch of ``--batch-queries`` queries and for single queries, on
+the default route (the hot copy in memory) and the stream route (codes read from the table),
+``direction="both"``, ``k=10``: the one-bit query and the rescored query at factors
+``--factors`` (5, the default, 10, 20). Queries: real texts (``examples/default/queries.jsonl``,
+held out of the corpus) projected by the model (``texts``), and coordinates drawn as the
+synthetic rows are (``drawn``: their top rows lie all over the table). Each rescored line gives
+its ratio to the one-bit line of the same route and batch, the rescoring step timed alone
+(:func:`eogp_index.search.rescore.rescored` on the route's one-bit top ``N``: steadier than the
+ratio on a loaded machine), the share of the rows taken that are real rows, the rows the tier take read per query (counted at
+``Store.take_rows``), their bytes (rows x the tier's bytes per row) against the bound
+``N x bytes per row x sides``, and the bytes the process read from files during those takes
+(``rchar`` of ``/proc/self/io``; Lance may read more than the rows' bytes). Every line prints
+the load average beside its figures: the machine may be shared. A cache written before the
+tier's columns were laid out full-zip (``store.table.RANDOM_ACCESS``) is refused::
+
+    python benchmarks/rescore.py                    # build (once) and time
+    python benchmarks/rescore.py --json out.json    # also the figures as JSON
+    python benchmarks/rescore.py --rows 100000      # a smaller index (its own cache directory)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+from common import add_json_argument, best_of, prints_json, write_json
+
+from eogp_index.search.rescore import rescored
+from eogp_index.store.codecs import Encoded
+from eogp_index.store.maintenance import after_ingest, maybe_optimize
+from eogp_index.store.stored_index import StoredIndex
+from eogp_index.store.table import FULL_ZIP, RANDOM_ACCESS, RowInfo, build_rows
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT = REPO / "examples" / "default"
+TARGET_RATIO = 1.2
+ROWS = 1_000_000
+#: Spread of a synthetic row's module scales around the real row they copy (log-normal).
+SCALE_JITTER = 0.25
+
+
+def cache_root(rows: int) -> Path:
+    base = os.environ.get("EOGP_BENCH_CACHE")
+    root = Path(base) if base else Path.home() / ".cache" / "eogp-bench"
+    return root / ("rescore-1m" if rows == ROWS else f"rescore-{rows}")
+
+
+def _eogp(*args: str) -> None:
+    """Run the ``eogp`` command of this Python's environment (as ``make demo`` does)."""
+    exe = Path(sys.executable).parent / "eogp"
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "eogp_index.cli"]
+    subprocess.run(command + list(args), check=True)
+
+
+def fit_and_ingest(index: Path) -> None:
+    """Step 1: ``make demo``'s fit and ingest; skipped when done (``fitted``/``ingested`` marks)."""
+    corpus = DEFAULT / "corpus" / "train.jsonl.gz"
+    if not (index.parent / "fitted").exists():
+        _eogp(
+            "fit", str(DEFAULT / "model"), "--data", str(corpus), "--out", str(index), "-k", "256",
+            "--curvature-examples", "256", "--pca-examples", "512", "--max-tokens", "128", "--overwrite",
+        )  # fmt: skip
+        (index.parent / "fitted").touch()
+    if not (index.parent / "ingested").exists():
+        _eogp(
+            "ingest", str(index), str(corpus), "--id-field", "id", "--metadata", "module", "--metadata", "kind",
+            "--metadata", "qualname", "--metadata", "n_chars", "--store-text",
+        )  # fmt: skip
+        (index.parent / "ingested").touch()
+
+
+class RowModel:
+    """Realistically shaped coordinates ``(n, K)``, learnt from the real rows' tier codes."""
+
+    def __init__(self, stored: StoredIndex):
+        tier, layout = stored.tier, stored.layout
+        x = tier.decode(tier.from_arrow(stored.store.read(list(tier.columns), "shard != 'synthetic'")))
+        self.layout = layout
+        self.scales = np.stack(
+            [np.abs(x[:, o : o + k]).mean(axis=1) for o, k in zip(layout.coord_offsets, layout.k)], axis=1
+        )  # (n_real, U)
+        self.scales = self.scales[(self.scales > 0).all(axis=1)]
+        shape = np.empty(layout.num_coords, np.float32)
+        for u, (o, k) in enumerate(zip(layout.coord_offsets, layout.k)):
+            spread = (x[:, o : o + k] / np.maximum(self.scales_of(x, u), 1e-30)[:, None]).std(axis=0)
+            # E|σ z| = σ √(2/π): divided so that a row's mean |x_u| is about its drawn scale.
+            shape[o : o + k] = spread / (spread.mean() * np.sqrt(2 / np.pi))
+        self.shape = shape
+
+    def scales_of(self, x: np.ndarray, u: int) -> np.ndarray:
+        o, k = self.layout.coord_offsets[u], self.layout.k[u]
+        return np.abs(x[:, o : o + k]).mean(axis=1)
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        picks = self.scales[rng.integers(0, len(self.scales), n)]
+        picks = picks * np.exp(SCALE_JITTER * rng.standard_normal(picks.shape))
+        per_coord = np.repeat(picks.astype(np.float32), self.layout.k, axis=1)
+        return rng.standard_normal((n, self.layout.num_coords), dtype=np.float32) * self.shape * per_coord
+
+
+def append_synthetic(index: Path, rows: int, batch: int, progress: bool) -> None:
+    """Step 2: synthetic rows up to ``rows`` in all, one commit per ``batch``; resumable (a commit
+    is whole or absent, and batch ``b`` always holds the same rows)."""
+    from tqdm import tqdm
+
+    stored = StoredIndex.open(index)
+    store = stored.store
+    real = store.count("shard != 'synthetic'")
+    have = store.count() - real
+    if real + have >= rows and (index.parent / "synthetic").exists():
+        return
+    model = RowModel(stored)
+    target = rows - real
+    optimized = False
+    bar = tqdm(total=target, initial=have, unit="row", desc="synthetic rows", disable=not progress)
+    while have < target:
+        if have % batch:
+            raise SystemExit(f"{index}: {have} synthetic rows is not a whole number of {batch}-row batches")
+        n = min(batch, target - have)
+        rng = np.random.default_rng([20261128, have // batch])
+        x = model.draw(n, rng)
+        encoded = stored.codec.encode(x)
+        encoded = Encoded(**encoded.columns(), **stored.tier.encode(x))
+        ids = [f"synthetic-{have + i:07d}" for i in range(n)]
+        info = RowInfo(
+            ids=ids,
+            shards=["synthetic"] * n,
+            positions=list(range(have, have + n)),
+            num_tokens=[128] * n,
+            num_loss_tokens=[127] * n,
+            truncated=[True] * n,
+            metadata=[{"module": "synthetic", "kind": "synthetic", "qualname": i, "n_chars": 512} for i in ids],
+            content_sha256=[hashlib.sha256(i.encode()).hexdigest() for i in ids]
+            if stored.manifest.has_content_hashes
+            else None,
+            content_kind=["text"] * n if stored.manifest.has_content_hashes else None,
+            text=[None] * n,
+        )
+        store.add(build_rows(info, encoded, schema=store.schema))
+        optimized |= maybe_optimize(stored) is not None  # as ingest compacts along the way
+        have += n
+        bar.update(n)
+    bar.close()
+    after_ingest(stored, optimized=optimized)  # compaction and the hot copy, as ingest ends
+    (index.parent / "synthetic").touch()
+
+
+def check_layout(index: Path) -> None:
+    """A cache written before the tier's columns were laid out full-zip (``store.table.RANDOM_ACCESS``)
+    would time the older layout: it is refused."""
+    stored = StoredIndex.open(index)
+    want = {k.encode(): v.encode() for k, v in FULL_ZIP.items()}
+    for name in (n for n in RANDOM_ACCESS if n in stored.store.schema.names):
+        if not (stored.store.schema.field(name).metadata or {}).items() >= want.items():
+            raise SystemExit(f"{index}: written before the tier's full-zip layout; remove {index.parent} and rerun")
+
+
+def build(args) -> Path:
+    root = cache_root(args.rows)
+    index = root / "index"
+    root.mkdir(parents=True, exist_ok=True)
+    fit_and_ingest(index)
+    append_synthetic(index, args.rows, args.batch, not prints_json(args))
+    check_layout(index)
+    return index
+
+
+class TakeCounter:
+    """Counts the rows and bytes of tier takes (``Store.take_rows`` of the tier's columns)."""
+
+    def __init__(self, stored: StoredIndex):
+        self.store, self.tier_columns = stored.store, set(stored.tier.columns)
+        self.take = self.store.take_rows
+        self.rows = self.calls = self.rchar = 0
+        self.addresses: List[np.ndarray] = []
+        self.store.take_rows = self._take  # the instance's attribute: the class is untouched
+
+    def _take(self, rowaddr, columns):
+        if not self.tier_columns & set(columns):
+            return self.take(rowaddr, columns)
+        before = _rchar()
+        out = self.take(rowaddr, columns)
+        self.rchar += _rchar() - before
+        self.rows += len(rowaddr)
+        self.calls += 1
+        self.addresses.append(np.asarray(rowaddr, np.uint64))
+        return out
+
+    def reset(self) -> None:
+        self.rows = self.calls = self.rchar = 0
+        self.addresses = []
+
+
+def _rchar() -> int:
+    try:
+        with open("/proc/self/io") as io:
+            for line in io:
+                if line.startswith("rchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def time_queries(index_path: Path, args) -> Dict[str, Any]:
+    import json
+
+    from eogp_index.client import AttributionIndex
+
+    index = AttributionIndex.open(index_path)
+    stored = index.stored
+    texts = [json.loads(line)["text"] for line in (DEFAULT / "queries.jsonl").open(encoding="utf-8")]
+    texts = texts[: args.batch_queries]
+    real_rows = stored.store.read(["id"], "shard != 'synthetic'", with_row_address=True)
+    real_rows = np.asarray(real_rows.column("_rowaddr").to_numpy(), np.uint64)
+    query_sets = {
+        "texts": index.query_coordinates(texts),
+        # Coordinates drawn like the synthetic rows: their top rows lie all over the table.
+        "drawn": RowModel(stored).draw(len(texts), np.random.default_rng(7)),
+    }
+    tier_bytes = stored.tier.bytes_per_example
+    counter = TakeCounter(stored)
+    res: Dict[str, Any] = {
+        "rows": stored.count(),
+        "tier_code": stored.tier.code,
+        "tier_bytes_per_row": tier_bytes,
+        "one_bit_bytes_per_row": stored.codec.bytes_per_example,
+        "k": args.k,
+        "factors": list(args.factors),
+        "queries": len(texts),
+        "cores": os.cpu_count(),
+        "lines": [],
+    }
+    lines = Lines(echo=not prints_json(args))
+    lines.append(
+        f"index {index_path}: {res['rows']} rows, one-bit {res['one_bit_bytes_per_row']} B/row, "
+        f"{res['tier_code']} tier {res['tier_bytes_per_row']} B/row; k={args.k} per side, both sides; "
+        f"{os.cpu_count()} cores; target: rescored <= {TARGET_RATIO} x one-bit, tier bytes <= N x B/row x sides"
+    )
+
+    def run(route: str, rows: np.ndarray, factor: int):
+        builder = index.search(list(texts[: len(rows)]), many=True).limit(args.k).rescore(factor)
+        if route != "hot":
+            builder = builder.route(route)
+        return builder.to_list(coordinates=rows)
+
+    def step(route: str, rows: np.ndarray, factor: int):
+        """The rescoring step alone (tier take, decode, float32 scores), on the route's one-bit top N."""
+        builder = index.search(list(texts[: len(rows)]), many=True).route(route if route != "hot" else "auto")
+        found = builder.searcher().top_k(rows, factor * args.k, ("positive", "negative"))
+        return best_of(lambda: rescored(stored, found, rows, args.k), args.repeat)
+
+    run.step = step
+    for route in ("hot", "stream"):
+        if route == "hot":
+            stored.hot_codes()  # loaded before timing, as a server holds it
+        for name, y in query_sets.items():
+            for label, rows in (("batch", y), ("single", y[:1])):
+                res["lines"] += _time_line(run, route, name, label, rows, counter, real_rows, tier_bytes, args, lines)
+    res["text"] = list(lines)
+    return res
+
+
+class Lines(list):
+    """The printed lines, each printed as soon as it is measured (``echo``)."""
+
+    def __init__(self, echo: bool):
+        super().__init__()
+        self.echo = echo
+
+    def append(self, line: str) -> None:
+        super().append(line)
+        if self.echo:
+            print(line, flush=True)
+
+
+def _time_line(run, route, name, label, rows, counter, real_rows, tier_bytes, args, lines) -> List[Dict[str, Any]]:
+    """The one-bit query and each rescored one of a route, query set and batch, side by side."""
+    sides = 2  # direction "both"
+    load = os.getloadavg()[0]
+    base = best_of(lambda: run(route, rows, 0), args.repeat)
+    head = f"{route:6} {name:5} {label:6} ({len(rows):2} q)"
+    out = [{"route": route, "query_set": name, "queries": label, "nq": len(rows), "factor": 0, "seconds": base.seconds,
+            "load_average": load}]  # fmt: skip
+    lines.append(
+        f"{head}  one-bit    {base.seconds * 1e3:8.1f} ms (cpu {base.cpu_seconds * 1e3:7.1f} ms, load {load:5.2f})"
+    )
+    for factor in args.factors:
+        counter.reset()
+        t = best_of(lambda: run(route, rows, factor), args.repeat)
+        runs = max(1, args.repeat)
+        per_query_rows = counter.rows / runs / len(rows)
+        bound = factor * args.k * tier_bytes * sides
+        ratio = t.seconds / base.seconds
+        got = per_query_rows * tier_bytes
+        file_bytes = counter.rchar / runs / len(rows)
+        taken = np.concatenate(counter.addresses) if counter.addresses else np.zeros(0, np.uint64)
+        alone = run.step(route, rows, factor)  # (its takes are not counted above)
+        item = {
+            "route": route,
+            "query_set": name,
+            "queries": label,
+            "nq": len(rows),
+            "factor": factor,
+            "seconds": t.seconds,
+            "cpu_seconds": t.cpu_seconds,
+            "rescoring_step_seconds": alone.seconds,
+            "one_bit_seconds": base.seconds,
+            "ratio": ratio,
+            "time_target_met": ratio <= TARGET_RATIO,
+            "tier_rows_per_query": per_query_rows,
+            "tier_bytes_per_query": got,
+            "tier_bytes_bound": bound,
+            "bytes_target_met": got <= bound,
+            "file_bytes_read_per_query": file_bytes,
+            "taken_share_real_rows": float(np.isin(taken, real_rows).mean()) if taken.size else 0.0,
+            "load_average": os.getloadavg()[0],
+        }
+        out.append(item)
+        lines.append(
+            f"{head}  rescored {factor:2d}x {t.seconds * 1e3:7.1f} ms (cpu {t.cpu_seconds * 1e3:7.1f} ms, load "
+            f"{item['load_average']:5.2f})  {ratio:.3f} x [{'ok' if ratio <= TARGET_RATIO else 'MISSED'}]  "
+            f"tier {per_query_rows:4.0f} rows = {got / 1e3:6.1f} kB/q <= {bound / 1e3:6.1f} kB "
+            f"[{'ok' if got <= bound else 'MISSED'}]; files read {item['file_bytes_read_per_query'] / 1e3:7.1f} kB/q; "
+            f"{item['taken_share_real_rows']:.0%} real rows; the rescoring step alone {alone.seconds * 1e3:.1f} ms"
+        )
+    return out
+
+
+def main(argv=None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=ROWS, help="rows of the index (default 1,000,000)")
+    parser.add_argument("--batch", type=int, default=25_000, help="synthetic rows per commit")
+    parser.add_argument("--factors", type=lambda s: [int(f) for f in s.split(",")], default=[5, 10, 20])
+    parser.add_argument("-k", type=int, default=10, help="hits per side")
+    parser.add_argument("--batch-queries", type=int, default=8, help="queries of the batch lines")
+    parser.add_argument("--repeat", type=int, default=3, help="best of this many runs per line")
+    parser.add_argument("--build-only", action="store_true", help="build (or finish) the index and stop")
+    add_json_argument(parser)
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    index = build(args)
+    built = time.perf_counter() - t0
+    if args.build_only:
+        return {"index": str(index), "build_seconds": built}
+    res = time_queries(index, args)
+    res["index"] = str(index)
+    res["load_average_end"] = os.getloadavg()
+    write_json(args.json, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
