@@ -84,5 +84,6 @@ def plan_of_index(
         curvature_examples=manifest.curvature["num_examples"],
         max_tokens=max_tokens or manifest.max_tokens,
         max_tokens_from="--max-tokens" if max_tokens else "the index's max_tokens",
-        **options,
+        # a query of this index rescores by the factor its fit measured, unless one is given
+        **{**options, "query_rescore": options.get("query_rescore") or manifest.rescore_factor},
     )

@@ -416,7 +416,7 @@ class StoredIndex:
         """The manifest plus live facts: row count, table version, path, and ``bytes``: both
         tiers' bytes per row and on disk and what a query of ``hits`` per side rescoring
         ``rescore · hits`` rows reads (:func:`~eogp_index.fit.plan.tier_size`; defaults:
-        the question's)."""
+        the question's ``k`` and the rescoring factor the fit measured)."""
         from eogp_index.fit.plan import tier_size
 
         data = self.manifest.to_json()
@@ -431,7 +431,7 @@ class StoredIndex:
             self.coordinates.num_coords,
             0 if tier is None else tier["bytes_per_example"],
             hits=hits,
-            rescore=rescore,
+            rescore=self.manifest.rescore_factor if rescore is None else rescore,
         ).to_json()
         return data
 

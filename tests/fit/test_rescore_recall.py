@@ -256,6 +256,8 @@ def test_a_query_without_rescore_uses_the_recorded_factor(fitted, tmp_path):
         rescore_factor(Question(rescore=3), narrow.stored) == 3
         and rescore_factor(Question(rescore=0), wide.stored) == 0
     )
+    # what eogp info says a query reads follows the same factor
+    assert [i.stored.info()["bytes"]["rescore"] for i in (narrow, wide, unmeasured)] == [1, 8, UNMEASURED_RESCORE]
     y = narrow.query_coordinates([QUERY])  # (1, K): every index here projects it alike
 
     def ids(index, factor=None):
