@@ -33,6 +33,10 @@ best of ``--repeat``)::
     python benchmarks/real_codes.py build --docs 20000       # fewer
     python benchmarks/real_codes.py measure                  # the table
     python benchmarks/real_codes.py measure --json out.json  # and the figures as JSON
+    python benchmarks/real_codes.py rescoring                # the tier's top-k in the one-bit top F·k
+
+``rescoring`` scores every row by the index's tier (a full scan, float32) and, per held-out query
+and side, reports the share of the tier's top ``k`` found in the exact one-bit top ``F · k``.
 """
 
 from __future__ import annotations
@@ -314,6 +318,40 @@ def measure(args) -> Dict[str, Any]:
     return {"rows": hot.num_rows, "queries": len(y), "k": k, "load": os.getloadavg()[0], "lines": lines}
 
 
+def rescoring(args) -> Dict[str, Any]:
+    """The recall that rescoring needs, on the real rows: for each held-out query and side, the
+    share of the tier's own top ``k`` (a full scan of the tier, in float32) found among the exact
+    one-bit top ``F · k``; rescoring those rows by the tier then returns exactly the tier's top
+    ``k`` when the share is 1."""
+    import numpy as np
+
+    from eogp_index import AttributionIndex
+    from eogp_index.search.rescore import tier_coordinates
+    from eogp_index.search.scan import scan_top_k
+
+    index = AttributionIndex.open(str(Path(args.cache) / "index"), model_name=args.model)
+    stored = index.stored
+    if stored.tier is None:
+        raise SystemExit(f"{args.cache}/index has no rescoring tier: rebuild it (build fits one by default)")
+    hot = stored.hot_codes()
+    y = np.ascontiguousarray(index.query_coordinates(_queries(Path(args.cache), args.queries)), np.float32)
+    x = tier_coordinates(stored, hot.rowaddr)  # (n, T) float32, the hot copy's row order
+    tier = x @ y.T  # (n, nq)
+    k, factors = args.k, [f for f in args.factors if f * args.k <= hot.num_rows]
+    found = scan_top_k(hot.codes, hot.scales, stored.one_bit(y), stored.layout, max(factors) * k)
+    shares = {f: [] for f in factors}
+    for q in range(len(y)):
+        order = np.lexsort((np.arange(hot.num_rows), -tier[:, q]))
+        for best, one_bit in ((order[:k], found.largest_indices[q]), (order[::-1][:k], found.smallest_indices[q])):
+            for f in factors:
+                shares[f].append(np.isin(best, one_bit[: f * k]).mean())
+    curve = [
+        {"F": f, "N": f * k, "recall": float(np.mean(v)), "se": float(np.std(v) / np.sqrt(len(v)))}
+        for f, v in shares.items()
+    ]
+    return {"rows": hot.num_rows, "queries": len(y), "k": k, "tier": stored.tier.code, "curve": curve}
+
+
 def render_line(line: Dict[str, Any]) -> str:
     return (
         f"{line['kind']:>16}  C={line['C']:>5} ({line['C_over_k']:>3}×k)  recall@20 {line['recall']:.3f} "
@@ -347,11 +385,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("--model", default=str(MODEL), help="the index's model (its weights must hash as the manifest's)")
     m.add_argument("--repeat", type=int, default=3)
     common.add_json_argument(m)
-    for p in (b, m):
+    r = sub.add_parser("rescoring", help="recall of the tier's top-k in the one-bit top F x k")
+    r.add_argument("--queries", type=int, default=64)
+    r.add_argument("-k", type=int, default=20)
+    r.add_argument("--factors", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 3, 5, 10, 20])
+    r.add_argument("--model", default=str(MODEL), help="the index's model (its weights must hash as the manifest's)")
+    common.add_json_argument(r)
+    for p in (b, m, r):
         p.add_argument("--cache", default=str(default_cache()), help="where the corpus and the index are kept")
     args = parser.parse_args(argv)
     if args.command == "build":
         build(args)
+        return 0
+    if args.command == "rescoring":
+        figures = rescoring(args)
+        common.write_json(args.json, figures)
+        if not common.prints_json(args):
+            print(f"{figures['rows']} rows, {figures['queries']} held-out queries, {figures['tier']} tier, "
+                  f"share of its top {figures['k']} per side in the one-bit top F x {figures['k']}:")  # fmt: skip
+            for point in figures["curve"]:
+                print(f"  F = {point['F']:>2} (N = {point['N']:>3}): {point['recall']:.3f} ± {point['se']:.3f}")
         return 0
     figures = measure(args)
     common.write_json(args.json, figures)
