@@ -221,6 +221,25 @@ def bytes_per_module(k: int, precision: Precision) -> int:
     return k * _COORD_BYTES[precision]
 
 
+#: The largest code of each integer rescoring tier (its codes lie in ``[-q, q]``).
+TIER_LEVELS = {"int8": 127, "int4": 7}
+
+
+def quantize_tier_block(block, q: int):
+    """One module's coordinates ``(n, k)`` float32 as an integer tier stores them: the row scales
+    ``max|x| / q`` rounded to FP16 ``(n,)``, and the codes ``round(x / s)`` clipped to ``[-q, q]``
+    ``(n, k)`` int8 (a zero, or underflowed, scale means a zero row: its codes are 0). The one
+    rule the index's tier (``store.codecs.TierCodec``) and the fit's recall measurement share."""
+    import numpy as np
+
+    block = np.asarray(block, np.float32)
+    n, k = block.shape
+    scale = (np.abs(block).max(axis=1) / q).astype(np.float16) if k else np.zeros(n, np.float16)
+    wide = scale.astype(np.float32)[:, None]
+    codes = np.clip(np.rint(np.divide(block, wide, out=np.zeros_like(block), where=wide > 0)), -q, q)
+    return codes.astype(np.int8), scale
+
+
 def tier_bytes_per_module(k: int, code: str) -> int:
     """Per-example bytes of one module's rescoring tier: ``k`` (int8) or ``⌈k/2⌉`` (int4) plus an
     FP16 scale, or ``2k`` (fp16)."""

@@ -35,7 +35,10 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+
+from eogp_index.config import TIER_LEVELS, quantize_tier_block
 
 #: The rescoring factors measured, when the held-out set allows them (``F · t < h - 1``).
 FACTORS = (1, 2, 3, 5, 10, 20)
@@ -48,8 +51,6 @@ RECALL_TARGET = 0.98
 MAX_T = 20
 #: ``t`` is about this share of the held-out candidates (:func:`recall_t`).
 T_SHARE = 20
-#: The largest code of each integer tier, as ``store.codecs.TIER_LEVELS`` (a test keeps them equal).
-TIER_LEVELS = {"int8": 127, "int4": 7}
 #: The candidate one-bit codes, EOGP first: a tie keeps it.
 CODES = ("eogp", "eogp-rot")
 
@@ -77,11 +78,8 @@ def tier_documents(y: torch.Tensor, code: str) -> torch.Tensor:
         from eogp_index.errors import ConfigError
 
         raise ConfigError(f"a rescoring tier's code is int8, int4 or fp16, got {code!r}")
-    q = TIER_LEVELS[code]
-    scale = (x.abs().amax(dim=1, keepdim=True) / q).half().float()
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.where(scale > 0, torch.round(x / safe), torch.zeros_like(x)).clamp(-q, q)
-    return (codes * scale).double()
+    codes, scale = quantize_tier_block(x.cpu().numpy(), TIER_LEVELS[code])
+    return torch.from_numpy(codes.astype(np.float32) * scale.astype(np.float32)[:, None]).double()
 
 
 def _ranks(scores: torch.Tensor) -> torch.Tensor:

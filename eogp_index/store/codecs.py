@@ -26,7 +26,7 @@ from typing import ClassVar, Dict, Optional, Sequence, Tuple
 import numpy as np
 import pyarrow as pa
 
-from eogp_index.config import Precision, bytes_per_module, tier_bytes_per_module
+from eogp_index.config import TIER_LEVELS, Precision, bytes_per_module, quantize_tier_block, tier_bytes_per_module
 from eogp_index.errors import ConfigError, InputError
 
 
@@ -223,7 +223,6 @@ class FloatCodec(Codec):
 
 
 #: The largest code of each integer tier: symmetric, so that zero is exact and ``-q`` is a code.
-TIER_LEVELS = {"int8": 127, "int4": 7}
 
 
 def prefix_columns(x: np.ndarray, layout: SignLayout, prefix: SignLayout) -> np.ndarray:
@@ -291,12 +290,7 @@ class TierCodec:
         q = TIER_LEVELS[self.code]
         parts, scales = [], []
         for off, k in zip(self.layout.coord_offsets, self.layout.k):
-            block = x[:, off : off + k]
-            scale = (np.abs(block).max(axis=1) / q).astype(np.float16) if k else np.zeros(len(x), np.float16)
-            wide = scale.astype(np.float32)[:, None]
-            # A zero (or underflowed) scale means a zero block: its codes are 0.
-            codes = np.clip(np.rint(np.divide(block, wide, out=np.zeros_like(block), where=wide > 0)), -q, q)
-            codes = codes.astype(np.int8)
+            codes, scale = quantize_tier_block(x[:, off : off + k], q)
             if self.code == "int4":
                 nibbles = (codes + 8).astype(np.uint8)
                 if k % 2:
