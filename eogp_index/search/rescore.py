@@ -36,7 +36,13 @@ def tier_coordinates(stored: StoredIndex, rowaddr: np.ndarray, normalize: str = 
     """
     tier = stored.tier
     table = stored.store.take_rows(np.asarray(rowaddr, np.uint64).tolist(), list(tier.columns))
-    x = tier.decode(tier.from_arrow(table))
+    return decoded_tier(tier, table, normalize)
+
+
+def decoded_tier(tier, batch, normalize: str = "none") -> np.ndarray:
+    """A table's or record batch's tier codes decoded to ``(r, T)`` float32; ``normalize="unit"``:
+    each row divided by its float64 norm (a zero row stays zero)."""
+    x = tier.decode(tier.from_arrow(batch))
     if normalize == "unit":
         norms = np.sqrt(np.einsum("ij,ij->i", x.astype(np.float64), x.astype(np.float64)))
         x = (x / np.where(norms > 0, norms, 1.0)[:, None]).astype(np.float32)

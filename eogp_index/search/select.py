@@ -43,6 +43,7 @@ from eogp_index.data.records import content_sha256, location_of, record_content
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.search.normalize import normalized_codes
 from eogp_index.search.question import Question, check_question
+from eogp_index.search.rescore import decoded_tier
 from eogp_index.search.searchers import STREAM_BATCH_BYTES, exact_scores
 from eogp_index.store.stored_index import StoredIndex, _record_from_text
 
@@ -119,18 +120,15 @@ def require_tier(stored: StoredIndex):
 
 def tier_scores(tier, batch, y: np.ndarray, normalize: str = "none") -> np.ndarray:
     """Exact scores ``(nq, b)`` float32 of a record batch's tier codes against ``y`` ``(nq, K)``:
-    the tier decoded to float32 (divided by each row's float64 norm with ``normalize="unit"``,
-    as :func:`~eogp_index.search.rescore.tier_coordinates` does) and multiplied in float32."""
-    x = tier.decode(tier.from_arrow(batch))  # (b, K) float32
+    the tier decoded to float32 (:func:`~eogp_index.search.rescore.decoded_tier`, unit rows with
+    ``normalize="unit"``) and multiplied in float32."""
+    x = decoded_tier(tier, batch, normalize)  # (b, T) float32
     y = np.asarray(y, np.float32)
     if y.shape[1] != x.shape[1]:
         raise ConfigError(
             f"the queries have {y.shape[1]} coordinates and the rescoring tier {x.shape[1]}; score the tier "
             "with the queries' coordinates at the tier's width"
         )
-    if normalize == "unit":
-        norms = np.sqrt(np.einsum("ij,ij->i", x.astype(np.float64), x.astype(np.float64)))
-        x = (x / np.where(norms > 0, norms, 1.0)[:, None]).astype(np.float32)
     return (y @ x.T).astype(np.float32)
 
 
