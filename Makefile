@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: on a CPU-only machine this is the CPU wheel; nothing may replace it.
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e ".[$(FAISS),test,eval,adapters]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[$(FAISS),test,eval,adapters,cluster]"
 	# kronfluence declares torchvision, which would pull a CUDA torch; it never imports it.
 	$(BIN)/pip install -q -c constraints.txt --no-deps kronfluence==1.0.1
 	touch $@
