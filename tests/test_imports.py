@@ -25,6 +25,7 @@ LAYERS = [
     ("eogp_index.client",),
     (
         "ingest",
+        "eogp_index.cluster",
         "eogp_index.evaluation",
         "eogp_index.cli",
         "eogp_index.serve",
