@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from eogp_index.errors import ConfigError
+from eogp_index.errors import ConfigError, InputError
 from eogp_index.search.kernels.checks import _as_layout, _check_codes, _check_queries, _check_scales, _geometry
 from eogp_index.store.codecs import SignLayout
 
@@ -42,12 +42,15 @@ def scan_scores_torch(
 
     layout = _as_layout(layout)
     dev = torch.device(device)
-    np_codes = codes.detach().cpu().numpy() if isinstance(codes, torch.Tensor) else codes
-    np_scales = scales.detach().cpu().numpy() if isinstance(scales, torch.Tensor) else scales
-    np_y = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else y
-    np_codes = _check_codes(np_codes, layout)
-    np_scales = _check_scales(np_scales, np_codes.shape[0], layout)
-    np_y = _check_queries(np_y, layout)
+    # Codes and scales already held as torch tensors (on the device, e.g. a resident copy) stay
+    # there: only their shapes and dtypes are checked. numpy ones are checked and copied per chunk.
+    if isinstance(codes, torch.Tensor):
+        _check_torch_block(codes, scales, layout)
+        np_codes, np_scales = codes, scales
+    else:
+        np_codes = _check_codes(codes, layout)
+        np_scales = _check_scales(scales, np_codes.shape[0], layout)
+    np_y = _check_queries(y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else y, layout)
     g = _geometry(layout)
     n, K = np_codes.shape[0], layout.num_coords
     if chunk_rows is None:
@@ -69,3 +72,20 @@ def scan_scores_torch(
         signed = torch.where(bits.bool(), s, -s)
         out[:, r0:r1] = (signed @ yt).T
     return out
+
+
+def _check_torch_block(codes, scales, layout: SignLayout) -> None:
+    """The checks of :func:`_check_codes` and :func:`_check_scales` for torch tensors, without a copy."""
+    import torch
+
+    if codes.dtype != torch.uint8:
+        raise InputError(f"codes must be uint8 packed sign bits, got dtype {codes.dtype}")
+    if codes.ndim != 2 or codes.shape[1] != layout.nbytes:
+        raise ConfigError(f"codes must have shape (n, {layout.nbytes}), got {tuple(codes.shape)}")
+    if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (codes.shape[0], layout.num_modules):
+        raise ConfigError(
+            f"scales must be a torch tensor of shape ({codes.shape[0]}, {layout.num_modules}) beside torch codes, "
+            f"got {type(scales).__name__} {tuple(getattr(scales, 'shape', ()))}"
+        )
+    if not scales.is_floating_point():
+        raise InputError(f"scales must be float16 (or another float dtype), got {scales.dtype}")
