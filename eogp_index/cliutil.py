@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import click
 
-from eogp_index.errors import EOGPError
+from eogp_index.errors import ConfigError, EOGPError
 
 
 def fail_cleanly(func: Callable) -> Callable:
@@ -79,4 +79,12 @@ def worker_device(device: str) -> str:
         return device
     import torch
 
-    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= gpus:
+        raise ConfigError(
+            f"this is torchrun worker {local_rank} on its node, which has {gpus} GPU(s): give torchrun "
+            f"--nproc_per_node {gpus} (one worker per GPU), or --device cpu"
+        )
+    return f"cuda:{local_rank}"

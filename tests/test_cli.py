@@ -561,3 +561,21 @@ def test_queries_file_reports_a_lone_surrogate_in_any_field_of_any_kind_by_line(
     assert [int(line.split(":")[1]) for line in reported] == list(range(2, 2 * len(cases) + 1, 2))
     for (case, _, field), line in zip(cases, reported):
         assert f"field '{field}" in line and "surrogate" in line, (case, line)
+
+
+def test_torchrun_workers_beyond_the_nodes_gpus_are_refused_with_the_fix(monkeypatch):
+    """--device auto under torchrun: worker LOCAL_RANK takes cuda:LOCAL_RANK; a worker with no GPU
+    of its own gets an error naming --nproc_per_node and --device cpu, not CUDA's invalid ordinal."""
+    import torch
+
+    from eogp_index.cliutil import worker_device
+    from eogp_index.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert worker_device("auto") == "cuda:0"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match="--nproc_per_node 1 .*--device cpu"):
+        worker_device("auto")
+    assert worker_device("cpu") == "cpu"

@@ -72,8 +72,16 @@ def exact_scores(
         if use_torch:
             from eogp_index.search.scan import scan_scores_torch
 
-            block = encoded if rows is None else encoded.take(rows)
-            return scan_scores_torch(block.signs, block.scales, y, layout, device).cpu().numpy()
+            if not device.startswith("cuda"):
+                block = encoded if rows is None else encoded.take(rows)
+                return scan_scores_torch(block.signs, block.scales, y, layout, device).cpu().numpy()
+            signs, scales = _resident(encoded.signs, device), _resident(encoded.scales, device)
+            if rows is not None:
+                import torch
+
+                picked = torch.as_tensor(rows, device=device)
+                signs, scales = signs[picked], scales[picked]
+            return scan_scores_torch(signs, scales, y, layout, device).cpu().numpy()
         from eogp_index.search.scan import scan_scores
 
         return scan_scores(encoded.signs, encoded.scales, y, layout, rows=rows)
@@ -83,6 +91,28 @@ def exact_scores(
 
         return (torch.as_tensor(y, device=device) @ torch.as_tensor(coords, device=device).T).cpu().numpy()
     return (y @ coords.T).astype(np.float32)
+
+
+#: ``{device: [(host array, its copy on the device)]}``: the hot copy's codes and scales kept on a
+#: GPU between queries, so a query moves only its coordinates and scores. One entry per array
+#: kind; a new table version (new arrays) replaces them.
+_ON_DEVICE: Dict[str, List[tuple]] = {}
+
+
+def _resident(array: np.ndarray, device: str):
+    """``array`` as a torch tensor on ``device``, copied there once per array object."""
+    import torch
+
+    held = _ON_DEVICE.setdefault(device, [])
+    for host, copy in held:
+        if host is array:
+            return copy
+    copy = torch.as_tensor(np.ascontiguousarray(array), device=device)
+    same_kind = [i for i, (host, _) in enumerate(held) if host.dtype == array.dtype and host.ndim == array.ndim]
+    if same_kind:
+        del held[same_kind[0]]
+    held.append((array, copy))
+    return copy
 
 
 def warm_kernels(stored: StoredIndex) -> None:

@@ -337,7 +337,7 @@ def test_two_torchrun_workers_give_the_hot_routes_rescored_answer(tiered):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "eogp_index.cli", "query", str(tiered.path), "--queries", str(queries),
-         "-k", "4", "--direction", "both", "--json"],
+         "-k", "4", "--direction", "both", "--device", "cpu", "--json"],
         capture_output=True,
         text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])),

@@ -82,6 +82,8 @@ def test_two_torchrun_workers_merge_to_the_exact_top_k(fitted_index):
             "6",
             "--direction",
             "both",
+            "--device",
+            "cpu",
             "--json",
         ],
         capture_output=True,
