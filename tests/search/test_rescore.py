@@ -323,7 +323,15 @@ def test_two_torchrun_workers_give_the_hot_routes_rescored_answer(tiered):
     import subprocess
     import sys
 
-    expected = _hits(tiered.search(QUERY).limit(4).direction("both").to_arrow())
+    # The workers measure the query on the CPU; so does the reference (on a GPU machine the
+    # fixture's index would measure it on the GPU, in another float order).
+    on_cpu = AttributionIndex.open(
+        tiered.path,
+        model=make_tiny_gpt2(),
+        tokenizer=TinyTokenizer(),
+        gradients=GradientConfig(batch_size=8, device="cpu"),
+    )
+    expected = _hits(on_cpu.search(QUERY).limit(4).direction("both").to_arrow())
     model_dir = tiered.path / "model"  # the workers load the model the manifest names
     make_tiny_gpt2().save_pretrained(model_dir)
     __import__("tinymodels").make_word_tokenizer().save_pretrained(model_dir)

@@ -27,9 +27,8 @@ def scan_scores_torch(
 ):
     """Scores with torch, e.g. on CUDA: chunks of rows are unpacked on the device and multiplied.
 
-    Per chunk the bits are unpacked with shifts into a ``(rows, 8·nbytes)`` float32 matrix of 0/1,
-    multiplied module by module with ``yᵀ`` and weighted by each row's scales; only one chunk is
-    expanded at a time.
+    Per chunk the bits are unpacked with shifts into ``±s_iu`` (scale folded in), giving a
+    ``(rows, K)`` float32 matrix that is multiplied by ``yᵀ``; only one chunk is expanded at a time.
 
     Args:
         codes: ``(n, nbytes)`` uint8 (numpy or torch). scales: ``(n, U)`` float16.
@@ -60,24 +59,18 @@ def scan_scores_torch(
     if chunk_rows < 1:
         raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
 
-    # ⟨y_u, b_u⟩ = 2⟨y_u, bits_u⟩ − Σ y_u with bits in {0, 1}: each chunk's bits become float32
-    # once, one product per module gives (R, nq), and the per-module scales multiply that, never
-    # the (R, K) matrix; the padding bits of a module are skipped by its bit offset.
-    boff = [int(b) for b in g.boff]
+    pad_index = torch.from_numpy(g.pad_index.copy()).to(dev)  # copies: the cached arrays are read-only
+    module_of_coord = torch.from_numpy(g.module_of_coord.copy()).to(dev)
     shifts = torch.arange(8, dtype=torch.uint8, device=dev)
     yt = torch.as_tensor(np_y, device=dev).T.contiguous()  # (K, nq)
-    y_sums = [yt[k0:k1].sum(0) for k0, k1 in _module_spans(layout)]  # (nq,) per module
-    out = torch.zeros((np_y.shape[0], n), dtype=torch.float32, device=dev)
+    out = torch.empty((np_y.shape[0], n), dtype=torch.float32, device=dev)
     for r0 in range(0, n, chunk_rows):
         r1 = min(n, r0 + chunk_rows)
         c = torch.as_tensor(np_codes[r0:r1], device=dev)
-        bits = ((c.unsqueeze(-1) >> shifts) & 1).reshape(r1 - r0, -1).to(torch.float32)  # (R, 8·nbytes)
-        s = torch.as_tensor(np_scales[r0:r1], device=dev).to(torch.float32)  # (R, U)
-        acc = out[:, r0:r1].T  # (R, nq) view
-        for u, (k0, k1) in enumerate(_module_spans(layout)):
-            b0 = 8 * boff[u]
-            dots = 2.0 * (bits[:, b0 : b0 + (k1 - k0)] @ yt[k0:k1]) - y_sums[u]  # (R, nq)
-            acc.addcmul_(dots, s[:, u : u + 1])
+        bits = ((c.unsqueeze(-1) >> shifts) & 1).reshape(r1 - r0, -1)[:, pad_index]  # (R, K) uint8
+        s = torch.as_tensor(np_scales[r0:r1], device=dev).to(torch.float32)[:, module_of_coord]  # (R, K)
+        signed = torch.where(bits.bool(), s, -s)
+        out[:, r0:r1] = (signed @ yt).T
     return out
 
 
@@ -96,12 +89,3 @@ def _check_torch_block(codes, scales, layout: SignLayout) -> None:
         )
     if not scales.is_floating_point():
         raise InputError(f"scales must be float16 (or another float dtype), got {scales.dtype}")
-
-
-def _module_spans(layout: SignLayout) -> list:
-    """``[(k0, k1)]``: each module's columns in the queries' ``K`` coordinates."""
-    spans, k0 = [], 0
-    for k in layout.k:
-        spans.append((k0, k0 + int(k)))
-        k0 += int(k)
-    return spans
