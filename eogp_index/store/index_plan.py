@@ -10,7 +10,7 @@ from eogp_index.config import ProjectionConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError
 from eogp_index.fit.plan import ModelShape, Plan, make_plan, model_shape
 from eogp_index.store.files import safetensors_header, tensor_bytes
-from eogp_index.store.manifest import Manifest
+from eogp_index.store.manifest import MANIFEST_FILE, Manifest
 
 #: safetensors' dtype names of the eigenvector columns (16 bits for a half-precision model from
 #: projection format 3, float32 before it).
@@ -84,6 +84,8 @@ def plan_of_index(
         curvature_examples=manifest.curvature["num_examples"],
         max_tokens=max_tokens or manifest.max_tokens,
         max_tokens_from="--max-tokens" if max_tokens else "the index's max_tokens",
+        # the manifest's own size, for the object store (--nodes)
+        manifest_bytes=(index_dir / MANIFEST_FILE).stat().st_size,
         # a query of this index rescores by the factor its fit measured, unless one is given
         **{**options, "query_rescore": options.get("query_rescore") or manifest.rescore_factor},
     )
