@@ -1320,7 +1320,7 @@ def plan(
         eogp plan olmo-2-1b/config.json -k 2048 --m 262144 --dtype bfloat16 --max-tokens 512 --memory-budget 80
         eogp plan my-index --memory-budget 24
     """
-    from eogp_index.fit.plan import format_p_reads, format_plan, make_plan, model_shape
+    from eogp_index.fit.plan import format_p_reads, format_plan, make_plan, model_shape, with_nodes
     from eogp_index.store.index_plan import plan_of_index
 
     gradients = GradientConfig(**gradients)
@@ -1338,12 +1338,10 @@ def plan(
         block_documents=block_documents,
         query_hits=Question.k,
         query_rescore=Question.rescore,
-        nodes=nodes,
-        bandwidth_gbs=bandwidth_gbs,
-        metadata_bytes=metadata_bytes,
     )
+    cluster = dict(nodes=nodes, bandwidth_gbs=bandwidth_gbs, metadata_bytes=metadata_bytes)
     if (Path(model) / "manifest.json").is_file():
-        result = plan_of_index(Path(model), **options)
+        result = plan_of_index(Path(model), **options, **cluster)
     else:
         if projection["k"] is None and projection["budget_kb"] is None:
             projection["k"] = 256
@@ -1357,6 +1355,7 @@ def plan(
             rescore_k=storage.rescore_k,
             **options,
         )
+        result = with_nodes(result, **cluster)
     reads = result.p_reads(block_documents)
     _emit(
         {**result.to_json(), "p_reads": reads.to_json()},

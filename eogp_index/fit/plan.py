@@ -1103,6 +1103,29 @@ def node_plan(
     )
 
 
+def with_nodes(
+    plan: "Plan",
+    nodes: Optional[int],
+    *,
+    bandwidth_gbs: Optional[float] = None,
+    metadata_bytes: Optional[int] = None,
+    manifest_bytes: Optional[int] = None,
+) -> "Plan":
+    """``plan`` with its store over ``nodes`` nodes (:attr:`Plan.cluster`, :func:`node_plan`);
+    ``plan`` itself when ``nodes`` is None. None for the others: :data:`SCAN_BANDWIDTH_GBS`,
+    :data:`ROW_BOOKKEEPING_BYTES`, the manifest estimated."""
+    if nodes is None:
+        return plan
+    cluster = node_plan(
+        plan,
+        nodes,
+        bandwidth_gbs=SCAN_BANDWIDTH_GBS if bandwidth_gbs is None else bandwidth_gbs,
+        metadata_bytes_per_row=ROW_BOOKKEEPING_BYTES if metadata_bytes is None else metadata_bytes,
+        manifest_bytes=manifest_bytes,
+    )
+    return replace(plan, cluster=cluster)
+
+
 def format_node_plan(nodes: NodePlan) -> List[str]:
     """:class:`NodePlan` as the plan's text lines."""
     store = nodes.object_store
@@ -1188,10 +1211,6 @@ def make_plan(
     tier_k: Optional[Dict[str, int]] = None,
     query_hits: Optional[int] = None,
     query_rescore: Optional[int] = None,
-    nodes: Optional[int] = None,
-    bandwidth_gbs: Optional[float] = None,
-    metadata_bytes: Optional[int] = None,
-    manifest_bytes: Optional[int] = None,
 ) -> Plan:
     """The storage and memory accounting of an index of ``shape`` under these fit options.
 
@@ -1218,10 +1237,6 @@ def make_plan(
             ``rescore_k``).
         query_hits, query_rescore: the query whose bytes :class:`TierSize` counts (hits per
             side, rescoring factor; default :data:`QUERY_HITS`, :data:`QUERY_RESCORE`).
-        nodes, bandwidth_gbs, metadata_bytes, manifest_bytes: the store over ``nodes`` nodes
-            and in object storage (:func:`node_plan`; ``nodes`` None: no :attr:`Plan.cluster`;
-            the others None: :data:`SCAN_BANDWIDTH_GBS`, :data:`ROW_BOOKKEEPING_BYTES`, the
-            manifest estimated).
 
     Returns:
         The :class:`Plan`: per module (:class:`ModuleRow`), per example, shared, the fit's cache,
@@ -1262,7 +1277,7 @@ def make_plan(
     tokens_from = (
         "--document-tokens" if document_tokens else max_tokens_from if max_tokens else "the model's context length"
     )
-    plan = Plan(
+    return Plan(
         model=_model_summary(inp),
         options=PlanOptions(
             variant=projection.variant,
@@ -1291,16 +1306,6 @@ def make_plan(
         **_storage(inp),
         tiers=_tiers(inp, storage.tier, query_hits, query_rescore),
     )
-    if nodes is None:
-        return plan
-    cluster = node_plan(
-        plan,
-        nodes,
-        bandwidth_gbs=SCAN_BANDWIDTH_GBS if bandwidth_gbs is None else bandwidth_gbs,
-        metadata_bytes_per_row=ROW_BOOKKEEPING_BYTES if metadata_bytes is None else metadata_bytes,
-        manifest_bytes=manifest_bytes,
-    )
-    return replace(plan, cluster=cluster)
 
 
 def _tiers(inp: _Inputs, code: Optional[str], hits: Optional[int], rescore: Optional[int]) -> TierSize:

@@ -424,13 +424,17 @@ def test_curvature_phase_is_the_largest_of_kronfluences_steps(olmo2_1b):
 def test_nodes_split_the_store_by_hand_arithmetic_at_olmo2_1b(olmo2_1b):
     """`eogp plan --nodes K`: per node the rows, codes, memory and scan time, the ingress, and the
     object store's bytes, each against the hand count (112 modules of k = 2,048)."""
-    from eogp_index.fit.plan import MANIFEST_BASE_BYTES, MANIFEST_MODULE_BYTES, PROCESS_BYTES, ROW_BOOKKEEPING_BYTES
+    from eogp_index.fit.plan import (
+        MANIFEST_BASE_BYTES,
+        MANIFEST_MODULE_BYTES,
+        PROCESS_BYTES,
+        ROW_BOOKKEEPING_BYTES,
+        with_nodes,
+    )
 
-    documents, nodes = 100_000_000, 3
-    plan = make_plan(
-        olmo2_1b, PAPER_PROJECTION, max_tokens=512, documents=documents, nodes=nodes, bandwidth_gbs=25.0,
-        memory_budget=80 * 10**9,
-    )  # fmt: skip
+    documents = 100_000_000
+    alone = make_plan(olmo2_1b, PAPER_PROJECTION, max_tokens=512, documents=documents, memory_budget=80 * 10**9)
+    plan = with_nodes(alone, 3, bandwidth_gbs=25.0)
     cluster, modules = plan.cluster, 16 * 7
     one_bit, hot, tier = modules * (2048 // 8 + 2), modules * (2048 // 8 + 4), modules * (2048 + 2)
     assert (one_bit, hot, tier) == (28_896, 29_120, 229_600)
@@ -457,11 +461,10 @@ def test_nodes_split_the_store_by_hand_arithmetic_at_olmo2_1b(olmo2_1b):
     assert "33,333,334 rows each" in text and "at 25 GB/s" in text and "object store" in text
     assert plan.to_json()["cluster"]["rows_per_node"] == rows
     # One node scans the whole store; without --nodes the plan has no cluster part.
-    one = make_plan(olmo2_1b, PAPER_PROJECTION, max_tokens=512, documents=documents, nodes=1)
-    assert one.cluster.scan_seconds == pytest.approx(documents * 29_120 / 20e9)  # the default 20 GB/s
-    assert make_plan(olmo2_1b, PAPER_PROJECTION, **PAPER).cluster is None
+    assert with_nodes(alone, 1).cluster.scan_seconds == pytest.approx(documents * 29_120 / 20e9)  # 20 GB/s
+    assert alone.cluster is None and with_nodes(alone, None) is alone
     with pytest.raises(ConfigError, match="--nodes"):
-        make_plan(olmo2_1b, PAPER_PROJECTION, max_tokens=512, documents=10, nodes=0)
+        with_nodes(alone, 0)
 
 
 def test_plan_nodes_of_an_index_reads_its_manifest_size(workspace):
