@@ -106,6 +106,7 @@ def test_scores_cli_with_ray(workspace, local_ray, tmp_path):
 def test_select_on_shards_is_the_one_process_selection(workspace, local_ray, shards):
     from eogp_index.cluster.batch import select_on_ray
     from eogp_index.config import SelectOptions
+    from eogp_index.errors import InputError
     from eogp_index.search.question import Question
     from eogp_index.search.select import select_documents
 
@@ -127,6 +128,11 @@ def test_select_on_shards_is_the_one_process_selection(workspace, local_ray, sha
         assert len(one.rowaddr) == options.count(index.stored.count(question.where))
     # The rows picked come from several fragments (the high 32 bits of a row address).
     assert len({int(a) >> 32 for a in select_documents(index, *cases[1]).rowaddr}) > 1
+    # One shard per CPU of the cluster by default; a broken filter is refused as one process refuses it.
+    np.testing.assert_array_equal(select_on_ray(index, *cases[0]).rowaddr, select_documents(index, *cases[0]).rowaddr)
+    with pytest.raises(InputError) as refused:
+        select_on_ray(index, Question(queries=tuple(QUERIES), where="nope = 1"), SelectOptions(top="3"), shards=2)
+    assert refused.value.field == "where"
 
 
 def test_select_cli_with_ray_writes_the_same_file(workspace, local_ray, tmp_path):
