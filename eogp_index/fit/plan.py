@@ -1103,6 +1103,11 @@ def node_plan(
     )
 
 
+def _seconds(seconds: float) -> str:
+    """Seconds for people: three significant digits, whole seconds from 1,000 up."""
+    return f"{seconds:,.0f} s" if seconds >= 1000 else f"{seconds:.3g} s"
+
+
 def with_nodes(
     plan: "Plan",
     nodes: Optional[int],
@@ -1136,8 +1141,8 @@ def format_node_plan(nodes: NodePlan) -> List[str]:
         f"{_size(nodes.memory_bytes_per_node)} = the in-memory copy it scans {_size(nodes.hot_bytes_per_node)} "
         f"+ the process {_size(nodes.process_bytes)} (no model, eigenbases or P; the tier is read for the "
         "rescored rows only)",
-        f"  scan        {nodes.scan_seconds:.3g} s per node at {nodes.bandwidth_gbs:g} GB/s (--bandwidth-gbs), "
-        f"one exact scan of its copy; {nodes.one_node_scan_seconds:.3g} s for the whole store on one node",
+        f"  scan        {_seconds(nodes.scan_seconds)} per node at {nodes.bandwidth_gbs:g} GB/s (--bandwidth-gbs), "
+        f"one exact scan of its copy; {_seconds(nodes.one_node_scan_seconds)} for the whole store on one node",
         f"  ingress     {bound}{_size(nodes.ingress_bytes)} on the node that measures queries: the query phase "
         "without the copy (process, weights, eigenbases, P, one batch)",
         f"object store  {_size(store.total_bytes)} = one-bit codes {_size(store.codes_bytes)} + tier "
