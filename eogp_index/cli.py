@@ -715,6 +715,25 @@ _target_options = option_group(
     _projection_memory_option,
 )
 _OUT_FILE = click.Path(dir_okay=False, path_type=Path)
+_ray_options = option_group(
+    click.option(
+        "--ray",
+        "ray_address",
+        is_flag=False,
+        flag_value="",
+        default=None,
+        metavar="[ADDRESS]",
+        help="Score on a Ray cluster: --ray alone starts a local Ray, --ray HOST:PORT joins the cluster "
+        "`ray start --head` started (put it after INDEX). The file is the one one process writes.",
+    ),
+    click.option(
+        "--shards",
+        type=click.IntRange(min=1),
+        default=None,
+        help="With --ray: split the table's fragments into this many shards, one Ray task each "
+        "(default: one per CPU of the cluster).",
+    ),
+)
 
 
 @cli.command()
@@ -732,9 +751,23 @@ _OUT_FILE = click.Path(dir_okay=False, path_type=Path)
     type=_OUT_FILE,
     help="The subset to write: .jsonl, .jsonl.gz or .parquet (written whole or not at all).",
 )
+@_ray_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_fail_cleanly
-def select(index_dir, texts, queries_file, model_name, device, projection_memory_gb, question, options, out, as_json):
+def select(
+    index_dir,
+    texts,
+    queries_file,
+    model_name,
+    device,
+    projection_memory_gb,
+    question,
+    options,
+    out,
+    ray_address,
+    shards,
+    as_json,
+):
     """Write the documents most influential for a target set, with their scores.
 
     Every stored row (matching --where) is scored against the target queries
@@ -747,21 +780,30 @@ def select(index_dir, texts, queries_file, model_name, device, projection_memory
     document's code divided by its norm (cosine to the targets, as LESS
     selects), as `eogp query --normalize unit` does. --precision rescore
     scores every row exactly from the index's rescoring tier instead of the
-    one-bit code. The table is streamed.
+    one-bit code. The table is streamed. --ray scores the table's fragments in
+    shards on Ray tasks (docs/cluster.md), each keeping its best rows, merged
+    into the selection one process makes.
 
     \b
     Example:
         eogp select my-index --queries target.jsonl --top 10% --out subset.jsonl.gz
         eogp select my-index --queries target.jsonl --top 1000 --precision rescore --out subset.jsonl
         eogp select my-index --queries target.jsonl --top 1000 --score max --normalize unit --out subset.parquet
+        eogp select my-index --ray head:6379 --shards 16 --queries target.jsonl --top 1% --out subset.jsonl
     """
     from eogp_index.search.select import output_kind, select_documents, write_selection
 
     output_kind(out)  # a bad name fails before the model loads
+    _check_shards(ray_address, shards)
     asked = Question(queries=tuple(_target_set(texts, queries_file)), **question)
     options = SelectOptions(**options)
     index = _open_for_queries(index_dir, model_name, device, projection_memory_gb)
-    selection = select_documents(index.encoder, asked, options)
+    if ray_address is not None:
+        from eogp_index.cluster.batch import select_on_ray
+
+        selection = select_on_ray(index.encoder, asked, options, address=ray_address, shards=shards)
+    else:
+        selection = select_documents(index.encoder, asked, options)
     written = write_selection(index.stored, selection, out)
     scores = selection.scores.tolist()
     summary = {
@@ -792,29 +834,62 @@ def select(index_dir, texts, queries_file, model_name, device, projection_memory
     type=_OUT_FILE,
     help="Parquet file of (id, query, score, metadata...), written whole or not at all.",
 )
+@_ray_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_fail_cleanly
-def scores(index_dir, texts, queries_file, model_name, device, projection_memory_gb, question, precision, out, as_json):
+def scores(
+    index_dir,
+    texts,
+    queries_file,
+    model_name,
+    device,
+    projection_memory_gb,
+    question,
+    precision,
+    out,
+    ray_address,
+    shards,
+    as_json,
+):
     """Export every document's score for every query to Parquet.
 
     One row per (document, query): id, query (the query's 0-based position),
-    score and the stored metadata columns, streamed from the table; ready for
-    DuckDB or pandas. --precision rescore scores every row exactly from the
-    index's rescoring tier instead of the one-bit code.
+    score and the stored metadata columns, streamed from the table fragment by
+    fragment in table order; ready for DuckDB or pandas. --precision rescore
+    scores every row exactly from the index's rescoring tier instead of the
+    one-bit code. --ray scores the fragments in shards on Ray tasks
+    (docs/cluster.md) and writes the same file, in the same order.
 
     \b
     Example:
         eogp scores my-index --queries probes.jsonl --out scores.parquet
         eogp scores my-index --queries probes.jsonl --precision rescore --out exact.parquet
+        eogp scores my-index --ray head:6379 --shards 16 --queries probes.jsonl --out scores.parquet
         duckdb -c "SELECT source, avg(score) FROM 'scores.parquet' GROUP BY source"
     """
     from eogp_index.search.select import output_kind, write_scores
 
     output_kind(out)
+    _check_shards(ray_address, shards)
     asked = Question(queries=tuple(_target_set(texts, queries_file)), **question)
     index = _open_for_queries(index_dir, model_name, device, projection_memory_gb)
-    written = write_scores(index.encoder, asked, out, precision=precision)
+    if ray_address is not None:
+        from eogp_index.cluster.batch import scores_on_ray
+
+        written = scores_on_ray(index.encoder, asked, out, precision=precision, address=ray_address, shards=shards)
+    else:
+        written = write_scores(index.encoder, asked, out, precision=precision)
     _emit({"out": str(out), "rows": written}, as_json, lambda s: click.echo(f"wrote {s['rows']} scores to {s['out']}"))
+
+
+def _check_shards(ray_address, shards) -> None:
+    """Refuses --shards without --ray, and joins Ray (a bad address fails before the model loads)."""
+    if shards is not None and ray_address is None:
+        raise click.UsageError("--shards splits the work over Ray tasks; give --ray too")
+    if ray_address is not None:
+        from eogp_index.cluster.batch import join_ray
+
+        join_ray(ray_address)
 
 
 def _target_set(texts, queries_file) -> List[Any]:
@@ -1174,6 +1249,27 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
     f"the memory the budget leaves, at most {MAX_BLOCK_DOCUMENTS:,}).",
 )
 @click.option(
+    "--nodes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Plan the store over this many shard nodes (eogp serve --ray --shards): per node its codes, "
+    "memory and scan time, and the object-store bytes (docs/cluster.md).",
+)
+@click.option(
+    "--bandwidth-gbs",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="With --nodes: the GB/s a node scans its in-memory codes at, for the scan time (default: 20, "
+    "a stated figure for one server's streaming reads from memory).",
+)
+@click.option(
+    "--metadata-bytes",
+    type=click.IntRange(min=0),
+    default=None,
+    help="With --nodes: the table's bytes per row besides the codes (ids, bookkeeping and your metadata "
+    "columns, uncompressed), for the object-store bytes (default: 141, the bookkeeping columns alone).",
+)
+@click.option(
     "--all-modules", is_flag=True, help="One line per module (default: modules alike in every block, grouped)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
@@ -1189,6 +1285,9 @@ def plan(
     modules,
     documents,
     block_documents,
+    nodes,
+    bandwidth_gbs,
+    metadata_bytes,
     all_modules,
     as_json,
 ):
@@ -1209,15 +1308,19 @@ def plan(
     (marked <=); given an INDEX directory instead of MODEL, the plan reads its
     manifest and projection file and they are exact, and its documents are as
     long as the index cuts them (its max_tokens, unless --max-tokens or
-    --document-tokens is given).
+    --document-tokens is given). --nodes K plans the store over K shard nodes
+    (eogp serve --ray --shards K): per node the rows and codes it holds, the
+    memory it needs and one scan's time at --bandwidth-gbs, the ingress's
+    memory, and the bytes in object storage.
 
     \b
     Example:
         eogp plan examples/default/model -k 256 --documents 1000000
+        eogp plan olmo-2-1b/config.json -k 2048 --m 262144 --max-tokens 512 --documents 1000000000 --nodes 16
         eogp plan olmo-2-1b/config.json -k 2048 --m 262144 --dtype bfloat16 --max-tokens 512 --memory-budget 80
         eogp plan my-index --memory-budget 24
     """
-    from eogp_index.fit.plan import format_p_reads, format_plan, make_plan, model_shape
+    from eogp_index.fit.plan import format_p_reads, format_plan, make_plan, model_shape, with_nodes
     from eogp_index.store.index_plan import plan_of_index
 
     gradients = GradientConfig(**gradients)
@@ -1236,8 +1339,9 @@ def plan(
         query_hits=Question.k,
         query_rescore=Question.rescore,
     )
+    cluster = dict(nodes=nodes, bandwidth_gbs=bandwidth_gbs, metadata_bytes=metadata_bytes)
     if (Path(model) / "manifest.json").is_file():
-        result = plan_of_index(Path(model), **options)
+        result = plan_of_index(Path(model), **options, **cluster)
     else:
         if projection["k"] is None and projection["budget_kb"] is None:
             projection["k"] = 256
@@ -1251,6 +1355,7 @@ def plan(
             rescore_k=storage.rescore_k,
             **options,
         )
+        result = with_nodes(result, **cluster)
     reads = result.p_reads(block_documents)
     _emit(
         {**result.to_json(), "p_reads": reads.to_json()},

@@ -88,6 +88,17 @@ QUERY_HITS = 10
 QUERY_RESCORE = 5
 #: The sides a query reads (direction ``both``, the default).
 QUERY_SIDES = 2
+#: The bandwidth a node scans its in-memory codes at, in GB/s, when ``--bandwidth-gbs`` gives
+#: none: a stated figure for one server's streaming reads from memory, not a measurement.
+SCAN_BANDWIDTH_GBS = 20.0
+#: The table's bookkeeping columns per row, uncompressed Arrow (``--metadata-bytes`` replaces
+#: it, with the user's metadata columns added): an id of 24 characters and a shard name of 16,
+#: each with its 4-byte offset (28 + 20), position (8), the two token counts (4 + 4), truncated
+#: (1), the content hash in hex (64 + 4) and its kind (4 + 4).
+ROW_BOOKKEEPING_BYTES = 28 + 20 + 8 + 4 + 4 + 1 + 68 + 8
+#: manifest.json before a fit, estimated: its fixed fields, and each module's entry
+#: (``eogp plan INDEX`` reads the file's size).
+MANIFEST_BASE_BYTES, MANIFEST_MODULE_BYTES = 2_000, 300
 
 
 @dataclass(frozen=True)
@@ -694,14 +705,17 @@ def ingest_block_phase(inp: _Inputs, batch: Batch, block: int) -> BlockPhase:
 
 
 def _hot_bytes(inp: _Inputs) -> int:
-    """The in-memory copy of the codes queries scan: packed signs and float32 scales per row (1
-    bit), or float32 coordinates."""
+    """The in-memory copy of the codes queries scan, for the plan's documents."""
+    return inp.documents * _hot_bytes_per_row(inp)
+
+
+def _hot_bytes_per_row(inp: _Inputs) -> int:
+    """One row of the in-memory copy: packed signs and float32 scales per module (1 bit), or
+    float32 coordinates."""
     rows = inp.rows
-    return inp.documents * (
-        (sum(math.ceil(r.k / 8) for r in rows) + F32 * len(rows))
-        if inp.precision == "1bit"
-        else F32 * sum(r.k for r in rows)
-    )
+    if inp.precision == "1bit":
+        return sum(math.ceil(r.k / 8) for r in rows) + F32 * len(rows)
+    return F32 * sum(r.k for r in rows)
 
 
 def query_phase(inp: _Inputs, batch: Batch, *, resident: bool) -> QueryPhase:
@@ -991,6 +1005,155 @@ def format_tier_size(tiers: TierSize, *, label_width: int = 14) -> List[str]:
 
 
 @dataclass(frozen=True)
+class ObjectStoreSize(_Part):
+    """What an index at a URL keeps in object storage for ``documents`` rows: the table's one-bit
+    codes and rescoring tier, its bookkeeping and metadata columns (``metadata_bytes_per_row``
+    each, uncompressed), the projection file (an upper bound before a fit), kronfluence's factors
+    (``curvature/``) and the manifest; ``total_bytes`` their sum. The hot copy is each node's
+    own, built in its memory, and not counted."""
+
+    codes_bytes: int
+    tier_bytes: int
+    metadata_bytes_per_row: int
+    metadata_bytes: int
+    projection_bytes_max: int
+    curvature_bytes: int
+    manifest_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class NodePlan(_Part):
+    """The store split over ``nodes`` shard nodes (``eogp serve --ray --shards K``, a shard a
+    node), the rows even: each holds ``rows_per_node = ceil(documents / nodes)`` rows, whose
+    one-bit codes are ``codes_bytes_per_node`` in the table and ``hot_bytes_per_node`` in the
+    in-memory copy it scans. A shard holds no model, eigenbases or ``P`` (the ingress measures
+    the queries), so its memory is the copy plus the fixed per-process part
+    (:data:`PROCESS_BYTES`); the rescoring tier is read from the table for the rescored rows
+    only. ``ingress_bytes``: the query phase without the copy (the process, the weights, the
+    eigenbases, ``P`` and one batch), on the one node that measures queries. ``scan_seconds``:
+    one exact scan of a node's copy at ``bandwidth_gbs`` (``one_node_scan_seconds``: of the whole
+    store on one node)."""
+
+    nodes: int
+    rows_per_node: int
+    codes_bytes_per_node: int
+    hot_bytes_per_node: int
+    process_bytes: int
+    memory_bytes_per_node: int
+    ingress_bytes: int
+    ingress_bound: bool
+    bandwidth_gbs: float
+    scan_seconds: float
+    one_node_scan_seconds: float
+    object_store: ObjectStoreSize
+
+
+def node_plan(
+    plan: "Plan",
+    nodes: int,
+    *,
+    bandwidth_gbs: float = SCAN_BANDWIDTH_GBS,
+    metadata_bytes_per_row: int = ROW_BOOKKEEPING_BYTES,
+    manifest_bytes: Optional[int] = None,
+) -> NodePlan:
+    """:class:`NodePlan` of ``plan``'s store over ``nodes`` nodes (``eogp plan --nodes K``)."""
+    if nodes < 1:
+        raise ConfigError(f"--nodes must be at least 1, got {nodes}", field="nodes")
+    if not bandwidth_gbs > 0:
+        raise ConfigError(f"--bandwidth-gbs must be positive, got {bandwidth_gbs}", field="bandwidth_gbs")
+    documents = plan.store.documents
+    per_row_hot = plan.store.hot_copy_bytes // documents if documents else 0
+    rows = -(-documents // nodes)
+    hot = rows * per_row_hot
+    tiers, shared = plan.tiers, plan.shared
+    if manifest_bytes is None:
+        manifest_bytes = MANIFEST_BASE_BYTES + MANIFEST_MODULE_BYTES * len(plan.modules)
+    metadata = documents * metadata_bytes_per_row
+    store = ObjectStoreSize(
+        codes_bytes=tiers.one_bit_bytes,
+        tier_bytes=tiers.tier_bytes,
+        metadata_bytes_per_row=metadata_bytes_per_row,
+        metadata_bytes=metadata,
+        projection_bytes_max=shared.projection_file_bytes_max,
+        curvature_bytes=shared.curvature_factor_bytes,
+        manifest_bytes=manifest_bytes,
+        total_bytes=tiers.one_bit_bytes
+        + tiers.tier_bytes
+        + metadata
+        + shared.projection_file_bytes_max
+        + shared.curvature_factor_bytes
+        + manifest_bytes,
+    )
+    query = plan.memory.query
+    bandwidth = bandwidth_gbs * 1e9
+    return NodePlan(
+        nodes=nodes,
+        rows_per_node=rows,
+        codes_bytes_per_node=rows * tiers.one_bit_bytes_per_row,
+        hot_bytes_per_node=hot,
+        process_bytes=PROCESS_BYTES,
+        memory_bytes_per_node=PROCESS_BYTES + hot,
+        ingress_bytes=query.bytes - query.hot_bytes,
+        ingress_bound=query.bound,
+        bandwidth_gbs=bandwidth_gbs,
+        scan_seconds=hot / bandwidth,
+        one_node_scan_seconds=plan.store.hot_copy_bytes / bandwidth,
+        object_store=store,
+    )
+
+
+def _seconds(seconds: float) -> str:
+    """Seconds for people: three significant digits, whole seconds from 1,000 up."""
+    return f"{seconds:,.0f} s" if seconds >= 1000 else f"{seconds:.3g} s"
+
+
+def with_nodes(
+    plan: "Plan",
+    nodes: Optional[int],
+    *,
+    bandwidth_gbs: Optional[float] = None,
+    metadata_bytes: Optional[int] = None,
+    manifest_bytes: Optional[int] = None,
+) -> "Plan":
+    """``plan`` with its store over ``nodes`` nodes (:attr:`Plan.cluster`, :func:`node_plan`);
+    ``plan`` itself when ``nodes`` is None. None for the others: :data:`SCAN_BANDWIDTH_GBS`,
+    :data:`ROW_BOOKKEEPING_BYTES`, the manifest estimated."""
+    if nodes is None:
+        return plan
+    cluster = node_plan(
+        plan,
+        nodes,
+        bandwidth_gbs=SCAN_BANDWIDTH_GBS if bandwidth_gbs is None else bandwidth_gbs,
+        metadata_bytes_per_row=ROW_BOOKKEEPING_BYTES if metadata_bytes is None else metadata_bytes,
+        manifest_bytes=manifest_bytes,
+    )
+    return replace(plan, cluster=cluster)
+
+
+def format_node_plan(nodes: NodePlan) -> List[str]:
+    """:class:`NodePlan` as the plan's text lines."""
+    store = nodes.object_store
+    bound = "<=" if nodes.ingress_bound else ""
+    return [
+        f"nodes         {nodes.nodes:,} shard node(s), {nodes.rows_per_node:,} rows each (an even split)",
+        f"  per node    codes {_size(nodes.codes_bytes_per_node)} in the table; in memory "
+        f"{_size(nodes.memory_bytes_per_node)} = the in-memory copy it scans {_size(nodes.hot_bytes_per_node)} "
+        f"+ the process {_size(nodes.process_bytes)} (no model, eigenbases or P; the tier is read for the "
+        "rescored rows only)",
+        f"  scan        {_seconds(nodes.scan_seconds)} per node at {nodes.bandwidth_gbs:g} GB/s (--bandwidth-gbs), "
+        f"one exact scan of its copy; {_seconds(nodes.one_node_scan_seconds)} for the whole store on one node",
+        f"  ingress     {bound}{_size(nodes.ingress_bytes)} on the node that measures queries: the query phase "
+        "without the copy (process, weights, eigenbases, P, one batch)",
+        f"object store  {_size(store.total_bytes)} = one-bit codes {_size(store.codes_bytes)} + tier "
+        f"{_size(store.tier_bytes)} + bookkeeping and metadata {_size(store.metadata_bytes)} "
+        f"({store.metadata_bytes_per_row} B/row, --metadata-bytes) + projection file <= "
+        f"{_size(store.projection_bytes_max)} + kronfluence factors {_size(store.curvature_bytes)} + manifest "
+        f"{_size(store.manifest_bytes)}",
+    ]
+
+
+@dataclass(frozen=True)
 class Plan(_Part):
     """:func:`make_plan`'s storage and memory accounting of an index. Byte counts are exact
     except where named ``*_max`` (upper bounds) or under :attr:`memory` (estimates);
@@ -1011,6 +1174,8 @@ class Plan(_Part):
     fits: Optional[bool]
     store: StoreSize
     tiers: TierSize
+    #: the store over ``eogp plan --nodes K`` nodes (None: no --nodes)
+    cluster: Optional[NodePlan] = None
 
     def p_reads(self, block_documents: Optional[int] = None) -> PReads:
         """``P`` read per ingested document in each way of applying it, and the block cache's
@@ -1467,6 +1632,7 @@ def _totals_lines(plan: Plan) -> List[str]:
         f"queries {_size(store.hot_copy_bytes)}, total <= {_size(store.total_bytes_max)}",
         f"              ({store.note})",
         *format_tier_size(plan.tiers),
+        *(format_node_plan(plan.cluster) if plan.cluster is not None else []),
     ]
 
 

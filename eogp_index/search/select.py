@@ -54,6 +54,7 @@ __all__ = [
     "select_documents",
     "write_selection",
     "write_scores",
+    "write_score_batches",
     "atomic_output",
 ]
 
@@ -76,33 +77,110 @@ def scored_batches(
     batch_bytes: int = STREAM_BATCH_BYTES,
     normalize: str = "none",
     precision: str = "1bit",
+    fragment_ids: Optional[Sequence[int]] = None,
+    version: Optional[int] = None,
 ) -> Iterator[Tuple[pa.RecordBatch, np.ndarray]]:
     """The matching rows in record batches, each with its exact scores ``(nq, b)`` float32
-    (with ``normalize="unit"``, of each row's code divided by its norm).
+    (with ``normalize="unit"``, of each row's code divided by its norm), in table order.
 
     ``precision="1bit"`` scores the code the queries scan; ``"rescore"`` the rescoring tier
     (:func:`tier_scores`; ``y`` then holds the queries' coordinates at the tier's width). Only
     the scored code's columns, ``_rowaddr`` and ``columns`` are read, one batch at a time.
+    ``fragment_ids`` and ``version``: only these fragments, of this table version
+    (:func:`scored_fragments`).
 
     Raises:
         ConfigError: ``precision="rescore"`` on an index without a tier (:func:`require_tier`).
     """
+    fragments = scored_fragments(
+        stored,
+        y,
+        where=where,
+        columns=columns,
+        batch_bytes=batch_bytes,
+        normalize=normalize,
+        precision=precision,
+        fragment_ids=fragment_ids,
+        version=version,
+    )
+    for _, batches in fragments:
+        yield from batches
+
+
+def scored_fragments(
+    stored: StoredIndex,
+    y: np.ndarray,
+    *,
+    where: Optional[str] = None,
+    columns: Sequence[str] = (),
+    batch_bytes: int = STREAM_BATCH_BYTES,
+    normalize: str = "none",
+    precision: str = "1bit",
+    fragment_ids: Optional[Sequence[int]] = None,
+    version: Optional[int] = None,
+) -> Iterator[Tuple[int, Iterator[Tuple[pa.RecordBatch, np.ndarray]]]]:
+    """:func:`scored_batches` fragment by fragment: ``(fragment id, its scored batches)`` in the
+    table's fragment order, each fragment scanned on its own.
+
+    Scanning one fragment at a time makes the batches, and so every output written from them,
+    the same whichever process scores which fragments: ``eogp scores --ray`` gives each shard
+    some fragments (``fragment_ids``, at the pinned ``version``; None: every fragment of the
+    latest version) and writes the shards' batches in this order.
+    """
     check_score_precision(precision)
     tier = require_tier(stored) if precision == "rescore" else None
-    store, codec = stored.store, stored.codec
-    if store.table is None:
+    dataset = pinned_table(stored, version)
+    if dataset is None:
         return
-    code_columns = codec.columns if tier is None else tier.columns
+    code_columns = stored.codec.columns if tier is None else tier.columns
     wanted = list(dict.fromkeys([*code_columns, *columns]))
-    scanner = store.dataset().scanner(columns=wanted, filter=where, with_row_address=True, batch_size_bytes=batch_bytes)
-    for batch in store.batches(scanner, where):
+    for fragment in table_fragments(dataset, fragment_ids):
+        scanner = dataset.scanner(
+            columns=wanted, filter=where, fragments=[fragment], with_row_address=True, batch_size_bytes=batch_bytes
+        )
+        yield fragment.fragment_id, _scored(stored, scanner, where, tier, y, normalize)
+
+
+def _scored(stored: StoredIndex, scanner, where, tier, y: np.ndarray, normalize: str):
+    for batch in stored.store.batches(scanner, where):
         if not batch.num_rows:
             continue
         if tier is not None:
             yield batch, tier_scores(tier, batch, y, normalize)
         else:
-            codes = normalized_codes(codec.from_arrow(batch), stored.layout, normalize)
+            codes = normalized_codes(stored.codec.from_arrow(batch), stored.layout, normalize)
             yield batch, exact_scores(codes, stored.one_bit(y), stored.layout)
+
+
+def pinned_table(stored: StoredIndex, version: Optional[int] = None):
+    """The table's ``lance.LanceDataset`` at ``version`` (None: the latest), or None before the
+    first row is stored."""
+    table = stored.store.table
+    if table is None or version is None or table.version == version:
+        return table
+    return table.checkout_version(version)
+
+
+def table_fragments(dataset, fragment_ids: Optional[Sequence[int]] = None) -> List[Any]:
+    """The dataset's fragments in table order; only those in ``fragment_ids`` when given."""
+    fragments = dataset.get_fragments()
+    if fragment_ids is None:
+        return fragments
+    wanted = set(fragment_ids)
+    return [f for f in fragments if f.fragment_id in wanted]
+
+
+def count_at(stored: StoredIndex, where: Optional[str], version: Optional[int] = None) -> int:
+    """The rows matching ``where`` at ``version`` (None: the latest); 0 before the first row."""
+    dataset = pinned_table(stored, version)
+    if dataset is None:
+        return 0
+    try:
+        return dataset.count_rows(where) if where else dataset.count_rows()
+    except (ValueError, OSError) as exc:
+        if where is None:
+            raise
+        raise stored.store.filter_error(where, exc) from exc
 
 
 def require_tier(stored: StoredIndex):
@@ -146,35 +224,90 @@ def select_documents(
     Raises:
         InputError: no queries, or what :func:`~eogp_index.search.question.check_question` refuses.
     """
+    work = selection_work(index, question, options)
+    return finish_selection(work, *best_rows(index.stored, work, batch_bytes=batch_bytes))
+
+
+@dataclass(frozen=True)
+class SelectionWork:
+    """What every part of a selection scans with: the checked question, the options, how many
+    rows are kept (``keep``), the targets' coordinates ``y`` ``(1, K)`` for ``mean`` or
+    ``(nq, K)`` for ``max``, and the table version counted and scanned."""
+
+    question: Question
+    options: SelectOptions
+    keep: int
+    y: np.ndarray
+    version: Optional[int]
+
+    @property
+    def sign(self) -> float:
+        """+1 keeps the largest scores, -1 the smallest."""
+        return 1.0 if self.options.direction == "positive" else -1.0
+
+
+def selection_work(index, question: Union[Question, Sequence[Any]], options: SelectOptions) -> SelectionWork:
+    """Checks the question, counts the matching rows at the table's latest version (pinned) and
+    measures the targets once: what :func:`best_rows` needs, on any process."""
     question = _question(question, "select")
     stored: StoredIndex = index.stored
     check_question(question, stored)  # before Lance counts or scans: it would drop what it cannot parse
     if options.precision == "rescore":
         require_tier(stored)  # before the queries are measured
-    total = stored.count(question.where) if stored.store.table is not None else 0
-    keep = options.count(total)
+    version = stored.store.version if stored.store.table is not None else None
+    keep = options.count(count_at(stored, question.where, version))
     y = target_coordinates(index, question.queries, options.precision)
     if options.score == "mean":
         y = y.astype(np.float64).mean(axis=0, keepdims=True).astype(np.float32)
-    sign = 1.0 if options.direction == "positive" else -1.0
+    return SelectionWork(question, options, keep, y, version)
+
+
+def best_rows(
+    stored: StoredIndex,
+    work: SelectionWork,
+    *,
+    batch_bytes: int = STREAM_BATCH_BYTES,
+    fragment_ids: Optional[Sequence[int]] = None,
+) -> Tuple[np.ndarray, np.ndarray]:
+    """The ``work.keep`` best rows of ``fragment_ids`` (None: every fragment): row addresses
+    ``(n,)`` uint64 and keys ``(n,)`` float32 (``sign * score``, larger is better), unordered.
+
+    The best ``keep`` of every part's best ``keep`` are the best ``keep`` of all the rows
+    (:func:`merge_best`), so shards' parts merge exactly.
+    """
     best_addr = np.zeros(0, np.uint64)
-    best_key = np.zeros(0, np.float32)  # sign * score: larger is better
+    best_key = np.zeros(0, np.float32)
+    if not work.keep:
+        return best_addr, best_key
+    sign, rule = work.sign, work.options.score
     batches = scored_batches(
         stored,
-        y,
-        where=question.where,
+        work.y,
+        where=work.question.where,
         batch_bytes=batch_bytes,
-        normalize=question.normalize,
-        precision=options.precision,
+        normalize=work.question.normalize,
+        precision=work.options.precision,
+        fragment_ids=fragment_ids,
+        version=work.version,
     )
-    for batch, scores in batches if keep else ():
-        key = sign * (scores[0] if options.score == "mean" else (scores.max(0) if sign > 0 else scores.min(0)))
+    for batch, scores in batches:
+        key = sign * (scores[0] if rule == "mean" else (scores.max(0) if sign > 0 else scores.min(0)))
         rowaddr = batch.column("_rowaddr").to_numpy().astype(np.uint64)
-        best_addr, best_key = _best(
-            np.concatenate([best_addr, rowaddr]), np.concatenate([best_key, key.astype(np.float32)]), keep
-        )
-    order = np.lexsort((best_addr, -best_key))  # best first; ties by row address
-    return Selection(best_addr[order], (sign * best_key[order]).astype(np.float32), options)
+        best_addr, best_key = merge_best([(best_addr, best_key), (rowaddr, key.astype(np.float32))], work.keep)
+    return best_addr, best_key
+
+
+def merge_best(parts: Sequence[Tuple[np.ndarray, np.ndarray]], keep: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The ``keep`` best of several ``(rowaddr, key)`` parts (:func:`_best`'s order)."""
+    rowaddr = np.concatenate([np.zeros(0, np.uint64), *(p[0] for p in parts)])
+    key = np.concatenate([np.zeros(0, np.float32), *(p[1] for p in parts)])
+    return _best(rowaddr, key, keep)
+
+
+def finish_selection(work: SelectionWork, rowaddr: np.ndarray, key: np.ndarray) -> Selection:
+    """The selection of the best rows' ``(rowaddr, key)``: best first, ties by row address."""
+    order = np.lexsort((rowaddr, -key))
+    return Selection(rowaddr[order], (work.sign * key[order]).astype(np.float32), work.options)
 
 
 def target_coordinates(index, queries: Sequence[Any], precision: str) -> np.ndarray:
@@ -516,12 +649,31 @@ def write_scores(
     ``precision``: :attr:`SelectOptions.precision <eogp_index.config.SelectOptions>` (``rescore``:
     every row from the rescoring tier).
 
-    Streamed: one record batch of the table at a time becomes ``n_queries`` row groups.
+    Streamed: the table is scanned fragment by fragment in table order
+    (:func:`scored_fragments`), and each record batch becomes ``n_queries`` row groups, one per
+    query; ``eogp scores --ray`` writes the same batches in the same order, so the same file.
     """
-    import pyarrow.parquet as pq
+    parquet_output(out)  # before the queries are measured
+    work = scores_work(index, question, where=where, precision=precision)
+    return write_score_batches(out, score_batches(index.stored, work, batch_bytes=batch_bytes))
 
-    if output_kind(out) != "parquet":
-        raise ConfigError(f"--out {out}: scores are written as Parquet; name the file .parquet", field="out")
+
+@dataclass(frozen=True)
+class ScoresWork:
+    """What every part of a score export scans with: the checked question, the precision, the
+    metadata columns written, the queries' coordinates ``y`` ``(nq, K)`` and the table version."""
+
+    question: Question
+    precision: str
+    metadata: Tuple[str, ...]
+    y: np.ndarray
+    version: Optional[int]
+
+
+def scores_work(
+    index, question: Union[Question, Sequence[Any]], *, where: Optional[str] = None, precision: str = "1bit"
+) -> ScoresWork:
+    """Checks the question and measures the queries once, at the table's latest version (pinned)."""
     if not isinstance(question, Question):
         question = Question(queries=tuple(question), where=where)
     elif where is not None:
@@ -532,28 +684,59 @@ def write_scores(
     check_score_precision(precision)
     if precision == "rescore":
         require_tier(stored)  # before the queries are measured
+    version = stored.store.version if stored.store.table is not None else None
     y = target_coordinates(index, question.queries, precision)
     from eogp_index.store.table import CODE_COLUMNS
 
     metadata = [c for c in stored.store.metadata_columns() if c not in CODE_COLUMNS and c not in ("id", "text")]
+    return ScoresWork(question, precision, tuple(metadata), y, version)
+
+
+def score_fragments(
+    stored: StoredIndex,
+    work: ScoresWork,
+    *,
+    batch_bytes: int = STREAM_BATCH_BYTES,
+    fragment_ids: Optional[Sequence[int]] = None,
+) -> Iterator[Tuple[int, Iterator[Tuple[pa.RecordBatch, np.ndarray]]]]:
+    """``(fragment id, its batches)`` in table order: each batch's ``id`` and metadata columns
+    with its scores ``(nq, b)`` float32 (:func:`scored_fragments`)."""
+    columns = ["id", *work.metadata]
+    fragments = scored_fragments(
+        stored,
+        work.y,
+        where=work.question.where,
+        columns=columns,
+        batch_bytes=batch_bytes,
+        normalize=work.question.normalize,
+        precision=work.precision,
+        fragment_ids=fragment_ids,
+        version=work.version,
+    )
+    for fragment_id, batches in fragments:
+        yield fragment_id, ((batch.select(columns), scores) for batch, scores in batches)
+
+
+def score_batches(stored: StoredIndex, work: ScoresWork, **kwargs) -> Iterator[Tuple[pa.RecordBatch, np.ndarray]]:
+    """Every fragment's batches of :func:`score_fragments`, in table order."""
+    for _, batches in score_fragments(stored, work, **kwargs):
+        yield from batches
+
+
+def write_score_batches(out: Path, batches: Iterator[Tuple[pa.RecordBatch, np.ndarray]]) -> int:
+    """Writes ``(rows, scores (nq, b))`` batches to the Parquet file ``out``: per batch, one row
+    group per query (``id``, ``query``, ``score``, the metadata columns); returns the rows written."""
+    import pyarrow.parquet as pq
+
+    parquet_output(out)
     written = 0
     with atomic_output(out) as handle:
         writer = None
-        batches = scored_batches(
-            stored,
-            y,
-            where=question.where,
-            columns=["id", *metadata],
-            batch_bytes=batch_bytes,
-            normalize=question.normalize,
-            precision=precision,
-        )
-        for batch, scores in batches:
-            rest = batch.select(["id", *metadata])
+        for rest, scores in batches:
             for q in range(scores.shape[0]):
                 table = (
                     pa.Table.from_batches([rest])
-                    .add_column(1, "query", pa.array(np.full(batch.num_rows, q, np.int32)))
+                    .add_column(1, "query", pa.array(np.full(rest.num_rows, q, np.int32)))
                     .add_column(2, "score", pa.array(scores[q]))
                 )
                 if writer is None:
@@ -565,3 +748,9 @@ def write_scores(
             writer = pq.ParquetWriter(handle, schema)
         writer.close()
     return written
+
+
+def parquet_output(out: Path) -> None:
+    """Refuses an output that is not a ``.parquet`` file (scores are written as Parquet)."""
+    if output_kind(out) != "parquet":
+        raise ConfigError(f"--out {out}: scores are written as Parquet; name the file .parquet", field="out")

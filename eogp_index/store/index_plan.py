@@ -8,9 +8,9 @@ from typing import Any, Optional
 
 from eogp_index.config import ProjectionConfig
 from eogp_index.errors import ConfigError, IncompatibleIndexError
-from eogp_index.fit.plan import ModelShape, Plan, make_plan, model_shape
+from eogp_index.fit.plan import ModelShape, Plan, make_plan, model_shape, with_nodes
 from eogp_index.store.files import safetensors_header, tensor_bytes
-from eogp_index.store.manifest import Manifest
+from eogp_index.store.manifest import MANIFEST_FILE, Manifest
 
 #: safetensors' dtype names of the eigenvector columns (16 bits for a half-precision model from
 #: projection format 3, float32 before it).
@@ -24,6 +24,9 @@ def plan_of_index(
     curvature_examples: Optional[int] = None,
     shape: Optional[ModelShape] = None,
     max_tokens: Optional[int] = None,
+    nodes: Optional[int] = None,
+    bandwidth_gbs: Optional[float] = None,
+    metadata_bytes: Optional[int] = None,
     **options: Any,
 ) -> Plan:
     """:func:`~eogp_index.fit.plan.make_plan` for a fitted index: its model, modules, ``(m_u, k_u)``,
@@ -71,7 +74,7 @@ def plan_of_index(
             f"{index_dir / info['file']} stores the eigenvector columns as {sorted(stored)}, "
             "not in one model dtype; the file is damaged. Refit the index."
         )
-    return make_plan(
+    plan = make_plan(
         shape,
         projection,
         precision=manifest.precision,
@@ -86,4 +89,8 @@ def plan_of_index(
         max_tokens_from="--max-tokens" if max_tokens else "the index's max_tokens",
         # a query of this index rescores by the factor its fit measured, unless one is given
         **{**options, "query_rescore": options.get("query_rescore") or manifest.rescore_factor},
+    )
+    manifest_bytes = (index_dir / MANIFEST_FILE).stat().st_size
+    return with_nodes(
+        plan, nodes, bandwidth_gbs=bandwidth_gbs, metadata_bytes=metadata_bytes, manifest_bytes=manifest_bytes
     )

@@ -419,3 +419,61 @@ def test_curvature_phase_is_the_largest_of_kronfluences_steps(olmo2_1b):
     assert gpu.memory.fit_curvature.steps["eigendecomposition"] < held
     rows = gpu.modules
     assert held == sum(4 * (2 * r.d_in**2 + 2 * r.d_out**2 + r.d_in + r.d_out) for r in rows)
+
+
+def test_nodes_split_the_store_by_hand_arithmetic_at_olmo2_1b(olmo2_1b):
+    """`eogp plan --nodes K`: per node the rows, codes, memory and scan time, the ingress, and the
+    object store's bytes, each against the hand count (112 modules of k = 2,048)."""
+    from eogp_index.fit.plan import (
+        MANIFEST_BASE_BYTES,
+        MANIFEST_MODULE_BYTES,
+        PROCESS_BYTES,
+        ROW_BOOKKEEPING_BYTES,
+        with_nodes,
+    )
+
+    documents = 100_000_000
+    alone = make_plan(olmo2_1b, PAPER_PROJECTION, max_tokens=512, documents=documents, memory_budget=80 * 10**9)
+    plan = with_nodes(alone, 3, bandwidth_gbs=25.0)
+    cluster, modules = plan.cluster, 16 * 7
+    one_bit, hot, tier = modules * (2048 // 8 + 2), modules * (2048 // 8 + 4), modules * (2048 + 2)
+    assert (one_bit, hot, tier) == (28_896, 29_120, 229_600)
+    rows = 33_333_334  # ceil(100,000,000 / 3)
+    assert cluster.rows_per_node == rows
+    assert cluster.codes_bytes_per_node == rows * 28_896
+    assert cluster.hot_bytes_per_node == rows * 29_120
+    assert cluster.memory_bytes_per_node == PROCESS_BYTES + rows * 29_120
+    assert cluster.scan_seconds == pytest.approx(rows * 29_120 / 25e9)
+    assert cluster.one_node_scan_seconds == pytest.approx(documents * 29_120 / 25e9)
+    # The ingress holds what a query holds without the codes: what ingest holds.
+    assert cluster.ingress_bytes == plan.memory.ingest.bytes and cluster.ingress_bound
+    store = cluster.object_store
+    assert store.codes_bytes == documents * 28_896 and store.tier_bytes == documents * 229_600
+    assert store.metadata_bytes == documents * ROW_BOOKKEEPING_BYTES == documents * 141
+    assert store.manifest_bytes == MANIFEST_BASE_BYTES + MANIFEST_MODULE_BYTES * modules
+    assert store.total_bytes == (
+        documents * (28_896 + 229_600 + 141)
+        + plan.shared.projection_file_bytes_max
+        + plan.shared.curvature_factor_bytes
+        + store.manifest_bytes
+    )
+    text = format_plan(plan)
+    assert "33,333,334 rows each" in text and "at 25 GB/s" in text and "object store" in text
+    assert plan.to_json()["cluster"]["rows_per_node"] == rows
+    # One node scans the whole store; without --nodes the plan has no cluster part.
+    assert with_nodes(alone, 1).cluster.scan_seconds == pytest.approx(documents * 29_120 / 20e9)  # 20 GB/s
+    assert alone.cluster is None and with_nodes(alone, None) is alone
+    with pytest.raises(ConfigError, match="--nodes"):
+        with_nodes(alone, 0)
+
+
+def test_plan_nodes_of_an_index_reads_its_manifest_size(workspace):
+    index = workspace / "full"
+    args = ["plan", str(index), "--documents", "1000", "--nodes", "2", "--metadata-bytes", "200"]
+    result = CliRunner().invoke(cli, [*args, "--bandwidth-gbs", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    cluster = json.loads(result.stdout)["cluster"]
+    assert cluster["object_store"]["manifest_bytes"] == (index / "manifest.json").stat().st_size
+    assert cluster["object_store"]["metadata_bytes"] == 1000 * 200
+    assert cluster["rows_per_node"] == 500 and cluster["bandwidth_gbs"] == 4.0
+    assert "500 rows each" in CliRunner().invoke(cli, args).output
