@@ -162,7 +162,7 @@ class InfluenceQuery:
 
     def rescore(self, factor: Optional[int]) -> "InfluenceQuery":
         """On an index with a rescoring tier: rescore the one-bit top ``factor · k`` rows per side
-        from the tier (0: the one-bit ranking; None: the factor the index's fit measured)."""
+        from the tier (0: the one-bit ranking; None: the index's measured default, :func:`rescore_factor`)."""
         return self._with(rescore=factor)
 
     def by_module(self, enabled: bool = True) -> "InfluenceQuery":

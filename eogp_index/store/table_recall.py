@@ -2,8 +2,8 @@
 
 The fit measures that recall among its held-out documents (:mod:`eogp_index.fit.recall`): each
 ranks the other few dozen. A query ranks the whole table, and the rows that crowd the one-bit top
-``N = F · k`` grow with it, so the factor chosen among 77 candidates is too small at 100k rows
-(docs/variants.md gives the figures). This module measures the same curve on the table itself:
+``N = F · k`` grow with it, so a factor chosen among a few dozen candidates can be too small for a
+large table (docs/variants.md shows a case). This module measures the same curve on the table itself:
 
 * **queries**: the fit's held-out documents, projected by the stored projection as a query is
   (at most :data:`~eogp_index.fit.recall.RECALL_QUERIES`), saved in the index at fit time
