@@ -37,6 +37,15 @@ best of ``--repeat``)::
 
 ``rescoring`` scores every row by the index's tier (a full scan, float32) and, per held-out query
 and side, reports the share of the tier's top ``k`` found in the exact one-bit top ``F · k``.
+
+``table-recall`` runs the measurement the index itself makes after each ingest
+(``eogp_index.store.table_recall``) with two query sets: the fit's held-out documents
+(``fit/fitting_set.json``'s ``pca_held_out``, at most 64, projected as queries: an index fitted
+before ``recall_queries.safetensors`` was saved keeps no other record of them) and the corpus's
+held-out queries (``rescoring``'s); ``--write`` records the first as the index's
+``table_recall.json``::
+
+    python benchmarks/real_codes.py table-recall --write
 """
 
 from __future__ import annotations
@@ -352,6 +361,40 @@ def rescoring(args) -> Dict[str, Any]:
     return {"rows": hot.num_rows, "queries": len(y), "k": k, "tier": stored.tier.code, "curve": curve}
 
 
+def _fit_held_out_texts(index_dir: Path, n: int) -> List[str]:
+    """The texts of the fit's first ``n`` held-out documents (by position in the fitting shard)."""
+    fitting = json.loads((index_dir / "fit" / "fitting_set.json").read_text())
+    positions = [row[2] for row in fitting["pca_held_out"][:n]]
+    wanted, texts = set(positions), {}
+    with gzip.open(FIT_DATA, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i in wanted:
+                texts[i] = json.loads(line)["text"]
+    return [texts[p] for p in positions]
+
+
+def table_recall(args) -> Dict[str, Any]:
+    """The index's own table measurement (``eogp_index.store.table_recall``) for both query sets."""
+    import numpy as np
+
+    from eogp_index import AttributionIndex
+    from eogp_index.store.table_recall import measure_table_recall, write_record
+
+    index_dir = Path(args.cache) / "index"
+    index = AttributionIndex.open(str(index_dir), model_name=args.model)
+    sets = {
+        "fit held-out documents": _fit_held_out_texts(index_dir, args.queries),
+        "corpus held-out queries": _queries(Path(args.cache), args.queries),
+    }
+    records = {}
+    for name, texts in sets.items():
+        y = np.ascontiguousarray(index.query_coordinates(texts), np.float32)
+        records[name] = measure_table_recall(index.stored, y, (), queries_from=name)
+    if args.write:
+        write_record(index_dir, records["fit held-out documents"])
+    return {name: record.to_json() for name, record in records.items()}
+
+
 def render_line(line: Dict[str, Any]) -> str:
     return (
         f"{line['kind']:>16}  C={line['C']:>5} ({line['C_over_k']:>3}×k)  recall@20 {line['recall']:.3f} "
@@ -391,9 +434,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--factors", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 3, 5, 10, 20])
     r.add_argument("--model", default=str(MODEL), help="the index's model (its weights must hash as the manifest's)")
     common.add_json_argument(r)
-    for p in (b, m, r):
+    t = sub.add_parser("table-recall", help="the index's recall measurement on its table, both query sets")
+    t.add_argument("--queries", type=int, default=64)
+    t.add_argument("--model", default=str(MODEL), help="the index's model (its weights must hash as the manifest's)")
+    t.add_argument("--write", action="store_true", help="record the fit held-out measurement in the index")
+    common.add_json_argument(t)
+    for p in (b, m, r, t):
         p.add_argument("--cache", default=str(default_cache()), help="where the corpus and the index are kept")
     args = parser.parse_args(argv)
+    if args.command == "table-recall":
+        from eogp_index.store.table_recall import format_table_recall
+
+        figures = table_recall(args)
+        common.write_json(args.json, figures)
+        if not common.prints_json(args):
+            for name, record in figures.items():
+                print(f"{name}: {format_table_recall(record)}")
+        return 0
     if args.command == "build":
         build(args)
         return 0

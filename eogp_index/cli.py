@@ -26,6 +26,7 @@ from eogp_index.config import (
     ProjectionConfig,
     SelectOptions,
     StorageConfig,
+    TableRecallConfig,
 )
 from eogp_index.data.records import RecordSpec
 from eogp_index.errors import EOGPError
@@ -997,15 +998,25 @@ def _retention(value: str):
     help="Rows per fragment after compaction (default 262144).",
 )
 @click.option("--no-hot", is_flag=True, help="Leave the hot copy as it is (the next query brings it up to date).")
+@option_group(
+    field_option(TableRecallConfig, "max_rows", "--recall-max-rows"),
+    field_option(TableRecallConfig, "seed", "--recall-seed"),
+    into="recall",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_fail_cleanly
-def optimize(index_dir, retention, target_rows, no_hot, as_json):
+def optimize(index_dir, retention, target_rows, no_hot, recall, as_json):
     """Compact the table, refresh scalar indexes, drop old versions, rebuild the hot copy.
 
     Each ingest commit adds a fragment and a table version; many small ones
     slow every commit and query. Ingest runs this by itself once 256 small
     fragments pile up, and at its end; run it after writing the table another
     way, or to drop old versions sooner. Safe while others read or ingest.
+
+    With a rescoring tier it then measures, as each ingest does at its end, the
+    one-bit code's recall of the tier's top rows on the table (the fit's
+    held-out documents as queries) and records it in table_recall.json: the
+    default rescoring factor (eogp info prints it).
 
     \b
     Example:
@@ -1015,14 +1026,24 @@ def optimize(index_dir, retention, target_rows, no_hot, as_json):
     from eogp_index.store.maintenance import DEFAULT_TARGET_ROWS
     from eogp_index.store.maintenance import optimize as optimize_index
     from eogp_index.store.stored_index import StoredIndex
+    from eogp_index.store.table_recall import format_table_recall, record_table_recall
 
+    stored = StoredIndex.open(index_dir)
     report = optimize_index(
-        StoredIndex.open(index_dir),
+        stored,
         retention=_retention(retention),
         rebuild_hot=not no_hot,
         target_rows=target_rows or DEFAULT_TARGET_ROWS,
     )
-    _emit(report.to_json(), as_json, lambda _: click.echo(report.describe()))
+    measured = record_table_recall(stored, config=TableRecallConfig(**recall))
+    table_recall = None if measured is None else measured.to_json()
+
+    def describe(_) -> None:
+        click.echo(report.describe())
+        if table_recall is not None:
+            click.echo(f"rescoring {format_table_recall(table_recall)}")
+
+    _emit({**report.to_json(), "table_recall": table_recall}, as_json, describe)
 
 
 class FirstPassKind(click.ParamType):
@@ -1437,12 +1458,36 @@ def _print_info(data: dict) -> None:
         if fidelity.get("recall"):
             from eogp_index.fit.recall import format_recall
 
-            click.echo(f"rescoring   {format_recall(fidelity['recall'])}")
+            click.echo(f"rescoring   at fit time, {format_recall(fidelity['recall'])}")
+    _print_table_recall(data)
     from eogp_index.fit.plan import TierSize, format_tier_size
 
     click.echo(f"rows        {data['rows']}  (table version {data['table_version']})")
     for line in format_tier_size(TierSize(**data["bytes"]), label_width=12):
         click.echo(line)
+
+
+def _print_table_recall(data: dict) -> None:
+    """``eogp info``'s line of the recall measured on the table (after each ingest and by
+    ``eogp optimize``), which the default rescoring factor prefers over the fit's."""
+    if data.get("tier") is None:
+        return
+    from eogp_index.store.table_recall import format_table_recall
+
+    record = data.get("table_recall")
+    if record is None:
+        click.echo(
+            "rescoring   on the table: not measured (measured after an ingest of at least 100 rows, or by "
+            "eogp optimize, on an index fitted with held-out documents); queries use the fit's factor"
+        )
+        return
+    click.echo(f"rescoring   {format_table_recall(record, data['table_version'])}")
+    if not record["reached"]:
+        click.echo(
+            f"warning     no factor measured on the table reaches recall {record['target']}: queries default to the "
+            f"largest, {record['factor']}; give --rescore higher for a faithful top",
+            err=True,
+        )
 
 
 def _query_line(q: Any) -> str:

@@ -50,6 +50,16 @@ Rotation = Literal["none", "hadamard"]
 #: taken, folded into P at fit time (the stored codes keep EOGP's format and meaning). ``auto``
 #: draws it for every module and keeps it where the held-out measurement chooses it.
 ROTATIONS = {"auto": "hadamard", "eogp": "none", "eogp-rot": "hadamard", "eogp-r": "none", "ekfac-topk": "none"}
+
+
+def default_variant(tier: Optional[str]) -> str:
+    """The variant a fit uses when none is given: ``auto`` with a rescoring tier ``tier`` (each
+    module's one-bit code chosen by its measured recall of the tier's top rows: the rotation helps
+    that recall on some models and hurts it on others, docs/variants.md), the paper's ``eogp``
+    without one."""
+    return "eogp" if tier is None else "auto"
+
+
 #: The default share of the PCA fitting set held out to measure each code's quantization fidelity.
 HELD_OUT_FRACTION = 0.15
 
@@ -123,16 +133,23 @@ class ProjectionConfig:
     Give either ``k`` (coordinates per module) or ``budget_kb`` (per-example storage in KiB,
     split evenly over the modules). ``m`` is the first-stage width, independent of ``k`` as in
     the paper; ``None`` keeps :func:`first_stage_width`'s default.
+
+    ``variant`` None (the default) resolves per tier (:meth:`resolved`): with a rescoring tier the
+    one-bit code's job is recall of the tier's top rows, which the rotation raises on some models
+    and lowers on others, so each module's code is chosen by that recall, measured (``auto``);
+    without a tier the paper's EOGP.
     """
 
-    variant: Literal["auto", "eogp", "eogp-rot", "eogp-r", "ekfac-topk"] = field(
-        default="eogp",
+    variant: Optional[Literal["auto", "eogp", "eogp-rot", "eogp-r", "ekfac-topk"]] = field(
+        default=None,
         metadata={
-            "help": "eogp: PCA second stage (the paper's EOGP); auto: per module, eogp or eogp-rot, whichever "
-            "1-bit code ranks held-out fitting documents closer to their first-stage inner products (a tie within "
-            "one standard error keeps eogp; see docs/variants.md for how it fared); eogp-rot: PCA, then a randomized Hadamard rotation of "
+            "help": "eogp: PCA second stage (the paper's EOGP); auto: per module, eogp or eogp-rot, chosen on held-out "
+            "fitting documents (with a rescoring tier: whichever 1-bit code finds more of the tier's top rows; "
+            "without: whichever ranks them closer to their first-stage inner products; a tie within one standard "
+            "error keeps eogp; see docs/variants.md); eogp-rot: PCA, then a randomized Hadamard rotation of "
             "the k coordinates before the signs; eogp-r: SRHT; ekfac-topk: top-k EK-FAC axes "
-            "(ablation)."
+            "(ablation). Default: auto when the index has a rescoring tier (--rescore int8|int4|fp16, the "
+            "default), eogp without one (--rescore none, or --precision fp16|fp32).",
         },
     )
     k: Optional[int] = field(default=None, metadata={"help": "Output coordinates per module.", "min": 1})
@@ -167,7 +184,7 @@ class ProjectionConfig:
     def __post_init__(self) -> None:
         if self.pca_dtype not in PCA_DTYPES:
             raise ConfigError(f"ProjectionConfig.pca_dtype must be one of {list(PCA_DTYPES)}, got {self.pca_dtype!r}")
-        if self.variant not in VARIANTS:
+        if self.variant is not None and self.variant not in VARIANTS:
             raise ConfigError(f"ProjectionConfig.variant must be one of {sorted(VARIANTS)}, got {self.variant!r}")
         if (self.k is None) == (self.budget_kb is None):
             raise ConfigError("ProjectionConfig: give exactly one of k (coordinates per module) or budget_kb")
@@ -181,13 +198,28 @@ class ProjectionConfig:
                 f"got {self.held_out_fraction!r}"
             )
 
+    def resolved(self, tier: Optional[str]) -> "ProjectionConfig":
+        """This config with its variant decided: an explicit variant as it is; None (the default)
+        as :func:`default_variant` of the index's rescoring tier ``tier`` (``StorageConfig.tier``)."""
+        return self if self.variant is not None else replace(self, variant=default_variant(tier))
+
     @property
     def second_stage(self) -> SecondStage:
-        return VARIANTS[self.variant]  # type: ignore[return-value]
+        # Every default resolves to a PCA variant, so the second stage is known before the tier is.
+        return VARIANTS[self.variant or "eogp"]  # type: ignore[return-value]
 
     @property
     def rotation(self) -> Rotation:
-        """The rotation folded into ``P`` (:data:`ROTATIONS`): ``"hadamard"`` for ``eogp-rot``."""
+        """The rotation folded into ``P`` (:data:`ROTATIONS`): ``"hadamard"`` for ``eogp-rot``.
+
+        Raises:
+            ConfigError: the variant is not decided yet (:meth:`resolved` first).
+        """
+        if self.variant is None:
+            raise ConfigError(
+                "ProjectionConfig.variant None depends on the rescoring tier: call .resolved(storage.tier) "
+                "first, or give the variant"
+            )
         return ROTATIONS[self.variant]  # type: ignore[return-value]
 
     def dims(self, d: int, num_modules: int, precision: Precision, rescore_k: Optional[int] = None) -> Tuple[int, int]:
@@ -352,6 +384,56 @@ class StorageConfig:
         """The tier's code the index gets, or None: a tier only rescores a one-bit scan, so an
         fp16/fp32 index (its codes are the coordinates already) has none."""
         return self.rescore if self.precision == "1bit" and self.rescore != "none" else None
+
+
+#: The rescoring factors the one-bit code's recall of the tier's top rows is measured at (at fit
+#: time, eogp_index.fit.recall, and on the stored table, eogp_index.store.table_recall).
+RECALL_FACTORS = (1, 2, 3, 5, 10, 20)
+#: The recall the default rescoring factor must reach: a missed row of the tier's top is a wrong
+#: row at the top of the answer, so nearly all must be kept (one in fifty missed), but not all: the
+#: last misses are rows the two codes barely separate, and chasing them doubles ``N`` and the
+#: tier's reads for little (docs/variants.md shows the curves).
+RECALL_TARGET = 0.98
+#: The largest top ``t`` measured (the top a reader reads: the evaluation's NDCG@20).
+RECALL_MAX_T = 20
+#: ``t`` is about this share of the candidates: ``t = min(20, candidates // 20)``, so that the
+#: largest factor, 20, still selects.
+RECALL_T_SHARE = 20
+
+
+@dataclass(frozen=True)
+class TableRecallConfig:
+    """The one-bit code's recall of the rescoring tier's top rows, measured on the stored table
+    after each ingest and by ``eogp optimize`` (:mod:`eogp_index.store.table_recall`): the queries
+    are the fit's held-out documents, the candidates the table's rows."""
+
+    min_rows: int = field(
+        default=100,
+        metadata={
+            "help": "Below this many rows the table is not measured: its top 5% (t = rows // 20) would be a handful "
+            "of rows, no more telling than the fit's held-out measurement, which the default factor keeps.",
+            "min": 1,
+        },
+    )
+    max_rows: int = field(
+        default=2_000_000,
+        metadata={
+            "help": "At most this many rows are read: a larger table is measured on a seeded sample of its "
+            "fragments holding about this many (the record says so). Bounds the measurement's reads (the "
+            "codes and the tier of every row read) and time.",
+            "min": 1,
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the fragment sample of a table over max_rows."})
+    batch_rows: int = field(
+        default=8192, metadata={"help": "Rows scored at once (memory: batch_rows x the tier's width).", "min": 1}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("min_rows", "max_rows", "batch_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"TableRecallConfig.{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,8 @@ def _run(*args):
 
 def test_fit_and_ingest_report_json(workspace):
     root, fitted, summary = workspace
-    assert fitted["projection"]["variant"] == "eogp" and all(m["k"] == 16 for m in fitted["modules"])
+    # the default variant with the default (int8) tier: each module's code chosen by its recall
+    assert fitted["projection"]["variant"] == "auto" and all(m["k"] == 16 for m in fitted["modules"])
     assert summary["stored"] == 30 and summary["rejected"] == 0
     info = json.loads(_run("info", root / "idx", "--json").stdout)
     assert info["rows"] == 30 and info["bytes_per_example"] == 8 * (2 + 2)

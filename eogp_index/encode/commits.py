@@ -7,7 +7,9 @@ Every writer of an index — :meth:`AttributionIndex.ingest <eogp_index.client.A
 cached on disk, :mod:`eogp_index.store.block_cache`) is encoded and stored as one Lance commit, so
 a reader (or a rerun after a kill) sees whole batches only; after each commit the block's cache is
 dropped and the table compacted past ``optimize_threshold`` small fragments; after the last one the
-index is left ready to query (:func:`~eogp_index.store.maintenance.after_ingest`).
+index is left ready to query (:func:`~eogp_index.store.maintenance.after_ingest`) and, with a
+rescoring tier, the one-bit code's recall of its top rows measured on the table
+(:func:`~eogp_index.store.table_recall.record_table_recall`), which sets the default rescoring factor.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from eogp_index.config import IngestConfig
 from eogp_index.data.records import Example
 from eogp_index.errors import ConfigError
 from eogp_index.store.maintenance import after_ingest, maybe_optimize
+from eogp_index.store.table_recall import record_table_recall
 
 #: The lock file in the index directory; it holds the pid of the ingest writing.
 LOCK_FILE = "ingest.lock"
@@ -142,7 +145,8 @@ class Commits:
         """After the last commit: the block a killed run left is dropped (``every_worker``: every
         worker's, once all are past their last commit), and a run that ``stored`` rows (default:
         :meth:`run`'s) leaves the index ready to query
-        (:func:`~eogp_index.store.maintenance.after_ingest`, ``settle`` passed on)."""
+        (:func:`~eogp_index.store.maintenance.after_ingest`, ``settle`` passed on) and records the
+        recall measured on its table (:func:`~eogp_index.store.table_recall.record_table_recall`)."""
         if self.cache is not None:
             self.cache.clear_all() if every_worker else self.cache.clear()
         stored = self.stored if stored is None else stored
@@ -151,6 +155,8 @@ class Commits:
                 self.encoder.stored, optimized=self.optimized > 0, threshold=self.threshold, settle=settle
             )
             self.optimized += done is not None
+        if stored:  # the default rescoring factor, measured again at the table's new size
+            record_table_recall(self.encoder.stored)
 
     def close(self) -> None:
         """Close the block cache (its files stay for a rerun unless :meth:`finish` dropped them)."""

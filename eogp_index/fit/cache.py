@@ -15,6 +15,11 @@ exists is complete: the renamed file is its own completion marker)::
                                   one-bit scores of the held-out documents, (h, h - 1) float64
                                   each, summed over modules for the index's recall; written
                                   before the measurement record
+    fit/pca/module-0003.queries.npy
+                                  with a rescoring tier: the first held-out documents' coordinates
+                                  by module 3's stored P, (q, width) float32 (q <= 64), written
+                                  before its P; joined over modules, the queries of the table's
+                                  recall measurement (eogp_index.store.table_recall)
     fit/pca/module-0003.npy       module 3's fitted P, (m_u, k_u), at the projection's P dtype
 
 A rerun that finds ``fitting_set.json`` checks that its settings and examples are the same
@@ -235,6 +240,23 @@ class FitFolder:
 
         path = self.scores_path(index)
         return load_file(str(path)) if path.exists() else None
+
+    def queries_path(self, index: int) -> Path:
+        return self.dir / "pca" / f"module-{index:04d}.queries.npy"
+
+    def write_queries(self, index: int, coordinates: torch.Tensor) -> None:
+        """A module's held-out query coordinates ``(q, width)`` float32, written before its P."""
+        array = np.ascontiguousarray(coordinates.detach().cpu().to(torch.float32).numpy())
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as handle:
+                np.save(handle, array)
+
+        atomic_write(self.queries_path(index), write)
+
+    def read_queries(self, index: int) -> Optional[np.ndarray]:
+        path = self.queries_path(index)
+        return np.load(path) if path.exists() else None
 
     def read_module_pca(self, index: int) -> torch.Tensor:
         """A fitted P, memory-mapped (copy-on-write): its pages are read as the projection file is

@@ -42,8 +42,9 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -56,12 +57,13 @@ from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
 from eogp_index.fit.projection import (
     PCA_TORCH_DTYPES,
     Projection,
+    apply_pca,
     build_projection,
     gram_matrix,
     module_rotation,
     second_stage_directions,
 )
-from eogp_index.fit.recall import IndexRecall, format_recall, index_recall
+from eogp_index.fit.recall import RECALL_QUERIES, IndexRecall, format_recall, index_recall
 from eogp_index.fit.sampling import split_fit_sets
 from eogp_index.gradients.capture import GradientCapture, batches, check_counted
 from eogp_index.gradients.coverage import report_coverage
@@ -94,6 +96,12 @@ class FittedProjection:
         folder: the fit's stages on disk; :meth:`FitFolder.finish` once the index is written.
         recall: with a rescoring tier and held-out documents, the index's recall of the tier's
             top rows by its one-bit codes, and the default rescoring factor it gives.
+        held_out_queries: with a rescoring tier and held-out documents, the first
+            :data:`~eogp_index.fit.recall.RECALL_QUERIES` of them projected by the stored
+            projection, ``(q, T)`` float32 (all of every module's tier coordinates, as a query's):
+            the queries of the table's recall measurement (:mod:`eogp_index.store.table_recall`).
+        held_out_hashes: their documents' ``content_sha256``, ``(q,)``: a stored copy of one is
+            left out of its own answers.
     """
 
     projection: Projection
@@ -104,6 +112,8 @@ class FittedProjection:
     disjoint: bool = True
     folder: Optional[FitFolder] = None
     recall: Optional[IndexRecall] = None
+    held_out_queries: Optional[np.ndarray] = None
+    held_out_hashes: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,6 +164,7 @@ def fit_projection(
     if not examples:
         raise InputError("no examples to fit the curvature and projection on; give --data shards with documents")
     start = time.perf_counter()
+    projection = projection.resolved(storage.tier)  # the default variant is the tier's
     ranks = Ranks.current()
     progress = progress and ranks.rank == 0  # one set of bars per job
     out_dir = Path(out_dir)
@@ -221,10 +232,10 @@ def fit_projection(
     )
     del factors  # build_projection copied the columns it keeps
     gc.collect()  # kronfluence's fit leaves reference cycles that hold tensors until the collector runs
-    recall = None
+    recall = queries = None
     if use_pca:
         pass_args = (model, fitted, names, sets.pca, folder, gradients, pad_id, device, ranks, progress)
-        recall = _fit_second_stage(
+        recall, queries = _fit_second_stage(
             pass_args, num_batches=num_batches, held_out=held_out, start=start, tier=storage.tier
         )
     return FittedProjection(
@@ -236,17 +247,22 @@ def fit_projection(
         disjoint=sets.disjoint,
         folder=folder,
         recall=recall,
+        held_out_queries=queries,
+        held_out_hashes=()
+        if queries is None
+        else tuple(sets.pca[i].content_sha256 for i in held_out[: len(queries)].tolist()),
     )
 
 
 def _fit_second_stage(
     pass_args: tuple, *, num_batches: int, held_out: torch.Tensor, start: float, tier: Optional[str] = None
-) -> Optional[IndexRecall]:
+) -> Tuple[Optional[IndexRecall], Optional[np.ndarray]]:
     """The PCA stage: the first-stage coordinates of the PCA set (``pass_args`` are
     :func:`_first_stage_pass`'s), each module's P from them, and, with held-out rows, the
     measurement of its 1-bit codes (variant ``auto`` keeps EOGP everywhere without them) and,
-    with a rescoring tier ``tier``, the index's recall of it (returned). Each P is left on disk,
-    read when the projection file is written."""
+    with a rescoring tier ``tier``, the index's recall of it and the held-out query coordinates
+    (:func:`_held_out_queries`; both returned, else None). Each P is left on disk, read when the
+    projection file is written."""
     _, fitted, _, examples, folder, _, _, _, ranks, progress = pass_args
     if fitted.config.variant == "auto" and not held_out.numel():
         if ranks.rank == 0:
@@ -266,6 +282,7 @@ def _fit_second_stage(
     ranks.barrier()
     _read_choices(fitted, folder)
     recall = _index_recall(fitted, folder, tier) if held_out.numel() else None
+    queries = _held_out_queries(fitted, folder) if recall is not None else None
     if ranks.rank == 0 and fitted.choices:
         log.info("%s", format_choices(fitted, time.perf_counter() - start, recall))
         if recall is not None and not recall.reached:
@@ -280,7 +297,16 @@ def _fit_second_stage(
         # Read when the projection file is written, one module at a time, and dropped after:
         # never every module's P in memory at once.
         module.pca_loader = functools.partial(folder.read_module_pca, i)
-    return recall
+    return recall, queries
+
+
+def _held_out_queries(fitted: Projection, folder: FitFolder) -> Optional[np.ndarray]:
+    """The held-out query coordinates of every module (``fit/pca/``), joined in module order:
+    ``(q, T)`` float32; None when a module has none (a fit resumed from one made without them)."""
+    parts = [folder.read_queries(i) for i in range(len(fitted.modules))]
+    if not parts or any(part is None for part in parts):
+        return None
+    return np.ascontiguousarray(np.concatenate(parts, axis=1), np.float32)
 
 
 def _probe_capture(
@@ -476,7 +502,10 @@ def _fit_modules(
                 stored = "eogp-rot" if module.rotation is not None else "eogp"
                 folder.write_scores(i, {"tier": scores["tier"], "one_bit": scores[stored]})
             folder.write_choice(i, choice.to_json())
-        folder.write_module(i, second_stage_directions(z, module, gram=gram).to(dtype))  # rotated where chosen
+        directions = second_stage_directions(z, module, gram=gram).to(dtype)  # rotated where chosen
+        if held_out.numel() and tier is not None:  # a query's coordinates, by the P stored
+            folder.write_queries(i, apply_pca(z[held_out[:RECALL_QUERIES]], directions))
+        folder.write_module(i, directions)
         del z, gram
 
 

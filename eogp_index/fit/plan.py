@@ -1285,7 +1285,7 @@ def make_plan(
     return Plan(
         model=_model_summary(inp),
         options=PlanOptions(
-            variant=projection.variant,
+            variant=projection.resolved(rescore if precision == "1bit" and rescore != "none" else None).variant,
             k=projection.k,
             budget_kb=projection.budget_kb,
             m=projection.m,

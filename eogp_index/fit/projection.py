@@ -744,6 +744,7 @@ def build_projection(
     (:func:`second_stage_directions`, from first-stage coordinates computed with the stages built
     here), so the PCA sees the columns as they are held.
     """
+    config = config.resolved(storage.tier)
     modules = {}
     generator = torch.Generator().manual_seed(config.seed)
     for name, curv in curvature.items():

@@ -38,19 +38,25 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from eogp_index.config import TIER_LEVELS, quantize_tier_block
+from eogp_index.config import (
+    RECALL_FACTORS,
+    RECALL_MAX_T,
+    RECALL_T_SHARE,
+    RECALL_TARGET,
+    TIER_LEVELS,
+    quantize_tier_block,
+)
 
 #: The rescoring factors measured, when the held-out set allows them (``F · t < h - 1``).
-FACTORS = (1, 2, 3, 5, 10, 20)
-#: The recall the default factor must reach: a missed row of the tier's top is a wrong row at the
-#: top of the answer, so nearly all must be kept (one in fifty missed), but not all: the last
-#: misses are rows the two codes barely separate, and chasing them doubles ``N`` and the tier's
-#: reads for little (docs/variants.md shows the curves).
-RECALL_TARGET = 0.98
+FACTORS = RECALL_FACTORS
 #: The largest ``t`` (the top a reader reads: the evaluation's NDCG@20).
-MAX_T = 20
+MAX_T = RECALL_MAX_T
 #: ``t`` is about this share of the held-out candidates (:func:`recall_t`).
-T_SHARE = 20
+T_SHARE = RECALL_T_SHARE
+#: Held-out documents kept, projected by the stored projection, as the queries of the recall
+#: measured on the stored table (:mod:`eogp_index.store.table_recall`): enough for a standard
+#: error of about a percent on the recall, few enough that the file and the scan stay small.
+RECALL_QUERIES = 64
 #: The candidate one-bit codes, EOGP first: a tie keeps it.
 CODES = ("eogp", "eogp-rot")
 

@@ -43,6 +43,7 @@ from eogp_index.search.searchers import (
 )
 from eogp_index.store.codecs import Encoded
 from eogp_index.store.stored_index import StoredIndex
+from eogp_index.store.table_recall import default_rescore_factor
 
 #: A query: a text, a chat (list of ``{"role", "content"}``), token ids, or a record dict
 #: (``{"text": ...}``, ``{"messages": ...}``, ``{"input_ids": ..., "labels": ...}``).
@@ -65,14 +66,16 @@ def aggregate_coordinates(y: np.ndarray, how: Aggregate) -> np.ndarray:
 
 def rescore_factor(question: Question, stored: StoredIndex) -> int:
     """The rescoring factor ``question`` asks of ``stored``: its own ``rescore``, or, when it gives
-    none, the factor the index's fit measured (``Manifest.rescore_factor``), else
-    :data:`~eogp_index.search.question.UNMEASURED_RESCORE`; 0 (no rescoring) when the index has
-    no tier. Every surface's question is resolved here."""
+    none, the factor measured on the index's table (after its last ingest, or by ``eogp
+    optimize``), else the one its fit measured (``Manifest.rescore_factor``), else
+    :data:`~eogp_index.search.question.UNMEASURED_RESCORE`
+    (:func:`~eogp_index.store.table_recall.default_rescore_factor`); 0 (no rescoring) when the
+    index has no tier. Every surface's question is resolved here."""
     if stored.tier is None:
         return 0
     if question.rescore is not None:
         return int(question.rescore)
-    measured = stored.manifest.rescore_factor
+    measured = default_rescore_factor(stored)
     return UNMEASURED_RESCORE if measured is None else int(measured)
 
 
@@ -159,7 +162,7 @@ class InfluenceQuery:
 
     def rescore(self, factor: Optional[int]) -> "InfluenceQuery":
         """On an index with a rescoring tier: rescore the one-bit top ``factor · k`` rows per side
-        from the tier (0: the one-bit ranking; None: the factor the index's fit measured)."""
+        from the tier (0: the one-bit ranking; None: the index's measured default, :func:`rescore_factor`)."""
         return self._with(rescore=factor)
 
     def by_module(self, enabled: bool = True) -> "InfluenceQuery":

@@ -23,7 +23,8 @@ Either error's ``field`` names the question field at fault (``"where"``, ``"k"``
 
 The defaults, the same on every surface: ``k=10`` rows per side, ``direction="both"``,
 ``normalize="none"``, no filter, no aggregate, no roll-up, route ``auto``, ``rescore=None`` (on
-an index with a rescoring tier: the factor its fit measured, :func:`~eogp_index.search.query.rescore_factor`).
+an index with a rescoring tier: the factor measured on its table, else its fit's,
+:func:`~eogp_index.search.query.rescore_factor`).
 
 Example:
     >>> question = Question(queries=("The Eiffel Tower is in Paris.",), k=5, where="source = 'news'")  # doctest: +SKIP
@@ -88,8 +89,9 @@ class Question:
         first_pass: which first pass of the index directory (``eogp build-candidates --name``).
         rescore: on an index with a rescoring tier (format 3), the one-bit top ``rescore · k`` rows
             of each side (at most ``candidates``) are scored again from the tier and the best
-            ``k`` kept (:mod:`eogp_index.search.rescore`); None: the factor the index's fit
-            measured (``eogp info`` shows it; :data:`UNMEASURED_RESCORE` when it records none);
+            ``k`` kept (:mod:`eogp_index.search.rescore`); None: the factor measured on the
+            index's table, else the one its fit measured (``eogp info`` shows both;
+            :data:`UNMEASURED_RESCORE` when it records neither);
             0: the one-bit ranking. An index without a tier ignores it.
     """
 
@@ -146,7 +148,8 @@ class Question:
         metadata={
             "help": "On an index with a rescoring tier: rescore the one-bit top F x k rows per direction from the "
             "tier and keep the best k (hits show score and score_1bit); 0: the one-bit ranking. Default: the "
-            f"factor the index's fit measured, which eogp info shows ({UNMEASURED_RESCORE} on an index without one).",
+            "factor measured on the index's table after its last ingest, else the one its fit measured; eogp info "
+            f"shows both ({UNMEASURED_RESCORE} on an index with neither).",
             "min": 0,
             "show_default": False,
         },

@@ -242,6 +242,10 @@ class StoredIndex:
             tier=None if tier is None else _tier_entry(tier, layout, coordinates),
         )
         manifest.save(path)
+        if tier is not None and getattr(fitted, "held_out_queries", None) is not None:
+            from eogp_index.store.table_recall import save_queries
+
+            save_queries(path, fitted.held_out_queries, fitted.held_out_hashes)
         # Not the fitted projection itself: the rows must be projected with P as stored (FP16 by
         # default), so the projection is read back (lazily) from the file on first use.
         return cls(path, manifest)
@@ -416,8 +420,11 @@ class StoredIndex:
         """The manifest plus live facts: row count, table version, path, and ``bytes``: both
         tiers' bytes per row and on disk and what a query of ``hits`` per side rescoring
         ``rescore · hits`` rows reads (:func:`~eogp_index.fit.plan.tier_size`; defaults:
-        the question's ``k`` and the rescoring factor the fit measured)."""
+        the question's ``k`` and the default rescoring factor,
+        :func:`~eogp_index.store.table_recall.default_rescore_factor`); with a tier,
+        ``table_recall``: the recall measured on the table (None when not measured)."""
         from eogp_index.fit.plan import tier_size
+        from eogp_index.store.table_recall import current_record, default_rescore_factor
 
         data = self.manifest.to_json()
         data["rows"] = self.store.count()
@@ -431,8 +438,10 @@ class StoredIndex:
             self.coordinates.num_coords,
             0 if tier is None else tier["bytes_per_example"],
             hits=hits,
-            rescore=self.manifest.rescore_factor if rescore is None else rescore,
+            rescore=default_rescore_factor(self) if rescore is None else rescore,
         ).to_json()
+        if tier is not None:  # the recall measured on the table (None: not measured)
+            data["table_recall"] = current_record(self.path)
         return data
 
     def count(self, where: Optional[str] = None) -> int:

@@ -234,3 +234,15 @@ def test_apply_pca_refuses_coordinates_that_overflow_fp16():
     pca = torch.ones(3, 2).half()
     with pytest.raises(ModelError, match="overflow"):
         apply_pca(torch.tensor([[1.0, 7e4, 0.0]]), pca)
+
+
+def test_the_default_variant_is_the_tiers():
+    """No variant given: auto (every module drawn a rotation, kept where recall chooses it) with a
+    rescoring tier, the paper's eogp (no rotation) without one; a given variant wins."""
+    curv = {"a": _curvature(seed=0), "b": _curvature(4, 3, seed=1)}
+    tiered = build_projection(curv, ProjectionConfig(k=4, m=8), StorageConfig())
+    assert tiered.config.variant == "auto" and all(m.rotation is not None for m in tiered.modules.values())
+    plain = build_projection(curv, ProjectionConfig(k=4, m=8), StorageConfig(rescore="none"))
+    assert plain.config.variant == "eogp" and all(m.rotation is None for m in plain.modules.values())
+    forced = build_projection(curv, ProjectionConfig(variant="eogp", k=4, m=8), StorageConfig())
+    assert forced.config.variant == "eogp" and all(m.rotation is None for m in forced.modules.values())

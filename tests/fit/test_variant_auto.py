@@ -120,7 +120,12 @@ def test_held_out_coordinates_from_the_gram_matrix_equal_projecting_by_the_held_
 def test_held_out_fraction_is_validated():
     with pytest.raises(ConfigError, match="held_out_fraction"):
         ProjectionConfig(k=8, held_out_fraction=0.9)
-    assert ProjectionConfig(k=8).variant == "eogp"  # auto is opt-in: see docs/variants.md
+    # The default resolves per tier: auto with a rescoring tier, eogp without (docs/variants.md).
+    assert ProjectionConfig(k=8).variant is None
+    assert ProjectionConfig(k=8).resolved("int8").variant == "auto"
+    assert ProjectionConfig(k=8).resolved(None).variant == "eogp"
+    with pytest.raises(ConfigError, match="resolved"):
+        ProjectionConfig(k=8).rotation  # noqa: B018
 
 
 # -- a real fit ---------------------------------------------------------------------------------
