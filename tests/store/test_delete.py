@@ -296,5 +296,41 @@ def test_a_takedown_killed_at_any_step_is_completed_by_the_next(root, step):
     assert deletions.read_pending(root / "idx") is None
     assert sorted(e["id"] for e in deletions.read_log(root / "idx")) == sorted(DELETED)
     assert _holding(root / "idx", needles) == {}
+    stored = StoredIndex.open(root / "idx")
+    hot_ids = set(stored.hot_codes().columns.column("id").to_pylist())
+    assert stored.store.count() == len(hot_ids) == 21 and not set(DELETED) & hot_ids
+
+
+def test_the_server_deletes_with_its_write_token_only_and_follows_other_takedowns(root):
+    from fastapi.testclient import TestClient
+
+    from eogp_index.search.takedown import delete
+    from eogp_index.serve.app import create_app
+    from eogp_index.serve.config import ServeConfig
+
     index = _open(root / "idx")
-    assert index.store.count() == 21 and not set(DELETED) & _answered_ids(index)
+    body = {"text": "t5 t9 t12 t3", "k": 30, "direction": "both"}
+
+    def answered(client, headers):
+        reply = client.post("/v1/query", json=body, headers=headers)
+        assert reply.status_code == 200, reply.text
+        return {hit["id"] for hit in reply.json()["results"]}
+
+    with TestClient(create_app(index, ServeConfig())) as plain:
+        refused = plain.request("DELETE", "/v1/examples", json={"ids": ["doc-3"]})
+        assert refused.status_code == 403 and "--write-token" in refused.json()["error"]["message"]
+    reader, writer = {"Authorization": "Bearer r"}, {"Authorization": "Bearer w"}
+    with TestClient(create_app(index, ServeConfig(token="r", write_token="w"))) as client:
+        assert set(DELETED) <= answered(client, reader)
+        for headers in ({}, reader):
+            reply = client.request("DELETE", "/v1/examples", json={"ids": ["doc-3"]}, headers=headers)
+            assert reply.status_code == 401, reply.text
+        bad = client.request("DELETE", "/v1/examples", json={"where": "kind = 'class' OR"}, headers=writer)
+        assert bad.status_code == 400 and bad.json()["error"]["field"] == "where"
+        reply = client.request("DELETE", "/v1/examples", json={"ids": ["doc-3"], "reason": "dmca"}, headers=writer)
+        assert reply.status_code == 200 and reply.json()["rows_deleted"] == 1, reply.text
+        assert "doc-3" not in answered(client, writer)  # the write token reads too
+        # Another process takes doc-8 down: the running server's next query leaves it out.
+        delete(StoredIndex.open(root / "idx"), ids=["doc-8"])
+        assert not {"doc-3", "doc-8"} & answered(client, reader)
+        assert "doc-17" in answered(client, reader)
