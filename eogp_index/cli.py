@@ -1398,7 +1398,8 @@ def _deletion_lines(found: Optional[dict]) -> List[str]:
     if not found or not (found["ids"] or found["awaiting_purge"] or found["pending"]):
         return []
     lines = [
-        f"deleted     {found['ids']} ids in {found['requests']} takedowns (deletions.jsonl); "
+        f"deleted     {found['ids']} ids in {found['requests']} takedown{'' if found['requests'] == 1 else 's'} "
+        f"(deletions.jsonl); "
         f"{found['awaiting_purge']} deleted rows still on disk until `eogp delete --purge`"
     ]
     fitted = found["in_fitting_set"]

@@ -125,12 +125,15 @@ def _holding(path: Path, needles) -> dict:
 
 
 def _answered_ids(index):
-    """Every id any answer names: hot, stream and candidate routes, group-by, scores, select."""
+    """Every id any answer names: the hot, stream, sharded (one worker) and candidate routes, the
+    torch kernels (on the CPU), a filter, scores."""
     from eogp_index.search.question import Question
+    from eogp_index.search.searchers import TorchSearcher
 
     query = "t5 t9 t12 t3"
-    seen = set()
-    for route in ("hot", "stream", "candidates"):
+    rowaddr, _ = TorchSearcher(index.stored, "cpu").scores(index.query_coordinates([query]))
+    seen = set(index.stored.rows(rowaddr, ["id"]).column("id").to_pylist())
+    for route in ("hot", "stream", "sharded", "candidates"):
         extra = {"candidates": 30} if route == "candidates" else {}
         question = Question(queries=(query,), k=30, direction="both", route=route, **extra)
         seen |= set(index.search(question).to_arrow().column("id").to_pylist())
@@ -182,6 +185,9 @@ def test_purge_leaves_no_file_with_a_deleted_documents_text_or_codes(root):
     build(index, progress=False)
     codes = _signs(root / "idx", DELETED)
     needles = [MARKER.encode(), *codes]
+    rejects = root / "idx" / "rejects" / "run.jsonl"  # as an ingest with on_error="skip" writes them
+    rejects.parent.mkdir()
+    rejects.write_text("".join(json.dumps({"record_id": i, "reason": "r"}) + "\n" for i in ("doc-3", "doc-5")))
     # Deleted, not purged: the text and codes are still on disk (so the check below can fail).
     index.delete(ids=list(DELETED), reason="privacy")
     found = _holding(root / "idx", needles)
@@ -193,6 +199,7 @@ def test_purge_leaves_no_file_with_a_deleted_documents_text_or_codes(root):
     assert not set(DELETED) & _answered_ids(index)
     assert index.store.count() == 21 and len(index.store.dataset().versions()) == 1
     assert StoredIndex.open(root / "idx").info()["deletions"]["awaiting_purge"] == 0
+    assert [json.loads(line)["record_id"] for line in rejects.read_text().splitlines()] == ["doc-5"]
 
 
 def test_a_later_ingest_skips_deleted_records_unless_allowed(root):
@@ -235,7 +242,7 @@ def test_cli_delete_and_info(root):
     assert json.loads(result.output)["rows_deleted"] == 2
     info = runner.invoke(cli, ["info", str(root / "idx")])
     assert info.exit_code == 0, info.output
-    assert "deleted     2 ids in 1 takedowns" in info.output and "fitted this index" in info.output
+    assert "deleted     2 ids in 1 takedown (deletions.jsonl)" in info.output and "fitted this index" in info.output
     both = runner.invoke(cli, ["delete", str(root / "idx"), "--ids", str(ids), "--where", "kind = 'class'"])
     assert both.exit_code != 0 and "not both" in both.output
     bad = root / "bad.jsonl"
