@@ -133,6 +133,8 @@ def _targets(stored, where: Optional[str], ids: Optional[Sequence[str]]):
             exc.field = "where"
             raise
         return deletions.stored_rows(store, where=where), 0, 0
+    if isinstance(ids, (str, bytes)):
+        raise InputError(f"ids must be a list of example ids, got the single {type(ids).__name__} {ids!r}", field="ids")
     asked = list(dict.fromkeys(ids or []))
     bad = [i for i in asked if not isinstance(i, str) or not i]
     if bad:

@@ -228,6 +228,8 @@ def test_where_is_checked_as_every_filter_and_targets_are_one_kind(root):
         index.delete(where="kind = 'class'", ids=["doc-1"])
     with pytest.raises(InputError, match="nothing to delete"):
         index.delete()
+    with pytest.raises(InputError, match="a list of example ids"):
+        index.delete(ids="doc-1")
     assert index.store.count() == 24 and not (root / "idx" / deletions.DELETIONS_FILE).exists()
 
 
