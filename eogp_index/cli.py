@@ -375,6 +375,7 @@ def _fit_process_group(device: str):
     default=None,
     help="Under torchrun: steps between commits (default 1); a crash loses at most this many steps.",
 )
+@field_option(IngestConfig, "allow_deleted")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_record_options
 @_fail_cleanly
@@ -399,6 +400,7 @@ def ingest(
     dataset_config,
     distributed,
     commit_every,
+    allow_deleted,
     as_json,
     record,
 ):
@@ -435,6 +437,7 @@ def ingest(
         shard_root=shard_root,
         store_text=store_text_max_bytes if store_text else None,
         commit_every=commit_every or 1,
+        allow_deleted=allow_deleted,
     )
     from eogp_index.store.stored_index import StoredIndex
     from ingest.pipeline import check_before_loading
@@ -1046,6 +1049,52 @@ def optimize(index_dir, retention, target_rows, no_hot, recall, as_json):
     _emit({**report.to_json(), "table_recall": table_recall}, as_json, describe)
 
 
+@cli.command()
+@click.argument("index_dir", type=INDEX_DIR)
+@click.option("--where", default=None, help="Delete the rows matching this SQL filter over the stored columns.")
+@click.option(
+    "--ids",
+    "ids_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help='Delete these ids: a file of one id per line, or JSON Lines of {"id": ...} objects.',
+)
+@click.option("--reason", default=None, help="Why (licence, privacy, ...), recorded with each id; never the text.")
+@click.option(
+    "--purge",
+    is_flag=True,
+    help="Also erase the rows from every file: compaction, old table versions (all), the hot copy, "
+    "first passes, caches. Alone: erase every row deleted so far.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_fail_cleanly
+def delete(index_dir, where, ids_file, reason, purge, as_json):
+    """Take documents down: delete rows from every answer, record them, optionally erase them.
+
+    Each deleted id is recorded in INDEX/deletions.jsonl with its content hash,
+    the time and --reason (never the text); a later `eogp ingest` of the same
+    record is skipped unless --allow-deleted. Deleted rows leave every query,
+    explanation, selection and first pass at once (a running server at its
+    next query). Without --purge they stay in the table's data files until a
+    purge. Interrupted, the next `eogp delete INDEX` completes it first. What a
+    takedown does not undo: docs/takedowns.md.
+
+    \b
+    Example:
+        eogp delete my-index --ids takedown.txt --reason "licence withdrawn" --purge
+        eogp delete my-index --where "source = 'forum-dump'" --reason privacy
+    """
+    from eogp_index.search.takedown import delete as delete_documents
+    from eogp_index.search.takedown import read_ids_file
+    from eogp_index.store.stored_index import StoredIndex
+
+    if where is not None and ids_file is not None:
+        raise click.UsageError("give --where or --ids, not both")
+    ids = read_ids_file(ids_file) if ids_file is not None else None
+    report = delete_documents(StoredIndex.open(index_dir), where=where, ids=ids, reason=reason, purge=purge)
+    _emit(report.to_json(), as_json, lambda _: click.echo(report.describe()))
+
+
 class FirstPassKind(click.ParamType):
     """A registered first-pass kind. The registry (with numpy) loads only when the option is used
     or its help is shown, so that `eogp --help` stays light."""
@@ -1163,6 +1212,7 @@ cli.add_command(
     field_option(ServeConfig, "host"),
     field_option(ServeConfig, "port"),
     field_option(ServeConfig, "token", envvar="EOGP_SERVE_TOKEN"),
+    field_option(ServeConfig, "write_token", envvar="EOGP_WRITE_TOKEN"),
     into="serving",
 )
 @field_option(GradientConfig, "device")
@@ -1192,7 +1242,8 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
     Loads the model and the hot copy once. Queries that arrive together share one
     gradient pass; each keeps its own filter, k and direction. The page is at /, the
     API under /v1/ (schema: /openapi.json). The token may also come from
-    $EOGP_SERVE_TOKEN. Needs the serve extra: pip install 'eogp-index[serve]'.
+    $EOGP_SERVE_TOKEN, the write token (DELETE /v1/examples: takedowns) from
+    $EOGP_WRITE_TOKEN. Needs the serve extra: pip install 'eogp-index[serve]'.
 
     \b
     Example:
@@ -1463,6 +1514,8 @@ def _print_info(data: dict) -> None:
     from eogp_index.fit.plan import TierSize, format_tier_size
 
     click.echo(f"rows        {data['rows']}  (table version {data['table_version']})")
+    for line in _deletion_lines(data.get("deletions")):
+        click.echo(line)
     for line in format_tier_size(TierSize(**data["bytes"]), label_width=12):
         click.echo(line)
 
@@ -1488,6 +1541,34 @@ def _print_table_recall(data: dict) -> None:
             f"largest, {record['factor']}; give --rescore higher for a faithful top",
             err=True,
         )
+
+
+def _deletion_lines(found: Optional[dict]) -> List[str]:
+    """``eogp info``'s takedown lines: ids deleted, rows awaiting a purge, deleted ids that fitted."""
+    if not found or not (found["ids"] or found["awaiting_purge"] or found["pending"]):
+        return []
+    lines = [
+        f"deleted     {found['ids']} ids in {found['requests']} takedown{'' if found['requests'] == 1 else 's'} "
+        f"(deletions.jsonl); "
+        f"{found['awaiting_purge']} deleted rows still on disk until `eogp delete --purge`"
+    ]
+    fitted = found["in_fitting_set"]
+    if fitted:
+        sets = ", ".join(f"{len(ids)} in the {name} set" for name, ids in fitted.items())
+        lines.append(
+            f"            deleted ids fitted this index ({sets}): the curvature and projection still include "
+            "them (docs/takedowns.md)"
+        )
+    elif found["fitting_set_recorded"]:
+        lines.append("            no deleted id was in the fitting set (fit/fitting_set.json)")
+    else:
+        lines.append("            the fit left no record of its documents: any deleted one may have fitted it")
+    if found["pending"]:
+        lines.append(
+            f"            takedown {found['pending']['request']} was interrupted after {found['pending']['steps']}: "
+            "run `eogp delete INDEX` to complete it"
+        )
+    return lines
 
 
 def _query_line(q: Any) -> str:

@@ -67,7 +67,10 @@ from eogp_index.search.select import (
     target_coordinates,
     write_selection,
 )
+from eogp_index.search.takedown import TakedownReport
+from eogp_index.search.takedown import delete as delete_documents
 from eogp_index.store.block_cache import BlockCache
+from eogp_index.store.deletions import deleted_set
 from eogp_index.store.maintenance import (
     DEFAULT_RETENTION,
     DEFAULT_TARGET_ROWS,
@@ -341,7 +344,8 @@ class AttributionIndex:
     def ingest(self, examples: Iterable[Example], config: Optional[IngestConfig] = None, **options: Any) -> int:
         """Store examples not stored yet; returns the rows added.
 
-        An id already stored from the same shard and position is skipped (a rerun); the same id
+        An id already stored from the same shard and position is skipped (a rerun), and so is an
+        example a takedown deleted (:meth:`delete`; unless ``allow_deleted``); the same id
         from elsewhere is an :class:`InputError`, as in ``eogp ingest`` (same rule:
         :class:`~eogp_index.store.stored_ids.StoredIds`). For shards, rejects and scale-out use
         ``ingest.run_ingest`` (``eogp ingest``), which also records where each shard lives.
@@ -354,8 +358,8 @@ class AttributionIndex:
 
         Args:
             config: the :class:`~eogp_index.config.IngestConfig` (default: its defaults). Its
-                ``batch_size``, ``block_documents``, ``store_text``, ``optimize_threshold`` and
-                ``progress`` apply here; the shard options (``spec``, ``on_error="skip"``,
+                ``batch_size``, ``block_documents``, ``store_text``, ``optimize_threshold``,
+                ``allow_deleted`` and ``progress`` apply here; the shard options (``spec``, ``on_error="skip"``,
                 ``rejects_path``, ``shard_root``) and ``commit_every`` are refused.
             options: fields of ``config`` to replace, e.g. ``store_text=4096, progress=False``.
 
@@ -383,7 +387,8 @@ class AttributionIndex:
                 self.stored.agree_store_text(store_text)
                 if self.manifest.has_content_hashes and store_text is not None:
                     self.stored.sources.save()
-                stored = StoredIds(self.store)  # read under the lock: what another writer stored is seen
+                # read under the lock: what another writer stored (or a takedown deleted) is seen
+                stored = StoredIds(self.store, deleted=deleted_set(self.path, allow_deleted=config.allow_deleted))
                 commits.run(_fresh_commits(examples, stored, commits.rows_per_commit, bar))
                 commits.finish(settle=False)
         finally:
@@ -545,6 +550,29 @@ class AttributionIndex:
         """The manifest plus live facts: row count, table version, path."""
         return self.stored.info()
 
+    def delete(
+        self,
+        *,
+        where: Optional[str] = None,
+        ids: Optional[Sequence[str]] = None,
+        reason: Optional[str] = None,
+        purge: bool = False,
+    ) -> TakedownReport:
+        """Take documents down: delete the rows matching ``where`` (SQL over the stored columns) or
+        with ``ids`` from every answer, record each id, its content hash, the time and ``reason``
+        in ``deletions.jsonl`` (a later ingest of the same record is skipped), and with ``purge``
+        erase them from every file of the index (``eogp delete``;
+        :func:`eogp_index.search.takedown.delete`, which says what each step does).
+
+        Returns:
+            A :class:`~eogp_index.search.takedown.TakedownReport`.
+
+        Raises:
+            ConfigError: both ``where`` and ``ids``, or an ingest is writing to the index.
+            InputError: a bad filter or id, or nothing to delete.
+        """
+        return delete_documents(self.stored, where=where, ids=ids, reason=reason, purge=purge)
+
     def optimize(
         self,
         *,
@@ -657,7 +685,7 @@ def _fresh_commits(examples: Iterable[Example], stored: StoredIds, size: int, ba
                 f"duplicate id {ex.id!r}: already stored from {where}; ids must be unique",
                 location=f"{ex.shard}:{ex.position}" if ex.shard else None,
             )
-        if status == "absent":
+        if status == "absent":  # ("deleted": taken down, skipped)
             fresh.append(ex)
             stored.remember([ex])  # a repeat later in this call is then a rerun, not a new row
         if len(fresh) == size:

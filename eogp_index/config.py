@@ -617,6 +617,13 @@ class IngestConfig:
         metadata={"help": "Under torchrun: steps between commits; a crash loses at most this many steps.", "min": 1},
     )
     progress: bool = field(default=True, metadata={"help": "Show a progress bar (documents, doc/s, tok/s)."})
+    allow_deleted: bool = field(
+        default=False,
+        metadata={
+            "help": "Store records that a takedown deleted (same id or content hash in the index's "
+            "deletions.jsonl); by default they are skipped and counted as deleted."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERRORS:

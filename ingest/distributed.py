@@ -60,6 +60,7 @@ from eogp_index.config import GradientConfig, IngestConfig
 from eogp_index.data.readers import expand_shards, location_of, shard_names
 from eogp_index.encode.commits import Commits, index_lock
 from eogp_index.errors import ConfigError, EOGPError, InputError
+from eogp_index.store.deletions import deleted_set
 from eogp_index.store.manifest import Manifest, open_dtype
 from ingest.pipeline import (
     ExampleReader,
@@ -288,7 +289,9 @@ class _Worker:
                 spec=self.spec,
                 on_error=self.on_error,
                 shard_root=self.shard_root,
-                stored=StoredIds(self.index.store),
+                stored=StoredIds(
+                    self.index.store, deleted=deleted_set(self.index.path, allow_deleted=self.config.allow_deleted)
+                ),
             )
         local_error: Optional[BaseException] = None
         step = 0

@@ -13,6 +13,8 @@ Lance commit. What that buys:
   :class:`~eogp_index.errors.InputError` naming ``shard:line`` (or ``shard:row N``); nothing of
   the batch being assembled is stored. ``on_error="skip"`` writes each bad record to a JSON
   Lines rejects file with its reason and goes on.
+* **Taken down.** A record that a takedown deleted (``eogp delete``: its id or content hash is
+  in the index's ``deletions.jsonl``) is skipped (``skipped_deleted``), unless ``allow_deleted``.
 * **Duplicate ids.** An id used twice in the run, or already stored for a *different* shard
   or position (say, by an earlier ingest of other shards), is a bad record too (counted in
   ``duplicates``), so the table never holds an id twice.
@@ -57,6 +59,7 @@ from eogp_index.data.readers import (
 from eogp_index.encode.commits import Commits, index_lock
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.gradients.model import hard_context_length
+from eogp_index.store.deletions import deleted_set
 from eogp_index.store.stored_ids import StoredIds, sql_string, stable_hash  # noqa: F401  (re-exported)
 from eogp_index.store.table import RESERVED_COLUMNS
 from ingest.records import Example, RecordSpec, Rejected, iter_examples
@@ -82,10 +85,11 @@ class IngestSummary:
     """What an ingest did.
 
     stored: rows added to the table by this run. skipped_existing: examples already stored
-    (same id, shard and position), e.g. by an earlier, interrupted run. rejected: bad records
+    (same id, shard and position), e.g. by an earlier, interrupted run. skipped_deleted: records
+    a takedown deleted (same id or content hash in ``deletions.jsonl``). rejected: bad records
     (listed in ``rejects_path``). duplicates: records whose id was already used, earlier in
     this run or by a stored row of another shard/position (also listed in ``rejects_path``).
-    documents: records read (= stored + skipped_existing + rejected + duplicates).
+    documents: records read (= stored + skipped_existing + skipped_deleted + rejected + duplicates).
     tokens: tokens of the stored examples. seconds: wall time of the run.
     docs_per_s, tokens_per_s: stored documents and their tokens per second of wall time.
     table_version: the table's version after the run (0 when there is no table yet).
@@ -108,6 +112,7 @@ class IngestSummary:
     rejects_path: Optional[str] = None
     workers: int = 1
     optimized: int = 0
+    skipped_deleted: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (what ``--json`` prints)."""
@@ -116,7 +121,8 @@ class IngestSummary:
     def describe(self) -> str:
         """One human line: ``stored 120, skipped 40 (already stored), ...``."""
         text = (
-            f"stored {self.stored}, skipped {self.skipped_existing} (already stored), "
+            f"stored {self.stored}, skipped {self.skipped_existing} (already stored)"
+            f"{f' and {self.skipped_deleted} (deleted)' if self.skipped_deleted else ''}, "
             f"rejected {self.rejected}, duplicates {self.duplicates} of {self.documents} documents "
             f"in {self.seconds:.1f}s ({self.docs_per_s:.1f} doc/s, {self.tokens_per_s:.0f} tok/s); "
             f"table version {self.table_version}"
@@ -138,6 +144,7 @@ class Tally:
     duplicates: int = 0
     stored: int = 0
     tokens: int = 0
+    skipped_deleted: int = 0
 
     def add(self, other: "Tally") -> None:
         for name in self.__dataclass_fields__:
@@ -150,6 +157,7 @@ class Tally:
         return IngestSummary(
             stored=self.stored,
             skipped_existing=self.skipped_existing,
+            skipped_deleted=self.skipped_deleted,
             rejected=self.rejected,
             duplicates=self.duplicates,
             documents=self.documents,
@@ -356,6 +364,9 @@ class ExampleReader:
             if status == "same":
                 tally.skipped_existing += 1
                 continue
+            if status == "deleted":
+                tally.skipped_deleted += 1
+                continue
             problem = None
             if status == "other":
                 problem = (
@@ -487,6 +498,8 @@ def run_ingest(
               that stored rows the index is left ready to query
               (:func:`~eogp_index.store.maintenance.after_ingest`: compacted if due, hot copy
               rebuilt). None: neither (``eogp optimize`` later).
+            * ``allow_deleted``: store records a takedown deleted (by default skipped, counted in
+              ``skipped_deleted``).
             * ``commit_every`` applies under torchrun only (:mod:`ingest.distributed`).
         options: fields of ``config`` to replace, e.g. ``spec=RecordSpec(...), batch_size=64``.
 
@@ -534,7 +547,7 @@ def run_ingest(
                 spec=spec,
                 on_error=config.on_error,
                 shard_root=config.shard_root,
-                stored=StoredIds(index.store),
+                stored=StoredIds(index.store, deleted=deleted_set(index.path, allow_deleted=config.allow_deleted)),
             )
             on_chunk = None if bar is None else (lambda chunk: bar.update(len(chunk)))
             commits.run(batches(reader), on_chunk=on_chunk, on_commit=on_commit)

@@ -13,18 +13,19 @@ from the question's options and their types (:data:`OPTIONS`):
   another type, zero, negative or beyond int64.
 
 The surfaces are registered, one small :class:`Surface` subclass each: the CLI (``eogp ingest``,
-``query --queries``, ``select``, ``scores``, ``explain``, through click's runner), the server
-(``/v1/query``, ``/v1/select``, ``/v1/explain``, ``/v1/examples/{id}``, the real app through
-Starlette's client) and the library (``AttributionIndex`` search, scores and explain;
-``run_ingest``). Each turns an input into an :class:`Outcome`: answered (the answer's ids),
+``query --queries``, ``select``, ``scores``, ``explain``, ``delete --where``, through click's
+runner), the server (``/v1/query``, ``/v1/select``, ``/v1/explain``, ``/v1/examples/{id}``,
+``DELETE /v1/examples``, the real app through Starlette's client) and the library
+(``AttributionIndex`` search, scores and explain; the takedown; ``run_ingest``). The takedowns
+delete on private copies of the index, the server's only what every surface refuses. Each turns an input into an :class:`Outcome`: answered (the answer's ids),
 refused (the error, and the field where the surface names one) or broken (a 5xx, a traceback,
 an exception outside :class:`EOGPError`). A new record kind or option joins by being in
 ``RECORD_KINDS`` or ``OPTIONS``, a new surface by subclassing :class:`Surface`.
 
 The checks: no surface is ever broken; an input the generator knows the fate of (invalid
 Unicode, a broken filter, a value of the wrong type) gets it on every surface, naming its field;
-and the surfaces of one family (search, select, scores, explain, ingest) agree on every input:
-the same ids, or all refuse, naming the same field.
+and the surfaces of one family (search, select, scores, explain, delete, ingest) agree on every input:
+the same ids (a takedown: the same rows deleted), or all refuse, naming the same field.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ OPTIONS: Dict[str, Tuple[Tuple[type, ...], Any]] = {
     "precision": ((str,), SelectOptions.precision),
 }
 BASE_QUERY = {"text": "t1 t2 t3 t4 t5"}
+WRITE_TOKEN = "fuzz-writer"
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -469,7 +471,9 @@ def env(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("surfaces")
     index = build_index(root)
-    config = ServeConfig(max_k=2**64)  # the server's own limits are test_fuzz.py's; here the surfaces' checks
+    # The server's own limits are test_fuzz.py's; here the surfaces' checks. The write token opens
+    # DELETE /v1/examples (and changes nothing for the other routes: no read token is set).
+    config = ServeConfig(max_k=2**64, write_token=WRITE_TOKEN)
     with TestClient(create_app(index, config), raise_server_exceptions=False) as client:
         env = Env(root, root / "idx", index, client)
         log, errors = logging.getLogger("eogp.serve"), ServerErrors(env.server_errors)
@@ -761,6 +765,25 @@ class HttpExample(Surface):
         return [_http_outcome(self.env, response, lambda r: [r.json()["id"]])]
 
 
+class HttpDelete(Surface):
+    """A takedown by filter, on the server (with its write token). It deletes from the index every
+    other surface reads, so it takes only the inputs every surface must refuse."""
+
+    name, family = "DELETE /v1/examples", "delete"
+    reads = frozenset({"where"})
+
+    @classmethod
+    def takes(cls, item: Input) -> bool:
+        return item.refused is True and item.option("where") is not None and super().takes(item)
+
+    def call(self, items):
+        (item,) = items
+        headers = {"content-type": "application/json", "authorization": f"Bearer {WRITE_TOKEN}"}
+        body = json.dumps({"where": item.option("where")}).encode()
+        response = self.env.client.request("DELETE", "/v1/examples", content=body, headers=headers)
+        return [_http_outcome(self.env, response, lambda r: [r.json()["rows_deleted"]])]
+
+
 def _post(client, path: str, body: Dict[str, Any]):
     return client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
 
@@ -825,6 +848,41 @@ class LibraryExplain(Surface):
             return [(explanation.id, f"{explanation.score:.4g}")]
 
         return [_library_outcome(explained)]
+
+
+class CliDelete(Surface):
+    """``eogp delete --where``, on a private copy of the index (it deletes)."""
+
+    name, family, typed = "eogp delete --where", "delete", False
+    reads = frozenset({"where"})
+
+    @classmethod
+    def takes(cls, item: Input) -> bool:
+        return item.option("where") is not None and super().takes(item)
+
+    def call(self, items):
+        (item,) = items
+        result = self.env.cli("delete", self.env.fresh_copy(), "--where", item.option("where"), "--json")
+        return [_cli_outcome(result, lambda r: [json.loads(r.stdout)["rows_deleted"]])]
+
+
+class LibraryDelete(Surface):
+    """The library's takedown by filter (what ``AttributionIndex.delete`` runs), on a private copy."""
+
+    name, family = "search.takedown.delete", "delete"
+    reads = frozenset({"where"})
+
+    @classmethod
+    def takes(cls, item: Input) -> bool:
+        return item.option("where") is not None and super().takes(item)
+
+    def call(self, items):
+        from eogp_index.search.takedown import delete
+        from eogp_index.store.stored_index import StoredIndex
+
+        (item,) = items
+        path = self.env.fresh_copy()
+        return [_library_outcome(lambda: [delete(StoredIndex.open(path), where=item.option("where")).rows_deleted])]
 
 
 class LibraryIngest(Surface):

@@ -6,6 +6,7 @@
 ``POST /v1/select``         a training subset for target queries, as a file (``eogp select``)
 ``GET /v1/info``            the manifest, row count, filterable columns, the server's limits
 ``GET /v1/examples/{id}``   one stored row (metadata, and text when stored)
+``DELETE /v1/examples``     a takedown (``eogp delete``), with the write token only (serve/takedown.py)
 ``GET /healthz``            liveness and queue depth
 ``GET /openapi.json``       the API's schema
 ``GET /``                   the web page (assets shipped in the package, no CDN)
@@ -43,6 +44,7 @@ from eogp_index.serve.engine import Engine, QueryJob, RequestError
 from eogp_index.serve.middleware import AccessLog, BearerToken, BodyLimit, JsonBody, error_payload
 from eogp_index.serve.schemas import QUESTION_OPTIONS, ErrorResponse, ExplainRequest, QueryRequest, QueryResponse
 from eogp_index.serve.selection import add_select_route
+from eogp_index.serve.takedown import add_delete_route
 from eogp_index.version import __version__
 
 log = logging.getLogger("eogp.serve")
@@ -275,9 +277,10 @@ def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
     _add_query_routes(app, engine, batcher, config, guarded)
     add_select_route(app, engine, batcher, config, guarded, _ERRORS)
     _add_index_routes(app, engine, batcher, config, guarded)
+    add_delete_route(app, engine, batcher, config, guarded, _ERRORS)
     # Outermost first: the log sees every response, then the size limit, the token, the JSON body.
     app.add_middleware(JsonBody)
-    app.add_middleware(BearerToken, token=config.token)
+    app.add_middleware(BearerToken, token=config.token, write_token=config.write_token)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(AccessLog)
     return app

@@ -31,6 +31,13 @@ class ServeConfig:
         default=None,
         metadata={"help": "Require 'Authorization: Bearer TOKEN' on /v1/ endpoints (the page asks for it once)."},
     )
+    write_token: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Allow DELETE /v1/examples (takedowns) to requests with 'Authorization: Bearer "
+            "WRITE_TOKEN'; without it the server refuses deletes."
+        },
+    )
     batch_window_ms: float = field(
         default=2.0,
         metadata={
@@ -81,6 +88,8 @@ class ServeConfig:
             )
         if self.token is not None and not self.token.strip():
             raise ConfigError("ServeConfig.token must not be empty; leave --token out to serve without one")
+        if self.write_token is not None and not self.write_token.strip():
+            raise ConfigError("ServeConfig.write_token must not be empty; leave --write-token out to refuse deletes")
 
     @property
     def window_s(self) -> float:

@@ -77,16 +77,22 @@ class BearerToken:
     open: they hold no data.
     """
 
-    def __init__(self, app, token: Optional[str]):
+    def __init__(self, app, token: Optional[str], write_token: Optional[str] = None):
         self.app = app
         self.expected = token.encode() if token else None
+        # The write token (DELETE /v1/examples, checked by its route) reads too.
+        self.writer = write_token.encode() if write_token else None
 
     async def __call__(self, scope, receive, send):
         if self.expected is None or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, credentials = given.strip().partition(b" ")
-        if scheme.lower() != b"bearer" or not secrets.compare_digest(credentials.strip(), self.expected):
+        given_token = credentials.strip()
+        known = secrets.compare_digest(given_token, self.expected) or (
+            self.writer is not None and secrets.compare_digest(given_token, self.writer)
+        )
+        if scheme.lower() != b"bearer" or not known:
             what = (
                 "no Authorization header"
                 if not given

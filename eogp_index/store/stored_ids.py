@@ -1,7 +1,8 @@
 """Which example ids a table already holds: the one de-duplication rule of every ingest path.
 
 An example whose id is stored from the same shard and position is already stored (a rerun);
-the same id from another place is a duplicate id, which the caller reports. Both
+the same id from another place is a duplicate id, which the caller reports; an absent example
+that a takedown recorded (its id or content hash in ``deletions.jsonl``) is ``"deleted"``. Both
 :meth:`AttributionIndex.ingest <eogp_index.client.AttributionIndex.ingest>` and
 ``ingest.run_ingest`` (and its distributed form) ask :class:`StoredIds`.
 """
@@ -41,8 +42,10 @@ class StoredIds:
     good record.
     """
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, *, deleted=None):
         self._store = store
+        #: what takedowns recorded (:class:`~eogp_index.store.deletions.DeletedSet`), or None
+        self._deleted = deleted
         self._added: dict[str, tuple[str, int]] = {}
         ids: list[np.ndarray] = []
         locations: list[np.ndarray] = []
@@ -73,8 +76,9 @@ class StoredIds:
         for example in examples:
             self._added[example.id] = (example.shard, example.position)
 
-    def lookup(self, example: Any) -> tuple[Literal["absent", "same", "other"], Optional[str]]:
-        """Whether ``example.id`` is stored: not at all, for this shard/position, or elsewhere.
+    def lookup(self, example: Any) -> tuple[Literal["absent", "same", "other", "deleted"], Optional[str]]:
+        """Whether ``example.id`` is stored: not at all, for this shard/position, or elsewhere;
+        ``"deleted"``: not stored, and a takedown recorded its id or content hash.
 
         ``example`` has ``id``, ``shard`` and ``position`` (an :class:`Example`). Returns the
         status and, for ``"other"``, the stored row's location (``"a.jsonl:3"``).
@@ -86,13 +90,16 @@ class StoredIds:
         lo = int(np.searchsorted(self._ids, key, side="left"))
         hi = int(np.searchsorted(self._ids, key, side="right"))
         if lo == hi:
-            return "absent", None
+            return self._absent(example)
         if _location_key(example.shard, example.position) in self._locations[lo:hi]:
             return "same", None
         rows = self._store.read(["shard", "position"], where=f"id = {sql_string(example.id)}").to_pylist()
         if not rows:
-            return "absent", None  # a 64-bit hash collision with another id
+            return self._absent(example)  # a 64-bit hash collision with another id
         for row in rows:
             if (row["shard"], row["position"]) == (example.shard, example.position):
                 return "same", None
         return "other", location_of(rows[0]["shard"], rows[0]["position"])
+
+    def _absent(self, example: Any) -> tuple[Literal["absent", "deleted"], None]:
+        return ("deleted" if self._deleted is not None and self._deleted.matches(example) else "absent"), None

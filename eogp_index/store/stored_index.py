@@ -417,19 +417,23 @@ class StoredIndex:
         return dataclasses.replace(example, id=example_id)
 
     def info(self, *, hits: Optional[int] = None, rescore: Optional[int] = None) -> Dict[str, Any]:
-        """The manifest plus live facts: row count, table version, path, and ``bytes``: both
+        """The manifest plus live facts: row count, table version, path, ``deletions``
+        (:func:`~eogp_index.store.deletions.deletions_info`: takedowns, and whether a deleted id
+        fitted the index), and ``bytes``: both
         tiers' bytes per row and on disk and what a query of ``hits`` per side rescoring
         ``rescore · hits`` rows reads (:func:`~eogp_index.fit.plan.tier_size`; defaults:
         the question's ``k`` and the default rescoring factor,
         :func:`~eogp_index.store.table_recall.default_rescore_factor`); with a tier,
         ``table_recall``: the recall measured on the table (None when not measured)."""
         from eogp_index.fit.plan import tier_size
+        from eogp_index.store.deletions import deletions_info
         from eogp_index.store.table_recall import current_record, default_rescore_factor
 
         data = self.manifest.to_json()
         data["rows"] = self.store.count()
         data["table_version"] = self.store.version
         data["path"] = str(self.path)
+        data["deletions"] = deletions_info(self.path, self.store)
         tier = self.manifest.tier
         data["bytes"] = tier_size(
             data["rows"],
