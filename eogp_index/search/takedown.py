@@ -19,8 +19,9 @@ With ``purge``, the rows are also erased from every file of the index:
 6. ``hot``: the hot copy's saved segments are removed and written again from the table;
 7. ``first-passes``: each first pass is rebuilt from the table (removed when no row is left,
    or when this eogp-index cannot rebuild its kind);
-8. ``caches``: block ingest's cache and a fit's leftover stage files are removed, and the
-   rejects files lose their lines about deleted ids.
+8. ``caches``: block ingest's cache and a fit's leftover stage files are removed, the
+   rejects files lose their lines about deleted ids, and the held-out queries of the recall
+   measurement (``recall_queries.safetensors``) lose deleted documents' coordinates.
 
 The pending record is removed last. A takedown killed at any step is completed by the next call
 (each step is idempotent), before that call's own rows.
@@ -37,6 +38,7 @@ from eogp_index.encode.commits import index_lock
 from eogp_index.errors import ConfigError, EOGPError, InputError
 from eogp_index.store import deletions
 from eogp_index.store.maintenance import DEFAULT_TARGET_ROWS
+from eogp_index.store.table_recall import drop_queries
 
 HOT_DIR = "hot"
 
@@ -267,7 +269,12 @@ def _do(step: str, stored, pending: Dict[str, Any], ids: List[str], outcome: Dic
         outcome["first_passes"] = rebuild_first_passes(stored)
     elif step == "caches":
         details["caches"] = deletions.purge_caches(path, _all_deleted(path))
+        details["recall_queries_removed"] = drop_queries(path, _all_deleted_hashes(path))
     # "recorded": the pending record itself, written when the step is marked done
+
+
+def _all_deleted_hashes(path: Path) -> List[str]:
+    return sorted({entry["content_sha256"] for entry in deletions.read_log(path) if entry.get("content_sha256")})
 
 
 def _all_deleted(path: Path) -> List[str]:

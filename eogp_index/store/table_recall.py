@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -110,6 +110,21 @@ def load_queries(index_dir: Path) -> Optional[Tuple[np.ndarray, Tuple[str, ...]]
     header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])  # safetensors: length, JSON header
     hashes = json.loads((header.get("__metadata__") or {}).get("content_sha256", "[]"))
     return load(data)["coordinates"], tuple(hashes)
+
+
+def drop_queries(index_dir: Path, hashes: Iterable[str]) -> int:
+    """Remove the held-out queries whose document's ``content_sha256`` is in ``hashes`` (a
+    takedown's purge: the file holds those documents' coordinates); how many were removed."""
+    found = load_queries(index_dir)
+    if found is None:
+        return 0
+    coordinates, saved = found
+    gone = set(hashes)
+    keep = [i for i, h in enumerate(saved) if h not in gone]
+    if len(keep) == len(saved):
+        return 0
+    save_queries(index_dir, coordinates[keep], [saved[i] for i in keep])
+    return len(saved) - len(keep)
 
 
 # -- the record ----------------------------------------------------------------------------------

@@ -223,3 +223,15 @@ def test_a_damaged_record_is_refused_with_the_fix(built, tmp_path):
     (copy / table_recall.RECORD_FILE).write_text(json.dumps(record))
     with pytest.raises(IncompatibleIndexError, match="eogp optimize"):
         table_recall.read_record(copy)
+
+
+def test_a_purge_drops_deleted_documents_from_the_held_out_queries(tmp_path):
+    from eogp_index.store.table_recall import drop_queries, load_queries, save_queries
+
+    coordinates = np.arange(12, dtype=np.float32).reshape(3, 4)
+    save_queries(tmp_path, coordinates, ["a", "b", "c"])
+    assert drop_queries(tmp_path, ["x"]) == 0
+    assert drop_queries(tmp_path, ["b", "x"]) == 1
+    kept, hashes = load_queries(tmp_path)
+    assert hashes == ("a", "c")
+    np.testing.assert_array_equal(kept, coordinates[[0, 2]])
