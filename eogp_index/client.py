@@ -34,6 +34,7 @@ from eogp_index.config import (
     StorageConfig,
     check_score_precision,
 )
+from eogp_index.data.location import index_path
 from eogp_index.data.readers import is_dataset_object
 from eogp_index.data.records import Example
 from eogp_index.encode.commits import Commits, index_lock
@@ -178,7 +179,7 @@ class AttributionIndex:
             path = prepare_index_dir(path, table_uri=table_uri, mode=mode)
         if distributed:
             dist.barrier()
-        path = Path(path)
+        path = index_path(path)
         model = shared_weights_copy(model)  # the fit prepares the index's own module objects, not the caller's
         gradients = _in_dtype(model, dtype or gradients.dtype, gradients)
         weights_fingerprint = model_fingerprint(model)
@@ -525,7 +526,7 @@ class AttributionIndex:
         (.jsonl, .jsonl.gz or .parquet: the records with their scores) when given."""
         selection = select_documents(self.encoder, question, options)
         if out is not None:
-            write_selection(self.stored, selection, Path(out))
+            write_selection(self.stored, selection, index_path(out))
         return selection
 
     def explain(self, query: Union[Query, Question], example_id: str) -> Explanation:

@@ -462,7 +462,10 @@ class _Worker:
                 import lance
 
                 if self.index.store.table is None:  # (a rerun finds it made)
-                    lance.write_dataset(schema.empty_table(), self.index.store.path, mode="create")
+                    store = self.index.store
+                    lance.write_dataset(
+                        schema.empty_table(), store.path, mode="create", storage_options=store.storage_options
+                    )
                 self.index.store.refresh(force=True)
             except Exception as exc:
                 result = _error_of(exc)
@@ -502,7 +505,13 @@ class _Worker:
             dataset = self.index.store.dataset()
             self._target = (dataset.uri, dataset.data_storage_version)
         uri, storage_version = self._target
-        fragments = write_fragments(rows, uri, schema=self.schema, data_storage_version=storage_version)
+        fragments = write_fragments(
+            rows,
+            uri,
+            schema=self.schema,
+            data_storage_version=storage_version,
+            storage_options=self.index.store.storage_options,
+        )
         self.pending.extend(json.dumps(f.to_json()) for f in fragments)
 
     def _maybe_optimize(self) -> None:
@@ -532,10 +541,10 @@ class _Worker:
 
                 fragments = [FragmentMetadata.from_json(text) for pending, _ in offers for text in pending]
                 if fragments:
-                    uri = self.index.store.dataset().uri
-                    latest = lance.dataset(uri).version
+                    uri, options = self.index.store.path, self.index.store.storage_options
+                    latest = lance.dataset(uri, storage_options=options).version
                     committed = lance.LanceDataset.commit(
-                        uri, lance.LanceOperation.Append(fragments), read_version=latest
+                        uri, lance.LanceOperation.Append(fragments), read_version=latest, storage_options=options
                     )
                     self.index.store.refresh(force=True)
                     result = ("ok", committed.version)
