@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from eogp_index.config import GradientConfig, IngestConfig
+from eogp_index.data import location as locations
 from eogp_index.data.readers import expand_shards, location_of, shard_names
 from eogp_index.encode.commits import Commits, index_lock
 from eogp_index.errors import ConfigError, EOGPError, InputError
@@ -213,7 +214,7 @@ def run_distributed_ingest(
             gradients = dataclasses.replace(gradients, device=device)
         model = tokenizer = None
         if model_path is not None:
-            manifest = Manifest.load(Path(index_path))
+            manifest = Manifest.load(locations.index_path(index_path))
             dtype = open_dtype(manifest, gradients.dtype, where=str(index_path))
             model, tokenizer = load_indexed_model(
                 manifest.model, model_path, device=gradients.resolved_device(), dtype=dtype

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
+import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -27,7 +25,6 @@ pytestmark = pytest.mark.objectstore
 __import__("transformers").logging.set_verbosity_error()
 __import__("transformers").utils.logging.disable_progress_bar()
 
-REPO = Path(__file__).resolve().parents[2]
 BUCKET = "eogp-test"
 DOCUMENTS = 24
 
@@ -70,53 +67,40 @@ def _ok(*args):
     return result
 
 
-KILLED_INGEST = textwrap.dedent("""
-    import sys, time
+def _interrupted_ingest(url: str, shard: Path) -> int:
+    """An ingest of ``shard`` into ``url`` stopped after two commits, leaving behind what a SIGKILL
+    leaves: whole commits, and the lock of a process that is gone. Returns the rows committed."""
     from eogp_index.client import AttributionIndex
     from eogp_index.config import GradientConfig
+    from eogp_index.encode.commits import LOCK_FILE
     from ingest.pipeline import run_ingest
     from ingest.records import RecordSpec
 
-    index = AttributionIndex.open(sys.argv[1], gradients=GradientConfig(batch_size=2))
-    commit = index.store.add
+    index = AttributionIndex.open(url, gradients=GradientConfig(batch_size=2))
+    commit, committed = index.store.add, []
 
-    def slow_commit(rows):
-        time.sleep(0.3)  # widen the time between commits so that the SIGKILL lands mid-shard
+    def add(rows):
+        if len(committed) == 2:
+            raise KeyboardInterrupt  # stopped between two commits
+        committed.append(rows.num_rows)
         return commit(rows)
 
-    index.store.add = slow_commit
+    index.store.add = add
     spec = RecordSpec(id_field="id", metadata_fields=("n",))
-    run_ingest(index, [sys.argv[2]], spec=spec, batch_size=2, progress=False)
-""")
-
-
-def _killed_ingest(url: str, shard: Path, folder: Path) -> int:
-    """Run an ingest of ``shard`` into ``url`` in a real process, SIGKILL it once 4 rows are
-    committed, and return the rows committed."""
-    from eogp_index.store.stored_index import StoredIndex
-
-    script = folder / "ingest_script.py"
-    script.write_text(KILLED_INGEST)
-    with open(folder / "child.log", "wb") as log:
-        child = subprocess.Popen([sys.executable, str(script), url, str(shard)], cwd=REPO, stdout=log, stderr=log)
-        store = StoredIndex.open(url).store
-        try:
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline and child.poll() is None and store.count() < 4:
-                time.sleep(0.05)
-                store.refresh(force=True)
-            os.kill(child.pid, signal.SIGKILL)
-        finally:
-            child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL, (folder / "child.log").read_text()[-2000:]
-    store.refresh(force=True)
-    return store.count()
+    with pytest.raises(KeyboardInterrupt):
+        run_ingest(index, [str(shard)], spec=spec, batch_size=2, progress=False)
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    holder = {"host": socket.gethostname(), "pid": gone.pid, "token": "killed", "renewed": time.time()}
+    (location.index_path(url) / LOCK_FILE).write_text(json.dumps(holder))
+    return sum(committed)
 
 
 @pytest.fixture(scope="module")
 def both(s3, tmp_path_factory):
     """One fit, to ``s3://eogp-test/idx``; its files copied to a local directory, which is
-    ingested in one run; the S3 index ingested by a run killed midway and a rerun."""
+    ingested in one run; the S3 index ingested by a run stopped midway (its lock left behind, as
+    a killed run leaves it) and a rerun."""
     root = tmp_path_factory.mktemp("objectstore")
     make_tiny_gpt2().save_pretrained(root / "model")
     make_word_tokenizer().save_pretrained(root / "model")
@@ -132,7 +116,7 @@ def both(s3, tmp_path_factory):
     pafs.copy_files(remote.fs_path, str(root / "idx"), remote.filesystem, pafs.LocalFileSystem())
     ingest = ["--id-field", "id", "--metadata", "n", "--json"]
     _ok("ingest", root / "idx", root / "shard.jsonl", *ingest)
-    after_kill = _killed_ingest(url, root / "shard.jsonl", root)
+    after_kill = _interrupted_ingest(url, root / "shard.jsonl")
     rerun = json.loads(_ok("ingest", url, root / "shard.jsonl", *ingest).stdout)
     return root, {"local": root / "idx", "s3": url}, after_kill, rerun
 
@@ -167,7 +151,7 @@ def test_a_killed_ingest_is_rerun_on_s3_without_duplicates(both):
     from eogp_index.encode.commits import LOCK_FILE
     from eogp_index.store.stored_index import StoredIndex
 
-    assert 4 <= after_kill < DOCUMENTS  # killed midway: its lock was left behind, and taken over
+    assert after_kill == 4  # stopped midway: its lock was left behind, and taken over
     assert rerun["skipped_existing"] == after_kill and rerun["stored"] == DOCUMENTS - after_kill
     ids = StoredIndex.open(indexes["s3"]).store.read(["id"]).column("id").to_pylist()
     assert sorted(ids) == sorted(f"d{i}" for i in range(DOCUMENTS))
@@ -330,3 +314,20 @@ def test_the_projection_is_read_by_ranges_one_module_at_a_time(both, monkeypatch
     assert [n for _, _, n in reads] == [entry["data_offsets"][1] - entry["data_offsets"][0]]
     assert max(n for _, _, n in handler.reads) < size  # never the whole file in one read
     assert sum(n for _, _, n in handler.reads) < size
+
+
+def test_serve_answers_from_an_index_at_a_url(both, opened):
+    """The server opens the index at its URL and answers what the local index answers."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from eogp_index.serve.app import create_app, open_index
+    from eogp_index.serve.config import ServeConfig
+
+    with TestClient(create_app(open_index(both[1]["s3"], device="cpu"), ServeConfig())) as client:
+        answer = client.post("/v1/query", json={"text": "t1 t2 t3", "k": 4, "direction": "both"})
+        health = client.get("/healthz")
+    assert answer.status_code == 200 and health.status_code == 200, answer.text
+    served = [(r["direction"], r["id"], r["score"]) for r in answer.json()["results"]]
+    local = opened["local"].search("t1 t2 t3").limit(4).direction("both").to_arrow().to_pylist()
+    assert served == [(r["direction"], r["id"], r["score"]) for r in local] and served
