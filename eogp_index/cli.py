@@ -35,7 +35,6 @@ from eogp_index.serve.config import ServeConfig
 from eogp_index.store.sources import DEFAULT_TEXT_BYTES
 
 
-
 class Location(click.ParamType):
     """A local path or an object-store URL (``s3://``, ``gs://``, ``az://``, ``file://``;
     :mod:`eogp_index.data.location`): a URL no layer reads is refused here, before anything runs

@@ -94,15 +94,26 @@ class _EncoderPart:
 
 
 class AttributionIndex:
-    """An EOGP attribution index with its model loaded: a directory with a manifest, a projection
-    and a LanceDB table (:class:`StoredIndex`), plus the model and tokenizer that project texts,
+    """An EOGP attribution index with its model loaded: a directory (or an object-store URL,
+    ``s3://bucket/prefix``) with a manifest, a projection and a LanceDB table
+    (:class:`StoredIndex`), plus the model and tokenizer that project texts,
     held by its :class:`~eogp_index.encode.encoder.Encoder` (``index.encoder``, what
     :mod:`eogp_index.search` is given). The encoder's parts (:data:`ENCODER_PARTS`: ``stored``,
     ``model``, ``tokenizer``, ``gradients``, ``device``, ``manifest``, ...) are the index's too."""
 
     def __init__(
-        self, stored: StoredIndex, model: nn.Module, tokenizer, *, gradients: GradientConfig = GradientConfig()
+        self,
+        stored: Union[StoredIndex, str, Path],
+        model: Optional[nn.Module] = None,
+        tokenizer=None,
+        *,
+        gradients: GradientConfig = GradientConfig(),
     ):
+        if not isinstance(stored, StoredIndex):  # a directory or URL: what open() makes of it
+            self.__dict__.update(
+                type(self).open(stored, model=model, tokenizer=tokenizer, gradients=gradients).__dict__
+            )
+            return
         #: The stored index with its model: projection, rows and query measurements (``search/`` takes it).
         self.encoder = Encoder(stored, model, tokenizer, gradients)
         #: The batch :meth:`open` chose for the memory budget (``eogp plan INDEX``'s), or None.

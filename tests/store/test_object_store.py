@@ -125,7 +125,8 @@ def both(s3, tmp_path_factory):
 def opened(both):
     from eogp_index.client import AttributionIndex
 
-    return {name: AttributionIndex.open(where) for name, where in both[1].items()}
+    # AttributionIndex(URL) is AttributionIndex.open(URL): the model the manifest names
+    return {"local": AttributionIndex.open(both[1]["local"]), "s3": AttributionIndex(both[1]["s3"])}
 
 
 def _hits(result):
