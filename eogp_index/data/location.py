@@ -110,8 +110,23 @@ def location_text(value) -> str:
 # -- file systems -------------------------------------------------------------------------------
 
 
-def _aws_region() -> Optional[str]:
-    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+def _aws_region(bucket: Optional[str] = None) -> Optional[str]:
+    """The region from the environment; else, for a bucket on AWS itself (no endpoint set), the
+    bucket's region as S3 reports it; else None."""
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region or bucket is None or os.environ.get("AWS_ENDPOINT_URL"):
+        return region
+    return _bucket_region(bucket)
+
+
+@functools.lru_cache(maxsize=None)
+def _bucket_region(bucket: str) -> Optional[str]:
+    import pyarrow.fs as pafs
+
+    try:
+        return pafs.resolve_s3_region(bucket)
+    except OSError:  # no network, or no such bucket: the request that follows says which
+        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,10 +152,10 @@ def _filesystem(scheme: str, account: Optional[str], env: Tuple[Tuple[str, str],
     return pafs.AzureFileSystem(account_name=name, **({"account_key": key} if key else {}))
 
 
-def _env_key(scheme: str) -> Tuple[Tuple[str, str], ...]:
+def _env_key(scheme: str, bucket: str) -> Tuple[Tuple[str, str], ...]:
     if scheme != "s3":
         return ()
-    return (("endpoint", os.environ.get("AWS_ENDPOINT_URL", "")), ("region", _aws_region() or ""))
+    return (("endpoint", os.environ.get("AWS_ENDPOINT_URL", "")), ("region", _aws_region(bucket) or ""))
 
 
 @dataclass(frozen=True)
@@ -192,7 +207,7 @@ class RemotePath:
         """The :class:`pyarrow.fs.FileSystem` this path is read through."""
         container, _, host = self.bucket.partition("@")
         account = host.split(".", 1)[0] if host else None
-        return _filesystem(self.scheme, account, _env_key(self.scheme))
+        return _filesystem(self.scheme, account, _env_key(self.scheme, container))
 
     @property
     def fs_path(self) -> str:
@@ -343,8 +358,9 @@ def filesystem_of(path: IndexPath):
 
 def storage_options(url: str) -> Optional[Dict[str, str]]:
     """Lance's ``storage_options`` for a table at ``url``: the endpoint and region from the
-    environment (an ``http://`` endpoint allows plain HTTP); None for a local table, and for a
-    store whose settings Lance reads from the environment itself."""
+    environment (an ``http://`` endpoint allows plain HTTP; without a region, an AWS bucket's
+    own); None for a local table, and for the stores whose settings Lance reads from the
+    environment itself (GCS, Azure)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme != "s3":
         return None
@@ -354,7 +370,7 @@ def storage_options(url: str) -> Optional[Dict[str, str]]:
         options["aws_endpoint"] = endpoint
         if endpoint.startswith("http://"):
             options["allow_http"] = "true"
-    region = _aws_region()
+    region = _aws_region(url.split("://", 1)[1].split("/", 1)[0])
     if region:
         options["aws_region"] = region
     elif endpoint:  # an S3-compatible store: Lance needs a region to sign requests

@@ -332,3 +332,23 @@ def test_serve_answers_from_an_index_at_a_url(both, opened):
     served = [(r["direction"], r["id"], r["score"]) for r in answer.json()["results"]]
     local = opened["local"].search("t1 t2 t3").limit(4).direction("both").to_arrow().to_pylist()
     assert served == [(r["direction"], r["id"], r["score"]) for r in local] and served
+
+
+def test_locations_parse_to_paths_urls_and_lance_settings(monkeypatch, tmp_path):
+    """No server: how each kind of location is read, and what Lance is given for it."""
+    assert location.index_path("idx") == Path("idx") and location.index_path("file:///data/idx") == Path("/data/idx")
+    remote = location.index_path("s3://bucket/a/b/")
+    assert (remote.scheme, remote.bucket, remote.key, remote.url) == ("s3", "bucket", "a/b", "s3://bucket/a/b")
+    assert str(remote / "manifest.json") == "s3://bucket/a/b/manifest.json" and remote.parent.url == "s3://bucket/a"
+    assert location.index_path("abfs://box@acct.dfs.core.windows.net/x").fs_path == "box/x"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    uri, options = location.lance_target(remote / "examples.lance")
+    assert uri == "s3://bucket/a/b/examples.lance"
+    assert options == {"aws_endpoint": "http://127.0.0.1:9000", "allow_http": "true", "aws_region": "us-east-1"}
+    assert location.lance_target(tmp_path / "examples.lance") == (str(tmp_path / "examples.lance"), None)
+    monkeypatch.setenv(location.CACHE_ENV, str(tmp_path))
+    cache = location.local_cache_dir(remote)
+    assert cache.parent == tmp_path and cache != location.local_cache_dir(location.index_path("s3://bucket/a/c"))
+    assert location.local_cache_dir(Path("idx")) == Path("idx")  # a local index keeps its own layout
