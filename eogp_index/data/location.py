@@ -102,11 +102,6 @@ def is_remote(path) -> bool:
     return isinstance(path, RemotePath)
 
 
-def location_text(value) -> str:
-    """``value`` as a user wrote it for messages and the manifest: the URL, or the path."""
-    return str(value)
-
-
 # -- file systems -------------------------------------------------------------------------------
 
 

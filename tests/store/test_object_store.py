@@ -293,28 +293,31 @@ class _Counting(pafs.FileSystemHandler):
 
 
 def test_the_projection_is_read_by_ranges_one_module_at_a_time(both, monkeypatch):
-    """Opening reads the header and the small tensors; each module's P is one range read of its
-    own bytes when it is applied; no read takes the whole file."""
+    """A query reads each module's P by one range read of its own bytes (P kept in memory by none),
+    never the file whole."""
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import GradientConfig
     from eogp_index.store.files import safetensors_header
-    from eogp_index.store.projection_file import load_projection
 
     path = location.index_path(both[1]["s3"]) / "projection.safetensors"
     header = safetensors_header(path)
     size = path.stat().st_size
+    pca = {key: e["data_offsets"][1] - e["data_offsets"][0] for key, e in header.items() if key.endswith("/pca")}
     handler = _Counting(path.filesystem)
     monkeypatch.setattr(location.RemotePath, "filesystem", property(lambda self: pafs.PyFileSystem(handler)))
 
-    projection = load_projection(path, memory_limit=0)  # no P kept: read each time it is used
-    pca = {key: entry for key, entry in header.items() if key.endswith("/pca")}
-    p_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in pca.values())
-    opened = sum(n for _, _, n in handler.reads)
-    assert pca and opened <= size - p_bytes  # no P read to open it
-    name, entry = next(iter(pca.items()))
-    projection.modules[name.removesuffix("/pca")].pca  # one module's P, when it is applied
-    reads = handler.reads[-1:]
-    assert [n for _, _, n in reads] == [entry["data_offsets"][1] - entry["data_offsets"][0]]
-    assert max(n for _, _, n in handler.reads) < size  # never the whole file in one read
-    assert sum(n for _, _, n in handler.reads) < size
+    def projection_reads():
+        reads = [n for where, _, n in handler.reads if where == path.fs_path]
+        handler.reads.clear()
+        return reads
+
+    index = AttributionIndex.open(both[1]["s3"], gradients=GradientConfig(projection_memory_gb=1e-9))
+    index.projection  # opened and checked (a file this small is fingerprinted whole)
+    projection_reads()
+    assert index.search("t1 t2 t3").limit(3).to_arrow().num_rows == 3
+    queried = projection_reads()
+    assert pca and sorted(queried) == sorted(pca.values())  # each P once, by one read of its own bytes
+    assert sum(queried) < size
 
 
 def test_serve_answers_from_an_index_at_a_url(both, opened):
@@ -352,3 +355,20 @@ def test_locations_parse_to_paths_urls_and_lance_settings(monkeypatch, tmp_path)
     cache = location.local_cache_dir(remote)
     assert cache.parent == tmp_path and cache != location.local_cache_dir(location.index_path("s3://bucket/a/c"))
     assert location.local_cache_dir(Path("idx")) == Path("idx")  # a local index keeps its own layout
+
+
+def test_a_sampled_fingerprint_of_an_object_equals_the_local_files(both, monkeypatch):
+    """The fingerprint checked on every open, sampled by concurrent range reads of the object,
+    is the one of the same bytes on a local disk."""
+    from eogp_index.store import files
+
+    monkeypatch.setattr(files, "FINGERPRINT_WHOLE_FILE_BYTES", 1024)  # sample even this small file
+    monkeypatch.setattr(files, "FINGERPRINT_CHUNK_BYTES", 64)
+    remote = location.index_path(both[1]["s3"]) / "projection.safetensors"
+    local = both[1]["local"] / "projection.safetensors"
+    assert local.stat().st_size > 1024
+    sampled = files.file_fingerprint(remote)
+    assert sampled == files.file_fingerprint(local)
+    monkeypatch.setattr(files, "FINGERPRINT_WHOLE_FILE_BYTES", 1 << 40)
+    assert files.file_fingerprint(remote) == files.file_fingerprint(local) != sampled  # whole, not sampled
+    assert files.file_sha256(remote) == files.file_sha256(local)
