@@ -314,7 +314,7 @@ def test_the_projection_is_read_by_ranges_one_module_at_a_time(both, monkeypatch
     index = AttributionIndex.open(both[1]["s3"], gradients=GradientConfig(projection_memory_gb=1e-9))
     index.projection  # opened and checked (a file this small is fingerprinted whole)
     projection_reads()
-    assert index.search("t1 t2 t3").limit(3).to_arrow().num_rows == 3
+    assert index.search("t1 t2 t3").limit(3).direction("positive").to_arrow().num_rows == 3
     queried = projection_reads()
     assert pca and sorted(queried) == sorted(pca.values())  # each P once, by one read of its own bytes
     assert sum(queried) < size
