@@ -1,7 +1,8 @@
 """The fitting stage on disk: ``<index>/fit/``, written so that a killed fit resumes where it stopped.
 
 Layout (every file is written under a temporary name and renamed into place, so a file that
-exists is complete: the renamed file is its own completion marker)::
+exists is complete: the renamed file is its own completion marker; in an object store each is
+one upload, which appears whole or not at all, :mod:`eogp_index.data.location`)::
 
     fit/fitting_set.json          the settings and the chosen examples; written first
     fit/curvature.done            kronfluence's EK-FAC factors (in <index>/curvature/) are complete
