@@ -35,7 +35,29 @@ from eogp_index.search.question import Question
 from eogp_index.serve.config import ServeConfig
 from eogp_index.store.sources import DEFAULT_TEXT_BYTES
 
-INDEX_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
+
+class Location(click.ParamType):
+    """A local path or an object-store URL (``s3://``, ``gs://``, ``az://``, ``file://``;
+    :mod:`eogp_index.data.location`): a URL no layer reads is refused here, before anything runs
+    or is created. A local path is checked as ``click.Path(**local)`` checks it."""
+
+    name = "path or URL"
+
+    def __init__(self, **local):
+        self.local = click.Path(path_type=Path, **local)
+
+    def convert(self, value, param, ctx):
+        from eogp_index.data.location import index_path, is_remote
+        from eogp_index.errors import ConfigError
+
+        try:
+            found = index_path(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+        return found if is_remote(found) else self.local.convert(str(found), param, ctx)
+
+
+INDEX_DIR = Location(exists=True, file_okay=False)
 
 #: Which record fields hold what (``fit`` and ``ingest``); the command gets them as ``record``.
 _record_options = option_group(
@@ -148,8 +170,8 @@ def cli() -> None:
     "--out",
     "out",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Index directory to create (or the interrupted fit to resume).",
+    type=Location(file_okay=False),
+    help="Index directory or object-store URL (s3://bucket/prefix) to create (or the interrupted fit to resume).",
 )
 @click.option("--split", default=None, help="The split to read of a dataset in --data / --fit-data (train, …).")
 @click.option("--config", "dataset_config", default=None, help="The config of a dataset with several.")
@@ -718,7 +740,7 @@ _target_options = option_group(
     field_option(GradientConfig, "device"),
     _projection_memory_option,
 )
-_OUT_FILE = click.Path(dir_okay=False, path_type=Path)
+_OUT_FILE = Location(dir_okay=False)
 _ray_options = option_group(
     click.option(
         "--ray",

@@ -34,6 +34,7 @@ from eogp_index.config import (
     StorageConfig,
     check_score_precision,
 )
+from eogp_index.data.location import index_path
 from eogp_index.data.readers import is_dataset_object
 from eogp_index.data.records import Example
 from eogp_index.encode.commits import Commits, index_lock
@@ -96,15 +97,26 @@ class _EncoderPart:
 
 
 class AttributionIndex:
-    """An EOGP attribution index with its model loaded: a directory with a manifest, a projection
-    and a LanceDB table (:class:`StoredIndex`), plus the model and tokenizer that project texts,
+    """An EOGP attribution index with its model loaded: a directory (or an object-store URL,
+    ``s3://bucket/prefix``) with a manifest, a projection and a LanceDB table
+    (:class:`StoredIndex`), plus the model and tokenizer that project texts,
     held by its :class:`~eogp_index.encode.encoder.Encoder` (``index.encoder``, what
     :mod:`eogp_index.search` is given). The encoder's parts (:data:`ENCODER_PARTS`: ``stored``,
     ``model``, ``tokenizer``, ``gradients``, ``device``, ``manifest``, ...) are the index's too."""
 
     def __init__(
-        self, stored: StoredIndex, model: nn.Module, tokenizer, *, gradients: GradientConfig = GradientConfig()
+        self,
+        stored: Union[StoredIndex, str, Path],
+        model: Optional[nn.Module] = None,
+        tokenizer=None,
+        *,
+        gradients: GradientConfig = GradientConfig(),
     ):
+        if not isinstance(stored, StoredIndex):  # a directory or URL: what open() makes of it
+            self.__dict__.update(
+                type(self).open(stored, model=model, tokenizer=tokenizer, gradients=gradients).__dict__
+            )
+            return
         #: The stored index with its model: projection, rows and query measurements (``search/`` takes it).
         self.encoder = Encoder(stored, model, tokenizer, gradients)
         #: The batch :meth:`open` chose for the memory budget (``eogp plan INDEX``'s), or None.
@@ -181,7 +193,7 @@ class AttributionIndex:
             path = prepare_index_dir(path, table_uri=table_uri, mode=mode)
         if distributed:
             dist.barrier()
-        path = Path(path)
+        path = index_path(path)
         model = shared_weights_copy(model)  # the fit prepares the index's own module objects, not the caller's
         gradients = _in_dtype(model, dtype or gradients.dtype, gradients)
         weights_fingerprint = model_fingerprint(model)
@@ -530,7 +542,7 @@ class AttributionIndex:
         (.jsonl, .jsonl.gz or .parquet: the records with their scores) when given."""
         selection = select_documents(self.encoder, question, options)
         if out is not None:
-            write_selection(self.stored, selection, Path(out))
+            write_selection(self.stored, selection, index_path(out))
         return selection
 
     def explain(self, query: Union[Query, Question], example_id: str) -> Explanation:

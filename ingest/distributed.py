@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from eogp_index.config import GradientConfig, IngestConfig
+from eogp_index.data import location as locations
 from eogp_index.data.readers import expand_shards, location_of, shard_names
 from eogp_index.encode.commits import Commits, index_lock
 from eogp_index.errors import ConfigError, EOGPError, InputError
@@ -214,7 +215,7 @@ def run_distributed_ingest(
             gradients = dataclasses.replace(gradients, device=device)
         model = tokenizer = None
         if model_path is not None:
-            manifest = Manifest.load(Path(index_path))
+            manifest = Manifest.load(locations.index_path(index_path))
             dtype = open_dtype(manifest, gradients.dtype, where=str(index_path))
             model, tokenizer = load_indexed_model(
                 manifest.model, model_path, device=gradients.resolved_device(), dtype=dtype
@@ -465,7 +466,10 @@ class _Worker:
                 import lance
 
                 if self.index.store.table is None:  # (a rerun finds it made)
-                    lance.write_dataset(schema.empty_table(), self.index.store.path, mode="create")
+                    store = self.index.store
+                    lance.write_dataset(
+                        schema.empty_table(), store.path, mode="create", storage_options=store.storage_options
+                    )
                 self.index.store.refresh(force=True)
             except Exception as exc:
                 result = _error_of(exc)
@@ -505,7 +509,13 @@ class _Worker:
             dataset = self.index.store.dataset()
             self._target = (dataset.uri, dataset.data_storage_version)
         uri, storage_version = self._target
-        fragments = write_fragments(rows, uri, schema=self.schema, data_storage_version=storage_version)
+        fragments = write_fragments(
+            rows,
+            uri,
+            schema=self.schema,
+            data_storage_version=storage_version,
+            storage_options=self.index.store.storage_options,
+        )
         self.pending.extend(json.dumps(f.to_json()) for f in fragments)
 
     def _maybe_optimize(self) -> None:
@@ -535,10 +545,10 @@ class _Worker:
 
                 fragments = [FragmentMetadata.from_json(text) for pending, _ in offers for text in pending]
                 if fragments:
-                    uri = self.index.store.dataset().uri
-                    latest = lance.dataset(uri).version
+                    uri, options = self.index.store.path, self.index.store.storage_options
+                    latest = lance.dataset(uri, storage_options=options).version
                     committed = lance.LanceDataset.commit(
-                        uri, lance.LanceOperation.Append(fragments), read_version=latest
+                        uri, lance.LanceOperation.Append(fragments), read_version=latest, storage_options=options
                     )
                     self.index.store.refresh(force=True)
                     result = ("ok", committed.version)

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -46,6 +48,7 @@ import pyarrow as pa
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import DEFAULT_COMMIT_ROWS, IngestConfig, OnError  # noqa: F401  (re-exported)
+from eogp_index.data import location as locations
 from eogp_index.data.readers import (
     SPLIT_SEPARATOR,
     DatasetShard,
@@ -266,21 +269,27 @@ def _metadata_fits(example: Example, schema: Optional[pa.Schema]) -> Optional[st
 def default_rejects_path(index_path: Path) -> Path:
     """``<index>/rejects/<UTC time>-<pid>.jsonl``: one file per run, never overwritten."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return Path(index_path) / REJECTS_DIR / f"{stamp}-{os.getpid()}.jsonl"
+    return locations.index_path(index_path) / REJECTS_DIR / f"{stamp}-{os.getpid()}.jsonl"
 
 
 class RejectsFile:
-    """A JSON Lines file of rejected records, created when the first one arrives."""
+    """A JSON Lines file of rejected records, created when the first one arrives. In an object
+    store (an index at a URL) it is written locally and uploaded whole at each flush and at the end."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
+        self.path = locations.index_path(path)
+        self._local = (
+            Path(tempfile.mkdtemp(prefix="eogp-rejects-")) / self.path.name
+            if locations.is_remote(self.path)
+            else self.path
+        )
         self._handle = None
         self.count = 0
 
     def write(self, rejected: Rejected) -> None:
         if self._handle is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(self.path, "a", encoding="utf-8")
+            self._local.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = open(self._local, "a", encoding="utf-8")
         record = {
             "shard": rejected.shard,
             "position": rejected.position,
@@ -294,11 +303,16 @@ class RejectsFile:
     def flush(self) -> None:
         if self._handle is not None:
             self._handle.flush()
+            if locations.is_remote(self.path):
+                locations.upload(self._local, self.path)
 
     def close(self) -> None:
         if self._handle is not None:
+            self.flush()
             self._handle.close()
             self._handle = None
+            if locations.is_remote(self.path):
+                shutil.rmtree(self._local.parent, ignore_errors=True)
 
     @property
     def written(self) -> Optional[Path]:

@@ -15,13 +15,20 @@ rescoring tier, the one-bit code's recall of its top rows measured on the table
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
+import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import pyarrow as pa
 
 from eogp_index.config import IngestConfig
+from eogp_index.data import location as locations
+from eogp_index.data.location import RemotePath
 from eogp_index.data.records import Example
 from eogp_index.errors import ConfigError
 from eogp_index.store.maintenance import after_ingest, maybe_optimize
@@ -36,17 +43,23 @@ def index_lock(index_path: Path) -> Iterator[None]:
     """Hold ``<index>/ingest.lock`` for a run, so that two ingests never write one index at once.
 
     An advisory ``flock``: the kernel drops it when the process dies, so a killed ingest never
-    leaves a stale lock. Where ``fcntl`` does not exist (Windows) there is no lock.
+    leaves a stale lock. Where ``fcntl`` does not exist (Windows) there is no lock. An index in an
+    object store holds a lease object instead (:func:`_object_lock`).
 
     Raises:
         ConfigError: another process holds it (naming its pid).
     """
+    location = locations.index_path(index_path)
+    if locations.is_remote(location):
+        with _object_lock(location / LOCK_FILE, location):
+            yield
+        return
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
         yield
         return
-    path = Path(index_path) / LOCK_FILE
+    path = Path(location) / LOCK_FILE
     handle = open(path, "a+", encoding="utf-8")
     try:
         try:
@@ -65,6 +78,74 @@ def index_lock(index_path: Path) -> Iterator[None]:
         yield
     finally:
         handle.close()  # closing the descriptor releases the lock
+
+
+#: A remote index's lock not renewed for this long is stale (its ingest died): the next takes it.
+LEASE_S = 120.0
+#: How often a running ingest renews its remote lock.
+RENEW_S = 30.0
+
+
+def _lock_holder(path: RemotePath) -> Optional[dict]:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):  # none (or not ours: taken over)
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _stale(holder: dict) -> bool:
+    """Whether a lock's ingest is gone: not renewed for :data:`LEASE_S`, or a process of this
+    host that no longer runs."""
+    if time.time() - float(holder.get("renewed", 0)) > LEASE_S:
+        return True
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+    return False
+
+
+@contextlib.contextmanager
+def _object_lock(path: RemotePath, where) -> Iterator[None]:
+    """``<index>/ingest.lock`` in an object store: a lease object naming its host, pid and a token,
+    renewed every :data:`RENEW_S` seconds by a background thread and deleted at the end.
+
+    An object store has no ``flock``, and pyarrow's file systems offer no create-if-absent write,
+    so taking the lock is a read, a ``PUT`` and a read back (the token must be ours): two ingests
+    starting within the same second can both pass. The table stays consistent either way (Lance
+    commits conditionally); what the lock prevents is the same shards stored twice. A lock whose
+    ingest was killed is taken over once it is stale (:func:`_stale`).
+    """
+    holder = _lock_holder(path)
+    if holder is not None and not _stale(holder):
+        raise ConfigError(
+            f"another ingest (pid {holder.get('pid')} on {holder.get('host')}) is writing to {where}; wait for "
+            f"it to finish or stop it (two ingests of the same shards at once would store examples twice). A "
+            f"killed ingest's lock ({path}) is taken over {LEASE_S:.0f} s after its last renewal"
+        )
+    mine = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
+    path.write_text(json.dumps({**mine, "renewed": time.time()}))
+    if (_lock_holder(path) or {}).get("token") != mine["token"]:
+        raise ConfigError(f"another ingest took {path} at the same moment; wait for it to finish, then rerun")
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(RENEW_S):
+            path.write_text(json.dumps({**mine, "renewed": time.time()}))
+
+    renewer = threading.Thread(target=renew, name="eogp-ingest-lock", daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renewer.join()
+        if (_lock_holder(path) or {}).get("token") == mine["token"]:
+            path.unlink(missing_ok=True)
 
 
 class Commits:

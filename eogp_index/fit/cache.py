@@ -1,7 +1,8 @@
 """The fitting stage on disk: ``<index>/fit/``, written so that a killed fit resumes where it stopped.
 
 Layout (every file is written under a temporary name and renamed into place, so a file that
-exists is complete: the renamed file is its own completion marker)::
+exists is complete: the renamed file is its own completion marker; in an object store each is
+one upload, which appears whole or not at all, :mod:`eogp_index.data.location`)::
 
     fit/fitting_set.json          the settings and the chosen examples; written first
     fit/curvature.done            kronfluence's EK-FAC factors (in <index>/curvature/) are complete
@@ -32,15 +33,19 @@ which examples fitted the index.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
+from eogp_index.data.location import index_path, is_remote, remove_tree, upload
 from eogp_index.data.records import Example
 from eogp_index.errors import ConfigError, ModelError
 
@@ -50,7 +55,17 @@ FIT_FORMAT_VERSION = 1
 
 
 def atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)``, flush it to disk, then rename it to ``path`` (all or nothing)."""
+    """Call ``write(tmp_path)``, flush it to disk, then rename it to ``path`` (all or nothing); an
+    object-store ``path`` (:class:`~eogp_index.data.location.RemotePath`): ``write`` makes a local
+    file, uploaded in one request (the object appears whole or not at all)."""
+    if is_remote(path):
+        folder = Path(tempfile.mkdtemp(prefix="eogp-upload-"))
+        try:
+            write(folder / path.name)
+            upload(folder / path.name, path)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -90,7 +105,7 @@ class FitFolder:
         disjoint: bool,
         held_out: Sequence[Example] = (),
     ):
-        self.dir = Path(index_dir) / FIT_DIR
+        self.dir = index_path(index_dir) / FIT_DIR
         self.record = {
             "format": "eogp-fit",
             "format_version": FIT_FORMAT_VERSION,
@@ -120,7 +135,7 @@ class FitFolder:
     def existing_settings(index_dir: Path) -> Optional[Dict[str, Any]]:
         """The settings of an interrupted fit found in ``index_dir`` (None when there is none
         or it cannot be read: :meth:`begin` then says why)."""
-        path = Path(index_dir) / FIT_DIR / FITTING_SET_FILE
+        path = index_path(index_dir) / FIT_DIR / FITTING_SET_FILE
         try:
             return json.loads(path.read_text()).get("settings")
         except (OSError, ValueError, AttributeError):
@@ -183,17 +198,15 @@ class FitFolder:
 
     def read_module(self, name: str, num_batches: int) -> torch.Tensor:
         """One module's cached coordinates for the whole PCA set, ``(n, m_u)`` float16 (batch order)."""
-        from safetensors import safe_open
-
-        paths = [str(self.batch_path(batch)) for batch in range(num_batches)]
+        paths = [self.batch_path(batch) for batch in range(num_batches)]
         rows = []
         for path in paths:  # headers only: the module's size, so its rows land in one buffer
-            with safe_open(path, framework="pt") as handle:
+            with _tensors(path) as handle:
                 rows.append(handle.get_slice(name).get_shape())
         out = torch.empty(sum(shape[0] for shape in rows), rows[0][1], dtype=torch.float16)
         start = 0
         for path, shape in zip(paths, rows):
-            with safe_open(path, framework="pt") as handle:
+            with _tensors(path) as handle:
                 out[start : start + shape[0]] = handle.get_tensor(name)
             start += shape[0]
         return out
@@ -236,10 +249,12 @@ class FitFolder:
         atomic_write(self.scores_path(index), lambda tmp: save_file(tensors, str(tmp)))
 
     def read_scores(self, index: int) -> Optional[Dict[str, torch.Tensor]]:
-        from safetensors.torch import load_file
+        from safetensors.torch import load, load_file
 
         path = self.scores_path(index)
-        return load_file(str(path)) if path.exists() else None
+        if not path.exists():
+            return None
+        return load(path.read_bytes()) if is_remote(path) else load_file(str(path))
 
     def queries_path(self, index: int) -> Path:
         return self.dir / "pca" / f"module-{index:04d}.queries.npy"
@@ -260,11 +275,30 @@ class FitFolder:
 
     def read_module_pca(self, index: int) -> torch.Tensor:
         """A fitted P, memory-mapped (copy-on-write): its pages are read as the projection file is
-        written and leave memory when the tensor is dropped, so the fit holds one module's P at a time."""
-        return torch.from_numpy(np.load(self.module_path(index), mmap_mode="c"))
+        written and leave memory when the tensor is dropped, so the fit holds one module's P at a time.
+        From an object store it is read whole (one module's P)."""
+        path = self.module_path(index)
+        if is_remote(path):
+            return torch.from_numpy(np.load(io.BytesIO(path.read_bytes())))
+        return torch.from_numpy(np.load(path, mmap_mode="c"))
 
     def finish(self) -> None:
         """After the index is written: drop the coordinates and the fitted modules, keep the record."""
         for sub in ("coords", "pca"):
-            shutil.rmtree(self.dir / sub, ignore_errors=True)
+            remove_tree(self.dir / sub)
         self.curvature_marker.unlink(missing_ok=True)
+
+
+@contextmanager
+def _tensors(path):
+    """A safetensors file's reader: memory-mapped locally, by range reads from an object store."""
+    if is_remote(path):
+        from eogp_index.data.location import RangeSafetensors
+
+        with path.open_input() as handle:
+            yield RangeSafetensors(handle, str(path))
+        return
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        yield handle

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from eogp_index.config import EIGENVECTOR_DTYPES, CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+from eogp_index.data.location import index_path, local_cache_dir
 from eogp_index.data.records import Example
 from eogp_index.errors import InputError
 from eogp_index.fit.cache import FitFolder
@@ -167,7 +168,7 @@ def fit_projection(
     projection = projection.resolved(storage.tier)  # the default variant is the tier's
     ranks = Ranks.current()
     progress = progress and ranks.rank == 0  # one set of bars per job
-    out_dir = Path(out_dir)
+    out_dir = index_path(out_dir)  # a local directory or an object-store URL (eogp_index.data.location)
     weights_sha256 = model_sha256(model)
     replace_conv1d(model)
     make_experts_trackable(model, dense=gradients.experts == "dense")
@@ -383,7 +384,8 @@ def _sized(model, names, sets, out_dir, projection, storage, curvature, gradient
 
 def _curvature(model, examples, names, out_dir, folder, config, pad_id, device, ranks, progress, partitions=1):
     """EK-FAC factors: reused when complete; else fitted by kronfluence (see the module docstring)."""
-    curvature_dir = out_dir / CURVATURE_DIR
+    # kronfluence writes local files: a remote index's factors stay in its local cache folder
+    curvature_dir = local_cache_dir(out_dir) / CURVATURE_DIR
     # The marker is written after kronfluence returns, so it implies complete factor files.
     if not (folder.curvature_done() and factors_dir(curvature_dir).exists()):
         # kronfluence splits the work only on CUDA with NCCL; elsewhere rank 0 fits alone.

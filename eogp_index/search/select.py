@@ -39,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 from eogp_index.config import SelectOptions, check_score_precision
+from eogp_index.data.location import index_path, is_remote, upload
 from eogp_index.data.records import content_sha256, location_of, record_content
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.search.normalize import normalized_codes
@@ -343,7 +344,7 @@ def _best(rowaddr: np.ndarray, key: np.ndarray, keep: int) -> Tuple[np.ndarray, 
 
 def output_kind(path: Path) -> str:
     """``jsonl``, ``jsonl.gz`` or ``parquet``, from the output file's name."""
-    name = Path(path).name.lower()
+    name = index_path(path).name.lower()
     for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
         if name.endswith(suffix):
             return suffix[1:]
@@ -356,8 +357,17 @@ def atomic_output(path: Path) -> Iterator[Any]:
 
     On Linux the file is written unnamed (``O_TMPFILE``) and linked in only when complete, so
     a process killed mid-write (even by SIGKILL) leaves nothing behind; elsewhere it is written
-    to a hidden temporary name in the same folder, removed on any error, then renamed.
+    to a hidden temporary name in the same folder, removed on any error, then renamed. An
+    object-store URL (``s3://bucket/out.parquet``): written locally, then uploaded in one request.
     """
+    target = index_path(path)
+    if is_remote(target):
+        with tempfile.TemporaryDirectory(prefix="eogp-out-") as folder:
+            local = Path(folder) / target.name
+            with open(local, "wb") as handle:
+                yield handle
+            upload(local, target)
+        return
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():

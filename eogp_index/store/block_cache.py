@@ -26,6 +26,9 @@ rest. Any other block clears the cache first. Every document is stored once.
 
 Each worker of a torchrun ingest keeps its own block in ``<index>/ingest-cache/rank-R/``; the
 workers' blocks of a step are committed together, so each is committed whole or redone.
+
+A remote index (:mod:`eogp_index.data.location`) keeps this cache on a local disk, in its local
+cache folder.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from eogp_index.config import available_memory
+from eogp_index.data.location import index_path, local_cache_dir
 from eogp_index.data.records import Example
 from eogp_index.fit.blocks import default_block_documents, free_disk_bytes, whole_batches
 from eogp_index.fit.cache import atomic_write, examples_sha256
@@ -68,7 +72,7 @@ def block_documents(stored: StoredIndex, batch_size: int, asked: Optional[int], 
             projection.tier_k,  # the coordinates each document's block holds: a wider tier's
             itemsize,
             batch_size,
-            free_disk=free_disk_bytes(Path(stored.path) / CACHE_DIR) // workers,
+            free_disk=free_disk_bytes(stored.cache_dir / CACHE_DIR) // workers,
             free_memory=available_memory() // workers,
         )
     return documents if documents > batch_size else None
@@ -83,7 +87,8 @@ class BlockCache:
     """
 
     def __init__(self, index_dir: Path, documents: int, *, worker: Optional[int] = None):
-        self.root = Path(index_dir) / CACHE_DIR
+        # a remote index's block cache is on a local disk: its local cache folder (data.location)
+        self.root = local_cache_dir(index_path(index_dir)) / CACHE_DIR
         self.dir = self.root if worker is None else self.root / f"rank-{worker}"
         self.documents = documents
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eogp-block-cache")

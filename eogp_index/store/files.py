@@ -11,12 +11,14 @@ import math
 import os
 import struct
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Sequence
 
 import torch
 
+from eogp_index.data.location import index_path, is_remote, open_random_access, upload
 from eogp_index.errors import ConfigError
 
 
@@ -74,8 +76,10 @@ def write_safetensors(path: Path, entries: Sequence[TensorEntry], metadata: Dict
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     digest = hashlib.sha256()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    target = index_path(path)
+    # An object is written by one upload of the finished file: a failure midway leaves no object.
+    local = Path(tempfile.mkdtemp(prefix="eogp-upload-")) / target.name if is_remote(target) else Path(target)
+    tmp = local.with_name(f".{local.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
 
@@ -101,16 +105,21 @@ def write_safetensors(path: Path, entries: Sequence[TensorEntry], metadata: Dict
                 del tensor, flat
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        if is_remote(target):
+            upload(tmp, target)
+        else:
+            os.replace(tmp, target)
     finally:
         if tmp.exists():
             tmp.unlink()
+        if is_remote(target):
+            local.parent.rmdir()
     return digest.hexdigest()
 
 
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_random_access(index_path(path)) as handle:
         for chunk in iter(lambda: handle.read(1 << 22), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -123,6 +132,8 @@ FINGERPRINT_CHUNKS = 1024
 FINGERPRINT_CHUNK_BYTES = 4096
 FINGERPRINT_TENSOR_END_BYTES = 256
 FINGERPRINT_PREFIX = "sample1:"
+#: Range reads in flight at once when fingerprinting an object (each sample is one request).
+FINGERPRINT_REMOTE_READS = 32
 
 
 def file_fingerprint(path: Path) -> str:
@@ -135,10 +146,10 @@ def file_fingerprint(path: Path) -> str:
     — about 4 MiB read from a 481 GB file. A change of size, layout, metadata or a sampled byte is
     caught; a change confined to unsampled bytes is not (``eogp verify`` hashes every byte).
     """
-    path = Path(path)
+    path = index_path(path)
     size = path.stat().st_size
     digest = hashlib.sha256(f"{size}|".encode())
-    with open(path, "rb") as handle:
+    with open_random_access(path) as handle:
         if size <= FINGERPRINT_WHOLE_FILE_BYTES:
             for chunk in iter(lambda: handle.read(1 << 22), b""):
                 digest.update(chunk)
@@ -162,6 +173,13 @@ def file_fingerprint(path: Path) -> str:
             begin, end = (data_start + int(x) for x in entry["data_offsets"])
             n = min(FINGERPRINT_TENSOR_END_BYTES, end - begin)
             reads += [(begin, n), (end - n, n)]
+        if is_remote(path):  # a range request each: many at once, hashed in file order
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=FINGERPRINT_REMOTE_READS) as pool:
+                for data in pool.map(lambda read: handle.read_at(read[1], read[0]), sorted(reads)):
+                    digest.update(data)
+            return FINGERPRINT_PREFIX + digest.hexdigest()
         for offset, n in sorted(reads):  # in file order: one forward sweep
             handle.seek(offset)
             digest.update(handle.read(n))
@@ -171,7 +189,7 @@ def file_fingerprint(path: Path) -> str:
 def safetensors_header(path: Path) -> Dict[str, Any]:
     """The JSON header of a safetensors file: each tensor's ``dtype``, ``shape`` and ``data_offsets``,
     and the ``__metadata__`` strings. Reads only the header, however large the file."""
-    with open(path, "rb") as handle:
+    with open_random_access(index_path(path)) as handle:
         length = int.from_bytes(handle.read(8), "little")
         return json.loads(handle.read(length))
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from eogp_index.config import ProjectionConfig
+from eogp_index.data.location import index_path
 from eogp_index.errors import ConfigError, IncompatibleIndexError
 from eogp_index.fit.plan import ModelShape, Plan, make_plan, model_shape, with_nodes
 from eogp_index.store.files import safetensors_header, tensor_bytes
@@ -44,7 +45,7 @@ def plan_of_index(
         IncompatibleIndexError: the file holds the eigenvector columns in several dtypes.
     """
     del curvature_examples
-    index_dir = Path(index_dir)
+    index_dir = index_path(index_dir)
     manifest = Manifest.load(index_dir)
     built = manifest.model_dtype
     if dtype not in (None, "auto", built):

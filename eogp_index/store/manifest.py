@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from eogp_index.data.location import index_path, write_atomic
 from eogp_index.errors import IncompatibleIndexError, IndexNotFoundError
 
 FORMAT = "eogp-index"
@@ -97,7 +98,7 @@ class Manifest:
     def k(self) -> tuple[int, ...]:
         return tuple(m.k for m in self.modules)
 
-    def store_uri(self, index_dir: Path) -> str:
+    def store_uri(self, index_dir) -> str:
         """Where the table lives: ``table_uri`` if set, else the index directory."""
         return self.table_uri or str(index_dir)
 
@@ -140,17 +141,15 @@ class Manifest:
             del data["tier"]
         return data
 
-    def save(self, index_dir: Path) -> None:
+    def save(self, index_dir) -> None:
         data = self.to_json()
-        validate(data, source=Path(index_dir) / MANIFEST_FILE)
-        path = Path(index_dir) / MANIFEST_FILE
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        tmp.replace(path)  # atomic: a reader never sees half a manifest
+        path = index_path(index_dir) / MANIFEST_FILE
+        validate(data, source=path)
+        write_atomic(path, json.dumps(data, indent=2) + "\n")  # a reader never sees half a manifest
 
     @classmethod
-    def load(cls, index_dir: Path) -> "Manifest":
-        path = Path(index_dir) / MANIFEST_FILE
+    def load(cls, index_dir) -> "Manifest":
+        path = index_path(index_dir) / MANIFEST_FILE
         if not path.exists():
             raise IndexNotFoundError(f"{path} not found: {index_dir} is not an eogp index (create one with `eogp fit`)")
         try:
@@ -170,7 +169,7 @@ class Manifest:
         return cls(**data)
 
 
-def validate(data: Dict[str, Any], *, source: Path) -> None:
+def validate(data: Dict[str, Any], *, source) -> None:
     """Validate a manifest dict against the JSON Schema shipped in ``schemas/``."""
     import jsonschema
 

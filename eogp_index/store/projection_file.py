@@ -7,7 +7,8 @@ the paper's Appendix E; formats 1 and 2 are still read; the layout is specified 
 ``eogp verify``) and by a cheap sampled fingerprint (checked on every open,
 :func:`~eogp_index.store.files.file_fingerprint`).
 
-A loaded projection reads the ``P`` matrices lazily from the memory-mapped file (:class:`LazyPca`).
+A loaded projection reads the ``P`` matrices lazily from the memory-mapped file, or, for an index
+in an object store, by range reads of the object, one module's ``P`` at a time (:class:`LazyPca`).
 When they all fit a memory limit each is read once, on first use, and kept; otherwise every
 module's ``P`` is read when it is applied and dropped after, so one module's ``P`` is held at a
 time (the paper's "modules in turn").
@@ -25,6 +26,7 @@ from typing import Dict, List, Optional
 import torch
 
 from eogp_index.config import PCA_DTYPE_BYTES, ProjectionConfig, default_projection_memory
+from eogp_index.data.location import RangeSafetensors, index_path, is_remote, open_random_access
 from eogp_index.errors import IncompatibleIndexError, IndexNotFoundError
 from eogp_index.fit.projection import PCA_TORCH_DTYPES, ModuleProjection, Projection
 from eogp_index.store.files import TensorEntry, write_safetensors
@@ -90,7 +92,7 @@ def save_projection(projection: Projection, path: Path) -> str:
         "config": json.dumps(projection.config.__dict__),
         "modules": json.dumps(modules_meta),
     }
-    return write_safetensors(Path(path), entries, metadata)
+    return write_safetensors(index_path(path), entries, metadata)
 
 
 def load_projection(path: Path, *, memory_limit: Optional[int] = None) -> Projection:
@@ -111,12 +113,16 @@ def load_projection(path: Path, *, memory_limit: Optional[int] = None) -> Projec
     """
     from safetensors import safe_open
 
-    path = Path(path)
+    path = index_path(path)
     if not path.exists():
         raise IndexNotFoundError(f"projection file {path} is missing; the index was not fitted (eogp fit)")
     # The handle stays open for the projection's lifetime: P is read from it later. A file
-    # replaced on disk meanwhile (a refit) leaves this open file, the one checked, in place.
-    handle = safe_open(str(path), framework="pt")
+    # replaced on disk meanwhile (a refit) leaves this open file, the one checked, in place. An
+    # object is read by ranges: the header, each module's small tensors, and each P when applied.
+    if is_remote(path):
+        handle = RangeSafetensors(open_random_access(path), str(path))
+    else:
+        handle = safe_open(str(path), framework="pt")
     metadata = handle.metadata() or {}
     if metadata.get("format") != "eogp-projection":
         raise IncompatibleIndexError(f"{path} is not an eogp projection file")

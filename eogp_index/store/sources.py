@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
+from eogp_index.data.location import index_path, write_atomic
 from eogp_index.data.records import RecordSpec
 from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
 
@@ -34,13 +34,13 @@ DEFAULT_TEXT_BYTES = 64 << 10
 class Sources:
     """The parsed ``sources.json`` of an index directory (empty before the first ingest)."""
 
-    def __init__(self, index_dir: Path, data: Optional[Dict[str, Any]] = None):
-        self.path = Path(index_dir) / SOURCES_FILE
+    def __init__(self, index_dir, data: Optional[Dict[str, Any]] = None):
+        self.path = index_path(index_dir) / SOURCES_FILE
         self.data = data or {"format": FORMAT, "format_version": FORMAT_VERSION, "store_text": None, "shards": {}}
 
     @classmethod
-    def load(cls, index_dir: Path) -> "Sources":
-        path = Path(index_dir) / SOURCES_FILE
+    def load(cls, index_dir) -> "Sources":
+        path = index_path(index_dir) / SOURCES_FILE
         if not path.exists():
             return cls(index_dir)
         try:
@@ -117,6 +117,4 @@ class Sources:
         return entry["uri"], RecordSpec(**entry["record_spec"])
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2) + "\n")
-        tmp.replace(self.path)  # atomic: a reader never sees half a file
+        write_atomic(self.path, json.dumps(self.data, indent=2) + "\n")  # a reader never sees half a file

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
+from eogp_index.data.location import IndexPath, index_path, is_remote, local_cache_dir, remove_tree
 from eogp_index.data.records import Example, RecordSpec, location_of, record_of, tokenize_windows
 from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
 from eogp_index.store.codecs import Codec, SignLayout, TierCodec, codec_for, prefix_columns, tier_for
@@ -76,23 +77,26 @@ def check_index_dir(path: Union[str, Path], mode: str = "create") -> None:
     so that ``eogp fit`` says so before it loads the model."""
     if mode not in ("create", "overwrite"):
         raise ConfigError(f"mode must be 'create' or 'overwrite', got {mode!r}")
-    if mode == "create" and (Path(path) / MANIFEST_FILE).exists():
+    if mode == "create" and (index_path(path) / MANIFEST_FILE).exists():
         raise ConfigError(f"{path} already holds an index; pass mode='overwrite' (--overwrite) to replace it")
 
 
-def prepare_index_dir(path: Union[str, Path], *, table_uri: Optional[str] = None, mode: str = "create") -> Path:
+def prepare_index_dir(path: Union[str, Path], *, table_uri: Optional[str] = None, mode: str = "create") -> IndexPath:
     """Make ``path`` ready for a new index.
 
     ``mode="create"`` refuses a finished index (one with a manifest). A directory with a ``fit/``
     folder but no manifest holds an interrupted fit: it is kept, and the fit resumes from it
     (:mod:`eogp_index.fit.cache` checks that the settings match). ``mode="overwrite"`` removes
-    an index or an interrupted fit, and the table at ``table_uri``.
+    an index or an interrupted fit, and the table at ``table_uri``. ``path`` may be an
+    object-store URL (:mod:`eogp_index.data.location`); a URL no layer reads is refused.
     """
-    path = Path(path)
+    path = index_path(path)
     check_index_dir(path, mode)
     if (path / MANIFEST_FILE).exists() or (path / FIT_DIR).is_dir():
         if mode == "overwrite":
-            shutil.rmtree(path)
+            remove_tree(path)
+            if is_remote(path):  # the hot copy and block cache of the index replaced
+                shutil.rmtree(local_cache_dir(path), ignore_errors=True)
     if table_uri is not None:
         remote = Store(table_uri, TABLE_NAME)
         if remote.table is not None:
@@ -115,7 +119,11 @@ class StoredIndex:
     """
 
     def __init__(self, path: Union[str, Path], manifest: Manifest):
-        self.path = Path(path)
+        #: the index directory: a ``Path``, or a :class:`~eogp_index.data.location.RemotePath`
+        self.path = index_path(path)
+        #: where the parts that must be on a local disk live (the hot copy, block ingest's cache):
+        #: the index directory, or a local cache folder for a remote index
+        self.cache_dir = local_cache_dir(self.path)
         self.manifest = manifest
         self.layout = SignLayout(manifest.k)
         #: the index's coordinates per module: what the projection outputs and queries are
@@ -144,7 +152,7 @@ class StoredIndex:
     @classmethod
     def open(cls, path: Union[str, Path]) -> "StoredIndex":
         """Read and validate the manifest; loads no model and imports no torch."""
-        return cls(path, Manifest.load(Path(path)))
+        return cls(path, Manifest.load(index_path(path)))
 
     @classmethod
     def create(
@@ -189,7 +197,7 @@ class StoredIndex:
         from eogp_index.store.projection_file import save_projection
         from eogp_index.version import __version__
 
-        path = Path(path)
+        path = index_path(path)
         projection = fitted.projection
         proj_hash = save_projection(projection, path / PROJECTION_FILE)
         layout = SignLayout(projection.k)
@@ -301,14 +309,14 @@ class StoredIndex:
         # load may not even open the table (load_hot adopts the version the copy recorded).
         if consolidate or self._hot is None or self._hot.version != self.store.version:
             self._hot = None  # let the old copy's mappings go before the new one is made
-            self._hot = load_hot(self.store, self.codec, self.path / HOT_DIR, consolidate=consolidate)
+            self._hot = load_hot(self.store, self.codec, self.cache_dir / HOT_DIR, consolidate=consolidate)
         return self._hot
 
     def has_hot_copy(self) -> bool:
-        """Whether ``<index>/hot`` holds a hot copy (of any version)."""
+        """Whether ``<index>/hot`` (a remote index: the local cache's) holds a hot copy (of any version)."""
         from eogp_index.store.hot import STATE_FILE
 
-        return (self.path / HOT_DIR / STATE_FILE).exists()
+        return (self.cache_dir / HOT_DIR / STATE_FILE).exists()
 
     def loaded_hot(self):
         """The hot copy if this process has loaded it and it is current, else None (loads nothing:

@@ -175,11 +175,13 @@ class Store:
     """
 
     def __init__(self, uri: str | Path, table_name: str = "examples"):
+        from eogp_index.data.location import index_path, lance_target
+
         self.uri = str(uri)
         self.table_name = table_name
         self.local = _is_local(self.uri)
-        base = self.uri.removeprefix("file://") if self.local else self.uri
-        self.path = str(Path(base) / f"{table_name}.lance") if self.local else f"{base.rstrip('/')}/{table_name}.lance"
+        # (index_path refuses a URL no layer reads, rather than a local folder named "s3:")
+        self.path, self.storage_options = lance_target(index_path(self.uri) / f"{table_name}.lance")
         self._dataset = None  # the LanceDataset, opened when first needed
         self._version: Optional[int] = None  # the latest version seen (0: no table); None: not looked yet
         self._stamp: Optional[tuple] = None  # (mtime_ns, inode) of _versions when last checked, local
@@ -242,7 +244,7 @@ class Store:
 
         if self._dataset is None:
             try:
-                self._dataset = lance.dataset(self.path)
+                self._dataset = lance.dataset(self.path, storage_options=self.storage_options)
             except (FileNotFoundError, ValueError, OSError):  # no table there
                 self._dataset, self._version = None, 0
                 return
@@ -322,7 +324,7 @@ class Store:
         import lance
 
         if self.table is None:
-            self._dataset = lance.write_dataset(rows, self.path, mode="create")
+            self._dataset = lance.write_dataset(rows, self.path, mode="create", storage_options=self.storage_options)
         else:
             names = self.schema.names  # (cached per dataset version)
             new = [field for field in rows.schema if field.name not in names]
@@ -341,7 +343,7 @@ class Store:
         import lance
 
         if self.table is not None:
-            lance.LanceDataset.drop(self.path, ignore_not_found=True)
+            lance.LanceDataset.drop(self.path, storage_options=self.storage_options, ignore_not_found=True)
         self._dataset, self._stamp, self._version = None, None, 0
 
     # -- reading ----------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def open_first_pass(index, name: str = "default", *, refresh: bool = True) -> Fi
     """
     stored = getattr(index, "stored", index)
     meta_path = FirstPass.paths(stored.path, name)["meta"]
-    key = (str(Path(stored.path).resolve()), name)
+    key = (str(stored.path.resolve()), name)  # (a Path, or an object-store RemotePath)
     with _CACHE_LOCK:
         cached = _CACHE.get(key)
         stamp = _stamp(meta_path)

@@ -15,12 +15,15 @@ build. The JSON's ``kind`` says which class opens the files, its ``format`` and
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Type, Union
 
+from eogp_index.data.location import index_path, is_remote, local_cache_dir, upload, write_atomic
 from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError
 from eogp_index.version import __version__
 
@@ -154,14 +157,40 @@ def load_faiss():
 
 
 def temporary(path: Path) -> Path:
-    """Where ``path`` is written before :func:`commit` moves it into place."""
+    """Where ``path`` is written before :func:`commit` moves it into place: beside it, or for an
+    index in an object store, a local file (uploaded by :func:`commit`)."""
+    if is_remote(path):
+        digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"eogp-{digest}-{path.name}.tmp-{os.getpid()}"
     return path.with_name(f"{path.name}.tmp-{os.getpid()}")
 
 
 def commit(paths: Sequence[Path]) -> None:
-    """Move each written :func:`temporary` file into place, in order: the JSON goes last."""
+    """Move each written :func:`temporary` file into place, in order: the JSON goes last. In an
+    object store each is one upload (whole or not at all); the JSON, uploaded last, names what
+    the others are, so a reader that finds them disagreeing is told to rebuild."""
     for path in paths:
-        temporary(path).replace(path)
+        if is_remote(path):
+            try:
+                upload(temporary(path), path)
+            finally:
+                temporary(path).unlink(missing_ok=True)
+        else:
+            temporary(path).replace(path)
+
+
+def readable(path: Path) -> Path:
+    """A local file holding ``path``'s bytes, for readers of local files only (FAISS): ``path``
+    itself, or for an object, a copy in the index's local cache folder, fetched when the object
+    changed (its size or time) or is not there yet."""
+    if not is_remote(path):
+        return path
+    local = local_cache_dir(path.parent.parent) / FIRST_PASS_DIR / path.name
+    stamp, seen = path.stamp(), local.with_name(f"{local.name}.stamp")
+    if not local.exists() or not seen.exists() or seen.read_text() != stamp:
+        write_atomic(local, path.read_bytes())
+        write_atomic(seen, stamp)
+    return local
 
 
 class FirstPass(ABC):
@@ -195,7 +224,7 @@ class FirstPass(ABC):
         _KINDS[kind] = cls
 
     def __init__(self, index_dir: Union[str, Path], name: str, config: FirstPassConfig, meta: Dict[str, Any]):
-        self.index_dir = Path(index_dir)
+        self.index_dir = index_path(index_dir)
         self.name = name
         self.config = config
         self.meta = meta
@@ -210,7 +239,7 @@ class FirstPass(ABC):
         """
         if not name or "/" in name or name.startswith("."):
             raise ConfigError(f"a first pass's name must be a plain file name, got {name!r}")
-        base = Path(index_dir) / FIRST_PASS_DIR
+        base = index_path(index_dir) / FIRST_PASS_DIR
         return {"dir": base, **{role: base / f"{name}{suffix}" for role, suffix in cls.FILES.items()}}
 
     @classmethod
@@ -291,7 +320,7 @@ class FirstPass(ABC):
                 f"{meta_path} is a {found.kind!r} first pass: pass a {found.Config.__name__} "
                 f"(or no config), not a {type(config).__name__}"
             )
-        return found._open(Path(index_dir), name, meta, config or found.Config())
+        return found._open(index_path(index_dir), name, meta, config or found.Config())
 
     @classmethod
     @abstractmethod

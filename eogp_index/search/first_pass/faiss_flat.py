@@ -53,6 +53,7 @@ from eogp_index.search.first_pass.base import (
     build_param,
     commit,
     load_faiss,
+    readable,
     require_signs,
     search_param,
     temporary,
@@ -242,8 +243,8 @@ class FlatFirstPass(FirstPass, kind="flat"):
 
         faiss = load_faiss()
         paths = cls.paths(index_dir, name)
-        faiss_index = faiss.read_index(str(paths["index"]))
-        table = pq.read_table(paths["ids"])
+        faiss_index = faiss.read_index(str(readable(paths["index"])))
+        table = pq.read_table(readable(paths["ids"]))
         keys = table.column("key").to_numpy()
         ids = table.column("id").combine_chunks()
         if not (faiss_index.ntotal == len(keys) == meta["rows"]) or faiss_index.d != meta["d"]:
