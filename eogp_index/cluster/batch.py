@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from eogp_index.config import SelectOptions
+from eogp_index.data.location import index_path
 from eogp_index.errors import ConfigError, EOGPError
 from eogp_index.search.question import Question
 from eogp_index.search.searchers import STREAM_BATCH_BYTES
@@ -118,7 +119,7 @@ def scores_on_ray(
     """:func:`~eogp_index.search.select.write_scores` with the fragments scored by Ray tasks, one
     per shard (``shards``; None: one per CPU of the cluster); the same file. ``address``:
     :func:`join_ray`. Returns the rows written."""
-    out = Path(out)
+    out = index_path(out)
     parquet_output(out)
     ray = join_ray(address)
     work = scores_work(index, question, where=where, precision=precision)
@@ -191,7 +192,7 @@ def select_on_ray(
         parts = [_get(ray, ref) for ref in refs]
     selection = finish_selection(work, *merge_best(parts, work.keep))
     if out is not None:
-        write_selection(stored, selection, Path(out))
+        write_selection(stored, selection, index_path(out))
     return selection
 
 

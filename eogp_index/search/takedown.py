@@ -232,7 +232,7 @@ def _report(stored, pending: Optional[Dict[str, Any]], outcome, *, resumed: Opti
 
 def _run(stored, pending: Dict[str, Any], on_step: Callable[[str], None], target_rows: int) -> Dict[str, Any]:
     """Run the steps of ``pending`` not recorded as done, recording each; the outcome."""
-    path = Path(stored.path)
+    path = stored.path
     done = set(pending.get("steps", []))
     ran: List[str] = []
     outcome: Dict[str, Any] = {"rows_deleted": 0, "first_passes": {}, "steps": ran, "details": {}}
@@ -254,7 +254,7 @@ def _run(stored, pending: Dict[str, Any], on_step: Callable[[str], None], target
 
 def _do(step: str, stored, pending: Dict[str, Any], ids: List[str], outcome: Dict[str, Any], target_rows: int) -> None:
     """Run one step (its name in :data:`~eogp_index.store.deletions.STEPS`), noting what it did in ``outcome``."""
-    path, store, details = Path(stored.path), stored.store, outcome["details"]
+    path, store, details = stored.path, stored.store, outcome["details"]
     if step == "logged":
         deletions.log_entries(path, pending)
     elif step == "deleted":
@@ -264,11 +264,11 @@ def _do(step: str, stored, pending: Dict[str, Any], ids: List[str], outcome: Dic
     elif step == "cleaned":
         details["cleanup"] = deletions.remove_old_versions(store)
     elif step == "hot":
-        details["hot_rows"] = deletions.rebuild_hot(stored, path / HOT_DIR)
+        details["hot_rows"] = deletions.rebuild_hot(stored, stored.cache_dir / HOT_DIR)
     elif step == "first-passes":
         outcome["first_passes"] = rebuild_first_passes(stored)
     elif step == "caches":
-        details["caches"] = deletions.purge_caches(path, _all_deleted(path))
+        details["caches"] = deletions.purge_caches(path, _all_deleted(path), stored.cache_dir)
         details["recall_queries_removed"] = drop_queries(path, _all_deleted_hashes(path))
     # "recorded": the pending record itself, written when the step is marked done
 
@@ -288,10 +288,10 @@ def rebuild_first_passes(stored) -> Dict[str, str]:
     from eogp_index.search.first_pass import class_for, clear_cache, load
     from eogp_index.search.first_pass.base import FIRST_PASS_DIR
 
-    folder = Path(stored.path) / FIRST_PASS_DIR
+    folder = stored.path / FIRST_PASS_DIR
     done: Dict[str, str] = {}
-    for meta in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        name = meta.stem
+    for meta in sorted(folder.glob("*.json"), key=str) if folder.is_dir() else []:
+        name = meta.name[: -len(".json")]
         try:
             found = load(stored.path, name)
             class_for(found.config).build(stored, name, found.config)

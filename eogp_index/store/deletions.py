@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,6 +30,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from eogp_index.data.location import IndexPath, is_remote, remove_tree, write_atomic
+from eogp_index.data.location import index_path as as_index_path
 from eogp_index.errors import InputError
 from eogp_index.store.stored_ids import sql_string
 from eogp_index.store.table import Store
@@ -53,27 +54,26 @@ FITTING_SET = "fit/fitting_set.json"
 
 
 # -- file access ---------------------------------------------------------------------------------------
-def _read_text(path: Path) -> Optional[str]:
+def _read_text(path: IndexPath) -> Optional[str]:
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return as_index_path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` under a temporary name, flushed, then renamed into place."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+def _write_atomic(path: IndexPath, text: str) -> None:
+    """Write ``text`` whole: renamed into place on a disk, one PUT in an object store."""
+    write_atomic(as_index_path(path), text)
 
 
-def _append_lines(path: Path, lines: Sequence[str]) -> None:
-    """Append whole lines, flushed to disk before returning."""
+def _append_lines(path: IndexPath, lines: Sequence[str]) -> None:
+    """Append whole lines, flushed to disk before returning (an object cannot be appended to: it
+    is written again whole, with the new lines)."""
     if not lines:
+        return
+    path = as_index_path(path)
+    if is_remote(path):
+        _write_atomic(path, (_read_text(path) or "") + "".join(line + "\n" for line in lines))
         return
     with open(path, "a", encoding="utf-8") as handle:
         handle.write("".join(line + "\n" for line in lines))
@@ -81,11 +81,11 @@ def _append_lines(path: Path, lines: Sequence[str]) -> None:
         os.fsync(handle.fileno())
 
 
-def _remove_tree(path: Path) -> bool:
+def _remove_tree(path: IndexPath) -> bool:
     """Remove a file or folder; whether there was one."""
-    path = Path(path)
+    path = as_index_path(path)
     if path.is_dir():
-        shutil.rmtree(path)
+        remove_tree(path)
         return True
     if path.exists():
         path.unlink()
@@ -102,7 +102,7 @@ def utc_now() -> str:
 def read_log(index_path: Path) -> List[Dict[str, Any]]:
     """The lines of ``deletions.jsonl`` (empty without one); a torn last line (a kill mid-append)
     is skipped: the pending takedown that wrote it appends it again."""
-    text = _read_text(Path(index_path) / DELETIONS_FILE)
+    text = _read_text(as_index_path(index_path) / DELETIONS_FILE)
     entries = []
     for line in (text or "").splitlines():
         try:
@@ -116,26 +116,26 @@ def read_log(index_path: Path) -> List[Dict[str, Any]]:
 
 def read_pending(index_path: Path) -> Optional[Dict[str, Any]]:
     """The takedown in progress (``deletions-pending.json``), or None."""
-    text = _read_text(Path(index_path) / PENDING_FILE)
+    text = _read_text(as_index_path(index_path) / PENDING_FILE)
     if text is None:
         return None
     try:
         pending = json.loads(text)
     except ValueError as exc:  # written atomically, so only a foreign file
         raise InputError(
-            f"{Path(index_path) / PENDING_FILE} is not a takedown record ({exc}); remove it and run the "
+            f"{as_index_path(index_path) / PENDING_FILE} is not a takedown record ({exc}); remove it and run the "
             "`eogp delete` again"
         ) from exc
     return pending
 
 
 def write_pending(index_path: Path, pending: Dict[str, Any]) -> None:
-    _write_atomic(Path(index_path) / PENDING_FILE, json.dumps(pending, indent=1) + "\n")
+    _write_atomic(as_index_path(index_path) / PENDING_FILE, json.dumps(pending, indent=1) + "\n")
 
 
 def finish_pending(index_path: Path) -> None:
     """The takedown is complete: its record goes (the log keeps what was deleted)."""
-    _remove_tree(Path(index_path) / PENDING_FILE)
+    _remove_tree(as_index_path(index_path) / PENDING_FILE)
 
 
 def log_entries(index_path: Path, pending: Dict[str, Any]) -> int:
@@ -156,7 +156,7 @@ def log_entries(index_path: Path, pending: Dict[str, Any]) -> int:
         for row in pending["rows"]
         if (pending["request"], row["id"]) not in logged
     ]
-    _append_lines(Path(index_path) / DELETIONS_FILE, lines)
+    _append_lines(as_index_path(index_path) / DELETIONS_FILE, lines)
     return len(lines)
 
 
@@ -285,15 +285,18 @@ def rebuild_hot(stored, hot_dir: Path) -> int:
     return stored.hot_codes(consolidate=True).num_rows
 
 
-def purge_caches(index_path: Path, ids: Iterable[str]) -> Dict[str, Any]:
-    """Remove the caches that may hold deleted documents' coordinates (:data:`CACHE_DIRS`) and
-    the rejects files' lines about deleted ids; what was removed."""
-    index_path = Path(index_path)
+def purge_caches(index_path: IndexPath, ids: Iterable[str], cache_dir: Optional[Path] = None) -> Dict[str, Any]:
+    """Remove the caches that may hold deleted documents' coordinates (:data:`CACHE_DIRS`, in the
+    index and in its local ``cache_dir`` when it has one apart) and the rejects files' lines about
+    deleted ids; what was removed."""
+    index_path = as_index_path(index_path)
     removed = [name for name in CACHE_DIRS if _remove_tree(index_path / name)]
+    if cache_dir is not None and str(cache_dir) != str(index_path):
+        removed += [f"{cache_dir}/{name}" for name in CACHE_DIRS if _remove_tree(Path(cache_dir) / name)]
     wanted = set(ids)
     rewritten = 0
     rejects = index_path / REJECTS_DIR
-    for path in sorted(rejects.glob("*.jsonl")) if rejects.is_dir() else []:
+    for path in sorted(rejects.glob("*.jsonl"), key=str) if rejects.is_dir() else []:
         lines = (_read_text(path) or "").splitlines()
         kept = [line for line in lines if _rejected_id(line) not in wanted]
         if len(kept) != len(lines):
@@ -313,7 +316,7 @@ def _rejected_id(line: str) -> Optional[str]:
 def fitting_ids(index_path: Path) -> Dict[str, set]:
     """The ids that fitted the index, per set (``curvature``, ``pca``, ``pca_held_out``), from
     ``fit/fitting_set.json`` (empty when the fit left no record)."""
-    text = _read_text(Path(index_path) / FITTING_SET)
+    text = _read_text(as_index_path(index_path) / FITTING_SET)
     try:
         record = json.loads(text) if text else {}
     except ValueError:
@@ -333,7 +336,7 @@ def deletions_info(index_path: Path, store: Store) -> Dict[str, Any]:
         "ids": len(ids),
         "requests": len({entry.get("request") for entry in log}),
         "awaiting_purge": pending_deletions(store),
-        "fitting_set_recorded": (Path(index_path) / FITTING_SET).exists(),
+        "fitting_set_recorded": (as_index_path(index_path) / FITTING_SET).exists(),
         "in_fitting_set": in_fit,
         "pending": None if pending is None else {"request": pending["request"], "steps": pending.get("steps", [])},
     }

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -46,6 +45,7 @@ from eogp_index.config import (
     RECALL_TARGET,
     TableRecallConfig,
 )
+from eogp_index.data.location import IndexPath, index_path, write_atomic
 from eogp_index.errors import IncompatibleIndexError
 
 #: The record of the last measurement, in the index directory.
@@ -60,32 +60,28 @@ _BATCH_BYTES = 1 << 27
 
 
 # -- files: every read and write of this module's two files goes through these two -------------
-def _write_file(index_dir: Path, name: str, data: bytes) -> None:
-    """Write ``index_dir/name`` whole: under a temporary name, then renamed (as the manifest is),
-    so that a reader never sees half a file."""
-    path = Path(index_dir) / name
-    tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+def _write_file(index_dir: IndexPath, name: str, data: bytes) -> None:
+    """Write ``index_dir/name`` whole (:func:`~eogp_index.data.location.write_atomic`: renamed
+    into place on a disk, one PUT in an object store), so that a reader never sees half a file."""
+    write_atomic(index_path(index_dir) / name, data)
 
 
-def _read_file(index_dir: Path, name: str) -> Optional[bytes]:
+def _read_file(index_dir: IndexPath, name: str) -> Optional[bytes]:
     """``index_dir/name``'s bytes, or None when it does not exist."""
-    path = Path(index_dir) / name
     try:
-        return path.read_bytes()
+        return (index_path(index_dir) / name).read_bytes()
     except FileNotFoundError:
         return None
 
 
-def _file_stamp(index_dir: Path, name: str) -> Optional[Tuple[int, int, int]]:
-    """``index_dir/name``'s ``(inode, size, mtime_ns)``, or None when it does not exist: what a
-    cached read of it is checked against (a rewrite renames a new file into place)."""
+def _file_stamp(index_dir: IndexPath, name: str) -> Optional[Tuple[int, int, int]]:
+    """``index_dir/name``'s ``(inode, size, mtime_ns)`` (inode 0 in an object store), or None when
+    it does not exist: what a cached read of it is checked against (a rewrite replaces the file)."""
     try:
-        st = os.stat(Path(index_dir) / name)
+        st = (index_path(index_dir) / name).stat()
     except FileNotFoundError:
         return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    return getattr(st, "st_ino", 0), st.st_size, st.st_mtime_ns
 
 
 # -- the queries ---------------------------------------------------------------------------------
@@ -201,7 +197,7 @@ def _validate(data: Dict[str, Any], source: Path) -> None:
 
 def write_record(index_dir: Path, recall: TableRecall) -> None:
     data = recall.to_json()
-    _validate(data, Path(index_dir) / RECORD_FILE)
+    _validate(data, index_path(index_dir) / RECORD_FILE)
     _write_file(index_dir, RECORD_FILE, (json.dumps(data, indent=2) + "\n").encode())
 
 
@@ -215,7 +211,7 @@ def read_record(index_dir: Path) -> Optional[Dict[str, Any]]:
     data = _read_file(index_dir, RECORD_FILE)
     if data is None:
         return None
-    source = Path(index_dir) / RECORD_FILE
+    source = index_path(index_dir) / RECORD_FILE
     try:
         record = json.loads(data)
     except json.JSONDecodeError as exc:
@@ -237,7 +233,7 @@ _RECORDS: Dict[str, Tuple[Optional[Tuple[int, int, int]], Optional[Dict[str, Any
 
 def current_record(index_dir: Path) -> Optional[Dict[str, Any]]:
     """:func:`read_record`, read again only when the file changed (its stamp)."""
-    key = str(Path(index_dir).resolve())
+    key = str(index_path(index_dir).resolve())
     stamp = _file_stamp(index_dir, RECORD_FILE)
     cached = _RECORDS.get(key)
     if cached is None or cached[0] != stamp:
