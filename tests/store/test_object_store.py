@@ -372,3 +372,23 @@ def test_a_sampled_fingerprint_of_an_object_equals_the_local_files(both, monkeyp
     monkeypatch.setattr(files, "FINGERPRINT_WHOLE_FILE_BYTES", 1 << 40)
     assert files.file_fingerprint(remote) == files.file_fingerprint(local) != sampled  # whole, not sampled
     assert files.file_sha256(remote) == files.file_sha256(local)
+
+
+def test_a_takedown_at_a_url_leaves_every_answer_and_is_recorded_in_the_bucket(both, tmp_path):
+    root, indexes, _, _ = both
+    source = location.index_path(indexes["s3"])
+    url = f"s3://{BUCKET}/takedown"
+    pafs.copy_files(source.fs_path, location.index_path(url).fs_path, source.filesystem, source.filesystem)
+    (tmp_path / "ids.txt").write_text("d3\nd7\n")
+    report = json.loads(
+        _ok("delete", url, "--ids", tmp_path / "ids.txt", "--reason", "test", "--purge", "--json").stdout
+    )
+    assert report["rows_deleted"] == 2
+    question = ["--text", "t1 t2 t3 t4", "-k", str(DOCUMENTS), "--direction", "both", "--json"]
+    found = {i for side in _hits(_ok("query", url, *question)) for i, _ in side}
+    assert found and not found & {"d3", "d7"}
+    log = [json.loads(line) for line in (location.index_path(url) / "deletions.jsonl").read_text().splitlines()]
+    assert sorted(entry["id"] for entry in log) == ["d3", "d7"]
+    assert json.loads(_ok("info", url, "--json").stdout)["deletions"]["ids"] == 2
+    again = json.loads(_ok("ingest", url, root / "shard.jsonl", "--id-field", "id", "--json").stdout)
+    assert again["skipped_deleted"] == 2 and again["stored"] == 0
