@@ -1087,10 +1087,27 @@ cli.add_command(
             "max_queries",
         )
     ),
+    field_option(ServeConfig, "shard_timeout_s", "--shard-timeout"),
     into="limits",
 )
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="local",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Serve the index in shards held by Ray actors: join the Ray cluster at ADDRESS (auto, host:port, "
+    "ray://host:port), or start a local Ray when no address follows. Needs the cluster extra.",
+)
+@click.option(
+    "--shards",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --ray: how many shard actors hold the table's fragments (default: the cluster's nodes).",
+)
 @_fail_cleanly
-def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, limits):
+def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, limits, ray_address, shards):
     """Serve influence queries over HTTP, with a web page, to many users at once.
 
     Loads the model and the hot copy once. Queries that arrive together share one
@@ -1098,10 +1115,16 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
     API under /v1/ (schema: /openapi.json). The token may also come from
     $EOGP_SERVE_TOKEN. Needs the serve extra: pip install 'eogp-index[serve]'.
 
+    With --ray, N Ray actors each hold some of the table's fragments in memory on
+    their node and scan them; this process projects the queries and merges the
+    shards' answers into one process's answer. New table versions are taken up
+    without a restart; /healthz lists the shards.
+
     \b
     Example:
         eogp serve my-index --port 8000
         curl -s localhost:8000/v1/query -H 'Content-Type: application/json' -d '{"text": "Parse a CSV file.", "k": 5}'
+        eogp serve my-index --ray auto --shards 4
     """
     try:
         import fastapi  # noqa: F401
@@ -1125,9 +1148,26 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
         projection_memory_gb=projection_memory_gb,
         dtype=dtype,
     )
-    app = create_app(index, config)
+    pool = None
+    if ray_address is not None or shards is not None:
+        pool = _shard_pool(index_dir, ray_address, shards, config.shard_timeout_s)
+    app = create_app(index, config, pool)
     click.echo(f"serving {index_dir} on http://{config.host}:{config.port}/ (Ctrl-C stops)", err=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
+
+
+def _shard_pool(index_dir, ray_address: Optional[str], shards: Optional[int], timeout_s: float):
+    """The shard actors of ``eogp serve --ray``: ``--ray`` alone (``local``) starts a local Ray."""
+    if ray_address is None:
+        raise click.UsageError("--shards goes with --ray: add --ray (a local Ray) or --ray ADDRESS")
+    from eogp_index.cluster.runtime import connect
+    from eogp_index.cluster.shards import ShardPool
+
+    address = None if ray_address == "local" else ray_address
+    ray = connect(address)
+    count = shards or max(1, len([n for n in ray.nodes() if n.get("Alive")]))
+    click.echo(f"starting {count} shard actors on Ray", err=True)
+    return ShardPool(str(index_dir), count, address=address, timeout_s=timeout_s)
 
 
 @cli.command()

@@ -91,6 +91,8 @@ class Question:
             ``k`` kept (:mod:`eogp_index.search.rescore`); None: the factor the index's fit
             measured (``eogp info`` shows it; :data:`UNMEASURED_RESCORE` when it records none);
             0: the one-bit ranking. An index without a tier ignores it.
+        allow_partial: on an index served in shards (:mod:`eogp_index.cluster`), answer from the
+            shards that answered when some did not (the answer names them); one process ignores it.
     """
 
     queries: Tuple[Dict[str, Any], ...] = field(
@@ -152,6 +154,14 @@ class Question:
         },
     )
 
+    allow_partial: bool = field(
+        default=False,
+        metadata={
+            "help": "On an index served in shards (eogp serve --ray): answer from the shards that answered when "
+            "some did not, and say which did; false: such a query is an error naming the missing shards."
+        },
+    )
+
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalized once, here
         set_(self, "queries", _records(self.queries))
@@ -174,6 +184,8 @@ class Question:
             check_normalize(self.normalize)
         except ConfigError as exc:
             raise ConfigError(str(exc), field="normalize") from None
+        if not isinstance(self.allow_partial, bool):
+            raise ConfigError(f"allow_partial must be true or false, got {self.allow_partial!r}", field="allow_partial")
         if not isinstance(self.by_module, bool):
             raise ConfigError(f"by_module must be true or false, got {self.by_module!r}", field="by_module")
         if self.rescore is not None and not (self.rescore == 0 or _is_count(self.rescore)):

@@ -487,20 +487,49 @@ def _empty(codec: Codec, schema: Optional[pa.Schema], version: int) -> HotCodes:
 
 def _in_memory(dataset, codec: Codec) -> HotCodes:
     """The copy read straight from Lance, kept in memory only."""
+    return fragments_in_memory(dataset, codec, [f.fragment_id for f, _ in _fragment_keys(dataset)])
+
+
+def fragments_in_memory(
+    dataset, codec: Codec, fragment_ids: Sequence[int], previous: Optional[HotCodes] = None
+) -> HotCodes:
+    """The copy of only the fragments ``fragment_ids`` of ``dataset`` (a Lance dataset, at the
+    version the copy is pinned to), in memory, in row-address order: a shard's part of the table.
+
+    ``previous``: an in-memory copy of an older version made by this function; the rows of its
+    fragments that are unchanged since (same fragment id, physical rows and deletions: the keys
+    are kept in its ``cache``) are reused, and only the new or changed fragments read from Lance.
+    """
+    wanted = set(int(f) for f in fragment_ids)
+    fragments = [(f, key) for f, key in _fragment_keys(dataset) if key[0] in wanted]
+    before: Dict[FragmentKey, Tuple[int, int]] = previous.cache.get("fragments", {}) if previous is not None else {}
     rowaddr, encoded, tables = [], [], []
+    spans: Dict[FragmentKey, Tuple[int, int]] = {}
+    at = 0
 
     def sink(addr, codes, columns):
+        nonlocal at
         rowaddr.append(addr)
         encoded.append(codes)
         tables.append(columns)
+        at += addr.shape[0]
 
-    _read_fragments(dataset, [f for f, _ in _fragment_keys(dataset)], codec, sink)
+    for f, key in fragments:  # fragment order is row-address order
+        start = at
+        if key in before:
+            a, b = before[key]
+            sink(previous.rowaddr[a:b], previous.encoded.take(np.arange(a, b)), previous.columns.slice(a, b - a))
+        else:
+            _read_fragments(dataset, [f], codec, sink)
+        spans[key] = (start, at)
     if not rowaddr:
-        return _empty(codec, dataset.schema, dataset.version)
-    joined = Encoded(**{name: np.concatenate([e.columns()[name] for e in encoded]) for name in codec.columns})
-    return HotCodes(
-        rowaddr=np.concatenate(rowaddr), encoded=joined, version=dataset.version, columns=pa.concat_tables(tables)
-    )
+        hot = _empty(codec, dataset.schema, dataset.version)
+    else:
+        joined = Encoded(**{name: np.concatenate([e.columns()[name] for e in encoded]) for name in codec.columns})
+        columns = pa.concat_tables(tables, promote_options="default").combine_chunks()
+        hot = HotCodes(rowaddr=np.concatenate(rowaddr), encoded=joined, version=dataset.version, columns=columns)
+    hot.cache["fragments"] = spans
+    return hot
 
 
 def _assemble(pieces: Sequence[Piece], segments: Dict[str, _Segment], codec: Codec, version: int) -> HotCodes:
