@@ -103,7 +103,9 @@ class ShardActor:
         return self.info()
 
     def info(self) -> Dict[str, Any]:
-        """``{shard, fragments, rows, version, node, pid}``: what ``/healthz`` lists."""
+        """``{shard, fragments, rows, version, node, pid, code_bytes, hot_bytes, rss_bytes}``: what
+        ``/healthz`` lists (``code_bytes``: the codes it holds, in scanning dtypes; ``hot_bytes``:
+        its whole copy, row addresses and metadata too; ``rss_bytes``: its process's resident memory)."""
         import ray
 
         assignment = self.stored.assignment
@@ -116,6 +118,8 @@ class ShardActor:
             "node": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "code_bytes": int(sum(v.nbytes for v in hot.encoded.columns().values())) if hot is not None else 0,
+            "hot_bytes": _hot_bytes(hot),
+            "rss_bytes": _rss_bytes(),
         }
 
     def top_k(self, assignment: Assignment, y: np.ndarray, k: int, sides, where, normalize: str):
@@ -158,6 +162,26 @@ class ShardActor:
         return parts, time.perf_counter() - started
 
 
+def _hot_bytes(hot) -> int:
+    """Bytes of a shard's in-memory copy: codes, row addresses and the other columns."""
+    if hot is None:
+        return 0
+    codes = sum(v.nbytes for v in hot.encoded.columns().values())
+    return int(codes + hot.rowaddr.nbytes + hot.columns.nbytes)
+
+
+def _rss_bytes() -> Optional[int]:
+    """This process's resident memory in bytes (``VmRSS``; None where /proc is not)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _fragments(stored: StoredIndex) -> Tuple[int, List[Tuple[int, int]]]:
     """The table's current version and its fragments' ``(id, live rows)`` (metadata only)."""
     dataset = stored.store.dataset()
@@ -195,6 +219,8 @@ class ShardPool:
         self.report: Dict[str, Any] = {"answered": [], "missing": []}
         #: the slowest shard's own seconds in the calls since :meth:`begin` (its scan, without transfers)
         self.shard_seconds = 0.0
+        #: the seconds of the calls since :meth:`begin`, from sending them to the last answer received
+        self.call_seconds = 0.0
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -227,6 +253,7 @@ class ShardPool:
         """Start a new report of which shards answered (one per scan)."""
         self.report = {"answered": [], "missing": []}
         self.shard_seconds = 0.0
+        self.call_seconds = 0.0
 
     def call(self, method: str, *args, allow_partial: bool = False) -> List[Any]:
         """``method(assignment, *args)`` on every shard; the answers of those that answered, in
@@ -238,6 +265,7 @@ class ShardPool:
             EOGPError: what a shard raised on purpose (a filter it refuses), as raised.
         """
         ray = self.ray
+        started = time.perf_counter()
         args = tuple(ray.put(a) if isinstance(a, np.ndarray) else a for a in args)  # one copy for all shards
         answers: Dict[int, Any] = {}
         missing: Dict[int, str] = {}
@@ -269,6 +297,7 @@ class ShardPool:
             for i in died:
                 self._wait_restarted(i)
             todo = died
+        self.call_seconds += time.perf_counter() - started
         self._record(answers, missing, allow_partial)
         return [answers[i] for i in sorted(answers)]
 
