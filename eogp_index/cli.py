@@ -88,6 +88,7 @@ _question_options = option_group(
             "by_module",
             "aggregate",
             "normalize",
+            "allow_partial",
         )
     ),
     field_option(Question, "group_by", metavar="COLUMN"),
@@ -1137,6 +1138,8 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
     from eogp_index.serve.middleware import configure_logging
 
     config = ServeConfig(**serving, **limits)
+    if shards is not None and ray_address is None:  # said before the model loads
+        raise click.UsageError("--shards goes with --ray: add --ray (a local Ray) or --ray ADDRESS")
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.token is None:
         click.echo(f"warning: serving on {config.host} without --token: anyone who can reach it can query", err=True)
     configure_logging()
@@ -1149,7 +1152,7 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
         dtype=dtype,
     )
     pool = None
-    if ray_address is not None or shards is not None:
+    if ray_address is not None:
         pool = _shard_pool(index_dir, ray_address, shards, config.shard_timeout_s)
     app = create_app(index, config, pool)
     click.echo(f"serving {index_dir} on http://{config.host}:{config.port}/ (Ctrl-C stops)", err=True)
@@ -1158,8 +1161,6 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
 
 def _shard_pool(index_dir, ray_address: Optional[str], shards: Optional[int], timeout_s: float):
     """The shard actors of ``eogp serve --ray``: ``--ray`` alone (``local``) starts a local Ray."""
-    if ray_address is None:
-        raise click.UsageError("--shards goes with --ray: add --ray (a local Ray) or --ray ADDRESS")
     from eogp_index.cluster.runtime import connect
     from eogp_index.cluster.shards import ShardPool
 

@@ -4,7 +4,7 @@ A :class:`Question` carries everything a question can hold: its queries (record 
 kind in :data:`~eogp_index.data.records.RECORD_KINDS`), how several are answered as one
 behaviour (``aggregate``), and the options of the answer (``k``, ``where``, ``direction``,
 ``normalize``, ``group_by``, ``by_module``, ``route``, ``candidates``, ``first_pass``,
-``rescore``). Every
+``rescore``, ``allow_partial``). Every
 surface builds one and answers it: the library's builder
 (:meth:`InfluenceQuery.to_query_object() <eogp_index.search.query.InfluenceQuery.to_query_object>`),
 ``AttributionIndex.search`` / ``top_influential`` / ``scores`` / ``select``, the commands
@@ -157,8 +157,8 @@ class Question:
     allow_partial: bool = field(
         default=False,
         metadata={
-            "help": "On an index served in shards (eogp serve --ray): answer from the shards that answered when "
-            "some did not, and say which did; false: such a query is an error naming the missing shards."
+            "help": "Served in shards (eogp serve --ray): when a shard does not answer, answer from the others and "
+            "say which answered, rather than refuse naming it. One process holds every row and ignores it."
         },
     )
 

@@ -182,6 +182,7 @@ def test_healthz_lists_every_shard_with_its_fragments(served):
 @pytest.mark.parametrize("served", [3], indirect=True)
 def test_a_shard_killed_during_a_query_is_restarted_and_the_query_answers(served):
     actor = served.pool.actors[1]
+    pid = served.client.get("/healthz").json()["shards"][1]["pid"]
     killer = threading.Timer(0.05, lambda: ray.kill(actor, no_restart=False))
     killer.start()
     response = served.query(QUERIES[0], k=5, rescore=0)
@@ -194,6 +195,17 @@ def test_a_shard_killed_during_a_query_is_restarted_and_the_query_answers(served
     assert response.status_code == 200, response.text
     assert response.json()["shards"]["missing"] == []
     _same_hits(response.json()["results"], _expected(served.reference, QUERIES[1]))
+    shard = served.client.get("/healthz").json()["shards"][1]
+    assert shard["alive"] and shard["pid"] != pid and shard["rows"] > 0  # a new process, its copy rebuilt
+
+
+def test_shards_without_ray_is_refused_before_the_model_loads(index_path):
+    from click.testing import CliRunner
+
+    from eogp_index.cli import cli
+
+    result = CliRunner().invoke(cli, ["serve", str(index_path), "--shards", "2"])
+    assert result.exit_code == 2 and "--shards goes with --ray" in result.output
 
 
 @pytest.mark.parametrize("served", [3], indirect=True)
