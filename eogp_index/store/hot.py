@@ -499,36 +499,54 @@ def fragments_in_memory(
     ``previous``: an in-memory copy of an older version made by this function; the rows of its
     fragments that are unchanged since (same fragment id, physical rows and deletions: the keys
     are kept in its ``cache``) are reused, and only the new or changed fragments read from Lance.
+    The codes are written into arrays of their final size, so that building the copy holds it
+    once (plus one record batch), not its pieces and their concatenation.
     """
     wanted = set(int(f) for f in fragment_ids)
     fragments = [(f, key) for f, key in _fragment_keys(dataset) if key[0] in wanted]
     before: Dict[FragmentKey, Tuple[int, int]] = previous.cache.get("fragments", {}) if previous is not None else {}
-    rowaddr, encoded, tables = [], [], []
+    sizes = [before[key][1] - before[key][0] if key in before else f.count_rows() for f, key in fragments]
+    rows = int(sum(sizes))
+    if rows == 0:
+        hot = _empty(codec, dataset.schema, dataset.version)
+        hot.cache["fragments"] = {key: (0, 0) for _, key in fragments}
+        return hot
+    rowaddr = np.empty(rows, np.uint64)
+    arrays = {name: np.empty((rows, width), dtype) for name, (width, dtype) in codec.widths().items()}
+    tables: List[pa.Table] = []
     spans: Dict[FragmentKey, Tuple[int, int]] = {}
     at = 0
 
     def sink(addr, codes, columns):
         nonlocal at
-        rowaddr.append(addr)
-        encoded.append(codes)
+        n = addr.shape[0]
+        rowaddr[at : at + n] = addr
+        for name, values in codes.columns().items():
+            arrays[name][at : at + n] = values
         tables.append(columns)
-        at += addr.shape[0]
+        at += n
 
-    for f, key in fragments:  # fragment order is row-address order
+    for (f, key), size in zip(fragments, sizes):  # fragment order is row-address order
         start = at
         if key in before:
             a, b = before[key]
-            sink(previous.rowaddr[a:b], previous.encoded.take(np.arange(a, b)), previous.columns.slice(a, b - a))
+            sink(
+                previous.rowaddr[a:b],
+                Encoded(**{n: v[a:b] for n, v in previous.encoded.columns().items()}),
+                previous.columns.slice(a, b - a),
+            )
         else:
             _read_fragments(dataset, [f], codec, sink)
+        if at - start != size:
+            raise StaleHotCopyError(
+                f"fragment {key[0]} of table version {dataset.version} read {at - start} rows, not {size}; "
+                "the table changed while it was read: load the copy again"
+            )
         spans[key] = (start, at)
-    if not rowaddr:
-        hot = _empty(codec, dataset.schema, dataset.version)
-    else:
-        joined = Encoded(**{name: np.concatenate([e.columns()[name] for e in encoded]) for name in codec.columns})
-        columns = pa.concat_tables(tables, promote_options="default").combine_chunks()
-        hot = HotCodes(rowaddr=np.concatenate(rowaddr), encoded=joined, version=dataset.version, columns=columns)
+    columns = pa.concat_tables(tables, promote_options="default").combine_chunks()
+    hot = HotCodes(rowaddr=rowaddr, encoded=Encoded(**arrays), version=dataset.version, columns=columns)
     hot.cache["fragments"] = spans
+    pa.default_memory_pool().release_unused()  # the record batches read: back to the system
     return hot
 
 
