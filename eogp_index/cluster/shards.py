@@ -69,6 +69,7 @@ class ShardIndex(StoredIndex):
             if dataset.version != wanted[0]:
                 dataset = dataset.checkout_version(wanted[0])
             self._hot = fragments_in_memory(dataset, self.codec, wanted[1], previous=self._hot)
+            _trim_heap()
         self.assignment = wanted
 
     def hot_codes(self, *, consolidate: bool = False):
@@ -160,6 +161,18 @@ class ShardActor:
             }
             parts.append(RollUpPart(keys, tuple(group_sums(index, row, len(keys))), top))
         return parts, time.perf_counter() - started
+
+
+def _trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``): reading the
+    fragments leaves Lance's freed record batches in malloc's arenas, resident until trimmed."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        pass
 
 
 def _hot_bytes(hot) -> int:
