@@ -72,6 +72,16 @@ class ShardIndex(StoredIndex):
             _trim_heap()
         self.assignment = wanted
 
+    def matching_rows(self, where: Optional[str], hot=None):
+        """:meth:`StoredIndex.matching_rows` over the shard's rows: a filter DataFusion does not
+        plan is answered by Lance over the table, kept to the shard's rows (:class:`_ShardRows`)."""
+        if where is None:
+            return None
+        from eogp_index.store.filters import matching_positions
+
+        hot = self.hot_codes() if hot is None else hot
+        return matching_positions(hot, where, _ShardRows(self.store, hot))
+
     def hot_codes(self, *, consolidate: bool = False):
         if self._hot is None:
             raise ConfigError("this shard holds no fragments yet: the ingress assigns them before any query")
@@ -79,6 +89,28 @@ class ShardIndex(StoredIndex):
 
     def loaded_hot(self):
         return self._hot
+
+
+class _ShardRows:
+    """The table as a shard's filters read it: :meth:`read` keeps only the rows of the shard's copy
+    (``hot``); everything else is the :class:`~eogp_index.store.table.Store`'s."""
+
+    def __init__(self, store, hot):
+        self._store = store
+        self._hot = hot
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def read(self, columns, where: Optional[str] = None, *, with_row_address: bool = False):
+        import pyarrow as pa
+
+        table = self._store.read(columns, where, with_row_address=True)
+        rowaddr = table.column("_rowaddr").to_numpy().astype(np.uint64)
+        at = np.minimum(np.searchsorted(self._hot.rowaddr, rowaddr), max(0, self._hot.num_rows - 1))
+        keep = self._hot.rowaddr[at] == rowaddr if self._hot.num_rows else np.zeros(rowaddr.shape, bool)
+        table = table.filter(pa.array(keep))
+        return table if with_row_address else table.drop_columns(["_rowaddr"])
 
 
 class ShardActor:

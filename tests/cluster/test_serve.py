@@ -135,10 +135,11 @@ def _same_hits(got, expected):
         {},  # both sides, rescored from the int8 tier (the index's default)
         {"rescore": 0},  # the one-bit ranking
         {"where": FILTER, "direction": "positive"},
+        {"where": "regexp_match(name, 'doc1.')", "rescore": 0},  # a filter only Lance plans
         {"normalize": "unit", "direction": "negative"},
         {"k": 40, "rescore": 0},  # every row: ties broken by table order across shards
     ],
-    ids=["rescored", "one-bit", "filter", "normalize", "all-rows"],
+    ids=["rescored", "one-bit", "filter", "lance-filter", "normalize", "all-rows"],
 )
 def test_every_answer_is_one_process_answer(served, options):
     options = {"k": 5, **options}
@@ -177,6 +178,7 @@ def test_healthz_lists_every_shard_with_its_fragments(served):
     assert fragments == sorted(f.fragment_id for f in table.get_fragments())
     assert sum(s["rows"] for s in shards) == served.reference.stored.store.count()
     assert {s["version"] for s in shards} == {served.reference.stored.store.version}
+    assert len({s["node"] for s in shards}) == 2  # spread over both nodes
 
 
 @pytest.mark.parametrize("served", [3], indirect=True)
