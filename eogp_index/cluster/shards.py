@@ -254,10 +254,7 @@ class ShardPool:
         self.ray = connect(address)
         self.index = str(index)
         self.timeout_s = float(timeout_s)
-        remote = self.ray.remote(ShardActor).options(
-            num_cpus=0, max_restarts=MAX_RESTARTS, max_task_retries=0, scheduling_strategy="SPREAD"
-        )
-        self.actors = [remote.remote(self.index, i) for i in range(shards)]
+        self.actors = [self.new_actor(i) for i in range(shards)]
         self.assignments: List[Assignment] = [(0, ()) for _ in range(shards)]
         self.version: Optional[int] = None
         #: which shards answered the calls since :meth:`begin` (``answered``; ``missing``: id and reason)
@@ -269,6 +266,19 @@ class ShardPool:
 
     def __len__(self) -> int:
         return len(self.actors)
+
+    def new_actor(self, shard: int):
+        """A new actor for shard ``shard`` (its copy is built on its first call). Spread over the
+        nodes; restarted by Ray when it dies; two threads, so that ``/healthz`` is answered
+        during a long scan."""
+        remote = self.ray.remote(ShardActor).options(
+            num_cpus=0,
+            max_restarts=MAX_RESTARTS,
+            max_task_retries=0,
+            max_concurrency=2,
+            scheduling_strategy="SPREAD",
+        )
+        return remote.remote(self.index, shard)
 
     # -- the split ------------------------------------------------------------------------------------
     def refresh(self, stored: StoredIndex) -> bool:

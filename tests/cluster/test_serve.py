@@ -231,10 +231,7 @@ def test_a_missing_shard_is_an_error_naming_it_unless_partial_answers_are_allowe
         health = served.client.get("/healthz").json()
         assert health["status"] == "degraded" and not health["shards"][2]["alive"]
     finally:
-        from eogp_index.cluster.shards import MAX_RESTARTS, ShardActor
-
-        remote = ray.remote(ShardActor).options(num_cpus=0, max_restarts=MAX_RESTARTS)
-        served.pool.actors[2] = remote.remote(served.pool.index, 2)
+        served.pool.actors[2] = served.pool.new_actor(2)
 
 
 @pytest.mark.parametrize("served", [3], indirect=True)
