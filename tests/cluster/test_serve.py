@@ -260,3 +260,13 @@ def test_an_ingest_while_serving_is_taken_up_on_the_next_query(served, index_pat
     assert "ex-3" not in ids and any(i.startswith("new-") for i in ids)
     _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], k=40, rescore=0))
     assert sum(s["rows"] for s in served.client.get("/healthz").json()["shards"]) == 45
+
+
+def test_serve_ray_without_shards_starts_one_shard_per_node(index_path, ray_cluster):
+    from eogp_index.cli import _shard_pool
+
+    pool = _shard_pool(index_path, ray_cluster.address, None, 30.0)
+    try:
+        assert len(pool) == 2 and pool.timeout_s == 30.0
+    finally:
+        pool.close()
