@@ -268,15 +268,22 @@ class ShardPool:
         return len(self.actors)
 
     def new_actor(self, shard: int):
-        """A new actor for shard ``shard`` (its copy is built on its first call). Spread over the
-        nodes; restarted by Ray when it dies; two threads, so that ``/healthz`` is answered
-        during a long scan."""
+        """A new actor for shard ``shard`` (its copy is built on its first call): on the cluster's
+        alive nodes in turn (shard ``i`` on node ``i mod nodes``, by node id), restarted by Ray when
+        its process dies, with two threads so that ``/healthz`` is answered during a long scan.
+        An actor gone for good (its node gone) is replaced by a new one by :meth:`call`."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        nodes = sorted(n["NodeID"] for n in self.ray.nodes() if n.get("Alive"))
+        # Pinned to its node (Ray's SPREAD and soft affinity are best effort: actors that reserve
+        # no CPU may share one node); a node's death makes it gone for good, and it is replaced.
+        strategy = NodeAffinitySchedulingStrategy(nodes[shard % len(nodes)], soft=False) if nodes else "SPREAD"
         remote = self.ray.remote(ShardActor).options(
             num_cpus=0,
             max_restarts=MAX_RESTARTS,
             max_task_retries=0,
             max_concurrency=2,
-            scheduling_strategy="SPREAD",
+            scheduling_strategy=strategy,
         )
         return remote.remote(self.index, shard)
 
@@ -325,6 +332,7 @@ class ShardPool:
         answers: Dict[int, Any] = {}
         missing: Dict[int, str] = {}
         todo = list(range(len(self.actors)))
+        gone = set()  # shards whose actor is dead for good (its restarts spent, or its node gone)
         for attempt in range(2):
             refs = {i: getattr(self.actors[i], method).remote(self.assignments[i], *args) for i in todo}
             ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
@@ -346,6 +354,8 @@ class ShardPool:
                 except ray.exceptions.RayActorError as exc:  # died, or unavailable while Ray restarts it
                     missing[i] = f"its actor died ({type(exc).__name__}) and did not answer again after a retry"
                     died.append(i)
+                    if isinstance(exc, ray.exceptions.ActorDiedError):
+                        gone.add(i)
             if not died or attempt:
                 break
             log.warning("shards %s died during a query; asking them again once Ray has restarted them", died)
@@ -353,6 +363,9 @@ class ShardPool:
                 self._wait_restarted(i)
             todo = died
         self.call_seconds += time.perf_counter() - started
+        for i in sorted(gone & set(missing)):  # the next call finds a new actor, on a node alive now
+            log.warning("shard %d is gone for good; starting a new actor for it", i)
+            self.actors[i] = self.new_actor(i)
         self._record(answers, missing, allow_partial)
         return [answers[i] for i in sorted(answers)]
 

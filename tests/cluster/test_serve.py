@@ -211,27 +211,34 @@ def test_shards_without_ray_is_refused_before_the_model_loads(index_path):
 
 
 @pytest.mark.parametrize("served", [3], indirect=True)
-def test_a_missing_shard_is_an_error_naming_it_unless_partial_answers_are_allowed(served):
-    actor = served.pool.actors[2]
-    ray.kill(actor, no_restart=True)
-    try:
-        response = served.query(QUERIES[0], k=5)
-        assert response.status_code == 503, response.text
-        assert "shard 2 of 3" in response.json()["error"]["message"]
-        response = served.query(QUERIES[0], k=5, rescore=0, allow_partial=True)
-        assert response.status_code == 200, response.text
-        report = response.json()["shards"]
-        assert report["answered"] == [0, 1] and [m["shard"] for m in report["missing"]] == [2]
-        # The partial answer is one process's answer over the shards that answered.
-        kept = set(served.pool.assignments[0][1]) | set(served.pool.assignments[1][1])
-        rows = served.reference.stored.store.read(["id"], None, with_row_address=True).to_pylist()
-        ids = {r["id"] for r in rows if int(r["_rowaddr"]) >> 32 in kept}
-        answered = {r["id"] for r in response.json()["results"]}
-        assert answered and answered <= ids
-        health = served.client.get("/healthz").json()
-        assert health["status"] == "degraded" and not health["shards"][2]["alive"]
-    finally:
-        served.pool.actors[2] = served.pool.new_actor(2)
+def test_a_shard_gone_for_good_is_missing_allowed_or_named_then_replaced(served):
+    ray.kill(served.pool.actors[2], no_restart=True)
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        ray.get(served.pool.actors[2].info.remote())
+    health = served.client.get("/healthz").json()
+    assert health["status"] == "degraded" and not health["shards"][2]["alive"] and health["shards"][1]["alive"]
+    response = served.query(QUERIES[0], k=5, rescore=0, allow_partial=True)
+    assert response.status_code == 200, response.text
+    report = response.json()["shards"]
+    assert report["answered"] == [0, 1] and [m["shard"] for m in report["missing"]] == [2]
+    # The partial answer is one process's answer over the shards that answered.
+    kept = set(served.pool.assignments[0][1]) | set(served.pool.assignments[1][1])
+    rows = served.reference.stored.store.read(["id"], None, with_row_address=True).to_pylist()
+    ids = {r["id"] for r in rows if int(r["_rowaddr"]) >> 32 in kept}
+    answered = {r["id"] for r in response.json()["results"]}
+    assert answered and answered <= ids
+    # Its replacement is killed for good too: without allow_partial the query is refused, naming it.
+    pid = served.client.get("/healthz").json()["shards"][2]["pid"]
+    ray.kill(served.pool.actors[2], no_restart=True)
+    response = served.query(QUERIES[0], k=5)
+    assert response.status_code == 503, response.text
+    assert "shard 2 of 3" in response.json()["error"]["message"]
+    # Replaced again: the next query is answered in full by a new process.
+    response = served.query(QUERIES[0], k=5, rescore=0)
+    assert response.status_code == 200 and response.json()["shards"]["missing"] == [], response.text
+    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], rescore=0))
+    shard = served.client.get("/healthz").json()["shards"][2]
+    assert shard["alive"] and shard["pid"] != pid
 
 
 @pytest.mark.parametrize("served", [3], indirect=True)
