@@ -111,6 +111,7 @@ _question_options = option_group(
             "by_module",
             "aggregate",
             "normalize",
+            "allow_partial",
         )
     ),
     field_option(Question, "group_by", metavar="COLUMN"),
@@ -1255,10 +1256,27 @@ cli.add_command(
             "max_queries",
         )
     ),
+    field_option(ServeConfig, "shard_timeout_s", "--shard-timeout"),
     into="limits",
 )
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="local",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Serve the index in shards held by Ray actors: join the Ray cluster at ADDRESS (auto, host:port, "
+    "ray://host:port), or start a local Ray when no address follows. Needs the cluster extra.",
+)
+@click.option(
+    "--shards",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --ray: how many shard actors hold the table's fragments (default: the cluster's nodes).",
+)
 @_fail_cleanly
-def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, limits):
+def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, limits, ray_address, shards):
     """Serve influence queries over HTTP, with a web page, to many users at once.
 
     Loads the model and the hot copy once. Queries that arrive together share one
@@ -1267,10 +1285,16 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
     $EOGP_SERVE_TOKEN, the write token (DELETE /v1/examples: takedowns) from
     $EOGP_WRITE_TOKEN. Needs the serve extra: pip install 'eogp-index[serve]'.
 
+    With --ray, N Ray actors each hold some of the table's fragments in memory on
+    their node and scan them; this process projects the queries and merges the
+    shards' answers into one process's answer. New table versions are taken up
+    without a restart; /healthz lists the shards.
+
     \b
     Example:
         eogp serve my-index --port 8000
         curl -s localhost:8000/v1/query -H 'Content-Type: application/json' -d '{"text": "Parse a CSV file.", "k": 5}'
+        eogp serve my-index --ray auto --shards 4
     """
     try:
         import fastapi  # noqa: F401
@@ -1283,6 +1307,8 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
     from eogp_index.serve.middleware import configure_logging
 
     config = ServeConfig(**serving, **limits)
+    if shards is not None and ray_address is None:  # said before the model loads
+        raise click.UsageError("--shards goes with --ray: add --ray (a local Ray) or --ray ADDRESS")
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.token is None:
         click.echo(f"warning: serving on {config.host} without --token: anyone who can reach it can query", err=True)
     configure_logging()
@@ -1294,9 +1320,24 @@ def serve(index_dir, serving, device, dtype, projection_memory_gb, model_name, l
         projection_memory_gb=projection_memory_gb,
         dtype=dtype,
     )
-    app = create_app(index, config)
+    pool = None
+    if ray_address is not None:
+        pool = _shard_pool(index_dir, ray_address, shards, config.shard_timeout_s)
+    app = create_app(index, config, pool)
     click.echo(f"serving {index_dir} on http://{config.host}:{config.port}/ (Ctrl-C stops)", err=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
+
+
+def _shard_pool(index_dir, ray_address: Optional[str], shards: Optional[int], timeout_s: float):
+    """The shard actors of ``eogp serve --ray``: ``--ray`` alone (``local``) starts a local Ray."""
+    from eogp_index.cluster.runtime import connect
+    from eogp_index.cluster.shards import ShardPool
+
+    address = None if ray_address == "local" else ray_address
+    ray = connect(address)
+    count = shards or max(1, len([n for n in ray.nodes() if n.get("Alive")]))
+    click.echo(f"starting {count} shard actors on Ray", err=True)
+    return ShardPool(str(index_dir), count, address=address, timeout_s=timeout_s)
 
 
 @cli.command()

@@ -71,3 +71,13 @@ class NoSpaceError(EOGPError):
         self.needed = needed
         self.free = free
         super().__init__(message)
+
+
+class ShardUnavailableError(EOGPError):
+    """A shard of a served index did not answer (its actor died and did not come back within one
+    retry, or it ran past the shard timeout). ``shards``: the ids of the shards that did not answer.
+    """
+
+    def __init__(self, message: str, *, shards):
+        self.shards = list(shards)
+        super().__init__(message)

@@ -73,6 +73,7 @@ OPTIONS: Dict[str, Tuple[Tuple[type, ...], Any]] = {
     "id": ((str,), "doc-1"),
     "rescore": ((int, type(None)), question_field("rescore").default),
     "precision": ((str,), SelectOptions.precision),
+    "allow_partial": ((bool,), question_field("allow_partial").default),
 }
 BASE_QUERY = {"text": "t1 t2 t3 t4 t5"}
 WRITE_TOKEN = "fuzz-writer"
@@ -242,7 +243,7 @@ def option_inputs() -> List[Input]:
     an id that is no document's, or holds a surrogate."""
     inputs = []
     for name, (types, value) in OPTIONS.items():
-        if name in ("direction", "where", "rescore", "precision"):
+        if name in ("direction", "where", "rescore", "precision", "allow_partial"):
             continue
         other = int(value) if isinstance(value, str) and value.isdigit() else str(value) if value else 7
         other = 7 if name == "id" else other
@@ -272,6 +273,24 @@ def rescore_inputs() -> List[Input]:
         label = f"precision = {value!r}"
         inputs.append(Input(label, "query", BASE_QUERY, (("precision", value),), refused, "precision", kind="text"))
     return inputs
+
+
+def allow_partial_inputs() -> List[Input]:
+    """Whether a sharded server may answer without a missing shard: either boolean answers (one
+    process holds every row and ignores it); any other JSON type is refused, naming the field."""
+    values = [(True, False), (False, False), ("true", True), (1, True), (None, True)]
+    return [
+        Input(
+            f"allow_partial = {v!r}",
+            "query",
+            BASE_QUERY,
+            (("allow_partial", v),),
+            refused,
+            "allow_partial",
+            kind="text",
+        )
+        for v, refused in values
+    ]
 
 
 def record_inputs() -> List[Input]:
@@ -329,7 +348,8 @@ def record_inputs() -> List[Input]:
 
 
 def generated_inputs() -> List[Input]:
-    return query_inputs(random.Random(SEED)) + filter_inputs() + option_inputs() + rescore_inputs() + record_inputs()
+    inputs = query_inputs(random.Random(SEED)) + filter_inputs() + option_inputs() + rescore_inputs()
+    return inputs + allow_partial_inputs() + record_inputs()
 
 
 # -- outcomes ---------------------------------------------------------------------------------------
@@ -715,7 +735,7 @@ def _ingested(path: Path, items: List[Input], rejects: Path) -> List[Outcome]:
 
 class HttpQuery(Surface):
     name, family = "/v1/query", "search"
-    reads = frozenset({"record", "k", "where", "direction", "rescore"})
+    reads = frozenset({"record", "k", "where", "direction", "rescore", "allow_partial"})
 
     def call(self, items):
         (item,) = items
@@ -725,6 +745,7 @@ class HttpQuery(Surface):
             "direction": item.option("direction"),
             "where": item.option("where"),
             "rescore": item.option("rescore"),
+            "allow_partial": item.option("allow_partial"),
         }
         response = _post(self.env.client, "/v1/query", body)
         return [_http_outcome(self.env, response, lambda r: [row["id"] for row in r.json()["results"]])]

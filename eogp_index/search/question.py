@@ -4,7 +4,7 @@ A :class:`Question` carries everything a question can hold: its queries (record 
 kind in :data:`~eogp_index.data.records.RECORD_KINDS`), how several are answered as one
 behaviour (``aggregate``), and the options of the answer (``k``, ``where``, ``direction``,
 ``normalize``, ``group_by``, ``by_module``, ``route``, ``candidates``, ``first_pass``,
-``rescore``). Every
+``rescore``, ``allow_partial``). Every
 surface builds one and answers it: the library's builder
 (:meth:`InfluenceQuery.to_query_object() <eogp_index.search.query.InfluenceQuery.to_query_object>`),
 ``AttributionIndex.search`` / ``top_influential`` / ``scores`` / ``select``, the commands
@@ -93,6 +93,8 @@ class Question:
             index's table, else the one its fit measured (``eogp info`` shows both;
             :data:`UNMEASURED_RESCORE` when it records neither);
             0: the one-bit ranking. An index without a tier ignores it.
+        allow_partial: on an index served in shards (:mod:`eogp_index.cluster`), answer from the
+            shards that answered when some did not (the answer names them); one process ignores it.
     """
 
     queries: Tuple[Dict[str, Any], ...] = field(
@@ -155,6 +157,14 @@ class Question:
         },
     )
 
+    allow_partial: bool = field(
+        default=False,
+        metadata={
+            "help": "Served in shards (eogp serve --ray): when a shard does not answer, answer from the others and "
+            "say which answered, rather than refuse naming it. One process holds every row and ignores it."
+        },
+    )
+
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalized once, here
         set_(self, "queries", _records(self.queries))
@@ -177,6 +187,8 @@ class Question:
             check_normalize(self.normalize)
         except ConfigError as exc:
             raise ConfigError(str(exc), field="normalize") from None
+        if not isinstance(self.allow_partial, bool):
+            raise ConfigError(f"allow_partial must be true or false, got {self.allow_partial!r}", field="allow_partial")
         if not isinstance(self.by_module, bool):
             raise ConfigError(f"by_module must be true or false, got {self.by_module!r}", field="by_module")
         if self.rescore is not None and not (self.rescore == 0 or _is_count(self.rescore)):

@@ -152,7 +152,29 @@ def roll_up(
     keys, index = values if isinstance(values, tuple) else group_codes(values)
     size = len(keys)
     top_positive, top_negative = top_positions(scores, k) if tops is None else tops
-    rows, total, positive, negative, best = _kernel("sums", _group_sums)(index, scores, size)
+    sums = group_sums(index, scores, size)
+    counts = (np.bincount(index[top_positive], minlength=size), np.bincount(index[top_negative], minlength=size))
+    return rolled_up(keys, sums, counts, column, descending=descending)
+
+
+def group_sums(index: np.ndarray, scores: np.ndarray, size: int) -> Tuple[np.ndarray, ...]:
+    """Per group ``(G,)``: ``(rows, sum, positive sum, negative sum, max)`` (int64, then float64),
+    summed in row order. ``index`` ``(n,)`` int32 group of each row; ``scores`` ``(n,)`` float32.
+    Partial sums of disjoint rows add up (the max is the max): a sharded roll-up merges them."""
+    return _kernel("sums", _group_sums)(index, np.ascontiguousarray(scores, np.float32), size)
+
+
+def rolled_up(
+    keys: pa.Array,
+    sums: Sequence[np.ndarray],
+    top_counts: Tuple[np.ndarray, np.ndarray],
+    column: str,
+    *,
+    descending: bool = True,
+) -> pa.Table:
+    """The roll-up table of groups ``keys`` ``(G,)`` from their :func:`group_sums` and their rows'
+    counts among the top positive and negative hits ``(G,)`` each; groups without rows are left out."""
+    rows, total, positive, negative, best = sums
     total_pos, total_neg = float(positive.sum()), float(negative.sum())
     used = np.flatnonzero(rows)  # a dictionary may hold values no matching row has
     out = pa.table(
@@ -162,8 +184,8 @@ def roll_up(
             "sum": total[used],
             "mean": total[used] / rows[used],
             "max": best[used],
-            "top_positive": np.bincount(index[top_positive], minlength=size)[used],
-            "top_negative": np.bincount(index[top_negative], minlength=size)[used],
+            "top_positive": np.asarray(top_counts[0])[used],
+            "top_negative": np.asarray(top_counts[1])[used],
             # (+ 0.0: a group without negative scores has a share of 0, not -0)
             "share_positive": positive[used] / total_pos + 0.0 if total_pos > 0 else np.zeros(used.size),
             "share_negative": negative[used] / total_neg + 0.0 if total_neg < 0 else np.zeros(used.size),

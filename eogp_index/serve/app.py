@@ -7,7 +7,7 @@
 ``GET /v1/info``            the manifest, row count, filterable columns, the server's limits
 ``GET /v1/examples/{id}``   one stored row (metadata, and text when stored)
 ``DELETE /v1/examples``     a takedown (``eogp delete``), with the write token only (serve/takedown.py)
-``GET /healthz``            liveness and queue depth
+``GET /healthz``            liveness and queue depth (and the shards, served with ``--ray``)
 ``GET /openapi.json``       the API's schema
 ``GET /``                   the web page (assets shipped in the package, no CDN)
 ==========================  ===============================================================
@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -229,13 +230,17 @@ def _validation_error(exc: RequestValidationError) -> JSON:
     return _error(422, field, message, [{"field": f, "message": m} for f, m in unique])
 
 
-def create_app(index, config: ServeConfig = ServeConfig()) -> FastAPI:
+def create_app(index, config: ServeConfig = ServeConfig(), shards=None) -> FastAPI:
     """The ASGI app over an opened :class:`~eogp_index.client.AttributionIndex`.
 
     The model thread and the batcher start with the app's lifespan (uvicorn, or
     ``with TestClient(app)``), which also warms the hot copy and the scan kernels.
+
+    Args:
+        shards: a :class:`~eogp_index.cluster.shards.ShardPool` whose actors scan the index in
+            shards (``eogp serve --ray``); None: this process holds the hot copy.
     """
-    engine = Engine(index, config)
+    engine = Engine(index, config, shards)
     batcher = MicroBatcher(
         engine.run_queries, window_s=config.window_s, max_batch=config.max_batch, queue_size=config.queue_size
     )
@@ -366,6 +371,8 @@ def _add_query_routes(app: FastAPI, engine: Engine, batcher: MicroBatcher, confi
                 body.text if job.field == "text" else record[job.field] if job.field == "messages" else record
             )
         extra = {"groups": answer.groups.to_pylist()} if answer.groups is not None else {}
+        if answer.shards is not None:
+            extra["shards"] = answer.shards
         return JSON(
             {
                 "query": query_as_sent,
@@ -399,8 +406,15 @@ def _add_index_routes(app: FastAPI, engine: Engine, batcher: MicroBatcher, confi
 
     @app.get("/healthz", tags=["server"])
     async def healthz() -> Dict[str, Any]:
-        """Liveness: answered on the event loop, without touching the model."""
-        return {"status": "ok", "queued": batcher.depth, "version": __version__}
+        """Liveness: answered without touching the model; on an index served in shards, each shard
+        (id, fragments, rows, table version, node, alive), asked on a worker thread."""
+        health = {"status": "ok", "queued": batcher.depth, "version": __version__}
+        if engine.shards is not None:
+            shards = await asyncio.get_running_loop().run_in_executor(None, engine.shards.health)
+            health["shards"] = shards
+            if not all(shard["alive"] for shard in shards):
+                health["status"] = "degraded"
+        return health
 
     @app.get("/", include_in_schema=False)
     async def page():

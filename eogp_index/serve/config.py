@@ -73,6 +73,15 @@ class ServeConfig:
         default=64,
         metadata={"help": "Most queries in one behaviour query (queries answered together with aggregate).", "min": 1},
     )
+    shard_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "With --ray: seconds a shard may take to answer one scan; a shard past it is missing from the "
+            "answer (an error naming it, unless the request sets allow_partial).",
+            "min": 0.0,
+            "min_open": True,
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "queue_size", "max_k", "max_query_tokens", "max_request_bytes", "max_queries"):
@@ -81,10 +90,10 @@ class ServeConfig:
                 raise ConfigError(f"ServeConfig.{name} must be a positive integer, got {value!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"ServeConfig.port must be in 0..65535, got {self.port!r}")
-        if self.batch_window_ms < 0 or self.timeout_s <= 0:
+        if self.batch_window_ms < 0 or self.timeout_s <= 0 or not self.shard_timeout_s > 0:
             raise ConfigError(
-                "ServeConfig.batch_window_ms must be >= 0 and timeout_s > 0, got "
-                f"{self.batch_window_ms!r} and {self.timeout_s!r}"
+                "ServeConfig.batch_window_ms must be >= 0, and timeout_s and shard_timeout_s > 0, got "
+                f"{self.batch_window_ms!r}, {self.timeout_s!r} and {self.shard_timeout_s!r}"
             )
         if self.token is not None and not self.token.strip():
             raise ConfigError("ServeConfig.token must not be empty; leave --token out to serve without one")

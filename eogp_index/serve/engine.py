@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 
 from eogp_index.data.records import Example, check_text
 from eogp_index.encode.measurements import measure, tokenize_queries
-from eogp_index.errors import ConfigError, EOGPError, InputError, QueryTooLongError
+from eogp_index.errors import ConfigError, EOGPError, InputError, QueryTooLongError, ShardUnavailableError
 from eogp_index.search.query import InfluenceQuery, aggregate_coordinates
 from eogp_index.search.question import Question
 from eogp_index.serve.config import ServeConfig
@@ -87,10 +87,12 @@ class QueryJob:
 
 
 class Answer(NamedTuple):
-    """One answered query: its ranked hits and, with ``group_by``, its roll-up."""
+    """One answered query: its ranked hits and, with ``group_by``, its roll-up; on an index served
+    in shards, which shards answered (``{"answered": [ids], "missing": [{shard, reason}]}``)."""
 
     results: pa.Table
     groups: Optional[pa.Table] = None
+    shards: Optional[Dict[str, Any]] = None
 
 
 def _user_message(exc: EOGPError, field: Optional[str] = None) -> str:
@@ -110,23 +112,45 @@ def cut_to_k(table: pa.Table, k: int) -> pa.Table:
 class Engine:
     """Queries, explanations and lookups on one opened :class:`~eogp_index.client.AttributionIndex`.
 
+    With ``shards`` (a :class:`~eogp_index.cluster.shards.ShardPool`), the queries' scans run on
+    the shards (:class:`~eogp_index.cluster.query.ClusterQuery`): the engine projects each batch's
+    queries once, and before each batch brings the shards to the table's current version.
+
     Not thread-safe: the server calls it from its single model thread only.
     """
 
-    def __init__(self, index, config: ServeConfig):
+    def __init__(self, index, config: ServeConfig, shards=None):
         self.index = index
         self.config = config
+        self.shards = shards
         self.vocab_size = len(index.tokenizer) if index.tokenizer is not None else None
+
+    def _query(self, question: Question) -> InfluenceQuery:
+        """The query of ``question``: on this process's hot copy, or on the shards."""
+        if self.shards is None:
+            return InfluenceQuery(self.index.encoder, question=question)
+        from eogp_index.cluster.query import ClusterQuery
+
+        return ClusterQuery(self.index.encoder, self.shards, question)
+
+    def refresh(self) -> None:
+        """On an index served in shards: split a new table version (an ingest, an optimize) among
+        the shards, which take up its new fragments and drop its deleted rows."""
+        if self.shards is not None and self.shards.refresh(self.index.stored):
+            log.info("shards", extra={"fields": {"event": "shards", "version": self.shards.version}})
 
     # -- start-up ---------------------------------------------------------------------------------
     def warm(self) -> None:
         """Load the hot copy and compile the scan kernels before the first request."""
         started = time.perf_counter()
         stored = self.index.stored
-        if stored.store.count():
+        self.refresh()
+        zeros = np.zeros((1, stored.coordinates.num_coords), np.float32)
+        if stored.store.count() and self.shards is None:
             stored.hot_codes()
-            zeros = np.zeros((1, stored.coordinates.num_coords), np.float32)
             self.index.search(["warm-up"], many=True).limit(1).direction("both").to_list(coordinates=zeros)
+        elif stored.store.count():  # each shard compiles its kernels on its own node
+            self._query(Question(queries=("warm-up",), k=1, allow_partial=True)).to_list(coordinates=zeros)
         try:  # the first backward pass allocates and initialises; do it now rather than in a request
             self.index.project([Example.from_ids(id="warm-up", input_ids=[1, 2, 3, 1], shard="warm-up")])
         except Exception as exc:  # a tokenizer with fewer than 4 ids: the first query pays instead
@@ -165,6 +189,7 @@ class Engine:
         ``group_by``) or a :class:`RequestError`."""
         started = time.perf_counter()
         out: List[Any] = [None] * len(jobs)
+        self.refresh()
         # One gradient pass for the whole batch: every query of every job (a behaviour's several).
         owner = [(i, j) for i, job in enumerate(jobs) for j in range(len(job.queries))]
         measured = measure(
@@ -203,6 +228,8 @@ class Engine:
             except (InputError, ConfigError) as exc:  # the question's filter or column, named by its field
                 error = RequestError(exc.field or "where", _user_message(exc))
                 answers = [error] * len(members)
+            except ShardUnavailableError as exc:  # not the request's fault: 503, naming the shards
+                answers = [RequestError(None, str(exc), status=503)] * len(members)
             for i, answer in zip(members, answers):
                 out[i] = answer
         log.info(
@@ -238,14 +265,17 @@ class Engine:
             return [answers[i] for i in range(len(jobs))]
         placeholders = tuple(job.question.queries[0] for job in jobs)  # the rows are measured already
         hits = key.replace(queries=placeholders, k=max(job.k for job in jobs), group_by=None)
-        tables = InfluenceQuery(self.index.encoder, question=hits).to_list(coordinates=rows)
+        if self.shards is not None:
+            self.shards.begin()
+        tables = self._query(hits).to_list(coordinates=rows)
         out = []
         for j, (job, table) in enumerate(zip(jobs, tables)):
             grouped = None
             if key.group_by is not None:
                 rolled = key.replace(queries=placeholders[j : j + 1], k=job.k)
-                grouped = InfluenceQuery(self.index.encoder, question=rolled).to_list(coordinates=rows[j : j + 1])[0]
-            out.append(Answer(cut_to_k(table, job.k), grouped))
+                grouped = self._query(rolled).to_list(coordinates=rows[j : j + 1])[0]
+            report = None if self.shards is None else dict(self.shards.report)
+            out.append(Answer(cut_to_k(table, job.k), grouped, report))
         return out
 
     # -- explanations and lookups -----------------------------------------------------------------
@@ -298,6 +328,8 @@ class Engine:
         data["has_text"] = any(c["name"] == "text" for c in data["columns"])
         data["explain"] = hasattr(self.index, "explain")
         cfg = self.config
+        if self.shards is not None:
+            data["shards"] = {"count": len(self.shards), "table_version": self.shards.version}
         data["limits"] = {
             "max_k": cfg.max_k,
             "max_query_tokens": cfg.max_query_tokens,
@@ -306,5 +338,6 @@ class Engine:
             "max_batch": cfg.max_batch,
             "batch_window_ms": cfg.batch_window_ms,
             "max_queries": cfg.max_queries,
+            "shard_timeout_s": cfg.shard_timeout_s,
         }
         return data

@@ -90,6 +90,7 @@ class QueryRequest(BaseModel):
     candidates: Optional[int] = _question("candidates")
     first_pass: str = _question("first_pass")
     rescore: Optional[int] = _question("rescore")
+    allow_partial: bool = _question("allow_partial")
 
 
 class ExplainRequest(BaseModel):
@@ -114,6 +115,11 @@ class QueryResponse(BaseModel):
         None,
         description="With group_by: one row per group (rows, sum, mean, max, top_positive, top_negative, "
         "share_positive, share_negative), sorted by sum.",
+    )
+    shards: Optional[Dict[str, Any]] = Field(
+        None,
+        description="On an index served in shards (eogp serve --ray): which shards answered (answered: their "
+        "ids; missing: id and reason of each that did not, possible with allow_partial).",
     )
     took_ms: float
 

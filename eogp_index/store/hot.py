@@ -487,20 +487,67 @@ def _empty(codec: Codec, schema: Optional[pa.Schema], version: int) -> HotCodes:
 
 def _in_memory(dataset, codec: Codec) -> HotCodes:
     """The copy read straight from Lance, kept in memory only."""
-    rowaddr, encoded, tables = [], [], []
+    return fragments_in_memory(dataset, codec, [f.fragment_id for f, _ in _fragment_keys(dataset)])
+
+
+def fragments_in_memory(
+    dataset, codec: Codec, fragment_ids: Sequence[int], previous: Optional[HotCodes] = None
+) -> HotCodes:
+    """The copy of only the fragments ``fragment_ids`` of ``dataset`` (a Lance dataset, at the
+    version the copy is pinned to), in memory, in row-address order: a shard's part of the table.
+
+    ``previous``: an in-memory copy of an older version made by this function; the rows of its
+    fragments that are unchanged since (same fragment id, physical rows and deletions: the keys
+    are kept in its ``cache``) are reused, and only the new or changed fragments read from Lance.
+    The codes are written into arrays of their final size, so that building the copy holds it
+    once (plus one record batch), not its pieces and their concatenation.
+    """
+    wanted = set(int(f) for f in fragment_ids)
+    fragments = [(f, key) for f, key in _fragment_keys(dataset) if key[0] in wanted]
+    before: Dict[FragmentKey, Tuple[int, int]] = previous.cache.get("fragments", {}) if previous is not None else {}
+    sizes = [before[key][1] - before[key][0] if key in before else f.count_rows() for f, key in fragments]
+    rows = int(sum(sizes))
+    if rows == 0:
+        hot = _empty(codec, dataset.schema, dataset.version)
+        hot.cache["fragments"] = {key: (0, 0) for _, key in fragments}
+        return hot
+    rowaddr = np.empty(rows, np.uint64)
+    arrays = {name: np.empty((rows, width), dtype) for name, (width, dtype) in codec.widths().items()}
+    tables: List[pa.Table] = []
+    spans: Dict[FragmentKey, Tuple[int, int]] = {}
+    at = 0
 
     def sink(addr, codes, columns):
-        rowaddr.append(addr)
-        encoded.append(codes)
+        nonlocal at
+        n = addr.shape[0]
+        rowaddr[at : at + n] = addr
+        for name, values in codes.columns().items():
+            arrays[name][at : at + n] = values
         tables.append(columns)
+        at += n
 
-    _read_fragments(dataset, [f for f, _ in _fragment_keys(dataset)], codec, sink)
-    if not rowaddr:
-        return _empty(codec, dataset.schema, dataset.version)
-    joined = Encoded(**{name: np.concatenate([e.columns()[name] for e in encoded]) for name in codec.columns})
-    return HotCodes(
-        rowaddr=np.concatenate(rowaddr), encoded=joined, version=dataset.version, columns=pa.concat_tables(tables)
-    )
+    for (f, key), size in zip(fragments, sizes):  # fragment order is row-address order
+        start = at
+        if key in before:
+            a, b = before[key]
+            sink(
+                previous.rowaddr[a:b],
+                Encoded(**{n: v[a:b] for n, v in previous.encoded.columns().items()}),
+                previous.columns.slice(a, b - a),
+            )
+        else:
+            _read_fragments(dataset, [f], codec, sink)
+        if at - start != size:
+            raise StaleHotCopyError(
+                f"fragment {key[0]} of table version {dataset.version} read {at - start} rows, not {size}; "
+                "the table changed while it was read: load the copy again"
+            )
+        spans[key] = (start, at)
+    columns = pa.concat_tables(tables, promote_options="default").combine_chunks()
+    hot = HotCodes(rowaddr=rowaddr, encoded=Encoded(**arrays), version=dataset.version, columns=columns)
+    hot.cache["fragments"] = spans
+    pa.default_memory_pool().release_unused()  # the record batches read: back to the system
+    return hot
 
 
 def _assemble(pieces: Sequence[Piece], segments: Dict[str, _Segment], codec: Codec, version: int) -> HotCodes:

@@ -1,0 +1,95 @@
+"""A question answered by the shards: the one-process query with its scan sent to every shard.
+
+:class:`ClusterQuery` is :class:`~eogp_index.search.query.InfluenceQuery` whose searcher is
+:class:`ShardSearcher`: the ingress keeps everything a question does after its scan (keeping each
+side to rows of its sign, rescoring the merged one-bit top rows from the tier, per-module terms,
+reading the hits' metadata from the table), so an answer is one process's answer. Roll-ups merge
+the shards' partial sums (:func:`~eogp_index.cluster.merge.merged_roll_up`).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from eogp_index.cluster.merge import Found, merged_hits, merged_roll_up
+from eogp_index.cluster.shards import ShardPool
+from eogp_index.errors import ConfigError
+from eogp_index.search.query import InfluenceQuery, Projects
+from eogp_index.search.question import Question, check_question
+from eogp_index.search.ranking import Side
+from eogp_index.search.rescore import rescored
+
+
+class ShardSearcher:
+    """Every shard's exact top ``k`` (its :class:`~eogp_index.search.searchers.HotSearcher`),
+    merged: the exact top ``k`` of all rows, as one process's searcher returns it."""
+
+    def __init__(self, pool: ShardPool, *, normalize: str = "none", allow_partial: bool = False):
+        self.pool = pool
+        self.normalize = normalize
+        self.allow_partial = allow_partial
+
+    def top_k(self, y: np.ndarray, k: int, sides: Sequence[Side], where: Optional[str] = None) -> Found:
+        y = np.ascontiguousarray(y, np.float32)
+        parts = self.pool.call("top_k", y, k, tuple(sides), where, self.normalize, allow_partial=self.allow_partial)
+        return merged_hits([found for found, _ in parts], y.shape[0], k, sides)
+
+
+class ClusterQuery(InfluenceQuery):
+    """An :class:`InfluenceQuery` over the shards of ``pool``.
+
+    Args:
+        index: the ingress's encoder (it projects the queries once, and reads the hits' rows).
+        pool: the shards.
+        question: the question (its ``allow_partial`` says whether missing shards are an error).
+    """
+
+    def __init__(self, index: Projects, pool: ShardPool, question: Question):
+        super().__init__(index, question=question)
+        self.pool = pool
+
+    def searcher(self):
+        if self.question.route == "candidates":
+            raise ConfigError(
+                "a served index in shards scans every row exactly; drop candidates (first passes run on one "
+                "process: eogp serve without --ray)",
+                field="candidates",
+            )
+        # Every exact route gives the same answer: each shard scans its copy (hot, stream or sharded alike).
+        return ShardSearcher(self.pool, normalize=self.question.normalize, allow_partial=self.question.allow_partial)
+
+    def roll_ups(self, *, coordinates: Optional[np.ndarray] = None) -> List[pa.Table]:
+        """:meth:`InfluenceQuery.roll_ups`, each shard rolling up its rows and the parts merged."""
+        opts = self.question
+        if opts.group_by is None:
+            raise ConfigError("roll_ups needs a column: .group_by(column)")
+        stored = self._index.stored
+        check_question(opts, stored)
+        y = np.ascontiguousarray(self.coordinates(coordinates), np.float32)
+        n = self._rescored_count(None) if self._rescore else opts.k
+        parts = self.pool.call(
+            "roll_up", y, opts.where, opts.normalize, opts.group_by, n, allow_partial=opts.allow_partial
+        )
+        column_type = stored.store.schema.field(opts.group_by).type
+        out = []
+        for q in range(y.shape[0]):
+            rescore = None
+            if self._rescore:
+
+                def rescore(found, q=q):
+                    return rescored(stored, [found], y[q : q + 1], opts.k, opts.normalize)[0]
+
+            out.append(
+                merged_roll_up(
+                    [shard[q] for shard, _ in parts],
+                    n,
+                    opts.group_by,
+                    column_type,
+                    descending=opts.direction != "negative",
+                    rescore=rescore,
+                )
+            )
+        return out

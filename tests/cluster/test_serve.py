@@ -1,0 +1,279 @@
+"""`eogp serve --ray`: the real app on loopback over shard actors on a local Ray cluster of
+simulated nodes, answering exactly what one process answers; faults and new table versions.
+
+The index: the tiny GPT-2 with the default rescoring tier (int8), its rows ingested in several
+commits (several fragments). The reference: the same index opened by this process, queried
+through the library (one process, its own hot copy).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+
+pytestmark = pytest.mark.cluster
+ray = pytest.importorskip("ray")
+
+#: Queries: token ids of the tiny model's vocabulary.
+QUERIES = [[3, 9, 14, 2, 7, 11], [5, 5, 21, 8, 1, 30, 2]]
+FILTER = "`group` = 1"
+
+
+def _open(path):
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import GradientConfig
+
+    return AttributionIndex.open(
+        path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8, device="cpu")
+    )
+
+
+@pytest.fixture(scope="module")
+def index_path(tmp_path_factory):
+    """A real index with an int8 rescoring tier, 40 rows in 5 fragments."""
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+
+    path = tmp_path_factory.mktemp("cluster") / "index"
+    examples = make_examples(40, seed=5)
+    index = AttributionIndex.create(
+        path,
+        make_tiny_gpt2(),
+        TinyTokenizer(),
+        examples,
+        model_name="tiny",
+        projection=ProjectionConfig(variant="eogp", k=16, m=64),
+        curvature=CurvatureConfig(num_examples=16, batch_size=8),
+        gradients=GradientConfig(batch_size=8),
+        progress=False,
+    )
+    for start in (0, 12, 20, 28, 33):
+        index.add_batch(examples[start : {0: 12, 12: 20, 20: 28, 28: 33, 33: 40}[start]])
+    return path
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Two simulated nodes of one CPU each on loopback (three shards share them)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": 80 * 2**20, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+class Served:
+    """The app over ``shards`` shard actors, run by uvicorn on loopback; ``reference`` is the
+    same index answered by this process."""
+
+    def __init__(self, path, shards: int, address: str, timeout_s: float = 60.0):
+        import uvicorn
+
+        from eogp_index.cluster.shards import ShardPool
+        from eogp_index.serve.app import create_app
+        from eogp_index.serve.config import ServeConfig
+
+        self.pool = ShardPool(str(path), shards, address=address, timeout_s=timeout_s)
+        self.app = create_app(_open(path), ServeConfig(port=0, batch_window_ms=0, shard_timeout_s=timeout_s), self.pool)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300.0)
+        self.reference = _open(path)
+
+    def query(self, ids, **options):
+        response = self.client.post("/v1/query", json={"input_ids": ids, **options})
+        return response
+
+    def close(self):
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        self.pool.close()
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def served(request, index_path, ray_cluster):
+    server = Served(index_path, request.param, ray_cluster.address)
+    yield server
+    server.close()
+
+
+def _expected(reference, ids, *, k=5, where=None, direction="both", normalize="none", rescore=None):
+    question = reference.search({"input_ids": ids}).limit(k).where(where).direction(direction).normalize(normalize)
+    return question.rescore(rescore).to_arrow().to_pylist()
+
+
+def _same_hits(got, expected):
+    assert [(r.get("direction"), r["rank"], r["id"]) for r in got] == [
+        (r.get("direction"), r["rank"], r["id"]) for r in expected
+    ]
+    np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in expected], rtol=1e-5, atol=0)
+    if expected and "score_1bit" in expected[0]:
+        np.testing.assert_allclose([r["score_1bit"] for r in got], [r["score_1bit"] for r in expected], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # both sides, rescored from the int8 tier (the index's default)
+        {"rescore": 0},  # the one-bit ranking
+        {"where": FILTER, "direction": "positive"},
+        {"where": "regexp_match(name, 'doc1.')", "rescore": 0},  # a filter only Lance plans
+        {"normalize": "unit", "direction": "negative"},
+        {"k": 40, "rescore": 0},  # every row: ties broken by table order across shards
+    ],
+    ids=["rescored", "one-bit", "filter", "lance-filter", "normalize", "all-rows"],
+)
+def test_every_answer_is_one_process_answer(served, options):
+    options = {"k": 5, **options}
+    for ids in QUERIES:
+        response = served.query(ids, **options)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["shards"]["answered"] == list(range(len(served.pool))) and not body["shards"]["missing"]
+        expected = _expected(served.reference, ids, **options)
+        assert expected, "a query without hits compares nothing"
+        _same_hits(body["results"], expected)
+
+
+def test_a_behaviour_and_a_roll_up_are_one_process_answers(served):
+    body = {"queries": [{"input_ids": q} for q in QUERIES], "aggregate": "mean", "k": 4, "group_by": "group"}
+    response = served.client.post("/v1/query", json=body)
+    assert response.status_code == 200, response.text
+    question = served.reference.search([{"input_ids": q} for q in QUERIES], many=True).aggregate("mean").limit(4)
+    _same_hits(response.json()["results"], question.to_arrow().to_pylist())
+    groups = response.json()["groups"]
+    expected = question.group_by("group").to_arrow().to_pylist()
+    assert [g["group"] for g in groups] == [g["group"] for g in expected]
+    for got, want in zip(groups, expected):
+        assert {n: got[n] for n in ("rows", "top_positive", "top_negative")} == {
+            n: want[n] for n in ("rows", "top_positive", "top_negative")
+        }
+        np.testing.assert_allclose([got[n] for n in ("sum", "mean", "max")], [want[n] for n in ("sum", "mean", "max")])
+
+
+def test_healthz_lists_every_shard_with_its_fragments(served):
+    health = served.client.get("/healthz").json()
+    shards = health["shards"]
+    assert [s["shard"] for s in shards] == list(range(len(served.pool))) and all(s["alive"] for s in shards)
+    fragments = sorted(f for s in shards for f in s["fragments"])
+    table = served.reference.stored.store.dataset()
+    assert fragments == sorted(f.fragment_id for f in table.get_fragments())
+    assert sum(s["rows"] for s in shards) == served.reference.stored.store.count()
+    assert {s["version"] for s in shards} == {served.reference.stored.store.version}
+    assert len({s["node"] for s in shards}) == 2  # spread over both nodes
+
+
+@pytest.mark.parametrize("served", [3], indirect=True)
+def test_a_shard_killed_during_a_query_is_restarted_and_the_query_answers(served):
+    actor = served.pool.actors[1]
+    pid = served.client.get("/healthz").json()["shards"][1]["pid"]
+    killer = threading.Timer(0.05, lambda: ray.kill(actor, no_restart=False))
+    killer.start()
+    response = served.query(QUERIES[0], k=5, rescore=0)
+    killer.join()
+    assert response.status_code == 200, response.text
+    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], rescore=0))
+    # Killed after the answer: the next query finds it restarting, asks again, and is answered in full.
+    ray.kill(actor, no_restart=False)
+    response = served.query(QUERIES[1], k=5)
+    assert response.status_code == 200, response.text
+    assert response.json()["shards"]["missing"] == []
+    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[1]))
+    shard = served.client.get("/healthz").json()["shards"][1]
+    assert shard["alive"] and shard["pid"] != pid and shard["rows"] > 0  # a new process, its copy rebuilt
+
+
+def test_shards_without_ray_is_refused_before_the_model_loads(index_path):
+    from click.testing import CliRunner
+
+    from eogp_index.cli import cli
+
+    result = CliRunner().invoke(cli, ["serve", str(index_path), "--shards", "2"])
+    assert result.exit_code == 2 and "--shards goes with --ray" in result.output
+
+
+@pytest.mark.parametrize("served", [3], indirect=True)
+def test_a_shard_gone_for_good_is_missing_allowed_or_named_then_replaced(served):
+    ray.kill(served.pool.actors[2], no_restart=True)
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        ray.get(served.pool.actors[2].info.remote())
+    health = served.client.get("/healthz").json()
+    assert health["status"] == "degraded" and not health["shards"][2]["alive"] and health["shards"][1]["alive"]
+    response = served.query(QUERIES[0], k=5, rescore=0, allow_partial=True)
+    assert response.status_code == 200, response.text
+    report = response.json()["shards"]
+    assert report["answered"] == [0, 1] and [m["shard"] for m in report["missing"]] == [2]
+    # The partial answer is one process's answer over the shards that answered.
+    kept = set(served.pool.assignments[0][1]) | set(served.pool.assignments[1][1])
+    rows = served.reference.stored.store.read(["id"], None, with_row_address=True).to_pylist()
+    ids = {r["id"] for r in rows if int(r["_rowaddr"]) >> 32 in kept}
+    answered = {r["id"] for r in response.json()["results"]}
+    assert answered and answered <= ids
+    # Its replacement is killed for good too: without allow_partial the query is refused, naming it.
+    pid = served.client.get("/healthz").json()["shards"][2]["pid"]
+    ray.kill(served.pool.actors[2], no_restart=True)
+    response = served.query(QUERIES[0], k=5)
+    assert response.status_code == 503, response.text
+    assert "shard 2 of 3" in response.json()["error"]["message"]
+    # Replaced again: the next query is answered in full by a new process.
+    response = served.query(QUERIES[0], k=5, rescore=0)
+    assert response.status_code == 200 and response.json()["shards"]["missing"] == [], response.text
+    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], rescore=0))
+    shard = served.client.get("/healthz").json()["shards"][2]
+    assert shard["alive"] and shard["pid"] != pid
+
+
+@pytest.mark.parametrize("served", [3], indirect=True)
+def test_a_slow_shard_hits_the_shard_timeout_which_the_error_reports(served):
+    timeout = served.pool.timeout_s
+    served.pool.timeout_s = 1e-4
+    try:
+        response = served.query(QUERIES[0], k=3, rescore=0)
+    finally:
+        served.pool.timeout_s = timeout
+    assert response.status_code == 503, response.text
+    assert "shard timeout of 0.0001 s (--shard-timeout)" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("served", [3], indirect=True)
+def test_an_ingest_while_serving_is_taken_up_on_the_next_query(served, index_path):
+    writer = _open(index_path)
+    before = served.reference.stored.store.version
+    writer.add_batch(make_examples(6, seed=9, prefix="new"))
+    writer.stored.store.dataset().delete("id = 'ex-3'")
+    response = served.query(QUERIES[0], k=40, rescore=0)
+    assert response.status_code == 200, response.text
+    served.reference.stored.store.refresh(force=True)
+    assert served.reference.stored.store.version > before
+    ids = {r["id"] for r in response.json()["results"]}
+    assert "ex-3" not in ids and any(i.startswith("new-") for i in ids)
+    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], k=40, rescore=0))
+    assert sum(s["rows"] for s in served.client.get("/healthz").json()["shards"]) == 45
+
+
+def test_serve_ray_without_shards_starts_one_shard_per_node(index_path, ray_cluster):
+    from eogp_index.cli import _shard_pool
+
+    pool = _shard_pool(index_path, ray_cluster.address, None, 30.0)
+    try:
+        assert len(pool) == 2 and pool.timeout_s == 30.0
+    finally:
+        pool.close()
