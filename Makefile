@@ -41,8 +41,9 @@ browser:
 		fi; \
 	fi
 
+# Two workers (pytest-xdist): the suite's processes are mostly single-threaded Python.
 test: install browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 bench: install
 	$(BIN)/python benchmarks/scan.py

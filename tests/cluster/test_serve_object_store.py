@@ -115,7 +115,7 @@ def test_an_index_in_a_bucket_served_on_two_shards_answers_as_one_local_process(
             assert sum(shard["rows"] for shard in health["shards"]) == 30
             reference = _open(path)
             for options in ({}, {"where": "`group` = 1", "direction": "positive"}, {"rescore": 0, "k": 30}):
-                got = client.post("/v1/query", json={"input_ids": QUERY, **options})
+                got = client.post("/v1/query", json={"input_ids": QUERY, "k": 5, **options})
                 assert got.status_code == 200, got.text
                 hits = got.json()["results"]
                 question = reference.search({"input_ids": QUERY}).limit(options.get("k", 5))
