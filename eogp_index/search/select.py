@@ -174,14 +174,7 @@ def table_fragments(dataset, fragment_ids: Optional[Sequence[int]] = None) -> Li
 def count_at(stored: StoredIndex, where: Optional[str], version: Optional[int] = None) -> int:
     """The rows matching ``where`` at ``version`` (None: the latest); 0 before the first row."""
     dataset = pinned_table(stored, version)
-    if dataset is None:
-        return 0
-    try:
-        return dataset.count_rows(where) if where else dataset.count_rows()
-    except (ValueError, OSError) as exc:
-        if where is None:
-            raise
-        raise stored.store.filter_error(where, exc) from exc
+    return 0 if dataset is None else stored.store.count(where, dataset=dataset)
 
 
 def require_tier(stored: StoredIndex):

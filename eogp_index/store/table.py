@@ -356,8 +356,10 @@ class Store:
             self._schema = (dataset, dataset.schema)
         return self._schema[1]
 
-    def count(self, where: Optional[str] = None) -> int:
-        dataset = self.table
+    def count(self, where: Optional[str] = None, *, dataset=None) -> int:
+        """Rows matching ``where`` (all when None) in ``dataset`` (default: the table as it is now);
+        0 before the first row."""
+        dataset = self.table if dataset is None else dataset
         if dataset is None:
             return 0
         try:

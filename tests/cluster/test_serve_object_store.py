@@ -4,13 +4,13 @@ simulated nodes; every answer equals one process's answer over the same files on
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
+from s3server import s3_server
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
 pytestmark = [pytest.mark.cluster, pytest.mark.objectstore]
@@ -32,11 +32,9 @@ def _open(path):
 @pytest.fixture(scope="module")
 def indexes(tmp_path_factory):
     """A local index (int8 tier, 30 rows in 3 fragments) and its copy at ``s3://BUCKET/idx``,
-    with moto's server, the AWS variables (set before Ray starts, so its workers inherit them)
-    and a Ray cluster of two nodes. Yields (local path, URL, Ray address)."""
-    import boto3
+    on moto's server (its variables set before Ray starts, so that the workers inherit them), and
+    a Ray cluster of two nodes. Yields (local path, URL, Ray address)."""
     import pyarrow.fs as pafs
-    from moto.server import ThreadedMotoServer
     from ray.cluster_utils import Cluster
 
     from eogp_index.client import AttributionIndex
@@ -59,21 +57,7 @@ def indexes(tmp_path_factory):
     for start in (0, 10, 20):
         index.add_batch(examples[start : start + 10])
 
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in {
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_REGION": "us-east-1",
-            location.CACHE_ENV: str(tmp_path_factory.mktemp("cache")),
-        }.items():
-            patch.setenv(name, value)
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    with s3_server(BUCKET, tmp_path_factory.mktemp("cache")):
         url = f"s3://{BUCKET}/idx"
         remote = location.index_path(url)
         pafs.copy_files(str(path), remote.fs_path, pafs.LocalFileSystem(), remote.filesystem)
@@ -89,7 +73,6 @@ def indexes(tmp_path_factory):
         finally:
             ray.shutdown()
             cluster.shutdown()
-            server.stop()
 
 
 def test_an_index_in_a_bucket_served_on_two_shards_answers_as_one_local_process(indexes):

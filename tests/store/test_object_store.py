@@ -5,7 +5,6 @@ projection is read by ranges; the ingest lock and a killed ingest's rerun work o
 from __future__ import annotations
 
 import json
-import logging
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 from click.testing import CliRunner
+from s3server import s3_server
 from tinymodels import make_tiny_gpt2, make_word_tokenizer
 
 from eogp_index.cli import cli
@@ -31,30 +31,9 @@ DOCUMENTS = 24
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    """moto's S3 server on loopback, the AWS variables pointing at it, a bucket; the local cache
-    of remote indexes in a temporary folder. Yields the endpoint."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in {
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_REGION": "us-east-1",
-            location.CACHE_ENV: str(tmp_path_factory.mktemp("cache")),
-        }.items():
-            patch.setenv(name, value)
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
-        try:
-            yield endpoint
-        finally:
-            server.stop()
+    """moto's S3 server on loopback with the bucket; yields the endpoint."""
+    with s3_server(BUCKET, tmp_path_factory.mktemp("cache")) as endpoint:
+        yield endpoint
 
 
 def _run(*args):
