@@ -914,9 +914,9 @@ def _check_shards(ray_address, shards) -> None:
     if shards is not None and ray_address is None:
         raise click.UsageError("--shards splits the work over Ray tasks; give --ray too")
     if ray_address is not None:
-        from eogp_index.cluster.batch import join_ray
+        from eogp_index.cluster.runtime import connect
 
-        join_ray(ray_address)
+        connect(ray_address)
 
 
 def _target_set(texts, queries_file) -> List[Any]:

@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import socket
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -35,7 +34,7 @@ import pyarrow as pa
 
 from eogp_index.config import SelectOptions
 from eogp_index.data.location import index_path
-from eogp_index.errors import ConfigError, EOGPError
+from eogp_index.errors import EOGPError
 from eogp_index.search.question import Question
 from eogp_index.search.searchers import STREAM_BATCH_BYTES
 from eogp_index.search.select import (
@@ -58,37 +57,7 @@ from eogp_index.store.stored_index import StoredIndex
 
 from .runtime import connect, fragment_shards
 
-__all__ = ["scores_on_ray", "select_on_ray", "join_ray", "shard_split"]
-
-#: How long the driver waits for a TCP answer from a ``host:port`` address before calling it
-#: unreachable: Ray itself retries an unreachable address for minutes.
-CONNECT_TIMEOUT_S = 5.0
-
-
-def join_ray(address: Optional[str] = None):
-    """Ray, joined at ``address`` (``host:port``, ``ray://host:port``, ``auto``) or started locally
-    when ``address`` is None or empty; returns the ``ray`` module.
-
-    A ``host:port`` or ``ray://host:port`` address that does not accept a TCP connection is
-    refused at once with a :class:`~eogp_index.errors.ConfigError`.
-    """
-    address = address or None
-    if address and address != "auto":
-        host, _, port = address.removeprefix("ray://").rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(
-                f"--ray {address!r} is not a Ray address: give host:port of the head node (the GCS port "
-                "`ray start --head` prints, 6379 by default), ray://host:port, auto, or nothing to start a local Ray"
-            )
-        try:
-            with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
-                pass
-        except OSError as exc:
-            raise ConfigError(
-                f"could not reach the Ray cluster at {address!r} ({exc}): start it with `ray start --head` on the "
-                "head node and give the address it prints, or leave out the address to start a local Ray"
-            ) from exc
-    return connect(address)
+__all__ = ["scores_on_ray", "select_on_ray", "shard_split"]
 
 
 def shard_split(stored: StoredIndex, version: Optional[int], shards: Optional[int], ray) -> List[List[int]]:
@@ -118,10 +87,10 @@ def scores_on_ray(
 ) -> int:
     """:func:`~eogp_index.search.select.write_scores` with the fragments scored by Ray tasks, one
     per shard (``shards``; None: one per CPU of the cluster); the same file. ``address``:
-    :func:`join_ray`. Returns the rows written."""
+    :func:`~eogp_index.cluster.runtime.connect`. Returns the rows written."""
     out = index_path(out)
     parquet_output(out)
-    ray = join_ray(address)
+    ray = connect(address)
     work = scores_work(index, question, where=where, precision=precision)
     stored: StoredIndex = index.stored
     split = shard_split(stored, work.version, shards, ray)
@@ -180,7 +149,7 @@ def select_on_ray(
     """:func:`~eogp_index.search.select.select_documents` with the fragments scored by Ray tasks,
     one per shard, each keeping its best rows; merged exactly into one process's selection,
     written to ``out`` when given (:func:`~eogp_index.search.select.write_selection`)."""
-    ray = join_ray(address)
+    ray = connect(address)
     work = selection_work(index, question, options)
     stored: StoredIndex = index.stored
     split = shard_split(stored, work.version, shards, ray) if work.keep else []

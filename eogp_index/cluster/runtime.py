@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
@@ -18,12 +19,24 @@ def require_ray():
     return ray
 
 
+#: How long a ``host:port`` address may take to accept a TCP connection before it is called
+#: unreachable: Ray itself retries an unreachable address for minutes.
+CONNECT_TIMEOUT_S = 5.0
+
+
 def connect(address: Optional[str] = None, *, num_cpus: Optional[int] = None):
     """Joins the Ray cluster at ``address`` ("auto", "ray://host:port", "host:port"), or starts a
-    local one when ``address`` is None; a process already connected keeps its connection.
+    local one when ``address`` is None or empty; a process already connected keeps its connection.
 
     Returns the ``ray`` module.
+
+    Raises:
+        ConfigError: an address that is not one, or a ``host:port`` that does not accept a TCP
+            connection within :data:`CONNECT_TIMEOUT_S` (refused at once, before Ray retries it).
     """
+    address = address or None
+    if address and address != "auto":
+        _check_reachable(address)
     ray = require_ray()
     if ray.is_initialized():
         return ray
@@ -39,6 +52,23 @@ def connect(address: Optional[str] = None, *, num_cpus: Optional[int] = None):
             "on the head node, or leave out the address to start a local Ray"
         ) from exc
     return ray
+
+
+def _check_reachable(address: str) -> None:
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(
+            f"--ray {address!r} is not a Ray address: give host:port of the head node (the GCS port "
+            "`ray start --head` prints, 6379 by default), ray://host:port, auto, or nothing to start a local Ray"
+        )
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"could not reach the Ray cluster at {address!r} ({exc}): start it with `ray start --head` on the "
+            "head node and give the address it prints, or leave out the address to start a local Ray"
+        ) from exc
 
 
 def fragment_shards(fragments: Sequence[Tuple[int, int]], shards: int) -> List[List[int]]:

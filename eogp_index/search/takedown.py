@@ -268,17 +268,10 @@ def _do(step: str, stored, pending: Dict[str, Any], ids: List[str], outcome: Dic
     elif step == "first-passes":
         outcome["first_passes"] = rebuild_first_passes(stored)
     elif step == "caches":
-        details["caches"] = deletions.purge_caches(path, _all_deleted(path), stored.cache_dir)
-        details["recall_queries_removed"] = drop_queries(path, _all_deleted_hashes(path))
+        gone = deletions.DeletedSet.load(path)  # every takedown so far: the log, this one included
+        details["caches"] = deletions.purge_caches(path, gone.ids, stored.cache_dir)
+        details["recall_queries_removed"] = drop_queries(path, gone.hashes)
     # "recorded": the pending record itself, written when the step is marked done
-
-
-def _all_deleted_hashes(path: Path) -> List[str]:
-    return sorted({entry["content_sha256"] for entry in deletions.read_log(path) if entry.get("content_sha256")})
-
-
-def _all_deleted(path: Path) -> List[str]:
-    return sorted({entry["id"] for entry in deletions.read_log(path)})
 
 
 def rebuild_first_passes(stored) -> Dict[str, str]:
