@@ -84,6 +84,9 @@ def index_lock(index_path: Path) -> Iterator[None]:
 LEASE_S = 120.0
 #: How often a running ingest renews its remote lock.
 RENEW_S = 30.0
+#: How long a remote lock's taker waits between its ``PUT`` and the read back: a rival that read
+#: "no lock" before our ``PUT`` landed has written its own by then, and only the last ``PUT`` wins.
+SETTLE_S = 1.0
 
 
 def _lock_holder(path: RemotePath) -> Optional[dict]:
@@ -115,10 +118,12 @@ def _object_lock(path: RemotePath, where) -> Iterator[None]:
     renewed every :data:`RENEW_S` seconds by a background thread and deleted at the end.
 
     An object store has no ``flock``, and pyarrow's file systems offer no create-if-absent write,
-    so taking the lock is a read, a ``PUT`` and a read back (the token must be ours): two ingests
-    starting within the same second can both pass. The table stays consistent either way (Lance
-    commits conditionally); what the lock prevents is the same shards stored twice. A lock whose
-    ingest was killed is taken over once it is stale (:func:`_stale`).
+    so taking the lock is a read, a ``PUT``, a wait of :data:`SETTLE_S` and a read back (the token
+    must be ours). Object stores read their writes (S3, GCS and Azure are strongly consistent), so
+    of rivals that all read "no lock" only the last ``PUT`` reads its own token back; both pass
+    only if a rival's ``PUT`` lands more than :data:`SETTLE_S` after its read. The table stays
+    consistent even then (Lance commits conditionally); what the lock prevents is the same shards
+    stored twice. A lock whose ingest was killed is taken over once it is stale (:func:`_stale`).
     """
     holder = _lock_holder(path)
     if holder is not None and not _stale(holder):
@@ -129,6 +134,7 @@ def _object_lock(path: RemotePath, where) -> Iterator[None]:
         )
     mine = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
     path.write_text(json.dumps({**mine, "renewed": time.time()}))
+    time.sleep(SETTLE_S)
     if (_lock_holder(path) or {}).get("token") != mine["token"]:
         raise ConfigError(f"another ingest took {path} at the same moment; wait for it to finish, then rerun")
     stop = threading.Event()

@@ -138,6 +138,37 @@ def test_a_killed_ingest_is_rerun_on_s3_without_duplicates(both):
     assert not (location.index_path(indexes["s3"]) / LOCK_FILE).exists()  # released at the end
 
 
+def test_a_rival_lock_put_landing_after_ours_wins_and_we_back_off(both):
+    """A rival that read "no lock" before our PUT landed writes its own lease just after: the
+    read back after the settle time finds the rival's token, and this ingest refuses."""
+    import threading
+
+    from eogp_index.encode.commits import LOCK_FILE, index_lock
+
+    url = both[1]["s3"] + "-race"
+    lock = location.index_path(url) / LOCK_FILE
+    location.index_path(url).mkdir()
+    outcome = []
+
+    def take() -> None:
+        try:
+            with index_lock(url):
+                outcome.append("in")
+        except ConfigError as err:
+            outcome.append(str(err))
+
+    taker = threading.Thread(target=take)
+    taker.start()
+    deadline = time.time() + 30
+    while not lock.exists() and time.time() < deadline:
+        time.sleep(0.01)
+    rival = {"host": "elsewhere", "pid": 1, "token": "rival", "renewed": time.time()}
+    lock.write_text(json.dumps(rival))
+    taker.join()
+    assert len(outcome) == 1 and "another ingest took" in outcome[0], outcome
+    assert json.loads(lock.read_text())["token"] == "rival"  # the rival's lease is left alone
+
+
 def test_a_held_ingest_lock_refuses_a_second_ingest(both):
     from eogp_index.encode.commits import LOCK_FILE, index_lock
 
