@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from eogp_index.cluster.merge import Found, merged_hits, merged_roll_up
 from eogp_index.cluster.shards import ShardPool
-from eogp_index.errors import ConfigError
+from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError
 from eogp_index.search.first_pass.base import require_signs
 from eogp_index.search.query import InfluenceQuery, Projects
 from eogp_index.search.question import Question, check_question
@@ -49,6 +49,10 @@ class ShardCandidateSearcher:
     Every hit's score is exact. Each shard looks at ``C`` of its own rows per side, so the union
     scored holds up to ``shards · C`` rows; when ``C`` is at least a shard's rows, every row is
     scored and the answer is the exact scan's.
+
+    Raises:
+        ConfigError: the index has no first pass ``name``, or one made from other codes (``field``
+            ``first_pass``: the request's, answered 400).
     """
 
     def __init__(self, pool: ShardPool, candidates: int, *, name: str = "default", allow_partial: bool = False):
@@ -61,16 +65,11 @@ class ShardCandidateSearcher:
         if self.candidates < k:
             raise ConfigError(f"candidates C={self.candidates} must be at least k={k}", field="candidates")
         y = np.ascontiguousarray(y, np.float32)
-        parts = self.pool.call(
-            "candidates",
-            y,
-            k,
-            self.candidates,
-            tuple(sides),
-            where,
-            self.name,
-            allow_partial=self.allow_partial,
-        )
+        args = (y, k, self.candidates, tuple(sides), where, self.name)
+        try:
+            parts = self.pool.call("candidates", *args, allow_partial=self.allow_partial)
+        except (IndexNotFoundError, IncompatibleIndexError) as exc:  # the question's first pass: its field
+            raise ConfigError(str(exc), field="first_pass") from None
         return merged_hits([found for found, _ in parts], y.shape[0], k, sides)
 
 

@@ -2,7 +2,7 @@
 simulated nodes, answering exactly what one process answers; faults and new table versions.
 
 The index: the tiny GPT-2 with the default rescoring tier (int8), its rows ingested in several
-commits (several fragments). The reference: the same index opened by this process, queried
+commits (several fragments), and a first pass (``flat``) for the candidates route. The reference: the same index opened by this process, queried
 through the library (one process, its own hot copy).
 """
 
@@ -15,6 +15,8 @@ import httpx
 import numpy as np
 import pytest
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+
+from eogp_index.search import first_pass
 
 pytestmark = pytest.mark.cluster
 ray = pytest.importorskip("ray")
@@ -54,6 +56,7 @@ def index_path(tmp_path_factory):
     )
     for start in (0, 12, 20, 28, 33):
         index.add_batch(examples[start : {0: 12, 12: 20, 20: 28, 28: 33, 33: 40}[start]])
+    first_pass.build(index, progress=False)  # the candidates route's first pass ("default", flat)
     return path
 
 
@@ -181,6 +184,59 @@ def test_healthz_lists_every_shard_with_its_fragments(served):
     assert len({s["node"] for s in shards}) == 2  # spread over both nodes
 
 
+def _candidates(served, ids, C: int, **options):
+    response = served.query(ids, candidates=C, **options)
+    assert response.status_code == 200, response.text
+    assert response.json()["shards"]["missing"] == []
+    return response.json()["results"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rescore": 0},  # both sides, the one-bit ranking
+        {"where": FILTER, "direction": "negative", "rescore": 0},
+        {"k": 3, "rescore": 2},  # the merged candidates rescored from the int8 tier (format 3)
+    ],
+    ids=["one-bit", "filter", "rescored"],
+)
+def test_candidates_of_at_least_a_shards_rows_are_the_exact_answer(served, options):
+    options = {"k": 5, **options}
+    C = max(_alive(served, shard)["rows"] for shard in range(len(served.pool)))
+    assert C < served.reference.stored.store.count()  # fewer than one process needs for every row
+    for ids in QUERIES:
+        expected = _expected(served.reference, ids, **options)
+        assert expected, "a query without hits compares nothing"
+        _same_hits(_candidates(served, ids, C, **options), expected)
+    # Each shard built its first pass over its own rows, of the saved one's kind.
+    for shard in served.client.get("/healthz").json()["shards"]:
+        assert shard["first_passes"] == {"default": shard["rows"]}
+
+
+def test_few_candidates_are_rows_of_the_exact_scan_with_their_exact_scores(served):
+    for ids in QUERIES:
+        every_id, every_score = served.reference.scores([{"input_ids": ids}])
+        exact = dict(zip(every_id, every_score[0].tolist()))
+        hits = _candidates(served, ids, 4, k=3, rescore=0)
+        assert hits and len(hits) <= 6
+        for side in ("positive", "negative"):
+            found = [h for h in hits if h["direction"] == side]
+            assert [h["rank"] for h in found] == list(range(1, len(found) + 1))
+            assert all((h["score"] > 0) == (side == "positive") for h in found)
+            ordered = sorted(found, key=lambda h: -h["score"] if side == "positive" else h["score"])
+            assert [h["id"] for h in found] == [h["id"] for h in ordered]
+        np.testing.assert_allclose([h["score"] for h in hits], [exact[h["id"]] for h in hits], rtol=1e-5)
+
+
+def test_candidates_of_a_first_pass_the_index_lacks_are_refused_naming_it(served):
+    response = served.query(QUERIES[0], k=3, candidates=5, first_pass="absent")
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (
+        error["field"] == "first_pass" and "eogp build-candidates" in error["message"] and "absent" in error["message"]
+    )
+
+
 def _alive(served, shard: int, timeout_s: float = 120.0) -> dict:
     """Shard ``shard``'s /healthz entry once it answers: a replacement actor starts (and builds
     its copy) in the background, and on busy cores that outlasts /healthz's own short wait."""
@@ -278,6 +334,12 @@ def test_an_ingest_while_serving_is_taken_up_on_the_next_query(served, index_pat
     assert "ex-3" not in ids and any(i.startswith("new-") for i in ids)
     _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], k=40, rescore=0))
     assert sum(s["rows"] for s in served.client.get("/healthz").json()["shards"]) == 45
+    # Each shard's first pass is rebuilt over its new rows: the new ones found, the deleted one never.
+    hits = _candidates(served, QUERIES[0], 45, k=40, rescore=0)
+    assert "ex-3" not in {h["id"] for h in hits}
+    _same_hits(hits, _expected(served.reference, QUERIES[0], k=40, rescore=0))
+    for shard in served.client.get("/healthz").json()["shards"]:
+        assert shard["first_passes"] == {"default": shard["rows"]}
 
 
 def test_serve_ray_without_shards_starts_one_shard_per_node(index_path, ray_cluster):
