@@ -9,11 +9,10 @@ through the library (one process, its own hot copy).
 from __future__ import annotations
 
 import threading
-import time
 
-import httpx
 import numpy as np
 import pytest
+from shardserver import Served, same_groups, same_hits
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
 from eogp_index.search import first_pass
@@ -77,43 +76,9 @@ def ray_cluster():
     cluster.shutdown()
 
 
-class Served:
-    """The app over ``shards`` shard actors, run by uvicorn on loopback; ``reference`` is the
-    same index answered by this process."""
-
-    def __init__(self, path, shards: int, address: str, timeout_s: float = 60.0):
-        import uvicorn
-
-        from eogp_index.cluster.shards import ShardPool
-        from eogp_index.serve.app import create_app
-        from eogp_index.serve.config import ServeConfig
-
-        self.pool = ShardPool(str(path), shards, address=address, timeout_s=timeout_s)
-        self.app = create_app(_open(path), ServeConfig(port=0, batch_window_ms=0, shard_timeout_s=timeout_s), self.pool)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            assert self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300.0)
-        self.reference = _open(path)
-
-    def query(self, ids, **options):
-        response = self.client.post("/v1/query", json={"input_ids": ids, **options})
-        return response
-
-    def close(self):
-        self.client.close()
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-        self.pool.close()
-
-
 @pytest.fixture(scope="module", params=[2, 3])
 def served(request, index_path, ray_cluster):
-    server = Served(index_path, request.param, ray_cluster.address)
+    server = Served(index_path, request.param, ray_cluster.address, _open)
     yield server
     server.close()
 
@@ -121,15 +86,6 @@ def served(request, index_path, ray_cluster):
 def _expected(reference, ids, *, k=5, where=None, direction="both", normalize="none", rescore=None):
     question = reference.search({"input_ids": ids}).limit(k).where(where).direction(direction).normalize(normalize)
     return question.rescore(rescore).to_arrow().to_pylist()
-
-
-def _same_hits(got, expected):
-    assert [(r.get("direction"), r["rank"], r["id"]) for r in got] == [
-        (r.get("direction"), r["rank"], r["id"]) for r in expected
-    ]
-    np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in expected], rtol=1e-5, atol=0)
-    if expected and "score_1bit" in expected[0]:
-        np.testing.assert_allclose([r["score_1bit"] for r in got], [r["score_1bit"] for r in expected], rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -153,7 +109,7 @@ def test_every_answer_is_one_process_answer(served, options):
         assert body["shards"]["answered"] == list(range(len(served.pool))) and not body["shards"]["missing"]
         expected = _expected(served.reference, ids, **options)
         assert expected, "a query without hits compares nothing"
-        _same_hits(body["results"], expected)
+        same_hits(body["results"], expected)
 
 
 def test_a_behaviour_and_a_roll_up_are_one_process_answers(served):
@@ -161,15 +117,8 @@ def test_a_behaviour_and_a_roll_up_are_one_process_answers(served):
     response = served.client.post("/v1/query", json=body)
     assert response.status_code == 200, response.text
     question = served.reference.search([{"input_ids": q} for q in QUERIES], many=True).aggregate("mean").limit(4)
-    _same_hits(response.json()["results"], question.to_arrow().to_pylist())
-    groups = response.json()["groups"]
-    expected = question.group_by("group").to_arrow().to_pylist()
-    assert [g["group"] for g in groups] == [g["group"] for g in expected]
-    for got, want in zip(groups, expected):
-        assert {n: got[n] for n in ("rows", "top_positive", "top_negative")} == {
-            n: want[n] for n in ("rows", "top_positive", "top_negative")
-        }
-        np.testing.assert_allclose([got[n] for n in ("sum", "mean", "max")], [want[n] for n in ("sum", "mean", "max")])
+    same_hits(response.json()["results"], question.to_arrow().to_pylist())
+    same_groups(response.json()["groups"], question.group_by("group").to_arrow().to_pylist(), "group", rtol=1e-7)
 
 
 def test_healthz_lists_every_shard_with_its_fragments(served):
@@ -202,12 +151,12 @@ def _candidates(served, ids, C: int, **options):
 )
 def test_candidates_of_at_least_a_shards_rows_are_the_exact_answer(served, options):
     options = {"k": 5, **options}
-    C = max(_alive(served, shard)["rows"] for shard in range(len(served.pool)))
+    C = max(served.alive(shard)["rows"] for shard in range(len(served.pool)))
     assert C < served.reference.stored.store.count()  # fewer than one process needs for every row
     for ids in QUERIES:
         expected = _expected(served.reference, ids, **options)
         assert expected, "a query without hits compares nothing"
-        _same_hits(_candidates(served, ids, C, **options), expected)
+        same_hits(_candidates(served, ids, C, **options), expected)
     # Each shard built its first pass over its own rows, of the saved one's kind.
     for shard in served.client.get("/healthz").json()["shards"]:
         assert shard["first_passes"] == {"default": shard["rows"]}
@@ -237,35 +186,23 @@ def test_candidates_of_a_first_pass_the_index_lacks_are_refused_naming_it(served
     )
 
 
-def _alive(served, shard: int, timeout_s: float = 120.0) -> dict:
-    """Shard ``shard``'s /healthz entry once it answers: a replacement actor starts (and builds
-    its copy) in the background, and on busy cores that outlasts /healthz's own short wait."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        entry = served.client.get("/healthz").json()["shards"][shard]
-        if entry["alive"] or time.monotonic() > deadline:
-            assert entry["alive"], entry
-            return entry
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("served", [3], indirect=True)
 def test_a_shard_killed_during_a_query_is_restarted_and_the_query_answers(served):
     actor = served.pool.actors[1]
-    pid = _alive(served, 1)["pid"]
+    pid = served.alive(1)["pid"]
     killer = threading.Timer(0.05, lambda: ray.kill(actor, no_restart=False))
     killer.start()
     response = served.query(QUERIES[0], k=5, rescore=0)
     killer.join()
     assert response.status_code == 200, response.text
-    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], rescore=0))
+    same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], rescore=0))
     # Killed after the answer: the next query finds it restarting, asks again, and is answered in full.
     ray.kill(actor, no_restart=False)
     response = served.query(QUERIES[1], k=5)
     assert response.status_code == 200, response.text
     assert response.json()["shards"]["missing"] == []
-    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[1]))
-    shard = _alive(served, 1)
+    same_hits(response.json()["results"], _expected(served.reference, QUERIES[1]))
+    shard = served.alive(1)
     assert shard["pid"] != pid and shard["rows"] > 0  # a new process, its copy rebuilt
 
 
@@ -296,7 +233,7 @@ def test_a_shard_gone_for_good_is_missing_allowed_or_named_then_replaced(served)
     answered = {r["id"] for r in response.json()["results"]}
     assert answered and answered <= ids
     # Its replacement is killed for good too: without allow_partial the query is refused, naming it.
-    pid = _alive(served, 2)["pid"]
+    pid = served.alive(2)["pid"]
     ray.kill(served.pool.actors[2], no_restart=True)
     response = served.query(QUERIES[0], k=5)
     assert response.status_code == 503, response.text
@@ -304,8 +241,8 @@ def test_a_shard_gone_for_good_is_missing_allowed_or_named_then_replaced(served)
     # Replaced again: the next query is answered in full by a new process.
     response = served.query(QUERIES[0], k=5, rescore=0)
     assert response.status_code == 200 and response.json()["shards"]["missing"] == [], response.text
-    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], rescore=0))
-    assert _alive(served, 2)["pid"] != pid
+    same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], rescore=0))
+    assert served.alive(2)["pid"] != pid
 
 
 @pytest.mark.parametrize("served", [3], indirect=True)
@@ -332,12 +269,12 @@ def test_an_ingest_while_serving_is_taken_up_on_the_next_query(served, index_pat
     assert served.reference.stored.store.version > before
     ids = {r["id"] for r in response.json()["results"]}
     assert "ex-3" not in ids and any(i.startswith("new-") for i in ids)
-    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], k=40, rescore=0))
+    same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], k=40, rescore=0))
     assert sum(s["rows"] for s in served.client.get("/healthz").json()["shards"]) == 45
     # Each shard's first pass is rebuilt over its new rows: the new ones found, the deleted one never.
     hits = _candidates(served, QUERIES[0], 45, k=40, rescore=0)
     assert "ex-3" not in {h["id"] for h in hits}
-    _same_hits(hits, _expected(served.reference, QUERIES[0], k=40, rescore=0))
+    same_hits(hits, _expected(served.reference, QUERIES[0], k=40, rescore=0))
     for shard in served.client.get("/healthz").json()["shards"]:
         assert shard["first_passes"] == {"default": shard["rows"]}
 

@@ -248,9 +248,8 @@ class FlatFirstPass(FirstPass, kind="flat"):
             raise InputError(f"{stored.path}: no rows in this copy; a first pass needs at least one")
         config = FlatConfig(train_rows=int(meta.get("params", {}).get("train_rows", FlatConfig.train_rows)))
         ids = hot.columns.column("id").to_pylist()
-        built = cls.from_codes(
-            hot.codes, hot.scales, stored.layout, ids, config, index_dir=stored.path, name=meta.get("name", "default")
-        )
+        built = cls.from_codes(hot.codes, hot.scales, stored.layout, ids, config, name=meta.get("name", "default"))
+        built.index_dir = stored.path  # a local path or an object-store URL: named in messages only
         built.meta = {**meta, "table_version": int(hot.version), "rows": built.ntotal, "held": "in memory"}
         built.check_compatible(stored)  # the saved first pass was made from these codes
         return built
