@@ -25,8 +25,8 @@ BUCKET = "eogp-shards"
 SHIPPED = Path(__file__).resolve().parents[2] / "examples" / "default"
 #: Training documents stored: 4 commits of 8 (4 fragments, split among the shards).
 DOCUMENTS = 32
-#: The shipped model at small settings: 64 coordinates a module, 16 fitting documents, 64 tokens.
-FIT = ["-k", "64", "--variant", "eogp", "--curvature-examples", "16", "--pca-examples", "16", "--max-tokens", "64"]
+#: The shipped model at small settings: 64 coordinates a module, 8 fitting documents, 64 tokens.
+FIT = ["-k", "64", "--variant", "eogp", "--curvature-examples", "8", "--pca-examples", "8", "--max-tokens", "64"]
 
 
 def _ok(*args):
