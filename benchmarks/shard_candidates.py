@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Sequence
 
 import common
 import numpy as np
-from real_codes import _queries, default_cache
+from real_codes import MODEL, _queries, default_cache
 
 
 def _exact(shards, y: np.ndarray, k: int, sides: Sequence[str]):
@@ -97,7 +97,7 @@ def measure(args) -> Dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", default=str(default_cache()), help="real_codes.py's cache folder")
-    parser.add_argument("--model", default="examples/default/model", help="the index's model")
+    parser.add_argument("--model", default=str(MODEL), help="the index's model")
     parser.add_argument("--first-pass", default="bench-flat", help="the index's first pass to copy on each shard")
     parser.add_argument("--queries", type=int, default=20)
     parser.add_argument("--k", type=int, default=20)
