@@ -4,8 +4,10 @@ answer against the exact scan, on 1, 2 and 4 shards, on real gradient codes.
 
 The index is the one ``benchmarks/real_codes.py build`` makes (the shipped model over about
 100k real documents, ``-k 256``) with its first pass ``--first-pass`` (``bench-flat``, which
-``real_codes.py measure`` builds). Nothing is written to it: each shard here is what a shard
-actor holds (:class:`~eogp_index.cluster.shards.ShardIndex`, its fragments of the table's
+``real_codes.py measure`` builds). Nothing is written to it: its ids and one-bit codes are copied
+to a scratch index in fragments of ``--fragment-rows`` rows (its table is mostly one compacted
+fragment, and fragments are what shards split), with its manifest and the first pass's JSON;
+the queries are projected by the index itself. Each shard here is what a shard actor holds (:class:`~eogp_index.cluster.shards.ShardIndex`, its fragments of the table's
 latest version split as ``eogp serve --ray`` splits them), in this one process, and builds its
 first pass over its own rows (:meth:`ShardIndex.first_pass`); one shard is one process's first
 pass built the same way over every row. Per shard count and budget ``C`` (``--budgets``,
@@ -28,6 +30,22 @@ from typing import Any, Dict, List, Sequence
 import common
 import numpy as np
 from real_codes import MODEL, _queries, default_cache
+
+
+def scratch_copy(source: Path, target: Path, fragment_rows: int, first_pass: str) -> Path:
+    """``target``: the manifest of ``source``, its first pass's JSON, and its table's ids and
+    one-bit codes in fragments of ``fragment_rows`` rows (made once)."""
+    import shutil
+
+    import lance
+
+    if not (target / "examples.lance").exists():
+        (target / "faiss").mkdir(parents=True, exist_ok=True)
+        shutil.copy(source / "manifest.json", target / "manifest.json")
+        shutil.copy(source / "faiss" / f"{first_pass}.json", target / "faiss" / f"{first_pass}.json")
+        table = lance.dataset(str(source / "examples.lance")).to_table(columns=["id", "signs", "scales"])
+        lance.write_dataset(table, str(target / "examples.lance"), max_rows_per_file=fragment_rows)
+    return target
 
 
 def _exact(shards, y: np.ndarray, k: int, sides: Sequence[str]):
@@ -53,9 +71,12 @@ def measure(args) -> Dict[str, Any]:
     from eogp_index.cluster.runtime import fragment_shards
     from eogp_index.cluster.shards import ShardIndex, _fragments
 
-    path = str(Path(args.cache) / "index")
+    source = Path(args.cache) / "index"
     texts = _queries(Path(args.cache), args.queries)
-    y = np.ascontiguousarray(AttributionIndex.open(path, model_name=args.model).query_coordinates(texts), np.float32)
+    y = AttributionIndex.open(str(source), model_name=args.model).query_coordinates(texts)
+    y = np.ascontiguousarray(y, np.float32)
+    scratch = Path(args.scratch) / f"fragments-{args.fragment_rows}"
+    path = str(scratch_copy(source, scratch, args.fragment_rows, args.first_pass))
     k, sides = args.k, ("positive", "negative")
     version, fragments = _fragments(ShardIndex.open(path))
     exact = None
@@ -99,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cache", default=str(default_cache()), help="real_codes.py's cache folder")
     parser.add_argument("--model", default=str(MODEL), help="the index's model")
     parser.add_argument("--first-pass", default="bench-flat", help="the index's first pass to copy on each shard")
+    parser.add_argument("--fragment-rows", type=int, default=4096, help="rows per fragment of the scratch copy")
+    parser.add_argument(
+        "--scratch", default=str(Path(default_cache()).parent / "shard-candidates"), help="where the copy is made"
+    )
     parser.add_argument("--queries", type=int, default=20)
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 5], help="C as multiples of k")
