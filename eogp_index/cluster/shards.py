@@ -115,7 +115,8 @@ class ShardIndex(StoredIndex):
 
     def first_pass_rows(self) -> Dict[str, int]:
         """``{name: rows}`` of the first passes the shard holds (``/healthz``)."""
-        return {name: held[1].ntotal for name, held in self._first_passes.items()}
+        held = dict(self._first_passes)  # a copy (one C call): /healthz never waits for a build's lock
+        return {name: first_pass.ntotal for name, (_, first_pass) in held.items()}
 
     def candidates_top_k(self, y: np.ndarray, k: int, C: int, sides, where: Optional[str], name: str):
         """Each query's best ``k`` per side among the shard's rows that first pass ``name`` picks
