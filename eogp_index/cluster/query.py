@@ -4,7 +4,8 @@
 :class:`ShardSearcher`: the ingress keeps everything a question does after its scan (keeping each
 side to rows of its sign, rescoring the merged one-bit top rows from the tier, per-module terms,
 reading the hits' metadata from the table), so an answer is one process's answer. Roll-ups merge
-the shards' partial sums (:func:`~eogp_index.cluster.merge.merged_roll_up`).
+the shards' partial sums (:func:`~eogp_index.cluster.merge.merged_roll_up`). The candidates
+route (:class:`ShardCandidateSearcher`) has each shard run a first pass over its own rows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pyarrow as pa
 
 from eogp_index.cluster.merge import Found, merged_hits, merged_roll_up
 from eogp_index.cluster.shards import ShardPool
-from eogp_index.errors import ConfigError
+from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFoundError
+from eogp_index.search.first_pass.base import require_signs
 from eogp_index.search.query import InfluenceQuery, Projects
 from eogp_index.search.question import Question, check_question
 from eogp_index.search.ranking import Side
@@ -38,6 +40,39 @@ class ShardSearcher:
         return merged_hits([found for found, _ in parts], y.shape[0], k, sides)
 
 
+class ShardCandidateSearcher:
+    """The candidates route on the shards: each shard's first pass (of the kind and build
+    parameters of the index's first pass ``name``, over the shard's own rows) picks ``C``
+    candidates per side among its rows, which it scores exactly and keeps its best ``k`` of; the
+    merge keeps the best ``k`` of their union (:func:`~eogp_index.cluster.merge.merged_hits`).
+
+    Every hit's score is exact. Each shard looks at ``C`` of its own rows per side, so the union
+    scored holds up to ``shards · C`` rows; when ``C`` is at least a shard's rows, every row is
+    scored and the answer is the exact scan's.
+
+    Raises:
+        ConfigError: the index has no first pass ``name``, or one made from other codes (``field``
+            ``first_pass``: the request's, answered 400).
+    """
+
+    def __init__(self, pool: ShardPool, candidates: int, *, name: str = "default", allow_partial: bool = False):
+        self.pool = pool
+        self.candidates = int(candidates)
+        self.name = name
+        self.allow_partial = allow_partial
+
+    def top_k(self, y: np.ndarray, k: int, sides: Sequence[Side], where: Optional[str] = None) -> Found:
+        if self.candidates < k:
+            raise ConfigError(f"candidates C={self.candidates} must be at least k={k}", field="candidates")
+        y = np.ascontiguousarray(y, np.float32)
+        args = (y, k, self.candidates, tuple(sides), where, self.name)
+        try:
+            parts = self.pool.call("candidates", *args, allow_partial=self.allow_partial)
+        except (IndexNotFoundError, IncompatibleIndexError) as exc:  # the question's first pass: its field
+            raise ConfigError(str(exc), field="first_pass") from None
+        return merged_hits([found for found, _ in parts], y.shape[0], k, sides)
+
+
 class ClusterQuery(InfluenceQuery):
     """An :class:`InfluenceQuery` over the shards of ``pool``.
 
@@ -52,14 +87,14 @@ class ClusterQuery(InfluenceQuery):
         self.pool = pool
 
     def searcher(self):
-        if self.question.route == "candidates":
-            raise ConfigError(
-                "a served index in shards scans every row exactly; drop candidates (first passes run on one "
-                "process: eogp serve without --ray)",
-                field="candidates",
+        opts = self.question
+        if opts.route == "candidates":
+            require_signs(self._index.stored)  # refused here, before any shard is asked
+            return ShardCandidateSearcher(
+                self.pool, opts.candidates, name=opts.first_pass, allow_partial=opts.allow_partial
             )
         # Every exact route gives the same answer: each shard scans its copy (hot, stream or sharded alike).
-        return ShardSearcher(self.pool, normalize=self.question.normalize, allow_partial=self.question.allow_partial)
+        return ShardSearcher(self.pool, normalize=opts.normalize, allow_partial=opts.allow_partial)
 
     def roll_ups(self, *, coordinates: Optional[np.ndarray] = None) -> List[pa.Table]:
         """:meth:`InfluenceQuery.roll_ups`, each shard rolling up its rows and the parts merged."""

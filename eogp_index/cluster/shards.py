@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -54,6 +55,12 @@ class ShardIndex(StoredIndex):
 
     assignment: Optional[Assignment] = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        #: first pass name -> (the fragments it covers, the first pass over the shard's rows)
+        self._first_passes: Dict[str, Tuple[tuple, Any]] = {}
+        self._first_pass_lock = threading.Lock()
+
     def assign(self, version: int, fragment_ids: Sequence[int]) -> None:
         """Hold the copy of ``fragment_ids`` of table ``version``: kept when it already is, else
         rebuilt from the previous copy's unchanged fragments and the table's new ones."""
@@ -71,6 +78,9 @@ class ShardIndex(StoredIndex):
             self._hot = fragments_in_memory(dataset, self.codec, wanted[1], previous=self._hot)
             _trim_heap()
         self.assignment = wanted
+        rows = tuple(sorted(self._hot.cache.get("fragments", {})))
+        with self._first_pass_lock:  # first passes over rows the shard no longer holds: freed now
+            self._first_passes = {name: held for name, held in self._first_passes.items() if held[0] == rows}
 
     def matching_rows(self, where: Optional[str], hot=None):
         """:meth:`StoredIndex.matching_rows` over the shard's rows: a filter DataFusion does not
@@ -81,6 +91,48 @@ class ShardIndex(StoredIndex):
 
         hot = self.hot_codes() if hot is None else hot
         return matching_positions(hot, where, _ShardRows(self.store, hot))
+
+    def first_pass(self, name: str):
+        """First pass ``name`` over the shard's rows (:meth:`FirstPass.over_rows
+        <eogp_index.search.first_pass.base.FirstPass.over_rows>`): of the kind and build parameters
+        of the index's saved one, built from the rows the shard holds on the first candidates
+        question, and kept until the shard's fragments change (a new fragment, new deletions, a
+        compaction: a refresh that gives the shard other rows rebuilds it).
+
+        Raises:
+            IndexNotFoundError: the index has no first pass ``name`` (``eogp build-candidates``).
+            IncompatibleIndexError: it was made from other codes.
+        """
+        from eogp_index.search.first_pass import FirstPass
+
+        rows = tuple(sorted(self.hot_codes().cache.get("fragments", {})))  # (fragment id, physical, deleted rows)
+        with self._first_pass_lock:  # two calls at once (max_concurrency) build it once
+            held = self._first_passes.get(name)
+            if held is None or held[0] != rows:
+                kind, meta = FirstPass.saved(self.path, name)
+                self._first_passes[name] = (rows, kind.over_rows(self, meta))
+            return self._first_passes[name][1]
+
+    def first_pass_rows(self) -> Dict[str, int]:
+        """``{name: rows}`` of the first passes the shard holds (``/healthz``)."""
+        held = dict(self._first_passes)  # a copy (one C call): /healthz never waits for a build's lock
+        return {name: first_pass.ntotal for name, (_, first_pass) in held.items()}
+
+    def candidates_top_k(self, y: np.ndarray, k: int, C: int, sides, where: Optional[str], name: str):
+        """Each query's best ``k`` per side among the shard's rows that first pass ``name`` picks
+        (``C`` per side), scored exactly: what one process's
+        :class:`~eogp_index.search.searchers.CandidateSearcher` answers, over the shard's rows."""
+        from eogp_index.search.ranking import Hits
+
+        y = self.one_bit(y)
+        if self.hot_codes().num_rows == 0:
+            return [{side: Hits.empty() for side in sides} for _ in range(y.shape[0])]
+        first_pass = self.first_pass(name)
+        found = []
+        for q in range(y.shape[0]):
+            scored = first_pass.top_k(self, y[q : q + 1], k, C, sides, where=where)
+            found.append({side: Hits.best(rowaddr, scores, k, side) for side, (rowaddr, scores, _) in scored.items()})
+        return found
 
     def hot_codes(self, *, consolidate: bool = False):
         if self._hot is None:
@@ -153,6 +205,7 @@ class ShardActor:
             "code_bytes": int(sum(v.nbytes for v in hot.encoded.columns().values())) if hot is not None else 0,
             "hot_bytes": _hot_bytes(hot),
             "rss_bytes": _rss_bytes(),
+            "first_passes": self.stored.first_pass_rows(),
         }
 
     def top_k(self, assignment: Assignment, y: np.ndarray, k: int, sides, where, normalize: str):
@@ -163,6 +216,15 @@ class ShardActor:
         stored = self._at(assignment)
         started = time.perf_counter()
         found = HotSearcher(stored, normalize=normalize).top_k(y, k, sides, where)
+        return found, time.perf_counter() - started
+
+    def candidates(self, assignment: Assignment, y: np.ndarray, k: int, C: int, sides, where, name: str):
+        """The shard's best ``k`` per query and side among first pass ``name``'s ``C`` candidates
+        per side over its rows, scored exactly (:meth:`ShardIndex.candidates_top_k`), timed:
+        ``(found, seconds)``; the first call after its fragments change builds the first pass."""
+        stored = self._at(assignment)
+        started = time.perf_counter()
+        found = stored.candidates_top_k(y, k, C, sides, where, name)
         return found, time.perf_counter() - started
 
     def roll_up(self, assignment: Assignment, y: np.ndarray, where, normalize: str, column: str, n: int):

@@ -2,19 +2,20 @@
 simulated nodes, answering exactly what one process answers; faults and new table versions.
 
 The index: the tiny GPT-2 with the default rescoring tier (int8), its rows ingested in several
-commits (several fragments). The reference: the same index opened by this process, queried
+commits (several fragments), and a first pass (``flat``) for the candidates route. The reference: the same index opened by this process, queried
 through the library (one process, its own hot copy).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
-import httpx
 import numpy as np
 import pytest
+from shardserver import Served, same_groups, same_hits
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+
+from eogp_index.search import first_pass
 
 pytestmark = pytest.mark.cluster
 ray = pytest.importorskip("ray")
@@ -54,6 +55,7 @@ def index_path(tmp_path_factory):
     )
     for start in (0, 12, 20, 28, 33):
         index.add_batch(examples[start : {0: 12, 12: 20, 20: 28, 28: 33, 33: 40}[start]])
+    first_pass.build(index, progress=False)  # the candidates route's first pass ("default", flat)
     return path
 
 
@@ -74,43 +76,9 @@ def ray_cluster():
     cluster.shutdown()
 
 
-class Served:
-    """The app over ``shards`` shard actors, run by uvicorn on loopback; ``reference`` is the
-    same index answered by this process."""
-
-    def __init__(self, path, shards: int, address: str, timeout_s: float = 60.0):
-        import uvicorn
-
-        from eogp_index.cluster.shards import ShardPool
-        from eogp_index.serve.app import create_app
-        from eogp_index.serve.config import ServeConfig
-
-        self.pool = ShardPool(str(path), shards, address=address, timeout_s=timeout_s)
-        self.app = create_app(_open(path), ServeConfig(port=0, batch_window_ms=0, shard_timeout_s=timeout_s), self.pool)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            assert self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300.0)
-        self.reference = _open(path)
-
-    def query(self, ids, **options):
-        response = self.client.post("/v1/query", json={"input_ids": ids, **options})
-        return response
-
-    def close(self):
-        self.client.close()
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-        self.pool.close()
-
-
 @pytest.fixture(scope="module", params=[2, 3])
 def served(request, index_path, ray_cluster):
-    server = Served(index_path, request.param, ray_cluster.address)
+    server = Served(index_path, request.param, ray_cluster.address, _open)
     yield server
     server.close()
 
@@ -118,15 +86,6 @@ def served(request, index_path, ray_cluster):
 def _expected(reference, ids, *, k=5, where=None, direction="both", normalize="none", rescore=None):
     question = reference.search({"input_ids": ids}).limit(k).where(where).direction(direction).normalize(normalize)
     return question.rescore(rescore).to_arrow().to_pylist()
-
-
-def _same_hits(got, expected):
-    assert [(r.get("direction"), r["rank"], r["id"]) for r in got] == [
-        (r.get("direction"), r["rank"], r["id"]) for r in expected
-    ]
-    np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in expected], rtol=1e-5, atol=0)
-    if expected and "score_1bit" in expected[0]:
-        np.testing.assert_allclose([r["score_1bit"] for r in got], [r["score_1bit"] for r in expected], rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +109,7 @@ def test_every_answer_is_one_process_answer(served, options):
         assert body["shards"]["answered"] == list(range(len(served.pool))) and not body["shards"]["missing"]
         expected = _expected(served.reference, ids, **options)
         assert expected, "a query without hits compares nothing"
-        _same_hits(body["results"], expected)
+        same_hits(body["results"], expected)
 
 
 def test_a_behaviour_and_a_roll_up_are_one_process_answers(served):
@@ -158,15 +117,8 @@ def test_a_behaviour_and_a_roll_up_are_one_process_answers(served):
     response = served.client.post("/v1/query", json=body)
     assert response.status_code == 200, response.text
     question = served.reference.search([{"input_ids": q} for q in QUERIES], many=True).aggregate("mean").limit(4)
-    _same_hits(response.json()["results"], question.to_arrow().to_pylist())
-    groups = response.json()["groups"]
-    expected = question.group_by("group").to_arrow().to_pylist()
-    assert [g["group"] for g in groups] == [g["group"] for g in expected]
-    for got, want in zip(groups, expected):
-        assert {n: got[n] for n in ("rows", "top_positive", "top_negative")} == {
-            n: want[n] for n in ("rows", "top_positive", "top_negative")
-        }
-        np.testing.assert_allclose([got[n] for n in ("sum", "mean", "max")], [want[n] for n in ("sum", "mean", "max")])
+    same_hits(response.json()["results"], question.to_arrow().to_pylist())
+    same_groups(response.json()["groups"], question.group_by("group").to_arrow().to_pylist(), "group", rtol=1e-7)
 
 
 def test_healthz_lists_every_shard_with_its_fragments(served):
@@ -181,35 +133,76 @@ def test_healthz_lists_every_shard_with_its_fragments(served):
     assert len({s["node"] for s in shards}) == 2  # spread over both nodes
 
 
-def _alive(served, shard: int, timeout_s: float = 120.0) -> dict:
-    """Shard ``shard``'s /healthz entry once it answers: a replacement actor starts (and builds
-    its copy) in the background, and on busy cores that outlasts /healthz's own short wait."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        entry = served.client.get("/healthz").json()["shards"][shard]
-        if entry["alive"] or time.monotonic() > deadline:
-            assert entry["alive"], entry
-            return entry
-        time.sleep(0.2)
+def _candidates(served, ids, C: int, **options):
+    response = served.query(ids, candidates=C, **options)
+    assert response.status_code == 200, response.text
+    assert response.json()["shards"]["missing"] == []
+    return response.json()["results"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rescore": 0},  # both sides, the one-bit ranking
+        {"where": FILTER, "direction": "negative", "rescore": 0},
+        {"k": 3, "rescore": 2},  # the merged candidates rescored from the int8 tier (format 3)
+    ],
+    ids=["one-bit", "filter", "rescored"],
+)
+def test_candidates_of_at_least_a_shards_rows_are_the_exact_answer(served, options):
+    options = {"k": 5, **options}
+    C = max(served.alive(shard)["rows"] for shard in range(len(served.pool)))
+    assert C < served.reference.stored.store.count()  # fewer than one process needs for every row
+    for ids in QUERIES:
+        expected = _expected(served.reference, ids, **options)
+        assert expected, "a query without hits compares nothing"
+        same_hits(_candidates(served, ids, C, **options), expected)
+    # Each shard built its first pass over its own rows, of the saved one's kind.
+    for shard in served.client.get("/healthz").json()["shards"]:
+        assert shard["first_passes"] == {"default": shard["rows"]}
+
+
+def test_few_candidates_are_rows_of_the_exact_scan_with_their_exact_scores(served):
+    for ids in QUERIES:
+        every_id, every_score = served.reference.scores([{"input_ids": ids}])
+        exact = dict(zip(every_id, every_score[0].tolist()))
+        hits = _candidates(served, ids, 4, k=3, rescore=0)
+        assert hits and len(hits) <= 6
+        for side in ("positive", "negative"):
+            found = [h for h in hits if h["direction"] == side]
+            assert [h["rank"] for h in found] == list(range(1, len(found) + 1))
+            assert all((h["score"] > 0) == (side == "positive") for h in found)
+            ordered = sorted(found, key=lambda h: -h["score"] if side == "positive" else h["score"])
+            assert [h["id"] for h in found] == [h["id"] for h in ordered]
+        np.testing.assert_allclose([h["score"] for h in hits], [exact[h["id"]] for h in hits], rtol=1e-5)
+
+
+def test_candidates_of_a_first_pass_the_index_lacks_are_refused_naming_it(served):
+    response = served.query(QUERIES[0], k=3, candidates=5, first_pass="absent")
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (
+        error["field"] == "first_pass" and "eogp build-candidates" in error["message"] and "absent" in error["message"]
+    )
 
 
 @pytest.mark.parametrize("served", [3], indirect=True)
 def test_a_shard_killed_during_a_query_is_restarted_and_the_query_answers(served):
     actor = served.pool.actors[1]
-    pid = _alive(served, 1)["pid"]
+    pid = served.alive(1)["pid"]
     killer = threading.Timer(0.05, lambda: ray.kill(actor, no_restart=False))
     killer.start()
     response = served.query(QUERIES[0], k=5, rescore=0)
     killer.join()
     assert response.status_code == 200, response.text
-    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], rescore=0))
+    same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], rescore=0))
     # Killed after the answer: the next query finds it restarting, asks again, and is answered in full.
     ray.kill(actor, no_restart=False)
     response = served.query(QUERIES[1], k=5)
     assert response.status_code == 200, response.text
     assert response.json()["shards"]["missing"] == []
-    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[1]))
-    shard = _alive(served, 1)
+    same_hits(response.json()["results"], _expected(served.reference, QUERIES[1]))
+    shard = served.alive(1)
     assert shard["pid"] != pid and shard["rows"] > 0  # a new process, its copy rebuilt
 
 
@@ -240,7 +233,7 @@ def test_a_shard_gone_for_good_is_missing_allowed_or_named_then_replaced(served)
     answered = {r["id"] for r in response.json()["results"]}
     assert answered and answered <= ids
     # Its replacement is killed for good too: without allow_partial the query is refused, naming it.
-    pid = _alive(served, 2)["pid"]
+    pid = served.alive(2)["pid"]
     ray.kill(served.pool.actors[2], no_restart=True)
     response = served.query(QUERIES[0], k=5)
     assert response.status_code == 503, response.text
@@ -248,8 +241,8 @@ def test_a_shard_gone_for_good_is_missing_allowed_or_named_then_replaced(served)
     # Replaced again: the next query is answered in full by a new process.
     response = served.query(QUERIES[0], k=5, rescore=0)
     assert response.status_code == 200 and response.json()["shards"]["missing"] == [], response.text
-    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], rescore=0))
-    assert _alive(served, 2)["pid"] != pid
+    same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], rescore=0))
+    assert served.alive(2)["pid"] != pid
 
 
 @pytest.mark.parametrize("served", [3], indirect=True)
@@ -276,8 +269,14 @@ def test_an_ingest_while_serving_is_taken_up_on_the_next_query(served, index_pat
     assert served.reference.stored.store.version > before
     ids = {r["id"] for r in response.json()["results"]}
     assert "ex-3" not in ids and any(i.startswith("new-") for i in ids)
-    _same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], k=40, rescore=0))
+    same_hits(response.json()["results"], _expected(served.reference, QUERIES[0], k=40, rescore=0))
     assert sum(s["rows"] for s in served.client.get("/healthz").json()["shards"]) == 45
+    # Each shard's first pass is rebuilt over its new rows: the new ones found, the deleted one never.
+    hits = _candidates(served, QUERIES[0], 45, k=40, rescore=0)
+    assert "ex-3" not in {h["id"] for h in hits}
+    same_hits(hits, _expected(served.reference, QUERIES[0], k=40, rescore=0))
+    for shard in served.client.get("/healthz").json()["shards"]:
+        assert shard["first_passes"] == {"default": shard["rows"]}
 
 
 def test_serve_ray_without_shards_starts_one_shard_per_node(index_path, ray_cluster):

@@ -1,66 +1,74 @@
-"""An index in object storage served in shards: the index's files in a bucket of moto's S3
-server on loopback, `eogp serve --ray`'s app over 2 shard actors on a local Ray cluster of two
-simulated nodes; every answer equals one process's answer over the same files on a local disk."""
+"""The shipped model's index in object storage, served in shards: `eogp fit` and `eogp ingest`
+write it to a bucket of moto's S3 server on loopback, `eogp build-candidates` adds its first pass
+there, and `eogp serve --ray`'s app over 2 and 3 shard actors (a local Ray cluster of two
+simulated nodes) answers every question as one process answers it over the same files copied to
+a local disk: ids, ranks and scores to 1e-5, both sides, a filter, the rescoring tier,
+`normalize unit`, an aggregate with its roll-up, and first-pass candidates."""
 
 from __future__ import annotations
 
-import threading
-import time
+import gzip
+import json
+from pathlib import Path
 
-import httpx
-import numpy as np
 import pytest
+from click.testing import CliRunner
 from s3server import s3_server
-from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+from shardserver import Served, same_groups, same_hits
+
+from eogp_index.cli import cli
 
 pytestmark = [pytest.mark.cluster, pytest.mark.objectstore]
 ray = pytest.importorskip("ray")
 
 BUCKET = "eogp-shards"
-QUERY = [3, 9, 14, 2, 7, 11]
+SHIPPED = Path(__file__).resolve().parents[2] / "examples" / "default"
+#: Training documents stored: 4 commits of 8 (4 fragments, split among the shards).
+DOCUMENTS = 32
+#: The shipped model at small settings: 64 coordinates a module, 8 fitting documents, 64 tokens.
+FIT = ["-k", "64", "--variant", "eogp", "--curvature-examples", "8", "--pca-examples", "8", "--max-tokens", "64"]
 
 
-def _open(path):
+def _ok(*args):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def _open(index):
     from eogp_index.client import AttributionIndex
     from eogp_index.config import GradientConfig
 
-    return AttributionIndex.open(
-        path, model=make_tiny_gpt2(), tokenizer=TinyTokenizer(), gradients=GradientConfig(batch_size=8, device="cpu")
-    )
+    return AttributionIndex.open(index, gradients=GradientConfig(batch_size=8, device="cpu"))
+
+
+def _queries(n: int = 2):
+    lines = (SHIPPED / "queries.jsonl").read_text().splitlines()[:n]
+    return [json.loads(line)["text"] for line in lines]
 
 
 @pytest.fixture(scope="module")
-def indexes(tmp_path_factory):
-    """A local index (int8 tier, 30 rows in 3 fragments) and its copy at ``s3://BUCKET/idx``,
-    on moto's server (its variables set before Ray starts, so that the workers inherit them), and
-    a Ray cluster of two nodes. Yields (local path, URL, Ray address)."""
+def shipped(tmp_path_factory):
+    """The shipped model fitted, ingested and given a first pass at ``s3://BUCKET/shipped`` (moto's
+    variables set before Ray starts, so that the workers inherit them); its files copied to a local
+    directory; a Ray cluster of two nodes. Yields (local path, URL, Ray address)."""
     import pyarrow.fs as pafs
     from ray.cluster_utils import Cluster
 
-    from eogp_index.client import AttributionIndex
-    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
     from eogp_index.data import location
 
-    path = tmp_path_factory.mktemp("sharded-s3") / "index"
-    examples = make_examples(30, seed=8)
-    index = AttributionIndex.create(
-        path,
-        make_tiny_gpt2(),
-        TinyTokenizer(),
-        examples,
-        model_name="tiny",
-        projection=ProjectionConfig(variant="eogp", k=16, m=64),
-        curvature=CurvatureConfig(num_examples=16, batch_size=8),
-        gradients=GradientConfig(batch_size=8),
-        progress=False,
-    )
-    for start in (0, 10, 20):
-        index.add_batch(examples[start : start + 10])
-
-    with s3_server(BUCKET, tmp_path_factory.mktemp("cache")):
-        url = f"s3://{BUCKET}/idx"
+    root = tmp_path_factory.mktemp("shipped-s3")
+    with gzip.open(SHIPPED / "corpus" / "train.jsonl.gz", "rt") as corpus:
+        documents = [next(corpus) for _ in range(DOCUMENTS)]
+    (root / "train.jsonl").write_text("".join(documents))
+    with s3_server(BUCKET, root / "cache"):
+        url = f"s3://{BUCKET}/shipped"
+        _ok("fit", SHIPPED / "model", "--data", root / "train.jsonl", "--out", url, *FIT)
+        metadata = ["--metadata", "kind", "--metadata", "module"]
+        _ok("ingest", url, root / "train.jsonl", "--id-field", "id", *metadata, "--batch-size", "8")
+        _ok("build-candidates", url)
         remote = location.index_path(url)
-        pafs.copy_files(str(path), remote.fs_path, pafs.LocalFileSystem(), remote.filesystem)
+        pafs.copy_files(remote.fs_path, str(root / "local"), remote.filesystem, pafs.LocalFileSystem())
         cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 1, "object_store_memory": 80 * 2**20, "include_dashboard": False},
@@ -69,46 +77,68 @@ def indexes(tmp_path_factory):
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
         try:
-            yield path, url, cluster.address
+            yield root / "local", url, cluster.address
         finally:
             ray.shutdown()
             cluster.shutdown()
 
 
-def test_an_index_in_a_bucket_served_on_two_shards_answers_as_one_local_process(indexes):
-    import uvicorn
+@pytest.fixture(scope="module")
+def reference(shipped):
+    """One local process over the same files."""
+    return _open(shipped[0])
 
-    from eogp_index.cluster.shards import ShardPool
-    from eogp_index.serve.app import create_app
-    from eogp_index.serve.config import ServeConfig
 
-    path, url, address = indexes
-    pool = ShardPool(url, 2, address=address, timeout_s=120.0)
-    app = create_app(_open(url), ServeConfig(port=0, batch_window_ms=0, shard_timeout_s=120.0), pool)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300.0) as client:
-            health = client.get("/healthz").json()
-            assert sum(shard["rows"] for shard in health["shards"]) == 30
-            reference = _open(path)
-            for options in ({}, {"where": "`group` = 1", "direction": "positive"}, {"rescore": 0, "k": 30}):
-                got = client.post("/v1/query", json={"input_ids": QUERY, "k": 5, **options})
-                assert got.status_code == 200, got.text
-                hits = got.json()["results"]
-                question = reference.search({"input_ids": QUERY}).limit(options.get("k", 5))
-                question = question.where(options.get("where")).direction(options.get("direction", "both"))
-                expected = question.rescore(options.get("rescore")).to_arrow().to_pylist()
-                assert [(h.get("direction"), h["id"]) for h in hits] == [
-                    (e.get("direction"), e["id"]) for e in expected
-                ]
-                np.testing.assert_allclose([h["score"] for h in hits], [e["score"] for e in expected], rtol=1e-5)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        pool.close()
+@pytest.fixture(scope="module", params=[2, 3])
+def served(request, shipped, reference):
+    _, url, address = shipped
+    server = Served(url, request.param, address, _open, reference=reference, timeout_s=120.0)
+    yield server
+    server.close()
+
+
+def test_the_bucket_holds_the_shipped_models_index_split_among_the_shards(served, reference):
+    health = [served.alive(shard) for shard in range(len(served.pool))]
+    assert sum(shard["rows"] for shard in health) == DOCUMENTS == reference.stored.store.count()
+    assert all(shard["rows"] for shard in health)  # 4 fragments: every shard holds some
+    assert reference.stored.manifest.format_version == 3  # with its int8 rescoring tier
+    assert Path(reference.stored.manifest.model["name"]).resolve() == (SHIPPED / "model").resolve()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # both sides, rescored from the int8 tier (the index's default)
+        {"rescore": 0},  # the one-bit ranking
+        {"where": "kind = 'method'", "direction": "positive"},
+        {"normalize": "unit", "direction": "negative", "rescore": 0},
+        {"k": DOCUMENTS, "rescore": 0},  # every row: ties broken by table order across shards
+    ],
+    ids=["rescored", "one-bit", "filter", "normalize", "all-rows"],
+)
+def test_every_answer_is_one_local_process_answer(served, reference, options):
+    options = {"k": 5, **options}
+    for text in _queries():
+        got = served.answer({"text": text, **options})["results"]
+        question = reference.search(text).limit(options["k"]).where(options.get("where"))
+        question = question.direction(options.get("direction", "both")).normalize(options.get("normalize", "none"))
+        expected = question.rescore(options.get("rescore")).to_arrow().to_pylist()
+        assert expected, "a query without hits compares nothing"
+        same_hits(got, expected)
+
+
+def test_a_behaviour_and_its_roll_up_are_one_local_process_answers(served, reference):
+    texts = _queries(3)
+    body = {"queries": [{"text": t} for t in texts], "aggregate": "mean", "k": 4, "group_by": "kind"}
+    answer = served.answer(body)
+    question = reference.search(texts, many=True).aggregate("mean").limit(4)
+    same_hits(answer["results"], question.to_arrow().to_pylist())
+    same_groups(answer["groups"], question.group_by("kind").to_arrow().to_pylist(), "kind")
+
+
+def test_candidates_covering_a_shards_rows_are_the_exact_answer(served, reference):
+    C = max(served.alive(shard)["rows"] for shard in range(len(served.pool)))
+    assert 2 * 5 <= C < DOCUMENTS  # the rescored rows fit in C; one process would need every row
+    for text in _queries():
+        got = served.answer({"text": text, "k": 5, "candidates": C, "rescore": 2})["results"]
+        same_hits(got, reference.search(text).limit(5).rescore(2).to_arrow().to_pylist())

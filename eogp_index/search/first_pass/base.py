@@ -279,6 +279,29 @@ class FirstPass(ABC):
                 that disagree with the JSON (an interrupted write).
             ConfigError: ``config`` is another kind's configuration.
         """
+        found, meta = FirstPass.saved(index_dir, name)
+        meta_path = FirstPass.paths(index_dir, name)["meta"]
+        if not issubclass(found, cls):
+            raise IncompatibleIndexError(
+                f"{meta_path} is a {found.kind!r} first pass, not a {cls.__name__}; open it "
+                "with eogp_index.search.first_pass.load, which opens every kind"
+            )
+        if config is not None and type(config) is not found.Config:
+            raise ConfigError(
+                f"{meta_path} is a {found.kind!r} first pass: pass a {found.Config.__name__} "
+                f"(or no config), not a {type(config).__name__}"
+            )
+        return found._open(index_path(index_dir), name, meta, config or found.Config())
+
+    @staticmethod
+    def saved(index_dir: Union[str, Path], name: str = "default") -> Tuple[Type["FirstPass"], Dict[str, Any]]:
+        """The kind and the JSON of first pass ``name`` of ``index_dir``, checked as :meth:`load`
+        checks them, without reading its other files.
+
+        Raises:
+            IndexNotFoundError: no first pass ``name``.
+            IncompatibleIndexError: an unknown or retired kind, or another format or format version.
+        """
         meta_path = FirstPass.paths(index_dir, name)["meta"]
         if not meta_path.exists():
             raise IndexNotFoundError(
@@ -303,11 +326,6 @@ class FirstPass(ABC):
                 f"{meta_path}: a first pass of kind {meta.get('kind')!r}, which this eogp-index does not know "
                 f"(kinds: {list(_KINDS)}); rebuild it with `{BUILD_COMMAND} {index_dir} --name {name}`"
             )
-        if not issubclass(found, cls):
-            raise IncompatibleIndexError(
-                f"{meta_path} is a {found.kind!r} first pass, not a {cls.__name__}; open it "
-                "with eogp_index.search.first_pass.load, which opens every kind"
-            )
         if meta.get("format") != found.FORMAT or meta.get("format_version") != found.FORMAT_VERSION:
             why = found.OLD_FORMATS.get(meta.get("format_version"))
             raise IncompatibleIndexError(
@@ -315,12 +333,7 @@ class FirstPass(ABC):
                 f"eogp-index reads {found.FORMAT!r} version {found.FORMAT_VERSION}{f' ({why})' if why else ''}; "
                 f"rebuild it with {found.rebuild_hint(index_dir, name)}"
             )
-        if config is not None and type(config) is not found.Config:
-            raise ConfigError(
-                f"{meta_path} is a {found.kind!r} first pass: pass a {found.Config.__name__} "
-                f"(or no config), not a {type(config).__name__}"
-            )
-        return found._open(index_path(index_dir), name, meta, config or found.Config())
+        return found, meta
 
     @classmethod
     @abstractmethod
@@ -332,6 +345,22 @@ class FirstPass(ABC):
     def build(cls, stored, name: str, config: FirstPassConfig, *, progress: bool = False) -> "FirstPass":
         """Build (or replace) first pass ``name`` over every stored row of ``stored`` (a
         :class:`~eogp_index.store.stored_index.StoredIndex` with ``precision="1bit"``), and save it."""
+
+    @classmethod
+    def over_rows(cls, stored, meta: Dict[str, Any]) -> "FirstPass":
+        """A first pass of this kind, with the build parameters of a saved one (``meta``: its JSON,
+        :meth:`saved`), over the rows of ``stored``'s hot copy only, held in memory and never
+        saved: what a shard of ``eogp serve --ray`` builds over its own rows. It answers
+        :meth:`top_k` for that ``stored`` as the saved one answers for the whole index.
+
+        Raises:
+            ConfigError: a kind that cannot be built in memory (the default).
+            IncompatibleIndexError: ``meta`` was made from other codes than ``stored``'s.
+        """
+        raise ConfigError(
+            f"a {cls.kind!r} first pass cannot be built over a shard's rows; ask without candidates, or "
+            "serve the index on one process (eogp serve without --ray)"
+        )
 
     # -- keeping current -----------------------------------------------------------------------
     def check_compatible(self, stored) -> None:

@@ -238,6 +238,23 @@ class FlatFirstPass(FirstPass, kind="flat"):
         return built
 
     @classmethod
+    def over_rows(cls, stored, meta: Dict[str, Any]) -> "FlatFirstPass":
+        """:meth:`FirstPass.over_rows`: RaBitQ trained and filled as :meth:`build` does, over the
+        hot copy's rows (its own sample of ``train_rows`` for the centre), in memory; the JSON
+        fields are the saved one's, with the hot copy's table version and rows."""
+        require_signs(stored)
+        hot = stored.hot_codes()
+        if hot.num_rows == 0:
+            raise InputError(f"{stored.path}: no rows in this copy; a first pass needs at least one")
+        config = FlatConfig(train_rows=int(meta.get("params", {}).get("train_rows", FlatConfig.train_rows)))
+        ids = hot.columns.column("id").to_pylist()
+        built = cls.from_codes(hot.codes, hot.scales, stored.layout, ids, config, name=meta.get("name", "default"))
+        built.index_dir = stored.path  # a local path or an object-store URL: named in messages only
+        built.meta = {**meta, "table_version": int(hot.version), "rows": built.ntotal, "held": "in memory"}
+        built.check_compatible(stored)  # the saved first pass was made from these codes
+        return built
+
+    @classmethod
     def _open(cls, index_dir: Path, name: str, meta: Dict[str, Any], config: FlatConfig) -> "FlatFirstPass":
         import pyarrow.parquet as pq
 
