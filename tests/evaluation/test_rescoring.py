@@ -8,9 +8,9 @@ import pytest
 import torch
 from tinymodels import make_examples, make_tiny_gpt2
 
+from eogp_index.config import RESCORE_GAP_TARGET
 from eogp_index.evaluation import metrics
 from eogp_index.evaluation.fidelity import Documents, compute_scores, fidelity_records
-from eogp_index.config import RESCORE_GAP_TARGET
 from eogp_index.evaluation.rescoring import (
     TARGET_GAP,
     index_factor,
@@ -21,7 +21,8 @@ from eogp_index.evaluation.rescoring import (
     rescoring_markdown,
 )
 from eogp_index.fit.code_choice import held_out_rows
-from eogp_index.fit.recall import default_factor, recall_curve as index_curve
+from eogp_index.fit.recall import default_factor
+from eogp_index.fit.recall import recall_curve as index_curve
 from eogp_index.store.codecs import SignLayout, TierCodec
 
 torch.set_num_threads(1)
