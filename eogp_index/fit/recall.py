@@ -358,8 +358,8 @@ def index_recall(tier_code: str, tier: torch.Tensor, one_bit: torch.Tensor, code
 
 
 def format_cells(record: Dict[str, object]) -> str:
-    """The curves of a recall record, one cell per factor: ``F=5 recall 0.980±0.004 gap 0.0031``
-    (a record without the gap: the recall only)."""
+    """The curves of a recall record, one cell per factor: ``F=<f> <recall>±<se> gap <gap>`` (a
+    record without the gap: the recall only)."""
     gaps = record.get("gap") or [None] * len(record["factors"])
     cells = []
     for f, r, se, gap in zip(record["factors"], record["recall"], record["recall_se"], gaps):
