@@ -347,3 +347,27 @@ def test_a_query_without_rescore_uses_the_recorded_factor(fitted, tmp_path):
     assert by[1] != by[8]  # 5 rows rescored against all 40: the answers differ, so the test can tell
     assert ids(narrow) == by[1] and ids(wide) == by[8] and ids(unmeasured) == by[UNMEASURED_RESCORE]
     assert ids(narrow, 8) == by[8]  # an explicit factor wins over the recorded one
+
+
+def test_a_manifest_written_before_the_gap_still_opens_and_prints(fitted, tmp_path):
+    """A manifest whose recall records carry no gap (the factor chosen by recall 0.98): it
+    validates, queries use its factor, and `eogp info` says how that factor was chosen."""
+    from eogp_index.cli import cli
+
+    _, _, path = fitted
+    copy = tmp_path / "old"
+    shutil.copytree(path, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    fidelity = manifest["projection"]["fidelity"]
+    new_only = ("gap", "gap_se", "criterion", "gap_target", "recall_factor")
+    fidelity["recall"] = {k: v for k, v in fidelity["recall"].items() if k not in new_only}
+    fidelity["recall"].update(factor=3, reached=True)
+    for entry in fidelity["modules"].values():
+        for code in ("eogp", "eogp-rot"):
+            entry["recall"][code] = {k: v for k, v in entry["recall"][code].items() if k not in new_only}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    index = AttributionIndex.open(copy, model=make_tiny_gpt2(), tokenizer=TinyTokenizer())
+    assert index.stored.manifest.rescore_factor == 3
+    out = CliRunner().invoke(cli, ["info", str(copy)])
+    assert out.exit_code == 0, out.output
+    assert "default factor 3, the smallest within recall 0.98" in out.output
