@@ -1599,8 +1599,13 @@ def _print_table_recall(data: dict) -> None:
         return
     click.echo(f"rescoring   {format_table_recall(record, data['table_version'])}")
     if not record["reached"]:
+        criterion = (
+            f"keeps the rescored top within NDCG gap {record['gap_target']} of the tier's"
+            if record.get("criterion") == "ndcg_gap"
+            else f"reaches recall {record['target']}"
+        )
         click.echo(
-            f"warning     no factor measured on the table reaches recall {record['target']}: queries default to the "
+            f"warning     no factor measured on the table {criterion}: queries default to the "
             f"largest, {record['factor']}; give --rescore higher for a faithful top",
             err=True,
         )

@@ -334,6 +334,11 @@ class SharedPass:
         #: Per 1-bit PCA config id, ``{"<code>@<multiple>": (nq, n)}``: the scores of its rescoring
         #: tiers (:meth:`tier_widths`).
         self.tier_scores: Dict[str, Dict[str, np.ndarray]] = {}
+        #: Per 1-bit PCA config id, ``{"<code>@<multiple>|tier" or "|one_bit": (h, n')}``: the fit's
+        #: held-out documents as the index's recall queries, scoring the training rows by the tier
+        #: and by the 1-bit code (each without its own row): what chooses the index's default
+        #: rescoring factor (:func:`~eogp_index.evaluation.rescoring.index_factor`).
+        self.held_out_scores: Dict[str, Dict[str, np.ndarray]] = {}
         self.names = list(curvature)
         self.curvature = curvature
         self.configs = list(configs)
@@ -579,6 +584,11 @@ class SharedPass:
         """``{"<config id>|<code>@<multiple>": (nq, n)}`` of the configs :meth:`finish` kept."""
         return {f"{c.id}|{key}": v for c in self.configs for key, v in self.tier_scores.get(c.id, {}).items()}
 
+    def kept_held_out_scores(self) -> Dict[str, np.ndarray]:
+        """``{"<config id>|<code>@<multiple>|tier" or "|one_bit": (h, n')}`` of the kept configs
+        (:attr:`held_out_scores`)."""
+        return {f"{c.id}|{key}": v for c in self.configs for key, v in self.held_out_scores.get(c.id, {}).items()}
+
     def streamed_scores(self, key: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """A streamed config's scores and, for 1 bit, its FP16 scores at the same ``k``."""
         return self._streamed[key], self._streamed.get(key + "|fp16")
@@ -642,7 +652,8 @@ class SharedPass:
         :attr:`tier_scores`): each module's tier holds the 1-bit code's ``k`` coordinates (rotated
         as its ``P`` rotates them), then the next ``k_tier - k`` PCA coordinates.
         """
-        xs, ys, extra = [], [], []
+        xs, ys, extra, held = [], [], [], []
+        rows = self._recall_queries(cfg) if self.tier_widths(cfg) else None
         for u, n in enumerate(self.names):
             m, k = cfg.m[u], cfg.k[u]
             train_first = torch.cat(self.train_parts["pca"][n], dim=0)[:, :m]
@@ -650,14 +661,20 @@ class SharedPass:
             basis = cfg.spec.directions(self, cfg, n, self.pca_basis(n, m, k), query_first, train_first)  # (m, k)
             xs.append((train_first.double() @ basis.double()).float().numpy())
             ys.append((query_first.double() @ basis.double()).numpy())
+            held_first = self.fit_coordinates(n)[rows, :m].double() if rows is not None else None
+            held.append(None if held_first is None else (held_first @ basis.double()).numpy())
             wider = self.pca_k(cfg, u)
             if wider > k:  # PCA directions are nested: the tier's further ones follow the first k
                 more = self.pca_basis(n, m, wider)[:, k:].double()
                 extra.append(((train_first.double() @ more).float().numpy(), (query_first.double() @ more).numpy()))
+                if held_first is not None:
+                    held[-1] = np.concatenate([held[-1], (held_first @ more).numpy()], axis=1)
             else:
                 extra.append(None)
         if self.tier_widths(cfg):
             self._score_tiers(cfg, xs, ys, extra)
+            if rows is not None and rows.numel():
+                self._score_held_out(cfg, xs, extra, held, rows)
         x, y = np.concatenate(xs, axis=1), np.concatenate(ys, axis=1)
         stored = stored_coordinates(x, cfg.precision, cfg.k).astype(np.float64)
         unq = stored_coordinates(x, "fp16", cfg.k).astype(np.float64) if cfg.precision == "1bit" else None
@@ -691,6 +708,45 @@ class SharedPass:
                 stored = codec.decode(codec.encode(x_t)).astype(np.float64)
                 self.tier_scores.setdefault(cfg.id, {})[f"{code}@{multiple}"] = y_t @ stored.T
 
+    def _recall_queries(self, cfg: MethodConfig) -> torch.Tensor:
+        """The rows of the PCA fitting set an index fitted on it would keep as its recall queries
+        (:func:`~eogp_index.fit.code_choice.held_out_rows` at the fit's default fraction, the
+        first :data:`~eogp_index.fit.recall.RECALL_QUERIES`), ``(h,)`` int64."""
+        from eogp_index.config import HELD_OUT_FRACTION
+        from eogp_index.fit.code_choice import held_out_rows
+        from eogp_index.fit.recall import RECALL_QUERIES
+
+        n_fit = int(self.fit_coordinates(self.names[0]).shape[0])
+        return held_out_rows(n_fit, HELD_OUT_FRACTION, cfg.seeds[0])[:RECALL_QUERIES]
+
+    def _score_held_out(
+        self,
+        cfg: MethodConfig,
+        xs: List[np.ndarray],
+        extra: List[Optional[Tuple[np.ndarray, np.ndarray]]],
+        held: List[np.ndarray],
+        rows: torch.Tensor,
+    ) -> None:
+        """The recall queries' scores of the training rows by each tier and by the 1-bit code,
+        as the index measures them on its table (:mod:`eogp_index.store.table_recall`): each
+        query's coordinates ``(h, k_tier)`` unquantized, the rows as stored; a query's own row (the
+        PCA fitted on the training documents themselves) left out, ``(h, n - 1)``."""
+        one_bit_rows = stored_coordinates(np.concatenate(xs, axis=1), "1bit", cfg.k).astype(np.float64)
+        y_bit = np.concatenate([h[:, : x.shape[1]] for h, x in zip(held, xs)], axis=1)
+        own = None if any(self.fit_parts[n] for n in self.names) else rows.numpy()
+        out = self.held_out_scores.setdefault(cfg.id, {})
+        for multiple, ks in self.tier_widths(cfg).items():
+            parts = []
+            for x, more, kt in zip(xs, extra, ks):
+                grow = kt - x.shape[1]
+                parts.append(np.concatenate([x, more[0][:, :grow]], axis=1) if grow else x)
+            y_t = np.concatenate([h[:, :kt] for h, kt in zip(held, ks)], axis=1)
+            for code in self.tier_codes:
+                codec = TierCodec(code, SignLayout(ks))
+                stored = codec.decode(codec.encode(np.concatenate(parts, axis=1))).astype(np.float64)
+                for name, scores in (("tier", y_t @ stored.T), ("one_bit", y_bit @ one_bit_rows.T)):
+                    out[f"{code}@{multiple}|{name}"] = _without_own(scores, own)
+
     def score_projected_curvature(self, cfg: MethodConfig, key: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """Scores ``q^T H^{-1} t`` with ``H`` fitted on the projected training coordinates (LoGra, GraSS)."""
         xs, ys = [], []
@@ -704,6 +760,15 @@ class SharedPass:
         stored = stored_coordinates(x, cfg.precision, cfg.k).astype(np.float64)
         unq = stored_coordinates(x, "fp16", cfg.k).astype(np.float64) if cfg.precision == "1bit" else None
         return y @ stored.T, (y @ unq.T if unq is not None else None)
+
+
+def _without_own(scores: np.ndarray, own: Optional[np.ndarray]) -> np.ndarray:
+    """``(h, n)`` scores → ``(h, n - 1)`` without each query's own column ``own[i]`` (None: as they are)."""
+    if own is None:
+        return scores
+    keep = np.ones(scores.shape, dtype=bool)
+    keep[np.arange(scores.shape[0]), own] = False
+    return scores[keep].reshape(scores.shape[0], scores.shape[1] - 1)
 
 
 # --------------------------------------------------------------------------- kronfluence
@@ -794,7 +859,9 @@ class ScoreSet:
     width), ``"kfac"`` and ``"tracin"``; ``scores[config.id]`` is ``(n_seeds, nq, n)``;
     ``unquantized[config.id]`` the FP16 scores at the same ``k`` of a 1-bit config;
     ``tiers["<config.id>|<code>@<multiple>"]`` ``(nq, n)`` the scores of a 1-bit PCA config's
-    rescoring tier ``code`` at ``k_tier = multiple · k`` (:meth:`SharedPass.tier_widths`).
+    rescoring tier ``code`` at ``k_tier = multiple · k`` (:meth:`SharedPass.tier_widths`);
+    ``held_out["<config.id>|<code>@<multiple>|tier"]`` (and ``|one_bit``) ``(h, n - 1)`` the
+    index's recall queries' scores of the training rows (:meth:`held_out_scores`).
     """
 
     train_ids: Tuple[str, ...]
@@ -811,6 +878,16 @@ class ScoreSet:
     notes: List[str] = field(default_factory=list)
     choices: List[Dict[str, Any]] = field(default_factory=list)
     tiers: Dict[str, np.ndarray] = field(default_factory=dict)
+    held_out: Dict[str, np.ndarray] = field(default_factory=dict)
+
+    def held_out_scores(self, cfg: MethodConfig, code: str, multiple: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """The index's recall queries' ``(tier, one_bit)`` ``(h, n')`` scores of the training rows
+        for ``cfg``'s tier ``code`` at ``multiple`` (:meth:`SharedPass._score_held_out`), or None
+        (not measured: no held-out documents, or a cache written before them)."""
+        key = f"{cfg.id}|{code}@{multiple}|"
+        if key + "tier" not in self.held_out:
+            return None
+        return self.held_out[key + "tier"], self.held_out[key + "one_bit"]
 
     def tier_keys(self, cfg: MethodConfig) -> List[Tuple[str, int]]:
         """``[(code, multiple)]`` of the tiers scored for ``cfg``, in :data:`TIER_CODES` order, then
@@ -844,6 +921,7 @@ class ScoreSet:
         arrays.update({f"scores/{k}": v for k, v in self.scores.items()})
         arrays.update({f"unquantized/{k}": v for k, v in self.unquantized.items()})
         arrays.update({f"tier/{k}": v for k, v in self.tiers.items()})
+        arrays.update({f"heldout/{k}": v for k, v in self.held_out.items()})
         meta = {
             "train_ids": list(self.train_ids),
             "query_ids": list(self.query_ids),
@@ -893,6 +971,7 @@ class ScoreSet:
                 notes=meta.get("notes", []),
                 choices=meta.get("choices", []),
                 tiers=get("tier/"),
+                held_out=get("heldout/"),
             )
 
 
@@ -1008,6 +1087,7 @@ def compute_scores(
         timings=timings,
         choices=registry.Auto.code_choices(shared, reference),
         tiers=shared.kept_tier_scores(),
+        held_out=shared.kept_held_out_scores(),
     )
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from scipy.stats import rankdata
 
 from eogp_index.errors import ConfigError, InputError
+from eogp_index.fit.ndcg import ndcg_of_hits
 
 __all__ = [
     "LDSResult",
@@ -192,8 +193,7 @@ def ndcg_at_k_per_query(A, E, k: int = 20) -> np.ndarray:
     relevant = np.zeros(E.shape, dtype=bool)
     np.put_along_axis(relevant, _descending_order(E)[:, :kk], True, axis=1)
     hits = np.take_along_axis(relevant, _descending_order(A)[:, :kk], axis=1)
-    discount = 1.0 / np.log2(np.arange(2, kk + 2, dtype=np.float64))
-    return (hits * discount).sum(axis=1) / discount.sum()
+    return ndcg_of_hits(hits)
 
 
 def ndcg_at_k(a, e, k: int = 20) -> float:

@@ -11,10 +11,16 @@ from the one shared gradient pass (:meth:`~eogp_index.evaluation.fidelity.Shared
   one-bit top ``N`` rows in the tier's order, then the rows neither side kept in one-bit order,
   then the one-bit bottom ``N`` (the negative side) in the tier's order;
 * :func:`recall_curve`: the share of the tier's top 20 found among the one-bit top ``F · 20``;
+* :func:`index_factor`: **the index's F**, the default rescoring factor an index of these
+  documents would choose, by the one function the fit and the table's measurement use
+  (:func:`eogp_index.fit.recall.index_recall`: the smallest ``F`` whose rescored top keeps within
+  :data:`~eogp_index.config.RESCORE_GAP_TARGET` of the tier's own NDCG), measured as the table's
+  measurement does: the fit's held-out documents as queries scoring the training rows;
 * :func:`rescoring_details` and :func:`rescoring_records`: per 1-bit PCA method and budget, the
   one-bit scan, each tier alone (a full scan of the tier), the rescored ranking at each ``F`` and
-  the recall curve, against kronfluence's uncompressed EK-FAC; and the tier's ``k`` curve (tiers
-  of 1, 2 and 4 times the one-bit ``k``) with the bytes per example on disk (one-bit + tier).
+  at the index's ``F``, and the recall curve, against kronfluence's uncompressed EK-FAC; and the
+  tier's ``k`` curve (tiers of 1, 2 and 4 times the one-bit ``k``) with the bytes per example on
+  disk (one-bit + tier).
 
 Score matrices are ``(n_queries, n_rows)``, signed. Ties are broken by ascending row index, as
 :mod:`~eogp_index.evaluation.metrics` and the index's rescoring break them.
@@ -33,6 +39,7 @@ from eogp_index.evaluation import metrics
 
 __all__ = [
     "TARGET_GAP",
+    "index_factor",
     "recall_curve",
     "rescored_order",
     "rescored_scores",
@@ -129,6 +136,23 @@ def _fidelity(scores: np.ndarray, reference: np.ndarray, ndcg_k: int) -> Dict[st
     }
 
 
+def _rescored_at(
+    one_bit: np.ndarray, tier: np.ndarray, reference: np.ndarray, alone: Dict[str, np.ndarray], factor: int, ndcg_k: int
+) -> Dict[str, Any]:
+    """The one-bit top ``factor · ndcg_k`` of each side rescored by the tier: its metrics, the gap
+    to the tier alone (paired per query) and the recall of the tier's top ``ndcg_k``."""
+    ndcg = f"ndcg@{ndcg_k}"
+    size = int(factor) * ndcg_k
+    values = _fidelity(rescored_scores(one_bit, tier, size), reference, ndcg_k)
+    return {
+        "factor": int(factor),
+        "n": size,
+        **{metric: _summary(v) for metric, v in values.items()},
+        "gap": _summary(alone[ndcg] - values[ndcg]),
+        "recall": _summary(recall_curve(one_bit, tier, [size], ndcg_k)[0]),
+    }
+
+
 def _tier_entry(
     one_bit: np.ndarray,
     tier: np.ndarray,
@@ -136,30 +160,39 @@ def _tier_entry(
     *,
     ndcg_k: int,
     factors: Sequence[int],
+    index: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
-    """One tier's full scan, its rescored ranking at each factor, and the recall curve."""
-    ndcg = f"ndcg@{ndcg_k}"
+    """One tier's full scan, its rescored ranking at each factor and at the index's (``index``,
+    :func:`index_factor`), and the recall curve."""
     alone = _fidelity(tier, reference, ndcg_k)
-    sizes = [f * ndcg_k for f in factors]
-    recall = recall_curve(one_bit, tier, sizes, ndcg_k)
-    rescored = []
-    for factor, size, found in zip(factors, sizes, recall):
-        values = _fidelity(rescored_scores(one_bit, tier, size), reference, ndcg_k)
-        rescored.append(
-            {
-                "factor": int(factor),
-                "n": int(size),
-                **{metric: _summary(v) for metric, v in values.items()},
-                "gap": _summary(alone[ndcg] - values[ndcg]),
-                "recall": _summary(found),
-            }
-        )
+    rescored = [_rescored_at(one_bit, tier, reference, alone, f, ndcg_k) for f in factors]
     within = [r["factor"] for r in rescored if r["gap"]["mean"] <= TARGET_GAP]
-    return {
+    entry = {
         "alone": {metric: _summary(v) for metric, v in alone.items()},
         "rescored": rescored,
         "first_factor_within": min(within) if within else None,
+        "index": index,
     }
+    if index is not None and index.get("factor") is not None:
+        entry["at_index_factor"] = _rescored_at(one_bit, tier, reference, alone, index["factor"], ndcg_k)
+    return entry
+
+
+def index_factor(scoreset: Any, cfg: Any, code: str, multiple: int) -> Optional[Dict[str, Any]]:
+    """The default rescoring factor an index of ``cfg`` with tier ``code`` at ``multiple`` times
+    its ``k`` would choose: :func:`eogp_index.fit.recall.index_recall` (the fit's and the
+    table's one choice) of the recall queries' scores of the training rows
+    (:meth:`~eogp_index.evaluation.fidelity.ScoreSet.held_out_scores`), as
+    :meth:`~eogp_index.fit.recall.IndexRecall.to_json`; None when they were not measured."""
+    import torch
+
+    from eogp_index.fit.recall import index_recall
+
+    scores = scoreset.held_out_scores(cfg, code, multiple)
+    if scores is None:
+        return None
+    tier, one_bit = (torch.from_numpy(np.ascontiguousarray(x, np.float64)) for x in scores)
+    return index_recall(code, tier, one_bit, {}).to_json()
 
 
 def rescoring_details(
@@ -174,8 +207,10 @@ def rescoring_details(
     ``multiple``, ``k_tier``, ``bytes_tier``, ``bytes_on_disk`` (one-bit + tier), ``alone``,
     ``rescored`` (per factor: ``factor``, ``n`` = rows rescored per side, the metrics, ``gap`` =
     tier alone − rescored NDCG (± paired SE), ``recall`` = share of the tier's top
-    ``ndcg_k`` in the one-bit top ``n``) and ``first_factor_within`` (the smallest factor whose
-    mean gap is at most :data:`TARGET_GAP`; None if none).
+    ``ndcg_k`` in the one-bit top ``n``), ``first_factor_within`` (the smallest factor whose
+    mean gap is at most :data:`TARGET_GAP`; None if none), ``index`` (:func:`index_factor`: the
+    index's recall record, its ``factor`` the index's F; None when not measured) and
+    ``at_index_factor`` (as one ``rescored`` entry, at the index's F).
     """
     factors = sorted({int(f) for f in factors})
     if not factors or factors[0] < 1:
@@ -199,7 +234,12 @@ def rescoring_details(
             k_tier = [multiple * k for k in cfg.k]
             tier_bytes = int(sum(tier_bytes_per_module(k, code) for k in k_tier))
             tier = _tier_entry(
-                one_bit, scoreset.tier(cfg, code, multiple), scoreset.reference, ndcg_k=ndcg_k, factors=factors
+                one_bit,
+                scoreset.tier(cfg, code, multiple),
+                scoreset.reference,
+                ndcg_k=ndcg_k,
+                factors=factors,
+                index=index_factor(scoreset, cfg, code, multiple),
             )
             entry["tiers"].append(
                 {
@@ -330,6 +370,7 @@ def rescoring_markdown(details: List[Dict[str, Any]], *, ndcg_k: int = 20, facto
                 + " | ".join(f"{r['recall']['mean']:.3f}" for r in tier["rescored"])
                 + " |"
             )
+    lines += _index_factor_markdown(details, ndcg)
     lines += [
         "",
         "### The tier's k",
@@ -352,6 +393,45 @@ def rescoring_markdown(details: List[Dict[str, Any]], *, ndcg_k: int = 20, facto
                 f"{_pm(chosen[ndcg])} | {_pm(chosen['gap'], '+.4f')} | {_pm(chosen['spearman'])} |"
             )
     lines.append("")
+    return lines
+
+
+def _index_factor_markdown(details: List[Dict[str, Any]], ndcg: str) -> List[str]:
+    """The table of the index's F (:func:`index_factor`): per method, budget, tier code and
+    ``k`` multiple, the factor an index would choose, its own measurement there (the gap of its
+    recall queries, and whether it met the target), and against the reference the tier alone and
+    the top rescored at that F."""
+    from eogp_index.evaluation.report import format_bytes
+
+    lines = [
+        "",
+        "### At the index's F",
+        "",
+        "The default rescoring factor an index of these documents would choose (eogp_index.fit.recall.index_recall, "
+        "as the fit and the table's measurement choose it): the fit's held-out documents (up to 64) as queries "
+        "scoring the training rows, the smallest F whose rescored top-t keeps within the gap target of the tier's "
+        "own top-t (NDCG@t, t = min(20, rows // 20)); else the largest measured (\\*). Against the reference: "
+        "the tier alone and the top rescored at that F.",
+        "",
+        f"| method | budget | tier | k_tier | index's F | its held-out gap | recall | tier alone {ndcg} | "
+        f"rescored {ndcg} | gap | within {TARGET_GAP} |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for entry in details:
+        for tier in entry["tiers"]:
+            index, chosen = tier.get("index"), tier.get("at_index_factor")
+            if not index or chosen is None:
+                continue
+            own = index["gap"][index["factors"].index(index["factor"])]
+            mark = "" if index["reached"] else "\\*"
+            own_gap = "—" if own is None else f"{own:.4f}"
+            lines.append(
+                f"| {entry['label']} | {format_bytes(entry['budget'])} | {tier['code']} | {tier['k_tier'][0]} "
+                f"({tier['multiple']}×) | {index['factor']}{mark} | {own_gap} |"
+                f" {_pm(chosen['recall'])} | {_pm(tier['alone'][ndcg])} | "
+                f"{_pm(chosen[ndcg])} | {_pm(chosen['gap'], '+.4f')} | "
+                f"{'yes' if chosen['gap']['mean'] <= TARGET_GAP else 'no'} |"
+            )
     return lines
 
 

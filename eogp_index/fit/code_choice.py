@@ -32,6 +32,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from eogp_index.fit.ndcg import ndcg_of_hits
 from eogp_index.fit.projection import HadamardRotation, _top_eigen, fit_pca
 from eogp_index.fit.recall import CODES, IndexRecall, ModuleRecall, compare_recall, mean_se, tier_documents
 
@@ -86,12 +87,11 @@ def ranking_agreement(a: torch.Tensor, e: torch.Tensor, ndcg_at: int = FIDELITY_
     """
     kk = min(ndcg_at, a.shape[1])
     relevant = torch.zeros_like(e, dtype=torch.bool).scatter_(1, torch.argsort(-e, dim=1, stable=True)[:, :kk], True)
-    hits = relevant.gather(1, torch.argsort(-a, dim=1, stable=True)[:, :kk]).to(torch.float64)
-    discount = 1.0 / torch.log2(torch.arange(2, kk + 2, dtype=torch.float64))
+    hits = relevant.gather(1, torch.argsort(-a, dim=1, stable=True)[:, :kk])
     ra, re = _ranks(a), _ranks(e)
     ra, re = ra - ra.mean(dim=1, keepdim=True), re - re.mean(dim=1, keepdim=True)
     spearman = (ra * re).sum(dim=1) / ((ra * ra).sum(dim=1) * (re * re).sum(dim=1)).sqrt()
-    return {f"ndcg@{ndcg_at}": (hits * discount).sum(dim=1) / discount.sum(), "spearman": spearman}
+    return {f"ndcg@{ndcg_at}": torch.from_numpy(ndcg_of_hits(hits.numpy())), "spearman": spearman}
 
 
 def ranking_fidelity(

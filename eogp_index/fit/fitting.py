@@ -288,9 +288,9 @@ def _fit_second_stage(
         log.info("%s", format_choices(fitted, time.perf_counter() - start, recall))
         if recall is not None and not recall.reached:
             log.warning(
-                "no rescoring factor measured reaches recall %s of the %s tier's top rows; queries default to "
-                "the largest measured, %s (give --rescore to choose another)",
-                recall.target,
+                "no rescoring factor measured keeps the rescored top within NDCG gap %s of the %s tier's own; "
+                "queries default to the largest measured, %s (give --rescore to choose another)",
+                recall.gap_target,
                 recall.tier,
                 recall.factor,
             )

@@ -1,4 +1,5 @@
-"""The one-bit code's recall of the rescoring tier's top rows, measured at fit time.
+"""The one-bit code's recall of the rescoring tier's top rows, and the default rescoring factor,
+measured at fit time.
 
 With a rescoring tier (``eogp fit --rescore``) a query keeps the one-bit top ``N = F · k`` rows
 of each side and orders them by the tier's scores, so what the one-bit code must do is find the
@@ -12,21 +13,30 @@ pseudo-query (its unquantized coordinates, as a query's are) scoring the other `
 * by a one-bit code: ``s_i ⟨y, b_i⟩`` (signs and ``‖x‖₁ / k`` scale), each summed over modules
   as the index sums them.
 
-The recall at factor ``F`` is the share of the tier's top ``t`` of each side (most positive,
-most negative) found in the one-bit top ``F · t`` of that side, averaged over both sides, then
-over pseudo-queries (with its standard error over them): :func:`recall_curve`.
+Per pseudo-query, side (most positive, most negative) and factor ``F``, two figures
+(:func:`recall_curve`), each averaged over both sides, then over pseudo-queries (with its
+standard error over them):
 
-**t.** The held-out set is small (0.15 of the PCA set: tens to hundreds of documents), and the
-recall of a top ``F · t`` says nothing once ``F · t`` covers the ``h - 1`` candidates. So ``t``
-scales with ``h``: ``t = max(1, min(20, h // 20))`` (:func:`recall_t`), about 5% of the candidates,
-which lets the largest factor, 20, still be selective (``20 t <= h``; a factor is measured only
-when ``F · t < h - 1``), and never more than 20, the top a reader reads (the evaluation's
-NDCG@20). The recall of a top ``t`` in a top ``F · t`` is the ratio queries use (``N = F · k``),
-measured at the scale the held-out set allows.
+* **the recall**: the share of the tier's top ``t`` found in the one-bit top ``F · t``;
+* **the gap**: ``1 -`` the NDCG@``t`` of the rescored top ``t`` (the one-bit top ``F · t``
+  ordered by the tier) against the tier's own full-scan top ``t``, relevance being membership in
+  it (:mod:`eogp_index.fit.ndcg`, the evaluation's NDCG): what the rescored answer loses against
+  the tier alone, a missed row weighed by its place.
 
-**The default factor** (:func:`default_factor`): the smallest measured ``F`` whose recall reaches
-:data:`RECALL_TARGET`, else the largest measured (and the fit warns). Queries use it when they do
-not give ``rescore`` (``Question.rescore`` None).
+**t.** The held-out set is small (0.15 of the PCA set: tens to hundreds of documents), and a
+top ``F · t`` says nothing once it covers the ``h - 1`` candidates. So ``t`` scales with ``h``:
+``t = max(1, min(20, h // 20))`` (:func:`recall_t`), about 5% of the candidates, and never more
+than 20, the top a reader reads (the evaluation's NDCG@20); a factor of
+:data:`~eogp_index.config.RECALL_FACTORS` is measured only when ``F · t < h - 1``. The ratio of a
+top ``t`` to a top ``F · t`` is the one queries use (``N = F · k``), measured at the scale the
+held-out set allows.
+
+**The default factor** (:func:`default_factor`, the one choice the fit, the table's measurement
+(:mod:`eogp_index.store.table_recall`) and ``eogp eval fidelity`` make): the smallest measured
+``F`` whose mean gap is at most :data:`~eogp_index.config.RESCORE_GAP_TARGET`, else the largest
+measured (and the fit warns). Queries use it when they do not give ``rescore``
+(``Question.rescore`` None). The smallest ``F`` whose recall reaches
+:data:`~eogp_index.config.RECALL_TARGET` is recorded beside it.
 """
 
 from __future__ import annotations
@@ -43,9 +53,11 @@ from eogp_index.config import (
     RECALL_MAX_T,
     RECALL_T_SHARE,
     RECALL_TARGET,
+    RESCORE_GAP_TARGET,
     TIER_LEVELS,
     quantize_tier_block,
 )
+from eogp_index.fit.ndcg import rescored_ndcg
 
 #: The rescoring factors measured, when the held-out set allows them (``F · t < h - 1``).
 FACTORS = RECALL_FACTORS
@@ -113,6 +125,32 @@ def recall_per_query(tier: torch.Tensor, one_bit: torch.Tensor, t: int, factors:
     return (sides[0] + sides[1]) / 2
 
 
+def gap_per_query(tier: torch.Tensor, one_bit: torch.Tensor, t: int, factors: Sequence[int]) -> torch.Tensor:
+    """Per pseudo-query and factor, ``1 -`` the NDCG@``t`` of the rescored top ``t`` against the
+    tier's own top ``t`` (:func:`~eogp_index.fit.ndcg.rescored_ndcg`).
+
+    Args:
+        tier, one_bit: ``(q, n)`` float64: each pseudo-query's scores of its ``n`` candidates;
+            every ``F · t <= n``.
+
+    Returns:
+        ``(q, len(factors))`` float64 in ``[0, 1]``: the mean over the two sides (equal scores
+        in position order, as :func:`recall_per_query`).
+    """
+    if not factors:
+        return torch.zeros((tier.shape[0], 0), dtype=torch.float64)
+    depth = min(int(max(factors)) * t, int(tier.shape[1]))
+    sides = []
+    for sign in (1.0, -1.0):
+        signed = (sign * tier).double()
+        relevant = torch.zeros(signed.shape, dtype=torch.bool)
+        relevant.scatter_(1, torch.argsort(-signed, dim=1, stable=True)[:, :t], True)
+        kept = torch.argsort(-sign * one_bit, dim=1, stable=True)[:, :depth]  # (q, depth), one-bit order
+        ndcg = rescored_ndcg(signed.gather(1, kept).numpy(), relevant.gather(1, kept).numpy(), t, factors)
+        sides.append(1.0 - torch.from_numpy(ndcg))
+    return (sides[0] + sides[1]) / 2
+
+
 def mean_se(values: torch.Tensor) -> Tuple[float, float]:
     """The mean of the finite ``values`` ``(q,)`` and its standard error (nan below two)."""
     finite = values[torch.isfinite(values)]
@@ -131,13 +169,16 @@ def _number(x) -> float:
 
 @dataclass(frozen=True)
 class RecallCurve:
-    """The recall at each factor (:func:`recall_per_query`'s means over pseudo-queries).
+    """The recall and the rescoring gap at each factor (means over pseudo-queries).
 
     Attributes:
         t: the tier's top ``t`` per side.
         held_out: pseudo-queries (each ranks the other ``held_out - 1``).
         factors: the factors measured, increasing.
-        recall, recall_se: per factor, the mean recall and its standard error.
+        recall, recall_se: per factor, the mean recall (:func:`recall_per_query`) and its
+            standard error.
+        gap, gap_se: per factor, the mean gap (:func:`gap_per_query`) and its standard error;
+            empty in a record written before the gap was measured.
     """
 
     t: int
@@ -145,6 +186,8 @@ class RecallCurve:
     factors: Tuple[int, ...]
     recall: Tuple[float, ...]
     recall_se: Tuple[float, ...]
+    gap: Tuple[float, ...] = ()
+    gap_se: Tuple[float, ...] = ()
 
     def to_json(self) -> Dict[str, object]:
         return {
@@ -153,6 +196,8 @@ class RecallCurve:
             "factors": list(self.factors),
             "recall": [_plain(v) for v in self.recall],
             "recall_se": [_plain(v) for v in self.recall_se],
+            "gap": [_plain(v) for v in self.gap],
+            "gap_se": [_plain(v) for v in self.gap_se],
         }
 
     @classmethod
@@ -163,35 +208,56 @@ class RecallCurve:
             factors=tuple(int(f) for f in data["factors"]),
             recall=tuple(_number(v) for v in data["recall"]),
             recall_se=tuple(_number(v) for v in data["recall_se"]),
+            gap=tuple(_number(v) for v in data.get("gap", ())),
+            gap_se=tuple(_number(v) for v in data.get("gap_se", ())),
         )
 
 
 def recall_curve(tier: torch.Tensor, one_bit: torch.Tensor) -> Tuple[RecallCurve, torch.Tensor]:
-    """The recall curve of one-bit scores against the tier's, and its per-query values.
+    """The recall curve and the gap curve of one-bit scores against the tier's, and the per-query recalls.
 
     Args:
-        tier, one_bit: ``(h, h - 1)`` float64: each held-out document's scores of the others.
+        tier, one_bit: ``(h, n)`` float64: each of ``h`` pseudo-queries' scores of its ``n``
+            candidates (``n = h - 1`` among held-out documents, each without itself).
 
     Returns:
-        The curve (``t`` = :func:`recall_t` ``(h)``, the factors :func:`measured_factors`
+        The curve (``t`` = :func:`recall_t` ``(n + 1)``, the factors :func:`measured_factors`
         allows) and the ``(h, len(factors))`` per-query recalls.
     """
-    h = int(tier.shape[0])
+    h = int(tier.shape[1]) + 1
     t = recall_t(h)
     factors = measured_factors(h, t)
-    per_query = recall_per_query(tier.double(), one_bit.double(), t, factors)
+    tier, one_bit = tier.double(), one_bit.double()
+    per_query = recall_per_query(tier, one_bit, t, factors)
+    gaps = gap_per_query(tier, one_bit, t, factors)
     stats = [mean_se(per_query[:, j]) for j in range(len(factors))]
-    curve = RecallCurve(t, h, factors, tuple(m for m, _ in stats), tuple(s for _, s in stats))
+    gap_stats = [mean_se(gaps[:, j]) for j in range(len(factors))]
+    curve = RecallCurve(
+        t,
+        int(tier.shape[0]),
+        factors,
+        tuple(m for m, _ in stats),
+        tuple(s for _, s in stats),
+        tuple(m for m, _ in gap_stats),
+        tuple(s for _, s in gap_stats),
+    )
     return curve, per_query
 
 
-def default_factor(curve: RecallCurve, target: float = RECALL_TARGET) -> Tuple[Optional[int], bool]:
-    """The smallest factor whose recall reaches ``target`` and True; else the largest measured
-    and False; ``(None, False)`` when nothing was measured."""
-    for factor, recall in zip(curve.factors, curve.recall):
-        if recall >= target:
+def default_factor(curve: RecallCurve, gap_target: float = RESCORE_GAP_TARGET) -> Tuple[Optional[int], bool]:
+    """The default rescoring factor: the smallest measured factor whose mean gap is at most
+    ``gap_target`` and True; else the largest measured and False; ``(None, False)`` when
+    nothing was measured."""
+    for factor, gap in zip(curve.factors, curve.gap):
+        if gap <= gap_target:
             return factor, True
     return (curve.factors[-1] if curve.factors else None), False
+
+
+def recall_factor(curve: RecallCurve, target: float = RECALL_TARGET) -> Optional[int]:
+    """The smallest measured factor whose recall reaches ``target``, or None (recorded beside
+    the default factor, not used)."""
+    return next((f for f, r in zip(curve.factors, curve.recall) if r >= target), None)
 
 
 @dataclass(frozen=True)
@@ -245,60 +311,91 @@ def compare_recall(tier: torch.Tensor, one_bit: Dict[str, torch.Tensor]) -> Modu
 
 @dataclass(frozen=True)
 class IndexRecall:
-    """The index's recall curve: the tier's scores and the stored one-bit codes' scores, each
-    summed over modules, and the default factor it gives.
+    """The index's recall and gap curves: the tier's scores and the stored one-bit codes' scores,
+    each summed over modules, and the default factor they give.
 
     Attributes:
         tier: the tier's code (``int8``, ``int4``, ``fp16``).
-        curve: the recall curve of the summed scores.
-        target: the recall the default factor must reach (:data:`RECALL_TARGET`).
+        curve: the recall and gap curves of the summed scores.
+        gap_target: the gap the default factor must reach (:data:`RESCORE_GAP_TARGET`).
         factor: the default factor (:func:`default_factor`); None when nothing was measured.
-        reached: whether ``factor``'s recall reaches ``target``.
+        reached: whether ``factor``'s gap reaches ``gap_target``.
+        target: the recall reported beside it (:data:`RECALL_TARGET`);
+            recall_factor: the smallest factor reaching it (:func:`recall_factor`), or None.
         codes: ``{code: modules storing it}``.
     """
 
     tier: str
     curve: RecallCurve
-    target: float
+    gap_target: float
     factor: Optional[int]
     reached: bool
+    target: float
+    recall_factor: Optional[int]
     codes: Dict[str, int]
 
     def to_json(self) -> Dict[str, object]:
         return {
             "tier": self.tier,
             **self.curve.to_json(),
+            "criterion": "ndcg_gap",
+            "gap_target": self.gap_target,
             "target": self.target,
+            "recall_factor": self.recall_factor,
             "factor": self.factor,
             "reached": self.reached,
             "codes": dict(self.codes),
         }
 
 
-def index_recall(
-    tier_code: str, tier: torch.Tensor, one_bit: torch.Tensor, codes: Dict[str, int], target: float = RECALL_TARGET
-) -> IndexRecall:
-    """:class:`IndexRecall` of the summed ``(h, h - 1)`` scores ``tier`` and ``one_bit``."""
+def index_recall(tier_code: str, tier: torch.Tensor, one_bit: torch.Tensor, codes: Dict[str, int]) -> IndexRecall:
+    """:class:`IndexRecall` of the summed ``(h, n)`` scores ``tier`` and ``one_bit``."""
     curve, _ = recall_curve(tier, one_bit)
-    factor, reached = default_factor(curve, target)
-    return IndexRecall(tier_code, curve, target, factor, reached, codes)
+    factor, reached = default_factor(curve)
+    return IndexRecall(
+        tier_code, curve, RESCORE_GAP_TARGET, factor, reached, RECALL_TARGET, recall_factor(curve), codes
+    )
+
+
+def format_cells(record: Dict[str, object]) -> str:
+    """The curves of a recall record, one cell per factor: ``F=<f> <recall>±<se> gap <gap>`` (a
+    record without the gap: the recall only)."""
+    gaps = record.get("gap") or [None] * len(record["factors"])
+    cells = []
+    for f, r, se, gap in zip(record["factors"], record["recall"], record["recall_se"], gaps):
+        cell = f"F={f} " + (
+            f"{r:.3f}±{se:.3f}" if r is not None and se is not None else "n/a" if r is None else f"{r:.3f}"
+        )
+        cells.append(cell + (f" gap {gap:.4f}" if gap is not None else ""))
+    return ", ".join(cells)
+
+
+def format_choice(record: Dict[str, object]) -> str:
+    """How a recall record's default factor was chosen: by the gap (records with ``criterion``
+    ``ndcg_gap``), else by the recall (older records)."""
+    factor = record["factor"]
+    if factor is None:
+        return "no factor measured: queries use the default of an index without the record"
+    if record.get("criterion") == "ndcg_gap":
+        bound = f"NDCG@{record['t']} gap {record['gap_target']}"
+        extra = (
+            f"; recall {record['target']} first at F={record['recall_factor']}" if record.get("recall_factor") else ""
+        )
+    else:
+        bound, extra = f"recall {record['target']}", ""
+    if record["reached"]:
+        return f"default factor {factor}, the smallest within {bound}{extra}"
+    return (
+        f"default factor {factor}, the largest measured: NONE within {bound}{extra} "
+        f"(warning: give --rescore above {factor} for a faithful top)"
+    )
 
 
 def format_recall(record: Dict[str, object]) -> str:
     """One line of an index's recall record (:meth:`IndexRecall.to_json`, as the manifest holds it)."""
     t = record["t"]
-    cells = ", ".join(
-        f"F={f} {r:.3f}±{se:.3f}" if r is not None and se is not None else f"F={f} n/a"
-        for f, r, se in zip(record["factors"], record["recall"], record["recall_se"])
-    )
-    factor = record["factor"]
-    if factor is None:
-        chosen = "no factor measured: queries use the default of an index without the record"
-    elif record["reached"]:
-        chosen = f"default factor {factor}, the smallest reaching {record['target']}"
-    else:
-        chosen = f"default factor {factor}, the largest measured: none reached {record['target']}"
     return (
-        f"recall of the {record['tier']} tier's top-{t} per side in the one-bit top F x {t} "
-        f"({record['held_out']} held-out pseudo-queries): {cells or 'no factor fits'}; {chosen}"
+        f"recall of the {record['tier']} tier's top-{t} per side in the one-bit top F x {t}, and the NDCG@{t} "
+        f"gap of that top rescored ({record['held_out']} held-out pseudo-queries): "
+        f"{format_cells(record) or 'no factor fits'}; {format_choice(record)}"
     )

@@ -13,17 +13,23 @@ large table (docs/variants.md shows a case). This module measures the same curve
   <eogp_index.config.TableRecallConfig.max_rows>`, a seeded sample of whole fragments), streamed
   once for all queries, each row scored exactly by its tier codes and by its one-bit code
   ``s_u ⟨y_u, b_u⟩`` (both in float64, summed over modules);
-* **the curve**: per query and side (most positive, most negative), the share of the tier's top
-  ``t = min(20, rows // 20)`` found in the one-bit top ``F · t``, for the fit's factors with
-  ``F · t`` below the rows read; the mean over both sides and the queries, with its standard
-  error; **the factor**: the smallest ``F`` reaching :data:`~eogp_index.config.RECALL_TARGET`,
-  else the largest measured (``reached`` false).
+* **the curves**: per query and side (most positive, most negative), for the fit's factors with
+  ``F · t`` below the rows read (:data:`~eogp_index.config.RECALL_FACTORS`, up to 100), the share
+  of the tier's top ``t = min(20, rows // 20)`` found in the one-bit top ``F · t`` (the recall),
+  and ``1 -`` the NDCG@``t`` of that top ordered by the tier against the tier's own top ``t``
+  (the gap, :func:`~eogp_index.fit.ndcg.rescored_ndcg`); each the mean over both sides and the
+  queries, with its standard error; **the factor**: the fit's choice
+  (:func:`~eogp_index.fit.recall.default_factor`): the smallest ``F`` whose gap is at most
+  :data:`~eogp_index.config.RESCORE_GAP_TARGET`, else the largest measured (``reached``
+  false). The smallest ``F`` whose recall reaches :data:`~eogp_index.config.RECALL_TARGET` is
+  recorded beside it.
 
 Equal scores are ordered by scan position, so the result is exactly what a float64 sort of every
 row's two scores gives. The record (:data:`RECORD_FILE`, ``schemas/table_recall.schema.json``) is
 rewritten after each ingest (:meth:`Commits.finish <eogp_index.encode.commits.Commits.finish>`)
 and by ``eogp optimize``; the default rescoring factor prefers it over the fit's
-(:func:`default_rescore_factor`).
+(:func:`default_rescore_factor`). A record of format version 1 (the factor chosen by the recall,
+no gap) still reads, and its factor is used until the next measurement rewrites it.
 """
 
 from __future__ import annotations
@@ -43,17 +49,22 @@ from eogp_index.config import (
     RECALL_MAX_T,
     RECALL_T_SHARE,
     RECALL_TARGET,
+    RESCORE_GAP_TARGET,
     TableRecallConfig,
 )
 from eogp_index.data.location import IndexPath, index_path, write_atomic
 from eogp_index.errors import IncompatibleIndexError
+from eogp_index.fit.ndcg import rescored_ndcg
+from eogp_index.fit.recall import RecallCurve, default_factor, format_cells, format_choice, recall_factor
 
 #: The record of the last measurement, in the index directory.
 RECORD_FILE = "table_recall.json"
 #: The held-out queries' coordinates ``(q, T)`` float32 and their documents' hashes.
 QUERIES_FILE = "recall_queries.safetensors"
 FORMAT = "eogp-table-recall"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: The versions this module reads: 1 (the factor chosen by the recall) and 2 (by the gap).
+READ_VERSIONS = (1, 2)
 SCHEMA_FILE = "table_recall.schema.json"
 #: Bytes of float64 row copies one batch may hold (its rows are capped to fit).
 _BATCH_BYTES = 1 << 27
@@ -135,9 +146,11 @@ class TableRecall:
         queries, queries_from: the queries measured and where they came from.
         excluded: stored copies of a query's own document left out of its answers.
         tier: the tier's code. t: the tier's top ``t`` per side.
-        target: the recall the factor must reach.
+        target: the recall reported; recall_factor: the smallest factor reaching it, or None.
         factors, recall, recall_se: the curve: per factor, the mean recall and its standard error.
-        factor, reached: the default factor and whether its recall reaches ``target``.
+        gap, gap_se: per factor, the mean NDCG@``t`` gap of the rescored top and its standard error.
+        gap_target: the gap the default factor must keep within.
+        factor, reached: the default factor and whether its gap is within ``gap_target``.
         seconds: the measurement's wall time.
     """
 
@@ -157,13 +170,17 @@ class TableRecall:
     factor: Optional[int]
     reached: bool
     seconds: float
+    gap: Tuple[float, ...] = ()
+    gap_se: Tuple[float, ...] = ()
+    gap_target: float = RESCORE_GAP_TARGET
+    recall_factor: Optional[int] = None
 
     def to_json(self) -> Dict[str, Any]:
         data = asdict(self)
         data["factors"] = list(self.factors)
-        data["recall"] = [_plain(v) for v in self.recall]
-        data["recall_se"] = [_plain(v) for v in self.recall_se]
-        return {"format": FORMAT, "format_version": FORMAT_VERSION, **data}
+        for name in ("recall", "recall_se", "gap", "gap_se"):
+            data[name] = [_plain(v) for v in getattr(self, name)]
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, "criterion": "ndcg_gap", **data}
 
 
 def _plain(x: float) -> Optional[float]:
@@ -216,11 +233,11 @@ def read_record(index_dir: Path) -> Optional[Dict[str, Any]]:
         record = json.loads(data)
     except json.JSONDecodeError as exc:
         raise IncompatibleIndexError(f"{source}: not valid JSON ({exc}); delete it and run `eogp optimize`") from exc
-    if not isinstance(record, dict) or record.get("format_version") != FORMAT_VERSION:
+    if not isinstance(record, dict) or record.get("format_version") not in READ_VERSIONS:
         found = record.get("format_version") if isinstance(record, dict) else None
         raise IncompatibleIndexError(
-            f"{source}: format version {found!r}, but this eogp-index reads version {FORMAT_VERSION}; delete "
-            "the file and run `eogp optimize` on the index to measure again"
+            f"{source}: format version {found!r}, but this eogp-index reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))}; delete the file and run `eogp optimize` on the index to measure again"
         )
     _validate(record, source)
     return record
@@ -274,17 +291,20 @@ def _fragments_to_read(fragments: List, max_rows: int, seed: int) -> Tuple[Optio
 
 class _Tops:
     """Each query's running top ``depth`` rows of one score and side, by score, equal scores by
-    scan position (``positions`` ``(q, ≤depth)`` int64 and ``scores`` float64, best first)."""
+    scan position (``positions`` ``(q, ≤depth)`` int64 and ``scores`` float64, best first), and
+    with ``aux`` another score of the same rows (``(q, ≤depth)`` float64, signed as ``scores``)."""
 
     def __init__(self, queries: int, depth: int, sign: float):
         self.depth, self.sign = depth, sign
         self.positions = np.zeros((queries, 0), np.int64)
         self.scores = np.zeros((queries, 0), np.float64)
+        self.aux = np.zeros((queries, 0), np.float64)
 
-    def add(self, start: int, scores: np.ndarray) -> None:
-        """Merge a batch's ``(q, n)`` scores of the rows at scan positions ``start ..``; a NaN
-        (a row left out of that query's answers) never ranks."""
+    def add(self, start: int, scores: np.ndarray, aux: Optional[np.ndarray] = None) -> None:
+        """Merge a batch's ``(q, n)`` scores (and ``aux``) of the rows at scan positions
+        ``start ..``; a NaN (a row left out of that query's answers) never ranks."""
         n = scores.shape[1]
+        aux = scores if aux is None else aux
         # The kept rows in position order, then the batch's (later positions): a stable sort by
         # score then orders equal scores by position.
         by_position = np.argsort(self.positions, axis=1, kind="stable")
@@ -296,10 +316,12 @@ class _Tops:
             axis=1,
         )
         values = np.concatenate([np.take_along_axis(self.scores, by_position, axis=1), self.sign * scores], axis=1)
+        others = np.concatenate([np.take_along_axis(self.aux, by_position, axis=1), self.sign * aux], axis=1)
         keys = np.where(np.isnan(values), np.inf, -values)  # best (largest signed score) first
         best = np.argsort(keys, axis=1, kind="stable")[:, : self.depth]
         self.positions = np.take_along_axis(positions, best, axis=1)
         self.scores = np.take_along_axis(values, best, axis=1)
+        self.aux = np.take_along_axis(others, best, axis=1)
 
 
 def _scan(stored, chosen, y: np.ndarray, hashes: Sequence[str], t: int, depth: int, batch_rows: int):
@@ -336,29 +358,35 @@ def _scan(stored, chosen, y: np.ndarray, hashes: Sequence[str], t: int, depth: i
                 for query in wanted.get(value, ()):
                     scores["tier"][query, row] = scores["one_bit"][query, row] = np.nan
                     excluded += 1
-        for (kind, _), top in tops.items():
-            top.add(start, scores[kind])
+        for (kind, _), top in tops.items():  # the one-bit tops keep their rows' tier scores
+            top.add(start, scores[kind], scores["tier"] if kind == "one_bit" else None)
         start += n
     return tops, excluded
 
 
-def _curve(tops, t: int, factors: Sequence[int]) -> Tuple[List[float], List[float]]:
-    """Per factor, the mean over queries (of the mean over both sides) of the share of the tier's
-    top ``t`` found in the one-bit top ``F · t``, and its standard error."""
-    per_side = []
+def _curve(tops, t: int, factors: Sequence[int], queries: int) -> RecallCurve:
+    """Per factor, the means over queries (of the means over both sides) of the share of the
+    tier's top ``t`` found in the one-bit top ``F · t`` and of the NDCG@``t`` gap of that top
+    rescored by the tier (:func:`~eogp_index.fit.ndcg.rescored_ndcg`), with standard errors."""
+    recalls, gaps = [], []
     for side in ("positive", "negative"):
         best = tops[("tier", side)].positions  # (q, t)
-        found = tops[("one_bit", side)].positions  # (q, depth), best first
+        kept = tops[("one_bit", side)]  # (q, depth), best first; aux: their signed tier scores
+        found = kept.positions
         place = np.full(best.shape, found.shape[1], np.int64)  # where the one-bit scan puts each
         hits = best[:, :, None] == found[:, None, :]  # (q, t, depth)
         any_hit = hits.any(axis=2)
         place[any_hit] = hits.argmax(axis=2)[any_hit]
-        per_side.append(np.stack([(place < f * t).mean(axis=1) for f in factors], axis=1))
-    per_query = (per_side[0] + per_side[1]) / 2  # (q, len(factors))
-    n = per_query.shape[0]
-    means = per_query.mean(axis=0)
-    ses = per_query.std(axis=0, ddof=1) / math.sqrt(n) if n > 1 else np.full(len(factors), np.nan)
-    return [float(v) for v in means], [float(v) for v in ses]
+        recalls.append(np.stack([(place < f * t).mean(axis=1) for f in factors], axis=1))
+        relevant = hits.any(axis=1)  # (q, depth): each kept row in the tier's top t
+        gaps.append(1.0 - rescored_ndcg(kept.aux, relevant, t, factors))
+    per_query = {"recall": (recalls[0] + recalls[1]) / 2, "gap": (gaps[0] + gaps[1]) / 2}  # (q, len(factors))
+    stats = {}
+    for name, values in per_query.items():
+        means = values.mean(axis=0)
+        ses = values.std(axis=0, ddof=1) / math.sqrt(queries) if queries > 1 else np.full(len(factors), np.nan)
+        stats[name] = tuple(float(v) for v in means), tuple(float(v) for v in ses)
+    return RecallCurve(t, queries, tuple(factors), *stats["recall"], *stats["gap"])
 
 
 def measure_table_recall(
@@ -407,9 +435,8 @@ def measure_table_recall(
     if not factors:
         return None
     tops, excluded = _scan(stored, chosen, queries, hashes, t, max(factors) * t, config.batch_rows)
-    recall, recall_se = _curve(tops, t, factors)
-    factor = next((f for f, r in zip(factors, recall) if r >= RECALL_TARGET), None)
-    reached = factor is not None
+    curve = _curve(tops, t, factors, int(queries.shape[0]))
+    factor, reached = default_factor(curve)  # the fit's choice, on the table's curves
     return TableRecall(
         table_version=int(version),
         rows=int(rows),
@@ -422,11 +449,15 @@ def measure_table_recall(
         t=t,
         target=RECALL_TARGET,
         factors=factors,
-        recall=tuple(recall),
-        recall_se=tuple(recall_se),
-        factor=factor if reached else factors[-1],
+        recall=curve.recall,
+        recall_se=curve.recall_se,
+        factor=factor,
         reached=reached,
         seconds=round(time.perf_counter() - started, 3),
+        gap=curve.gap,
+        gap_se=curve.gap_se,
+        gap_target=RESCORE_GAP_TARGET,
+        recall_factor=recall_factor(curve),
     )
 
 
@@ -440,20 +471,10 @@ def record_table_recall(stored, *, config: TableRecallConfig = TableRecallConfig
 
 
 def format_table_recall(record: Dict[str, Any], table_version: Optional[int] = None) -> str:
-    """One line of the table's recall record (:meth:`TableRecall.to_json`), as ``eogp info``
-    prints it; ``table_version``: the table's version now (a record of an older one says so)."""
+    """One line of the table's recall record (:meth:`TableRecall.to_json`; a version 1 record
+    has no gap), as ``eogp info`` prints it; ``table_version``: the table's version now (a record
+    of an older one says so)."""
     t = record["t"]
-    cells = ", ".join(
-        f"F={f} {r:.3f}±{se:.3f}" if r is not None and se is not None else f"F={f} {r if r is None else f'{r:.3f}'}"
-        for f, r, se in zip(record["factors"], record["recall"], record["recall_se"])
-    )
-    if record["reached"]:
-        chosen = f"default factor {record['factor']}, the smallest reaching {record['target']}"
-    else:
-        chosen = (
-            f"default factor {record['factor']}, the largest measured: NONE reached {record['target']} "
-            f"(warning: give --rescore above {record['factor']} for a faithful top)"
-        )
     sample = record.get("sample")
     read = f"{record['rows_measured']} rows" + (
         f" (a seeded sample of {sample['fragments']} of {sample['of_fragments']} fragments)" if sample else ""
@@ -463,6 +484,6 @@ def format_table_recall(record: Dict[str, Any], table_version: Optional[int] = N
         stale = f"; measured at table version {record['table_version']}, the table is at {table_version} now"
     return (
         f"on the table (version {record['table_version']}, {record['rows']} rows; {read} read): recall of the "
-        f"{record['tier']} tier's top-{t} per side in the one-bit top F x {t} ({record['queries']} held-out "
-        f"queries): {cells}; {chosen}{stale}"
+        f"{record['tier']} tier's top-{t} per side in the one-bit top F x {t}, and the NDCG@{t} gap of that top "
+        f"rescored ({record['queries']} held-out queries): {format_cells(record)}; {format_choice(record)}{stale}"
     )

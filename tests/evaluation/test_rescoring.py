@@ -1,5 +1,5 @@
 """The rescoring tier in ``eogp eval fidelity``: the rescored ranking, the recall curve, the tiers
-of a larger k, all from the shared pass on a tiny GPT-2."""
+of a larger k and the index's F, all from the shared pass on a tiny GPT-2."""
 
 from __future__ import annotations
 
@@ -8,9 +8,21 @@ import pytest
 import torch
 from tinymodels import make_examples, make_tiny_gpt2
 
+from eogp_index.config import RESCORE_GAP_TARGET
 from eogp_index.evaluation import metrics
 from eogp_index.evaluation.fidelity import Documents, compute_scores, fidelity_records
-from eogp_index.evaluation.rescoring import recall_curve, rescored_order, rescored_scores, rescoring_details
+from eogp_index.evaluation.rescoring import (
+    TARGET_GAP,
+    index_factor,
+    recall_curve,
+    rescored_order,
+    rescored_scores,
+    rescoring_details,
+    rescoring_markdown,
+)
+from eogp_index.fit.code_choice import held_out_rows
+from eogp_index.fit.recall import default_factor
+from eogp_index.fit.recall import recall_curve as index_curve
 from eogp_index.store.codecs import SignLayout, TierCodec
 
 torch.set_num_threads(1)
@@ -24,7 +36,7 @@ def _docs(examples) -> Documents:
     )
 
 
-TRAIN = _docs(make_examples(48, seed=1))
+TRAIN = _docs(make_examples(60, seed=1))  # 9 held out (0.15): the index's F is measured
 QUERIES = _docs(make_examples(4, seed=2, prefix="q", masked_prompt=True))
 FACTORS = (1, 2, 3)
 
@@ -156,3 +168,37 @@ def test_fidelity_records_have_the_rescoring_rows(scoreset):
             assert 0 <= by[(f"{label}, top 2×20 rescored by {code}", 32, "recall@40")]["value"] <= 1
     assert details["rescore"] == 2
     assert [r["factor"] for r in details["rescoring"][0]["tiers"][0]["rescored"]] == [1, 2, 3]
+
+
+def test_the_index_factor_is_the_fits_choice_on_the_held_out_documents(scoreset):
+    """The index's F: the fit's held-out documents (9 of 60) as queries scoring the other 59
+    training rows, by the tier and by the stored 1-bit code, chosen by the fit's own function; the
+    top rescored at that F is measured against the reference like every other F."""
+    held = held_out_rows(len(TRAIN), 0.15, 0)
+    assert held.numel() == 9
+    details = rescoring_details(scoreset, ndcg_k=20, factors=FACTORS)
+    for entry in details:
+        cfg = scoreset.config(entry["method"], 32)
+        one_bit = scoreset.scores[cfg.id][0]
+        for tier in entry["tiers"]:
+            held_tier, held_bit = scoreset.held_out_scores(cfg, tier["code"], tier["multiple"])
+            assert held_tier.shape == held_bit.shape == (9, len(TRAIN) - 1)  # each without its own row
+            curve, _ = index_curve(torch.from_numpy(held_tier), torch.from_numpy(held_bit))
+            index = tier["index"]
+            assert index == index_factor(scoreset, cfg, tier["code"], tier["multiple"])
+            assert index["criterion"] == "ndcg_gap" and index["gap_target"] == RESCORE_GAP_TARGET == TARGET_GAP
+            assert (index["factor"], index["reached"]) == default_factor(curve)
+            assert index["t"] == 3 and index["factors"] == [1, 2, 3, 5, 10]  # 20 x 3 is not below 59
+            np.testing.assert_allclose(index["gap"], curve.gap, rtol=0, atol=1e-12)
+            at = tier["at_index_factor"]
+            scores = scoreset.tier(cfg, tier["code"], tier["multiple"])
+            rescored = rescored_scores(one_bit, scores, index["factor"] * 20)
+            assert at["factor"] == index["factor"]
+            assert at["ndcg@20"]["mean"] == pytest.approx(metrics.mean_ndcg_at_k(rescored, scoreset.reference))
+        # the 1-bit code's held-out scores do not depend on the tier; the FP16 tier at k is the 1-bit
+        # code's coordinates unquantized, so it ranks differently from the signs
+        bits = [scoreset.held_out_scores(cfg, code, 1)[1] for code in ("int8", "fp16")]
+        np.testing.assert_array_equal(bits[0], bits[1])
+        assert not np.allclose(scoreset.held_out_scores(cfg, "fp16", 1)[0], bits[0])
+    text = "\n".join(rescoring_markdown(details, ndcg_k=20, factor=2))
+    assert "### At the index's F" in text and text.count("| EOGP-rot | 32 B |") >= 3

@@ -1,5 +1,5 @@
-"""The one-bit code's recall of the rescoring tier's top rows, measured at fit time: the curve
-against a direct float64 recomputation (the tier as the store's codec stores it, the one-bit code
+"""The one-bit code's recall of the rescoring tier's top rows and the NDCG gap of the rescored top,
+measured at fit time: the curves against a direct float64 recomputation (the tier as the store's codec stores it, the one-bit code
 as the store's codec stores it, sorted by hand), the default factor, variant auto's choice by
 recall, and a real fit (tiny GPT-2, kronfluence, LanceDB on disk) that records the measurement,
 prints it in `eogp info` and answers a query without `rescore` with the recorded factor.
@@ -26,8 +26,11 @@ from eogp_index.fit.recall import (
     RecallCurve,
     compare_recall,
     default_factor,
+    format_recall,
+    gap_per_query,
     measured_factors,
     recall_curve,
+    recall_factor,
     recall_t,
     tier_documents,
 )
@@ -50,6 +53,25 @@ def _reference_recall(tier: np.ndarray, one_bit: np.ndarray, t: int, factors) ->
                 by_bit = set(sorted(range(n), key=lambda i: (-sign * one_bit[row, i], i))[: factor * t])
                 shares.append(sum(i in by_bit for i in by_tier) / t)
             out[row, j] = sum(shares) / 2
+    return out
+
+
+def _reference_gap(tier: np.ndarray, one_bit: np.ndarray, t: int, factors) -> np.ndarray:
+    """Per query and factor, by hand: each side's one-bit top F·t re-ordered by the tier (equal
+    tier scores in one-bit order), its first t against the tier's own top t (binary relevance,
+    log2 discount), one minus that NDCG, averaged over the two sides."""
+    q, n = tier.shape
+    ideal = sum(1 / np.log2(p + 2) for p in range(t))
+    out = np.zeros((q, len(factors)))
+    for row in range(q):
+        for j, factor in enumerate(factors):
+            gaps = []
+            for sign in (1, -1):
+                best = set(sorted(range(n), key=lambda i: (-sign * tier[row, i], i))[:t])
+                kept = sorted(range(n), key=lambda i: (-sign * one_bit[row, i], i))[: factor * t]
+                rescored = sorted(kept, key=lambda i: (-sign * tier[row, i], kept.index(i)))[:t]
+                gaps.append(1 - sum((i in best) / np.log2(p + 2) for p, i in enumerate(rescored)) / ideal)
+            out[row, j] = sum(gaps) / 2
     return out
 
 
@@ -106,6 +128,11 @@ def test_the_recall_curve_equals_a_direct_recomputation():
         np.testing.assert_allclose(curve.recall_se, expected.std(axis=0, ddof=1) / np.sqrt(h), rtol=0, atol=1e-12)
         assert all(a <= b for a, b in zip(curve.recall, curve.recall[1:]))  # monotone in F
         assert curve.recall[0] < 1.0  # the signs lose some of the tier's top rows at F = 1
+        gaps = _reference_gap(reference["tier"], reference[name], t, factors)
+        np.testing.assert_allclose(gap_per_query(scores["tier"], scores[name], t, factors).numpy(), gaps, atol=1e-12)
+        np.testing.assert_allclose(curve.gap, gaps.mean(axis=0), rtol=0, atol=1e-12)
+        np.testing.assert_allclose(curve.gap_se, gaps.std(axis=0, ddof=1) / np.sqrt(h), rtol=0, atol=1e-12)
+        assert curve.gap[0] > 0 and all(a >= b for a, b in zip(curve.gap, curve.gap[1:]))  # shrinks with F
 
 
 def test_ties_are_broken_by_position_as_the_reference_does():
@@ -115,6 +142,8 @@ def test_ties_are_broken_by_position_as_the_reference_does():
     curve, per_query = recall_curve(torch.from_numpy(tier), torch.from_numpy(one_bit))
     expected = _reference_recall(tier, one_bit, curve.t, curve.factors)
     np.testing.assert_allclose(per_query.numpy(), expected, rtol=0, atol=1e-12)
+    gaps = _reference_gap(tier, one_bit, curve.t, curve.factors)
+    np.testing.assert_allclose(curve.gap, gaps.mean(axis=0), rtol=0, atol=1e-12)
 
 
 def test_t_and_the_factors_scale_with_the_held_out_set():
@@ -122,16 +151,61 @@ def test_t_and_the_factors_scale_with_the_held_out_set():
     assert measured_factors(8, 1) == (1, 2, 3, 5)  # a top 10 of 7 candidates would find all
     assert measured_factors(150, 7) == (1, 2, 3, 5, 10, 20)
     assert measured_factors(2, 1) == ()  # one candidate: a top 1 of it finds it
+    # past 20 where the candidates allow it: 50 · 20 < 1,999 < 100 · 20 < 2,100
+    assert measured_factors(2000, 20) == (1, 2, 3, 5, 10, 20, 50)
+    assert measured_factors(2100, 20) == (1, 2, 3, 5, 10, 20, 50, 100)
 
 
-def test_the_default_factor_is_the_smallest_reaching_the_target_else_the_largest():
-    def curve(values):
-        return RecallCurve(2, 100, (1, 2, 5, 10), tuple(values), (0.0,) * len(values))
+def _curve(recall, gap, factors=(1, 2, 5, 10)):
+    return RecallCurve(2, 100, factors, tuple(recall), (0.0,) * len(recall), tuple(gap), (0.0,) * len(gap))
 
-    assert default_factor(curve([0.8, 0.97, 0.99, 1.0])) == (5, True)
-    assert default_factor(curve([0.98, 0.99, 0.99, 1.0])) == (1, True)
-    assert default_factor(curve([0.5, 0.6, 0.7, 0.8])) == (10, False)
+
+def test_the_default_factor_is_the_smallest_within_the_gap_else_the_largest():
+    assert default_factor(_curve([0.8, 0.97, 0.99, 1.0], [0.03, 0.006, 0.005, 0.0])) == (5, True)
+    assert default_factor(_curve([0.98, 0.99, 0.99, 1.0], [0.004, 0.001, 0.0, 0.0])) == (1, True)
+    assert default_factor(_curve([0.5, 0.6, 0.7, 0.8], [0.2, 0.1, 0.05, 0.01])) == (10, False)
     assert default_factor(RecallCurve(1, 3, (), (), ())) == (None, False)
+    # recall reaches 0.98 at F = 2, but the rescored top still loses 0.008 of NDCG there
+    curve = _curve([0.9, 0.98, 0.995, 1.0], [0.02, 0.008, 0.002, 0.0])
+    assert recall_factor(curve) == 2 and default_factor(curve) == (5, True)
+
+
+def test_the_gap_chooses_a_larger_factor_than_the_recall():
+    """Constructed in float64: 40 queries, 400 candidates a side, t = 20. The tier's scores are
+    ``400 - i`` (row 0 first) and the one-bit scan ranks like it, except that in one query in four
+    it puts the tier's first row at place 59 (a top 40 misses it, a top 60 keeps it). The recall
+    is then 1 - 1/80 = 0.9875 at F = 1 and 2, above 0.98; the rescored top 20 of those queries
+    holds 19 of the tier's top 20 in its first 19 places, an NDCG@20 loss of ``d_19 / IDCG``
+    (0.032): a mean gap of 0.0081. The gap chooses F = 3, the recall F = 1."""
+    q, n, t = 40, 400, 20
+    tier = np.tile(np.arange(n, 0, -1, dtype=np.float64), (q, 1))  # (q, n), the same each query
+    one_bit = tier.copy()
+    for row in range(0, q, 4):
+        one_bit[row, 0] = tier[row, 3 * t] + 0.5  # after the rows at places 0-58
+    both = np.concatenate([tier, -tier[:, ::-1]], axis=1)  # the negative side mirrors the positive
+    bits = np.concatenate([one_bit, -one_bit[:, ::-1]], axis=1)
+    curve, _ = recall_curve(torch.from_numpy(both), torch.from_numpy(bits))
+    assert curve.t == t and curve.factors == (1, 2, 3, 5, 10, 20)
+    ideal = sum(1 / np.log2(p + 2) for p in range(t))
+    miss = (1 / np.log2(t + 1)) / ideal  # the last place's gain
+    expected = [miss / 4 if f * t < 3 * t else 0.0 for f in curve.factors]
+    np.testing.assert_allclose(curve.gap, expected, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(curve.recall[:2], [1 - 1 / (4 * t)] * 2, rtol=0, atol=1e-12)
+    assert curve.gap[1] > 0.005 and recall_factor(curve) == 1 and default_factor(curve) == (3, True)
+
+
+def test_records_written_before_the_gap_still_read_and_print():
+    old = {
+        "tier": "int8", "t": 3, "held_out": 77, "factors": [1, 2, 5], "recall": [0.9, 0.97, 0.99],
+        "recall_se": [0.01, 0.01, 0.005], "target": 0.98, "factor": 5, "reached": True, "codes": {"eogp": 8},
+    }  # fmt: skip
+    curve = RecallCurve.from_json(old)
+    assert curve.gap == () and curve.recall == (0.9, 0.97, 0.99)
+    assert "default factor 5, the smallest within recall 0.98" in format_recall(old)
+    new = {**old, "gap": [0.1, 0.01, 0.004], "gap_se": [0.01, 0.002, 0.001], "criterion": "ndcg_gap"}
+    new.update(gap_target=0.005, recall_factor=5)
+    assert RecallCurve.from_json(new).gap == (0.1, 0.01, 0.004)
+    assert "default factor 5, the smallest within NDCG@3 gap 0.005" in format_recall(new)
 
 
 @pytest.mark.parametrize("spectrum, expected", [("steep", "eogp-rot"), ("flat", "eogp")])
@@ -201,6 +275,8 @@ def test_the_fit_sums_the_stored_codes_scores_over_modules(fitted):
     one_bit = sum(s["one_bit"] for s in scores)
     expected = _reference_recall(tier.numpy(), one_bit.numpy(), 1, recall.curve.factors)
     np.testing.assert_allclose(recall.curve.recall, expected.mean(axis=0), rtol=0, atol=1e-12)
+    gaps = _reference_gap(tier.numpy(), one_bit.numpy(), 1, recall.curve.factors)
+    np.testing.assert_allclose(recall.curve.gap, gaps.mean(axis=0), rtol=0, atol=1e-12)
     assert recall.curve.factors == (1, 2, 3, 5, 10)  # 20 x 1 is not below the 15 candidates
     assert all(a <= b for a, b in zip(recall.curve.recall, recall.curve.recall[1:]))
     assert recall.factor == default_factor(recall.curve)[0]
@@ -222,6 +298,8 @@ def test_the_manifest_records_the_measurement_and_info_prints_it(fitted):
     record = fidelity["recall"]
     assert record["factor"] == fit.recall.factor and record["t"] == 1 and record["held_out"] == 16
     assert record["recall"] == list(fit.recall.curve.recall) and record["target"] == recall_module.RECALL_TARGET
+    assert record["gap"] == list(fit.recall.curve.gap) and record["criterion"] == "ndcg_gap"
+    assert record["gap_target"] == recall_module.RESCORE_GAP_TARGET
     rotated = manifest["projection"]["rotation"]["modules"]
     for name, entry in fidelity["modules"].items():
         assert set(entry["recall"]) == {"eogp", "eogp-rot", "diff", "diff_se"}
@@ -269,3 +347,27 @@ def test_a_query_without_rescore_uses_the_recorded_factor(fitted, tmp_path):
     assert by[1] != by[8]  # 5 rows rescored against all 40: the answers differ, so the test can tell
     assert ids(narrow) == by[1] and ids(wide) == by[8] and ids(unmeasured) == by[UNMEASURED_RESCORE]
     assert ids(narrow, 8) == by[8]  # an explicit factor wins over the recorded one
+
+
+def test_a_manifest_written_before_the_gap_still_opens_and_prints(fitted, tmp_path):
+    """A manifest whose recall records carry no gap (the factor chosen by recall 0.98): it
+    validates, queries use its factor, and `eogp info` says how that factor was chosen."""
+    from eogp_index.cli import cli
+
+    _, _, path = fitted
+    copy = tmp_path / "old"
+    shutil.copytree(path, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    fidelity = manifest["projection"]["fidelity"]
+    new_only = ("gap", "gap_se", "criterion", "gap_target", "recall_factor")
+    fidelity["recall"] = {k: v for k, v in fidelity["recall"].items() if k not in new_only}
+    fidelity["recall"].update(factor=3, reached=True)
+    for entry in fidelity["modules"].values():
+        for code in ("eogp", "eogp-rot"):
+            entry["recall"][code] = {k: v for k, v in entry["recall"][code].items() if k not in new_only}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    index = AttributionIndex.open(copy, model=make_tiny_gpt2(), tokenizer=TinyTokenizer())
+    assert index.stored.manifest.rescore_factor == 3
+    out = CliRunner().invoke(cli, ["info", str(copy)])
+    assert out.exit_code == 0, out.output
+    assert "default factor 3, the smallest within recall 0.98" in out.output

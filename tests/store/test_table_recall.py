@@ -1,7 +1,8 @@
-"""The one-bit code's recall of the tier's top rows measured on the stored table: a real fit (tiny
-GPT-2, kronfluence, LanceDB on disk) with the default variant and tier, ingested twice through
-the library's commit loop; each record against a float64 recomputation by hand from the table's
-columns; the default factor it sets; `eogp info` and `eogp optimize`; the floor and the sample.
+"""The one-bit code's recall of the tier's top rows and the NDCG gap of the rescored top, measured
+on the stored table: a real fit (tiny GPT-2, kronfluence, LanceDB on disk) with the default
+variant and tier, ingested twice through the library's commit loop; each record against a float64
+recomputation by hand from the table's columns; the default factor it sets; `eogp info` and
+`eogp optimize`; the floor and the sample; a record of format version 1 still read.
 """
 
 from __future__ import annotations
@@ -43,25 +44,32 @@ def _brute_force(stored: StoredIndex, y: np.ndarray, hashes) -> dict:
     row_hashes = table.column("content_sha256").to_pylist()
     n = table.num_rows
     t = min(20, n // 20)
-    factors = [f for f in (1, 2, 3, 5, 10, 20) if f * t < n]
-    per_query, excluded = [], 0
+    factors = [f for f in (1, 2, 3, 5, 10, 20, 50, 100) if f * t < n]
+    ideal = sum(1 / np.log2(p + 2) for p in range(t))
+    per_query, gaps, excluded = [], [], 0
     for q in range(len(y)):
         rows = [i for i in range(n) if row_hashes[i] != hashes[q]]
         excluded += n - len(rows)
-        shares = np.zeros(len(factors))
+        shares, gap = np.zeros(len(factors)), np.zeros(len(factors))
         for sign in (1.0, -1.0):
             top = sorted(rows, key=lambda i: (-sign * by_tier[q, i], i))[:t]
             ranked = sorted(rows, key=lambda i: (-sign * by_bit[q, i], i))
             for j, f in enumerate(factors):
-                shares[j] += sum(i in set(ranked[: f * t]) for i in top) / t / 2
+                kept = ranked[: f * t]
+                shares[j] += sum(i in set(kept) for i in top) / t / 2
+                rescored = sorted(kept, key=lambda i: (-sign * by_tier[q, i], kept.index(i)))[:t]
+                gap[j] += (1 - sum((i in top) / np.log2(p + 2) for p, i in enumerate(rescored)) / ideal) / 2
         per_query.append(shares)
-    per_query = np.array(per_query)
+        gaps.append(gap)
+    per_query, gaps = np.array(per_query), np.array(gaps)
     return {
         "rows": n,
         "t": t,
         "factors": factors,
         "recall": per_query.mean(axis=0),
         "recall_se": per_query.std(axis=0, ddof=1) / np.sqrt(len(y)),
+        "gap": gaps.mean(axis=0),
+        "gap_se": gaps.std(axis=0, ddof=1) / np.sqrt(len(y)),
         "excluded": excluded,
     }
 
@@ -126,11 +134,16 @@ def test_the_record_after_an_ingest_equals_a_float64_recomputation(built):
     np.testing.assert_allclose(second["recall_se"], expected["recall_se"], rtol=0, atol=1e-12)
     assert second["excluded"] == expected["excluded"] > 0  # held-out documents ingested too: left out
     assert second["queries"] == 16 and second["tier"] == "int8" and second["table_version"] == stored.store.version
-    target = second["target"]
-    reaching = [f for f, r in zip(second["factors"], second["recall"]) if r >= target]
-    assert second["factor"] == (reaching[0] if reaching else second["factors"][-1])
-    assert second["reached"] == bool(reaching)
+    np.testing.assert_allclose(second["gap"], expected["gap"], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(second["gap_se"], expected["gap_se"], rtol=0, atol=1e-12)
+    assert second["format_version"] == 2 and second["criterion"] == "ndcg_gap" and second["gap_target"] == 0.005
+    within = [f for f, g in zip(second["factors"], second["gap"]) if g <= second["gap_target"]]
+    assert second["factor"] == (within[0] if within else second["factors"][-1])
+    assert second["reached"] == bool(within)
+    reaching = [f for f, r in zip(second["factors"], second["recall"]) if r >= second["target"]]
+    assert second["recall_factor"] == (reaching[0] if reaching else None)
     assert second["recall"][0] < 1.0  # the signs miss some of the tier's top rows at F = 1: the test can tell
+    assert second["gap"][0] > 0.005  # and the rescored top loses NDCG there
 
 
 def test_a_second_ingest_measures_again(built):
@@ -144,11 +157,9 @@ def _record_with(path, **changes):
     record = table_recall.read_record(path)
     record.update(changes)
     fields = {k: v for k, v in record.items() if k not in ("format", "format_version")}
-    fields["factors"], fields["recall"], fields["recall_se"] = (
-        tuple(record["factors"]),
-        tuple(record["recall"]),
-        tuple(record["recall_se"]),
-    )
+    fields.pop("criterion")
+    for name in ("factors", "recall", "recall_se", "gap", "gap_se"):
+        fields[name] = tuple(record[name])
     table_recall.write_record(path, table_recall.TableRecall(**fields))
 
 
@@ -180,7 +191,8 @@ def test_info_prints_both_measurements_and_warns_when_none_reaches_the_target(bu
     shutil.copytree(path, copy)
     _record_with(copy, reached=False, factor=10)
     out = CliRunner().invoke(cli, ["info", str(copy)])
-    assert "NONE reached" in out.output and "no factor measured on the table reaches recall" in out.output
+    assert "NONE within NDCG@8 gap 0.005" in out.output
+    assert "no factor measured on the table keeps the rescored top within NDCG gap 0.005" in out.output
 
 
 def test_optimize_measures_and_a_large_table_is_sampled_by_fragment(built, tmp_path):
@@ -219,10 +231,34 @@ def test_a_damaged_record_is_refused_with_the_fix(built, tmp_path):
     copy = tmp_path / "index"
     shutil.copytree(path, copy)
     record = json.loads((copy / table_recall.RECORD_FILE).read_text())
-    record["format_version"] = 2
+    record["format_version"] = 3
     (copy / table_recall.RECORD_FILE).write_text(json.dumps(record))
     with pytest.raises(IncompatibleIndexError, match="eogp optimize"):
         table_recall.read_record(copy)
+    record.update(format_version=2)
+    del record["gap"]  # version 2 holds the gap
+    (copy / table_recall.RECORD_FILE).write_text(json.dumps(record))
+    with pytest.raises(IncompatibleIndexError, match="gap"):
+        table_recall.read_record(copy)
+
+
+def test_a_record_of_format_version_1_still_reads_and_sets_the_factor(built, tmp_path):
+    """A record written before the gap (the factor chosen by the recall, factors up to 20): read,
+    validated, printed by `eogp info` as a recall choice, and its factor used by queries."""
+    from eogp_index.cli import cli
+
+    path, _, second = built
+    copy = tmp_path / "index"
+    shutil.copytree(path, copy)
+    old = {k: v for k, v in second.items() if k not in ("criterion", "gap", "gap_se", "gap_target", "recall_factor")}
+    old.update(format_version=1, factor=3, reached=True)
+    (copy / table_recall.RECORD_FILE).write_text(json.dumps(old))
+    table_recall._RECORDS.clear()
+    assert table_recall.read_record(copy) == old
+    assert rescore_factor(Question(), _stored(copy)) == 3
+    out = CliRunner().invoke(cli, ["info", str(copy)])
+    assert out.exit_code == 0, out.output
+    assert "default factor 3, the smallest within recall 0.98" in out.output
 
 
 def test_a_purge_drops_deleted_documents_from_the_held_out_queries(tmp_path):
