@@ -777,6 +777,15 @@ class _BatchPhases:
         return (self.fit_first_stage, self.ingest, self.query)
 
 
+def _plan_batch(
+    inp: _Inputs, document_tokens: int, most: int, batch_tokens: Optional[int], resident: bool
+) -> Tuple[Batch, str]:
+    """The plan's batch and why: ``batch_tokens`` when given, else :func:`choose_batch`'s."""
+    if batch_tokens is None:
+        return choose_batch(inp, document_tokens, most, resident)
+    return Batch(max(1, min(most, batch_tokens // document_tokens)), document_tokens), "--batch-tokens"
+
+
 def choose_batch(inp: _Inputs, document_tokens: int, most: int, resident: bool) -> Tuple[Batch, str]:
     """The largest batch of at most ``most`` documents whose projecting phases (first stage,
     ingest, query) fit the budget; one document when none does (the plan then says so)."""
@@ -1259,9 +1268,7 @@ def make_plan(
         block_documents: documents per ingest block when ``P`` is read in turn (None: as an
             ingest sizes it, from what ``memory_budget`` leaves beside the loaded index, at most
             ``MAX_BLOCK_DOCUMENTS``).
-        checkpoints: ``C``, the checkpoints of an ensemble (``eogp fit CKPT_A CKPT_B ...``): ``C``
-            models, projections and codes. Every checkpoint has checkpoint 0's ``(m_u, k_u)`` and
-            tier; ``eigenbasis_bytes`` names checkpoint ``j >= 1``'s modules ``c<j>/<module>``.
+        checkpoints: ``C``, the checkpoints ensembled (their rows: :func:`_with_checkpoints`).
         max_tokens_from: where ``max_tokens`` came from, as the plan says it (``tokens_from``).
         rescore, rescore_k: the rescoring tier's code (``none``: no tier) and coordinates per
             module (``StorageConfig``; refused as ``eogp fit`` refuses them).
@@ -1281,15 +1288,13 @@ def make_plan(
     held = eigenbasis_dtype or EIGENVECTOR_DTYPES[dtype]
     if held not in MODEL_DTYPE_BYTES:
         raise ConfigError(f"eigenbasis_dtype must be one of {sorted(MODEL_DTYPE_BYTES)}, got {held!r}")
-    if isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 1:
-        raise ConfigError(f"checkpoints must be a whole number of at least 1 (--checkpoints), got {checkpoints!r}")
     doc_tokens = document_tokens or max_tokens or shape.context
     pca = projection.second_stage == "pca"
     storage = StorageConfig(precision=precision, rescore=rescore, rescore_k=rescore_k)  # type: ignore[arg-type]
     rows = _module_rows(shape, projection, storage, held, eigenbasis_bytes, dims, tier_k)
     inp = _Inputs(
         shape=shape,
-        rows=rows + _further_checkpoints(rows, checkpoints, held, eigenbasis_bytes),
+        rows=_with_checkpoints(rows, checkpoints, held, eigenbasis_bytes),
         projection=projection,
         dtype=dtype,
         n_pca=projection.num_fit_examples if pca else 0,
@@ -1300,15 +1305,10 @@ def make_plan(
         device=device,
         checkpoints=checkpoints,
     )
-    limit = (
-        projection_memory if projection_memory is not None else None if memory_budget is None else memory_budget // 2
-    )
+    default_limit = None if memory_budget is None else memory_budget // 2
+    limit = default_limit if projection_memory is None else projection_memory
     resident = limit is None or inp.pca_total <= limit
-    if batch_tokens is not None:
-        batch = Batch(max(1, min(batch_size, batch_tokens // doc_tokens)), doc_tokens)
-        batch_from = "--batch-tokens"
-    else:
-        batch, batch_from = choose_batch(inp, doc_tokens, batch_size, resident)
+    batch, batch_from = _plan_batch(inp, doc_tokens, batch_size, batch_tokens, resident)
     memory = _judged(_memory(inp, batch, resident, block_documents), inp, batch, resident, block_documents)
     tokens_from = (
         "--document-tokens" if document_tokens else max_tokens_from if max_tokens else "the model's context length"
@@ -1420,12 +1420,15 @@ def _module_rows(
     return tuple(rows)
 
 
-def _further_checkpoints(
+def _with_checkpoints(
     rows: Tuple[ModuleRow, ...], checkpoints: int, held: str, eigenbasis_bytes: Optional[Dict[str, int]]
 ) -> Tuple[ModuleRow, ...]:
-    """Checkpoints ``1 .. C-1``'s rows: checkpoint 0's, named ``c<j>/<module>``, with their kept
-    eigenvector columns from ``eigenbasis_bytes`` under that name (exact), else their bound."""
-    more = []
+    """Checkpoint 0's ``rows``, then checkpoints ``1 .. C-1``'s: the same, named ``c<j>/<module>``,
+    with their kept eigenvector columns from ``eigenbasis_bytes`` under that name (exact), else
+    their bound."""
+    if isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 1:
+        raise ConfigError(f"checkpoints must be a whole number of at least 1 (--checkpoints), got {checkpoints!r}")
+    more = list(rows)
     for j in range(1, checkpoints):
         for row in rows:
             name = f"c{j}/{row.name}"
