@@ -1405,6 +1405,13 @@ def _shard_pool(index_dir, ray_address: Optional[str], shards: Optional[int], ti
     "columns, uncompressed), for the object-store bytes (default: 141, the bookkeeping columns alone).",
 )
 @click.option(
+    "--checkpoints",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Checkpoints ensembled (eogp fit CKPT_A CKPT_B ...): C models, projections and codes "
+    "(default 1; an INDEX's are its manifest's).",
+)
+@click.option(
     "--all-modules", is_flag=True, help="One line per module (default: modules alike in every block, grouped)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
@@ -1423,6 +1430,7 @@ def plan(
     nodes,
     bandwidth_gbs,
     metadata_bytes,
+    checkpoints,
     all_modules,
     as_json,
 ):
@@ -1446,7 +1454,8 @@ def plan(
     --document-tokens is given). --nodes K plans the store over K shard nodes
     (eogp serve --ray --shards K): per node the rows and codes it holds, the
     memory it needs and one scan's time at --bandwidth-gbs, the ingress's
-    memory, and the bytes in object storage.
+    memory, and the bytes in object storage. --checkpoints C plans an ensemble
+    of C checkpoints: C models, projections and codes per example.
 
     \b
     Example:
@@ -1476,7 +1485,7 @@ def plan(
     )
     cluster = dict(nodes=nodes, bandwidth_gbs=bandwidth_gbs, metadata_bytes=metadata_bytes)
     if (Path(model) / "manifest.json").is_file():
-        result = plan_of_index(Path(model), **options, **cluster)
+        result = plan_of_index(Path(model), checkpoints=checkpoints, **options, **cluster)
     else:
         if projection["k"] is None and projection["budget_kb"] is None:
             projection["k"] = 256
@@ -1488,6 +1497,7 @@ def plan(
             precision=storage.precision,
             rescore=storage.rescore,
             rescore_k=storage.rescore_k,
+            checkpoints=checkpoints or 1,
             **options,
         )
         result = with_nodes(result, **cluster)

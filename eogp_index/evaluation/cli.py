@@ -19,7 +19,7 @@ import click
 from eogp_index.cli_options import field_option, option_group
 from eogp_index.cliutil import fail_cleanly as _fail_cleanly
 from eogp_index.errors import EOGPError
-from eogp_index.evaluation.config import DataConfig, FidelityConfig, FinetuneRecipe, LDSConfig
+from eogp_index.evaluation.config import DataConfig, EnsembleConfig, FidelityConfig, FinetuneRecipe, LDSConfig
 
 __all__ = ["eval_group"]
 
@@ -72,6 +72,11 @@ _lds_options = option_group(
     field_option(LDSConfig, "counterfactual"),
     *(field_option(LDSConfig, name) for name in ("cf_budget", "cf_removals", "cf_seeds", "cf_queries")),
     into="lds",
+)
+_ensemble_options = option_group(
+    field_option(EnsembleConfig, "checkpoints", multiple=True),
+    field_option(EnsembleConfig, "checkpoint_weights"),
+    into="ensemble",
 )
 _recipe_options = option_group(
     field_option(FinetuneRecipe, "epochs"), field_option(FinetuneRecipe, "lr"), into="recipe"
@@ -153,34 +158,44 @@ def fidelity(data, out, fidelity, as_json, quiet):
 @eval_group.command()
 @_data_options
 @_lds_options
+@_ensemble_options
 @_recipe_options
 @_fail_cleanly
-def lds(data, out, fidelity, as_json, quiet, lds, recipe):
+def lds(data, out, fidelity, as_json, quiet, lds, ensemble, recipe):
     """Linear datamodeling score against retraining, and counterfactual removal.
 
     Retrains --base on --subsets random halves of the training documents (cached in
     --out/retraining.npz, so reruns and larger --subsets reuse what was trained) and
     correlates each method's predicted subset scores with the measured query losses.
 
+    With --checkpoints, each other checkpoint is scored as --model is (its own EK-FAC and
+    PCA on the same documents, cached in --out/checkpoints/<c>/), and the EOGP methods and
+    uncompressed EK-FAC report the LDS of each checkpoint alone and of the weighted sum of
+    their scores (--checkpoint-weights), against the same retraining of --base.
+
     \b
     Example:
         eogp eval lds --base examples/default/base --model examples/default/model \\
             --train examples/default/corpus/train.jsonl.gz --queries examples/default/queries.jsonl \\
             --out runs/eval --subsets 24
+        eogp eval lds --methods eogp --budgets 64,256 --no-counterfactual \\
+            --checkpoints examples/default/base --out runs/eval-ensemble
     """
     from eogp_index.evaluation.run import run_lds
 
     data, cfg = _configs(data, fidelity)
     lds_cfg = _lds_config(lds, recipe, cfg)
-    _finish(run_lds(data, cfg, lds_cfg, out, log=_logger(quiet)), as_json)
+    ens = EnsembleConfig(**ensemble)
+    _finish(run_lds(data, cfg, lds_cfg, out, ensemble=ens, log=_logger(quiet)), as_json)
 
 
 @eval_group.command(name="all")
 @_data_options
 @_lds_options
+@_ensemble_options
 @_recipe_options
 @_fail_cleanly
-def all_(data, out, fidelity, as_json, quiet, lds, recipe):
+def all_(data, out, fidelity, as_json, quiet, lds, ensemble, recipe):
     """Fidelity, LDS and counterfactual removal from one scoring pass, in one report.
 
     \b
@@ -193,4 +208,4 @@ def all_(data, out, fidelity, as_json, quiet, lds, recipe):
 
     data, cfg = _configs(data, fidelity)
     lds_cfg = _lds_config(lds, recipe, cfg)
-    _finish(run_all(data, cfg, lds_cfg, out, log=_logger(quiet)), as_json)
+    _finish(run_all(data, cfg, lds_cfg, out, ensemble=EnsembleConfig(**ensemble), log=_logger(quiet)), as_json)

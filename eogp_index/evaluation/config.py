@@ -28,6 +28,7 @@ __all__ = [
     "PCA_FAMILIES",
     "TIER_CODES",
     "DataConfig",
+    "EnsembleConfig",
     "FidelityConfig",
     "FinetuneRecipe",
     "LDSConfig",
@@ -295,3 +296,35 @@ class LDSConfig:
                 "LDSConfig: the counterfactual needs at least one removal count and one seed "
                 "(--cf-removals, --cf-seeds), or counterfactual=False (--no-counterfactual)"
             )
+
+
+@dataclass(frozen=True)
+class EnsembleConfig:
+    """Checkpoints ensembled with the attributed model (``eogp eval lds --checkpoints``).
+
+    checkpoints: model directories besides ``DataConfig.model`` (which is checkpoint 0), each
+    scored as the model is: its own EK-FAC and PCA, fitted on the same documents. They share the
+    model's architecture and tokenizer. checkpoint_weights: ``"uniform"`` (``1/C`` each: the
+    mean, as TRAK takes it) or a JSON file, one weight per checkpoint with the model first (a
+    list, ``{"weights": [...]}``, or a Hugging Face ``trainer_state.json``: the learning rate at
+    each checkpoint's step), as ``eogp fit`` reads them.
+    """
+
+    checkpoints: Tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "Another checkpoint to ensemble with --model (repeatable): LDS of each alone and of "
+            "their weighted sum, for the EOGP methods."
+        },
+    )
+    checkpoint_weights: str = field(
+        default="uniform",
+        metadata={
+            "help": 'uniform (the mean) or a JSON file: a list or {"weights": [...]}, --model first, or a '
+            "trainer_state.json (each checkpoint's learning rate at its step)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint_weights:
+            raise ConfigError("EnsembleConfig.checkpoint_weights: give uniform or a JSON file of weights")

@@ -98,6 +98,8 @@ class MethodFamily:
             batch by batch against the stored query coordinates and not kept.
         factored: its projector has factors ``P_a`` ``(d_in, rank)`` and ``P_g``
             ``(d_out, rank)``, applied with every other factored projector's in one product.
+        ensembled: the index stores this code per checkpoint, so ``eogp eval lds --checkpoints``
+            measures its checkpoint ensemble (:mod:`~eogp_index.evaluation.ensemble`).
 
     A family that is neither ``uses_pca`` nor ``streamed`` keeps its training coordinates and is
     scored with a curvature fitted after projection (LoGra, GraSS).
@@ -109,6 +111,7 @@ class MethodFamily:
     uses_pca: ClassVar[bool] = False
     streamed: ClassVar[bool] = False
     factored: ClassVar[bool] = False
+    ensembled: ClassVar[bool] = False
 
     def __init_subclass__(cls, family: Optional[str] = None, seed_index: Optional[int] = None, **kwargs: Any):
         super().__init_subclass__(**kwargs)
@@ -246,6 +249,7 @@ class EOGP(MethodFamily, family="eogp", seed_index=0):
         Variant("eogp-fp32", "EOGP (FP32)", "fp32", order=11, colour="midnightblue"),
     )
     uses_pca = True
+    ensembled = True
 
     def dimensions(self, k, modules, *, m, gaussian_seeds, seed):
         return _first_stage_dimensions(k, modules, m, seed)

@@ -6,7 +6,8 @@
 * Score preservation under quantization, Table 2: query-wise Pearson correlation and its
   median over queries (:func:`pearson`, :func:`median_pearson`).
 * Retraining ground truth, D.1: the linear datamodeling score with a subset bootstrap
-  (:func:`lds`) and the removal order of the counterfactual experiment
+  (:func:`lds`), the paired difference of two methods' LDS (:func:`lds_difference`) and the
+  removal order of the counterfactual experiment
   (:func:`counterfactual_ranking`).
 
 Score matrices are ``(n_queries, n_candidates)``: row ``q`` holds the signed influence of
@@ -30,6 +31,7 @@ __all__ = [
     "LDSResult",
     "counterfactual_ranking",
     "lds",
+    "lds_difference",
     "mean_ndcg_at_k",
     "mean_spearman",
     "median_pearson",
@@ -238,19 +240,9 @@ def _lds_per_query(A: np.ndarray, Y: np.ndarray) -> np.ndarray:
     return _rowwise_pearson(rankdata(A, method="average", axis=0).T, rankdata(Y, method="average", axis=0).T)
 
 
-def lds(scores, masks, losses, *, n_bootstrap: int = 1000, seed: int = 0) -> LDSResult:
-    """Linear datamodeling score, Appendix D.1.
-
-    scores: ``(n_queries, n_train)`` influence I_q(i) (removal convention).
-    masks: ``(R, n_train)`` bool, True where training example i is retained in subset r.
-    losses: ``(R, n_queries)`` measured query loss after retraining on subset r.
-
-    The predicted subset score is ``A_rq = -sum_{i in S_r} I_q(i)``;
-    ``LDS_q = spearman_r(A_rq, Y_rq)`` with average ranks. The reported value is the
-    mean over queries with a defined correlation. The CI resamples the R subsets with
-    replacement ``n_bootstrap`` times (numpy generator seeded by ``seed``) and recomputes
-    the query-averaged LDS; resamples in which no query is defined are dropped.
-    """
+def _predicted(scores, masks, losses, n_bootstrap: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(A, Y)``, both ``(R, n_queries)``: the predicted subset scores ``A_rq = -sum_{i in S_r}
+    I_q(i)`` and the measured losses, checked."""
     S = _matrix(scores, "scores")
     n_queries, n_train = S.shape
     M = np.asarray(masks)
@@ -270,8 +262,32 @@ def lds(scores, masks, losses, *, n_bootstrap: int = 1000, seed: int = 0) -> LDS
         raise InputError("losses contain nan or inf")
     if isinstance(n_bootstrap, bool) or not isinstance(n_bootstrap, (int, np.integer)) or n_bootstrap < 0:
         raise ConfigError(f"n_bootstrap must be a non-negative integer, got {n_bootstrap!r}")
+    return -(M.astype(np.float64) @ S.T), Y
 
-    A = -(M.astype(np.float64) @ S.T)  # (R, n_queries)
+
+def _percentiles(boot: np.ndarray) -> tuple[float, float]:
+    boot = boot[~np.isnan(boot)]
+    if not boot.size:
+        return float("nan"), float("nan")
+    low, high = np.percentile(boot, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def lds(scores, masks, losses, *, n_bootstrap: int = 1000, seed: int = 0) -> LDSResult:
+    """Linear datamodeling score, Appendix D.1.
+
+    scores: ``(n_queries, n_train)`` influence I_q(i) (removal convention).
+    masks: ``(R, n_train)`` bool, True where training example i is retained in subset r.
+    losses: ``(R, n_queries)`` measured query loss after retraining on subset r.
+
+    The predicted subset score is ``A_rq = -sum_{i in S_r} I_q(i)``;
+    ``LDS_q = spearman_r(A_rq, Y_rq)`` with average ranks. The reported value is the
+    mean over queries with a defined correlation. The CI resamples the R subsets with
+    replacement ``n_bootstrap`` times (numpy generator seeded by ``seed``) and recomputes
+    the query-averaged LDS; resamples in which no query is defined are dropped.
+    """
+    A, Y = _predicted(scores, masks, losses, n_bootstrap)
+    R = A.shape[0]
     per_query = _lds_per_query(A, Y)
     mean, n_valid = _mean_valid(per_query)
 
@@ -282,9 +298,34 @@ def lds(scores, masks, losses, *, n_bootstrap: int = 1000, seed: int = 0) -> LDS
         for b in range(n_bootstrap):
             idx = rng.integers(0, R, size=R)
             boot[b] = _mean_valid(_lds_per_query(A[idx], Y[idx]))[0]
-        boot = boot[~np.isnan(boot)]
-        if boot.size:
-            ci_low, ci_high = (float(v) for v in np.percentile(boot, [2.5, 97.5]))
+        ci_low, ci_high = _percentiles(boot)
+    per_query.setflags(write=False)
+    return LDSResult(mean=mean, ci_low=ci_low, ci_high=ci_high, per_query=per_query, n_valid=n_valid)
+
+
+def lds_difference(scores, other, masks, losses, *, n_bootstrap: int = 1000, seed: int = 0) -> LDSResult:
+    """LDS of ``scores`` minus LDS of ``other`` on the same subsets, paired.
+
+    ``per_query`` is ``LDS_q(scores) - LDS_q(other)`` (nan where either is undefined) and
+    ``mean`` its mean over the defined queries. The 95% interval resamples the ``R`` subsets as
+    :func:`lds` does (the same resamples for a given ``seed``), computing both LDS on each
+    resample, so the variation the two share cancels.
+    """
+    A, Y = _predicted(scores, masks, losses, n_bootstrap)
+    B, _ = _predicted(other, masks, losses, n_bootstrap)
+    if A.shape != B.shape:
+        raise InputError(f"scores {A.shape[1:]} and other {B.shape[1:]} must score the same queries")
+    R = A.shape[0]
+    per_query = _lds_per_query(A, Y) - _lds_per_query(B, Y)
+    mean, n_valid = _mean_valid(per_query)
+    ci_low = ci_high = float("nan")
+    if n_bootstrap > 0:
+        rng = np.random.default_rng(seed)
+        boot = np.empty(n_bootstrap)
+        for b in range(n_bootstrap):
+            idx = rng.integers(0, R, size=R)
+            boot[b] = _mean_valid(_lds_per_query(A[idx], Y[idx]) - _lds_per_query(B[idx], Y[idx]))[0]
+        ci_low, ci_high = _percentiles(boot)
     per_query.setflags(write=False)
     return LDSResult(mean=mean, ci_low=ci_low, ci_high=ci_high, per_query=per_query, n_valid=n_valid)
 

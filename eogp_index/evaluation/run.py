@@ -26,7 +26,7 @@ import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -35,7 +35,23 @@ import numpy as np
 from eogp_index.errors import ConfigError, InputError
 from eogp_index.evaluation import methods as registry
 from eogp_index.evaluation import report, tinylm
-from eogp_index.evaluation.config import DataConfig, FidelityConfig, LDSConfig  # re-exported: defined torch-free
+from eogp_index.evaluation.config import (  # re-exported: defined torch-free
+    DataConfig,
+    EnsembleConfig,
+    FidelityConfig,
+    LDSConfig,
+)
+from eogp_index.evaluation.ensemble import (
+    CHECKPOINTS_DIR,
+    ENSEMBLE_FILE,
+    Checkpoint,
+    check_compatible,
+    checkpoint_names,
+    ensemble_lds,
+    ensemble_markdown,
+    read_weights,
+    save_scores,
+)
 from eogp_index.evaluation.fidelity import (
     Documents,
     ScoreSet,
@@ -45,6 +61,7 @@ from eogp_index.evaluation.fidelity import (
 
 __all__ = [
     "DataConfig",
+    "EnsembleConfig",
     "EvalResult",
     "FidelityConfig",
     "LDSConfig",
@@ -253,10 +270,15 @@ def run_lds(
     lds_cfg: LDSConfig = LDSConfig(),
     out: Path = Path("runs/eval"),
     *,
+    ensemble: EnsembleConfig = EnsembleConfig(),
     log: Optional[Callable[[str], None]] = None,
 ) -> EvalResult:
-    """LDS (and counterfactual removal) of every method at every budget; writes the report."""
-    return _run(data, cfg, lds_cfg, Path(out), _log_to(log), fidelity=False)
+    """LDS (and counterfactual removal) of every method at every budget; writes the report.
+
+    ``ensemble.checkpoints``: also the LDS of each of them alone and of their weighted sum with
+    ``data.model`` (:mod:`~eogp_index.evaluation.ensemble`).
+    """
+    return _run(data, cfg, lds_cfg, Path(out), _log_to(log), fidelity=False, ensemble=ensemble)
 
 
 def run_all(
@@ -265,18 +287,50 @@ def run_all(
     lds_cfg: LDSConfig = LDSConfig(),
     out: Path = Path("runs/eval"),
     *,
+    ensemble: EnsembleConfig = EnsembleConfig(),
     log: Optional[Callable[[str], None]] = None,
 ) -> EvalResult:
-    """Fidelity, LDS and counterfactual from one scoring pass; writes one report."""
-    return _run(data, cfg, lds_cfg, Path(out), _log_to(log), fidelity=True)
+    """Fidelity, LDS and counterfactual from one scoring pass; writes one report (``ensemble``: as
+    :func:`run_lds`; the ensemble is measured by LDS only)."""
+    return _run(data, cfg, lds_cfg, Path(out), _log_to(log), fidelity=True, ensemble=ensemble)
+
+
+def _checkpoints(data: DataConfig, cfg: FidelityConfig, ensemble: EnsembleConfig, first, docs, out: Path, log):
+    """The ensemble's :class:`~eogp_index.evaluation.ensemble.Checkpoint` list, ``data.model``
+    (scored as ``first``) first; each other checkpoint scored as it is, cached under
+    ``out/checkpoints/<c>/``."""
+    paths = (data.model, *ensemble.checkpoints)
+    weights = read_weights(ensemble.checkpoint_weights, paths)
+    names = checkpoint_names(paths)
+    members = [Checkpoint(names[0], data.model, weights[0], first)]
+    for c, path in enumerate(ensemble.checkpoints, start=1):
+        log(f"checkpoint {c} ({path}): scoring with its own EK-FAC and PCA")
+        scoreset, train, queries, _ = _scores(replace(data, model=path), cfg, out / CHECKPOINTS_DIR / str(c), log)
+        member = Checkpoint(names[c], path, weights[c], scoreset)
+        check_compatible(members[0], member, docs, (train, queries))
+        members.append(member)
+    return members
 
 
 def _run(
-    data: DataConfig, cfg: FidelityConfig, lds_cfg: Optional[LDSConfig], out: Path, log, *, fidelity: bool
+    data: DataConfig,
+    cfg: FidelityConfig,
+    lds_cfg: Optional[LDSConfig],
+    out: Path,
+    log,
+    *,
+    fidelity: bool,
+    ensemble: EnsembleConfig = EnsembleConfig(),
 ) -> EvalResult:
     t_start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
+    if ensemble.checkpoints:
+        # A bad weights file is refused before any scoring.
+        read_weights(ensemble.checkpoint_weights, (data.model, *ensemble.checkpoints))
     scoreset, train, queries, reused = _scores(data, cfg, out, log)
+    members = None
+    if ensemble.checkpoints and lds_cfg is not None:
+        members = _checkpoints(data, cfg, ensemble, scoreset, (train, queries), out, log)
     records: List[Dict[str, Any]] = []
     details: Dict[str, Any] = {"setup": _setup_details(data, cfg, scoreset), "scores_reused": reused}
     lines: Dict[str, Dict[str, float]] = {}
@@ -290,7 +344,7 @@ def _run(
         lines.update(fid_details["reference_lines"])
         details.setdefault("timings_s", {})["fidelity_metrics"] = time.perf_counter() - t0
     if lds_cfg is not None:
-        lds_records_, lds_details = _lds_part(scoreset, train, queries, lds_cfg, out, log)
+        lds_records_, lds_details = _lds_part(scoreset, train, queries, lds_cfg, out, log, members)
         records += lds_records_
         details["lds"] = lds_details
         lines["lds"] = lds_details["reference_lines"]
@@ -312,7 +366,7 @@ def _run(
     return EvalResult(records=records, details=_jsonable(details), paths=paths)
 
 
-def _lds_part(scoreset: ScoreSet, train: Documents, queries: Documents, cfg: LDSConfig, out: Path, log):
+def _lds_part(scoreset: ScoreSet, train: Documents, queries: Documents, cfg: LDSConfig, out: Path, log, members=None):
     from eogp_index.evaluation.lds import (
         COUNTERFACTUAL_FILE,
         RETRAINING_FILE,
@@ -342,6 +396,13 @@ def _lds_part(scoreset: ScoreSet, train: Documents, queries: Documents, cfg: LDS
     t0 = time.perf_counter()
     records, details = lds_records(scoreset, retraining, n_bootstrap=cfg.n_bootstrap, seed=cfg.seed)
     details["config"] = {**asdict(cfg), "recipe": cfg.recipe.to_dict()}
+    if members:
+        more, details["ensemble"], summed = ensemble_lds(
+            members, retraining, n_bootstrap=cfg.n_bootstrap, seed=cfg.seed
+        )
+        records += more
+        details["reference_lines"].update(details["ensemble"]["reference_lines"])
+        details["ensemble"]["scores_file"] = str(save_scores(summed, members, out / ENSEMBLE_FILE))
     details["timings_s"] = {
         "retraining": t_retrain,
         "lds_metrics": time.perf_counter() - t0,
@@ -500,6 +561,8 @@ def details_markdown(details: Dict[str, Any]) -> str:
         ]
         for name, v in lds["references"].items():
             lines.append(f"| {name} | {_fmt(v['lds'])} | [{_fmt(v['ci_low'])}, {_fmt(v['ci_high'])}] |")
+        if lds.get("ensemble"):
+            lines += ensemble_markdown(lds["ensemble"])
         cf = lds.get("counterfactual")
         if cf:
             removals = [str(n) for n in cf["removals"]]

@@ -27,6 +27,14 @@ Given the attributed modules' shapes and the fit options, :func:`make_plan` give
   the bytes a query reads: the one-bit code of every row, and the tier of the ``N = F · k`` rows
   it rescores per side.
 
+A checkpoint ensemble (``eogp fit CKPT_A CKPT_B ...``, ``checkpoints=C``) has ``C`` models, ``C``
+projections and ``C`` codes per example: the rows are one checkpoint's modules, then each further
+checkpoint's (named ``c<j>/<module>``, the index's combined layout), so the bytes per example, the
+tier, the in-memory copy, the shared files, kronfluence's factors and the fit's cache count ``C``
+times. The fit runs once per checkpoint, one after another: its phases' memory is one
+checkpoint's, their disk (what stays) ``C`` times; ingest and queries hold every checkpoint's
+model, eigenbases and ``P``, and take ``C`` gradients per document.
+
 Every phase is a function of the plan's inputs and the batch (``*_phase``), so that a phase
 or a term (a block of documents, the P bytes read per document) is added in one place.
 The batch is chosen as ``eogp fit`` and ``eogp ingest`` choose theirs: the most documents (at
@@ -348,6 +356,7 @@ class _Inputs:
     precision: str
     budget: Optional[int]
     device: str
+    checkpoints: int = 1
 
     @property
     def w(self) -> int:
@@ -364,11 +373,22 @@ class _Inputs:
 
     @property
     def weights(self) -> int:
+        """One checkpoint's weights."""
         return self.w * self.shape.num_parameters
 
     @property
     def model(self) -> int:
-        return PROCESS_BYTES + self.weights
+        """The process and every checkpoint's weights (all of them loaded, as ingest and queries
+        hold them)."""
+        return PROCESS_BYTES + self.checkpoints * self.weights
+
+    @property
+    def one(self) -> "_Inputs":
+        """One checkpoint's inputs: its rows alone (the fit's phases, which fit one checkpoint at a
+        time)."""
+        if self.checkpoints == 1:
+            return self
+        return replace(self, rows=self.rows[: len(self.rows) // self.checkpoints], checkpoints=1)
 
     @property
     def eigen(self) -> int:
@@ -416,7 +436,8 @@ class _Inputs:
         backward (in the model's dtype, or ``captured_bytes`` per element)."""
         shape = self.shape
         autograd = 17 * self.w * shape.hidden_size * shape.num_layers * tokens
-        captured = (captured_bytes or self.w) * tokens * sum(r.d_in for r in self.rows)
+        # The checkpoints take the batch one after another: one checkpoint's inputs are captured at once.
+        captured = (captured_bytes or self.w) * tokens * sum(r.d_in for r in self.one.rows)
         return autograd + self.logits(tokens, sampled=sampled) + captured
 
     def logits(self, tokens: int, *, sampled: bool = False) -> int:
@@ -744,8 +765,8 @@ class _BatchPhases:
     @classmethod
     def of(cls, inp: _Inputs, batch: Batch, resident: bool) -> "_BatchPhases":
         return cls(
-            fit_curvature_phase(inp, batch),
-            first_stage_phase(inp, batch),
+            fit_curvature_phase(inp.one, batch),
+            first_stage_phase(inp.one, batch),
             ingest_phase(inp, batch, resident=resident),
             query_phase(inp, batch, resident=resident),
         )
@@ -754,6 +775,15 @@ class _BatchPhases:
     def projecting(self) -> Tuple[Phase, ...]:
         """The phases that project documents with the batch (the curvature's batch is its own)."""
         return (self.fit_first_stage, self.ingest, self.query)
+
+
+def _plan_batch(
+    inp: _Inputs, document_tokens: int, most: int, batch_tokens: Optional[int], resident: bool
+) -> Tuple[Batch, str]:
+    """The plan's batch and why: ``batch_tokens`` when given, else :func:`choose_batch`'s."""
+    if batch_tokens is None:
+        return choose_batch(inp, document_tokens, most, resident)
+    return Batch(max(1, min(most, batch_tokens // document_tokens)), document_tokens), "--batch-tokens"
 
 
 def choose_batch(inp: _Inputs, document_tokens: int, most: int, resident: bool) -> Tuple[Batch, str]:
@@ -819,7 +849,8 @@ class ModelSummary(_Part):
 @dataclass(frozen=True)
 class PlanOptions(_Part):
     """The options the plan was made with, as ``eogp fit`` takes them; ``tokens`` is the
-    documents' length and ``tokens_from`` where it came from."""
+    documents' length and ``tokens_from`` where it came from; ``checkpoints`` the checkpoints
+    ensembled (``C``)."""
 
     variant: str
     k: Optional[int]
@@ -835,6 +866,7 @@ class PlanOptions(_Part):
     tokens_from: str
     memory_budget: Optional[int]
     device: str
+    checkpoints: int = 1
 
 
 @dataclass(frozen=True)
@@ -1210,6 +1242,7 @@ def make_plan(
     eigenbasis_dtype: Optional[str] = None,
     dims: Optional[Dict[str, Tuple[int, int]]] = None,
     block_documents: Optional[int] = None,
+    checkpoints: int = 1,
     max_tokens_from: str = "--max-tokens",
     rescore: str = "int8",
     rescore_k: Optional[int] = None,
@@ -1235,6 +1268,7 @@ def make_plan(
         block_documents: documents per ingest block when ``P`` is read in turn (None: as an
             ingest sizes it, from what ``memory_budget`` leaves beside the loaded index, at most
             ``MAX_BLOCK_DOCUMENTS``).
+        checkpoints: ``C``, the checkpoints ensembled (their rows: :func:`_with_checkpoints`).
         max_tokens_from: where ``max_tokens`` came from, as the plan says it (``tokens_from``).
         rescore, rescore_k: the rescoring tier's code (``none``: no tier) and coordinates per
             module (``StorageConfig``; refused as ``eogp fit`` refuses them).
@@ -1257,9 +1291,10 @@ def make_plan(
     doc_tokens = document_tokens or max_tokens or shape.context
     pca = projection.second_stage == "pca"
     storage = StorageConfig(precision=precision, rescore=rescore, rescore_k=rescore_k)  # type: ignore[arg-type]
+    rows = _module_rows(shape, projection, storage, held, eigenbasis_bytes, dims, tier_k)
     inp = _Inputs(
         shape=shape,
-        rows=_module_rows(shape, projection, storage, held, eigenbasis_bytes, dims, tier_k),
+        rows=_with_checkpoints(rows, checkpoints, held, eigenbasis_bytes),
         projection=projection,
         dtype=dtype,
         n_pca=projection.num_fit_examples if pca else 0,
@@ -1268,16 +1303,12 @@ def make_plan(
         precision=precision,
         budget=memory_budget,
         device=device,
+        checkpoints=checkpoints,
     )
-    limit = (
-        projection_memory if projection_memory is not None else None if memory_budget is None else memory_budget // 2
-    )
+    default_limit = None if memory_budget is None else memory_budget // 2
+    limit = default_limit if projection_memory is None else projection_memory
     resident = limit is None or inp.pca_total <= limit
-    if batch_tokens is not None:
-        batch = Batch(max(1, min(batch_size, batch_tokens // doc_tokens)), doc_tokens)
-        batch_from = "--batch-tokens"
-    else:
-        batch, batch_from = choose_batch(inp, doc_tokens, batch_size, resident)
+    batch, batch_from = _plan_batch(inp, doc_tokens, batch_size, batch_tokens, resident)
     memory = _judged(_memory(inp, batch, resident, block_documents), inp, batch, resident, block_documents)
     tokens_from = (
         "--document-tokens" if document_tokens else max_tokens_from if max_tokens else "the model's context length"
@@ -1299,6 +1330,7 @@ def make_plan(
             tokens_from=tokens_from,
             memory_budget=memory_budget,
             device=device,
+            checkpoints=checkpoints,
         ),
         batch=PlanBatch(batch.documents, doc_tokens, batch.tokens, batch_from, batch_size),
         curvature=CurvatureSummary(memory.fit_curvature.module_partitions, memory.fit_curvature.host_bytes),
@@ -1327,6 +1359,8 @@ def _tiers(inp: _Inputs, code: Optional[str], hits: Optional[int], rescore: Opti
 
 
 def _model_summary(inp: _Inputs) -> ModelSummary:
+    """The model (one checkpoint's: an ensemble's checkpoints share it)."""
+    inp = inp.one
     shape = inp.shape
     return ModelSummary(
         name=shape.name,
@@ -1386,15 +1420,46 @@ def _module_rows(
     return tuple(rows)
 
 
+def _with_checkpoints(
+    rows: Tuple[ModuleRow, ...], checkpoints: int, held: str, eigenbasis_bytes: Optional[Dict[str, int]]
+) -> Tuple[ModuleRow, ...]:
+    """Checkpoint 0's ``rows``, then checkpoints ``1 .. C-1``'s: the same, named ``c<j>/<module>``,
+    with their kept eigenvector columns from ``eigenbasis_bytes`` under that name (exact), else
+    their bound."""
+    if isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 1:
+        raise ConfigError(f"checkpoints must be a whole number of at least 1 (--checkpoints), got {checkpoints!r}")
+    more = list(rows)
+    for j in range(1, checkpoints):
+        for row in rows:
+            name = f"c{j}/{row.name}"
+            if eigenbasis_bytes is not None and name in eigenbasis_bytes:
+                eigen = _eigen_fields(eigenbasis_bytes[name], held, True)
+            else:
+                mod = ModuleShape(row.name, row.d_out, row.d_in)
+                eigen = _eigen_fields(_eigen_upper(mod, MODEL_DTYPE_BYTES[held]), held, row.m == row.d)
+            more.append(replace(row, name=name, **eigen))
+    return tuple(more)
+
+
 def _memory(inp: _Inputs, batch: Batch, resident: bool, block_documents: Optional[int]) -> Memory:
     """Every phase's peak for ``batch``, with ``P`` resident or not (nothing judged yet)."""
     phases = _BatchPhases.of(inp, batch, resident)
     fit = {
         "fit_curvature": phases.fit_curvature,
         "fit_first_stage": phases.fit_first_stage,
-        "fit_pca": fit_pca_phase(inp),
-        "fit_save": fit_save_phase(inp),
+        "fit_pca": fit_pca_phase(inp.one),
+        "fit_save": fit_save_phase(inp.one),
     }
+    if inp.checkpoints > 1:
+        # One checkpoint is fitted at a time; what each writes stays, in its own directory.
+        fit = {
+            key: replace(
+                phase,
+                disk_bytes=inp.checkpoints * phase.disk_bytes,
+                disk_counts=f"{phase.disk_counts}, for each of the {inp.checkpoints} checkpoints",
+            )
+            for key, phase in fit.items()
+        }
     fit_peak = max(FIT_PHASES, key=lambda key: fit[key].bytes)
     return Memory(
         process=Estimate(
@@ -1559,6 +1624,7 @@ def format_plan(plan: Plan, *, all_modules: bool = False) -> str:
         f"k {opts.k if opts.k is not None else '(budget ' + str(opts.budget_kb) + ' KiB)'}, "
         f"m {opts.m if opts.m is not None else DEFAULT_M_HELP}, "
         f"{opts.pca_examples} PCA examples, documents of {opts.tokens} tokens ({opts.tokens_from})",
+        *_checkpoint_lines(opts.checkpoints),
         f"batch       {batch.documents} x {batch.document_tokens} = {batch.tokens:,} tokens "
         f"(from {batch.chosen_by}; at most --batch-size {batch.most_documents} documents); kronfluence in "
         f"{plan.curvature.module_partitions} module partition(s); P "
@@ -1583,6 +1649,18 @@ def format_plan(plan: Plan, *, all_modules: bool = False) -> str:
             f"{_size(row.pca_bytes):>10} {eigen:>11}"
         )
     return "\n".join(lines + _totals_lines(plan))
+
+
+def _checkpoint_lines(checkpoints: int) -> List[str]:
+    """What an ensemble of ``checkpoints`` multiplies (nothing for one checkpoint)."""
+    if checkpoints == 1:
+        return []
+    return [
+        f"checkpoints {checkpoints}: {checkpoints} models, projections and codes per example (the modules "
+        "c<j>/... below are checkpoint j's); the fit runs once per checkpoint, one after another (about "
+        f"{checkpoints} x one checkpoint's time, each phase's memory one checkpoint's); ingest and every "
+        f"query hold {checkpoints} models and take {checkpoints} gradients per document"
+    ]
 
 
 def _totals_lines(plan: Plan) -> List[str]:

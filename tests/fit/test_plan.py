@@ -477,3 +477,80 @@ def test_plan_nodes_of_an_index_reads_its_manifest_size(workspace):
     assert cluster["object_store"]["metadata_bytes"] == 1000 * 200
     assert cluster["rows_per_node"] == 500 and cluster["bandwidth_gbs"] == 4.0
     assert "500 rows each" in CliRunner().invoke(cli, args).output
+
+
+def test_an_ensemble_of_c_checkpoints_counts_c_models_projections_and_codes(workspace):
+    """--checkpoints 3: three times the codes, tier, in-memory copy, P, eigenbases and factors; the
+    fit's phases hold one checkpoint (fitted in turn) but keep three on disk; ingest and queries hold
+    three models, eigenbases and P."""
+    shape = model_shape(str(workspace / "model"))
+    options = dict(max_tokens=24, documents=1000, rescore="int8")
+    one = make_plan(shape, ProjectionConfig(k=16), **options)
+    three = make_plan(shape, ProjectionConfig(k=16), checkpoints=3, **options)
+    n = len(one.modules)
+    assert [r.name for r in three.modules] == [r.name for r in one.modules] + [
+        f"c{j}/{r.name}" for j in (1, 2) for r in one.modules
+    ]
+    assert three.options.checkpoints == 3 and one.options.checkpoints == 1
+    assert three.model == one.model and three.model.modules == n
+    assert three.per_example.bytes == 3 * one.per_example.bytes
+    assert three.store.codes_bytes == 3 * one.store.codes_bytes
+    assert three.store.hot_copy_bytes == 3 * one.store.hot_copy_bytes
+    assert three.tiers.tier_bytes == 3 * one.tiers.tier_bytes and three.tiers.tier_k == 3 * one.tiers.tier_k
+    for name in ("pca_bytes", "eigenbasis_bytes_max", "other_bytes", "curvature_factor_bytes"):
+        assert getattr(three.shared, name) == 3 * getattr(one.shared, name), name
+    for key in FIT_PHASES:
+        assert three.memory.phase(key).bytes == one.memory.phase(key).bytes, key
+        assert three.memory.phase(key).disk_bytes == 3 * one.memory.phase(key).disk_bytes, key
+    assert three.memory.ingest.disk_bytes == 3 * one.memory.ingest.disk_bytes
+    # Ingest holds every checkpoint's model, eigenbases, P and first-stage rows of the batch.
+    weights = one.model.weights_bytes
+    extra = 2 * (weights + one.shared.pca_bytes + one.shared.eigenbasis_bytes_max + one.shared.other_bytes)
+    assert three.memory.ingest.bytes - one.memory.ingest.bytes >= extra
+    assert three.memory.query.bytes - three.memory.ingest.bytes == three.store.hot_copy_bytes
+    text = format_plan(three)
+    assert "checkpoints 3: 3 models, projections and codes per example" in text
+    assert "c1/transformer.h.*.mlp.c_fc (x2)" in text and "checkpoints" not in format_plan(one)
+    with pytest.raises(ConfigError, match="checkpoints must be a whole number"):
+        make_plan(shape, ProjectionConfig(k=16), checkpoints=0)
+
+
+def test_plan_checkpoints_on_the_command_line(workspace):
+    shape = model_shape(str(workspace / "model"))
+    printed = _plan(workspace, ["-k", "16", "--checkpoints", "2"])
+    plan = make_plan(shape, ProjectionConfig(k=16), checkpoints=2, max_tokens=24, documents=1000, curvature_examples=30)
+    assert printed["options"]["checkpoints"] == 2 and printed["per_example"] == json.loads(
+        json.dumps(plan.to_json()["per_example"])
+    )
+    assert printed["per_example"]["bytes"] == 2 * _plan(workspace, ["-k", "16"])["per_example"]["bytes"]
+    bad = CliRunner().invoke(cli, ["plan", str(workspace / "model"), "--checkpoints", "0"])
+    assert bad.exit_code != 0 and "--checkpoints" in bad.output
+
+
+def test_plan_of_an_ensemble_index_counts_its_manifests_checkpoints(workspace, tmp_path):
+    """C is the length of the manifest's `checkpoints` list (1 without one); checkpoint 1's kept
+    eigenvector columns are read, exact, from checkpoints/1/ (here a copy of checkpoint 0's)."""
+    from eogp_index.store.index_plan import checkpoint_count, plan_of_index, plan_of_manifest
+    from eogp_index.store.manifest import Manifest
+
+    assert checkpoint_count({}) == checkpoint_count({"checkpoints": None}) == checkpoint_count({"checkpoints": []}) == 1
+    assert checkpoint_count({"checkpoints": [{"name": "a"}, {"name": "b"}, {"name": "c"}]}) == 3
+    index = tmp_path / "narrow"
+    shutil.copytree(workspace / "narrow", index)
+    single = plan_of_index(index)
+    assert single.options.checkpoints == 1 and plan_of_index(index, checkpoints=1) == single
+    with pytest.raises(ConfigError, match="fitted on 1 checkpoint"):
+        plan_of_index(index, checkpoints=2)
+    (index / "checkpoints" / "1").mkdir(parents=True)
+    shutil.copy(index / "projection.safetensors", index / "checkpoints" / "1" / "projection.safetensors")
+    pair = plan_of_manifest(index, Manifest.load(index), 2)
+    assert pair.per_example.bytes == 2 * single.per_example.bytes
+    n = len(single.modules)
+    for first, second in zip(pair.modules[:n], pair.modules[n:]):
+        assert second.name == f"c1/{first.name}"
+        assert second.eigenbasis_bytes == first.eigenbasis_bytes and second.eigenbasis_exact
+    # Without checkpoint 1's file its eigenbases are bounded, not read.
+    (index / "checkpoints" / "1" / "projection.safetensors").unlink()
+    bounded = plan_of_manifest(index, Manifest.load(index), 2)
+    assert not any(r.eigenbasis_exact for r in bounded.modules[n:])
+    assert all(r.eigenbasis_bytes >= s.eigenbasis_bytes for r, s in zip(bounded.modules[n:], pair.modules[n:]))
