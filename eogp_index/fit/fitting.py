@@ -590,3 +590,60 @@ def _recall_cells(recall) -> str:
     diff = f"{recall.diff:+.3f}±{recall.diff_se:.3f}" if math.isfinite(recall.diff) else "n/a"
     t = next(iter(recall.curves.values())).t
     return f"recall of the tier's top-{t} (mean over F): {', '.join(cells)}; rot - eogp {diff}; code {recall.code}"
+
+
+#: Config entries that name or stamp a checkpoint rather than describe its architecture.
+_CONFIG_STAMPS = ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "torch_dtype", "dtype")
+
+
+def check_checkpoint(first: nn.Module, other: nn.Module, *, first_name: str, name: str) -> None:
+    """Refuse checkpoint ``other`` (``name``) for an ensemble with ``first`` (``first_name``)
+    unless both have one architecture: the same config (but for names and version stamps) and
+    parameters of the same names and shapes (so the same attributed modules, which are found by
+    the modules' names and types).
+
+    Raises:
+        IncompatibleIndexError: naming the checkpoint and what differs.
+    """
+    from eogp_index.errors import IncompatibleIndexError
+
+    def config(model) -> dict:
+        found = getattr(model, "config", None)
+        data = found.to_dict() if found is not None and hasattr(found, "to_dict") else {}
+        return {key: value for key, value in data.items() if key not in _CONFIG_STAMPS}
+
+    def refuse(what: str) -> IncompatibleIndexError:
+        return IncompatibleIndexError(
+            f"checkpoint {name!r} cannot join an ensemble with {first_name!r}: {what}. The checkpoints of an "
+            "ensemble are checkpoints of one training run: one architecture, attributed modules and tokenizer"
+        )
+
+    a, b = config(first), config(other)
+    differ = sorted(key for key in set(a) | set(b) if a.get(key) != b.get(key))
+    if differ:
+        key = differ[0]
+        raise refuse(f"its config differs in {key!r} ({b.get(key)!r}, not {a.get(key)!r})")
+    shapes = [{n: tuple(p.shape) for n, p in model.named_parameters()} for model in (first, other)]
+    if shapes[0] != shapes[1]:
+        key = sorted(set(shapes[0]) ^ set(shapes[1]) or {n for n in shapes[0] if shapes[0][n] != shapes[1][n]})[0]
+        raise refuse(f"its parameter {key!r} differs ({shapes[1].get(key)}, not {shapes[0].get(key)})")
+
+
+def check_tokenizer(first, other, *, first_name: str, name: str) -> None:
+    """Refuse checkpoint ``name``'s tokenizer unless it tokenizes as ``first_name``'s: the same
+    vocabulary and special tokens.
+
+    Raises:
+        IncompatibleIndexError: naming the checkpoint and what differs.
+    """
+    from eogp_index.errors import IncompatibleIndexError
+
+    for what, read in (
+        ("vocabulary", lambda t: t.get_vocab()),
+        ("special tokens", lambda t: getattr(t, "special_tokens_map", {})),
+    ):
+        if read(first) != read(other):
+            raise IncompatibleIndexError(
+                f"checkpoint {name!r} cannot join an ensemble with {first_name!r}: its tokenizer's {what} "
+                "differ, so one query would be different tokens for each. Use checkpoints of one training run"
+            )

@@ -211,6 +211,8 @@ class InfluenceQuery:
             y = self._index.query_coordinates(list(self.question.queries))
         else:
             y = np.asarray(coordinates, np.float32)
+        # an ensemble's checkpoints weighted in the query: the one scan sums w_c * score_c
+        y = self._index.stored.weigh(y, self.question.checkpoint_weights)
         return y if self.question.aggregate is None else aggregate_coordinates(y, self.question.aggregate)
 
     def to_list(self, *, coordinates: Optional[np.ndarray] = None) -> List[pa.Table]:

@@ -53,7 +53,7 @@ def plan_of_index(
             f"{index_dir} was built with the model in {built} (manifest model.dtype); plan it with "
             f"--dtype {built} or auto"
         )
-    modules = manifest.modules
+    modules = manifest.checkpoint_modules(0)  # an ensemble's first checkpoint (its model's names)
     shape = shape or model_shape(manifest.model["name"], [m.name for m in modules])
     info = manifest.projection
     projection = ProjectionConfig(
@@ -84,7 +84,7 @@ def plan_of_index(
         eigenbasis_dtype=stored.pop(),
         dims={m.name: (m.m, m.k) for m in modules},
         rescore=manifest.tier_code or "none",
-        tier_k=dict(zip(manifest.module_names, manifest.tier_k)),
+        tier_k=dict(zip([m.name for m in modules], manifest.tier_k)),
         curvature_examples=manifest.curvature["num_examples"],
         max_tokens=max_tokens or manifest.max_tokens,
         max_tokens_from="--max-tokens" if max_tokens else "the index's max_tokens",
