@@ -94,11 +94,12 @@ class Encoder:
         parts = []
         for j, model in enumerate(self.models):
             projection = self.stored.checkpoint_projection(j)
-            parts.extend(self._project_with(model, projection, examples, progress=progress))
+            parts.extend(self.project_with(model, projection, examples, progress=progress))
         return concat_modules(parts)
 
-    def _project_with(self, model, projection, examples: Sequence[Example], *, progress: bool) -> List[np.ndarray]:
-        """One checkpoint's coordinates of ``examples``: ``(n, t_u)`` per module, in module order."""
+    def project_with(self, model, projection, examples: Sequence[Example], *, progress: bool) -> List[np.ndarray]:
+        """The coordinates of ``examples`` by one checkpoint's ``model`` and ``projection``:
+        ``(n, t_u)`` per module, in module order."""
         names = projection.names
         if projection.in_turn:
             # P does not stay in memory: the first stage of every batch, then each module's P read

@@ -453,6 +453,10 @@ class _Segment:
         self.rowaddr = np.load(folder / "rowaddr.npy", mmap_mode="c")
         # named as the combined codes (an ensemble's checkpoints joined), as the segment writes them
         self.codes = {name: np.load(folder / f"{name}.npy", mmap_mode="c") for name in codec.widths()}
+        for name, (width, _) in codec.widths().items():
+            if self.codes[name].ndim != 2 or self.codes[name].shape[1] != width:
+                # another layout: codes of fewer checkpoints (eogp add-checkpoint), read again
+                raise ValueError(f"{folder}: {name} of width {self.codes[name].shape[1:]}, not {width}")
         with pa.memory_map(str(folder / COLUMNS_FILE), "r") as source:
             self.columns = pa.ipc.open_file(source).read_all()
         if self.rowaddr.shape[0] != self.rows or self.columns.num_rows != self.rows:

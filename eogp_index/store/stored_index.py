@@ -455,12 +455,20 @@ class StoredIndex:
                 f"{self.path} has index format {self.manifest.format_version}, whose rows record no content hash, "
                 "so a document read back could not be checked; re-ingest into an index made by this version"
             )
-        wanted = ["id", "shard", "position", "content_sha256", "content_kind"]
-        names = self.store.schema.names if self.store.schema is not None else []
-        optional = [name for name in ("text", "window", "parent_id") if name in names]
-        row = self.row(example_id, wanted + optional)
+        row = self.row(example_id, self.document_columns())
         if row is None:
             raise InputError(f"no stored example has id {example_id!r} in {self.path}")
+        return self.document_of(row, tokenizer)
+
+    def document_columns(self) -> List[str]:
+        """The stored columns :meth:`document_of` reads a document back from."""
+        wanted = ["id", "shard", "position", "content_sha256", "content_kind"]
+        names = self.store.schema.names if self.store.schema is not None else []
+        return wanted + [name for name in ("text", "window", "parent_id") if name in names]
+
+    def document_of(self, row: Dict[str, Any], tokenizer) -> Example:
+        """:meth:`document` of a stored row's :meth:`document_columns` (read in bulk by the caller)."""
+        example_id = row["id"]
         recorded = self.sources.data["shards"].get(row["shard"], {}).get("record_spec", {})
         # A window of a split document stores its own span, not the document: read it from the shard.
         split = recorded.get("long_documents") == "windows" and row.get("parent_id") not in (None, row["id"])

@@ -156,6 +156,12 @@ def build_rows(
     return table
 
 
+def code_batch(columns: Dict[str, np.ndarray]) -> pa.Table:
+    """Code columns ``{table column: (n, w) array}`` as a table written as :func:`build_rows`
+    writes them (the tier's columns laid out for random access)."""
+    return _for_random_access(pa.table({name: fixed_size_list(values) for name, values in columns.items()}))
+
+
 def _for_random_access(table: pa.Table) -> pa.Table:
     """``table`` with the full-zip layout asked for its :data:`RANDOM_ACCESS` columns."""
     if not any(name in RANDOM_ACCESS for name in table.column_names):
