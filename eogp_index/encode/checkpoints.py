@@ -32,7 +32,8 @@ from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
 from eogp_index.fit.cache import FIT_DIR, FITTING_SET_FILE, atomic_write, examples_sha256
 from eogp_index.fit.fitting import check_checkpoint, check_tokenizer, fit_projection
 from eogp_index.fit.sampling import FitSets
-from eogp_index.gradients.model import freeze, load_indexed_model, load_model, model_fingerprint
+from eogp_index.gradients.experts import make_experts_trackable
+from eogp_index.gradients.model import freeze, load_indexed_model, load_model, model_fingerprint, replace_conv1d
 from eogp_index.store.codecs import SignLayout, checkpoint_column, codec_for, concat_modules, prefix_columns, tier_for
 from eogp_index.store.manifest import Manifest, ModuleEntry, prefixed
 from eogp_index.store.projection_file import load_projection
@@ -146,6 +147,9 @@ def _fitted(stored: StoredIndex, j: int, name: str, model, tokenizer, gradients,
                 f"{folder} holds the unfinished addition of checkpoint {state['entry']['name']!r}; rerun "
                 f"`eogp add-checkpoint {stored.path} {state['entry']['name']}` to finish it first"
             )
+        replace_conv1d(model)  # prepared as the fit prepares it
+        make_experts_trackable(model, dense=stored.manifest.model.get("experts") == "dense")
+        model.to(gradients.resolved_device()).eval()
         return state
     record = _fitting_set(stored)
     settings = record["settings"]
