@@ -269,7 +269,7 @@ def fit(
 
     from eogp_index.client import AttributionIndex
     from eogp_index.data.readers import expand_shards
-    from eogp_index.fit.fitting import check_tokenizer, checkpoint_weights_from
+    from eogp_index.fit.fitting import checkpoint_weights_from
     from eogp_index.fit.sampling import sample_shards
     from eogp_index.gradients.model import load_model, model_and_adapter
     from eogp_index.store.stored_index import check_index_dir
@@ -304,11 +304,7 @@ def fit(
             loaded, tokenizer = load_model(
                 model, adapter=adapter, device=gradients.resolved_device(), dtype=gradients.dtype
             )
-            others = []
-            for name in models[1:]:  # an ensemble's further checkpoints, each checked against the first
-                other, other_tokenizer = load_model(name, device=gradients.resolved_device(), dtype=gradients.dtype)
-                check_tokenizer(tokenizer, other_tokenizer, first_name=model, name=name)
-                others.append((name, other))
+            others = _load_checkpoints(models[1:], tokenizer, model, gradients)
             wanted = curvature.num_examples + (projection.num_fit_examples if projection.second_stage == "pca" else 0)
             examples, seen = sample_shards(list(fit_data or data), spec, tokenizer, wanted, seed)
             if torchrun_rank() == 0:
@@ -338,6 +334,19 @@ def fit(
         fit_log.removeHandler(handler)
     if torchrun_rank() == 0:
         _emit(index.info(), as_json, _print_info)
+
+
+def _load_checkpoints(names, tokenizer, first: str, gradients) -> list:
+    """An ensemble's further checkpoints as ``(name, model)``, each tokenizer checked against the first's."""
+    from eogp_index.fit.fitting import check_tokenizer
+    from eogp_index.gradients.model import load_model
+
+    others = []
+    for name in names:
+        other, other_tokenizer = load_model(name, device=gradients.resolved_device(), dtype=gradients.dtype)
+        check_tokenizer(tokenizer, other_tokenizer, first_name=first, name=name)
+        others.append((name, other))
+    return others
 
 
 @contextlib.contextmanager

@@ -212,31 +212,10 @@ class AttributionIndex:
         weights_fingerprint = model_fingerprint(model)
         adapter_entry = _adapter_entry(model, adapter)
         fit_options = dict(
-            modules=modules,
-            curvature=curvature,
-            projection=projection,
-            storage=storage,
-            gradients=gradients,
-            progress=progress,
+            modules=modules, curvature=curvature, projection=projection, storage=storage, gradients=gradients
         )
-        members = []
-        for j, (name, other) in enumerate(others, 1):  # each on the same documents: its own curvature and P
-            _in_dtype(other, gradients.dtype, gradients)
-            fingerprint = model_fingerprint(other)
-            fit = fit_projection(other, tokenizer, examples, path / CHECKPOINTS_DIR / str(j), **fit_options)
-            members.append({"fitted": fit, "name": name, "fingerprint": fingerprint, "model": other})
-        fitted = fit_projection(
-            model,
-            tokenizer,
-            examples,
-            path,
-            modules=modules,
-            curvature=curvature,
-            projection=projection,
-            storage=storage,
-            gradients=gradients,
-            progress=progress,
-        )
+        members = _fit_checkpoints(others, tokenizer, examples, path, fit_options, progress)
+        fitted = fit_projection(model, tokenizer, examples, path, progress=progress, **fit_options)
         if rank == 0:
             stored = StoredIndex.create(
                 path,
@@ -246,14 +225,7 @@ class AttributionIndex:
                 precision=storage.precision,
                 damping_ratio=curvature.damping_ratio,
                 max_tokens=gradients.max_tokens,
-                curvature={
-                    "num_examples": fitted.curvature_examples,
-                    "seed": curvature.seed,
-                    "batch_size": curvature.batch_size,
-                    "factors_dir": "curvature",
-                    "fitting_set": "fit/fitting_set.json",
-                    "disjoint_from_pca": fitted.disjoint,
-                },
+                curvature=_curvature_entry(fitted, curvature),
                 table_uri=table_uri,
                 weights_fingerprint=weights_fingerprint,
                 adapter=adapter_entry,
@@ -740,6 +712,32 @@ def _fresh_commits(examples: Iterable[Example], stored: StoredIds, size: int, ba
             fresh = []
     if fresh:
         yield fresh
+
+
+def _curvature_entry(fitted, curvature: CurvatureConfig) -> Dict[str, Any]:
+    """The manifest's ``curvature``: the settings of the fit's curvature."""
+    return {
+        "num_examples": fitted.curvature_examples,
+        "seed": curvature.seed,
+        "batch_size": curvature.batch_size,
+        "factors_dir": "curvature",
+        "fitting_set": "fit/fitting_set.json",
+        "disjoint_from_pca": fitted.disjoint,
+    }
+
+
+def _fit_checkpoints(others, tokenizer, examples, path, fit_options: Dict[str, Any], progress: bool) -> List[dict]:
+    """An ensemble's further checkpoints, each fitted (its own curvature and projection) on the
+    same documents into ``checkpoints/<j>/``: ``{"fitted", "name", "fingerprint", "model"}`` each."""
+    members = []
+    for j, (name, other) in enumerate(others, 1):
+        _in_dtype(other, fit_options["gradients"].dtype, fit_options["gradients"])
+        fingerprint = model_fingerprint(other)  # of the weights as loaded, as the first checkpoint's
+        fit = fit_projection(
+            other, tokenizer, examples, path / CHECKPOINTS_DIR / str(j), progress=progress, **fit_options
+        )
+        members.append({"fitted": fit, "name": name, "fingerprint": fingerprint, "model": other})
+    return members
 
 
 def _checkpoint_models(model, model_name, checkpoints, weights, adapter) -> List[tuple]:

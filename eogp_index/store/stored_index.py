@@ -262,11 +262,9 @@ class StoredIndex:
         fidelity = fidelity_record(projection.choices, fitted.recall)
         if fidelity is not None:
             projection_entry["fidelity"] = fidelity
-        checkpoints = None
-        if members:
-            checkpoints = _checkpoint_entries(path, fitted, model_name, weights_fingerprint, projection_entry, members)
-            for entry, weight in zip(checkpoints, weights or [1.0 / len(checkpoints)] * len(checkpoints)):
-                entry["weight"] = float(weight)
+        checkpoints = _checkpoint_entries(
+            path, fitted, model_name, weights_fingerprint, projection_entry, members, weights
+        )
         manifest = Manifest(
             model=model_entry,
             projection=projection_entry,
@@ -559,8 +557,11 @@ def checkpoint_entry(path, j: int, fitted, name: str, fingerprint: str) -> Dict[
     }
 
 
-def _checkpoint_entries(path, fitted, model_name, fingerprint, projection_entry, members) -> List[Dict[str, Any]]:
-    """``manifest.checkpoints`` of an ensemble: checkpoint 0 (``model``, ``projection``) and each member's."""
+def _checkpoint_entries(path, fitted, model_name, fingerprint, projection_entry, members, weights):
+    """``manifest.checkpoints`` of an ensemble: checkpoint 0 (``model``, ``projection``) and each
+    member's, weighted (``weights``; None: ``1/C`` each); None without members."""
+    if not members:
+        return None
     if fingerprint is None:
         raise ConfigError("an ensemble records each checkpoint's weights fingerprint; give weights_fingerprint")
     first = {
@@ -572,7 +573,10 @@ def _checkpoint_entries(path, fitted, model_name, fingerprint, projection_entry,
         "projection": {key: projection_entry[key] for key in ("file", "sha256", "fingerprint")},
     }
     rest = [checkpoint_entry(path, j, m["fitted"], m["name"], m["fingerprint"]) for j, m in enumerate(members, 1)]
-    return [first, *rest]
+    entries = [first, *rest]
+    for entry, weight in zip(entries, weights or [1.0 / len(entries)] * len(entries)):
+        entry["weight"] = float(weight)
+    return entries
 
 
 def _tier_entry(code: str, layout: SignLayout, coordinates: SignLayout) -> Dict[str, Any]:
