@@ -169,6 +169,10 @@ class InfluenceQuery:
         """Split each hit's score into its per-module terms (a ``modules`` column)."""
         return self._with(by_module=enabled)
 
+    def checkpoint_weights(self, weights: Optional[Sequence[float]]) -> "InfluenceQuery":
+        """On an index of several checkpoints, each one's weight in the score (None: the index's)."""
+        return self._with(checkpoint_weights=weights)  # checked (and made a tuple) by the Question
+
     def route(self, route: Route) -> "InfluenceQuery":
         """Choose where codes are read from: ``hot``, ``stream``, ``sharded`` (see :class:`Question`)."""
         return self._with(route=route)
