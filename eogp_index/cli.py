@@ -1630,6 +1630,10 @@ def _print_info(data: dict) -> None:
     modules = data["modules"]
     click.echo(f"index       {data['path']}")
     click.echo(f"model       {data['model']['name']}  (sha256 {data['model']['weights_sha256'][:12]}…)")
+    for j, entry in enumerate(data.get("checkpoints") or []):  # an ensemble: each checkpoint and its weight
+        click.echo(
+            f"checkpoint  {j}: {entry['name']}  weight {entry['weight']:g}  (sha256 {entry['weights_sha256'][:12]}…)"
+        )
     click.echo(
         f"variant     {data['projection']['variant']}, precision {data['precision']}, "
         f"damping ratio {data['damping_ratio']}"
