@@ -93,6 +93,8 @@ def test_an_ensembles_manifest_names_each_checkpoint_and_its_columns(root):
     assert "checkpoints" not in single
     import lance
 
+    shown = _run("info", root / "ab").stdout
+    assert f"checkpoint  1: {root / 'b'}  weight 0.7" in shown
     names = lance.dataset(str(root / "ab" / "examples.lance")).schema.names
     assert {"signs", "scales", "tier", "tier_scales", "signs_c1", "scales_c1", "tier_c1", "tier_scales_c1"} <= set(
         names
