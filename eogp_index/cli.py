@@ -111,6 +111,7 @@ _question_options = option_group(
             "by_module",
             "aggregate",
             "normalize",
+            "checkpoint_weights",
             "allow_partial",
         )
     ),
@@ -119,7 +120,7 @@ _question_options = option_group(
 )
 #: The options of a target set's question (``select``, ``scores``): its filter and normalization.
 _target_question_options = option_group(
-    *(field_option(Question, name) for name in ("where", "normalize")), into="question"
+    *(field_option(Question, name) for name in ("where", "normalize", "checkpoint_weights")), into="question"
 )
 _model_option = click.option(
     "--model",
@@ -145,7 +146,16 @@ def cli() -> None:
 
 
 @cli.command()
-@click.argument("model")
+@click.argument("models", metavar="MODEL [CHECKPOINT ...]", nargs=-1, required=True)
+@click.option(
+    "--checkpoint-weights",
+    "checkpoint_weights",
+    default="uniform",
+    show_default=True,
+    help="With several checkpoints: each one's weight in the score. uniform: 1/C each (the mean); or a JSON "
+    'file: {"weights": [...]} or a list, one per checkpoint, or a trainer_state.json (each checkpoint weighted '
+    "by the learning rate logged at its step, normalized to sum to 1; docs/ensembles.md).",
+)
 @click.option(
     "--adapter",
     "adapter",
@@ -207,7 +217,8 @@ def cli() -> None:
 @_record_options
 @_fail_cleanly
 def fit(
-    model,
+    models,
+    checkpoint_weights,
     adapter,
     data,
     fit_data,
@@ -230,7 +241,12 @@ def fit(
 
     MODEL is a HuggingFace hub name, a local model directory, or a LoRA
     adapter directory saved by peft (its base is loaded from its
-    adapter_config.json; --adapter puts one on another base). The fitting
+    adapter_config.json; --adapter puts one on another base). Several
+    checkpoints of one training run make an ensemble (docs/ensembles.md):
+    each is fitted (its own curvature and projection) on the same fitting
+    documents, every row stores each one's code, and a score is the
+    weighted sum of theirs (--checkpoint-weights). They must share the
+    architecture and tokenizer; anything else is refused. The fitting
     examples are a seeded random sample of all the records of --data (or
     --fit-data), read in one pass: --curvature-examples fit the EK-FAC factors
     and --pca-examples others fit the PCA. When there are too few for two
@@ -246,12 +262,14 @@ def fit(
     \b
     Example:
         eogp fit examples/default/model --data examples/default/corpus/train.jsonl.gz --out my-index -k 256
+        eogp fit examples/default/base examples/default/model --data examples/default/corpus/train.jsonl.gz --out ens
         torchrun --nproc_per_node 8 -m eogp_index.cli fit gpt2 --fit-data 'heldout/*.jsonl' --out wiki-index
     """
     import logging
 
     from eogp_index.client import AttributionIndex
     from eogp_index.data.readers import expand_shards
+    from eogp_index.fit.fitting import checkpoint_weights_from
     from eogp_index.fit.sampling import sample_shards
     from eogp_index.gradients.model import load_model, model_and_adapter
     from eogp_index.store.stored_index import check_index_dir
@@ -280,11 +298,13 @@ def fit(
         # Said before the model loads: a missing shard, a stray file, an index already at --out.
         expand_shards(list(fit_data or data))
         check_index_dir(out, "overwrite" if overwrite else "create")
+        weights = checkpoint_weights_from(checkpoint_weights, list(models))
         with _fit_process_group(gradients.resolved_device()) if sharded else contextlib.nullcontext():
-            model, adapter = model_and_adapter(model, adapter)
+            model, adapter = model_and_adapter(models[0], adapter)
             loaded, tokenizer = load_model(
                 model, adapter=adapter, device=gradients.resolved_device(), dtype=gradients.dtype
             )
+            others = _load_checkpoints(models[1:], tokenizer, model, gradients)
             wanted = curvature.num_examples + (projection.num_fit_examples if projection.second_stage == "pca" else 0)
             examples, seen = sample_shards(list(fit_data or data), spec, tokenizer, wanted, seed)
             if torchrun_rank() == 0:
@@ -303,6 +323,8 @@ def fit(
                 gradients=gradients,
                 table_uri=table_uri,
                 mode="overwrite" if overwrite else "create",
+                checkpoints=others,
+                checkpoint_weights=weights if others else None,
             )
     except EOGPError:
         if torchrun_rank() != 0:  # every worker fails alike: rank 0 alone says why
@@ -312,6 +334,19 @@ def fit(
         fit_log.removeHandler(handler)
     if torchrun_rank() == 0:
         _emit(index.info(), as_json, _print_info)
+
+
+def _load_checkpoints(names, tokenizer, first: str, gradients) -> list:
+    """An ensemble's further checkpoints as ``(name, model)``, each tokenizer checked against the first's."""
+    from eogp_index.fit.fitting import check_tokenizer
+    from eogp_index.gradients.model import load_model
+
+    others = []
+    for name in names:
+        other, other_tokenizer = load_model(name, device=gradients.resolved_device(), dtype=gradients.dtype)
+        check_tokenizer(tokenizer, other_tokenizer, first_name=first, name=name)
+        others.append((name, other))
+    return others
 
 
 @contextlib.contextmanager
@@ -1072,6 +1107,56 @@ def optimize(index_dir, retention, target_rows, no_hot, recall, as_json):
     _emit({**report.to_json(), "table_recall": table_recall}, as_json, describe)
 
 
+@cli.command("add-checkpoint")
+@click.argument("index_dir", type=INDEX_DIR)
+@click.argument("checkpoint")
+@click.option(
+    "--weight",
+    type=float,
+    default=None,
+    help="The new checkpoint's weight in the score; the others keep theirs (an index of one checkpoint: 1). "
+    "Default: every checkpoint 1/C, the mean.",
+)
+@field_option(GradientConfig, "device")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_fail_cleanly
+def add_checkpoint(index_dir, checkpoint, weight, device, as_json):
+    """Add one more checkpoint of the training run to an index.
+
+    CHECKPOINT (a model directory or hub name, with the index's architecture
+    and tokenizer) is fitted on the documents the index was fitted on
+    (fit/fitting_set.json, read back from the stored rows), then its codes are
+    computed for every stored row and added as new columns: the other
+    checkpoints' columns are not rewritten. The manifest is updated last; a
+    run that stopped is completed by running it again (docs/ensembles.md).
+
+    \b
+    Example:
+        eogp add-checkpoint my-index runs/checkpoint-2000
+    """
+    import logging
+
+    from eogp_index.encode.checkpoints import add_checkpoint as add
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    fit_log = logging.getLogger("eogp_index.fit")
+    fit_log.addHandler(handler)
+    fit_log.setLevel(logging.INFO)
+    try:
+        report = add(index_dir, checkpoint, weight=weight, device=device, progress=not as_json)
+    finally:
+        fit_log.removeHandler(handler)
+    _emit(
+        report.to_json(),
+        as_json,
+        lambda r: click.echo(
+            f"checkpoint {r['checkpoint']} ({r['name']}) added to {r['index']}: codes of {r['rows']} rows; "
+            f"weights {r['weights']}"
+        ),
+    )
+
+
 @cli.command()
 @click.argument("index_dir", type=INDEX_DIR)
 @click.option("--where", default=None, help="Delete the rows matching this SQL filter over the stored columns.")
@@ -1555,6 +1640,10 @@ def _print_info(data: dict) -> None:
     modules = data["modules"]
     click.echo(f"index       {data['path']}")
     click.echo(f"model       {data['model']['name']}  (sha256 {data['model']['weights_sha256'][:12]}…)")
+    for j, entry in enumerate(data.get("checkpoints") or []):  # an ensemble: each checkpoint and its weight
+        click.echo(
+            f"checkpoint  {j}: {entry['name']}  weight {entry['weight']:g}  (sha256 {entry['weights_sha256'][:12]}…)"
+        )
     click.echo(
         f"variant     {data['projection']['variant']}, precision {data['precision']}, "
         f"damping ratio {data['damping_ratio']}"

@@ -41,7 +41,7 @@ from eogp_index.encode.commits import Commits, index_lock
 from eogp_index.encode.encoder import Encoder
 from eogp_index.encode.measurements import Measured
 from eogp_index.errors import ConfigError, IncompatibleIndexError, InputError
-from eogp_index.fit.fitting import fit_projection
+from eogp_index.fit.fitting import check_checkpoint, fit_projection
 from eogp_index.gradients.experts import make_experts_trackable
 from eogp_index.gradients.model import (
     adapter_fingerprint,
@@ -57,7 +57,7 @@ from eogp_index.gradients.model import (
 )
 from eogp_index.search.explain import Explanation, explain_documents
 from eogp_index.search.query import InfluenceQuery, Query
-from eogp_index.search.question import Question, check_question
+from eogp_index.search.question import Question, check_checkpoint_weights, check_question
 from eogp_index.search.searchers import HotSearcher, TorchSearcher, warm_kernels
 from eogp_index.search.select import (
     Selection,
@@ -80,7 +80,7 @@ from eogp_index.store.maintenance import (
 )
 from eogp_index.store.manifest import check_compatible, open_dtype
 from eogp_index.store.stored_ids import StoredIds
-from eogp_index.store.stored_index import StoredIndex, prepare_index_dir
+from eogp_index.store.stored_index import CHECKPOINTS_DIR, StoredIndex, prepare_index_dir
 
 
 class _EncoderPart:
@@ -111,6 +111,7 @@ class AttributionIndex:
         tokenizer=None,
         *,
         gradients: GradientConfig = GradientConfig(),
+        checkpoint_models: Sequence[nn.Module] = (),
     ):
         if not isinstance(stored, StoredIndex):  # a directory or URL: what open() makes of it
             self.__dict__.update(
@@ -118,7 +119,7 @@ class AttributionIndex:
             )
             return
         #: The stored index with its model: projection, rows and query measurements (``search/`` takes it).
-        self.encoder = Encoder(stored, model, tokenizer, gradients)
+        self.encoder = Encoder(stored, model, tokenizer, gradients, checkpoint_models)
         #: The batch :meth:`open` chose for the memory budget (``eogp plan INDEX``'s), or None.
         self.sizing: Optional[Dict[str, Any]] = None
 
@@ -150,6 +151,8 @@ class AttributionIndex:
         mode: Literal["create", "overwrite"] = "create",
         progress: bool = True,
         dtype: Optional[ModelDtype] = None,
+        checkpoints: Sequence[tuple] = (),
+        checkpoint_weights: Optional[Sequence[float]] = None,
     ) -> "AttributionIndex":
         """Fit curvature and projection on ``examples`` and write an empty index at ``path``.
 
@@ -169,6 +172,15 @@ class AttributionIndex:
                 ``"float16"`` or ``"float32"`` casts the index's copy of the model to it (the
                 model given keeps its own weights); ``"auto"`` keeps the dtype it was loaded in.
                 Recorded in the manifest: the index is opened in it.
+            checkpoints: an ensemble (docs/ensembles.md): ``(name, model)`` of each further
+                checkpoint of the same training run, ``model`` being the first. Each is fitted
+                (its own curvature and projection) on the same fitting documents, into
+                ``checkpoints/<j>/``; every row stores each checkpoint's code and a score is
+                ``Σ_c w_c · score_c``. Refused unless every checkpoint has ``model``'s architecture
+                and attributed modules (:func:`~eogp_index.fit.fitting.check_checkpoint`).
+            checkpoint_weights: with ``checkpoints``, each checkpoint's default weight ``w_c``
+                (``C`` finite numbers; default ``1/C`` each, the mean); a query's
+                ``checkpoint_weights`` replace them.
 
         ``model`` is left as it is: the fit prepares the index's own module objects over its
         weights, as :meth:`open` does.
@@ -194,22 +206,16 @@ class AttributionIndex:
         if distributed:
             dist.barrier()
         path = index_path(path)
+        others = _checkpoint_models(model, model_name, checkpoints, checkpoint_weights, adapter)
         model = shared_weights_copy(model)  # the fit prepares the index's own module objects, not the caller's
         gradients = _in_dtype(model, dtype or gradients.dtype, gradients)
         weights_fingerprint = model_fingerprint(model)
         adapter_entry = _adapter_entry(model, adapter)
-        fitted = fit_projection(
-            model,
-            tokenizer,
-            examples,
-            path,
-            modules=modules,
-            curvature=curvature,
-            projection=projection,
-            storage=storage,
-            gradients=gradients,
-            progress=progress,
+        fit_options = dict(
+            modules=modules, curvature=curvature, projection=projection, storage=storage, gradients=gradients
         )
+        members = _fit_checkpoints(others, tokenizer, examples, path, fit_options, progress)
+        fitted = fit_projection(model, tokenizer, examples, path, progress=progress, **fit_options)
         if rank == 0:
             stored = StoredIndex.create(
                 path,
@@ -219,30 +225,27 @@ class AttributionIndex:
                 precision=storage.precision,
                 damping_ratio=curvature.damping_ratio,
                 max_tokens=gradients.max_tokens,
-                curvature={
-                    "num_examples": fitted.curvature_examples,
-                    "seed": curvature.seed,
-                    "batch_size": curvature.batch_size,
-                    "factors_dir": "curvature",
-                    "fitting_set": "fit/fitting_set.json",
-                    "disjoint_from_pca": fitted.disjoint,
-                },
+                curvature=_curvature_entry(fitted, curvature),
                 table_uri=table_uri,
                 weights_fingerprint=weights_fingerprint,
                 adapter=adapter_entry,
                 experts=gradients.experts,
                 model_dtype=gradients.dtype,
                 tier=storage.tier,
+                members=members,
+                weights=checkpoint_weights,
             )
         if distributed:
             dist.barrier()  # every rank is done with the fit's files
-        if rank == 0 and fitted.folder is not None:
-            fitted.folder.finish()  # the cached coordinates and per-module P are in the projection now
+        for fit in [fitted, *(member["fitted"] for member in members)]:
+            if rank == 0 and fit.folder is not None:
+                fit.folder.finish()  # the cached coordinates and per-module P are in the projection now
         if rank != 0:
             stored = StoredIndex.open(path)
         stored.projection_memory = _projection_memory(gradients)
-        freeze(model)  # fitting is done: from here on only output gradients are needed
-        return cls(stored, model, tokenizer, gradients=gradients)
+        for fitted_model in [model, *(member["model"] for member in members)]:
+            freeze(fitted_model)  # fitting is done: from here on only output gradients are needed
+        return cls(stored, model, tokenizer, gradients=gradients, checkpoint_models=[m["model"] for m in members])
 
     @classmethod
     def open(
@@ -289,7 +292,8 @@ class AttributionIndex:
             # side while the model loads.
             threading.Thread(target=warm_kernels, args=(stored,), name="eogp-warm-kernels", daemon=True).start()
         stored.projection_memory = _projection_memory(gradients)
-        stored.projection  # noqa: B018  (loads and checks the projection before the model is loaded)
+        for j in range(stored.manifest.num_checkpoints):  # loads and checks the projections before the models
+            stored.checkpoint_projection(j)
         if model is None:
             model, loaded = load_indexed_model(
                 stored.manifest.model, model_name, device=gradients.resolved_device(), dtype=model_dtype
@@ -309,16 +313,18 @@ class AttributionIndex:
                 stored.manifest,
                 model_fingerprint=model_fingerprint(model),
                 adapter_fingerprint=adapter_fingerprint(model),
-                where=str(stored.path),
+                where=str(stored.path) if stored.manifest.checkpoints is None else f"{stored.path} (checkpoint 0)",
             )
         else:  # written before fingerprints: the full hash
             check_compatible(stored.manifest, model_hash=model_sha256(model), where=str(stored.path))
-        replace_conv1d(model)
-        make_experts_trackable(model, dense=stored.manifest.model.get("experts") == "dense")  # as the fit did
-        freeze(model)
-        model.to(gradients.resolved_device()).eval()
+        others = _open_checkpoints(stored, model_dtype, gradients.resolved_device())
+        for prepared in [model, *others]:
+            replace_conv1d(prepared)
+            make_experts_trackable(prepared, dense=stored.manifest.model.get("experts") == "dense")  # as the fit did
+            freeze(prepared)
+            prepared.to(gradients.resolved_device()).eval()
         gradients, sizing = _sized(stored, model, gradients)
-        index = cls(stored, model, tokenizer, gradients=gradients)
+        index = cls(stored, model, tokenizer, gradients=gradients, checkpoint_models=others)
         index.sizing = sizing
         return index
 
@@ -505,7 +511,7 @@ class AttributionIndex:
         check_score_precision(precision)
         if precision == "rescore":
             return self._tier_scores(question)
-        y = self.query_coordinates(list(question.queries))
+        y = self.stored.weigh(self.query_coordinates(list(question.queries)), question.checkpoint_weights)
         normalize = question.normalize
         searcher = (
             TorchSearcher(self.stored, self.device, normalize=normalize)
@@ -519,7 +525,7 @@ class AttributionIndex:
     def _tier_scores(self, question: Question) -> tuple[List[str], np.ndarray]:
         """:meth:`scores` from the rescoring tier: the table streamed batch by batch."""
         require_tier(self.stored)  # before the queries are measured
-        y = target_coordinates(self.encoder, question.queries, "rescore")
+        y = target_coordinates(self.encoder, question.queries, "rescore", question.checkpoint_weights)
         ids: List[str] = []
         parts = [np.zeros((y.shape[0], 0), np.float32)]
         batches = scored_batches(
@@ -638,7 +644,8 @@ def _sized(stored: StoredIndex, model: nn.Module, gradients: GradientConfig) -> 
 
     device = gradients.resolved_device()
     budget, budget_from = memory_budget(gradients.memory_budget_gb, device)
-    shape = shape_of_model(model, stored.manifest.module_names, name=stored.manifest.model["name"])
+    names = [m.name for m in stored.manifest.checkpoint_modules(0)]  # (an ensemble: each checkpoint's)
+    shape = shape_of_model(model, names, name=stored.manifest.model["name"])
     plan = plan_of_index(
         stored.path,
         shape=shape,
@@ -705,6 +712,74 @@ def _fresh_commits(examples: Iterable[Example], stored: StoredIds, size: int, ba
             fresh = []
     if fresh:
         yield fresh
+
+
+def _curvature_entry(fitted, curvature: CurvatureConfig) -> Dict[str, Any]:
+    """The manifest's ``curvature``: the settings of the fit's curvature."""
+    return {
+        "num_examples": fitted.curvature_examples,
+        "seed": curvature.seed,
+        "batch_size": curvature.batch_size,
+        "factors_dir": "curvature",
+        "fitting_set": "fit/fitting_set.json",
+        "disjoint_from_pca": fitted.disjoint,
+    }
+
+
+def _fit_checkpoints(others, tokenizer, examples, path, fit_options: Dict[str, Any], progress: bool) -> List[dict]:
+    """An ensemble's further checkpoints, each fitted (its own curvature and projection) on the
+    same documents into ``checkpoints/<j>/``: ``{"fitted", "name", "fingerprint", "model"}`` each."""
+    members = []
+    for j, (name, other) in enumerate(others, 1):
+        _in_dtype(other, fit_options["gradients"].dtype, fit_options["gradients"])
+        fingerprint = model_fingerprint(other)  # of the weights as loaded, as the first checkpoint's
+        fit = fit_projection(
+            other, tokenizer, examples, path / CHECKPOINTS_DIR / str(j), progress=progress, **fit_options
+        )
+        members.append({"fitted": fit, "name": name, "fingerprint": fingerprint, "model": other})
+    return members
+
+
+def _checkpoint_models(model, model_name, checkpoints, weights, adapter) -> List[tuple]:
+    """An ensemble's further checkpoints as ``(name, the index's own copy of the model)``, each
+    checked against ``model`` (:func:`~eogp_index.fit.fitting.check_checkpoint`); the weights
+    checked for their count."""
+    if not checkpoints:
+        if weights is not None:
+            raise ConfigError("checkpoint_weights weigh an ensemble's checkpoints; give checkpoints too")
+        return []
+    if adapter is not None:
+        raise ConfigError("an ensemble of checkpoints with a LoRA adapter is not supported; merge the adapters first")
+    if weights is not None:
+        check_checkpoint_weights(weights, 1 + len(checkpoints))
+    out = []
+    for name, other in checkpoints:
+        check_checkpoint(model, other, first_name=model_name, name=name)
+        out.append((name, shared_weights_copy(other)))
+    return out
+
+
+def _open_checkpoints(stored: StoredIndex, dtype: str, device: str) -> List[nn.Module]:
+    """An ensemble's models of checkpoints 1, 2, ... loaded from the manifest's names, each checked
+    by its fingerprint (an empty list for one checkpoint).
+
+    Raises:
+        IncompatibleIndexError: a checkpoint whose weights changed, naming it.
+    """
+    models = []
+    for j, entry in enumerate(stored.manifest.checkpoints or [], 0):
+        if j == 0:
+            continue
+        loaded, _ = load_indexed_model({"name": entry["name"]}, None, device=device, dtype=dtype)
+        found = model_fingerprint(loaded)
+        if found != entry["weights_fingerprint"]:
+            raise IncompatibleIndexError(
+                f"{stored.path}: checkpoint {j} ({entry['name']!r}) has weights fingerprint {found[:20]}… but the "
+                f"index was built with {entry['weights_fingerprint'][:20]}…: that checkpoint changed since, and "
+                "scores would be wrong. Restore it, or build a new index"
+            )
+        models.append(loaded)
+    return models
 
 
 def _adapter_entry(model: nn.Module, adapter: Optional[str]) -> Optional[Dict[str, str]]:

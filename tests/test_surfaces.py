@@ -74,6 +74,7 @@ OPTIONS: Dict[str, Tuple[Tuple[type, ...], Any]] = {
     "rescore": ((int, type(None)), question_field("rescore").default),
     "precision": ((str,), SelectOptions.precision),
     "allow_partial": ((bool,), question_field("allow_partial").default),
+    "checkpoint_weights": ((list, type(None)), question_field("checkpoint_weights").default),
 }
 BASE_QUERY = {"text": "t1 t2 t3 t4 t5"}
 WRITE_TOKEN = "fuzz-writer"
@@ -243,7 +244,7 @@ def option_inputs() -> List[Input]:
     an id that is no document's, or holds a surrogate."""
     inputs = []
     for name, (types, value) in OPTIONS.items():
-        if name in ("direction", "where", "rescore", "precision", "allow_partial"):
+        if name in ("direction", "where", "rescore", "precision", "allow_partial", "checkpoint_weights"):
             continue
         other = int(value) if isinstance(value, str) and value.isdigit() else str(value) if value else 7
         other = 7 if name == "id" else other
@@ -287,6 +288,25 @@ def allow_partial_inputs() -> List[Input]:
             (("allow_partial", v),),
             refused,
             "allow_partial",
+            kind="text",
+        )
+        for v, refused in values
+    ]
+
+
+def checkpoint_weights_inputs() -> List[Input]:
+    """Each checkpoint's weight, on an index of one checkpoint: one finite number answers; none,
+    two, a name, a boolean, or a number not in a list are refused, naming the field."""
+    values = [([1.0], False), ([2], False), ([0.5], False), ([], True), ([1.0, 1.0], True), (["x"], True)]
+    values += [([True], True), (1.0, True), ("1", True)]
+    return [
+        Input(
+            f"checkpoint_weights = {v!r}",
+            "query",
+            BASE_QUERY,
+            (("checkpoint_weights", v),),
+            refused,
+            "checkpoint_weights",
             kind="text",
         )
         for v, refused in values
@@ -349,7 +369,7 @@ def record_inputs() -> List[Input]:
 
 def generated_inputs() -> List[Input]:
     inputs = query_inputs(random.Random(SEED)) + filter_inputs() + option_inputs() + rescore_inputs()
-    return inputs + allow_partial_inputs() + record_inputs()
+    return inputs + allow_partial_inputs() + checkpoint_weights_inputs() + record_inputs()
 
 
 # -- outcomes ---------------------------------------------------------------------------------------
@@ -609,16 +629,23 @@ def _option(item: Input, name: str) -> List[str]:
     return [f"--{name}", value] if value is not None else []
 
 
+def _weights(item: Input) -> List[str]:
+    """``--checkpoint-weights w1,w2``, or nothing for the index's own."""
+    value = item.option("checkpoint_weights")
+    return ["--checkpoint-weights", ",".join(map(str, value))] if value is not None else []
+
+
 class CliQuery(Surface):
     name, family, batched, typed = "eogp query --queries", "search", True, False
-    reads = frozenset({"record", "k", "where", "direction", "rescore"})
+    reads = frozenset({"record", "k", "where", "direction", "rescore", "checkpoint_weights"})
 
     def call(self, items):
         queries = _jsonl(self.env.file("queries.jsonl"), [item.record for item in items])
         first = items[0]
         result = self.env.cli(
             "query", self.env.index_dir, "--queries", queries, "-k", first.option("k"),
-            "--direction", first.option("direction"), *_where(first), *_option(first, "rescore"), "--json",
+            "--direction", first.option("direction"), *_where(first), *_option(first, "rescore"),
+            *_weights(first), "--json",
         )  # fmt: skip
         whole = _cli_outcome(result, lambda r: [])
         if whole.broken or not result.stdout.strip():
@@ -735,7 +762,7 @@ def _ingested(path: Path, items: List[Input], rejects: Path) -> List[Outcome]:
 
 class HttpQuery(Surface):
     name, family = "/v1/query", "search"
-    reads = frozenset({"record", "k", "where", "direction", "rescore", "allow_partial"})
+    reads = frozenset({"record", "k", "where", "direction", "rescore", "allow_partial", "checkpoint_weights"})
 
     def call(self, items):
         (item,) = items
@@ -746,6 +773,7 @@ class HttpQuery(Surface):
             "where": item.option("where"),
             "rescore": item.option("rescore"),
             "allow_partial": item.option("allow_partial"),
+            "checkpoint_weights": item.option("checkpoint_weights"),
         }
         response = _post(self.env.client, "/v1/query", body)
         return [_http_outcome(self.env, response, lambda r: [row["id"] for row in r.json()["results"]])]
@@ -811,13 +839,14 @@ def _post(client, path: str, body: Dict[str, Any]):
 
 class LibrarySearch(Surface):
     name, family = "AttributionIndex.search", "search"
-    reads = frozenset({"record", "k", "where", "direction", "rescore"})
+    reads = frozenset({"record", "k", "where", "direction", "rescore", "checkpoint_weights"})
 
     def call(self, items):
         (item,) = items
 
         def ids():
             question = self.env.library.search(item.record).where(item.option("where")).rescore(item.option("rescore"))
+            question = question.checkpoint_weights(item.option("checkpoint_weights"))
             question = question.limit(item.option("k")).direction(item.option("direction"))
             return question.to_arrow().column("id").to_pylist()
 

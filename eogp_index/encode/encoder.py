@@ -26,6 +26,7 @@ from eogp_index.gradients.capture import GradientCapture, batches, project_examp
 from eogp_index.gradients.model import pad_token_id
 from eogp_index.store.block_cache import BlockCache, block_documents
 from eogp_index.store.codecs import concat_modules
+from eogp_index.store.manifest import prefixed
 from eogp_index.store.stored_index import StoredIndex
 from eogp_index.store.table import RowInfo, build_rows
 
@@ -39,60 +40,93 @@ class Encoder:
         device: where the gradient passes run (``gradients.resolved_device()``).
     """
 
-    def __init__(self, stored: StoredIndex, model: nn.Module, tokenizer, gradients: GradientConfig):
+    def __init__(
+        self,
+        stored: StoredIndex,
+        model: nn.Module,
+        tokenizer,
+        gradients: GradientConfig,
+        checkpoint_models: Sequence[nn.Module] = (),
+    ):
         self.stored = stored
         self.model = model
         self.tokenizer = tokenizer
         self.gradients = gradients
         self.device = gradients.resolved_device()
+        #: an ensemble's models of checkpoints 1, 2, ... (``manifest.checkpoints``); ``model`` is
+        #: checkpoint 0's. Empty for one checkpoint.
+        self.checkpoint_models = list(checkpoint_models)
 
     path = property(lambda self: self.stored.path)
     manifest = property(lambda self: self.stored.manifest)
     store = property(lambda self: self.stored.store)
     layout = property(lambda self: self.stored.layout)
     codec = property(lambda self: self.stored.codec)
-    projection = property(lambda self: self.stored.projection)
+
+    @property
+    def projection(self):
+        """The projection, modules named as in :attr:`manifest` (an ensemble's: every checkpoint's,
+        checkpoint ``j >= 1``'s named ``c<j>/<module>``)."""
+        if self.manifest.checkpoints is None:
+            return self.stored.projection
+        return CombinedProjection(
+            {
+                prefixed(name, j): module
+                for j in range(self.manifest.num_checkpoints)
+                for name, module in self.stored.checkpoint_projection(j).modules.items()
+            }
+        )
+
+    @property
+    def models(self) -> List[nn.Module]:
+        """Every checkpoint's model, in order (one for an index of one checkpoint)."""
+        return [self.model, *self.checkpoint_models]
 
     # -- gradients --------------------------------------------------------------------------------
     def project(self, examples: Sequence[Example], *, progress: bool = False) -> np.ndarray:
         """Unquantized projected coordinates ``(n, T)`` float32, modules concatenated in order:
         the index's coordinates (``stored.coordinates``), ``T = K`` unless its rescoring tier is
         wider (``--rescore-k``), whose first ``k_u`` per module the one-bit code keeps
-        (``stored.one_bit``)."""
+        (``stored.one_bit``). An ensemble's are every checkpoint's coordinates, each by its own
+        model and projection, joined in checkpoint order (unweighted)."""
         if not examples:
             return np.zeros((0, self.stored.coordinates.num_coords), np.float32)
-        names = self.manifest.module_names
-        if self.projection.in_turn:
+        parts = []
+        for j, model in enumerate(self.models):
+            projection = self.stored.checkpoint_projection(j)
+            parts.extend(self.project_with(model, projection, examples, progress=progress))
+        return concat_modules(parts)
+
+    def project_with(self, model, projection, examples: Sequence[Example], *, progress: bool) -> List[np.ndarray]:
+        """The coordinates of ``examples`` by one checkpoint's ``model`` and ``projection``:
+        ``(n, t_u)`` per module, in module order."""
+        names = projection.names
+        if projection.in_turn:
             # P does not stay in memory: the first stage of every batch, then each module's P read
             # once for all of them (the paper's batched queries), not once per batch.
-            groups = self.first_stage_groups(examples, progress=progress)
-            return concat_modules(
-                [
-                    torch.cat(self.projection.modules[name].second_groups(groups.pop(name))).cpu().numpy()
-                    for name in names
-                ]
-            )
-        out = project_examples(self._capture(self.projection.transform), examples, **self._batching(progress))
-        return concat_modules([out[name].numpy() for name in names])
+            groups = self._first_stage_groups(model, projection, examples, progress=progress)
+            return [torch.cat(projection.modules[name].second_groups(groups.pop(name))).cpu().numpy() for name in names]
+        capture = GradientCapture(model, names, projection.transform, checkpoint=self.gradients.gradient_checkpointing)
+        out = project_examples(capture, examples, **self._batching(progress))
+        return [out[name].numpy() for name in names]
 
     def first_stage_groups(
         self, examples: Sequence[Example], *, progress: bool = False
     ) -> Dict[str, List[torch.Tensor]]:
         """First-stage coordinates at the projection's cache dtype, one ``(B, m_u)`` group per
-        gradient batch: ``{module: [group, ...]}`` (on the model's device)."""
-        names = self.manifest.module_names
-        capture = self._capture(self.projection.cached_first_stage_transform)
+        gradient batch: ``{module: [group, ...]}`` (on the model's device); one checkpoint's."""
+        return self._first_stage_groups(self.model, self.stored.projection, examples, progress=progress)
+
+    def _first_stage_groups(self, model, projection, examples, *, progress: bool) -> Dict[str, List[torch.Tensor]]:
+        names = projection.names
+        capture = GradientCapture(
+            model, names, projection.cached_first_stage_transform, checkpoint=self.gradients.gradient_checkpointing
+        )
         groups: Dict[str, List[torch.Tensor]] = {name: [] for name in names}
         for _, outputs in run_batches(capture, examples, **self._batching(progress)):
             for name in names:
                 groups[name].append(outputs[name])
         return groups
-
-    def _capture(self, transform) -> GradientCapture:
-        """The attributed modules' per-example gradients, each handed to ``transform``."""
-        return GradientCapture(
-            self.model, self.manifest.module_names, transform, checkpoint=self.gradients.gradient_checkpointing
-        )
 
     def _batching(self, progress: bool) -> Dict[str, Any]:
         """How a gradient pass is batched: the options of :func:`~eogp_index.gradients.capture.run_batches`."""
@@ -109,7 +143,11 @@ class Encoder:
         """The cache of block ingest, or None for per-batch ingest: blocks when ``P`` does not stay
         in memory (:func:`~eogp_index.store.block_cache.block_documents`, sized by
         ``config.block_documents``). ``worker``: a torchrun worker's rank (its own cache), one of
-        ``workers``. The caller closes it."""
+        ``workers``. The caller closes it. An ensemble ingests per batch (each checkpoint's ``P``
+        read per batch when it does not stay in memory): its block cache would hold every
+        checkpoint's first stage."""
+        if self.manifest.checkpoints is not None:
+            return None
         documents = block_documents(self.stored, self.gradients.batch_size, config.block_documents, workers=workers)
         return None if documents is None else BlockCache(self.path, documents, worker=worker)
 
@@ -170,6 +208,8 @@ class Encoder:
         encoded = self.codec.encode(self.stored.one_bit(coordinates))
         if self.stored.tier is not None:
             encoded = dataclasses.replace(encoded, **self.stored.tier.encode(coordinates))
+        if self.manifest.checkpoints is not None:  # a column per checkpoint
+            encoded = {**self.codec.split(encoded.columns()), **self._split_tier(encoded)}
         hashed = self.manifest.has_content_hashes
         info = RowInfo(
             ids=[ex.id for ex in examples],
@@ -184,6 +224,12 @@ class Encoder:
             text=None if store_text is None else [_capped(ex.display_text, store_text) for ex in examples],
         )
         return build_rows(info, encoded, schema=self.store.schema)
+
+    def _split_tier(self, encoded) -> Dict[str, np.ndarray]:
+        tier = self.stored.tier
+        if tier is None:
+            return {}
+        return tier.split({name: getattr(encoded, name) for name in tier.logical_columns})
 
     # -- queries ----------------------------------------------------------------------------------
     @property
@@ -223,6 +269,19 @@ class Encoder:
         if tokenized.errors:
             raise tokenized.errors[min(tokenized.errors)]
         return measured(self, tokenized).coordinates
+
+
+class CombinedProjection:
+    """An ensemble's projections seen as one: ``modules`` maps each combined module name
+    (``manifest.module_names``) to its checkpoint's
+    :class:`~eogp_index.fit.projection.ModuleProjection`."""
+
+    def __init__(self, modules: Dict[str, Any]):
+        self.modules = modules
+
+    @property
+    def names(self) -> List[str]:
+        return list(self.modules)
 
 
 def _capped(text: str, max_bytes: int) -> Optional[str]:

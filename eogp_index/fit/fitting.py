@@ -65,7 +65,7 @@ from eogp_index.fit.projection import (
     second_stage_directions,
 )
 from eogp_index.fit.recall import RECALL_QUERIES, IndexRecall, format_recall, index_recall
-from eogp_index.fit.sampling import split_fit_sets
+from eogp_index.fit.sampling import FitSets, split_fit_sets
 from eogp_index.gradients.capture import GradientCapture, batches, check_counted
 from eogp_index.gradients.coverage import report_coverage
 from eogp_index.gradients.experts import make_experts_trackable
@@ -151,6 +151,7 @@ def fit_projection(
     storage: StorageConfig = StorageConfig(),
     gradients: GradientConfig = GradientConfig(),
     progress: bool = True,
+    sets: Optional[FitSets] = None,
 ) -> FittedProjection:
     """Fit curvature and projection on ``examples``; the model is prepared for attribution in place.
 
@@ -161,8 +162,10 @@ def fit_projection(
         out_dir: the index directory; kronfluence's factors go to ``out_dir/curvature``, the
             fit's stages to ``out_dir/fit`` (an interrupted fit found there is resumed).
         modules: module names or globs to attribute (default: attention and MLP linears).
+        sets: the fitting sets themselves (another checkpoint fitted on an index's recorded sets,
+            ``eogp add-checkpoint``); None: sampled from ``examples``.
     """
-    if not examples:
+    if not examples and sets is None:
         raise InputError("no examples to fit the curvature and projection on; give --data shards with documents")
     start = time.perf_counter()
     projection = projection.resolved(storage.tier)  # the default variant is the tier's
@@ -179,13 +182,14 @@ def fit_projection(
         report_coverage(model, names, log)
     pad_id = pad_token_id(tokenizer)
     use_pca = projection.second_stage == "pca"
-    sets = split_fit_sets(
-        examples,
-        curvature.num_examples,
-        projection.num_fit_examples if use_pca else 0,
-        curvature_seed=curvature.seed,
-        pca_seed=projection.seed,
-    )
+    if sets is None:
+        sets = split_fit_sets(
+            examples,
+            curvature.num_examples,
+            projection.num_fit_examples if use_pca else 0,
+            curvature_seed=curvature.seed,
+            pca_seed=projection.seed,
+        )
     check_counted(sets.pca)
     _probe_capture(model, names, sets.pca or sets.curvature, pad_id, device)
     gradients, curvature, partitions = _sized(
@@ -590,3 +594,125 @@ def _recall_cells(recall) -> str:
     diff = f"{recall.diff:+.3f}±{recall.diff_se:.3f}" if math.isfinite(recall.diff) else "n/a"
     t = next(iter(recall.curves.values())).t
     return f"recall of the tier's top-{t} (mean over F): {', '.join(cells)}; rot - eogp {diff}; code {recall.code}"
+
+
+#: Config entries that name or stamp a checkpoint rather than describe its architecture.
+_CONFIG_STAMPS = ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "torch_dtype", "dtype")
+
+
+def check_checkpoint(first: nn.Module, other: nn.Module, *, first_name: str, name: str) -> None:
+    """Refuse checkpoint ``other`` (``name``) for an ensemble with ``first`` (``first_name``)
+    unless both have one architecture: the same config (but for names and version stamps) and
+    parameters of the same names and shapes (so the same attributed modules, which are found by
+    the modules' names and types).
+
+    Raises:
+        IncompatibleIndexError: naming the checkpoint and what differs.
+    """
+    from eogp_index.errors import IncompatibleIndexError
+
+    def config(model) -> dict:
+        found = getattr(model, "config", None)
+        data = found.to_dict() if found is not None and hasattr(found, "to_dict") else {}
+        return {key: value for key, value in data.items() if key not in _CONFIG_STAMPS}
+
+    def refuse(what: str) -> IncompatibleIndexError:
+        return IncompatibleIndexError(
+            f"checkpoint {name!r} cannot join an ensemble with {first_name!r}: {what}. The checkpoints of an "
+            "ensemble are checkpoints of one training run: one architecture, attributed modules and tokenizer"
+        )
+
+    a, b = config(first), config(other)
+    differ = sorted(key for key in set(a) | set(b) if a.get(key) != b.get(key))
+    if differ:
+        key = differ[0]
+        raise refuse(f"its config differs in {key!r} ({b.get(key)!r}, not {a.get(key)!r})")
+    shapes = [{n: tuple(p.shape) for n, p in model.named_parameters()} for model in (first, other)]
+    if shapes[0] != shapes[1]:
+        key = sorted(set(shapes[0]) ^ set(shapes[1]) or {n for n in shapes[0] if shapes[0][n] != shapes[1][n]})[0]
+        raise refuse(f"its parameter {key!r} differs ({shapes[1].get(key)}, not {shapes[0].get(key)})")
+
+
+def check_tokenizer(first, other, *, first_name: str, name: str) -> None:
+    """Refuse checkpoint ``name``'s tokenizer unless it tokenizes as ``first_name``'s: the same
+    vocabulary and special tokens.
+
+    Raises:
+        IncompatibleIndexError: naming the checkpoint and what differs.
+    """
+    from eogp_index.errors import IncompatibleIndexError
+
+    for what, read in (
+        ("vocabulary", lambda t: t.get_vocab()),
+        ("special tokens", lambda t: getattr(t, "special_tokens_map", {})),
+    ):
+        if read(first) != read(other):
+            raise IncompatibleIndexError(
+                f"checkpoint {name!r} cannot join an ensemble with {first_name!r}: its tokenizer's {what} "
+                "differ, so one query would be different tokens for each. Use checkpoints of one training run"
+            )
+
+
+def checkpoint_weights_from(spec: str, checkpoints: Sequence[str]) -> Optional[list]:
+    """The weights of ``eogp fit --checkpoint-weights``, one per checkpoint, or None for
+    ``uniform`` (``1/C`` each).
+
+    ``spec`` is ``uniform`` or a JSON file: ``{"weights": [...]}`` or a list (taken as given), or
+    a HuggingFace ``trainer_state.json``: each checkpoint's weight is the ``learning_rate`` of the
+    last ``log_history`` entry at or before its step, normalized to sum to 1 (TRAK's and LESS's
+    learning-rate weighting). A checkpoint's step is its own ``trainer_state.json``'s
+    ``global_step`` when its directory has one, else the number in a ``checkpoint-<step>`` name.
+
+    Raises:
+        InputError: a file that is none of these, names no step for a checkpoint, or has no
+            learning rate logged by it; naming the file.
+    """
+    import json
+    import re
+
+    if spec == "uniform":
+        return None
+    path = Path(spec)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(
+            f"--checkpoint-weights {spec}: not uniform, and not a readable JSON file ({exc}); give uniform, a JSON "
+            '{"weights": [...]} or list, or a trainer_state.json'
+        ) from None
+    if isinstance(data, dict) and "log_history" in data:
+        steps = []
+        for name in checkpoints:
+            state = Path(name) / "trainer_state.json"
+            found = re.search(r"checkpoint-(\d+)", str(name))
+            if state.is_file():
+                steps.append(int(json.loads(state.read_text())["global_step"]))
+            elif found:
+                steps.append(int(found.group(1)))
+            else:
+                raise InputError(
+                    f"--checkpoint-weights {spec}: checkpoint {name!r} has no trainer_state.json and no "
+                    "checkpoint-<step> name, so its step (and learning rate) is unknown; give the weights as a list"
+                )
+        rates = []
+        for name, step in zip(checkpoints, steps):
+            logged = [e for e in data["log_history"] if "learning_rate" in e and e.get("step", 0) <= step]
+            if not logged:
+                raise InputError(
+                    f"--checkpoint-weights {spec}: no learning_rate logged at or before step {step} (checkpoint "
+                    f"{name!r}) in its log_history"
+                )
+            rates.append(float(max(logged, key=lambda e: e.get("step", 0))["learning_rate"]))
+        total = sum(rates)
+        if total <= 0:
+            raise InputError(f"--checkpoint-weights {spec}: the learning rates at the checkpoints' steps sum to 0")
+        return [rate / total for rate in rates]
+    weights = data.get("weights") if isinstance(data, dict) else data
+    if not isinstance(weights, list) or len(weights) != len(checkpoints):
+        raise InputError(
+            f"--checkpoint-weights {spec}: expected {len(checkpoints)} weights (one per checkpoint) as "
+            '{"weights": [...]} or a list, or a trainer_state.json'
+        )
+    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+        raise InputError(f"--checkpoint-weights {spec}: weights must be finite numbers, got {weights}")
+    return [float(w) for w in weights]

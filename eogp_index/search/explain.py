@@ -36,6 +36,7 @@ from eogp_index.encode.encoder import Encoder
 from eogp_index.errors import InputError
 from eogp_index.gradients.capture import GradientCapture, project_examples
 from eogp_index.store.codecs import Encoded, SignLayout, decode
+from eogp_index.store.manifest import prefixed
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class Explanation:
             FP16 rounding the projection applies to the query's first stage).
         modules: ``{module: term}`` of ``score``.
         text: the document as stored or read back (text, or chat / ids as JSON).
+        checkpoints: on an index of several checkpoints, each checkpoint's share of ``score``
+            (``{checkpoint name: w_c · score_c}``, its modules' terms summed; they sum to
+            ``score``); empty for one checkpoint.
     """
 
     id: str
@@ -71,6 +75,7 @@ class Explanation:
     text: Optional[str] = None
     metadata: Dict[str, Any] = field(default_factory=dict)
     score_1bit: Optional[float] = None
+    checkpoints: Dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> Dict[str, Any]:
         data = {
@@ -81,6 +86,7 @@ class Explanation:
             "train_tokens": [{"token": t.token, "contribution": t.contribution} for t in self.train_tokens],
             "query_tokens": [{"token": t.token, "contribution": t.contribution} for t in self.query_tokens],
             "modules": dict(self.modules),
+            **({"checkpoints": dict(self.checkpoints)} if self.checkpoints else {}),
         }
         if self.text is not None:
             data["text"] = self.text
@@ -138,25 +144,42 @@ def token_contributions(index: Encoder, examples: Sequence[Example], coords: np.
     from eogp_index.gradients.capture import batches
     from eogp_index.gradients.model import pad_token_id
 
-    names = index.manifest.module_names
+    manifest = index.manifest
     layout = index.stored.coordinates  # what the second stages output (a wider tier's, with --rescore-k)
     coords_t = torch.as_tensor(np.asarray(coords, np.float32))
     pulled = {
         name: weight_space(index.projection.modules[name], coords_t[:, off : off + k]).to(index.device)
-        for name, off, k in zip(names, layout.coord_offsets, layout.k)
+        for name, off, k in zip(manifest.module_names, layout.coord_offsets, layout.k)
     }
-
-    def contributions(name: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:  # (B, n_coords, T)
-        return torch.einsum("bto,noi,bti->bnt", g, pulled[name], a)
-
-    capture = GradientCapture(index.model, names, contributions, checkpoint=index.gradients.gradient_checkpointing)
     out: List[np.ndarray] = []
     for batch in batches(examples, index.gradients.batch_size):  # each batch padded to its own longest
-        per_module = project_examples(
-            capture, batch, batch_size=len(batch), pad_token_id=pad_token_id(index.tokenizer), device=index.device
-        )
-        total = sum(per_module[name].double() for name in names).numpy()  # (B, n_coords, T)
+        total = 0
+        for j, model in enumerate(index.models):  # an ensemble: each checkpoint's model, its modules' share
+            names = {m.name: prefixed(m.name, j) for m in manifest.checkpoint_modules(j)}
+
+            def contributions(name: str, a: torch.Tensor, g: torch.Tensor, names=names) -> torch.Tensor:
+                return torch.einsum("bto,noi,bti->bnt", g, pulled[names[name]], a)  # (B, n_coords, T)
+
+            capture = GradientCapture(
+                model, list(names), contributions, checkpoint=index.gradients.gradient_checkpointing
+            )
+            per_module = project_examples(
+                capture, batch, batch_size=len(batch), pad_token_id=pad_token_id(index.tokenizer), device=index.device
+            )
+            total = total + sum(per_module[name].double() for name in names).numpy()  # (B, n_coords, T)
         out.extend(total[i, :, : len(ex.input_ids)] for i, ex in enumerate(batch))
+    return out
+
+
+def checkpoint_shares(manifest, terms: np.ndarray) -> Dict[str, float]:
+    """Each checkpoint's share of a score from its per-module ``terms`` ``(U,)`` (in the combined
+    layout's order): ``{"<j>: <name>": sum of its modules' terms}``; empty for one checkpoint."""
+    if manifest.checkpoints is None:
+        return {}
+    out, start = {}, 0
+    for j, (entry, count) in enumerate(zip(manifest.checkpoints, manifest.checkpoint_parts)):
+        out[f"{j}: {entry['name']}"] = float(np.asarray(terms[start : start + count], np.float64).sum())
+        start += count
     return out
 
 
@@ -192,7 +215,7 @@ def explain_documents(index: Encoder, query, ids: Sequence[str]) -> List[Explana
     stored = index.stored
     query_example = index.query_examples([query])[0]
     documents = [stored.document(i, index.tokenizer) for i in ids]  # checked against their hashes
-    y = index.project([query_example])  # (1, K)
+    y = stored.weigh(index.project([query_example]))  # (1, K); an ensemble's checkpoints weighted as queries are
     where = f"id IN ({', '.join(sql_string(i) for i in ids)})"
     tier = stored.tier  # an index with a rescoring tier ranks by the tier's score: explain that one
     columns = [*stored.codec.columns, *(() if tier is None else tier.columns)]
@@ -210,7 +233,8 @@ def explain_documents(index: Encoder, query, ids: Sequence[str]) -> List[Explana
     stored_coords = decode(codes, layout)
     terms = module_terms(codes, y[0], layout)  # (r, U)
     train = token_contributions(index, documents, y)  # [(1, T_i)]
-    (queried,) = token_contributions(index, [query_example], stored_coords)  # (r, T_q)
+    # (r, T_q); an ensemble's checkpoints weighted as the query is
+    (queried,) = token_contributions(index, [query_example], stored.weigh(stored_coords))
     names = stored.manifest.module_names
     query_texts = _token_texts(index.tokenizer, query_example.input_ids)
     out = []
@@ -228,6 +252,7 @@ def explain_documents(index: Encoder, query, ids: Sequence[str]) -> List[Explana
                 modules=module_dicts(terms[j : j + 1], names)[0],
                 text=doc.display_text,
                 score_1bit=None if scores_1bit is None else float(scores_1bit[j]),
+                checkpoints=checkpoint_shares(stored.manifest, terms[j]),
             )
         )
     return out

@@ -169,6 +169,10 @@ class InfluenceQuery:
         """Split each hit's score into its per-module terms (a ``modules`` column)."""
         return self._with(by_module=enabled)
 
+    def checkpoint_weights(self, weights: Optional[Sequence[float]]) -> "InfluenceQuery":
+        """On an index of several checkpoints, each one's weight in the score (None: the index's)."""
+        return self._with(checkpoint_weights=weights)  # checked (and made a tuple) by the Question
+
     def route(self, route: Route) -> "InfluenceQuery":
         """Choose where codes are read from: ``hot``, ``stream``, ``sharded`` (see :class:`Question`)."""
         return self._with(route=route)
@@ -211,6 +215,8 @@ class InfluenceQuery:
             y = self._index.query_coordinates(list(self.question.queries))
         else:
             y = np.asarray(coordinates, np.float32)
+        # an ensemble's checkpoints weighted in the query: the one scan sums w_c * score_c
+        y = self._index.stored.weigh(y, self.question.checkpoint_weights)
         return y if self.question.aggregate is None else aggregate_coordinates(y, self.question.aggregate)
 
     def to_list(self, *, coordinates: Optional[np.ndarray] = None) -> List[pa.Table]:

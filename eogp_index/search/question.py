@@ -4,7 +4,7 @@ A :class:`Question` carries everything a question can hold: its queries (record 
 kind in :data:`~eogp_index.data.records.RECORD_KINDS`), how several are answered as one
 behaviour (``aggregate``), and the options of the answer (``k``, ``where``, ``direction``,
 ``normalize``, ``group_by``, ``by_module``, ``route``, ``candidates``, ``first_pass``,
-``rescore``, ``allow_partial``). Every
+``rescore``, ``checkpoint_weights``, ``allow_partial``). Every
 surface builds one and answers it: the library's builder
 (:meth:`InfluenceQuery.to_query_object() <eogp_index.search.query.InfluenceQuery.to_query_object>`),
 ``AttributionIndex.search`` / ``top_influential`` / ``scores`` / ``select``, the commands
@@ -48,7 +48,15 @@ from eogp_index.errors import ConfigError, InputError
 Direction = Literal["positive", "negative", "both"]
 DIRECTIONS = ("positive", "negative", "both")
 
-__all__ = ["Question", "Route", "ROUTES", "UNMEASURED_RESCORE", "check_question", "question_field"]
+__all__ = [
+    "Question",
+    "Route",
+    "ROUTES",
+    "UNMEASURED_RESCORE",
+    "check_checkpoint_weights",
+    "check_question",
+    "question_field",
+]
 
 Route = Literal["auto", "hot", "stream", "sharded", "candidates"]
 ROUTES = ("auto", "hot", "stream", "sharded", "candidates")
@@ -93,6 +101,9 @@ class Question:
             index's table, else the one its fit measured (``eogp info`` shows both;
             :data:`UNMEASURED_RESCORE` when it records neither);
             0: the one-bit ranking. An index without a tier ignores it.
+        checkpoint_weights: on an index of ``C`` checkpoints (an ensemble, docs/ensembles.md),
+            each checkpoint's weight ``w_c`` in the score ``Σ_c w_c · score_c``: ``C`` finite
+            numbers; None: the index's own (``manifest.checkpoints[c].weight``).
         allow_partial: on an index served in shards (:mod:`eogp_index.cluster`), answer from the
             shards that answered when some did not (the answer names them); one process ignores it.
     """
@@ -157,6 +168,13 @@ class Question:
         },
     )
 
+    checkpoint_weights: Optional[Tuple[float, ...]] = field(
+        default=None,
+        metadata={
+            "help": "On an index of several checkpoints: each checkpoint's weight in the score, sum_c w_c * score_c, "
+            "one number per checkpoint in order (e.g. 0.5,0.5). Default: the weights the index was fitted with.",
+        },
+    )
     allow_partial: bool = field(
         default=False,
         metadata={
@@ -197,6 +215,8 @@ class Question:
                 f"factor), got {self.rescore!r}",
                 field="rescore",
             )
+        if self.checkpoint_weights is not None:
+            set_(self, "checkpoint_weights", check_checkpoint_weights(self.checkpoint_weights))
         if not isinstance(self.first_pass, str) or not self.first_pass:
             raise ConfigError(f"first_pass must name a first pass, got {self.first_pass!r}", field="first_pass")
         self._check_route()
@@ -275,6 +295,37 @@ def _records(queries: Any) -> Tuple[Dict[str, Any], ...]:
     return tuple(out)
 
 
+def check_checkpoint_weights(weights: Any, count: Optional[int] = None) -> Tuple[float, ...]:
+    """``weights`` as a tuple of finite floats, one per checkpoint (``count`` of them when given).
+
+    Raises:
+        ConfigError: not a sequence of finite numbers, or not ``count`` of them
+            (``field="checkpoint_weights"``).
+    """
+    import math
+
+    if isinstance(weights, (str, bytes, dict)) or not hasattr(weights, "__iter__"):
+        raise ConfigError(
+            f"checkpoint_weights must be a list of numbers, one per checkpoint, got {weights!r}",
+            field="checkpoint_weights",
+        )
+    values = tuple(weights)
+    if not values or any(
+        isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)) for v in values
+    ):
+        raise ConfigError(
+            f"checkpoint_weights must be finite numbers, one per checkpoint, got {list(values)!r}",
+            field="checkpoint_weights",
+        )
+    if count is not None and len(values) != count:
+        raise ConfigError(
+            f"checkpoint_weights has {len(values)} weights but the index has {count} checkpoint(s); give one per "
+            "checkpoint, in the order of `eogp info`'s checkpoints",
+            field="checkpoint_weights",
+        )
+    return tuple(float(v) for v in values)
+
+
 def question_field(name: str) -> dataclasses.Field:
     """The :class:`Question` field ``name`` (its default and ``metadata["help"]``)."""
     found = {f.name: f for f in dataclasses.fields(Question)}.get(name)
@@ -301,6 +352,9 @@ def check_question(question: Question, stored) -> None:
     """
     from eogp_index.search.rollup import check_group_column
     from eogp_index.store.filters import check_filter
+
+    if question.checkpoint_weights is not None:
+        check_checkpoint_weights(question.checkpoint_weights, stored.manifest.num_checkpoints)
 
     for i, record in enumerate(question.queries):  # the one record checker, as documents are checked
         try:

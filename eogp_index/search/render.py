@@ -51,6 +51,9 @@ def explanation_terminal(explanation: Explanation, *, color: bool = True, width:
         "1-bit, as ranked" if e.score_1bit is None else f"rescored from the tier, as ranked; 1-bit {e.score_1bit:+.4e}"
     )
     lines = [f"{e.id}: score {e.score:+.4e} ({ranked}), {e.score_projected:+.4e} unquantized"]
+    if e.checkpoints:  # an ensemble: each checkpoint's weighted share of the score
+        lines.append("checkpoints (weighted shares of the score):")
+        lines.extend(f"  {name}  {value:+.3e}" for name, value in e.checkpoints.items())
     peak = max((abs(v) for v in e.modules.values()), default=0.0) or 1.0
     name_width = max((len(n) for n in e.modules), default=0)
     for name, value in e.modules.items():
@@ -97,7 +100,18 @@ def explanation_html(explanation: Explanation) -> str:
         f'<div class="eogp-explanation" data-id="{html.escape(e.id)}">'
         f'<p class="eogp-scores">score {e.score:+.4e} (1-bit, as ranked) · '
         f"{e.score_projected:+.4e} unquantized</p>"
-        f'<div class="eogp-modules">{modules}</div>'
+        + (
+            '<div class="eogp-checkpoints">'
+            + "".join(
+                f'<div class="eogp-checkpoint"><span class="eogp-checkpoint-name">{html.escape(name)}</span>'
+                f'<span class="eogp-checkpoint-value">{value:+.3e}</span></div>'
+                for name, value in e.checkpoints.items()
+            )
+            + "</div>"
+            if e.checkpoints
+            else ""
+        )
+        + f'<div class="eogp-modules">{modules}</div>'
         f'<p class="eogp-label">document tokens</p><p class="eogp-tokens">{_html_tokens(e.train_tokens)}</p>'
         f'<p class="eogp-label">query tokens</p><p class="eogp-tokens">{_html_tokens(e.query_tokens)}</p>'
         "</div>"

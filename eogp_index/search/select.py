@@ -250,7 +250,7 @@ def selection_work(index, question: Union[Question, Sequence[Any]], options: Sel
         require_tier(stored)  # before the queries are measured
     version = stored.store.version if stored.store.table is not None else None
     keep = options.count(count_at(stored, question.where, version))
-    y = target_coordinates(index, question.queries, options.precision)
+    y = target_coordinates(index, question.queries, options.precision, question.checkpoint_weights)
     if options.score == "mean":
         y = y.astype(np.float64).mean(axis=0, keepdims=True).astype(np.float32)
     return SelectionWork(question, options, keep, y, version)
@@ -304,10 +304,11 @@ def finish_selection(work: SelectionWork, rowaddr: np.ndarray, key: np.ndarray) 
     return Selection(rowaddr[order], (work.sign * key[order]).astype(np.float32), work.options)
 
 
-def target_coordinates(index, queries: Sequence[Any], precision: str) -> np.ndarray:
+def target_coordinates(index, queries: Sequence[Any], precision: str, weights=None) -> np.ndarray:
     """The target queries' coordinates ``(nq, K)`` float32 for scoring at ``precision``: the
-    encoder's projection (the one-bit code and the tier share their coordinates)."""
-    return index.query_coordinates(list(queries))
+    encoder's projection (the one-bit code and the tier share their coordinates), an ensemble's
+    checkpoints weighted (``weights``; None: the index's, :meth:`StoredIndex.weigh`)."""
+    return index.stored.weigh(index.query_coordinates(list(queries)), weights)
 
 
 def _question(question: Union[Question, Sequence[Any]], command: str) -> Question:
@@ -688,7 +689,7 @@ def scores_work(
     if precision == "rescore":
         require_tier(stored)  # before the queries are measured
     version = stored.store.version if stored.store.table is not None else None
-    y = target_coordinates(index, question.queries, precision)
+    y = target_coordinates(index, question.queries, precision, question.checkpoint_weights)
     from eogp_index.store.table import CODE_COLUMNS
 
     metadata = [c for c in stored.store.metadata_columns() if c not in CODE_COLUMNS and c not in ("id", "text")]

@@ -90,6 +90,7 @@ class QueryRequest(BaseModel):
     candidates: Optional[int] = _question("candidates")
     first_pass: str = _question("first_pass")
     rescore: Optional[int] = _question("rescore")
+    checkpoint_weights: Optional[List[float]] = _question("checkpoint_weights")
     allow_partial: bool = _question("allow_partial")
 
 

@@ -148,18 +148,85 @@ class Encoded:
         return Encoded(**{name: values[rows] for name, values in self.columns().items()})
 
 
-class Codec:
+def checkpoint_column(name: str, part: int) -> str:
+    """The table column of code column ``name`` for checkpoint ``part`` of an ensemble
+    (schemas/store.md): checkpoint 0's is ``name`` itself, checkpoint ``j``'s ``name_c<j>``, so
+    that adding a checkpoint adds columns without rewriting the others."""
+    return name if part == 0 else f"{name}_c{part}"
+
+
+def _part_sums(per_module: Sequence[int], parts: Tuple[int, ...]) -> Tuple[int, ...]:
+    """Per-module widths summed over each checkpoint's consecutive modules."""
+    out, start = [], 0
+    for count in parts:
+        out.append(int(sum(per_module[start : start + count])))
+        start += count
+    return tuple(out)
+
+
+class _Parts:
+    """The code columns of an ensemble's checkpoints (``parts``: modules per checkpoint, in the
+    combined layout's order). Every module starts at a fresh byte, so a checkpoint's columns are
+    a contiguous slice of the combined row: the table holds one column per checkpoint
+    (:func:`checkpoint_column`) and everything read back is the combined layout."""
+
+    parts: Tuple[int, ...]
+
+    def _init_parts(self, parts: Optional[Sequence[int]], num_modules: int) -> None:
+        parts = (num_modules,) if parts is None else tuple(int(p) for p in parts)
+        if sum(parts) != num_modules or min(parts) < 1:
+            raise ConfigError(f"checkpoint parts {list(parts)} must split the {num_modules} modules")
+        self.parts = parts
+
+    def module_widths_of(self, name: str) -> Sequence[int]:
+        """Elements of the combined column ``name`` per module."""
+        raise NotImplementedError
+
+    def _column_parts(self, name: str) -> Tuple[int, ...]:
+        return _part_sums(self.module_widths_of(name), self.parts)
+
+    @property
+    def columns(self) -> Tuple[str, ...]:
+        """The table columns of the codes, in schema order (checkpoint 0's, then checkpoint 1's, ...)."""
+        return tuple(checkpoint_column(name, j) for j in range(len(self.parts)) for name in self.logical_columns)
+
+    def split(self, columns: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        """Combined ``{column: (n, w)}`` arrays → the table's columns (:attr:`columns`)."""
+        if len(self.parts) == 1:
+            return dict(columns)
+        out = {}
+        for j in range(len(self.parts)):
+            for name in self.logical_columns:
+                widths = self._column_parts(name)
+                start = sum(widths[:j])
+                out[checkpoint_column(name, j)] = np.ascontiguousarray(columns[name][:, start : start + widths[j]])
+        return out
+
+    def read_column(self, batch, name: str, dtype) -> np.ndarray:
+        """Combined column ``name`` of an Arrow table or batch, its checkpoints' columns joined."""
+        widths = self._column_parts(name)
+        arrays = [
+            list_column_to_numpy(batch.column(checkpoint_column(name, j)), width, dtype)
+            for j, width in enumerate(widths)
+        ]
+        return arrays[0] if len(arrays) == 1 else np.ascontiguousarray(np.concatenate(arrays, axis=1))
+
+
+class Codec(_Parts):
     """How one precision stores a row: its columns, bytes, encoding and read-back.
 
-    Subclasses set ``precision`` and ``columns`` and implement :meth:`encode` and :meth:`widths`.
+    Subclasses set ``precision`` and ``logical_columns`` and implement :meth:`encode`,
+    :meth:`widths` and :meth:`module_widths_of`. ``parts``: an ensemble's modules per
+    checkpoint (:class:`_Parts`); None: one checkpoint.
     """
 
     precision: ClassVar[str]
-    #: table columns of the codes, in schema order
-    columns: ClassVar[Tuple[str, ...]]
+    #: the code columns of a row (combined over an ensemble's checkpoints), in schema order
+    logical_columns: ClassVar[Tuple[str, ...]]
 
-    def __init__(self, layout: SignLayout):
+    def __init__(self, layout: SignLayout, parts: Optional[Sequence[int]] = None):
         self.layout = layout
+        self._init_parts(parts, layout.num_modules)
 
     @property
     def bytes_per_example(self) -> int:
@@ -179,12 +246,7 @@ class Codec:
 
     def from_arrow(self, batch) -> Encoded:
         """Code columns of an Arrow table or record batch → :class:`Encoded` in scanning dtypes."""
-        return Encoded(
-            **{
-                name: list_column_to_numpy(batch.column(name), width, dtype)
-                for name, (width, dtype) in self.widths().items()
-            }
-        )
+        return Encoded(**{name: self.read_column(batch, name, dtype) for name, (_, dtype) in self.widths().items()})
 
     def empty(self) -> Encoded:
         return Encoded(**{name: np.zeros((0, width), dtype) for name, (width, dtype) in self.widths().items()})
@@ -194,7 +256,10 @@ class OneBitCodec(Codec):
     """EOGP's storage: packed signs plus one FP16 scale ``‖x_u‖₁/k_u`` per module."""
 
     precision = "1bit"
-    columns = ("signs", "scales")
+    logical_columns = ("signs", "scales")
+
+    def module_widths_of(self, name: str) -> Sequence[int]:
+        return self.layout.module_bytes if name == "signs" else (1,) * self.layout.num_modules
 
     def encode(self, x: np.ndarray) -> Encoded:
         return Encoded(signs=pack_signs(x, self.layout), scales=scales_of(x, self.layout))
@@ -207,10 +272,10 @@ class OneBitCodec(Codec):
 class FloatCodec(Codec):
     """Unquantized coordinates (fp16 or fp32), for comparisons with the one-bit code."""
 
-    columns = ("coords",)
+    logical_columns = ("coords",)
 
-    def __init__(self, layout: SignLayout, precision: Precision):
-        super().__init__(layout)
+    def __init__(self, layout: SignLayout, precision: Precision, parts: Optional[Sequence[int]] = None):
+        super().__init__(layout, parts)
         self.precision = precision  # type: ignore[misc]
         self.dtype = np.float16 if precision == "fp16" else np.float32
 
@@ -220,6 +285,9 @@ class FloatCodec(Codec):
 
     def widths(self) -> Dict[str, Tuple[int, type]]:
         return {"coords": (self.layout.num_coords, np.float32)}
+
+    def module_widths_of(self, name: str) -> Sequence[int]:
+        return self.layout.k
 
 
 #: The largest code of each integer tier: symmetric, so that zero is exact and ``-q`` is a code.
@@ -245,7 +313,7 @@ def prefix_columns(x: np.ndarray, layout: SignLayout, prefix: SignLayout) -> np.
     )
 
 
-class TierCodec:
+class TierCodec(_Parts):
     """The rescoring tier: the ``(n, T)`` coordinates of ``layout`` (the one-bit code's, or
     more per module with ``--rescore-k``: the one-bit code then keeps the first ``k_u`` of each
     module's ``t_u``) at ``code``'s precision (schemas/store.md).
@@ -257,15 +325,19 @@ class TierCodec:
     fresh byte). fp16: the coordinates rounded to float16, no scale.
     """
 
-    def __init__(self, code: str, layout: SignLayout):
+    def __init__(self, code: str, layout: SignLayout, parts: Optional[Sequence[int]] = None):
         if code not in ("int8", "int4", "fp16"):
             raise ConfigError(f"a rescoring tier's code is int8, int4 or fp16, got {code!r}")
         self.code = code
         self.layout = layout
+        self._init_parts(parts, layout.num_modules)
 
     @property
-    def columns(self) -> Tuple[str, ...]:
+    def logical_columns(self) -> Tuple[str, ...]:
         return ("tier",) if self.code == "fp16" else ("tier", "tier_scales")
+
+    def module_widths_of(self, name: str) -> Sequence[int]:
+        return self.module_widths if name == "tier" else (1,) * self.layout.num_modules
 
     @functools.cached_property
     def module_widths(self) -> Tuple[int, ...]:
@@ -324,23 +396,23 @@ class TierCodec:
     def from_arrow(self, table) -> Dict[str, np.ndarray]:
         """The tier's columns of an Arrow table → ``{column: (n, w) array}`` as stored."""
         dtype = {"int8": np.int8, "int4": np.uint8, "fp16": np.float16}[self.code]
-        out = {"tier": list_column_to_numpy(table.column("tier"), self.width, dtype)}
+        out = {"tier": self.read_column(table, "tier", dtype)}
         if self.code != "fp16":
-            out["tier_scales"] = list_column_to_numpy(table.column("tier_scales"), self.layout.num_modules, np.float16)
+            out["tier_scales"] = self.read_column(table, "tier_scales", np.float16)
         return out
 
 
-def tier_for(code: Optional[str], layout: SignLayout) -> Optional[TierCodec]:
+def tier_for(code: Optional[str], layout: SignLayout, parts: Optional[Sequence[int]] = None) -> Optional[TierCodec]:
     """The tier codec of a manifest's ``tier.code`` (None, or ``none``: the index has no tier)."""
-    return None if code in (None, "none") else TierCodec(code, layout)
+    return None if code in (None, "none") else TierCodec(code, layout, parts)
 
 
-def codec_for(precision: Precision, layout: SignLayout) -> Codec:
-    """The codec of a manifest's ``precision``."""
+def codec_for(precision: Precision, layout: SignLayout, parts: Optional[Sequence[int]] = None) -> Codec:
+    """The codec of a manifest's ``precision``; ``parts``: an ensemble's modules per checkpoint."""
     if precision == "1bit":
-        return OneBitCodec(layout)
+        return OneBitCodec(layout, parts)
     if precision in ("fp16", "fp32"):
-        return FloatCodec(layout, precision)
+        return FloatCodec(layout, precision, parts)
     raise ConfigError(f"precision must be '1bit', 'fp16' or 'fp32', got {precision!r}")
 
 

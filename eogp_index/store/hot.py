@@ -451,7 +451,12 @@ class _Segment:
         # "c" (copy-on-write) maps the file without copying and keeps the arrays writeable, which
         # the compiled scan kernels were compiled for; nothing ever writes to them.
         self.rowaddr = np.load(folder / "rowaddr.npy", mmap_mode="c")
-        self.codes = {name: np.load(folder / f"{name}.npy", mmap_mode="c") for name in codec.columns}
+        # named as the combined codes (an ensemble's checkpoints joined), as the segment writes them
+        self.codes = {name: np.load(folder / f"{name}.npy", mmap_mode="c") for name in codec.widths()}
+        for name, (width, _) in codec.widths().items():
+            if self.codes[name].ndim != 2 or self.codes[name].shape[1] != width:
+                # another layout: codes of fewer checkpoints (eogp add-checkpoint), read again
+                raise ValueError(f"{folder}: {name} of width {self.codes[name].shape[1:]}, not {width}")
         with pa.memory_map(str(folder / COLUMNS_FILE), "r") as source:
             self.columns = pa.ipc.open_file(source).read_all()
         if self.rowaddr.shape[0] != self.rows or self.columns.num_rows != self.rows:
@@ -569,7 +574,7 @@ def _assemble(pieces: Sequence[Piece], segments: Dict[str, _Segment], codec: Cod
             dictionaries=dictionaries,
         )
     rowaddr = np.concatenate([seg.rowaddr[a:b] for seg, a, b in parts])
-    encoded = Encoded(**{n: np.concatenate([seg.codes[n][a:b] for seg, a, b in parts]) for n in codec.columns})
+    encoded = Encoded(**{n: np.concatenate([seg.codes[n][a:b] for seg, a, b in parts]) for n in codec.widths()})
     columns = pa.concat_tables([seg.columns.slice(a, b - a) for seg, a, b in parts])
     return HotCodes(rowaddr=rowaddr, encoded=encoded, version=version, columns=columns, dictionaries=dictionaries)
 

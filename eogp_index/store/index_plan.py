@@ -3,15 +3,13 @@ the fit fixed read from its files instead of bounded, and its documents as long 
 
 A checkpoint ensemble's manifest lists its checkpoints (the optional field ``checkpoints``, one
 entry per checkpoint); the plan counts that many models, projections and codes
-(:func:`checkpoint_count`), and checkpoint ``j >= 1``'s kept eigenvector columns are read from
+(``Manifest.num_checkpoints``), and checkpoint ``j >= 1``'s kept eigenvector columns are read from
 ``checkpoints/<j>/`` under the projection file's name when it is there (else bounded)."""
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Optional
 
 from eogp_index.config import ProjectionConfig
 from eogp_index.data.location import index_path
@@ -19,20 +17,11 @@ from eogp_index.errors import ConfigError, IncompatibleIndexError
 from eogp_index.fit.plan import ModelShape, Plan, make_plan, model_shape, with_nodes
 from eogp_index.store.files import safetensors_header, tensor_bytes
 from eogp_index.store.manifest import MANIFEST_FILE, Manifest
+from eogp_index.store.stored_index import CHECKPOINTS_DIR
 
 #: safetensors' dtype names of the eigenvector columns (16 bits for a half-precision model from
 #: projection format 3, float32 before it).
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-#: Where checkpoint ``j >= 1`` of an ensemble keeps its projection file: ``checkpoints/<j>/``.
-CHECKPOINTS_DIR = "checkpoints"
-#: The name prefix of checkpoint ``j >= 1``'s modules in an ensemble's combined layout.
-_FURTHER = re.compile(r"c\d+/")
-
-
-def checkpoint_count(manifest: Mapping[str, Any]) -> int:
-    """``C``, the checkpoints an index was fitted on: the length of its manifest's optional
-    ``checkpoints`` list (``manifest.json`` as a mapping), 1 when it has none."""
-    return len(manifest.get("checkpoints") or []) or 1
 
 
 def _eigenbases(index_dir: Path, file: str, modules: Any, checkpoints: int) -> Dict[str, list]:
@@ -73,7 +62,7 @@ def plan_of_index(
     ``document_tokens`` says otherwise. ``shape``: the loaded model's
     (:func:`~eogp_index.fit.plan.shape_of_model`) instead of the manifest's model name's;
     ``options``: :func:`~eogp_index.fit.plan.make_plan`'s. The checkpoints are the manifest's
-    (:func:`checkpoint_count`); ``checkpoints``, if given, must be as many.
+    (``Manifest.num_checkpoints``); ``checkpoints``, if given, must be as many.
 
     Raises:
         ConfigError: ``dtype`` names another dtype than the one the index was built in, or
@@ -83,7 +72,7 @@ def plan_of_index(
     del curvature_examples
     index_dir = index_path(index_dir)
     manifest = Manifest.load(index_dir)
-    count = checkpoint_count(json.loads((index_dir / MANIFEST_FILE).read_text(encoding="utf-8")))
+    count = manifest.num_checkpoints
     if checkpoints not in (None, count):
         raise ConfigError(
             f"{index_dir} was fitted on {count} checkpoint(s) (its manifest), not {checkpoints}; plan it "
@@ -117,8 +106,7 @@ def plan_of_manifest(
             f"{index_dir} was built with the model in {built} (manifest model.dtype); plan it with "
             f"--dtype {built} or auto"
         )
-    # Checkpoint 0's modules: an ensemble's manifest may also list the others' (c<j>/<module>).
-    modules = [m for m in manifest.modules if not _FURTHER.match(m.name)]
+    modules = manifest.checkpoint_modules(0)  # an ensemble's first checkpoint (its model's names)
     shape = shape or model_shape(manifest.model["name"], [m.name for m in modules])
     info = manifest.projection
     projection = ProjectionConfig(
@@ -145,7 +133,7 @@ def plan_of_manifest(
         eigenbasis_dtype=stored.pop(),
         dims={m.name: (m.m, m.k) for m in modules},
         rescore=manifest.tier_code or "none",
-        tier_k={name: t for name, t in zip(manifest.module_names, manifest.tier_k) if not _FURTHER.match(name)},
+        tier_k=dict(zip([m.name for m in modules], manifest.tier_k)),
         curvature_examples=manifest.curvature["num_examples"],
         checkpoints=count,
         max_tokens=max_tokens or manifest.max_tokens,

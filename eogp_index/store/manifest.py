@@ -71,6 +71,39 @@ class Manifest:
     #: and, for a tier wider than the one-bit code, ``"k"``: its coordinates per module;
     #: None: the index has none
     tier: Optional[Dict[str, Any]] = None
+    #: an ensemble's checkpoints, in order (``docs/ensembles.md``): ``{"name", "weights_sha256",
+    #: "weights_fingerprint", "dir", "projection": {"file", "sha256", "fingerprint"}, "weight"}``
+    #: each; None: one checkpoint (``model`` and ``projection``)
+    checkpoints: Optional[List[Dict[str, Any]]] = None
+
+    @property
+    def num_checkpoints(self) -> int:
+        """How many checkpoints' codes each row holds (1 without ``checkpoints``)."""
+        return 1 if self.checkpoints is None else len(self.checkpoints)
+
+    @property
+    def checkpoint_parts(self) -> Optional[tuple[int, ...]]:
+        """Modules per checkpoint in :attr:`modules` (the same attributed modules each), or None
+        for one checkpoint."""
+        if self.checkpoints is None:
+            return None
+        per = len(self.modules) // len(self.checkpoints)
+        return (per,) * len(self.checkpoints)
+
+    @property
+    def checkpoint_weights(self) -> tuple[float, ...]:
+        """Each checkpoint's default weight in the score (``(1.0,)`` for one checkpoint)."""
+        if self.checkpoints is None:
+            return (1.0,)
+        return tuple(float(c["weight"]) for c in self.checkpoints)
+
+    def checkpoint_modules(self, j: int) -> List[ModuleEntry]:
+        """Checkpoint ``j``'s modules, named as in its model (without the ``c<j>/`` prefix)."""
+        parts = self.checkpoint_parts or (len(self.modules),)
+        start = sum(parts[:j])
+        return [
+            ModuleEntry(**{**asdict(m), "name": unprefixed(m.name, j)}) for m in self.modules[start : start + parts[j]]
+        ]
 
     @property
     def tier_code(self) -> Optional[str]:
@@ -139,6 +172,8 @@ class Manifest:
         data["modules"] = [asdict(m) for m in self.modules]
         if data["tier"] is None:  # no tier: the version-2 manifest, as before
             del data["tier"]
+        if data["checkpoints"] is None:  # one checkpoint: the manifest as before
+            del data["checkpoints"]
         return data
 
     def save(self, index_dir) -> None:
@@ -167,6 +202,17 @@ class Manifest:
         data = dict(data)
         data["modules"] = [ModuleEntry(**m) for m in data["modules"]]
         return cls(**data)
+
+
+def prefixed(name: str, j: int) -> str:
+    """Module ``name`` of checkpoint ``j`` in an ensemble's combined layout: ``c<j>/name`` (``j >= 1``)."""
+    return name if j == 0 else f"c{j}/{name}"
+
+
+def unprefixed(name: str, j: int) -> str:
+    """The model's name of module ``name`` of checkpoint ``j`` (:func:`prefixed`'s inverse)."""
+    prefix = f"c{j}/"
+    return name[len(prefix) :] if j and name.startswith(prefix) else name
 
 
 def validate(data: Dict[str, Any], *, source) -> None:

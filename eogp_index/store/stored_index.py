@@ -16,7 +16,7 @@ import functools
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from eogp_index.data.location import IndexPath, index_path, is_remote, local_cache_dir, remove_tree
 from eogp_index.data.records import Example, RecordSpec, location_of, record_of, tokenize_windows
@@ -31,12 +31,15 @@ from eogp_index.store.manifest import (
     Manifest,
     ModuleEntry,
     check_compatible,
+    prefixed,
 )
 from eogp_index.store.sources import Sources
 from eogp_index.store.stored_ids import sql_string
 from eogp_index.store.table import Store
 
 HOT_DIR = "hot"
+#: An ensemble's checkpoints j >= 1: checkpoints/<j>/ (projection, curvature, a fit's stages).
+CHECKPOINTS_DIR = "checkpoints"
 #: The fit's stages (eogp_index.fit.cache); present without a manifest = an interrupted fit.
 FIT_DIR = "fit"
 
@@ -137,9 +140,10 @@ class StoredIndex:
                 f"{self.path / MANIFEST_FILE}: tier.k {list(self.coordinates.k)} must give every module at least "
                 f"its k {list(self.layout.k)}; the manifest is damaged. Rebuild the index with `eogp fit --overwrite`."
             )
-        self.codec: Codec = codec_for(manifest.precision, self.layout)
+        parts = manifest.checkpoint_parts  # an ensemble's modules per checkpoint: a code column each
+        self.codec: Codec = codec_for(manifest.precision, self.layout, parts)
         #: the rescoring tier's codec (format 3), or None: the index has no tier
-        self.tier: Optional[TierCodec] = tier_for(manifest.tier_code, self.coordinates)
+        self.tier: Optional[TierCodec] = tier_for(manifest.tier_code, self.coordinates, parts)
         self.store = Store(manifest.store_uri(self.path), manifest.table)
         self._hot = None
 
@@ -148,6 +152,26 @@ class StoredIndex:
         ``(n, T)`` (:attr:`coordinates`): the first ``k_u`` of each module's. ``y`` already
         ``(n, K)``, or an index whose tier has the one-bit code's coordinates: ``y`` itself."""
         return prefix_columns(y, self.coordinates, self.layout)
+
+    def weigh(self, y, weights: Optional[Sequence[float]] = None):
+        """Query coordinates ``y`` ``(n, T)`` (or ``(n, K)``) with each checkpoint's part times its
+        weight (``weights``: one per checkpoint; None: the manifest's), so that the one scan of the
+        combined codes scores ``Σ_c w_c · score_c`` exactly. An index of one checkpoint without
+        ``weights``: ``y`` itself."""
+        import numpy as np
+
+        manifest = self.manifest
+        if weights is None:
+            if manifest.checkpoints is None:
+                return y
+            weights = manifest.checkpoint_weights
+        y = np.asarray(y, np.float32)
+        layout = self.coordinates if y.shape[1] == self.coordinates.num_coords else self.layout
+        parts = manifest.checkpoint_parts or (layout.num_modules,)
+        factors = np.repeat(
+            np.repeat(np.asarray(weights, np.float32), parts), layout.k
+        )  # (T,): a weight per coordinate
+        return y * factors[None, :]
 
     @classmethod
     def open(cls, path: Union[str, Path]) -> "StoredIndex":
@@ -172,6 +196,8 @@ class StoredIndex:
         experts: str = "fused",
         model_dtype: str = "float32",
         tier: Optional[str] = None,
+        members: Sequence[Dict[str, Any]] = (),
+        weights: Optional[Sequence[float]] = None,
     ) -> "StoredIndex":
         """Write a fitted projection and its manifest into ``path`` (prepared by :func:`prepare_index_dir`).
 
@@ -191,6 +217,10 @@ class StoredIndex:
             model_dtype: the dtype the model ran in (``"bfloat16"``), which every later open uses.
             tier: the rescoring tier's code (``StorageConfig.tier``: ``"int8"``, ``"int4"``,
                 ``"fp16"``) or None for none; an index with a tier is format 3, one without it 2.
+            members: an ensemble's checkpoints after the first (``fitted`` and ``model_name``'s):
+                ``{"fitted", "name", "fingerprint"}`` each, fitted on the same documents into
+                ``checkpoints/<j>/`` (docs/ensembles.md); empty: one checkpoint, written as before.
+            weights: with ``members``, each checkpoint's default weight (default: ``1/C`` each).
         """
         from eogp_index.fit.code_choice import fidelity_record
         from eogp_index.store.files import file_fingerprint
@@ -200,10 +230,11 @@ class StoredIndex:
         path = index_path(path)
         projection = fitted.projection
         proj_hash = save_projection(projection, path / PROJECTION_FILE)
-        layout = SignLayout(projection.k)
-        coordinates = SignLayout(projection.tier_k)
+        fits = [fitted, *(member["fitted"] for member in members)]
+        layout = SignLayout(tuple(k for f in fits for k in f.projection.k))
+        coordinates = SignLayout(tuple(k for f in fits for k in f.projection.tier_k))
         model_entry = {
-            "name": str(Path(model_name).resolve()) if Path(model_name).is_dir() else model_name,
+            "name": _model_name(model_name),
             "weights_sha256": fitted.weights_sha256,
             "num_parameters": fitted.num_parameters,
             "tokenizer": tokenizer_name,
@@ -231,12 +262,16 @@ class StoredIndex:
         fidelity = fidelity_record(projection.choices, fitted.recall)
         if fidelity is not None:
             projection_entry["fidelity"] = fidelity
+        checkpoints = _checkpoint_entries(
+            path, fitted, model_name, weights_fingerprint, projection_entry, members, weights
+        )
         manifest = Manifest(
             model=model_entry,
             projection=projection_entry,
             modules=[
-                ModuleEntry(name=n, d_out=p.shape[0], d_in=p.shape[1], m=p.m, k=p.k, damping=p.damping)
-                for n, p in projection.modules.items()
+                ModuleEntry(name=prefixed(n, j), d_out=p.shape[0], d_in=p.shape[1], m=p.m, k=p.k, damping=p.damping)
+                for j, f in enumerate(fits)
+                for n, p in f.projection.modules.items()
             ],
             precision=precision,
             damping_ratio=damping_ratio,
@@ -248,12 +283,18 @@ class StoredIndex:
             created_by=f"eogp-index {__version__}",
             format_version=FORMAT_VERSION if tier is None else TIER_FORMAT_VERSION,
             tier=None if tier is None else _tier_entry(tier, layout, coordinates),
+            checkpoints=checkpoints,
         )
         manifest.save(path)
-        if tier is not None and getattr(fitted, "held_out_queries", None) is not None:
+        queries = [getattr(f, "held_out_queries", None) for f in fits]
+        if tier is not None and all(q is not None for q in queries):
+            import numpy as np
+
             from eogp_index.store.table_recall import save_queries
 
-            save_queries(path, fitted.held_out_queries, fitted.held_out_hashes)
+            # an ensemble's queries as a query is scanned: each checkpoint's part times its weight
+            weighted = [q * w for q, w in zip(queries, manifest.checkpoint_weights)] if members else queries
+            save_queries(path, np.concatenate(weighted, axis=1), fitted.held_out_hashes)
         # Not the fitted projection itself: the rows must be projected with P as stored (FP16 by
         # default), so the projection is read back (lazily) from the file on first use.
         return cls(path, manifest)
@@ -264,36 +305,60 @@ class StoredIndex:
 
     @functools.cached_property
     def projection(self):
-        """The fitted projection (``fit.projection.Projection``), loaded and checked on first use.
+        """The fitted projection (``fit.projection.Projection``) of checkpoint 0 (the only one
+        without ``manifest.checkpoints``), loaded and checked on first use.
 
         Checked by the sampled fingerprint the manifest records (an index written before
         fingerprints: by the file's full SHA-256); ``P`` is read lazily (see
         :func:`~eogp_index.store.projection_file.load_projection`).
         """
+        return self.checkpoint_projection(0)
+
+    def checkpoint_projection(self, j: int):
+        """Checkpoint ``j``'s projection (its modules named as in its model), loaded, checked and
+        cached on first use; checkpoint 0's is :attr:`projection`'s."""
+        cache = self.__dict__.setdefault("_checkpoint_projections", {})
+        if j not in cache:
+            cache[j] = self._load_projection(j)
+        return cache[j]
+
+    def checkpoint_dir(self, j: int) -> IndexPath:
+        """Where checkpoint ``j`` keeps its projection and curvature: the index directory for
+        checkpoint 0, ``checkpoints/<j>`` for the others."""
+        return self.path if j == 0 else self.path / CHECKPOINTS_DIR / str(j)
+
+    def _load_projection(self, j: int):
         from eogp_index.store.files import file_fingerprint, file_sha256
         from eogp_index.store.projection_file import load_projection
 
-        path = self.path / self.manifest.projection["file"]
+        manifest = self.manifest
+        entry = manifest.projection if j == 0 else manifest.checkpoints[j]["projection"]
+        where = str(self.path) if manifest.checkpoints is None else f"{self.path} (checkpoint {j})"
+        path = self.path / entry["file"]
         if path.exists():  # (a missing file is reported by load_projection)
-            if self.manifest.projection.get("fingerprint"):
-                check_compatible(self.manifest, projection_fingerprint=file_fingerprint(path), where=str(self.path))
+            recorded = dataclasses.replace(manifest, projection=entry)
+            if entry.get("fingerprint"):
+                check_compatible(recorded, projection_fingerprint=file_fingerprint(path), where=where)
             else:
-                check_compatible(self.manifest, projection_hash=file_sha256(path), where=str(self.path))
+                check_compatible(recorded, projection_hash=file_sha256(path), where=where)
         projection = load_projection(path, memory_limit=self.projection_memory)
-        if projection.config.pca_dtype != self.manifest.pca_dtype:
+        if projection.config.pca_dtype != manifest.pca_dtype:
             raise IncompatibleIndexError(
                 f"{path} stores P as {projection.config.pca_dtype} but {self.path / MANIFEST_FILE} says "
-                f"{self.manifest.pca_dtype}; the index was refitted partway. Rebuild it with `eogp fit --overwrite`."
+                f"{manifest.pca_dtype}; the index was refitted partway. Rebuild it with `eogp fit --overwrite`."
             )
-        if projection.k != self.manifest.k or projection.names != self.manifest.module_names:
+        modules = manifest.checkpoint_modules(j)
+        if projection.k != tuple(m.k for m in modules) or projection.names != [m.name for m in modules]:
             raise IncompatibleIndexError(
                 f"{path} does not match the modules of {self.path / MANIFEST_FILE}; "
                 "the index was refitted partway. Rebuild it with `eogp fit --overwrite`."
             )
-        if projection.tier_k != self.coordinates.k:
+        start = sum((manifest.checkpoint_parts or (0,))[:j])
+        tier_k = self.coordinates.k[start : start + len(modules)]
+        if projection.tier_k != tier_k:
             raise IncompatibleIndexError(
                 f"{path} projects {list(projection.tier_k)} coordinates per module but {self.path / MANIFEST_FILE} "
-                f"records a rescoring tier of {list(self.coordinates.k)} (tier.k; absent: the modules' k): the "
+                f"records a rescoring tier of {list(tier_k)} (tier.k; absent: the modules' k): the "
                 "projection file and the manifest come from different fits. Rebuild it with `eogp fit --overwrite`."
             )
         return projection
@@ -388,12 +453,20 @@ class StoredIndex:
                 f"{self.path} has index format {self.manifest.format_version}, whose rows record no content hash, "
                 "so a document read back could not be checked; re-ingest into an index made by this version"
             )
-        wanted = ["id", "shard", "position", "content_sha256", "content_kind"]
-        names = self.store.schema.names if self.store.schema is not None else []
-        optional = [name for name in ("text", "window", "parent_id") if name in names]
-        row = self.row(example_id, wanted + optional)
+        row = self.row(example_id, self.document_columns())
         if row is None:
             raise InputError(f"no stored example has id {example_id!r} in {self.path}")
+        return self.document_of(row, tokenizer)
+
+    def document_columns(self) -> List[str]:
+        """The stored columns :meth:`document_of` reads a document back from."""
+        wanted = ["id", "shard", "position", "content_sha256", "content_kind"]
+        names = self.store.schema.names if self.store.schema is not None else []
+        return wanted + [name for name in ("text", "window", "parent_id") if name in names]
+
+    def document_of(self, row: Dict[str, Any], tokenizer) -> Example:
+        """:meth:`document` of a stored row's :meth:`document_columns` (read in bulk by the caller)."""
+        example_id = row["id"]
         recorded = self.sources.data["shards"].get(row["shard"], {}).get("record_spec", {})
         # A window of a split document stores its own span, not the document: read it from the shard.
         split = recorded.get("long_documents") == "windows" and row.get("parent_id") not in (None, row["id"])
@@ -458,6 +531,52 @@ class StoredIndex:
 
     def count(self, where: Optional[str] = None) -> int:
         return self.store.count(where)
+
+
+def _model_name(name: str) -> str:
+    """A model's name as the manifest records it: a local directory absolute."""
+    return str(Path(name).resolve()) if Path(name).is_dir() else name
+
+
+def checkpoint_entry(path, j: int, fitted, name: str, fingerprint: str) -> Dict[str, Any]:
+    """``manifest.checkpoints[j]`` of checkpoint ``j`` (``j >= 1``): its projection written to
+    ``checkpoints/<j>/projection.safetensors`` (no ``weight`` yet)."""
+    from eogp_index.store.files import file_fingerprint
+    from eogp_index.store.projection_file import save_projection
+
+    relative = f"{CHECKPOINTS_DIR}/{j}/{PROJECTION_FILE}"
+    (path / CHECKPOINTS_DIR / str(j)).mkdir(parents=True, exist_ok=True)
+    digest = save_projection(fitted.projection, path / relative)
+    return {
+        "name": _model_name(name),
+        "weights_sha256": fitted.weights_sha256,
+        "weights_fingerprint": fingerprint,
+        "num_parameters": fitted.num_parameters,
+        "dir": f"{CHECKPOINTS_DIR}/{j}",
+        "projection": {"file": relative, "sha256": digest, "fingerprint": file_fingerprint(path / relative)},
+    }
+
+
+def _checkpoint_entries(path, fitted, model_name, fingerprint, projection_entry, members, weights):
+    """``manifest.checkpoints`` of an ensemble: checkpoint 0 (``model``, ``projection``) and each
+    member's, weighted (``weights``; None: ``1/C`` each); None without members."""
+    if not members:
+        return None
+    if fingerprint is None:
+        raise ConfigError("an ensemble records each checkpoint's weights fingerprint; give weights_fingerprint")
+    first = {
+        "name": _model_name(model_name),
+        "weights_sha256": fitted.weights_sha256,
+        "weights_fingerprint": fingerprint,
+        "num_parameters": fitted.num_parameters,
+        "dir": ".",
+        "projection": {key: projection_entry[key] for key in ("file", "sha256", "fingerprint")},
+    }
+    rest = [checkpoint_entry(path, j, m["fitted"], m["name"], m["fingerprint"]) for j, m in enumerate(members, 1)]
+    entries = [first, *rest]
+    for entry, weight in zip(entries, weights or [1.0 / len(entries)] * len(entries)):
+        entry["weight"] = float(weight)
+    return entries
 
 
 def _tier_entry(code: str, layout: SignLayout, coordinates: SignLayout) -> Dict[str, Any]:

@@ -30,38 +30,60 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
+import numpy as np
 import pyarrow as pa
 
 from eogp_index.errors import InputError
 from eogp_index.store.codecs import Encoded, fixed_size_list, list_column_to_numpy  # noqa: F401  (re-exported)
 
-RESERVED_COLUMNS = (
-    "id",
-    "signs",
-    "scales",
-    "coords",
-    "shard",
-    "position",
-    "num_tokens",
-    "num_loss_tokens",
-    "truncated",
-    "content_sha256",
-    "content_kind",
-    "text",
-    "tier",
-    "tier_scales",
+#: An ensemble's checkpoint ``j >= 1`` code column: ``signs_c1``, ``tier_scales_c2``
+#: (:func:`~eogp_index.store.codecs.checkpoint_column`).
+_CHECKPOINT_CODE = re.compile(r"(signs|scales|coords|tier|tier_scales)_c[1-9][0-9]*")
+
+
+class _CodeNames(tuple):
+    """A tuple of column names whose ``in`` also holds an ensemble's checkpoint code columns of
+    the code columns it holds, so that every ``name in CODE_COLUMNS`` test (filters, the hot copy,
+    the server's schema) treats checkpoint ``j``'s as checkpoint 0's."""
+
+    def __contains__(self, name) -> bool:
+        if tuple.__contains__(self, name):
+            return True
+        found = _CHECKPOINT_CODE.fullmatch(name) if isinstance(name, str) else None
+        return found is not None and tuple.__contains__(self, found.group(1))
+
+
+RESERVED_COLUMNS = _CodeNames(
+    (
+        "id",
+        "signs",
+        "scales",
+        "coords",
+        "shard",
+        "position",
+        "num_tokens",
+        "num_loss_tokens",
+        "truncated",
+        "content_sha256",
+        "content_kind",
+        "text",
+        "tier",
+        "tier_scales",
+    )
 )
+
+
 #: The code columns: never metadata, never in the hot copy's columns (the hot copy holds the
 #: one-bit codes; the rescoring tier is read from the table by row address).
-CODE_COLUMNS = ("signs", "scales", "coords", "tier", "tier_scales")
+CODE_COLUMNS = _CodeNames(("signs", "scales", "coords", "tier", "tier_scales"))
 #: The rescoring tier's columns are read a few rows at a time by row address. Lance's full-zip
 #: layout reads each row's own bytes; its mini-block layout, which it picks for narrow columns
 #: (``tier_scales``, a small int4 tier), reads a whole chunk of kilobytes for each row taken. The
 #: field metadata is read when the table is created (by any writer: the first rows' schema) and
 #: kept by every later append and compaction; rows of an older table without it append as before.
-RANDOM_ACCESS = ("tier", "tier_scales")
+RANDOM_ACCESS = _CodeNames(("tier", "tier_scales"))
 FULL_ZIP = {"lance-encoding:structural-encoding": "fullzip"}
 #: ", /home/.../rust/lance/src/dataset/scanner.rs:839:33": where in Lance's Rust source an error arose
 _LANCE_SOURCE = re.compile(r",?\s*\S+\.rs:\d+:\d+")
@@ -85,8 +107,11 @@ class RowInfo:
     text: Optional[Sequence[Optional[str]]] = None
 
 
-def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] = None) -> pa.Table:
-    """Assemble an Arrow table for :meth:`Store.add`.
+def build_rows(
+    info: RowInfo, encoded: Union[Encoded, Dict[str, np.ndarray]], *, schema: Optional[pa.Schema] = None
+) -> pa.Table:
+    """Assemble an Arrow table for :meth:`Store.add`; ``encoded``: the codes, or ``{table column:
+    (n, w) array}`` (an ensemble's, split per checkpoint by :meth:`Codec.split`).
 
     Metadata values become typed, nullable columns (a list of scalars: an Arrow ``list``); with
     ``schema`` (the table's, once it exists) they are cast to it, and a value that does not fit
@@ -94,7 +119,7 @@ def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] =
     column; a field the table lacks comes after the table's columns (:meth:`Store.add` adds it).
     """
     columns: Dict[str, pa.Array] = {"id": pa.array(list(info.ids), pa.string())}
-    for name, values in encoded.columns().items():
+    for name, values in (encoded.columns() if isinstance(encoded, Encoded) else encoded).items():
         columns[name] = fixed_size_list(values)
     columns["shard"] = pa.array(list(info.shards), pa.string())
     columns["position"] = pa.array(list(info.positions), pa.int64())
@@ -129,6 +154,12 @@ def build_rows(info: RowInfo, encoded: Encoded, *, schema: Optional[pa.Schema] =
         new = [name for name in table.column_names if name not in schema.names]  # added by Store.add
         table = table.select(schema.names + new)
     return table
+
+
+def code_batch(columns: Dict[str, np.ndarray]) -> pa.Table:
+    """Code columns ``{table column: (n, w) array}`` as a table written as :func:`build_rows`
+    writes them (the tier's columns laid out for random access)."""
+    return _for_random_access(pa.table({name: fixed_size_list(values) for name, values in columns.items()}))
 
 
 def _for_random_access(table: pa.Table) -> pa.Table:

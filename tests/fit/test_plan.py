@@ -530,11 +530,8 @@ def test_plan_checkpoints_on_the_command_line(workspace):
 def test_plan_of_an_ensemble_index_counts_its_manifests_checkpoints(workspace, tmp_path):
     """C is the length of the manifest's `checkpoints` list (1 without one); checkpoint 1's kept
     eigenvector columns are read, exact, from checkpoints/1/ (here a copy of checkpoint 0's)."""
-    from eogp_index.store.index_plan import checkpoint_count, plan_of_index, plan_of_manifest
+    from eogp_index.store.index_plan import plan_of_index, plan_of_manifest
     from eogp_index.store.manifest import Manifest
-
-    assert checkpoint_count({}) == checkpoint_count({"checkpoints": None}) == checkpoint_count({"checkpoints": []}) == 1
-    assert checkpoint_count({"checkpoints": [{"name": "a"}, {"name": "b"}, {"name": "c"}]}) == 3
     index = tmp_path / "narrow"
     shutil.copytree(workspace / "narrow", index)
     single = plan_of_index(index)
