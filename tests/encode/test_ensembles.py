@@ -124,6 +124,25 @@ def test_the_top_hits_of_each_route_carry_the_weighted_sum(opened, route, rescor
             assert math.isclose(hit["score"], expected, rel_tol=1e-4, abs_tol=1e-6), (hit, expected)
 
 
+def test_a_first_pass_and_the_plan_cover_every_checkpoint(root, opened, tmp_path):
+    """A first pass of an ensemble decodes every checkpoint's code: with every row a candidate its
+    answer is the exact weighted scan; the plan counts two checkpoints' codes."""
+    from eogp_index.store.index_plan import plan_of_index
+
+    index = tmp_path / "ab"
+    shutil.copytree(root / "ab", index)
+    _run("build-candidates", index)
+    ab = _open(index)
+    for query in QUERIES:
+        exact = ab.search(Question(queries=(query,), k=8, rescore=0)).to_arrow().to_pylist()
+        first = ab.search(Question(queries=(query,), k=8, rescore=0, candidates=40)).to_arrow().to_pylist()
+        assert [h["id"] for h in first] == [h["id"] for h in exact]
+        np.testing.assert_allclose([h["score"] for h in first], [h["score"] for h in exact], rtol=1e-5)
+    pair, single = plan_of_index(root / "ab"), plan_of_index(root / "a")
+    assert pair.options.checkpoints == 2 and single.options.checkpoints == 1
+    assert pair.per_example.bytes == 2 * single.per_example.bytes
+
+
 def test_bad_checkpoint_weights_are_refused_naming_the_field(root, opened):
     ab = opened["ab"]
     for weights in [(1.0,), (1.0, 2.0, 3.0)]:

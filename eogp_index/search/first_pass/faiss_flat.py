@@ -60,7 +60,6 @@ from eogp_index.search.first_pass.base import (
 )
 from eogp_index.search.scan import scan_scores
 from eogp_index.store.codecs import SignLayout, unpack_signs
-from eogp_index.store.table import list_column_to_numpy
 
 #: Bytes of decoded float32 vectors per record batch read from Lance.
 BATCH_BYTES = 64 << 20
@@ -191,12 +190,13 @@ class FlatFirstPass(FirstPass, kind="flat"):
         # ordered by shard, and the first shard is no sample of the corpus.
         n_train = min(n, int(config.train_rows))
         offsets = np.sort(np.random.default_rng(0).choice(n, size=n_train, replace=False)).astype(np.int64)
-        train = np.concatenate([decode(s, sc, layout) for _, s, sc in _stream(dataset, layout, offsets=offsets)])
+        codec = stored.codec
+        train = np.concatenate([decode(s, sc, layout) for _, s, sc in _stream(dataset, codec, offsets=offsets)])
         meta = cls._meta(cls.provenance(stored, name), layout, n_train, dataset.version)
         built = cls(stored.path, name, config, meta, cls._new_index(layout, train), np.zeros(0, np.int64), _no_ids())
         del train
         total = -(-n // _rows_per_batch(layout))
-        built._add_rows(_stream(dataset, layout), layout, progress=progress, total=total, where=str(stored.path))
+        built._add_rows(_stream(dataset, codec), layout, progress=progress, total=total, where=str(stored.path))
         built.save()
         return built
 
@@ -469,15 +469,14 @@ def _rows_per_batch(layout: SignLayout) -> int:
     return max(1, BATCH_BYTES // (4 * layout.num_coords))
 
 
-def _stream(
-    dataset, layout: SignLayout, *, offsets: Optional[np.ndarray] = None
-) -> Iterator[Tuple[pa.Array, np.ndarray, np.ndarray]]:
-    """``(ids, signs (b, nbytes) uint8, scales (b, U) float32)`` record batches of the table or of ``offsets``."""
-    rows, columns = _rows_per_batch(layout), ["id", "signs", "scales"]
+def _stream(dataset, codec, *, offsets: Optional[np.ndarray] = None) -> Iterator[Tuple[pa.Array, np.ndarray, np.ndarray]]:
+    """``(ids, signs (b, nbytes) uint8, scales (b, U) float32)`` record batches of the table or of
+    ``offsets``, in the codec's combined layout (an ensemble's checkpoints' columns joined)."""
+    rows, columns = _rows_per_batch(codec.layout), ["id", *codec.columns]
 
     def split(batch) -> Tuple[pa.Array, np.ndarray, np.ndarray]:
-        signs = list_column_to_numpy(batch.column("signs"), layout.nbytes, np.uint8)
-        scales = list_column_to_numpy(batch.column("scales"), layout.num_modules, np.float32)
+        signs = codec.read_column(batch, "signs", np.uint8)
+        scales = codec.read_column(batch, "scales", np.float32)
         ids = batch.column("id")
         return (ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids), signs, scales
 
