@@ -1626,8 +1626,8 @@ def verify(index_dir, model_name, device, as_json):
 
 
 def _print_verify(report: dict) -> None:
-    for part in ("projection", "model"):
-        entry = report[part]
+    further = [(f"c{j}/{part}", pair[part]) for j, pair in enumerate(report.get("checkpoints", []), 1) for part in pair]
+    for part, entry in [("projection", report["projection"]), ("model", report["model"]), *further]:
         what = entry.get("file") or entry.get("name")
         click.echo(f"{part:<11} {'ok' if entry['ok'] else 'DIFFERS'}  {what}")
         click.echo(

@@ -23,7 +23,7 @@ def verify_index(
 ) -> Dict[str, Any]:
     """The complete identity check of an index: every byte of its projection file and of its
     model's weights hashed (SHA-256) and compared with the manifest, and the sampled fingerprints
-    that :meth:`AttributionIndex.open` checks recomputed.
+    that :meth:`AttributionIndex.open` checks recomputed; an ensemble's further checkpoints too.
 
     Args:
         model: the model as loaded (before eogp-index swaps GPT-2's ``Conv1D`` layers, e.g. not
@@ -31,36 +31,52 @@ def verify_index(
 
     Returns:
         ``{"index", "ok", "projection": {...}, "model": {...}}``, each part with the manifest's and
-        the computed ``sha256`` (and ``fingerprint``) and ``ok``.
+        the computed ``sha256`` (and ``fingerprint``) and ``ok``; an ensemble adds
+        ``"checkpoints": [{"projection", "model"}, ...]`` for checkpoints 1, 2, ...
     """
     stored = StoredIndex.open(path)
     manifest = stored.manifest
-    projection_path = stored.path / manifest.projection["file"]
-    if not projection_path.exists():
-        raise InputError(f"{projection_path} is missing: the index has no projection (refit it with eogp fit)")
-    projection = {
-        "file": str(projection_path),
-        "expected_sha256": manifest.projection["sha256"],
-        "sha256": file_sha256(projection_path),
-    }
-    if manifest.projection.get("fingerprint"):
-        projection.update(
-            expected_fingerprint=manifest.projection["fingerprint"], fingerprint=file_fingerprint(projection_path)
-        )
     if model is None:
         model, _ = load_indexed_model(manifest.model, model_name, device=device, dtype=manifest.model_dtype)
-    weights = {
-        "name": model_name or manifest.model["name"],
-        "expected_sha256": manifest.model["weights_sha256"],
-        "sha256": model_sha256(model),
-    }
-    if manifest.model.get("weights_fingerprint"):
-        weights.update(expected_fingerprint=manifest.model["weights_fingerprint"], fingerprint=model_fingerprint(model))
-    for part in (projection, weights):
-        part["ok"] = all(part[key] == part[f"expected_{key}"] for key in ("sha256", "fingerprint") if key in part)
-    return {
+    report = {
         "index": str(stored.path),
-        "ok": projection["ok"] and weights["ok"],
-        "projection": projection,
-        "model": weights,
+        "projection": _file_part(stored.path, manifest.projection),
+        "model": _model_part(model, model_name or manifest.model["name"], manifest.model),
     }
+    parts = [report["projection"], report["model"]]
+    if manifest.checkpoints is not None:
+        report["checkpoints"] = []
+        for entry in manifest.checkpoints[1:]:
+            loaded, _ = load_indexed_model({"name": entry["name"]}, None, device=device, dtype=manifest.model_dtype)
+            pair = {
+                "projection": _file_part(stored.path, entry["projection"]),
+                "model": _model_part(loaded, entry["name"], entry),
+            }
+            report["checkpoints"].append(pair)
+            parts += pair.values()
+    report["ok"] = all(part["ok"] for part in parts)
+    return report
+
+
+def _file_part(index_dir: Path, recorded: Dict[str, Any]) -> Dict[str, Any]:
+    """A projection file's check against its manifest entry (``file``, ``sha256``, ``fingerprint``)."""
+    projection_path = index_dir / recorded["file"]
+    if not projection_path.exists():
+        raise InputError(f"{projection_path} is missing: the index has no projection (refit it with eogp fit)")
+    part = {"file": str(projection_path), "expected_sha256": recorded["sha256"], "sha256": file_sha256(projection_path)}
+    if recorded.get("fingerprint"):
+        part.update(expected_fingerprint=recorded["fingerprint"], fingerprint=file_fingerprint(projection_path))
+    return _judged(part)
+
+
+def _model_part(model: nn.Module, name: str, recorded: Dict[str, Any]) -> Dict[str, Any]:
+    """A model's check against its manifest entry (``weights_sha256``, ``weights_fingerprint``)."""
+    part = {"name": name, "expected_sha256": recorded["weights_sha256"], "sha256": model_sha256(model)}
+    if recorded.get("weights_fingerprint"):
+        part.update(expected_fingerprint=recorded["weights_fingerprint"], fingerprint=model_fingerprint(model))
+    return _judged(part)
+
+
+def _judged(part: Dict[str, Any]) -> Dict[str, Any]:
+    part["ok"] = all(part[key] == part[f"expected_{key}"] for key in ("sha256", "fingerprint") if key in part)
+    return part

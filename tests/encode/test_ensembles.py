@@ -185,6 +185,13 @@ def test_a_changed_checkpoint_is_refused_naming_it(root, tmp_path):
     (index / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(IncompatibleIndexError, match="checkpoint 1"):
         _open(index)
+    # eogp verify hashes every checkpoint: the first is intact, the second's model differs
+    verified = _run("verify", root / "ab", "--json")
+    assert json.loads(verified.stdout)["ok"] and len(json.loads(verified.stdout)["checkpoints"]) == 1
+    report = json.loads(_run("verify", index, "--json", ok=False).stdout)
+    assert not report["ok"] and report["model"]["ok"] and report["projection"]["ok"]
+    assert not report["checkpoints"][0]["model"]["ok"] and report["checkpoints"][0]["projection"]["ok"]
+    assert "c1/model    DIFFERS" in _run("verify", index, ok=False).stdout
 
 
 def test_checkpoints_of_another_architecture_or_tokenizer_are_refused_at_fit(root, tmp_path):
