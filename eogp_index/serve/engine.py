@@ -26,7 +26,15 @@ import pyarrow.compute as pc
 
 from eogp_index.data.records import Example, check_text
 from eogp_index.encode.measurements import measure, tokenize_queries
-from eogp_index.errors import ConfigError, EOGPError, InputError, QueryTooLongError, ShardUnavailableError
+from eogp_index.errors import (
+    ConfigError,
+    EOGPError,
+    IncompatibleIndexError,
+    IndexNotFoundError,
+    InputError,
+    QueryTooLongError,
+    ShardUnavailableError,
+)
 from eogp_index.search.query import InfluenceQuery, aggregate_coordinates
 from eogp_index.search.question import Question
 from eogp_index.serve.config import ServeConfig
@@ -228,6 +236,10 @@ class Engine:
             except (InputError, ConfigError) as exc:  # the question's filter or column, named by its field
                 error = RequestError(exc.field or "where", _user_message(exc))
                 answers = [error] * len(members)
+            except (IndexNotFoundError, IncompatibleIndexError) as exc:
+                if key.candidates is None:  # the index itself: not the request's fault
+                    raise
+                answers = [RequestError("first_pass", str(exc))] * len(members)  # the first pass it names
             except ShardUnavailableError as exc:  # not the request's fault: 503, naming the shards
                 answers = [RequestError(None, str(exc), status=503)] * len(members)
             for i, answer in zip(members, answers):

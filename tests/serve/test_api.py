@@ -161,6 +161,8 @@ def test_user_errors_name_the_field_and_what_to_fix(client):
     assert _error(client.get("/v1/examples/no-such-doc"), 404, "id")
     assert _error(client.post("/v1/explain", json={"query": QUERY, "id": "no-such-doc"}), 404, "id")
     assert _error(client.get("/v1/nothing-here"), 404, "path")
+    missing = client.post("/v1/query", json={"text": QUERY, "candidates": 10, "first_pass": "no-such-pass"})
+    assert "build-candidates" in _error(missing, 400, "first_pass")  # how to build it, not a 500
 
 
 def test_request_size_limit(served_index):
