@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from eogp_index.errors import ConfigError, InputError
+from eogp_index.errors import ConfigError
 from eogp_index.evaluation import metrics, report
 from eogp_index.evaluation.fidelity import REF_EKFAC, Documents, MethodConfig, ScoreSet
+from eogp_index.fit.fitting import checkpoint_weights_from
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -52,7 +52,6 @@ CHECKPOINTS_DIR = "checkpoints"
 ENSEMBLE_FILE = "ensemble.npz"
 
 _REFERENCE = f"{REF_EKFAC.split(' (')[0]} (uncompressed)"
-_STEP = re.compile(r"checkpoint-(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -75,75 +74,11 @@ def checkpoint_names(paths: Sequence[str]) -> Tuple[str, ...]:
 
 
 def read_weights(spec: str, paths: Sequence[str]) -> Tuple[float, ...]:
-    """One weight per checkpoint in ``paths`` (the attributed model first).
-
-    ``spec`` is ``"uniform"`` (``1/C`` each) or a JSON file holding a list of ``C`` numbers,
-    ``{"weights": [...]}``, or a Hugging Face ``trainer_state.json``: then each checkpoint's weight
-    is the learning rate its ``log_history`` logged last at or before the checkpoint's step (the
-    ``global_step`` of the checkpoint's own ``trainer_state.json``, else the ``N`` of a directory
-    named ``checkpoint-N``).
-
-    Raises:
-        ConfigError: ``spec`` is neither ``uniform`` nor a file.
-        InputError: the file is unreadable, holds another count of weights, a weight that is not a
-            finite number, only zeros, or a trainer state without a checkpoint's step.
-    """
-    count = len(paths)
-    if spec == "uniform":
-        return (1.0 / count,) * count
-    path = Path(spec)
-    if not path.is_file():
-        raise ConfigError(
-            f"--checkpoint-weights {spec!r}: neither 'uniform' nor a file; give uniform or a JSON file of {count} weights"
-        )
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise InputError(f"{path}: not readable JSON ({exc}); give a list of {count} weights") from exc
-    if isinstance(data, dict) and "log_history" in data:
-        values: Any = [_learning_rate(data, p, path) for p in paths]
-    elif isinstance(data, dict):
-        values = data.get("weights")
-    else:
-        values = data
-    if not isinstance(values, list) or len(values) != count:
-        raise InputError(
-            f"{path}: needs {count} weights, one per checkpoint with --model first (a list or "
-            f'{{"weights": [...]}}), got {values!r}'
-        )
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-        raise InputError(f"{path}: every weight must be a finite number, got {values!r}")
-    if not any(values):
-        raise InputError(f"{path}: the weights are all zero; give at least one non-zero weight")
-    return tuple(float(v) for v in values)
-
-
-def _learning_rate(state: Dict[str, Any], checkpoint: str, path: Path) -> float:
-    """The learning rate ``state`` logged last at or before ``checkpoint``'s step."""
-    own = Path(checkpoint) / "trainer_state.json"
-    step: Optional[int] = None
-    if own.is_file():
-        try:
-            step = int(json.loads(own.read_text(encoding="utf-8"))["global_step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            step = None
-    match = _STEP.search(str(checkpoint).rstrip("/"))
-    if step is None and match:
-        step = int(match.group(1))
-    if step is None:
-        raise InputError(
-            f"{path}: cannot tell the step of checkpoint {checkpoint} (no trainer_state.json with "
-            "global_step, not named checkpoint-N); give its weights as a list instead"
-        )
-    logged = sorted(
-        (int(e["step"]), float(e["learning_rate"]))
-        for e in state.get("log_history") or []
-        if isinstance(e, dict) and "step" in e and "learning_rate" in e
-    )
-    before = [rate for at, rate in logged if at <= step]
-    if not before:
-        raise InputError(f"{path}: log_history has no learning_rate at or before step {step} of {checkpoint}")
-    return before[-1]
+    """One weight per checkpoint in ``paths`` (the attributed model first), as ``eogp fit`` reads
+    ``--checkpoint-weights`` (:func:`~eogp_index.fit.fitting.checkpoint_weights_from`): ``uniform``
+    is ``1/C`` each."""
+    weights = checkpoint_weights_from(spec, paths)
+    return (1.0 / len(paths),) * len(paths) if weights is None else tuple(weights)
 
 
 def check_compatible(

@@ -42,7 +42,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ from torch import nn
 from eogp_index.config import EIGENVECTOR_DTYPES, CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.data.location import index_path, local_cache_dir
 from eogp_index.data.records import Example
-from eogp_index.errors import InputError
+from eogp_index.errors import ConfigError, InputError
 from eogp_index.fit.cache import FitFolder
 from eogp_index.fit.code_choice import CODES, FP16, CodeChoice, held_out_rows, measure_module
 from eogp_index.fit.curvature import factors_dir, fit_curvature, load_curvature
@@ -654,65 +654,81 @@ def check_tokenizer(first, other, *, first_name: str, name: str) -> None:
 
 
 def checkpoint_weights_from(spec: str, checkpoints: Sequence[str]) -> Optional[list]:
-    """The weights of ``eogp fit --checkpoint-weights``, one per checkpoint, or None for
-    ``uniform`` (``1/C`` each).
+    """The weights of ``--checkpoint-weights`` (``eogp fit``, ``eogp eval lds``), one per
+    checkpoint in ``checkpoints`` (the first model first), or None for ``uniform`` (``1/C`` each).
 
-    ``spec`` is ``uniform`` or a JSON file: ``{"weights": [...]}`` or a list (taken as given), or
-    a HuggingFace ``trainer_state.json``: each checkpoint's weight is the ``learning_rate`` of the
-    last ``log_history`` entry at or before its step, normalized to sum to 1 (TRAK's and LESS's
-    learning-rate weighting). A checkpoint's step is its own ``trainer_state.json``'s
-    ``global_step`` when its directory has one, else the number in a ``checkpoint-<step>`` name.
+    ``spec`` is ``uniform`` or a JSON file: a list of ``C`` numbers or ``{"weights": [...]}``
+    (taken as given), or a HuggingFace ``trainer_state.json``: each checkpoint's weight is the
+    ``learning_rate`` its ``log_history`` logged last at or before the checkpoint's step,
+    normalized to sum to 1 (TRAK's and LESS's learning-rate weighting). A checkpoint's step is its
+    own ``trainer_state.json``'s ``global_step`` when its directory has one, else the ``N`` of a
+    directory named ``checkpoint-N``.
 
     Raises:
-        InputError: a file that is none of these, names no step for a checkpoint, or has no
-            learning rate logged by it; naming the file.
+        ConfigError: ``spec`` is neither ``uniform`` nor a file.
+        InputError: the file is unreadable, holds another count of weights, a weight that is not a
+            finite number, only zeros, or a trainer state without a checkpoint's step or rate;
+            naming the file.
     """
     import json
-    import re
 
+    count = len(checkpoints)
     if spec == "uniform":
         return None
     path = Path(spec)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(
-            f"--checkpoint-weights {spec}: not uniform, and not a readable JSON file ({exc}); give uniform, a JSON "
-            '{"weights": [...]} or list, or a trainer_state.json'
-        ) from None
-    if isinstance(data, dict) and "log_history" in data:
-        steps = []
-        for name in checkpoints:
-            state = Path(name) / "trainer_state.json"
-            found = re.search(r"checkpoint-(\d+)", str(name))
-            if state.is_file():
-                steps.append(int(json.loads(state.read_text())["global_step"]))
-            elif found:
-                steps.append(int(found.group(1)))
-            else:
-                raise InputError(
-                    f"--checkpoint-weights {spec}: checkpoint {name!r} has no trainer_state.json and no "
-                    "checkpoint-<step> name, so its step (and learning rate) is unknown; give the weights as a list"
-                )
-        rates = []
-        for name, step in zip(checkpoints, steps):
-            logged = [e for e in data["log_history"] if "learning_rate" in e and e.get("step", 0) <= step]
-            if not logged:
-                raise InputError(
-                    f"--checkpoint-weights {spec}: no learning_rate logged at or before step {step} (checkpoint "
-                    f"{name!r}) in its log_history"
-                )
-            rates.append(float(max(logged, key=lambda e: e.get("step", 0))["learning_rate"]))
-        total = sum(rates)
-        if total <= 0:
-            raise InputError(f"--checkpoint-weights {spec}: the learning rates at the checkpoints' steps sum to 0")
-        return [rate / total for rate in rates]
-    weights = data.get("weights") if isinstance(data, dict) else data
-    if not isinstance(weights, list) or len(weights) != len(checkpoints):
-        raise InputError(
-            f"--checkpoint-weights {spec}: expected {len(checkpoints)} weights (one per checkpoint) as "
-            '{"weights": [...]} or a list, or a trainer_state.json'
+    if not path.is_file():
+        raise ConfigError(
+            f"--checkpoint-weights {spec!r}: neither 'uniform' nor a file; give uniform or a JSON file of {count} weights"
         )
-    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
-        raise InputError(f"--checkpoint-weights {spec}: weights must be finite numbers, got {weights}")
-    return [float(w) for w in weights]
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"{path}: not readable JSON ({exc}); give a list of {count} weights") from None
+    if isinstance(data, dict) and "log_history" in data:
+        rates = [_learning_rate(data, checkpoint, path) for checkpoint in checkpoints]
+        if sum(rates) <= 0:
+            raise InputError(f"{path}: the learning rates at the checkpoints' steps sum to {sum(rates)}, not above 0")
+        return [rate / sum(rates) for rate in rates]
+    values = data.get("weights") if isinstance(data, dict) else data
+    if not isinstance(values, list) or len(values) != count:
+        raise InputError(
+            f"{path}: needs {count} weights, one per checkpoint with the first model first (a list or "
+            f'{{"weights": [...]}}), got {values!r}'
+        )
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise InputError(f"{path}: every weight must be a finite number, got {values!r}")
+    if not any(values):
+        raise InputError(f"{path}: the weights are all zero; give at least one non-zero weight")
+    return [float(v) for v in values]
+
+
+def _learning_rate(state: Dict[str, Any], checkpoint: str, path: Path) -> float:
+    """The learning rate trainer state ``state`` (read from ``path``) logged last at or before
+    ``checkpoint``'s step."""
+    import json
+    import re
+
+    own = Path(checkpoint) / "trainer_state.json"
+    step: Optional[int] = None
+    if own.is_file():
+        try:
+            step = int(json.loads(own.read_text(encoding="utf-8"))["global_step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            step = None
+    named = re.search(r"checkpoint-(\d+)$", str(checkpoint).rstrip("/"))
+    if step is None and named:
+        step = int(named.group(1))
+    if step is None:
+        raise InputError(
+            f"{path}: cannot tell the step of checkpoint {checkpoint} (no trainer_state.json with "
+            "global_step, not named checkpoint-N); give its weights as a list instead"
+        )
+    logged = sorted(
+        (int(e["step"]), float(e["learning_rate"]))
+        for e in state.get("log_history") or []
+        if isinstance(e, dict) and "step" in e and "learning_rate" in e
+    )
+    before = [rate for at, rate in logged if at <= step]
+    if not before:
+        raise InputError(f"{path}: log_history has no learning_rate at or before step {step} of {checkpoint}")
+    return before[-1]

@@ -80,12 +80,12 @@ def test_read_weights_uniform_list_mapping_and_trainer_state(tmp_path):
     state = tmp_path / "trainer_state.json"
     history = [{"step": s, "learning_rate": lr, "loss": 1.0} for s, lr in ((50, 4e-4), (100, 3e-4), (250, 1e-4))]
     state.write_text(json.dumps({"global_step": 300, "log_history": history + [{"step": 300, "train_loss": 0.5}]}))
-    assert read_weights(str(state), paths) == (3e-4, 1e-4)
+    assert read_weights(str(state), paths) == pytest.approx((0.75, 0.25))  # the rates, summing to 1
     # A checkpoint's own trainer_state.json says its step, whatever its directory is called.
     own = tmp_path / "last"
     own.mkdir()
     (own / "trainer_state.json").write_text(json.dumps({"global_step": 60}))
-    assert read_weights(str(state), (paths[0], str(own))) == (3e-4, 4e-4)
+    assert read_weights(str(state), (paths[0], str(own))) == pytest.approx((3 / 7, 4 / 7))
 
 
 @pytest.mark.parametrize(
