@@ -68,14 +68,17 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "examples" / "default"
 TARGET_RATIO = 1.2
 ROWS = 1_000_000
+#: Coordinates per module of the one-bit code: 8 modules x (2048 / 8 + 2) B, the 2 KB default code.
+K_PER_MODULE = 2048
 #: Spread of a synthetic row's module scales around the real row they copy (log-normal).
 SCALE_JITTER = 0.25
 
 
-def cache_root(rows: int) -> Path:
+def cache_root(rows: int, k_per_module: int = K_PER_MODULE) -> Path:
     base = os.environ.get("EOGP_BENCH_CACHE")
     root = Path(base) if base else Path.home() / ".cache" / "eogp-bench"
-    return root / ("rescore-1m" if rows == ROWS else f"rescore-{rows}")
+    size = "1m" if rows == ROWS else str(rows)
+    return root / f"rescore-{size}-k{k_per_module}"
 
 
 def _eogp(*args: str) -> None:
@@ -85,13 +88,13 @@ def _eogp(*args: str) -> None:
     subprocess.run(command + list(args), check=True)
 
 
-def fit_and_ingest(index: Path) -> None:
+def fit_and_ingest(index: Path, k_per_module: int, variant: str) -> None:
     """Step 1: ``make demo``'s fit and ingest; skipped when done (``fitted``/``ingested`` marks)."""
     corpus = DEFAULT / "corpus" / "train.jsonl.gz"
     if not (index.parent / "fitted").exists():
         _eogp(
-            "fit", str(DEFAULT / "model"), "--data", str(corpus), "--out", str(index), "-k", "256",
-            "--curvature-examples", "256", "--pca-examples", "512", "--max-tokens", "128", "--overwrite",
+            "fit", str(DEFAULT / "model"), "--data", str(corpus), "--out", str(index), "-k", str(k_per_module),
+            "--variant", variant, "--curvature-examples", "256", "--pca-examples", "512", "--max-tokens", "128", "--overwrite",
         )  # fmt: skip
         (index.parent / "fitted").touch()
     if not (index.parent / "ingested").exists():
@@ -189,10 +192,10 @@ def check_layout(index: Path) -> None:
 
 
 def build(args) -> Path:
-    root = cache_root(args.rows)
+    root = cache_root(args.rows, args.k_per_module)
     index = root / "index"
     root.mkdir(parents=True, exist_ok=True)
-    fit_and_ingest(index)
+    fit_and_ingest(index, args.k_per_module, args.variant)
     append_synthetic(index, args.rows, args.batch, not prints_json(args))
     check_layout(index)
     return index
@@ -363,10 +366,19 @@ def _time_line(run, route, name, label, rows, counter, real_rows, tier_bytes, ar
 def main(argv=None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=ROWS, help="rows of the index (default 1,000,000)")
-    parser.add_argument("--batch", type=int, default=25_000, help="synthetic rows per commit")
+    parser.add_argument("--batch", type=int, default=10_000, help="synthetic rows per commit")
+    parser.add_argument(
+        "--k-per-module", type=int, default=K_PER_MODULE, help="one-bit coordinates per module (2048: the 2 KB code)"
+    )
     parser.add_argument("--factors", type=lambda s: [int(f) for f in s.split(",")], default=[5, 10, 20])
     parser.add_argument("-k", type=int, default=10, help="hits per side")
     parser.add_argument("--batch-queries", type=int, default=8, help="queries of the batch lines")
+    parser.add_argument(
+        "--variant",
+        default="eogp-r",
+        help="the fit's --variant (eogp-r: no PCA; 512 documents span 512 of the 2048 PCA directions per module, "
+        "and the synthetic rows time the same under any variant)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="best of this many runs per line")
     parser.add_argument("--build-only", action="store_true", help="build (or finish) the index and stop")
     add_json_argument(parser)

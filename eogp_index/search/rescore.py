@@ -6,21 +6,36 @@ time at higher precision (int8, int4 or fp16), in table columns the hot copy nev
 coordinates are the tier's, and the scans take the first ``k_u`` of each module's). A
 question with ``rescore = F`` (:class:`~eogp_index.search.question.Question`) has every route
 return its exact one-bit top ``N = F · k`` rows per side (``C`` at most, on the candidates
-route); :func:`rescored` reads those rows' tier codes by row address in one Lance take for all
-the queries, scores them in float32 against the queries' unquantized coordinates, and keeps the
-best ``k`` per side by that score, each hit keeping its one-bit score (``Hits.scores_1bit``). A
-side keeps only rows whose rescored score has its sign.
+route); :func:`rescored` reads those rows' tier codes by row address and scores them against the
+queries' unquantized coordinates, and keeps the best ``k`` per side by that score, each hit
+keeping its one-bit score (``Hits.scores_1bit``). A side keeps only rows whose rescored score
+has its sign.
+
+The reads and the arithmetic are what the rows need, once (:func:`tier_scores`): the row
+addresses of every query and side of a batch are de-duplicated and sorted, so a row that several
+queries (or both sides of one) rescore is read once; the tier's columns only are taken, in takes
+of about :data:`TAKE_BYTES`, the next take running while the current one is scored; and each
+(row, query) pair is scored straight from the stored codes by one compiled kernel, which
+decodes each coordinate as :meth:`~eogp_index.store.codecs.TierCodec.decode` does (the code
+times its module's scale, in float32) and sums the products in float64, rounded once to float32.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+from numba import njit, prange
 
 from eogp_index.errors import ConfigError
 from eogp_index.search.ranking import Hits, Side
 from eogp_index.store.stored_index import StoredIndex
+
+#: Tier bytes per Lance take: bounds the memory of a batch's rescoring (two takes in flight), and
+#: is large enough that a take's fixed cost does not show.
+TAKE_BYTES = 32 << 20
 
 
 def rescored_count(rescore: int, k: int, candidates: Optional[int]) -> int:
@@ -35,7 +50,7 @@ def tier_coordinates(stored: StoredIndex, rowaddr: np.ndarray, normalize: str = 
     ``(r,)`` (in that order), read from the table; ``normalize="unit"``: each divided by its norm.
     """
     tier = stored.tier
-    table = stored.store.take_rows(np.asarray(rowaddr, np.uint64).tolist(), list(tier.columns))
+    table = stored.store.take_rows(np.asarray(rowaddr, np.uint64), list(tier.columns))
     return decoded_tier(tier, table, normalize)
 
 
@@ -47,6 +62,107 @@ def decoded_tier(tier, batch, normalize: str = "none") -> np.ndarray:
         norms = np.sqrt(np.einsum("ij,ij->i", x.astype(np.float64), x.astype(np.float64)))
         x = (x / np.where(norms > 0, norms, 1.0)[:, None]).astype(np.float32)
     return x
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True, boundscheck=False)
+def _pair_scores(codes, scales, offsets, y, row, query, out):  # pragma: no cover - compiled
+    """``out[p] = Σ_u Σ_j f32(codes[row[p], j] · scales[row[p], u]) · y[query[p], j]`` in float64
+    (``j`` over module ``u``'s columns ``offsets[u]:offsets[u + 1]``). codes ``(c, T)`` int8 or
+    float32; scales ``(c, U)`` float32; y ``(nq, T)`` float32; row, query ``(P,)`` int64."""
+    for p in prange(row.shape[0]):
+        r, q = row[p], query[p]
+        acc = 0.0
+        for u in range(offsets.shape[0] - 1):
+            s = scales[r, u]
+            part = 0.0
+            for j in range(offsets[u], offsets[u + 1]):
+                part += np.float64(np.float32(codes[r, j]) * s) * np.float64(y[q, j])
+            acc += part
+        out[p] = acc
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True, boundscheck=False)
+def _row_norms(codes, scales, offsets, out):  # pragma: no cover - compiled
+    """``out[r]``: the float64 norm of row ``r`` decoded as :func:`_pair_scores` decodes it."""
+    for r in prange(codes.shape[0]):
+        acc = 0.0
+        for u in range(offsets.shape[0] - 1):
+            s = scales[r, u]
+            for j in range(offsets[u], offsets[u + 1]):
+                v = np.float64(np.float32(codes[r, j]) * s)
+                acc += v * v
+        out[r] = math.sqrt(acc)
+
+
+def _kernel_arrays(tier, table) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A take's tier columns as the kernels read them: codes ``(c, T)`` (int8 as stored; int4 and
+    fp16 decoded to float32), scales ``(c, U)`` float32 (ones for a decoded tier) and the
+    modules' column offsets ``(U + 1,)`` int64."""
+    columns = tier.from_arrow(table)
+    if tier.code == "int8":
+        offsets = np.append(np.asarray(tier.layout.coord_offsets, np.int64), tier.layout.num_coords)
+        return columns["tier"], columns["tier_scales"].astype(np.float32), offsets
+    x = tier.decode(columns)
+    return x, np.ones((x.shape[0], 1), np.float32), np.array([0, x.shape[1]], np.int64)
+
+
+def _takes(stored: StoredIndex, wanted: np.ndarray) -> Iterator[Tuple[int, object]]:
+    """``(start, table)`` per take of the sorted row addresses ``wanted``, about
+    :data:`TAKE_BYTES` of tier each; the next take runs on a thread while the caller scores."""
+    tier = stored.tier
+    columns = list(tier.columns)
+    step = max(1, TAKE_BYTES // max(1, tier.bytes_per_example))
+    starts = list(range(0, wanted.size, step))
+    if len(starts) == 1:
+        yield 0, stored.store.take_rows(wanted, columns)
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(stored.store.take_rows, wanted[:step], columns)
+        for i, start in enumerate(starts):
+            table = pending.result()
+            if i + 1 < len(starts):
+                nxt = starts[i + 1]
+                pending = pool.submit(stored.store.take_rows, wanted[nxt : nxt + step], columns)
+            yield start, table
+
+
+def tier_scores(
+    stored: StoredIndex, rowaddr: np.ndarray, query: np.ndarray, y: np.ndarray, normalize: str = "none"
+) -> np.ndarray:
+    """The tier's scores ``(P,)`` float32 of the pairs ``(rowaddr[p], y[query[p]])``.
+
+    Each distinct row is read once, in the order of its address; the scores are the float64 sums
+    of the products of the decoded tier coordinates with ``y`` (``normalize="unit"``: divided by
+    the decoded row's float64 norm; a zero row scores zero), rounded to float32.
+
+    Args:
+        rowaddr: ``(P,)`` uint64 Lance row addresses, any order, repeats allowed.
+        query: ``(P,)`` int64 rows of ``y``. y: ``(nq, T)`` float32, the tier's width.
+    """
+    rowaddr = np.asarray(rowaddr, np.uint64)
+    out = np.zeros(rowaddr.size, np.float32)
+    if rowaddr.size == 0:
+        return out
+    wanted, row = np.unique(rowaddr, return_inverse=True)
+    order = np.argsort(row, kind="stable")  # the pairs by row: a row's queries follow each other
+    row_sorted = row[order].astype(np.int64)
+    query_sorted = np.asarray(query, np.int64)[order]
+    bounds = np.searchsorted(row_sorted, np.arange(wanted.size + 1))
+    y = np.ascontiguousarray(y, np.float32)
+    scores = np.empty(order.size, np.float64)
+    for start, table in _takes(stored, wanted):
+        codes, scales, offsets = _kernel_arrays(stored.tier, table)
+        lo, hi = bounds[start], bounds[start + codes.shape[0]]
+        local = row_sorted[lo:hi] - start
+        part = np.empty(hi - lo, np.float64)
+        _pair_scores(codes, scales, offsets, y, local, query_sorted[lo:hi], part)
+        if normalize == "unit":
+            norms = np.empty(codes.shape[0], np.float64)
+            _row_norms(codes, scales, offsets, norms)
+            part = np.where(norms[local] > 0, part / np.where(norms[local] > 0, norms[local], 1.0), 0.0)
+        scores[lo:hi] = part
+    out[order] = scores.astype(np.float32)
+    return out
 
 
 def rescored(
@@ -66,8 +182,8 @@ def rescored(
             wider tier's coordinates cannot score it).
 
     Returns:
-        Per query, ``{side: Hits}`` whose ``scores`` are the tier's (float32) and ``scores_1bit``
-        the one-bit scan's; best first, equal scores by ascending row address.
+        Per query, ``{side: Hits}`` whose ``scores`` are the tier's (float32, :func:`tier_scores`)
+        and ``scores_1bit`` the one-bit scan's; best first, equal scores by ascending row address.
     """
     y = np.asarray(y, np.float32)
     width = stored.coordinates.num_coords
@@ -76,20 +192,17 @@ def rescored(
             f"rescoring needs the queries' coordinates of the whole tier, (nq, {width}), got {y.shape}: pass "
             "the encoder's query coordinates, not the one-bit code's part of them"
         )
-    parts = [hits.rowaddr for by_side in found for hits in by_side.values()]
-    wanted = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.uint64)
-    if wanted.size == 0:
-        none = Hits(np.zeros(0, np.uint64), np.zeros(0, np.float32), np.zeros(0, np.float32))
-        return [{side: none for side in by_side} for by_side in found]
-    x = tier_coordinates(stored, wanted, normalize)
-    out = []
-    for q, by_side in enumerate(found):
-        sides = {}
-        for side, hits in by_side.items():
-            rows = x[np.searchsorted(wanted, hits.rowaddr)]
-            scores = (rows @ y[q]).astype(np.float32)  # float32, as the one-bit kernels score
-            order = np.lexsort((hits.rowaddr, -scores if side == "positive" else scores))[:k]
-            best = Hits(hits.rowaddr[order], scores[order], scores_1bit=hits.scores[order])
-            sides[side] = best.of_sign(side)
-        out.append(sides)
+    blocks = [(q, side, hits) for q, by_side in enumerate(found) for side, hits in by_side.items()]
+    sizes = [hits.rowaddr.size for _, _, hits in blocks]
+    rowaddr = np.concatenate([hits.rowaddr for _, _, hits in blocks]) if blocks else np.zeros(0, np.uint64)
+    query = np.repeat(np.array([q for q, _, _ in blocks], np.int64), sizes)
+    scores = tier_scores(stored, rowaddr, query, y, normalize)
+    out: List[Dict[Side, Hits]] = [{} for _ in found]
+    start = 0
+    for (q, side, hits), size in zip(blocks, sizes):
+        s = scores[start : start + size]
+        start += size
+        order = np.lexsort((hits.rowaddr, -s if side == "positive" else s))[:k]
+        best = Hits(hits.rowaddr[order], s[order], scores_1bit=hits.scores[order])
+        out[q][side] = best.of_sign(side)
     return out

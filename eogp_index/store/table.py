@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+import numpy as np
 import pyarrow as pa
 
 from eogp_index.errors import InputError
@@ -421,11 +422,11 @@ class Store:
             field="where",
         )
 
-    def take_rows(self, rowaddr: Sequence[int], columns: Sequence[str]) -> pa.Table:
-        """Rows by Lance row address, in the order given."""
+    def take_rows(self, rowaddr: Sequence[int] | np.ndarray, columns: Sequence[str]) -> pa.Table:
+        """Rows by Lance row address ``(r,)`` (a list or a uint64 array), in the order given."""
         if len(rowaddr) == 0:
             return self.read(columns, "false")
-        return self.dataset()._take_rows(pa.array(list(rowaddr), pa.uint64()), columns=list(columns))
+        return self.dataset()._take_rows(pa.array(np.asarray(rowaddr, np.uint64)), columns=list(columns))
 
     # -- scalar indexes ---------------------------------------------------------------------------
     def create_scalar_index(self, column: str, kind: str = "BTREE") -> None:
