@@ -70,6 +70,8 @@ TARGET_RATIO = 1.2
 ROWS = 1_000_000
 #: Coordinates per module of the one-bit code: 8 modules x (2048 / 8 + 2) B, the 2 KB default code.
 K_PER_MODULE = 2048
+#: Synthetic rows drawn from :class:`RowModel`; the rest are variants of them (:func:`variants`).
+DRAWN_ROWS = 70_000
 #: Spread of a synthetic row's module scales around the real row they copy (log-normal).
 SCALE_JITTER = 0.25
 
@@ -134,6 +136,30 @@ class RowModel:
         return rng.standard_normal((n, self.layout.num_coords), dtype=np.float32) * self.shape * per_coord
 
 
+def variants(stored: StoredIndex, base: np.ndarray, rng: np.random.Generator, n: int) -> Encoded:
+    """``n`` rows made from drawn ones (row addresses ``base``: the first :data:`DRAWN_ROWS`
+    synthetic rows): each module's coordinates negated at random and scaled by
+    ``exp(0.25 · N(0,1))``, done on the stored codes (the module's sign bits inverted, its int8
+    tier codes negated, both scales multiplied): what encoding those coordinates writes."""
+    layout = stored.layout
+    wanted, inverse = np.unique(base[rng.integers(0, base.size, n)], return_inverse=True)
+    table = stored.store.take_rows(wanted, ["signs", "scales", "tier", "tier_scales"])
+    codes, tier = stored.codec.from_arrow(table), stored.tier.from_arrow(table)
+    flip = rng.random((n, layout.num_modules)) < 0.5
+    jitter = np.exp(SCALE_JITTER * rng.standard_normal((n, layout.num_modules))).astype(np.float32)
+    signs, tier_codes = codes.signs[inverse], tier["tier"][inverse]
+    for u, (b0, nb, c0, k) in enumerate(zip(layout.byte_offsets, layout.module_bytes, layout.coord_offsets, layout.k)):
+        rows = np.flatnonzero(flip[:, u])
+        signs[rows, b0 : b0 + nb] ^= np.uint8(0xFF)
+        tier_codes[rows, c0 : c0 + k] *= -1
+    return Encoded(
+        signs=signs,
+        scales=(codes.scales[inverse].astype(np.float32) * jitter).astype(np.float16),
+        tier=tier_codes,
+        tier_scales=(tier["tier_scales"][inverse].astype(np.float32) * jitter).astype(np.float16),
+    )
+
+
 def append_synthetic(index: Path, rows: int, batch: int, progress: bool) -> None:
     """Step 2: synthetic rows up to ``rows`` in all, one commit per ``batch``; resumable (a commit
     is whole or absent, and batch ``b`` always holds the same rows)."""
@@ -147,6 +173,9 @@ def append_synthetic(index: Path, rows: int, batch: int, progress: bool) -> None
         return
     model = RowModel(stored)
     target = rows - real
+    # Variants need an int8 tier and whole bytes of signs per module (bits inverted a byte at a time).
+    varied = stored.tier.code == "int8" and all(k % 8 == 0 for k in stored.layout.k)
+    base = None
     optimized = False
     bar = tqdm(total=target, initial=have, unit="row", desc="synthetic rows", disable=not progress)
     while have < target:
@@ -154,9 +183,18 @@ def append_synthetic(index: Path, rows: int, batch: int, progress: bool) -> None
             raise SystemExit(f"{index}: {have} synthetic rows is not a whole number of {batch}-row batches")
         n = min(batch, target - have)
         rng = np.random.default_rng([20261128, have // batch])
-        x = model.draw(n, rng)
-        encoded = stored.codec.encode(x)
-        encoded = Encoded(**encoded.columns(), **stored.tier.encode(x))
+        if have < DRAWN_ROWS or not varied:
+            x = model.draw(n, rng)
+            encoded = stored.codec.encode(x)
+            encoded = Encoded(**encoded.columns(), **stored.tier.encode(x))
+        else:
+            if base is None:
+                found = store.read(
+                    ["position"], f"shard = 'synthetic' AND position < {DRAWN_ROWS}", with_row_address=True
+                )
+                order = np.argsort(found.column("position").to_numpy())
+                base = found.column("_rowaddr").to_numpy().astype(np.uint64)[order]
+            encoded = variants(stored, base, rng, n)
         ids = [f"synthetic-{have + i:07d}" for i in range(n)]
         info = RowInfo(
             ids=ids,
