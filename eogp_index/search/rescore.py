@@ -15,9 +15,9 @@ The reads and the arithmetic are what the rows need, once (:func:`tier_scores`):
 addresses of every query and side of a batch are de-duplicated and sorted, so a row that several
 queries (or both sides of one) rescore is read once; the tier's columns only are taken, in takes
 of about :data:`TAKE_BYTES`, the next take running while the current one is scored; and each
-(row, query) pair is scored straight from the stored codes by one compiled kernel, which
-decodes each coordinate as :meth:`~eogp_index.store.codecs.TierCodec.decode` does (the code
-times its module's scale, in float32) and sums the products in float64, rounded once to float32.
+(row, query) pair is scored straight from the stored codes by one compiled kernel: per module,
+the scale times the sum of the int8 codes times the query's coordinates, in float64 (each product
+exact), rounded once to float32 (int4 and fp16 tiers decoded to float32 first, scale 1).
 """
 
 from __future__ import annotations
@@ -68,31 +68,35 @@ def decoded_tier(tier, batch, normalize: str = "none") -> np.ndarray:
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True, boundscheck=False)
 def _pair_scores(codes, scales, offsets, y, row, query, out):  # pragma: no cover - compiled
-    """``out[p] = Σ_u Σ_j f32(codes[row[p], j] · scales[row[p], u]) · y[query[p], j]`` in float64
-    (``j`` over module ``u``'s columns ``offsets[u]:offsets[u + 1]``). codes ``(c, T)`` int8 or
-    float32; scales ``(c, U)`` float32; y ``(nq, T)`` float32; row, query ``(P,)`` int64."""
+    """``out[p] = Σ_u scales[row[p], u] · Σ_j codes[row[p], j] · y[query[p], j]`` in float64 (``j``
+    over module ``u``'s columns ``offsets[u]:offsets[u + 1]``; an int8 code times a float32 is
+    exact in float64). codes ``(c, T)`` int8 or float32; scales ``(c, U)`` float32; y ``(nq, T)``
+    float32; row, query ``(P,)`` int64."""
     for p in prange(row.shape[0]):
         r, q = row[p], query[p]
         acc = 0.0
         for u in range(offsets.shape[0] - 1):
-            s = scales[r, u]
+            a = codes[r, offsets[u] : offsets[u + 1]]  # slices: the loop below vectorizes
+            b = y[q, offsets[u] : offsets[u + 1]]
             part = 0.0
-            for j in range(offsets[u], offsets[u + 1]):
-                part += np.float64(np.float32(codes[r, j]) * s) * np.float64(y[q, j])
-            acc += part
+            for j in range(a.shape[0]):
+                part += np.float64(a[j]) * np.float64(b[j])
+            acc += part * np.float64(scales[r, u])
         out[p] = acc
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True, boundscheck=False)
 def _row_norms(codes, scales, offsets, out):  # pragma: no cover - compiled
-    """``out[r]``: the float64 norm of row ``r`` decoded as :func:`_pair_scores` decodes it."""
+    """``out[r]``: the float64 norm of row ``r`` of the tier, ``√(Σ_u scales[r, u]² Σ_j codes[r, j]²)``."""
     for r in prange(codes.shape[0]):
         acc = 0.0
         for u in range(offsets.shape[0] - 1):
-            s = scales[r, u]
-            for j in range(offsets[u], offsets[u + 1]):
-                v = np.float64(np.float32(codes[r, j]) * s)
-                acc += v * v
+            a = codes[r, offsets[u] : offsets[u + 1]]
+            part = 0.0
+            for j in range(a.shape[0]):
+                part += np.float64(a[j]) * np.float64(a[j])
+            s = np.float64(scales[r, u])
+            acc += part * s * s
         out[r] = math.sqrt(acc)
 
 
@@ -177,9 +181,10 @@ def tier_scores(
 ) -> np.ndarray:
     """The tier's scores ``(P,)`` float32 of the pairs ``(rowaddr[p], y[query[p]])``.
 
-    Each distinct row is read once, in the order of its address; the scores are the float64 sums
-    of the products of the decoded tier coordinates with ``y`` (``normalize="unit"``: divided by
-    the decoded row's float64 norm; a zero row scores zero), rounded to float32.
+    Each distinct row is read once, in the order of its address; the scores are the tier's
+    coordinates (codes times their module's scale) times ``y``, summed in float64
+    (``normalize="unit"``: divided by the row's float64 norm; a zero row scores zero), rounded to
+    float32.
 
     Args:
         rowaddr: ``(P,)`` uint64 Lance row addresses, any order, repeats allowed.
