@@ -22,7 +22,7 @@ or ``~/.cache/eogp-bench/rescore-1m-k2048``; a killed build resumes where it sto
    with the real rows' spread over coordinates, encoded by the index's own codecs (one-bit code
    and int8 tier), as ingest encodes projected gradients. The rest are variants of drawn rows
    (:func:`variants`: each module negated at random and its scale jittered again, done on the
-   stored codes), which drawing and encoding 16 KB rows on two cores would take an hour for. ids,
+   stored codes), since drawing and encoding each 16 KB row is most of a build's time. ids,
    shards, positions, content hashes and metadata are unique per row.
 
 What is timed (``--repeat`` best-of for single queries, one run for a batch; each line the search

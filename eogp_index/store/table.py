@@ -444,7 +444,11 @@ class Store:
             return dataset
         if self._take is None or self._take[0] is not dataset:
             again = lance.dataset(
-                self.path, version=dataset.version, block_size=TAKE_BLOCK_SIZE, session=dataset.session()
+                self.path,
+                version=dataset.version,
+                block_size=TAKE_BLOCK_SIZE,
+                session=dataset.session(),
+                storage_options=self.storage_options,
             )
             self._take = (dataset, again)
         return self._take[1]
