@@ -9,7 +9,7 @@ import pytest
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
 
 from eogp_index.client import AttributionIndex
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
+from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.search import rescore
 from eogp_index.search.rescore import rescored, tier_coordinates
 from eogp_index.search.searchers import HotSearcher
@@ -19,10 +19,8 @@ QUERIES = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8
 SIDES = ("positive", "negative")
 
 
-@pytest.fixture(scope="module")
-def tiered(tmp_path_factory):
-    """An index with the default tier (int8), 48 rows in four commits (four fragments)."""
-    path = tmp_path_factory.mktemp("tier_batch") / "index"
+def _index(path, code: str = "int8") -> AttributionIndex:
+    """An index with a ``code`` tier, 48 rows in four commits (four fragments)."""
     examples = make_examples(ROWS, seed=21)
     index = AttributionIndex.create(
         path,
@@ -33,6 +31,7 @@ def tiered(tmp_path_factory):
         projection=ProjectionConfig(variant="eogp", k=16, m=64),
         curvature=CurvatureConfig(num_examples=ROWS, batch_size=8),
         gradients=GradientConfig(batch_size=8),
+        storage=StorageConfig(rescore=code),
         progress=False,
     )
     for start in range(0, ROWS, 12):
@@ -40,9 +39,17 @@ def tiered(tmp_path_factory):
     return index
 
 
-def _reference(index, hits, y_q) -> np.ndarray:
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory):
+    """An index with the default tier (int8)."""
+    return _index(tmp_path_factory.mktemp("tier_batch") / "index")
+
+
+def _reference(index, hits, y_q, normalize: str = "none") -> np.ndarray:
     """The tier's score of each hit: its decoded coordinates times the query, summed in float64."""
     x = tier_coordinates(index.stored, hits.rowaddr).astype(np.float64)
+    if normalize == "unit":
+        x = x / np.linalg.norm(x, axis=1, keepdims=True)
     return (x @ y_q.astype(np.float64)).astype(np.float32)
 
 
@@ -107,3 +114,21 @@ def test_rescoring_every_row_in_a_batch_gives_each_querys_tier_ranking(tiered):
         negative = [int(rows[i]) for i in np.lexsort((rows, scores)) if scores[i] < 0][:k]
         assert by_side["positive"].rowaddr.tolist() == positive
         assert by_side["negative"].rowaddr.tolist() == negative
+
+
+@pytest.mark.parametrize("code", ["int4", "fp16"])
+@pytest.mark.parametrize("normalize", ["none", "unit"])
+def test_int4_and_fp16_tiers_score_a_batch_as_their_decoded_coordinates(tmp_path, code, normalize):
+    """The other tier codes (decoded before the kernel) and unit rows: each hit's score is its
+    decoded tier coordinates (divided by their norm) times the query, each side of its sign."""
+    index = _index(tmp_path / "index", code)
+    stored = index.stored
+    y = index.query_coordinates(QUERIES)
+    found = HotSearcher(stored, normalize=normalize).top_k(y, 15, SIDES)
+    for q, by_side in enumerate(rescored(stored, found, y, 4, normalize)):
+        for side in SIDES:
+            hits = by_side[side]
+            assert hits.rowaddr.size
+            np.testing.assert_allclose(hits.scores, _reference(index, hits, y[q], normalize), rtol=1e-5, atol=1e-7)
+            assert np.all(hits.scores > 0 if side == "positive" else hits.scores < 0)
+            assert np.all(np.diff(hits.scores) <= 0 if side == "positive" else np.diff(hits.scores) >= 0)
