@@ -22,13 +22,11 @@ exact), rounded once to float32 (int4 and fp16 tiers decoded to float32 first, s
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
-from numba import njit, prange
 
 from eogp_index.errors import ConfigError
 from eogp_index.search.ranking import Hits, Side
@@ -64,40 +62,6 @@ def decoded_tier(tier, batch, normalize: str = "none") -> np.ndarray:
         norms = np.sqrt(np.einsum("ij,ij->i", x.astype(np.float64), x.astype(np.float64)))
         x = (x / np.where(norms > 0, norms, 1.0)[:, None]).astype(np.float32)
     return x
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True, boundscheck=False)
-def _pair_scores(codes, scales, offsets, y, row, query, out):  # pragma: no cover - compiled
-    """``out[p] = Σ_u scales[row[p], u] · Σ_j codes[row[p], j] · y[query[p], j]`` in float64 (``j``
-    over module ``u``'s columns ``offsets[u]:offsets[u + 1]``; an int8 code times a float32 is
-    exact in float64). codes ``(c, T)`` int8 or float32; scales ``(c, U)`` float32; y ``(nq, T)``
-    float32; row, query ``(P,)`` int64."""
-    for p in prange(row.shape[0]):
-        r, q = row[p], query[p]
-        acc = 0.0
-        for u in range(offsets.shape[0] - 1):
-            a = codes[r, offsets[u] : offsets[u + 1]]  # slices: the loop below vectorizes
-            b = y[q, offsets[u] : offsets[u + 1]]
-            part = 0.0
-            for j in range(a.shape[0]):
-                part += np.float64(a[j]) * np.float64(b[j])
-            acc += part * np.float64(scales[r, u])
-        out[p] = acc
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True, boundscheck=False)
-def _row_norms(codes, scales, offsets, out):  # pragma: no cover - compiled
-    """``out[r]``: the float64 norm of row ``r`` of the tier, ``√(Σ_u scales[r, u]² Σ_j codes[r, j]²)``."""
-    for r in prange(codes.shape[0]):
-        acc = 0.0
-        for u in range(offsets.shape[0] - 1):
-            a = codes[r, offsets[u] : offsets[u + 1]]
-            part = 0.0
-            for j in range(a.shape[0]):
-                part += np.float64(a[j]) * np.float64(a[j])
-            s = np.float64(scales[r, u])
-            acc += part * s * s
-        out[r] = math.sqrt(acc)
 
 
 def _kernel_arrays(tier, table) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -190,6 +154,8 @@ def tier_scores(
         rowaddr: ``(P,)`` uint64 Lance row addresses, any order, repeats allowed.
         query: ``(P,)`` int64 rows of ``y``. y: ``(nq, T)`` float32, the tier's width.
     """
+    from eogp_index.search.kernels.rescore import pair_scores, row_norms  # numba, loaded when first used
+
     rowaddr = np.asarray(rowaddr, np.uint64)
     out = np.zeros(rowaddr.size, np.float32)
     if rowaddr.size == 0:
@@ -206,10 +172,10 @@ def tier_scores(
         lo, hi = bounds[start], bounds[start + codes.shape[0]]
         local = row_sorted[lo:hi] - start
         part = np.empty(hi - lo, np.float64)
-        _pair_scores(codes, scales, offsets, y, local, query_sorted[lo:hi], part)
+        pair_scores(codes, scales, offsets, y, local, query_sorted[lo:hi], part)
         if normalize == "unit":
             norms = np.empty(codes.shape[0], np.float64)
-            _row_norms(codes, scales, offsets, norms)
+            row_norms(codes, scales, offsets, norms)
             part = np.where(norms[local] > 0, part / np.where(norms[local] > 0, norms[local], 1.0), 0.0)
         scores[lo:hi] = part
     out[order] = scores.astype(np.float32)
