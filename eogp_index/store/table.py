@@ -85,6 +85,11 @@ CODE_COLUMNS = _CodeNames(("signs", "scales", "coords", "tier", "tier_scales"))
 #: kept by every later append and compaction; rows of an older table without it append as before.
 RANDOM_ACCESS = _CodeNames(("tier", "tier_scales"))
 FULL_ZIP = {"lance-encoding:structural-encoding": "fullzip"}
+#: Lance reads two byte ranges of one take as one read when fewer bytes than its block size (4 KiB
+#: on a local disk) lie between them, and reads the gap too: the 16-byte tier scales of rows a few
+#: hundred rows apart would cost kilobytes each. Takes by row address on a local disk open the
+#: table with this block size, so that a take reads the rows' own bytes.
+TAKE_BLOCK_SIZE = 64
 #: ", /home/.../rust/lance/src/dataset/scanner.rs:839:33": where in Lance's Rust source an error arose
 _LANCE_SOURCE = re.compile(r",?\s*\S+\.rs:\d+:\d+")
 
@@ -218,6 +223,7 @@ class Store:
         self._stamp: Optional[tuple] = None  # (mtime_ns, inode) of _versions when last checked, local
         self._checked_ns = 0  # wall clock of the last check (local) / monotonic clock (remote)
         self._schema: Optional[tuple] = None  # (dataset, its Arrow schema)
+        self._take: Optional[tuple] = None  # (dataset, the same version opened for takes)
         #: monotonic time of the last removal of old versions through this object (set by
         #: ``maintenance.optimize``; ``maybe_optimize`` spaces them out)
         self.cleaned_at: Optional[float] = None
@@ -452,11 +458,36 @@ class Store:
             field="where",
         )
 
-    def take_rows(self, rowaddr: Sequence[int], columns: Sequence[str]) -> pa.Table:
-        """Rows by Lance row address, in the order given."""
+    def take_rows(self, rowaddr: Sequence[int] | np.ndarray, columns: Sequence[str]) -> pa.Table:
+        """Rows by Lance row address ``(r,)`` (a list or a uint64 array), in the order given."""
         if len(rowaddr) == 0:
             return self.read(columns, "false")
-        return self.dataset()._take_rows(pa.array(list(rowaddr), pa.uint64()), columns=list(columns))
+        return self._take_dataset()._take_rows(pa.array(np.asarray(rowaddr, np.uint64)), columns=list(columns))
+
+    def _take_dataset(self):
+        """The dataset takes read: on a local disk the latest version opened again with
+        :data:`TAKE_BLOCK_SIZE` (sharing the table's session: its caches), once per version."""
+        import lance
+
+        dataset = self.dataset()
+        if not self.local:
+            return dataset
+        if self._take is None or self._take[0] is not dataset:
+            again = lance.dataset(
+                self.path,
+                version=dataset.version,
+                block_size=TAKE_BLOCK_SIZE,
+                session=dataset.session(),
+                storage_options=self.storage_options,
+            )
+            self._take = (dataset, again)
+        return self._take[1]
+
+    def take_reads(self) -> tuple[int, int]:
+        """Read operations and bytes of the takes by row address since the last call (Lance's I/O
+        statistics of the dataset takes read)."""
+        stats = self._take_dataset().io_stats_incremental()
+        return int(stats.read_iops), int(stats.read_bytes)
 
     # -- scalar indexes ---------------------------------------------------------------------------
     def create_scalar_index(self, column: str, kind: str = "BTREE") -> None:
