@@ -106,10 +106,10 @@ def _take(stored: StoredIndex, rowaddr: np.ndarray, columns: List[str]) -> pa.Ta
     store = stored.store
     if not store.local:
         return store.take_rows(rowaddr, columns)
-    tier = stored.tier
     out = {}
     for name in columns:
-        width = 2 * tier.layout.num_modules if name == "tier_scales" else tier.width * (2 if tier.code == "fp16" else 1)
+        kind = store.schema.field(name).type  # fixed_size_list: an ensemble's columns differ in width
+        width = kind.list_size * kind.value_type.bit_width // 8
         lanes = _lanes(rowaddr, TAKE_BLOCK_SIZE // max(1, width) + 2)
         if not lanes.any():
             out[name] = store.take_rows(rowaddr, [name]).column(name)
