@@ -393,8 +393,12 @@ class StorageConfig:
 RECALL_FACTORS = (1, 2, 3, 5, 10, 20, 50, 100)
 #: The NDCG the rescored top may lose against the tier's own full scan, which chooses the default
 #: rescoring factor: the smallest ``F`` whose mean ``1 - NDCG@t`` of the rescored top ``t`` against
-#: the tier's top ``t`` is at most this (the issue's target: within 0.005 of the tier alone).
+#: the tier's top ``t`` is at most this (a reader should not tell the rescored top from the tier's).
 RESCORE_GAP_TARGET = 0.005
+#: The largest default rescoring factor. Past it the tier rows a query reads by row address cost
+#: more than a fifth of the one-bit scan (docs/benchmarks.md, "Rescoring at 1M rows"): larger
+#: factors are measured and printed, and a query asks for one with ``rescore``.
+RESCORE_MAX_DEFAULT = 20
 #: The recall reported beside the gap (the smallest factor reaching it is recorded, not used): a
 #: missed row of the tier's top is a wrong row at the top of the answer, so nearly all must be
 #: kept (one in fifty missed). The gap weighs a miss by its place, as the NDCG does.

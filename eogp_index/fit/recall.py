@@ -33,8 +33,9 @@ held-out set allows.
 
 **The default factor** (:func:`default_factor`, the one choice the fit, the table's measurement
 (:mod:`eogp_index.store.table_recall`) and ``eogp eval fidelity`` make): the smallest measured
-``F`` whose mean gap is at most :data:`~eogp_index.config.RESCORE_GAP_TARGET`, else the largest
-measured (and the fit warns). Queries use it when they do not give ``rescore``
+``F`` up to :data:`~eogp_index.config.RESCORE_MAX_DEFAULT` whose mean gap is at most
+:data:`~eogp_index.config.RESCORE_GAP_TARGET`, else the largest measured up to it (and the fit
+warns; the larger factors' gaps are printed for a query to ask for one). Queries use it when they do not give ``rescore``
 (``Question.rescore`` None). The smallest ``F`` whose recall reaches
 :data:`~eogp_index.config.RECALL_TARGET` is recorded beside it.
 """
@@ -54,6 +55,7 @@ from eogp_index.config import (
     RECALL_T_SHARE,
     RECALL_TARGET,
     RESCORE_GAP_TARGET,
+    RESCORE_MAX_DEFAULT,
     TIER_LEVELS,
     quantize_tier_block,
 )
@@ -244,14 +246,17 @@ def recall_curve(tier: torch.Tensor, one_bit: torch.Tensor) -> Tuple[RecallCurve
     return curve, per_query
 
 
-def default_factor(curve: RecallCurve, gap_target: float = RESCORE_GAP_TARGET) -> Tuple[Optional[int], bool]:
-    """The default rescoring factor: the smallest measured factor whose mean gap is at most
-    ``gap_target`` and True; else the largest measured and False; ``(None, False)`` when
-    nothing was measured."""
-    for factor, gap in zip(curve.factors, curve.gap):
+def default_factor(
+    curve: RecallCurve, gap_target: float = RESCORE_GAP_TARGET, max_factor: int = RESCORE_MAX_DEFAULT
+) -> Tuple[Optional[int], bool]:
+    """The default rescoring factor: the smallest measured factor up to ``max_factor`` whose mean
+    gap is at most ``gap_target`` and True; else the largest measured up to ``max_factor`` and
+    False; ``(None, False)`` when nothing was measured."""
+    allowed = [(f, gap) for f, gap in zip(curve.factors, curve.gap) if f <= max_factor]
+    for factor, gap in allowed:
         if gap <= gap_target:
             return factor, True
-    return (curve.factors[-1] if curve.factors else None), False
+    return (allowed[-1][0] if allowed else None), False
 
 
 def recall_factor(curve: RecallCurve, target: float = RECALL_TARGET) -> Optional[int]:

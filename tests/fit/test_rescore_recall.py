@@ -168,6 +168,9 @@ def test_the_default_factor_is_the_smallest_within_the_gap_else_the_largest():
     # recall reaches 0.98 at F = 2, but the rescored top still loses 0.008 of NDCG there
     curve = _curve([0.9, 0.98, 0.995, 1.0], [0.02, 0.008, 0.002, 0.0])
     assert recall_factor(curve) == 2 and default_factor(curve) == (5, True)
+    # past RESCORE_MAX_DEFAULT (20) a factor is measured but never the default: its reads cost too much
+    deep = _curve([0.9, 0.95, 0.99, 1.0], [0.03, 0.02, 0.004, 0.0], factors=(10, 20, 50, 100))
+    assert default_factor(deep) == (20, False) and default_factor(deep, max_factor=100) == (50, True)
 
 
 def test_the_gap_chooses_a_larger_factor_than_the_recall():
