@@ -532,6 +532,7 @@ def test_plan_of_an_ensemble_index_counts_its_manifests_checkpoints(workspace, t
     eigenvector columns are read, exact, from checkpoints/1/ (here a copy of checkpoint 0's)."""
     from eogp_index.store.index_plan import plan_of_index, plan_of_manifest
     from eogp_index.store.manifest import Manifest
+
     index = tmp_path / "narrow"
     shutil.copytree(workspace / "narrow", index)
     single = plan_of_index(index)

@@ -469,7 +469,9 @@ def _rows_per_batch(layout: SignLayout) -> int:
     return max(1, BATCH_BYTES // (4 * layout.num_coords))
 
 
-def _stream(dataset, codec, *, offsets: Optional[np.ndarray] = None) -> Iterator[Tuple[pa.Array, np.ndarray, np.ndarray]]:
+def _stream(
+    dataset, codec, *, offsets: Optional[np.ndarray] = None
+) -> Iterator[Tuple[pa.Array, np.ndarray, np.ndarray]]:
     """``(ids, signs (b, nbytes) uint8, scales (b, U) float32)`` record batches of the table or of
     ``offsets``, in the codec's combined layout (an ensemble's checkpoints' columns joined)."""
     rows, columns = _rows_per_batch(codec.layout), ["id", *codec.columns]
