@@ -44,10 +44,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 
 from eogp_index.config import (
     RECALL_FACTORS,
@@ -60,6 +59,9 @@ from eogp_index.config import (
     quantize_tier_block,
 )
 from eogp_index.fit.ndcg import rescored_ndcg
+
+if TYPE_CHECKING:  # torch is imported by the functions that compute, so that reading a record does not load it
+    import torch
 
 #: The rescoring factors measured, when the held-out set allows them (``F · t < h - 1``).
 FACTORS = RECALL_FACTORS
@@ -91,6 +93,8 @@ def tier_documents(y: torch.Tensor, code: str) -> torch.Tensor:
     ``(n, k)`` float64: int8/int4 round ``x / s`` to the nearest integer in ``[-q, q]`` with the
     row's scale ``s = max|x| / q`` rounded to FP16 (zero for a zero row), in float32 as
     ``store.codecs.TierCodec`` does; fp16 rounds the coordinates to float16."""
+    import torch
+
     x = y.to(torch.float32)
     if code == "fp16":
         return x.half().double()
@@ -104,6 +108,8 @@ def tier_documents(y: torch.Tensor, code: str) -> torch.Tensor:
 
 def _ranks(scores: torch.Tensor) -> torch.Tensor:
     """Each candidate's place ``(q, n)`` int64 in its row's descending order (ties by position)."""
+    import torch
+
     order = torch.argsort(-scores, dim=1, stable=True)
     places = torch.arange(scores.shape[1]).expand_as(order)
     return torch.empty_like(order).scatter_(1, order, places)
@@ -119,6 +125,8 @@ def recall_per_query(tier: torch.Tensor, one_bit: torch.Tensor, t: int, factors:
         ``(q, len(factors))`` float64: the mean over the two sides (most positive, most negative;
         equal scores in position order).
     """
+    import torch
+
     sides = []
     for sign in (1.0, -1.0):
         top = torch.argsort(-sign * tier, dim=1, stable=True)[:, :t]  # (q, t)
@@ -139,6 +147,8 @@ def gap_per_query(tier: torch.Tensor, one_bit: torch.Tensor, t: int, factors: Se
         ``(q, len(factors))`` float64 in ``[0, 1]``: the mean over the two sides (equal scores
         in position order, as :func:`recall_per_query`).
     """
+    import torch
+
     if not factors:
         return torch.zeros((tier.shape[0], 0), dtype=torch.float64)
     depth = min(int(max(factors)) * t, int(tier.shape[1]))
@@ -155,6 +165,8 @@ def gap_per_query(tier: torch.Tensor, one_bit: torch.Tensor, t: int, factors: Se
 
 def mean_se(values: torch.Tensor) -> Tuple[float, float]:
     """The mean of the finite ``values`` ``(q,)`` and its standard error (nan below two)."""
+    import torch
+
     finite = values[torch.isfinite(values)]
     if finite.numel() < 2:
         return float("nan"), float("nan")
@@ -226,6 +238,7 @@ def recall_curve(tier: torch.Tensor, one_bit: torch.Tensor) -> Tuple[RecallCurve
         The curve (``t`` = :func:`recall_t` ``(n + 1)``, the factors :func:`measured_factors`
         allows) and the ``(h, len(factors))`` per-query recalls.
     """
+
     h = int(tier.shape[1]) + 1
     t = recall_t(h)
     factors = measured_factors(h, t)
@@ -306,6 +319,8 @@ def compare_recall(tier: torch.Tensor, one_bit: Dict[str, torch.Tensor]) -> Modu
         tier: ``(h, h - 1)`` the module's tier scores of the other held-out documents.
         one_bit: ``{code: (h, h - 1)}`` each code's one-bit scores of them.
     """
+    import torch
+
     curves, per_query = {}, {}
     for code in CODES:
         curves[code], values = recall_curve(tier, one_bit[code])
@@ -355,6 +370,7 @@ class IndexRecall:
 
 def index_recall(tier_code: str, tier: torch.Tensor, one_bit: torch.Tensor, codes: Dict[str, int]) -> IndexRecall:
     """:class:`IndexRecall` of the summed ``(h, n)`` scores ``tier`` and ``one_bit``."""
+
     curve, _ = recall_curve(tier, one_bit)
     factor, reached = default_factor(curve)
     return IndexRecall(
