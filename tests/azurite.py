@@ -43,12 +43,28 @@ def _wait_for(port: int, process: subprocess.Popen, log: Path) -> None:
     raise RuntimeError(f"azurite-blob did not listen on 127.0.0.1:{port} within 60 s: {log.read_text()[-2000:]}")
 
 
+def blob_filesystem(endpoint: str):
+    """A pyarrow AzureFileSystem on Azurite at ``endpoint``, set up here rather than by the index's
+    code, so that a test checks what the index wrote with a view of its own."""
+    import pyarrow.fs as pafs
+
+    from eogp_index.data import location
+
+    authority = endpoint.removeprefix("http://")
+    return pafs.AzureFileSystem(
+        account_name=location.AZURITE_ACCOUNT,
+        account_key=location.AZURITE_KEY,
+        blob_storage_authority=authority,
+        blob_storage_scheme="http",
+        dfs_storage_authority=authority,
+        dfs_storage_scheme="http",
+    )
+
+
 @contextlib.contextmanager
 def azurite_server(container: str, workdir: Path) -> Iterator[str]:
     """Starts Azurite's blob service (in memory), sets the variables until the block ends and
     creates ``container``; yields the blob endpoint URL."""
-    import pyarrow.fs as pafs
-
     from eogp_index.data import location
 
     command = azurite_command()
@@ -68,16 +84,7 @@ def azurite_server(container: str, workdir: Path) -> Iterator[str]:
             patch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
             patch.delenv("AZURE_STORAGE_ACCOUNT_KEY", raising=False)
             patch.setenv(location.CACHE_ENV, str(workdir / "cache"))
-            authority = f"127.0.0.1:{port}"
-            blob = pafs.AzureFileSystem(
-                account_name=location.AZURITE_ACCOUNT,
-                account_key=location.AZURITE_KEY,
-                blob_storage_authority=authority,
-                blob_storage_scheme="http",
-                dfs_storage_authority=authority,
-                dfs_storage_scheme="http",
-            )
-            blob.create_dir(container)
+            blob_filesystem(endpoint).create_dir(container)
             yield endpoint
     finally:
         process.terminate()
