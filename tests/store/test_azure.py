@@ -16,6 +16,7 @@ from tinymodels import make_tiny_gpt2, make_word_tokenizer
 
 from eogp_index.cli import cli
 from eogp_index.data import location
+from eogp_index.errors import ConfigError
 
 pytestmark = pytest.mark.objectstore
 __import__("transformers").logging.set_verbosity_error()
@@ -86,3 +87,39 @@ def test_queries_equal_the_local_index(both):
         for name, where in indexes.items()
     }
     assert answers["az"] == answers["local"] and answers["local"]
+
+
+def test_the_azure_settings_come_from_the_environment(monkeypatch):
+    """No server: what each layer is given for an az:// index, from the variables alone."""
+    for name in ("AZURE_STORAGE_USE_EMULATOR", "AZURITE_BLOB_STORAGE_URL", "AZURE_STORAGE_ACCOUNT_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+    remote = location.index_path("az://box/idx")
+    assert location.lance_target(remote / "examples.lance") == ("az://box/idx/examples.lance", None)
+    settings = dict(location._env_key("az", "box"))
+    assert location._azure_options(None, settings) == {"account_name": "acct"}
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "a2V5")
+    assert location._azure_options("other", dict(location._env_key("az", "box"))) == {
+        "account_name": "other",
+        "account_key": "a2V5",
+    }
+    monkeypatch.setenv("AZURE_STORAGE_USE_EMULATOR", "true")
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME")
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_KEY")
+    emulated = location._azure_options(None, dict(location._env_key("az", "box")))
+    assert emulated == {
+        "account_name": location.AZURITE_ACCOUNT,
+        "account_key": location.AZURITE_KEY,
+        "blob_storage_authority": "127.0.0.1:10000",
+        "blob_storage_scheme": "http",
+        "dfs_storage_authority": "127.0.0.1:10000",
+        "dfs_storage_scheme": "http",
+    }
+    monkeypatch.setenv("AZURITE_BLOB_STORAGE_URL", "http://127.0.0.1:4000/")
+    assert location._azure_options(None, dict(location._env_key("az", "box")))["blob_storage_authority"] == (
+        "127.0.0.1:4000"
+    )
+    assert location.storage_options("az://box/idx") == {"azure_storage_account_name": location.AZURITE_ACCOUNT}
+    monkeypatch.delenv("AZURE_STORAGE_USE_EMULATOR")
+    with pytest.raises(ConfigError, match="AZURE_STORAGE_ACCOUNT_NAME"):
+        location._azure_options(None, dict(location._env_key("az", "box")))
