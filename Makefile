@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 FAISS  ?= cpu
 INDEX  ?= default-index
 
-.PHONY: install browser demo test bench clean
+.PHONY: install browser azurite demo test bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +41,20 @@ browser:
 		fi; \
 	fi
 
+# The az:// tests run on Azurite, Microsoft's Azure Storage emulator (npm), installed into
+# .azurite/ when npm is there; without it those tests skip, naming this target.
+azurite:
+	@if [ ! -x .azurite/node_modules/.bin/azurite-blob ]; then \
+		if command -v npm >/dev/null; then \
+			npm install --silent --no-audit --no-fund --prefix .azurite azurite@3.37.0 \
+				|| echo "azurite not installed: the az:// tests will skip"; \
+		else \
+			echo "no npm: the az:// tests will skip (install: sudo apt-get install npm; make azurite)"; \
+		fi; \
+	fi
+
 # Two workers (pytest-xdist): the suite's processes are mostly single-threaded Python.
-test: install browser
+test: install browser azurite
 	$(BIN)/python -m pytest -q -n 2
 
 bench: install

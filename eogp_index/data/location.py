@@ -19,7 +19,8 @@ Credentials and the endpoint come from the usual environment variables: ``AWS_AC
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` and
 ``AWS_ENDPOINT_URL`` (an ``http://`` endpoint, e.g. MinIO or moto, turns on Lance's
 ``allow_http``); ``GOOGLE_APPLICATION_CREDENTIALS`` for GCS; ``AZURE_STORAGE_ACCOUNT_NAME`` and
-``AZURE_STORAGE_ACCOUNT_KEY`` for Azure. pyarrow's S3 file system does not read
+``AZURE_STORAGE_ACCOUNT_KEY`` for Azure (``AZURE_STORAGE_USE_EMULATOR=true`` and
+``AZURITE_BLOB_STORAGE_URL`` for Azurite, which both layers then use). pyarrow's S3 file system does not read
 ``AWS_ENDPOINT_URL`` itself, so it is passed as ``endpoint_override``.
 
 Atomicity: a local file is written under a temporary name, flushed and renamed into place; an
@@ -50,6 +51,11 @@ from eogp_index.errors import ConfigError, IncompatibleIndexError, IndexNotFound
 #: URL schemes an index may live at: the ones both pyarrow.fs and Lance's object store read.
 REMOTE_SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
 SCHEMES = REMOTE_SCHEMES + ("file",)
+#: Azurite's blob endpoint, account and key when ``AZURE_STORAGE_USE_EMULATOR`` is set: the
+#: defaults Lance's object store uses too (Azurite's documented development account).
+AZURITE_DEFAULT_URL = "http://127.0.0.1:10000"
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 #: The environment variable that moves the local cache of remote indexes.
 CACHE_ENV = "EOGP_CACHE_DIR"
 DEFAULT_CACHE = Path("~/.cache/eogp-index")
@@ -137,20 +143,50 @@ def _filesystem(scheme: str, account: Optional[str], env: Tuple[Tuple[str, str],
         return pafs.S3FileSystem(**options)
     if scheme == "gs":
         return pafs.GcsFileSystem()
-    name = account or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
+    return pafs.AzureFileSystem(**_azure_options(account, settings))
+
+
+def _azure_options(account: Optional[str], settings: Dict[str, str]) -> Dict[str, str]:
+    """pyarrow's AzureFileSystem settings from the environment Lance's object store reads: the
+    account and key, or Azurite's (``AZURE_STORAGE_USE_EMULATOR``) at ``AZURITE_BLOB_STORAGE_URL``,
+    with Azurite's own account and key unless others are set."""
+    name = account or settings.get("account")
+    options: Dict[str, str] = {}
+    if settings.get("emulator"):
+        scheme, _, authority = settings["emulator"].rstrip("/").partition("://")
+        name = name or AZURITE_ACCOUNT
+        options = {"blob_storage_authority": authority, "blob_storage_scheme": scheme}
+        options.update(dfs_storage_authority=authority, dfs_storage_scheme=scheme)
+        options["account_key"] = settings.get("key") or (AZURITE_KEY if name == AZURITE_ACCOUNT else "")
+    elif settings.get("key"):
+        options["account_key"] = settings["key"]
     if not name:
         raise ConfigError(
             "an az:// or abfs:// index needs the storage account: set AZURE_STORAGE_ACCOUNT_NAME "
-            "(and AZURE_STORAGE_ACCOUNT_KEY, or sign in so that Azure's default credentials apply)"
+            "(and AZURE_STORAGE_ACCOUNT_KEY, or sign in so that Azure's default credentials apply; "
+            "AZURE_STORAGE_USE_EMULATOR=true for Azurite)"
         )
-    key = os.environ.get("AZURE_STORAGE_ACCOUNT_KEY")
-    return pafs.AzureFileSystem(account_name=name, **({"account_key": key} if key else {}))
+    return {"account_name": name, **{k: v for k, v in options.items() if v}}
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _env_key(scheme: str, bucket: str) -> Tuple[Tuple[str, str], ...]:
-    if scheme != "s3":
+    """What of the environment the file system of ``scheme`` is built from (its cache key)."""
+    if scheme == "s3":
+        return (("endpoint", os.environ.get("AWS_ENDPOINT_URL", "")), ("region", _aws_region(bucket) or ""))
+    if scheme == "gs":
         return ()
-    return (("endpoint", os.environ.get("AWS_ENDPOINT_URL", "")), ("region", _aws_region(bucket) or ""))
+    emulator = ""
+    if _truthy(os.environ.get("AZURE_STORAGE_USE_EMULATOR")):
+        emulator = os.environ.get("AZURITE_BLOB_STORAGE_URL") or AZURITE_DEFAULT_URL
+    return (
+        ("account", os.environ.get("AZURE_STORAGE_ACCOUNT_NAME", "")),
+        ("key", os.environ.get("AZURE_STORAGE_ACCOUNT_KEY", "")),
+        ("emulator", emulator),
+    )
 
 
 @dataclass(frozen=True)
@@ -354,9 +390,11 @@ def filesystem_of(path: IndexPath):
 def storage_options(url: str) -> Optional[Dict[str, str]]:
     """Lance's ``storage_options`` for a table at ``url``: the endpoint and region from the
     environment (an ``http://`` endpoint allows plain HTTP; without a region, an AWS bucket's
-    own); None for a local table, and for the stores whose settings Lance reads from the
-    environment itself (GCS, Azure)."""
+    own); for Azurite, its account; None for a local table, and for the stores whose settings
+    Lance reads from the environment itself (GCS, Azure)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in ("az", "abfs", "abfss"):
+        return _azure_emulator_options()
     if scheme != "s3":
         return None
     options: Dict[str, str] = {}
@@ -371,6 +409,14 @@ def storage_options(url: str) -> Optional[Dict[str, str]]:
     elif endpoint:  # an S3-compatible store: Lance needs a region to sign requests
         options["aws_region"] = "us-east-1"
     return options or None
+
+
+def _azure_emulator_options() -> Optional[Dict[str, str]]:
+    """For Azurite (``AZURE_STORAGE_USE_EMULATOR``): the account Lance names its store by, which
+    it does not default to Azurite's own; None otherwise (Lance reads the Azure variables)."""
+    if not _truthy(os.environ.get("AZURE_STORAGE_USE_EMULATOR")):
+        return None
+    return {"azure_storage_account_name": os.environ.get("AZURE_STORAGE_ACCOUNT_NAME") or AZURITE_ACCOUNT}
 
 
 def lance_target(path: Union[str, IndexPath]) -> Tuple[str, Optional[Dict[str, str]]]:
