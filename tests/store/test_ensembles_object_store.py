@@ -106,3 +106,12 @@ def test_the_added_checkpoints_files_are_in_the_bucket_and_its_udf_file_is_gone(
     names = lance.dataset(target, storage_options=options).schema.names
     assert {"signs_c1", "scales_c1", "tier_c1", "tier_scales_c1"} <= set(names)
     assert not list(location.local_cache_dir(remote).rglob("add-columns.sqlite"))
+
+
+def test_explain_on_s3_shows_the_local_ensembles_shares(indexes):
+    remote, local = indexes["ab"]["s3"], indexes["ab"]["local"]
+    ids = [hit["id"] for hit in local.search(Question(queries=(QUERIES[0],), k=3)).to_arrow().to_pylist()][:3]
+    for found, expected in zip(remote.explain_many(QUERIES[0], ids), local.explain_many(QUERIES[0], ids)):
+        assert list(found.checkpoints) == list(expected.checkpoints) and len(found.checkpoints) == 2
+        np.testing.assert_allclose(list(found.checkpoints.values()), list(expected.checkpoints.values()), rtol=1e-5)
+        assert found.score == pytest.approx(expected.score, rel=1e-5)
