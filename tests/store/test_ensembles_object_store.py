@@ -1,7 +1,8 @@
 """Checkpoint ensembles at an object-store URL (moto's S3 server on loopback): `eogp fit A B
---out s3://...`, ingest and query answer what the same ensemble on a local directory answers, and
-`eogp add-checkpoint s3://... B` (its fit's files and UDF checkpoint file through the location
-layer, Lance's ``add_columns`` through Lance's object store) answers what the local one does.
+--out s3://...`, ingest, query and explain answer what the same ensemble on a local directory
+answers, and `eogp add-checkpoint s3://... B` (its fit's files written through the location
+layer, its columns by Lance's ``add_columns`` through Lance's object store, its UDF checkpoint
+file in the index's local cache) answers what the local addition does.
 
 Two tiny GPT-2 checkpoints of one architecture (seeds 0 and 1), one shard of 24 documents.
 """
@@ -106,6 +107,18 @@ def test_the_added_checkpoints_files_are_in_the_bucket_and_its_udf_file_is_gone(
     names = lance.dataset(target, storage_options=options).schema.names
     assert {"signs_c1", "scales_c1", "tier_c1", "tier_scales_c1"} <= set(names)
     assert not list(location.local_cache_dir(remote).rglob("add-columns.sqlite"))
+    import pyarrow.fs as pafs
+
+    # kronfluence writes local files: checkpoint 1's factors are in its folder's local cache, as
+    # checkpoint 0's are; no fit stage is left behind in the bucket
+    for name in ("a", "ab"):
+        where = indexes[name]["s3"].path
+        keys = {i.path.removeprefix(where.fs_path + "/") for i in
+                where.filesystem.get_file_info(pafs.FileSelector(where.fs_path, recursive=True))}  # fmt: skip
+        assert {"checkpoints/1/fit/fitting_set.json", "checkpoints/1/projection.safetensors"} <= keys, name
+        assert not any(k.startswith("checkpoints/1/curvature/") for k in keys), name
+        assert (location.local_cache_dir(where / "checkpoints" / "1") / "curvature").is_dir(), name
+        assert not any(k.startswith(("fit/coords", "checkpoints/1/fit/coords")) for k in keys), name
 
 
 def test_explain_on_s3_shows_the_local_ensembles_shares(indexes):
