@@ -288,3 +288,57 @@ def test_add_checkpoint_equals_fitting_both_together_rewrites_no_column_and_comp
     grown = _open(index)
     for precision in ("1bit", "rescore"):
         _close(_scores(grown, precision), _scores(opened["ab"], precision, checkpoint_weights=(1.0, WEIGHTS[1])))
+
+
+# -- two torchrun workers (gloo) against one process ----------------------------------------------
+@pytest.mark.distributed
+def test_an_ensemble_fitted_by_two_torchrun_workers_equals_a_one_process_fit(tmp_path):
+    """`eogp fit A B` under torchrun: each checkpoint's first stage and PCA are split between the
+    ranks (as one checkpoint's are), and every checkpoint's projection and the manifest equal a
+    one-process fit's."""
+    import torch
+    from safetensors.torch import load_file
+
+    save_workspace(tmp_path, make_tiny_gpt2(0), 48)
+    make_tiny_gpt2(1).save_pretrained(tmp_path / "b")
+    make_word_tokenizer().save_pretrained(tmp_path / "b")
+    args = ["fit", tmp_path / "model", tmp_path / "b", "--fit-data", tmp_path / "shard.jsonl", "-k", "8",
+            "--curvature-examples", "16", "--pca-examples", "24", "--batch-size", "4", "--device", "cpu"]  # fmt: skip
+    args = [str(a) for a in args]
+    # torchrun gives each worker one thread; the reference gets one too (the same float operations)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "eogp_index.cli",
+            *args,
+            "--out",
+            str(tmp_path / "two"),
+        ],  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert two.returncode == 0, two.stderr[-4000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _run(*args, "--out", tmp_path / "one")
+    finally:
+        torch.set_num_threads(threads)
+    for rank in (0, 1):  # once per checkpoint
+        assert two.stderr.count(f"[rank {rank}] rank {rank}: PCA of 4 of the 8 modules left") == 2, two.stderr[-4000:]
+    one, both = (json.loads((tmp_path / n / "manifest.json").read_text()) for n in ("one", "two"))
+    assert both == one and len(both["checkpoints"]) == 2
+    for file in ("projection.safetensors", "checkpoints/1/projection.safetensors"):
+        expected, got = load_file(str(tmp_path / "one" / file)), load_file(str(tmp_path / "two" / file))
+        assert got.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.allclose(got[name].double(), tensor.double(), rtol=1e-5, atol=1e-7), (file, name)
