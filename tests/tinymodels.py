@@ -191,6 +191,33 @@ def kronfluence_scores(
         _unwrap_tracked_modules(index.model)
 
 
+def tiny_index(path, examples, commits, *, curvature_examples: int = 16, **projection):
+    """The tiny GPT-2's index of ``examples`` (:class:`TinyTokenizer` ids), fitted on all of them
+    (``k = 16``, ``m = 64``, EOGP and an int8 tier unless ``projection`` says otherwise: any of
+    ``variant``, ``k``, ``rescore``, ``rescore_k``), then ingested in one commit (one fragment)
+    per slice ``examples[commits[i]:commits[i + 1]]``."""
+    from eogp_index.client import AttributionIndex
+    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
+
+    storage = {key: projection.pop(key) for key in ("rescore", "rescore_k") if key in projection}
+    index = AttributionIndex.create(
+        path,
+        make_tiny_gpt2(),
+        TinyTokenizer(),
+        examples,
+        model_name="tiny",
+        projection=ProjectionConfig(**{"variant": "eogp", "k": 16, "m": 64, **projection}),
+        storage=StorageConfig(**storage),
+        curvature=CurvatureConfig(num_examples=curvature_examples, batch_size=8),
+        gradients=GradientConfig(batch_size=8),
+        progress=False,
+    )
+    ends = [*commits[1:], len(examples)]
+    for start, end in zip(commits, ends):
+        index.add_batch(examples[start:end])
+    return index
+
+
 def full_width_index(path, model, train, **create_kwargs):
     """An index at full width (``m_u = k_u = d_u``, no PCA, float32 coordinates) over ``train``,
     whose scores are EK-FAC influence itself: what kronfluence's are compared with."""

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 from shardserver import Served, same_groups, same_hits
-from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, tiny_index
 
 from eogp_index.search import first_pass
 
@@ -37,24 +37,8 @@ def _open(path):
 @pytest.fixture(scope="module")
 def index_path(tmp_path_factory):
     """A real index with an int8 rescoring tier, 40 rows in 5 fragments."""
-    from eogp_index.client import AttributionIndex
-    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
-
     path = tmp_path_factory.mktemp("cluster") / "index"
-    examples = make_examples(40, seed=5)
-    index = AttributionIndex.create(
-        path,
-        make_tiny_gpt2(),
-        TinyTokenizer(),
-        examples,
-        model_name="tiny",
-        projection=ProjectionConfig(variant="eogp", k=16, m=64),
-        curvature=CurvatureConfig(num_examples=16, batch_size=8),
-        gradients=GradientConfig(batch_size=8),
-        progress=False,
-    )
-    for start in (0, 12, 20, 28, 33):
-        index.add_batch(examples[start : {0: 12, 12: 20, 20: 28, 28: 33, 33: 40}[start]])
+    index = tiny_index(path, make_examples(40, seed=5), (0, 12, 20, 28, 33))
     first_pass.build(index, progress=False)  # the candidates route's first pass ("default", flat)
     return path
 

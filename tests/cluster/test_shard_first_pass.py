@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+from tinymodels import make_examples, tiny_index
 
 from eogp_index.cluster.shards import ShardIndex, _fragments
 from eogp_index.errors import IncompatibleIndexError, IndexNotFoundError
@@ -21,24 +21,8 @@ SIDES = ("positive", "negative")
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
     """The tiny GPT-2's index, 24 rows in 3 fragments, with its first pass, and 4 projected queries."""
-    from eogp_index.client import AttributionIndex
-    from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
-
     path = tmp_path_factory.mktemp("shard-first-pass") / "index"
-    examples = make_examples(24, seed=3)
-    created = AttributionIndex.create(
-        path,
-        make_tiny_gpt2(),
-        TinyTokenizer(),
-        examples,
-        model_name="tiny",
-        projection=ProjectionConfig(variant="eogp", k=16, m=64),
-        curvature=CurvatureConfig(num_examples=16, batch_size=8),
-        gradients=GradientConfig(batch_size=8),
-        progress=False,
-    )
-    for start in (0, 8, 16):
-        created.add_batch(examples[start : start + 8])
+    created = tiny_index(path, make_examples(24, seed=3), (0, 8, 16))
     first_pass.build(created, progress=False)
     queries = [{"input_ids": [3, 9, 14, 2, 7, 11]}, {"input_ids": [5, 5, 21, 8, 1, 30, 2]}, {"input_ids": [4, 4, 4]}]
     return created, created.query_coordinates(queries)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+from tinymodels import make_examples, tiny_index
 
 from eogp_index.client import AttributionIndex
-from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 from eogp_index.search import rescore
 from eogp_index.search.rescore import rescored, tier_coordinates
 from eogp_index.search.searchers import HotSearcher
@@ -21,22 +20,7 @@ SIDES = ("positive", "negative")
 
 def _index(path, code: str = "int8") -> AttributionIndex:
     """An index with a ``code`` tier, 48 rows in four commits (four fragments)."""
-    examples = make_examples(ROWS, seed=21)
-    index = AttributionIndex.create(
-        path,
-        make_tiny_gpt2(),
-        TinyTokenizer(),
-        examples,
-        model_name="tiny",
-        projection=ProjectionConfig(variant="eogp", k=16, m=64),
-        curvature=CurvatureConfig(num_examples=ROWS, batch_size=8),
-        gradients=GradientConfig(batch_size=8),
-        storage=StorageConfig(rescore=code),
-        progress=False,
-    )
-    for start in range(0, ROWS, 12):
-        index.add_batch(examples[start : start + 12])
-    return index
+    return tiny_index(path, make_examples(ROWS, seed=21), range(0, ROWS, 12), curvature_examples=ROWS, rescore=code)
 
 
 @pytest.fixture(scope="module")
