@@ -287,17 +287,21 @@ def lds(scores, masks, losses, *, n_bootstrap: int = 1000, seed: int = 0) -> LDS
     the query-averaged LDS; resamples in which no query is defined are dropped.
     """
     A, Y = _predicted(scores, masks, losses, n_bootstrap)
-    R = A.shape[0]
-    per_query = _lds_per_query(A, Y)
-    mean, n_valid = _mean_valid(per_query)
+    return _bootstrapped(lambda rows: _lds_per_query(A[rows], Y[rows]), A.shape[0], n_bootstrap, seed)
 
+
+def _bootstrapped(per_query_of, R: int, n_bootstrap: int, seed: int) -> LDSResult:
+    """:class:`LDSResult` of ``per_query_of(rows)`` (per-query LDS ``(n_queries,)`` of the subsets
+    ``rows``) over all ``R`` subsets, with the 95% interval of its query mean over ``n_bootstrap``
+    resamples of the subsets (numpy generator seeded by ``seed``)."""
+    per_query = per_query_of(np.arange(R))
+    mean, n_valid = _mean_valid(per_query)
     ci_low = ci_high = float("nan")
     if n_bootstrap > 0:
         rng = np.random.default_rng(seed)
         boot = np.empty(n_bootstrap)
         for b in range(n_bootstrap):
-            idx = rng.integers(0, R, size=R)
-            boot[b] = _mean_valid(_lds_per_query(A[idx], Y[idx]))[0]
+            boot[b] = _mean_valid(per_query_of(rng.integers(0, R, size=R)))[0]
         ci_low, ci_high = _percentiles(boot)
     per_query.setflags(write=False)
     return LDSResult(mean=mean, ci_low=ci_low, ci_high=ci_high, per_query=per_query, n_valid=n_valid)
@@ -315,19 +319,9 @@ def lds_difference(scores, other, masks, losses, *, n_bootstrap: int = 1000, see
     B, _ = _predicted(other, masks, losses, n_bootstrap)
     if A.shape != B.shape:
         raise InputError(f"scores {A.shape[1:]} and other {B.shape[1:]} must score the same queries")
-    R = A.shape[0]
-    per_query = _lds_per_query(A, Y) - _lds_per_query(B, Y)
-    mean, n_valid = _mean_valid(per_query)
-    ci_low = ci_high = float("nan")
-    if n_bootstrap > 0:
-        rng = np.random.default_rng(seed)
-        boot = np.empty(n_bootstrap)
-        for b in range(n_bootstrap):
-            idx = rng.integers(0, R, size=R)
-            boot[b] = _mean_valid(_lds_per_query(A[idx], Y[idx]) - _lds_per_query(B[idx], Y[idx]))[0]
-        ci_low, ci_high = _percentiles(boot)
-    per_query.setflags(write=False)
-    return LDSResult(mean=mean, ci_low=ci_low, ci_high=ci_high, per_query=per_query, n_valid=n_valid)
+    return _bootstrapped(
+        lambda rows: _lds_per_query(A[rows], Y[rows]) - _lds_per_query(B[rows], Y[rows]), A.shape[0], n_bootstrap, seed
+    )
 
 
 def counterfactual_ranking(scores, n_queries_used: int | None = None) -> np.ndarray:
