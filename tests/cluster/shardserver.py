@@ -1,14 +1,37 @@
-"""`eogp serve --ray`'s app on loopback for the cluster tests, and the comparisons of its
-answers with one process's: the same ids, ranks, sides and groups, scores to 1e-5 relative."""
+"""`eogp serve --ray`'s app on loopback for the cluster tests, on a simulated two-node Ray
+cluster, and the comparisons of its answers with one process's: the same ids, ranks, sides and
+groups, scores to 1e-5 relative."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import httpx
 import numpy as np
+
+
+@contextlib.contextmanager
+def two_node_cluster() -> Iterator[Any]:
+    """Two simulated Ray nodes of one CPU each on loopback, this process connected to them (three
+    shards share them); shut down at the end."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": 80 * 2**20, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 class Served:

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 import pytest
-from shardserver import Served, same_groups, same_hits
+from shardserver import Served, same_groups, same_hits, two_node_cluster
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, tiny_index
 
 from eogp_index.search import first_pass
@@ -46,18 +46,8 @@ def index_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_cluster():
     """Two simulated nodes of one CPU each on loopback (three shards share them)."""
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": 80 * 2**20, "include_dashboard": False},
-    )
-    cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with two_node_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module", params=[2, 3])

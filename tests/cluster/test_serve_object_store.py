@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from s3server import s3_server
-from shardserver import Served, same_groups, same_hits
+from shardserver import Served, same_groups, same_hits, two_node_cluster
 
 from eogp_index.cli import cli
 
@@ -53,7 +53,6 @@ def shipped(tmp_path_factory):
     variables set before Ray starts, so that the workers inherit them); its files copied to a local
     directory; a Ray cluster of two nodes. Yields (local path, URL, Ray address)."""
     import pyarrow.fs as pafs
-    from ray.cluster_utils import Cluster
 
     from eogp_index.data import location
 
@@ -69,18 +68,8 @@ def shipped(tmp_path_factory):
         _ok("build-candidates", url)
         remote = location.index_path(url)
         pafs.copy_files(remote.fs_path, str(root / "local"), remote.filesystem, pafs.LocalFileSystem())
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 1, "object_store_memory": 80 * 2**20, "include_dashboard": False},
-        )
-        cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-        try:
+        with two_node_cluster() as cluster:
             yield root / "local", url, cluster.address
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
