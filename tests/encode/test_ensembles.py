@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from tinymodels import make_tiny_gpt2, make_tiny_llama, make_word_tokenizer, save_workspace
+from torchrun import torchrun_eogp
 
 from eogp_index.cli import cli
 from eogp_index.errors import ConfigError, IncompatibleIndexError
@@ -307,19 +308,7 @@ def test_an_ensemble_fitted_by_two_torchrun_workers_equals_a_one_process_fit(tmp
     args = [str(a) for a in args]
     # torchrun gives each worker one thread; the reference gets one too (the same float operations)
     two = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "eogp_index.cli",
-            *args,
-            "--out",
-            str(tmp_path / "two"),
-        ],  # fmt: skip
+        torchrun_eogp(*args, "--out", str(tmp_path / "two")),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -19,6 +19,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, make_word_tokenizer
+from torchrun import torchrun_eogp
 
 from eogp_index.cli import cli
 from eogp_index.client import AttributionIndex
@@ -302,19 +303,7 @@ def test_two_process_fit_splits_the_work_and_equals_a_one_process_fit(tmp_path):
     # same float operations (the batches are computed identically whichever rank has them).
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     two = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "eogp_index.cli",
-            *args,
-            "--out",
-            str(tmp_path / "two"),
-        ],
+        torchrun_eogp(*args, "--out", str(tmp_path / "two")),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torchrun import torchrun_eogp
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
@@ -725,15 +726,7 @@ def test_two_process_ingest_equals_one_process_ingest(mode, fitted, tmp_path, to
             write_lines(data / f"part-{k}.jsonl", rows)
     distributed = Path(shutil.copytree(fitted.index, tmp_path / "distributed"))
     single = Path(shutil.copytree(fitted.index, tmp_path / "single"))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "eogp_index.cli",
+    command = torchrun_eogp(
         "ingest",
         str(distributed),
         str(data / "*"),
@@ -746,7 +739,7 @@ def test_two_process_ingest_equals_one_process_ingest(mode, fitted, tmp_path, to
         "--device",
         "cpu",
         "--json",
-    ]
+    )
     if mode == "block":
         command += ["--projection-memory-gb", str(NO_P_IN_MEMORY), "--block-documents", str(2 * GRADIENT_BATCH)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)

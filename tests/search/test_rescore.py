@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
+from torchrun import torchrun_eogp
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
@@ -321,7 +322,6 @@ def test_group_by_counts_the_rescored_hits_as_the_top_rows(tiered):
 def test_two_torchrun_workers_give_the_hot_routes_rescored_answer(tiered):
     import os
     import subprocess
-    import sys
 
     # The workers measure the query on the CPU; so does the reference (on a GPU machine the
     # fixture's index would measure it on the GPU, in another float order).
@@ -343,9 +343,8 @@ def test_two_torchrun_workers_give_the_hot_routes_rescored_answer(tiered):
     queries.write_text(json.dumps({"input_ids": QUERY}) + "\n")
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "eogp_index.cli", "query", str(tiered.path), "--queries", str(queries),
-         "-k", "4", "--direction", "both", "--device", "cpu", "--json"],
+        torchrun_eogp("query", str(tiered.path), "--queries", str(queries), "-k", "4", "--direction", "both",
+                      "--device", "cpu", "--json"),  # fmt: skip
         capture_output=True,
         text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])),

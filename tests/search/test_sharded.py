@@ -3,10 +3,10 @@
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+from torchrun import torchrun_eogp
 
 QUERY = [3, 1, 4, 1, 5, 9, 2, 6, 5]
 
@@ -65,15 +65,7 @@ def test_two_torchrun_workers_merge_to_the_exact_top_k(fitted_index):
     queries = fitted_index.path / "queries.jsonl"
     queries.write_text(json.dumps({"input_ids": QUERY}) + "\n")
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "eogp_index.cli",
+        torchrun_eogp(
             "query",
             str(fitted_index.path),
             "--queries",
@@ -85,7 +77,7 @@ def test_two_torchrun_workers_merge_to_the_exact_top_k(fitted_index):
             "--device",
             "cpu",
             "--json",
-        ],
+        ),
         capture_output=True,
         text=True,
         env=env,
