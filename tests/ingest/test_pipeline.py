@@ -22,7 +22,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torchrun import torchrun_eogp
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig
@@ -726,6 +725,8 @@ def test_two_process_ingest_equals_one_process_ingest(mode, fitted, tmp_path, to
             write_lines(data / f"part-{k}.jsonl", rows)
     distributed = Path(shutil.copytree(fitted.index, tmp_path / "distributed"))
     single = Path(shutil.copytree(fitted.index, tmp_path / "single"))
+    from torchrun import torchrun_eogp  # here: the kill tests' child processes import this module without tests/
+
     command = torchrun_eogp(
         "ingest",
         str(distributed),
