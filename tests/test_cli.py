@@ -86,7 +86,7 @@ def test_fit_and_ingest_report_json(workspace):
     info = json.loads(_run("info", root / "idx", "--json").stdout)
     assert info["rows"] == 30 and info["bytes_per_example"] == 8 * (2 + 2)
     # The default rescoring tier: int8 of the same 16 coordinates, an FP16 scale per module.
-    assert info["format_version"] == 3 and info["tier"] == {"code": "int8", "bytes_per_example": 8 * (16 + 2)}
+    assert info["format_version"] == 4 and info["tier"] == {"code": "int8", "bytes_per_example": 8 * (16 + 2)}
     human = _run("info", root / "idx").output
     assert "bytes/row   32 (scanned) + 144 (rescoring tier, int8" in human
 

@@ -218,7 +218,7 @@ def _part_codecs(stored: StoredIndex, state: Dict[str, Any]):
         layout,
         coordinates,
         codec_for(stored.manifest.precision, layout),
-        tier_for(stored.manifest.tier_code, coordinates),
+        tier_for(stored.manifest.tier_code, coordinates, record=stored.manifest.tier_records),
     )
 
 
@@ -230,7 +230,7 @@ def _fill_columns(stored, j: int, state, model, tokenizer, gradients, on_batch) 
     if store.table is None:
         return 0
     layout, coordinates, codec, tier = _part_codecs(stored, state)
-    names = [checkpoint_column(n, j) for n in (*codec.logical_columns, *(() if tier is None else tier.logical_columns))]
+    names = [checkpoint_column(n, j) for n in (*codec.logical_columns, *(() if tier is None else tier.columns))]
     if all(n in store.schema.names for n in names):
         return store.count()  # filled by a run killed after the fill
     projection = load_projection(
@@ -247,7 +247,7 @@ def _fill_columns(stored, j: int, state, model, tokenizer, gradients, on_batch) 
             y = np.zeros((0, coordinates.num_coords), np.float32)
         columns.update(codec.encode(prefix_columns(y, coordinates, layout)).columns())
         if tier is not None:
-            columns.update(tier.encode(y))
+            columns.update(tier.split(tier.encode(y)))
         done[0] += 1
         if on_batch is not None:
             on_batch(done[0])
@@ -269,7 +269,7 @@ def fill_schema(stored, j: int, codec, tier, layout: SignLayout, coordinates: Si
     x = np.zeros((1, coordinates.num_coords), np.float32)
     columns = dict(codec.encode(prefix_columns(x, coordinates, layout)).columns())
     if tier is not None:
-        columns.update(tier.encode(x))
+        columns.update(tier.split(tier.encode(x)))
     return code_batch({checkpoint_column(n, j): v for n, v in columns.items()}).schema
 
 

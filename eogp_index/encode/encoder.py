@@ -10,7 +10,6 @@ need from an opened index, and nothing of the facade: the
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -206,10 +205,9 @@ class Encoder:
         (:meth:`project`), with the rescoring tier's columns when the index has one (every writer
         comes here): the one-bit code of the first ``k_u`` of each module's, the tier of all."""
         encoded = self.codec.encode(self.stored.one_bit(coordinates))
-        if self.stored.tier is not None:
-            encoded = dataclasses.replace(encoded, **self.stored.tier.encode(coordinates))
-        if self.manifest.checkpoints is not None:  # a column per checkpoint
-            encoded = {**self.codec.split(encoded.columns()), **self._split_tier(encoded)}
+        columns = self.codec.split(encoded.columns())  # a column per checkpoint of an ensemble
+        if self.stored.tier is not None:  # laid out as the table holds it (TierCodec.split)
+            columns.update(self.stored.tier.split(self.stored.tier.encode(coordinates)))
         hashed = self.manifest.has_content_hashes
         info = RowInfo(
             ids=[ex.id for ex in examples],
@@ -223,13 +221,7 @@ class Encoder:
             content_kind=[ex.content_kind for ex in examples] if hashed else None,
             text=None if store_text is None else [_capped(ex.display_text, store_text) for ex in examples],
         )
-        return build_rows(info, encoded, schema=self.store.schema)
-
-    def _split_tier(self, encoded) -> Dict[str, np.ndarray]:
-        tier = self.stored.tier
-        if tier is None:
-            return {}
-        return tier.split({name: getattr(encoded, name) for name in tier.logical_columns})
+        return build_rows(info, columns, schema=self.store.schema)
 
     # -- queries ----------------------------------------------------------------------------------
     @property

@@ -64,18 +64,6 @@ def decoded_tier(tier, batch, normalize: str = "none") -> np.ndarray:
     return x
 
 
-def _kernel_arrays(tier, table) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A take's tier columns as the kernels read them: codes ``(c, T)`` (int8 as stored; int4 and
-    fp16 decoded to float32), scales ``(c, U)`` float32 (ones for a decoded tier) and the
-    modules' column offsets ``(U + 1,)`` int64."""
-    columns = tier.from_arrow(table)
-    if tier.code == "int8":
-        offsets = np.append(np.asarray(tier.layout.coord_offsets, np.int64), tier.layout.num_coords)
-        return columns["tier"], columns["tier_scales"].astype(np.float32), offsets
-    x = tier.decode(columns)
-    return x, np.ones((x.shape[0], 1), np.float32), np.array([0, x.shape[1]], np.int64)
-
-
 def _lanes(rowaddr: np.ndarray, spacing: int) -> np.ndarray:
     """A lane ``(r,)`` int64 for each of the sorted distinct row addresses ``rowaddr``: two rows of
     one lane are next to each other or at least ``spacing`` rows apart (rows of other fragments
@@ -168,7 +156,7 @@ def tier_scores(
     y = np.ascontiguousarray(y, np.float32)
     scores = np.empty(order.size, np.float64)
     for start, table in _takes(stored, wanted):
-        codes, scales, offsets = _kernel_arrays(stored.tier, table)
+        codes, scales, offsets = stored.tier.kernel_arrays(table)
         lo, hi = bounds[start], bounds[start + codes.shape[0]]
         local = row_sorted[lo:hi] - start
         part = np.empty(hi - lo, np.float64)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, fields
-from typing import ClassVar, Dict, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -323,18 +323,57 @@ class TierCodec(_Parts):
     ``codes · s_u``. int4 packs two codes a byte, each as ``code + 8`` (coordinate ``j`` of module
     ``u`` in byte ``offset_u + j // 2``, the low nibble for even ``j``; every module starts at a
     fresh byte). fp16: the coordinates rounded to float16, no scale.
+
+    ``record`` (index format 4, schemas/store.md): an int8 or int4 tier's row is one record in the
+    table's ``tier`` column, ``fixed_size_list<uint8>``: the codes' bytes, then the module scales'
+    FP16 bytes (little-endian), so that rescoring reads each row with one read of its own bytes.
+    Without it (format 3) the scales are a column of their own, ``tier_scales``. Either way the
+    codec's arrays (:meth:`encode`, :meth:`decode`, :meth:`from_arrow`) are ``tier`` ``(n, w)``
+    and ``tier_scales`` ``(n, U)``; :meth:`split` lays them out as the table's columns.
     """
 
-    def __init__(self, code: str, layout: SignLayout, parts: Optional[Sequence[int]] = None):
+    def __init__(self, code: str, layout: SignLayout, parts: Optional[Sequence[int]] = None, *, record: bool = True):
         if code not in ("int8", "int4", "fp16"):
             raise ConfigError(f"a rescoring tier's code is int8, int4 or fp16, got {code!r}")
         self.code = code
         self.layout = layout
+        self.record = bool(record) and code != "fp16"
         self._init_parts(parts, layout.num_modules)
 
     @property
     def logical_columns(self) -> Tuple[str, ...]:
+        """The codec's arrays; the table's columns are :attr:`columns`."""
         return ("tier",) if self.code == "fp16" else ("tier", "tier_scales")
+
+    @property
+    def columns(self) -> Tuple[str, ...]:
+        if not self.record:
+            return super().columns
+        return tuple(checkpoint_column("tier", j) for j in range(len(self.parts)))
+
+    def _record_parts(self) -> List[Tuple[int, int, int, int]]:
+        """Per checkpoint: its first code byte, code bytes, first module and modules."""
+        out, byte, module = [], 0, 0
+        for width, count in zip(self._column_parts("tier"), self.parts):
+            out.append((byte, width, module, count))
+            byte, module = byte + width, module + count
+        return out
+
+    def split(self, columns: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        """The codec's arrays ``{tier, tier_scales}`` → the table's columns (:attr:`columns`): a
+        column per checkpoint; with ``record``, each row's code bytes and FP16 scale bytes joined."""
+        if not self.record:
+            return super().split(columns)
+        codes = np.asarray(columns["tier"])
+        scales = np.asarray(columns["tier_scales"]).astype("<f2")
+        return {
+            checkpoint_column("tier", j): np.ascontiguousarray(
+                np.concatenate(
+                    [codes[:, b0 : b0 + width].view(np.uint8), scales[:, m0 : m0 + count].view(np.uint8)], axis=1
+                )
+            )
+            for j, (b0, width, m0, count) in enumerate(self._record_parts())
+        }
 
     def module_widths_of(self, name: str) -> Sequence[int]:
         return self.module_widths if name == "tier" else (1,) * self.layout.num_modules
@@ -394,17 +433,50 @@ class TierCodec(_Parts):
         return out
 
     def from_arrow(self, table) -> Dict[str, np.ndarray]:
-        """The tier's columns of an Arrow table → ``{column: (n, w) array}`` as stored."""
+        """The tier's columns of an Arrow table → the codec's arrays: ``tier`` ``(n, w)`` (int8,
+        packed int4 as uint8, or float16) and ``tier_scales`` ``(n, U)`` float16 (int8, int4)."""
         dtype = {"int8": np.int8, "int4": np.uint8, "fp16": np.float16}[self.code]
-        out = {"tier": self.read_column(table, "tier", dtype)}
-        if self.code != "fp16":
-            out["tier_scales"] = self.read_column(table, "tier_scales", np.float16)
-        return out
+        if not self.record:
+            out = {"tier": self.read_column(table, "tier", dtype)}
+            if self.code != "fp16":
+                out["tier_scales"] = self.read_column(table, "tier_scales", np.float16)
+            return out
+        codes, scales = [], []
+        for j, (_, width, _, count) in enumerate(self._record_parts()):
+            rows = self._records(table, j, width, count)
+            codes.append(rows[:, :width].view(dtype))
+            scales.append(rows[:, width:].view("<f2"))
+        if len(codes) == 1:
+            return {"tier": np.ascontiguousarray(codes[0]), "tier_scales": np.ascontiguousarray(scales[0])}
+        return {"tier": np.concatenate(codes, axis=1), "tier_scales": np.concatenate(scales, axis=1)}
+
+    def _records(self, table, j: int, width: int, count: int) -> np.ndarray:
+        """Checkpoint ``j``'s records ``(n, width + 2·count)`` uint8 of an Arrow table."""
+        return list_column_to_numpy(table.column(checkpoint_column("tier", j)), width + 2 * count, np.uint8)
+
+    def kernel_arrays(self, table) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The tier columns of an Arrow table as the rescoring kernels read them: codes ``(n, c)``
+        (int8 as stored, int4 and fp16 decoded to float32), scales ``(n, U)`` float32 (ones for a
+        decoded tier) and module ``u``'s first and last code column ``offsets[u]:offsets[u + 1]``
+        ``(U + 1,)`` int64. One checkpoint's int8 records are read in place: ``c`` is the record's
+        width, whose last ``2U`` columns (the scales' bytes) no module covers."""
+        if self.code != "int8":
+            x = self.decode(self.from_arrow(table))
+            return x, np.ones((x.shape[0], 1), np.float32), np.array([0, x.shape[1]], np.int64)
+        offsets = np.append(np.asarray(self.layout.coord_offsets, np.int64), self.layout.num_coords)
+        if self.record and len(self.parts) == 1:
+            rows = self._records(table, 0, self.width, self.layout.num_modules)
+            return rows.view(np.int8), rows[:, self.width :].view("<f2").astype(np.float32), offsets
+        columns = self.from_arrow(table)
+        return columns["tier"], columns["tier_scales"].astype(np.float32), offsets
 
 
-def tier_for(code: Optional[str], layout: SignLayout, parts: Optional[Sequence[int]] = None) -> Optional[TierCodec]:
-    """The tier codec of a manifest's ``tier.code`` (None, or ``none``: the index has no tier)."""
-    return None if code in (None, "none") else TierCodec(code, layout, parts)
+def tier_for(
+    code: Optional[str], layout: SignLayout, parts: Optional[Sequence[int]] = None, *, record: bool = True
+) -> Optional[TierCodec]:
+    """The tier codec of a manifest's ``tier.code`` (None, or ``none``: the index has no tier);
+    ``record``: the format-4 layout (:class:`TierCodec`), False for a format-3 index."""
+    return None if code in (None, "none") else TierCodec(code, layout, parts, record=record)
 
 
 def codec_for(precision: Precision, layout: SignLayout, parts: Optional[Sequence[int]] = None) -> Codec:

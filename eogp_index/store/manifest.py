@@ -32,9 +32,12 @@ FORMAT = "eogp-index"
 #: absent means the one-bit ``k``, what every format-3 index without it stores, and a reader
 #: that does not know it refuses the manifest (the schema allows no other field) rather than
 #: read tier rows of the wrong width.
+#: 4: an int8 or int4 tier's codes and scales in one record per row (the ``tier`` column; no
+#: ``tier_scales``), so that rescoring reads a row in one read. Every tiered index is written as
+#: 4; a version-3 index is still read, and rows added to it keep its two columns.
 FORMAT_VERSION = 2
-TIER_FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+TIER_FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST_FILE = "manifest.json"
 PROJECTION_FILE = "projection.safetensors"
 TABLE_NAME = "examples"
@@ -139,6 +142,11 @@ class Manifest:
     def has_content_hashes(self) -> bool:
         """Format 2 and later: every row records its content's hash (explanations can verify it)."""
         return self.format_version >= 2
+
+    @property
+    def tier_records(self) -> bool:
+        """Format 4 and later: an int8 or int4 tier's codes and scales are one record per row."""
+        return self.format_version >= 4
 
     @property
     def pca_dtype(self) -> str:

@@ -142,8 +142,10 @@ class StoredIndex:
             )
         parts = manifest.checkpoint_parts  # an ensemble's modules per checkpoint: a code column each
         self.codec: Codec = codec_for(manifest.precision, self.layout, parts)
-        #: the rescoring tier's codec (format 3), or None: the index has no tier
-        self.tier: Optional[TierCodec] = tier_for(manifest.tier_code, self.coordinates, parts)
+        #: the rescoring tier's codec (formats 3 and 4), or None: the index has no tier
+        self.tier: Optional[TierCodec] = tier_for(
+            manifest.tier_code, self.coordinates, parts, record=manifest.tier_records
+        )
         self.store = Store(manifest.store_uri(self.path), manifest.table)
         self._hot = None
 

@@ -119,7 +119,7 @@ def _candidates(served, ids, C: int, **options):
     [
         {"rescore": 0},  # both sides, the one-bit ranking
         {"where": FILTER, "direction": "negative", "rescore": 0},
-        {"k": 3, "rescore": 2},  # the merged candidates rescored from the int8 tier (format 3)
+        {"k": 3, "rescore": 2},  # the merged candidates rescored from the int8 tier
     ],
     ids=["one-bit", "filter", "rescored"],
 )

@@ -90,7 +90,7 @@ def test_the_bucket_holds_the_shipped_models_index_split_among_the_shards(served
     health = [served.alive(shard) for shard in range(len(served.pool))]
     assert sum(shard["rows"] for shard in health) == DOCUMENTS == reference.stored.store.count()
     assert all(shard["rows"] for shard in health)  # 4 fragments: every shard holds some
-    assert reference.stored.manifest.format_version == 3  # with its int8 rescoring tier
+    assert reference.stored.manifest.format_version == 4  # with its int8 rescoring tier
     assert Path(reference.stored.manifest.model["name"]).resolve() == (SHIPPED / "model").resolve()
 
 

@@ -57,8 +57,8 @@ def _ids_of(table):
 
 def _tier_of_every_row(index):
     """ids and the tier's coordinates ``(n, K)`` of every stored row, read from the table."""
-    table = index.stored.store.read(["id", "tier", "tier_scales"])
     tier = index.stored.tier
+    table = index.stored.store.read(["id", *tier.columns])
     return table.column("id").to_pylist(), tier.decode(tier.from_arrow(table))
 
 
@@ -71,11 +71,12 @@ def _one_bit_of_every_row(index):
 def test_the_manifest_and_table_hold_the_tier_and_the_hot_copy_does_not(tiered):
     manifest = json.loads((tiered.path / "manifest.json").read_text())
     k = [m["k"] for m in manifest["modules"]]
-    assert manifest["format_version"] == 3
+    assert manifest["format_version"] == 4
     assert manifest["tier"] == {"code": "int8", "bytes_per_example": sum(ki + 2 for ki in k)}
     schema = tiered.stored.store.schema
-    assert str(schema.field("tier").type) == f"fixed_size_list<item: int8>[{sum(k)}]"
-    assert str(schema.field("tier_scales").type) == f"fixed_size_list<item: halffloat>[{len(k)}]"
+    # One record per row: the int8 codes' bytes, then each module's FP16 scale (schemas/store.md).
+    assert str(schema.field("tier").type) == f"fixed_size_list<item: uint8>[{sum(k) + 2 * len(k)}]"
+    assert "tier_scales" not in schema.names
     hot = tiered.stored.hot_codes()
     assert "tier" not in hot.filterable.column_names and "tier_scales" not in hot.filterable.column_names
     assert not any("tier" in p.name for p in (tiered.path / "hot").rglob("*"))
@@ -89,15 +90,18 @@ def test_ingested_tier_codes_are_the_coordinates_quantized_per_module(tiered):
     ids, decoded = _tier_of_every_row(tiered)
     by_id = {ex.id: i for i, ex in enumerate(examples)}
     x = x[[by_id[i] for i in ids]]
-    table = tiered.stored.store.read(["tier_scales"])
-    scales = list_column_to_numpy(table.column("tier_scales"), len(tiered.stored.layout.k), np.float32)
-    step = np.repeat(scales, tiered.stored.layout.k, axis=1)
+    tier = tiered.stored.tier
+    records = list_column_to_numpy(
+        tiered.stored.store.read(["tier"]).column("tier"), tier.width + 2 * len(tier.layout.k), np.uint8
+    )
+    codes, scales = records[:, : tier.width].view(np.int8), records[:, tier.width :].copy().view("<f2")
+    step = np.repeat(scales.astype(np.float32), tiered.stored.layout.k, axis=1)
+    np.testing.assert_array_equal(codes * step, decoded)
     # Half a step, and the gradient pass's float32 batch-order rounding of x.
     assert np.all(np.abs(decoded - x) <= step * 0.5 + 1e-3 * np.abs(x).max())
     # Encoding the decoded tier again gives the stored codes back.
-    tier = tiered.stored.tier
     again = tier.encode(decoded)
-    stored = tier.from_arrow(tiered.stored.store.read(["tier", "tier_scales"]))
+    stored = tier.from_arrow(tiered.stored.store.read(["tier"]))
     np.testing.assert_array_equal(again["tier"], stored["tier"])
 
 
@@ -180,20 +184,24 @@ def test_an_index_without_a_tier_opens_and_answers_as_format_2(fitted_index):
     assert default.to_pylist() == fitted_index.search(QUERY).limit(5).rescore(0).to_arrow().to_pylist()
 
 
+@pytest.mark.parametrize("record", [True, False], ids=["format-4-records", "format-3-columns"])
 @pytest.mark.parametrize("code", ["int8", "int4", "fp16"])
-def test_tier_codes_round_trip(code):
-    """Codes encode, survive Arrow, and decode within half a step (fp16: its rounding)."""
+def test_tier_codes_round_trip(code, record):
+    """Codes encode, survive Arrow in either table layout, and decode within half a step (fp16:
+    its rounding); the rescoring kernel's arrays read from the table score as the decoded tier."""
     from eogp_index.store.codecs import SignLayout, fixed_size_list
 
     layout = SignLayout((5, 16, 3))
     rng = np.random.default_rng(0)
     x = rng.normal(size=(7, 24)).astype(np.float32) * np.array([1.0] * 5 + [30.0] * 16 + [0.01] * 3, np.float32)
     x[2, 5:21] = 0.0  # a zero module: scale 0, codes 0
-    tier = TierCodec(code, layout)
+    tier = TierCodec(code, layout, record=record)
     columns = tier.encode(x)
     import pyarrow as pa
 
-    table = pa.table({name: fixed_size_list(values) for name, values in columns.items()})
+    table = pa.table({name: fixed_size_list(values) for name, values in tier.split(columns).items()})
+    assert table.column_names == list(tier.columns)
+    assert table.column_names == (["tier"] if record or code == "fp16" else ["tier", "tier_scales"])
     back = tier.from_arrow(table)
     for name in columns:
         np.testing.assert_array_equal(back[name], columns[name])
@@ -207,6 +215,16 @@ def test_tier_codes_round_trip(code):
         assert np.all(np.abs(decoded - x) <= step * 0.5 * (1 + 1e-3))
         q = 127 if code == "int8" else 7
         assert np.all(np.abs(np.rint(decoded / np.where(step > 0, step, 1))) <= q)
+    from eogp_index.search.kernels.rescore import pair_scores
+
+    codes, scales, offsets = tier.kernel_arrays(table)
+    y = rng.normal(size=(2, 24)).astype(np.float32)
+    rows, queries = np.repeat(np.arange(7), 2), np.tile(np.arange(2), 7)
+    out = np.empty(14, np.float64)
+    pair_scores(codes, scales, offsets, y, rows, queries, out)
+    np.testing.assert_allclose(
+        out, np.einsum("pk,pk->p", decoded[rows].astype(np.float64), y[queries]), rtol=1e-6, atol=1e-9
+    )
     assert tier.width == {"int8": 24, "int4": 3 + 8 + 2, "fp16": 24}[code]
     assert tier.bytes_per_example == {"int8": 24 + 6, "int4": 13 + 6, "fp16": 48}[code]
 

@@ -428,9 +428,11 @@ def _tier_reference(index, targets, normalize="none"):
     from eogp_index.store.codecs import list_column_to_numpy
 
     tier = index.stored.tier
-    table = index.store.read(["id", "tier", "tier_scales"])
-    codes = list_column_to_numpy(table.column("tier"), tier.width, np.int8).astype(np.float64)
-    scales = list_column_to_numpy(table.column("tier_scales"), len(tier.layout.k), np.float16).astype(np.float64)
+    table = index.store.read(["id", "tier"])
+    # Each row's record: the int8 codes' bytes, then each module's FP16 scale (schemas/store.md).
+    records = list_column_to_numpy(table.column("tier"), tier.width + 2 * len(tier.layout.k), np.uint8)
+    codes = records[:, : tier.width].view(np.int8).astype(np.float64)
+    scales = records[:, tier.width :].copy().view("<f2").astype(np.float64)
     x = codes * np.repeat(scales, tier.layout.k, axis=1)
     if normalize == "unit":
         norms = np.linalg.norm(x, axis=1)

@@ -83,7 +83,8 @@ def test_the_tier_holds_rescore_k_coordinates_per_module(indexes, tmp_path):
     }
     assert manifest["bytes_per_example"] == (K // 8 + 2) * len(modules)
     schema = index.stored.store.schema
-    assert str(schema.field("tier").type) == f"fixed_size_list<item: int8>[{WIDE * len(modules)}]"
+    # each row's record: WIDE int8 codes and one FP16 scale per module
+    assert str(schema.field("tier").type) == f"fixed_size_list<item: uint8>[{(WIDE + 2) * len(modules)}]"
     assert str(schema.field("signs").type) == f"fixed_size_list<item: uint8>[{K // 8 * len(modules)}]"
     projection = index.stored.projection
     assert projection.k == (K,) * len(modules) and projection.tier_k == (WIDE,) * len(modules)
@@ -98,7 +99,7 @@ def test_the_stored_signs_are_those_of_the_first_k_tier_coordinates(indexes, tmp
     stored = index.stored
     examples = make_examples(ROWS, seed=11)
     x = index.encoder.project(examples)  # (n, T): the tier's coordinates, unquantized
-    table = stored.store.read(["id", "signs", "tier", "tier_scales"])
+    table = stored.store.read(["id", "signs", *stored.tier.columns])
     order = [table.column("id").to_pylist().index(ex.id) for ex in examples]
     signs = unpack_signs(list_column(table, "signs", stored.layout.nbytes, np.uint8)[order], stored.layout)
     first_k = prefix_columns(x, stored.coordinates, stored.layout)
@@ -135,7 +136,7 @@ def test_rescored_scores_are_the_tier_dotted_with_the_query_coordinates(indexes,
     index = _open(_copy(indexes, variant, tmp_path))
     stored = index.stored
     y = index.query_coordinates(QUERIES).astype(np.float64)  # (2, T)
-    table = stored.store.read(["id", "tier", "tier_scales"])
+    table = stored.store.read(["id", *stored.tier.columns])
     ids = table.column("id").to_pylist()
     tier = stored.tier.decode(stored.tier.from_arrow(table)).astype(np.float64)  # (n, T)
     answers = index.search(QUERIES, many=True).limit(5).rescore(5).to_list()
@@ -232,10 +233,10 @@ def test_a_rescore_k_below_k_is_refused_before_the_curvature_fit(tmp_path):
     assert result.exit_code != 0 and "--rescore none stores no tier" in result.output
 
 
-def test_a_format_3_manifest_without_tier_k_opens_as_before(indexes, tmp_path):
+def test_a_tier_manifest_without_tier_k_opens_as_before(indexes, tmp_path):
     path = _copy(indexes, "plain", tmp_path)
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format_version"] == 3 and "k" not in manifest["tier"]
+    assert manifest["format_version"] == 4 and "k" not in manifest["tier"]
     stored = StoredIndex.open(path)
     assert stored.coordinates.k == stored.layout.k and stored.manifest.tier_k == stored.manifest.k
     y = np.ones((1, stored.layout.num_coords), np.float32)
@@ -388,7 +389,7 @@ def test_block_ingest_writes_the_wide_tier_of_per_batch_ingest(indexes, tmp_path
     wanted = [ex.id for ex in examples]
 
     def rows(index):
-        table = index.stored.store.read(["id", "signs", "scales", "tier", "tier_scales"], f"id IN {tuple(wanted)}")
+        table = index.stored.store.read(["id", "signs", "scales", *index.stored.tier.columns], f"id IN {tuple(wanted)}")
         by_id = {row["id"]: row for row in table.to_pylist()}
         return [by_id[i] for i in wanted]
 
