@@ -159,6 +159,12 @@ _SERIAL_MAX_BYTES = 4 << 20
 # Rows per chunk of scan_top_k (before dividing by the number of queries): bounds the
 # (nq, chunk) float64 intervals held at once to ~64 MiB.
 _TOPK_CHUNK_ELEMS = 1 << 22
+# Each chunk scores exactly the rows that enter the running top k, about k·(1 + ln chunks) per
+# side in all: a large k (a rescoring's N = F·k rows per side) gets _TOPK_CHUNK_ELEMS times
+# ⌊k / _TOPK_CHUNK_K⌋ elements, at most _TOPK_CHUNK_ELEMS_MAX, so that a batch's exact work stays
+# near k per side.
+_TOPK_CHUNK_K = 100
+_TOPK_CHUNK_ELEMS_MAX = 1 << 24
 # Byte-position lookup tables (256 entries per byte) are used while the batch's tables are at most
 # this large; beyond it nibble tables (2 × 16 entries per byte, 8x smaller) stay in cache better.
 _BYTE_LUT_MAX_BYTES = 8 << 20
@@ -301,7 +307,7 @@ def scan_top_k(
 ) -> TopK:
     """The ``k`` most positive and most negative rows per query, with their exact scores.
 
-    The store is walked in chunks (``chunk_rows`` rows, default ``~4M / nq``). Per chunk an 8-bit
+    The store is walked in chunks (``chunk_rows`` rows, default ``~4M / nq``; larger for ``k >= 200``). Per chunk an 8-bit
     pre-scan gives every row an interval that contains its exact score; the rows with the best
     approximations are rescored exactly first, which sets a tight running k-th best; rows whose
     interval still reaches it get a second, ~127x tighter interval from the quantized residual;
@@ -371,7 +377,8 @@ class _TopKScan:
             rows = np.unique(rows)  # (Lance hands row lists over sorted and unique: no sort then)
         nq = y.shape[0]
         if chunk_rows is None:
-            chunk_rows = max(_ROW_BLOCK * 16, _TOPK_CHUNK_ELEMS // nq)
+            elems = min(_TOPK_CHUNK_ELEMS_MAX, _TOPK_CHUNK_ELEMS * max(1, k // _TOPK_CHUNK_K))
+            chunk_rows = max(_ROW_BLOCK * 16, elems // nq)
         chunk_rows = int(chunk_rows)
         if chunk_rows < 1:
             raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
