@@ -23,10 +23,14 @@ or ``~/.cache/eogp-bench/rescore-1m-k2048``; a killed build resumes where it sto
    and int8 tier), as ingest encodes projected gradients. The rest are variants of drawn rows
    (:func:`variants`: each module negated at random and its scale jittered again, done on the
    stored codes), since drawing and encoding each 16 KB row is most of a build's time. ids,
-   shards, positions, content hashes and metadata are unique per row.
+   shards, positions, content hashes and metadata are unique per row;
+3. the table compacted as a default ingest leaves it (:func:`compact`: ``eogp optimize``, fragments
+   of 262,144 rows). A query's tier rows lie in few fragments, as they would in a real index:
+   each fragment a take touches adds to its cost (``docs/benchmarks.md``).
 
-What is timed (``--repeat`` best-of for single queries, one run for a batch; each line the search
-alone: the queries' coordinates are projected once beforehand, since the gradient pass is the
+What is timed (in turns, round after round: the one-bit query, then each factor's; ``--repeat``
+rounds for a single query, ``--batch-repeat`` for a batch, and each line its fastest round, with
+the spread of the rounds' ratios; each line the search alone: the queries' coordinates are projected once beforehand, since the gradient pass is the
 same with and without rescoring and only dilutes the ratio): a batch of ``--batch-queries``
 queries (64) and a single query, on the hot route (``--routes``: the hot copy in memory; the
 stream route reads the whole table per query), ``direction="both"``, ``k=20``: the one-bit query
@@ -37,10 +41,10 @@ projected by the model (``texts``). Each rescored line gives its ratio to the on
 same batch, the rescoring step's share of it (:func:`eogp_index.search.rescore.rescored`, timed
 inside the same run), the distinct tier rows taken per query, and the bytes Lance read from the
 tier per query (``Store.take_reads``) against the bound ``N x bytes per row x 2 sides``. The
-tier rows of a query repeated for best-of lie in the page cache from its first run, and a larger
-factor's rows include a smaller one's. Every line prints the load average beside its figures:
+tier rows of a query's later rounds lie in the page cache from its first, and a larger factor's
+rows include a smaller one's. Every line prints the load average beside its figures:
 the machine may be shared. A cache written before the tier's columns were laid out full-zip
-(``store.table.RANDOM_ACCESS``) is refused::
+(``store.table.RANDOM_ACCESS``), or before its rows were records (index format 4), is refused::
 
     python benchmarks/rescore.py                    # build (once) and time
     python benchmarks/rescore.py --json out.json    # also the figures as JSON
@@ -56,14 +60,14 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List
 
 import numpy as np
 from common import add_json_argument, best_of, prints_json, write_json
 
-from eogp_index.store.codecs import Encoded
-from eogp_index.store.maintenance import after_ingest, maybe_optimize
+from eogp_index.store.maintenance import after_ingest, maybe_optimize, optimize
 from eogp_index.store.stored_index import StoredIndex
 from eogp_index.store.table import FULL_ZIP, RANDOM_ACCESS, RowInfo, build_rows
 
@@ -139,14 +143,15 @@ class RowModel:
         return rng.standard_normal((n, self.layout.num_coords), dtype=np.float32) * self.shape * per_coord
 
 
-def variants(stored: StoredIndex, base: np.ndarray, rng: np.random.Generator, n: int) -> Encoded:
+def variants(stored: StoredIndex, base: np.ndarray, rng: np.random.Generator, n: int) -> Dict[str, np.ndarray]:
     """``n`` rows made from drawn ones (row addresses ``base``: the first :data:`DRAWN_ROWS`
     synthetic rows): each module's coordinates negated at random and scaled by
     ``exp(0.25 · N(0,1))``, done on the stored codes (the module's sign bits inverted, its int8
-    tier codes negated, both scales multiplied): what encoding those coordinates writes."""
+    tier codes negated, both scales multiplied): the table's columns that encoding those
+    coordinates writes."""
     layout = stored.layout
     wanted, inverse = np.unique(base[rng.integers(0, base.size, n)], return_inverse=True)
-    table = stored.store.take_rows(wanted, ["signs", "scales", "tier", "tier_scales"])
+    table = stored.store.take_rows(wanted, [*stored.codec.columns, *stored.tier.columns])
     codes, tier = stored.codec.from_arrow(table), stored.tier.from_arrow(table)
     flip = rng.random((n, layout.num_modules)) < 0.5
     jitter = np.exp(SCALE_JITTER * rng.standard_normal((n, layout.num_modules))).astype(np.float32)
@@ -155,12 +160,9 @@ def variants(stored: StoredIndex, base: np.ndarray, rng: np.random.Generator, n:
         rows = np.flatnonzero(flip[:, u])
         signs[rows, b0 : b0 + nb] ^= np.uint8(0xFF)
         tier_codes[rows, c0 : c0 + k] *= -1
-    return Encoded(
-        signs=signs,
-        scales=(codes.scales[inverse].astype(np.float32) * jitter).astype(np.float16),
-        tier=tier_codes,
-        tier_scales=(tier["tier_scales"][inverse].astype(np.float32) * jitter).astype(np.float16),
-    )
+    one_bit = {"signs": signs, "scales": (codes.scales[inverse].astype(np.float32) * jitter).astype(np.float16)}
+    tier_scales = (tier["tier_scales"][inverse].astype(np.float32) * jitter).astype(np.float16)
+    return {**one_bit, **stored.tier.split({"tier": tier_codes, "tier_scales": tier_scales})}
 
 
 def append_synthetic(index: Path, rows: int, batch: int, progress: bool) -> None:
@@ -188,8 +190,7 @@ def append_synthetic(index: Path, rows: int, batch: int, progress: bool) -> None
         rng = np.random.default_rng([20261128, have // batch])
         if have < DRAWN_ROWS or not varied:
             x = model.draw(n, rng)
-            encoded = stored.codec.encode(x)
-            encoded = Encoded(**encoded.columns(), **stored.tier.encode(x))
+            encoded = {**stored.codec.encode(x).columns(), **stored.tier.split(stored.tier.encode(x))}
         else:
             if base is None:
                 found = store.read(
@@ -223,9 +224,14 @@ def append_synthetic(index: Path, rows: int, batch: int, progress: bool) -> None
 
 
 def check_layout(index: Path) -> None:
-    """A cache written before the tier's columns were laid out full-zip (``store.table.RANDOM_ACCESS``)
-    would time the older layout: it is refused."""
+    """A cache written before the tier's columns were laid out full-zip (``store.table.RANDOM_ACCESS``),
+    or before an int8 tier's codes and scales were one record per row (format 4), would time an
+    older layout: it is refused."""
     stored = StoredIndex.open(index)
+    if not stored.manifest.tier_records:
+        raise SystemExit(
+            f"{index}: index format {stored.manifest.format_version}, before the tier's records (4); remove {index.parent} and rerun"
+        )
     want = {k.encode(): v.encode() for k, v in FULL_ZIP.items()}
     for name in (n for n in RANDOM_ACCESS if n in stored.store.schema.names):
         if not (stored.store.schema.field(name).metadata or {}).items() >= want.items():
@@ -238,8 +244,19 @@ def build(args) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     fit_and_ingest(index, args.k_per_module, args.variant)
     append_synthetic(index, args.rows, args.batch, not prints_json(args))
+    compact(index)
     check_layout(index)
     return index
+
+
+def compact(index: Path) -> None:
+    """Step 3: the table compacted as a default ingest leaves it (``eogp optimize``: fragments of
+    ``DEFAULT_TARGET_ROWS`` rows; a default ingest's 256-row commits are compacted so as they pile
+    up), old versions removed at once; skipped when done (``compacted`` mark)."""
+    if (index.parent / "compacted").exists():
+        return
+    optimize(StoredIndex.open(index), retention=timedelta(0))
+    (index.parent / "compacted").touch()
 
 
 class Counter:
@@ -328,7 +345,7 @@ def time_queries(index_path: Path, args) -> Dict[str, Any]:
             stored.hot_codes()  # loaded before timing, as a server holds it
         for name, y in query_sets.items():
             for label, rows in (("single", y[:1]), ("batch", y)):
-                repeat = args.repeat if label == "single" else 1
+                repeat = args.repeat if label == "single" else args.batch_repeat
                 res["lines"] += _time_line(run, route, name, label, rows, counter, tier_bytes, repeat, args, lines)
     res["text"] = list(lines)
     return res
@@ -348,32 +365,33 @@ class Lines(list):
 
 
 def _time_line(run, route, name, label, rows, counter, tier_bytes, repeat, args, lines) -> List[Dict[str, Any]]:
-    """The one-bit query and each rescored one of a route, query set and batch, side by side."""
+    """The one-bit query and each rescored one of a route, query set and batch, side by side.
+
+    The lines are timed in turns, ``repeat`` rounds of the one-bit query then each factor's, and
+    each keeps its fastest round: a slow spell of a shared machine falls on every line alike
+    rather than on the lines that ran in it."""
     sides = 2  # direction "both"
     load = os.getloadavg()[0]
     run(route, rows[:1], 0)  # the kernels compiled and loaded before timing
-    base = best_of(lambda: run(route, rows, 0), repeat)
-    head = f"{route:6} {name:5} {label:6} ({len(rows):2} q)"
-    out = [{"route": route, "query_set": name, "queries": label, "nq": len(rows), "factor": 0, "seconds": base.seconds,
-            "cpu_seconds": base.cpu_seconds, "load_average": load}]  # fmt: skip
-    lines.append(
-        f"{head}  one-bit     {base.seconds * 1e3:8.1f} ms (cpu {base.cpu_seconds * 1e3:8.1f} ms, load {load:5.2f})"
-    )
-    for factor in args.factors:
-        steps = []
-
-        def once():
+    timed: Dict[int, List[tuple]] = {factor: [] for factor in (0, *args.factors)}
+    for _ in range(max(1, int(repeat))):
+        for factor in timed:
             counter.reset()
-            value = run(route, rows, factor)
+            best = best_of(lambda: run(route, rows, factor), 1)
             _, read = counter.store.take_reads()
-            steps.append((counter.step_seconds, counter.rows, read))
-            return value
-
-        t = best_of(once, repeat)
-        step, taken, read = min(steps)  # the fastest rescoring step, its rows and bytes
+            timed[factor].append((best.seconds, best.cpu_seconds, counter.step_seconds, counter.rows, read))
+    base_seconds, base_cpu, *_ = min(timed[0])
+    head = f"{route:6} {name:5} {label:6} ({len(rows):2} q)"
+    out = [{"route": route, "query_set": name, "queries": label, "nq": len(rows), "factor": 0, "seconds": base_seconds,
+            "cpu_seconds": base_cpu, "load_average": load, "rounds": len(timed[0])}]  # fmt: skip
+    lines.append(f"{head}  one-bit     {base_seconds * 1e3:8.1f} ms (cpu {base_cpu * 1e3:8.1f} ms, load {load:5.2f})")
+    for factor in args.factors:
+        seconds, cpu, step, taken, read = min(timed[factor])  # the fastest round, its step, rows and bytes
         per_query_rows = taken / len(rows)
         bound = factor * args.k * tier_bytes * sides
-        ratio = t.seconds / base.seconds
+        ratio = seconds / base_seconds
+        # the rounds' ratios to the one-bit round before them: how far one round can stray
+        rounds = sorted(t[0] / b[0] for t, b in zip(timed[factor], timed[0]))
         per_query_read = read / len(rows)
         item = {
             "route": route,
@@ -381,11 +399,12 @@ def _time_line(run, route, name, label, rows, counter, tier_bytes, repeat, args,
             "queries": label,
             "nq": len(rows),
             "factor": factor,
-            "seconds": t.seconds,
-            "cpu_seconds": t.cpu_seconds,
+            "seconds": seconds,
+            "cpu_seconds": cpu,
             "rescoring_step_seconds": step,
-            "one_bit_seconds": base.seconds,
+            "one_bit_seconds": base_seconds,
             "ratio": ratio,
+            "round_ratios": rounds,
             "time_target_met": ratio <= TARGET_RATIO,
             "tier_rows_per_query": per_query_rows,
             "tier_bytes_read_per_query": per_query_read,
@@ -395,10 +414,10 @@ def _time_line(run, route, name, label, rows, counter, tier_bytes, repeat, args,
         }
         out.append(item)
         lines.append(
-            f"{head}  rescored {factor:3d}x {t.seconds * 1e3:7.1f} ms (cpu {t.cpu_seconds * 1e3:8.1f} ms, load "
-            f"{item['load_average']:5.2f})  {ratio:.3f} x [{'ok' if ratio <= TARGET_RATIO else 'MISSED'}]  "
-            f"step {step * 1e3:7.1f} ms; tier {per_query_rows:5.0f} rows, read {per_query_read / 1e6:7.3f} MB/q "
-            f"<= {bound / 1e6:7.3f} MB [{'ok' if per_query_read <= bound else 'MISSED'}]"
+            f"{head}  rescored {factor:3d}x {seconds * 1e3:7.1f} ms (cpu {cpu * 1e3:8.1f} ms, load "
+            f"{item['load_average']:5.2f})  {ratio:.3f} x [{'ok' if ratio <= TARGET_RATIO else 'MISSED'}] "
+            f"(rounds {rounds[0]:.2f}-{rounds[-1]:.2f})  step {step * 1e3:7.1f} ms; tier {per_query_rows:5.0f} rows, "
+            f"read {per_query_read / 1e6:7.3f} MB/q <= {bound / 1e6:7.3f} MB [{'ok' if per_query_read <= bound else 'MISSED'}]"
         )
     return out
 
@@ -423,7 +442,10 @@ def main(argv=None) -> Dict[str, Any]:
         help="the fit's --variant (eogp-r: no PCA; 512 documents span 512 of the 2048 PCA directions per module, "
         "and the synthetic rows time the same under any variant)",
     )
-    parser.add_argument("--repeat", type=int, default=3, help="best of this many runs per single-query line")
+    parser.add_argument(
+        "--repeat", type=int, default=7, help="rounds of the single-query lines (each line its fastest)"
+    )
+    parser.add_argument("--batch-repeat", type=int, default=2, help="rounds of the batch lines (each line its fastest)")
     parser.add_argument("--build-only", action="store_true", help="build (or finish) the index and stop")
     add_json_argument(parser)
     args = parser.parse_args(argv)
