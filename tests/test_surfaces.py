@@ -238,6 +238,11 @@ def filter_inputs() -> List[Input]:
     return inputs
 
 
+def _option_input(name: str, value: Any, refused: Optional[bool]) -> Input:
+    """The base query with option ``name`` set to ``value``; a refusal names ``name``."""
+    return Input(f"{name} = {value!r}", "query", BASE_QUERY, ((name, value),), refused, name, kind="text")
+
+
 def option_inputs() -> List[Input]:
     """Each option that takes a number or a name: zero, negative, beyond int64, and its value
     spelled as another JSON type (refused unless that type is one of the option's: ``"top": 5``);
@@ -253,7 +258,7 @@ def option_inputs() -> List[Input]:
             # a value in its types but spelled otherwise is answered as written the usual way
             refused = not isinstance(edge, types) or edge in ("nosuch", -1) or SURROGATE in str(edge)
             refused = refused or (None if edge != other else False)
-            inputs.append(Input(f"{name} = {edge!r}", "query", BASE_QUERY, ((name, edge),), refused, name, kind="text"))
+            inputs.append(_option_input(name, edge, refused))
     return inputs
 
 
@@ -264,15 +269,11 @@ def rescore_inputs() -> List[Input]:
     answer, another name or type is refused."""
     default = OPTIONS["rescore"][1]
     values = [(0, False), (1, False), (10**6, False), (-1, True), ("5", True), (1.5, True), (2**63, True), (True, True)]
-    inputs = [
-        Input(f"rescore = {value!r}", "query", BASE_QUERY, (("rescore", value),), refused, "rescore", kind="text")
-        for value, refused in values
-    ]
+    inputs = [_option_input("rescore", value, refused) for value, refused in values]
     label = f"rescore = {default!r} (the default)"
     inputs.append(Input(label, "query", BASE_QUERY, (("rescore", default),), False, kind="text"))
     for value, refused in (("1bit", False), ("rescore", False), ("2bit", True), (1, True), (None, True)):
-        label = f"precision = {value!r}"
-        inputs.append(Input(label, "query", BASE_QUERY, (("precision", value),), refused, "precision", kind="text"))
+        inputs.append(_option_input("precision", value, refused))
     return inputs
 
 
@@ -280,18 +281,7 @@ def allow_partial_inputs() -> List[Input]:
     """Whether a sharded server may answer without a missing shard: either boolean answers (one
     process holds every row and ignores it); any other JSON type is refused, naming the field."""
     values = [(True, False), (False, False), ("true", True), (1, True), (None, True)]
-    return [
-        Input(
-            f"allow_partial = {v!r}",
-            "query",
-            BASE_QUERY,
-            (("allow_partial", v),),
-            refused,
-            "allow_partial",
-            kind="text",
-        )
-        for v, refused in values
-    ]
+    return [_option_input("allow_partial", v, refused) for v, refused in values]
 
 
 def checkpoint_weights_inputs() -> List[Input]:
@@ -299,18 +289,7 @@ def checkpoint_weights_inputs() -> List[Input]:
     two, a name, a boolean, or a number not in a list are refused, naming the field."""
     values = [([1.0], False), ([2], False), ([0.5], False), ([], True), ([1.0, 1.0], True), (["x"], True)]
     values += [([True], True), (1.0, True), ("1", True)]
-    return [
-        Input(
-            f"checkpoint_weights = {v!r}",
-            "query",
-            BASE_QUERY,
-            (("checkpoint_weights", v),),
-            refused,
-            "checkpoint_weights",
-            kind="text",
-        )
-        for v, refused in values
-    ]
+    return [_option_input("checkpoint_weights", v, refused) for v, refused in values]
 
 
 def record_inputs() -> List[Input]:
