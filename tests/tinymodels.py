@@ -191,11 +191,11 @@ def kronfluence_scores(
         _unwrap_tracked_modules(index.model)
 
 
-def tiny_index(path, examples, commits, *, curvature_examples: int = 16, **projection):
+def tiny_index(path, examples, commits, *, curvature_examples: int = 16, store_text=None, **projection):
     """The tiny GPT-2's index of ``examples`` (:class:`TinyTokenizer` ids), fitted on all of them
     (``k = 16``, ``m = 64``, EOGP and an int8 tier unless ``projection`` says otherwise: any of
     ``variant``, ``k``, ``rescore``, ``rescore_k``), then ingested in one commit (one fragment)
-    per slice ``examples[commits[i]:commits[i + 1]]``."""
+    per slice ``examples[commits[i]:commits[i + 1]]`` (``store_text``: as ``add_batch`` takes it)."""
     from eogp_index.client import AttributionIndex
     from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
 
@@ -214,7 +214,7 @@ def tiny_index(path, examples, commits, *, curvature_examples: int = 16, **proje
     )
     ends = [*commits[1:], len(examples)]
     for start, end in zip(commits, ends):
-        index.add_batch(examples[start:end])
+        index.add_batch(examples[start:end], store_text=store_text)
     return index
 
 

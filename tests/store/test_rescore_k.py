@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, save_workspace
+from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, save_workspace, tiny_index
 
 from eogp_index.cli import cli
 from eogp_index.client import AttributionIndex
@@ -30,20 +30,8 @@ K, WIDE = 16, 32
 
 def _create(path, variant="eogp", rescore_k=None, rescore="int8", examples=None):
     examples = examples if examples is not None else make_examples(ROWS, seed=11)
-    index = AttributionIndex.create(
-        path,
-        make_tiny_gpt2(),
-        TinyTokenizer(),
-        examples,
-        model_name="tiny",
-        projection=ProjectionConfig(variant=variant, k=K, m=64),
-        storage=StorageConfig(rescore=rescore, rescore_k=rescore_k),
-        curvature=CurvatureConfig(num_examples=ROWS, batch_size=8),
-        gradients=GradientConfig(batch_size=8),
-        progress=False,
-    )
-    for start in range(0, ROWS, 20):
-        index.add_batch(examples[start : start + 20], store_text=4096)
+    tiny_index(path, examples, list(range(0, ROWS, 20)), curvature_examples=ROWS, store_text=4096,
+               variant=variant, k=K, rescore=rescore, rescore_k=rescore_k)  # fmt: skip
     return path
 
 
