@@ -101,15 +101,19 @@ def make_word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", pad_token="t0", eos_token="t0")
 
 
-def save_workspace(root: Path, model, documents: int) -> Path:
+def save_workspace(root: Path, model, documents: int, *, stride: int = 7, numbered: bool = False) -> Path:
     """``root/model`` (``model`` and :func:`make_word_tokenizer`, saved) and ``root/shard.jsonl``
-    of ``documents`` word documents ``{"id": "d<i>", "text": "t.. t.."}``; returns ``root``."""
+    of ``documents`` word documents ``{"id": "d<i>", "text": "t.. t.."}`` (document ``i``'s words
+    start at ``t<i · stride + 1>``; ``numbered``: with ``"n": i``); returns ``root``."""
     import json
 
     model.save_pretrained(root / "model")
     make_word_tokenizer().save_pretrained(root / "model")
     lines = [
-        json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 7 + j) % 63 + 1}" for j in range(6 + i % 9))})
+        json.dumps(
+            {"id": f"d{i}", "text": " ".join(f"t{(i * stride + j) % 63 + 1}" for j in range(6 + i % 9))}
+            | ({"n": i} if numbered else {})
+        )
         for i in range(documents)
     ]
     (root / "shard.jsonl").write_text("\n".join(lines) + "\n")

@@ -12,7 +12,7 @@ import pyarrow.fs as pafs
 import pytest
 from azurite import azurite_server, blob_filesystem
 from click.testing import CliRunner
-from tinymodels import make_tiny_gpt2, make_word_tokenizer
+from tinymodels import make_tiny_gpt2, save_workspace
 
 from eogp_index.cli import cli
 from eogp_index.data import location
@@ -42,13 +42,7 @@ def both(tmp_path_factory):
     with the same records. Yields the work folder and the two locations."""
     root = tmp_path_factory.mktemp("azure")
     with azurite_server(CONTAINER, root) as endpoint:
-        make_tiny_gpt2().save_pretrained(root / "model")
-        make_word_tokenizer().save_pretrained(root / "model")
-        lines = [
-            json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 5 + j) % 63 + 1}" for j in range(6 + i % 9)), "n": i})
-            for i in range(DOCUMENTS)
-        ]
-        (root / "shard.jsonl").write_text("\n".join(lines) + "\n")
+        save_workspace(root, make_tiny_gpt2(), DOCUMENTS, stride=5, numbered=True)
         url = f"az://{CONTAINER}/idx"
         fit = ["-k", "16", "--curvature-examples", str(DOCUMENTS), "--pca-examples", str(DOCUMENTS)]
         _ok("fit", root / "model", "--data", root / "shard.jsonl", "--out", url, *fit, "--max-tokens", "24")

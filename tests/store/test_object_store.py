@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import pytest
 from click.testing import CliRunner
 from s3server import s3_server
-from tinymodels import make_tiny_gpt2, make_word_tokenizer
+from tinymodels import make_tiny_gpt2, save_workspace
 
 from eogp_index.cli import cli
 from eogp_index.data import location
@@ -81,13 +81,7 @@ def both(s3, tmp_path_factory):
     ingested in one run; the S3 index ingested by a run stopped midway (its lock left behind, as
     a killed run leaves it) and a rerun."""
     root = tmp_path_factory.mktemp("objectstore")
-    make_tiny_gpt2().save_pretrained(root / "model")
-    make_word_tokenizer().save_pretrained(root / "model")
-    lines = [
-        json.dumps({"id": f"d{i}", "text": " ".join(f"t{(i * 5 + j) % 63 + 1}" for j in range(6 + i % 9)), "n": i})
-        for i in range(DOCUMENTS)
-    ]
-    (root / "shard.jsonl").write_text("\n".join(lines) + "\n")
+    save_workspace(root, make_tiny_gpt2(), DOCUMENTS, stride=5, numbered=True)
     url = f"s3://{BUCKET}/idx"
     fit = ["-k", "16", "--curvature-examples", str(DOCUMENTS), "--pca-examples", str(DOCUMENTS), "--max-tokens", "24"]
     _ok("fit", root / "model", "--data", root / "shard.jsonl", "--out", url, *fit)
