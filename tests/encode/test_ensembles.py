@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from tinymodels import make_tiny_gpt2, make_tiny_llama, make_word_tokenizer, save_workspace
-from torchrun import torchrun_eogp
+from torchrun import run_torchrun_eogp
 
 from eogp_index.cli import cli
 from eogp_index.errors import ConfigError, IncompatibleIndexError
@@ -306,15 +306,7 @@ def test_an_ensemble_fitted_by_two_torchrun_workers_equals_a_one_process_fit(tmp
             "--curvature-examples", "16", "--pca-examples", "24", "--batch-size", "4", "--device", "cpu"]  # fmt: skip
     args = [str(a) for a in args]
     # torchrun gives each worker one thread; the reference gets one too (the same float operations)
-    two = subprocess.run(
-        torchrun_eogp(*args, "--out", str(tmp_path / "two")),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert two.returncode == 0, two.stderr[-4000:]
+    two = run_torchrun_eogp(*args, "--out", str(tmp_path / "two"), env={**os.environ, "OMP_NUM_THREADS": "1"})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

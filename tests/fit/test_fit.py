@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2, make_word_tokenizer
-from torchrun import torchrun_eogp
+from torchrun import run_torchrun_eogp
 
 from eogp_index.cli import cli
 from eogp_index.client import AttributionIndex
@@ -301,16 +301,7 @@ def test_two_process_fit_splits_the_work_and_equals_a_one_process_fit(tmp_path):
     ]
     # torchrun gives each worker one thread; the reference gets one too, so that both run the
     # same float operations (the batches are computed identically whichever rank has them).
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    two = subprocess.run(
-        torchrun_eogp(*args, "--out", str(tmp_path / "two")),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert two.returncode == 0, two.stderr[-4000:]
+    two = run_torchrun_eogp(*args, "--out", str(tmp_path / "two"), env={**os.environ, "OMP_NUM_THREADS": "1"})
     # The one-process fit runs the same CLI in this process (no second start-up), on one thread.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

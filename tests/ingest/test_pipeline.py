@@ -725,26 +725,13 @@ def test_two_process_ingest_equals_one_process_ingest(mode, fitted, tmp_path, to
             write_lines(data / f"part-{k}.jsonl", rows)
     distributed = Path(shutil.copytree(fitted.index, tmp_path / "distributed"))
     single = Path(shutil.copytree(fitted.index, tmp_path / "single"))
-    from torchrun import torchrun_eogp  # here: the kill tests' child processes import this module without tests/
+    from torchrun import run_torchrun_eogp  # here: the kill tests' child processes import this module without tests/
 
-    command = torchrun_eogp(
-        "ingest",
-        str(distributed),
-        str(data / "*"),
-        "--metadata",
-        "source",
-        "--metadata",
-        "license",
-        "--batch-size",
-        str(GRADIENT_BATCH),
-        "--device",
-        "cpu",
-        "--json",
-    )
+    args = ["ingest", str(distributed), str(data / "*"), "--metadata", "source", "--metadata", "license",
+            "--batch-size", str(GRADIENT_BATCH), "--device", "cpu", "--json"]  # fmt: skip
     if mode == "block":
-        command += ["--projection-memory-gb", str(NO_P_IN_MEMORY), "--block-documents", str(2 * GRADIENT_BATCH)]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+        args += ["--projection-memory-gb", str(NO_P_IN_MEMORY), "--block-documents", str(2 * GRADIENT_BATCH)]
+    result = run_torchrun_eogp(*args)
     reported = json.loads(result.stdout[result.stdout.index("{") :])
     assert reported["stored"] == 32 and reported["workers"] == 2
 
@@ -776,8 +763,7 @@ def test_two_process_ingest_equals_one_process_ingest(mode, fitted, tmp_path, to
         return  # the rerun below is the same in both modes
 
     # Running the job again stores nothing new.
-    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-4000:]
+    again = run_torchrun_eogp(*args)
     rerun = json.loads(again.stdout[again.stdout.index("{") :])
     assert (rerun["stored"], rerun["skipped_existing"]) == (0, 32)
     assert open_index_store(distributed).count() == 32

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 from tinymodels import TinyTokenizer, make_examples, make_tiny_gpt2
-from torchrun import torchrun_eogp
+from torchrun import run_torchrun_eogp
 
 from eogp_index.client import AttributionIndex
 from eogp_index.config import CurvatureConfig, GradientConfig, ProjectionConfig, StorageConfig
@@ -339,7 +339,6 @@ def test_group_by_counts_the_rescored_hits_as_the_top_rows(tiered):
 @pytest.mark.distributed
 def test_two_torchrun_workers_give_the_hot_routes_rescored_answer(tiered):
     import os
-    import subprocess
 
     # The workers measure the query on the CPU; so does the reference (on a GPU machine the
     # fixture's index would measure it on the GPU, in another float order).
@@ -360,14 +359,9 @@ def test_two_torchrun_workers_give_the_hot_routes_rescored_answer(tiered):
     queries = tiered.path / "queries.jsonl"
     queries.write_text(json.dumps({"input_ids": QUERY}) + "\n")
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        torchrun_eogp("query", str(tiered.path), "--queries", str(queries), "-k", "4", "--direction", "both",
-                      "--device", "cpu", "--json"),  # fmt: skip
-        capture_output=True,
-        text=True,
+    out = run_torchrun_eogp(
+        "query", str(tiered.path), "--queries", str(queries), "-k", "4", "--direction", "both", "--device", "cpu", "--json",
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])),
-        timeout=300,
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout[out.stdout.index("[") :])[0]["results"]
     _same_hits([(r["direction"], r["id"], r["score"], r["score_1bit"]) for r in result], expected)

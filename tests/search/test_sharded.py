@@ -2,11 +2,10 @@
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
-from torchrun import torchrun_eogp
+from torchrun import run_torchrun_eogp
 
 QUERY = [3, 1, 4, 1, 5, 9, 2, 6, 5]
 
@@ -64,26 +63,10 @@ def test_two_torchrun_workers_merge_to_the_exact_top_k(fitted_index):
     manifest_path.write_text(json.dumps(manifest))
     queries = fitted_index.path / "queries.jsonl"
     queries.write_text(json.dumps({"input_ids": QUERY}) + "\n")
-    out = subprocess.run(
-        torchrun_eogp(
-            "query",
-            str(fitted_index.path),
-            "--queries",
-            str(queries),
-            "-k",
-            "6",
-            "--direction",
-            "both",
-            "--device",
-            "cpu",
-            "--json",
-        ),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_torchrun_eogp(
+        "query", str(fitted_index.path), "--queries", str(queries), "-k", "6", "--direction", "both", "--device", "cpu",
+        "--json", env=env,
+    )  # fmt: skip
     result = json.loads(out.stdout[out.stdout.index("[") :])[0]
     got = [r["id"] for r in result["results"]]
     assert got == expected.column("id").to_pylist()
