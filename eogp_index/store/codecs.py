@@ -124,16 +124,13 @@ class Encoded:
     """A batch of stored representations, named as their table columns.
 
     ``signs`` ``(n, nbytes)`` uint8 and ``scales`` ``(n, U)`` float16 (float32 once read back for
-    scanning) in 1-bit mode; ``coords`` ``(n, K)`` float16/float32 otherwise. With a rescoring
-    tier (:class:`TierCodec`), written beside them: ``tier`` ``(n, w)`` (int8, packed int4 as
-    uint8, or float16) and, for int8/int4, ``tier_scales`` ``(n, U)`` float16.
+    scanning) in 1-bit mode; ``coords`` ``(n, K)`` float16/float32 otherwise. A rescoring tier's
+    columns are :class:`TierCodec`'s (:meth:`TierCodec.split`).
     """
 
     signs: Optional[np.ndarray] = None
     scales: Optional[np.ndarray] = None
     coords: Optional[np.ndarray] = None
-    tier: Optional[np.ndarray] = None
-    tier_scales: Optional[np.ndarray] = None
 
     def columns(self) -> Dict[str, np.ndarray]:
         """``{column name: (n, w) array}`` of the columns this batch has, in schema order."""
